@@ -1,0 +1,123 @@
+"""KV cache: the keys and values of tokens already seen, kept for incremental decoding.
+
+When a decoder generates token t+1, the keys and values of tokens 0..t do not change
+(CS189 Lec 22 / Discussion 11: "the KV cache caches exactly K and V"), so each step only
+projects the new token and attends over the stored ones: O(T) work per token, not O(T²).
+
+Shapes: L layers, B batch, K key/value heads (GQA stores K, not H), S_max = max_seq_len,
+D head dim. Buffers are allocated once, (L, B, K, S_max, D), so decoding never reallocates.
+
+The cache is explicit inference state, owned by the decoding loop: attention layers write
+their new keys/values at the current position, and the loop calls :meth:`KVCache.advance`
+once every layer has run (never a layer advancing shared state behind the caller's back).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+
+class KVCache:
+    """Preallocated keys and values for every layer of a decoder.
+
+    Args:
+        n_layers: number of attention layers that share this cache (L).
+        batch_size: B. n_kv_heads: K. max_seq_len: S_max. head_dim: D.
+        v_head_dim: value head dim if it differs from D.
+    """
+
+    def __init__(
+        self,
+        n_layers: int,
+        batch_size: int,
+        n_kv_heads: int,
+        max_seq_len: int,
+        head_dim: int,
+        *,
+        v_head_dim: int | None = None,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str | None = None,
+    ) -> None:
+        for name, val in (
+            ("n_layers", n_layers),
+            ("batch_size", batch_size),
+            ("n_kv_heads", n_kv_heads),
+            ("max_seq_len", max_seq_len),
+            ("head_dim", head_dim),
+        ):
+            if val < 1:
+                raise ValueError(f"KVCache: {name} must be >= 1, got {val}")
+        dv = head_dim if v_head_dim is None else v_head_dim
+        self.k = torch.zeros(n_layers, batch_size, n_kv_heads, max_seq_len, head_dim, dtype=dtype,
+                             device=device)
+        self.v = torch.zeros(n_layers, batch_size, n_kv_heads, max_seq_len, dv, dtype=dtype,
+                             device=device)
+        self.pos = 0  # tokens stored so far (the same for every layer once a step is done)
+
+    @property
+    def max_seq_len(self) -> int:
+        return self.k.shape[3]
+
+    @property
+    def n_layers(self) -> int:
+        return self.k.shape[0]
+
+    def layer(self, index: int) -> LayerKVCache:
+        """The view of this cache that attention layer ``index`` reads and writes."""
+        if not 0 <= index < self.n_layers:
+            raise ValueError(f"KVCache: layer index {index} out of range [0, {self.n_layers})")
+        return LayerKVCache(self, index)
+
+    def advance(self, n: int) -> None:
+        """Record that ``n`` more tokens are stored in every layer (call after each step)."""
+        if self.pos + n > self.max_seq_len:
+            raise ValueError(
+                f"KVCache overflow: position {self.pos} + {n} new tokens > "
+                f"max_seq_len {self.max_seq_len}; allocate a larger cache"
+            )
+        self.pos += n
+
+    def reset(self) -> None:
+        """Forget every stored token (the buffers are reused, not freed)."""
+        self.pos = 0
+
+
+class LayerKVCache:
+    """One layer's slice of a :class:`KVCache`; what ``MultiHeadAttention`` receives."""
+
+    def __init__(self, cache: KVCache, index: int) -> None:
+        self.cache = cache
+        self.index = index
+
+    @property
+    def pos(self) -> int:
+        """Absolute position of the first new token (= number of tokens already stored)."""
+        return self.cache.pos
+
+    def update(self, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+        """Store new keys/values (B, K, T, D) at ``pos`` and return all of them so far.
+
+        Returns:
+            (B, K, pos + T, D) keys and values: views into the preallocated buffers.
+        """
+        c, i, pos = self.cache, self.index, self.cache.pos
+        _, B, K, S_max, D = c.k.shape
+        T = k.shape[2]
+        if k.ndim != 4 or k.shape[0] != B or k.shape[1] != K or k.shape[3] != D:
+            raise ValueError(
+                f"KVCache: new keys have shape {tuple(k.shape)}, expected (B={B}, K={K}, T, D={D})"
+            )
+        if v.shape[:3] != k.shape[:3] or v.shape[3] != c.v.shape[-1]:
+            raise ValueError(
+                f"KVCache: new values have shape {tuple(v.shape)}, expected "
+                f"({B}, {K}, {T}, {c.v.shape[-1]})"
+            )
+        if pos + T > S_max:
+            raise ValueError(
+                f"KVCache overflow: position {pos} + {T} new tokens > max_seq_len {S_max}; "
+                "allocate a larger cache or shorten the sequence"
+            )
+        c.k[i, :, :, pos : pos + T] = k
+        c.v[i, :, :, pos : pos + T] = v
+        return c.k[i, :, :, : pos + T], c.v[i, :, :, : pos + T]

@@ -1,0 +1,146 @@
+"""Multi-head attention: self and cross, MHA / GQA / MQA, one module.
+
+Each head is its own (W_Q, W_K, W_V) soft lookup; the heads' outputs are concatenated and
+mixed by W_O (CS189 Lec 22 "multi-head attention"; Vaswani et al. 2017 §3.2.2). With fewer
+key/value heads than query heads, each K/V head serves a group of query heads: GQA (Ainslie
+et al. 2023); with a single K/V head, MQA (Shazeer 2019). Fewer K/V heads = a smaller KV cache.
+
+Shapes: B batch, T query length, S key length, H query heads, K key/value heads,
+Dh head dim, dim model width (query side), kv_dim width of the cross-attention context.
+"""
+
+from __future__ import annotations
+
+from torch import Tensor, nn
+
+from qkv.attention.functional import BACKENDS, AttentionOutput, Backend, attention
+from qkv.attention.kv_cache import LayerKVCache
+from qkv.attention.positional import RotaryEmbedding
+
+
+class MultiHeadAttention(nn.Module):
+    """Projections around :func:`qkv.attention.functional.attention`.
+
+    Args:
+        dim: model width of the queries (and of the output).
+        n_heads: H, query heads. n_kv_heads: K (default H); must divide H. 1 = MQA.
+        head_dim: Dh (default dim // n_heads).
+        cross: cross-attention: queries from ``x``, keys/values from ``context``.
+        kv_dim: width of ``context`` (default dim); only with ``cross``.
+        bias: biases on the projections. dropout: on the attention weights, in training.
+        backend: default backend, overridable per call.
+
+    Self-attention uses one fused projection ``qkv`` (one matmul instead of three); cross
+    uses ``q_proj`` and a fused ``kv_proj``. The output projection is ``out_proj``.
+    """
+
+    def __init__(
+        self,
+        dim: int,
+        n_heads: int,
+        n_kv_heads: int | None = None,
+        *,
+        head_dim: int | None = None,
+        cross: bool = False,
+        kv_dim: int | None = None,
+        bias: bool = True,
+        dropout: float = 0.0,
+        backend: Backend = "sdpa",
+    ) -> None:
+        super().__init__()
+        n_kv_heads = n_heads if n_kv_heads is None else n_kv_heads
+        if n_heads < 1 or n_kv_heads < 1:
+            raise ValueError(f"n_heads ({n_heads}) and n_kv_heads ({n_kv_heads}) must be >= 1")
+        if n_heads % n_kv_heads:
+            raise ValueError(
+                f"n_heads ({n_heads}) must be a multiple of n_kv_heads ({n_kv_heads})"
+            )
+        if head_dim is None and dim % n_heads:
+            raise ValueError(f"dim ({dim}) must be divisible by n_heads ({n_heads}), "
+                             "or pass head_dim explicitly")
+        if backend not in BACKENDS:
+            raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+        if not 0.0 <= dropout < 1.0:
+            raise ValueError(f"dropout must be in [0, 1), got {dropout}")
+        if kv_dim is not None and not cross:
+            raise ValueError("kv_dim is only meaningful with cross=True")
+        self.n_heads, self.n_kv_heads = n_heads, n_kv_heads
+        self.head_dim = dim // n_heads if head_dim is None else head_dim
+        self.cross, self.dropout, self.backend = cross, dropout, backend
+        q_width, kv_width = n_heads * self.head_dim, n_kv_heads * self.head_dim
+        if cross:
+            self.q_proj = nn.Linear(dim, q_width, bias=bias)
+            self.kv_proj = nn.Linear(dim if kv_dim is None else kv_dim, 2 * kv_width, bias=bias)
+        else:
+            self.qkv = nn.Linear(dim, q_width + 2 * kv_width, bias=bias)
+        self.out_proj = nn.Linear(q_width, dim, bias=bias)
+
+    def _project(self, x: Tensor, context: Tensor | None) -> tuple[Tensor, Tensor, Tensor]:
+        """(B, T, dim) [, (B, S, kv_dim)] -> q (B, H, T, Dh), k and v (B, K, S, Dh)."""
+        B, T, _ = x.shape
+        H, K, Dh = self.n_heads, self.n_kv_heads, self.head_dim
+        if self.cross:
+            if context is None:
+                raise ValueError("cross-attention needs context= (B, S, kv_dim)")
+            q = self.q_proj(x)
+            k, v = self.kv_proj(context).split([K * Dh, K * Dh], dim=-1)
+        else:
+            if context is not None:
+                raise ValueError("self-attention takes no context; build with cross=True")
+            q, k, v = self.qkv(x).split([H * Dh, K * Dh, K * Dh], dim=-1)
+        S = k.shape[1]
+        q = q.view(B, T, H, Dh).transpose(1, 2)  # (B, H, T, Dh)
+        k = k.view(B, S, K, Dh).transpose(1, 2)  # (B, K, S, Dh)
+        v = v.view(B, S, K, Dh).transpose(1, 2)  # (B, K, S, Dh)
+        return q, k, v
+
+    def forward(
+        self,
+        x: Tensor,
+        context: Tensor | None = None,
+        *,
+        mask: Tensor | None = None,
+        is_causal: bool = False,
+        bias: Tensor | None = None,
+        rope: RotaryEmbedding | None = None,
+        cache: LayerKVCache | None = None,
+        backend: Backend | None = None,
+        return_weights: bool = False,
+    ) -> AttentionOutput:
+        """Attend from ``x`` to itself (or to ``context``).
+
+        Args:
+            x: (B, T, dim). context: (B, S, kv_dim) for cross-attention.
+            mask: bool, broadcastable to (B, H, T, S), True = may attend. With a cache,
+                S counts the cached tokens too.
+            is_causal: forbid attending to later positions.
+            bias: additive scores broadcastable to (B, H, T, S) (e.g. ALiBi).
+            rope: rotate q and k by their absolute positions (cache.pos onwards).
+            cache: this layer's KV cache; new keys/values are stored at ``cache.pos`` and
+                attention runs over everything stored. The caller advances the cache.
+            backend: override the module's backend for this call.
+            return_weights: also return (B, H, T, S) weights (needs backend "reference").
+
+        Returns:
+            AttentionOutput(out (B, T, dim), weights or None).
+        """
+        if x.ndim != 3:
+            raise ValueError(f"x must be (B, T, dim), got shape {tuple(x.shape)}")
+        q, k, v = self._project(x, context)
+        if rope is not None:
+            offset = 0 if cache is None else cache.pos
+            q, k = rope(q, offset), rope(k, offset)
+        if cache is not None:
+            k, v = cache.update(k, v)  # (B, K, pos + T, Dh)
+        out, weights = attention(
+            q, k, v,
+            mask=mask,
+            is_causal=is_causal,
+            dropout_p=self.dropout if self.training else 0.0,
+            return_weights=return_weights,
+            bias=bias,
+            backend=self.backend if backend is None else backend,
+        )
+        B, _, T, _ = out.shape
+        out = out.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim)  # (B, T, H·Dh)
+        return AttentionOutput(self.out_proj(out), weights)

@@ -1,0 +1,75 @@
+"""Position-wise feed-forward networks: the "MLP" half of every Transformer layer.
+
+MLP: fc_out(act(fc_in(x))), with ReLU (Vaswani et al. 2017) or GELU (GPT-2, BERT, ViT;
+Hendrycks & Gimpel 2016; "gelu_tanh" is GPT-2's tanh approximation).
+SwiGLU (Shazeer 2020, "GLU Variants Improve Transformer"; Llama):
+w_down(silu(w_gate(x)) ⊙ w_up(x)).
+Lecture: CS189 Lec 22 (attention mixes tokens, the MLP transforms each token on its own).
+
+Shapes: (B, T, dim) -> (B, T, dim) through a hidden width F.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+MLPKind = Literal["gelu", "gelu_tanh", "relu", "swiglu"]
+
+_ACTIVATIONS = {
+    "gelu": F.gelu,
+    "gelu_tanh": lambda x: F.gelu(x, approximate="tanh"),
+    "relu": F.relu,
+}
+
+
+class MLP(nn.Module):
+    """Two linear layers with an activation between: dim -> hidden -> dim."""
+
+    def __init__(
+        self,
+        dim: int,
+        hidden_dim: int,
+        activation: Literal["gelu", "gelu_tanh", "relu"] = "gelu",
+        bias: bool = True,
+        dropout: float = 0.0,
+    ) -> None:
+        super().__init__()
+        if activation not in _ACTIVATIONS:
+            raise ValueError(
+                f"activation must be one of {sorted(_ACTIVATIONS)}, got {activation!r}"
+            )
+        self.act = _ACTIVATIONS[activation]
+        self.fc_in = nn.Linear(dim, hidden_dim, bias=bias)
+        self.fc_out = nn.Linear(hidden_dim, dim, bias=bias)
+        self.drop = nn.Dropout(dropout)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.fc_out(self.drop(self.act(self.fc_in(x))))
+
+
+class SwiGLU(nn.Module):
+    """Gated MLP: w_down(silu(w_gate x) * w_up x)."""
+
+    def __init__(self, dim: int, hidden_dim: int, bias: bool = False, dropout: float = 0.0) -> None:
+        super().__init__()
+        self.w_gate = nn.Linear(dim, hidden_dim, bias=bias)
+        self.w_up = nn.Linear(dim, hidden_dim, bias=bias)
+        self.w_down = nn.Linear(hidden_dim, dim, bias=bias)
+        self.drop = nn.Dropout(dropout)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.w_down(self.drop(F.silu(self.w_gate(x)) * self.w_up(x)))
+
+
+def make_mlp(
+    kind: MLPKind, dim: int, hidden_dim: int, bias: bool = True, dropout: float = 0.0
+) -> nn.Module:
+    """Build the feed-forward network named ``kind``."""
+    if kind == "swiglu":
+        return SwiGLU(dim, hidden_dim, bias, dropout)
+    if kind not in _ACTIVATIONS:
+        raise ValueError(f"mlp must be one of {[*_ACTIVATIONS, 'swiglu']}, got {kind!r}")
+    return MLP(dim, hidden_dim, kind, bias, dropout)
