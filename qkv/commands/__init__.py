@@ -1,0 +1,1 @@
+"""Subcommand implementations behind `qkv` (thin: parse, call the library, print)."""

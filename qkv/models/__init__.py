@@ -1,0 +1,1 @@
+"""Model families, each a config dataclass plus composition of qkv.layers."""

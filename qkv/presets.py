@@ -1,0 +1,45 @@
+"""Named configurations as plain data: {"model": {...GPTConfig fields}, "train": {...TrainConfig
+fields}, "data": {...}}. Every field can still be overridden on the command line.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+GPT_PRESETS: dict[str, dict[str, Any]] = {
+    # For tests and smoke runs: trains in seconds.
+    "tiny": {
+        "model": dict(max_seq_len=32, dim=32, n_layers=2, n_heads=4, bias=False),
+        "train": dict(batch_size=8, max_iters=50, lr=3e-3, min_lr=3e-4, warmup_iters=5,
+                      eval_interval=25, eval_iters=4, compile=False),
+    },
+    # The fast default of `qkv train`: a few minutes on 2 CPU cores, then readable Shakespeare.
+    "cpu": {
+        "model": dict(max_seq_len=128, dim=192, n_layers=4, n_heads=6, bias=False),
+        "train": dict(batch_size=32, max_iters=1500, lr=2e-3, min_lr=2e-4, warmup_iters=100,
+                      eval_interval=250, eval_iters=20),
+    },
+    # nanoGPT's CPU recipe (README "I only have a macbook"): the speed baseline's model.
+    "nanogpt-cpu": {
+        "model": dict(max_seq_len=64, dim=128, n_layers=4, n_heads=4, bias=False, dropout=0.0),
+        "train": dict(batch_size=12, max_iters=2000, lr=1e-3, min_lr=1e-4, warmup_iters=100,
+                      lr_decay_iters=2000, beta2=0.99, weight_decay=0.1, eval_interval=250,
+                      eval_iters=20),
+    },
+    # nanoGPT's config/train_shakespeare_char.py: 6 layers, 6 heads, 384 wide, context 256.
+    "shakespeare-char": {
+        "model": dict(max_seq_len=256, dim=384, n_layers=6, n_heads=6, bias=False, dropout=0.2),
+        "train": dict(batch_size=64, max_iters=5000, lr=1e-3, min_lr=1e-4, warmup_iters=100,
+                      lr_decay_iters=5000, beta2=0.99, eval_interval=250, eval_iters=200),
+    },
+}
+
+
+def get_preset(family: str, name: str) -> dict[str, Any]:
+    """A copy of preset ``name`` of model ``family``; ValueError names the known presets."""
+    table = {"gpt": GPT_PRESETS}.get(family)
+    if table is None:
+        raise ValueError(f"no presets for model family {family!r}")
+    if name not in table:
+        raise ValueError(f"unknown preset {name!r} for {family}; choose from: {', '.join(table)}")
+    return {k: dict(v) for k, v in table[name].items()}

@@ -1,0 +1,101 @@
+"""Run directories and checkpoints: atomic writes, no pickle from files.
+
+A run directory (DESIGN.md) holds:
+    config.json        everything needed to rebuild the model and tokenizer (+ training config)
+    model.safetensors  the best weights so far (by validation loss): what ``qkv generate`` loads
+    last.safetensors   the latest weights, with
+    optimizer.pt       optimiser state, step, RNG states: what ``--resume`` needs
+    tokenizer.json     the tokenizer
+    metrics.jsonl      one JSON object per logged step / evaluation
+
+Every file is written to a temporary name in the same directory and renamed into place
+(``os.replace`` is atomic on POSIX), so a crash or Ctrl-C mid-write never leaves a truncated
+file where a good one was. ``optimizer.pt`` is read with ``torch.load(weights_only=True)``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+
+class CheckpointError(Exception):
+    """A run directory that cannot be loaded; the message says why and what to do."""
+
+
+def atomic_write(path: Path, write: Callable[[Path], None]) -> None:
+    """Call ``write(tmp_path)`` then rename the temporary file over ``path``."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    os.close(fd)
+    try:
+        write(Path(tmp))
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def write_json(path: Path, obj: Any) -> None:
+    atomic_write(path, lambda p: p.write_text(json.dumps(obj, indent=2) + "\n", encoding="utf-8"))
+
+
+def read_json(path: Path) -> Any:
+    try:
+        return json.loads(Path(path).read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise CheckpointError(f"{path} is missing: is {Path(path).parent} a qkv run directory?") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"{path} is not valid JSON ({e}); the run directory is damaged") from None
+
+
+def save_weights(model: nn.Module, path: Path) -> None:
+    """Weights as safetensors (tied tensors stored once), atomically."""
+    from safetensors.torch import save_model
+
+    atomic_write(path, lambda p: save_model(model, str(p)))
+
+
+def load_weights(model: nn.Module, path: Path) -> None:
+    """Load safetensors weights into ``model``; a damaged or mismatched file -> CheckpointError."""
+    from safetensors.torch import load_model
+
+    if not Path(path).is_file():
+        raise CheckpointError(f"{path} is missing: is {Path(path).parent} a qkv run directory?")
+    try:
+        load_model(model, str(path), strict=True)
+    except Exception as e:  # safetensors raises several types for truncated/mismatched files
+        raise CheckpointError(
+            f"cannot load {path}: {str(e).splitlines()[0][:200]} "
+            "(the file is truncated or from a different model config)"
+        ) from None
+
+
+def save_state(path: Path, state: dict[str, Any]) -> None:
+    """Optimiser state + counters + RNG states (tensors, numbers, dicts only), atomically."""
+    atomic_write(path, lambda p: torch.save(state, p))
+
+
+def load_state(path: Path) -> dict[str, Any]:
+    """Read what :func:`save_state` wrote, without unpickling arbitrary objects."""
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except FileNotFoundError:
+        raise CheckpointError(f"{path} is missing: this run cannot be resumed") from None
+    except Exception as e:
+        raise CheckpointError(f"cannot read {path} ({str(e).splitlines()[0][:200]}); "
+                              "the resume state is damaged") from None
+
+
+def append_jsonl(path: Path, record: dict[str, Any]) -> None:
+    """Append one JSON line (metrics are append-only, so no temp file is needed)."""
+    with open(path, "a", encoding="utf-8") as f:
+        f.write(json.dumps(record) + "\n")

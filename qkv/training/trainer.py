@@ -1,0 +1,341 @@
+"""The one training loop every model family uses.
+
+Per step: learning rate from the schedule -> ``grad_accum`` micro-batches forward/backward
+(under bf16/fp16 autocast when enabled; DDP all-reduces only on the last one) -> gradient
+clipping -> AdamW step. Every ``eval_interval`` steps: validation loss on fixed batches,
+``metrics.jsonl``, and a checkpoint (the latest for ``--resume``, the best for use).
+
+Anything a model needs to train here: ``model(inputs, targets)`` returns an object with a
+``.loss`` scalar, and a :class:`BatchSource` yields (inputs, targets) for "train" and "val".
+Resuming restores step, weights, optimiser, global RNG and the data sampler's RNG, so a run
+killed and resumed follows the uninterrupted run exactly (in deterministic settings).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import signal
+import time
+import warnings
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Literal, Protocol
+
+import torch
+from torch import Tensor, nn
+
+from qkv.training import checkpoint as ckpt
+from qkv.training.distributed import DistInfo, broadcast_flag, mean_across, no_sync, wrap_model
+from qkv.training.optim import lr_at, make_optimizer
+
+DType = Literal["auto", "fp32", "bf16", "fp16"]
+
+
+@dataclass
+class TrainConfig:
+    """Optimisation settings shared by every model family (each overridable as --field)."""
+
+    out_dir: str = "runs/gpt"  # run directory: checkpoints, metrics, plots
+    batch_size: int = 32  # sequences per micro-batch per process
+    grad_accum: int = 1  # micro-batches per optimiser step
+    max_iters: int = 2000  # optimiser steps
+    lr: float = 1e-3  # peak learning rate
+    min_lr: float = 1e-4  # final learning rate of the cosine schedule
+    warmup_iters: int = 100  # linear warmup steps
+    lr_decay_iters: int | None = None  # cosine length (default: max_iters)
+    weight_decay: float = 0.1  # AdamW decay on matrices (not on biases/norms)
+    beta1: float = 0.9
+    beta2: float = 0.99
+    grad_clip: float = 1.0  # max global gradient norm (0 = off)
+    eval_interval: int = 250  # steps between evaluations/checkpoints
+    eval_iters: int = 20  # validation batches per evaluation
+    dtype: DType = "auto"  # auto = bf16 where the hardware has it, else fp32 (fp16 on old GPUs)
+    compile: bool = True  # torch.compile the model (falls back to eager if it fails)
+    seed: int = 1337
+    device: str = "auto"  # auto = cuda if available, else cpu
+
+    def __post_init__(self) -> None:
+        for name in ("batch_size", "grad_accum", "max_iters", "eval_interval", "eval_iters"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.warmup_iters < 0:
+            raise ValueError(f"warmup_iters must be >= 0, got {self.warmup_iters}")
+        if self.lr <= 0 or self.min_lr < 0:
+            raise ValueError(f"lr must be > 0 and min_lr >= 0, got lr={self.lr}, min_lr={self.min_lr}")
+        if self.dtype not in ("auto", "fp32", "bf16", "fp16"):
+            raise ValueError(f"dtype must be auto, fp32, bf16 or fp16, got {self.dtype!r}")
+
+
+class BatchSource(Protocol):
+    def get_batch(self, split: str, batch_size: int, generator: torch.Generator) -> tuple[Tensor, Tensor]:
+        """(inputs, targets) on the CPU for split "train" or "val", drawn with ``generator``."""
+        ...
+
+
+class TrainingDivergedError(Exception):
+    """The loss became NaN/inf; the last good checkpoint is kept."""
+
+
+class TrainingInterruptedError(Exception):
+    """Ctrl-C: a resumable checkpoint was written."""
+
+
+@dataclass
+class TrainResult:
+    step: int
+    best_val_loss: float
+    last_train_loss: float
+    seconds: float
+    tokens_per_s: float
+
+
+def resolve_dtype(dtype: DType, device: str) -> torch.dtype:
+    """The compute dtype for autocast: bf16 where the hardware does it natively."""
+    if dtype == "fp32":
+        return torch.float32
+    if dtype == "bf16":
+        return torch.bfloat16
+    if dtype == "fp16":
+        return torch.float16
+    if device.startswith("cuda"):
+        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+    return torch.bfloat16 if torch.backends.mkldnn.is_available() and _cpu_has_bf16() else torch.float32
+
+
+def _cpu_has_bf16() -> bool:
+    try:
+        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    except (AttributeError, RuntimeError):
+        return False
+
+
+class Trainer:
+    """Train ``model`` on ``data`` into ``run_dir``.
+
+    Args:
+        model: the raw module (what gets saved); compiled and DDP-wrapped internally.
+        cfg: optimisation settings.
+        data: where batches come from.
+        run_dir: the run directory (rank 0 writes it).
+        dist: process-group information from ``init_distributed``.
+        on_log: called on rank 0 with each metrics record (the CLI's progress display).
+        tokens_per_batch: tokens (or examples) per sequence, for throughput.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        cfg: TrainConfig,
+        data: BatchSource,
+        run_dir: Path,
+        dist: DistInfo | None = None,
+        on_log: Callable[[dict], None] | None = None,
+        tokens_per_batch: int = 1,
+    ) -> None:
+        self.cfg, self.data, self.run_dir = cfg, data, Path(run_dir)
+        self.dist = dist or DistInfo()
+        self.device = self.dist.device
+        self.model = model.to(self.device)
+        self.on_log = on_log or (lambda rec: None)
+        self.tokens_per_batch = tokens_per_batch
+        self.dtype = resolve_dtype(cfg.dtype, self.device)
+        dev_type = torch.device(self.device).type
+        self.autocast = (
+            torch.autocast(dev_type, dtype=self.dtype)
+            if self.dtype != torch.float32 else contextlib.nullcontext()
+        )
+        self.scaler = torch.amp.GradScaler(dev_type, enabled=self.dtype == torch.float16)
+        self.optimizer = make_optimizer(
+            self.model, cfg.lr, cfg.weight_decay, (cfg.beta1, cfg.beta2), dev_type
+        )
+        self.step = 0
+        self.best_val = math.inf
+        self.data_gen = torch.Generator().manual_seed(cfg.seed)  # the data stream's position
+        self.compiled = False
+        self.train_model: nn.Module = wrap_model(self._maybe_compile(self.model), self.dist)
+        self._stop_requested = False
+
+    # ------------------------------------------------------------------ setup
+
+    def _maybe_compile(self, model: nn.Module) -> nn.Module:
+        if not self.cfg.compile:
+            return model
+        try:
+            compiled = torch.compile(model)
+        except Exception as e:  # e.g. an unsupported Python/platform
+            warnings.warn(f"torch.compile unavailable ({e}); training eagerly", stacklevel=2)
+            return model
+        self.compiled = True
+        return compiled
+
+    def _fall_back_to_eager(self, err: Exception) -> None:
+        warnings.warn(
+            f"torch.compile failed ({type(err).__name__}: {str(err).splitlines()[0][:160]}); "
+            "continuing without it (--compile false silences this)",
+            stacklevel=2,
+        )
+        self.compiled = False
+        self.train_model = wrap_model(self.model, self.dist)
+
+    # ------------------------------------------------------------------ checkpoints
+
+    def _state(self) -> dict:
+        return {
+            "optimizer": self.optimizer.state_dict(),
+            "scaler": self.scaler.state_dict(),
+            "step": self.step,
+            "best_val": self.best_val,
+            "torch_rng": torch.get_rng_state(),
+            "data_rng": self.data_gen.get_state(),
+        }
+
+    def save(self, is_best: bool) -> None:
+        """Write last.safetensors + optimizer.pt (resume) and, if best, model.safetensors."""
+        if not self.dist.is_main:
+            return
+        ckpt.save_weights(self.model, self.run_dir / "last.safetensors")
+        ckpt.save_state(self.run_dir / "optimizer.pt", self._state())
+        if is_best:
+            ckpt.save_weights(self.model, self.run_dir / "model.safetensors")
+
+    def load_resume_state(self) -> None:
+        """Restore everything ``save`` wrote; the next step to run is the saved ``step``."""
+        ckpt.load_weights(self.model, self.run_dir / "last.safetensors")
+        state = ckpt.load_state(self.run_dir / "optimizer.pt")
+        try:
+            self.optimizer.load_state_dict(state["optimizer"])
+            self.scaler.load_state_dict(state["scaler"])
+            self.step, self.best_val = int(state["step"]), float(state["best_val"])
+            torch.set_rng_state(state["torch_rng"])
+            self.data_gen.set_state(state["data_rng"])
+        except (KeyError, ValueError, RuntimeError) as e:
+            raise ckpt.CheckpointError(
+                f"resume state in {self.run_dir} does not match this model/optimiser ({e})"
+            ) from None
+
+    # ------------------------------------------------------------------ loop pieces
+
+    def _batch(self, split: str, gen: torch.Generator) -> tuple[Tensor, Tensor]:
+        """This process's slice of a global batch: every rank draws the same global batch
+        with the same generator and keeps its own rows, so N processes see exactly what
+        one process with an N× batch would."""
+        bs, r, w = self.cfg.batch_size, self.dist.rank, self.dist.world_size
+        x, y = self.data.get_batch(split, bs * w, gen)
+        x, y = x[r * bs : (r + 1) * bs], y[r * bs : (r + 1) * bs]
+        return x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
+
+    @torch.no_grad()
+    def evaluate(self) -> float:
+        """Mean loss over ``eval_iters`` validation batches, the same batches every time."""
+        self.model.eval()
+        gen = torch.Generator().manual_seed(self.cfg.seed + 1)
+        total = 0.0
+        for _ in range(self.cfg.eval_iters):
+            x, y = self._batch("val", gen)
+            with self.autocast:
+                total += float(self.model(x, y).loss)
+        self.model.train()
+        return mean_across(total / self.cfg.eval_iters, self.dist)
+
+    def _train_step(self) -> float:
+        """One optimiser step over ``grad_accum`` micro-batches; returns the mean loss."""
+        cfg = self.cfg
+        lr = lr_at(self.step, cfg.lr, cfg.min_lr, cfg.warmup_iters, cfg.lr_decay_iters or cfg.max_iters)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        total = 0.0
+        for micro in range(cfg.grad_accum):
+            x, y = self._batch("train", self.data_gen)
+            with no_sync(self.train_model, micro == cfg.grad_accum - 1), self.autocast:
+                loss = self.train_model(x, y).loss / cfg.grad_accum
+            self.scaler.scale(loss).backward()
+            total += float(loss.detach())
+        if cfg.grad_clip > 0:
+            self.scaler.unscale_(self.optimizer)
+            torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.grad_clip)
+        self.scaler.step(self.optimizer)
+        self.scaler.update()
+        self.optimizer.zero_grad(set_to_none=True)
+        return total
+
+    def _log(self, record: dict) -> None:
+        if self.dist.is_main:
+            ckpt.append_jsonl(self.run_dir / "metrics.jsonl", record)
+            self.on_log(record)
+
+    def _evaluate_and_save(self, train_loss: float | None) -> None:
+        val = self.evaluate()
+        is_best = val < self.best_val
+        self.best_val = min(self.best_val, val)
+        self._log({"step": self.step, "val_loss": val, "train_loss": train_loss, "best": is_best})
+        self.save(is_best)
+
+    # ------------------------------------------------------------------ fit
+
+    def fit(self) -> TrainResult:
+        """Run from ``self.step`` to ``max_iters``; may raise TrainingDivergedError/InterruptedError."""
+        cfg = self.cfg
+        if self.dist.is_main:
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+        self.model.train()
+        prev_handler = signal.getsignal(signal.SIGINT)
+        if self.dist.is_main:
+            signal.signal(signal.SIGINT, self._request_stop)
+        t0 = time.perf_counter()
+        tokens, loss = 0, math.nan
+        try:
+            while self.step < cfg.max_iters:
+                if self.step % cfg.eval_interval == 0:
+                    self._evaluate_and_save(None if math.isnan(loss) else loss)
+                if broadcast_flag(self._stop_requested, self.dist):
+                    self.save(is_best=False)
+                    raise TrainingInterruptedError(
+                        f"interrupted at step {self.step}; resume with --resume {self.run_dir}"
+                    )
+                loss = self._guarded_step()
+                if not math.isfinite(loss):
+                    raise TrainingDivergedError(
+                        f"loss became {loss} at step {self.step}; the last good checkpoint "
+                        f"(best val loss {self.best_val:.4f}) is kept in {self.run_dir}; "
+                        "try a lower --lr"
+                    )
+                self.step += 1
+                tokens += cfg.batch_size * cfg.grad_accum * self.dist.world_size * self.tokens_per_batch
+                elapsed = time.perf_counter() - t0
+                self._log_progress(loss, tokens / max(elapsed, 1e-9))
+            self._evaluate_and_save(loss)
+        finally:
+            if self.dist.is_main:
+                signal.signal(signal.SIGINT, prev_handler)
+        seconds = time.perf_counter() - t0
+        return TrainResult(self.step, self.best_val, loss, seconds, tokens / max(seconds, 1e-9))
+
+    def _guarded_step(self) -> float:
+        if not self.compiled:
+            return self._train_step()
+        try:
+            return self._train_step()
+        except Exception as e:  # compilation errors surface at the first call
+            if self.step > 0 and not _is_compile_error(e):
+                raise
+            self.optimizer.zero_grad(set_to_none=True)
+            self._fall_back_to_eager(e)
+            return self._train_step()
+
+    def _log_progress(self, loss: float, tok_s: float) -> None:
+        lr = self.optimizer.param_groups[0]["lr"]
+        self._log({"step": self.step, "train_loss": loss, "lr": lr, "tokens_per_s": round(tok_s, 1)})
+
+    def _request_stop(self, signum, frame) -> None:
+        self._stop_requested = True
+        signal.signal(signal.SIGINT, signal.default_int_handler)  # a second Ctrl-C stops at once
+
+    def config_dict(self) -> dict:
+        return asdict(self.cfg)
+
+
+def _is_compile_error(e: Exception) -> bool:
+    mod = type(e).__module__
+    return mod.startswith(("torch._dynamo", "torch._inductor")) or "compile" in str(e).lower()
