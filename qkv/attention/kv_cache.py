@@ -103,12 +103,12 @@ class LayerKVCache:
         """
         c, i, pos = self.cache, self.index, self.cache.pos
         _, B, K, S_max, D = c.k.shape
-        T = k.shape[2]
         if k.ndim != 4 or k.shape[0] != B or k.shape[1] != K or k.shape[3] != D:
             raise ValueError(
                 f"KVCache: new keys have shape {tuple(k.shape)}, expected (B={B}, K={K}, T, D={D})"
             )
-        if v.shape[:3] != k.shape[:3] or v.shape[3] != c.v.shape[-1]:
+        T = k.shape[2]
+        if v.ndim != 4 or v.shape[:3] != k.shape[:3] or v.shape[3] != c.v.shape[-1]:
             raise ValueError(
                 f"KVCache: new values have shape {tuple(v.shape)}, expected "
                 f"({B}, {K}, {T}, {c.v.shape[-1]})"

@@ -1,0 +1,83 @@
+"""Shared test fixtures: a seeded RNG and an independent float64 attention reference.
+
+The reference below is written from the formula (softmax(QKᵀ·scale + bias)·V, Vaswani et al.
+2017 eq. 1) without calling anything in qkv, so that qkv's three backends are checked against
+math that shares none of their code.
+"""
+
+import math
+
+import pytest
+import torch
+
+
+def _reference_attention(q, k, v, mask=None, is_causal=False, scale=None, bias=None):
+    """Float64 attention: q (B, H, T, D), k/v (B, K, S, D/Dv) -> (out, weights).
+
+    A query with no allowed key gets all-zero weights (and so a zero output).
+    """
+    q, k, v = q.double(), k.double(), v.double()
+    B, H, T, D = q.shape
+    K, S = k.shape[1], k.shape[2]
+    heads = [h // (H // K) for h in range(H)]  # query head h reads key/value head h // G
+    k, v = k[:, heads], v[:, heads]
+    scale = 1.0 / math.sqrt(D) if scale is None else scale
+    scores = torch.einsum("bhtd,bhsd->bhts", q, k) * scale
+    if bias is not None:
+        scores = scores + bias.double()
+    allowed = torch.ones(B, H, T, S, dtype=torch.bool)
+    if mask is not None:
+        allowed = allowed & mask
+    if is_causal:  # query i sits at absolute position S - T + i
+        i = torch.arange(T).unsqueeze(1) + (S - T)
+        allowed = allowed & (torch.arange(S).unsqueeze(0) <= i)
+    scores = scores.masked_fill(~allowed, -math.inf)
+    top = scores.detach().amax(dim=-1, keepdim=True)
+    top = torch.where(torch.isfinite(top), top, torch.zeros_like(top))
+    e = torch.exp(scores - top)
+    total = e.sum(dim=-1, keepdim=True)
+    weights = e / torch.where(total > 0, total, torch.ones_like(total))
+    return torch.einsum("bhts,bhsd->bhtd", weights, v), weights
+
+
+def _attention_inputs(B, H, K, T, S, D, Dv=None, *, mask=None, bias=False,
+                      dtype=torch.float64, seed=0):
+    """Random (q, k, v, mask, bias) for one case; ``mask`` is None, "random", "padding" or "both".
+
+    "random" masks drop ~30% of the pairs (so short rows may be empty); "padding" masks keep
+    the first lengths[b] keys, lengths drawn from 0..S (0 = a sequence with nothing to see).
+    """
+    g = torch.Generator().manual_seed(seed)
+    Dv = D if Dv is None else Dv
+    q = torch.randn(B, H, T, D, generator=g, dtype=torch.float64)
+    k = torch.randn(B, K, S, D, generator=g, dtype=torch.float64)
+    v = torch.randn(B, K, S, Dv, generator=g, dtype=torch.float64)
+    allowed = None
+    if mask in ("random", "both"):
+        shape = [(T, S), (B, 1, T, S), (B, H, T, S)][seed % 3]
+        allowed = torch.rand(shape, generator=g) > 0.3
+    if mask in ("padding", "both"):
+        lengths = torch.randint(0, S + 1, (B,), generator=g)
+        pad = (torch.arange(S).unsqueeze(0) < lengths.unsqueeze(1))[:, None, None, :]
+        allowed = pad if allowed is None else allowed & pad
+    b = torch.randn(1, H, T, S, generator=g, dtype=torch.float64) if bias else None
+    cast = [t.to(dtype) for t in (q, k, v)]
+    return (*cast, allowed, None if b is None else b.to(dtype))
+
+
+@pytest.fixture(scope="session")
+def attention_inputs():
+    """Factory of random attention inputs (see ``_attention_inputs``)."""
+    return _attention_inputs
+
+
+@pytest.fixture(scope="session")
+def reference_attention():
+    """The independent float64 attention function (session scope: usable with hypothesis)."""
+    return _reference_attention
+
+
+@pytest.fixture
+def rng():
+    """A torch.Generator with a fixed seed, so each test draws the same numbers every run."""
+    return torch.Generator().manual_seed(0)

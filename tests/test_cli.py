@@ -1,0 +1,134 @@
+"""The `qkv` command line: --help lists every subcommand, user errors are one line + exit 2."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from qkv import __version__, cli
+
+
+def run_main(argv: list[str], capsys) -> tuple[int, str, str]:
+    """Call cli.main; argparse's own exits (--help, bad flags) become return codes."""
+    try:
+        rc = cli.main(argv)
+    except SystemExit as e:
+        rc = e.code if isinstance(e.code, int) else 1
+    out, err = capsys.readouterr()
+    return rc, out, err
+
+
+def assert_one_line_error(err: str) -> None:
+    lines = err.strip().splitlines()
+    assert len(lines) == 1, err
+    assert lines[0].startswith("qkv: error: ")
+    assert "Traceback" not in err
+
+
+@pytest.fixture
+def fake_benchmarks(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """A benchmarks/ folder of our own, so these tests never depend on the real scripts."""
+    (tmp_path / "alpha.py").write_text(
+        "import sys\nprint('alpha ran', sys.argv[1:])\n"
+    )
+    (tmp_path / "beta.py").write_text("import sys\nsys.exit(3)\n")
+    (tmp_path / "_common.py").write_text("")  # helpers are not benchmarks
+    (tmp_path / "notes.txt").write_text("not a script")
+    monkeypatch.setattr(cli, "_benchmarks_dir", lambda: tmp_path)
+    return tmp_path
+
+
+def test_help_lists_every_subcommand(capsys) -> None:
+    rc, out, _ = run_main(["--help"], capsys)
+    assert rc == 0
+    listed = {line.split()[0] for line in out.splitlines() if line.startswith("    ")}
+    assert listed >= {*cli.PLANNED, "bench"}
+    command_lines = [line for line in out.splitlines() if line.startswith("    ")]
+    assert sum("(planned)" in line for line in command_lines) == len(cli.PLANNED)
+
+
+def test_no_command_prints_help(capsys) -> None:
+    rc, out, _ = run_main([], capsys)
+    assert rc == 0
+    assert "bench" in out and all(name in out for name in cli.PLANNED)
+
+
+def test_version(capsys) -> None:
+    rc, out, _ = run_main(["--version"], capsys)
+    assert rc == 0 and out.strip() == f"qkv {__version__}"
+
+
+@pytest.mark.parametrize("name", sorted(cli.PLANNED))
+def test_planned_command_is_a_one_line_error(name: str, capsys) -> None:
+    rc, out, err = run_main([name], capsys)
+    assert rc == 2
+    assert out == ""
+    assert_one_line_error(err)
+    assert f"qkv {name}" in err and "planned" in err
+
+
+def test_bench_list(fake_benchmarks: Path, capsys) -> None:
+    rc, out, err = run_main(["bench", "--list"], capsys)
+    assert rc == 0 and err == ""
+    assert out.splitlines() == ["alpha", "beta"]
+
+
+def test_bench_list_real_folder(capsys) -> None:
+    # The real folder may be empty or filling up: compare with what is there right now.
+    expected = sorted(p.stem for p in cli._benchmarks_dir().glob("*.py")
+                      if not p.stem.startswith("_"))
+    rc, out, err = run_main(["bench", "--list"], capsys)
+    if expected:
+        assert rc == 0 and out.splitlines() == expected
+    else:
+        assert rc == 2
+        assert_one_line_error(err)
+
+
+def test_bench_unknown_name(fake_benchmarks: Path, capsys) -> None:
+    rc, out, err = run_main(["bench", "alpha", "nope"], capsys)
+    assert rc == 2
+    assert_one_line_error(err)
+    assert "'nope'" in err and "alpha, beta" in err
+    assert "alpha ran" not in out  # nothing runs when any name is wrong
+
+
+def test_bench_runs_a_script_with_quick(fake_benchmarks: Path, capfd) -> None:
+    rc = cli.main(["bench", "alpha", "--quick"])
+    out, _ = capfd.readouterr()
+    assert rc == 0
+    assert "alpha ran ['--quick']" in out
+
+
+def test_bench_returns_the_failing_exit_code(fake_benchmarks: Path, capfd) -> None:
+    assert cli.main(["bench", "beta"]) == 3
+    # Running everything stops at the first failure (alpha runs, then beta fails).
+    assert cli.main(["bench"]) == 3
+    assert capfd.readouterr().out.count("alpha ran") == 1
+
+
+def test_bench_without_scripts(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys) -> None:
+    monkeypatch.setattr(cli, "_benchmarks_dir", lambda: tmp_path)
+    rc, _, err = run_main(["bench", "--list"], capsys)
+    assert rc == 2
+    assert_one_line_error(err)
+    assert "no benchmark scripts" in err
+
+
+def test_unknown_command_is_an_argparse_error(capsys) -> None:
+    rc, _, err = run_main(["frobnicate"], capsys)
+    assert rc == 2 and "Traceback" not in err and "frobnicate" in err
+
+
+def test_python_dash_m_qkv() -> None:
+    help_ = subprocess.run([sys.executable, "-m", "qkv", "--help"], capture_output=True,
+                           text=True, timeout=60)
+    assert help_.returncode == 0
+    assert all(name in help_.stdout for name in [*cli.PLANNED, "bench", "train", "generate", "assets"])
+    bad = subprocess.run([sys.executable, "-m", "qkv", "generate", "/nonexistent/run"],
+                         capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2
+    assert_one_line_error(bad.stderr)
