@@ -50,6 +50,10 @@ def _configs(args: argparse.Namespace) -> tuple[GPTConfig, TrainConfig, LMDataCo
     data_over = overrides(args, LMDataConfig)
     if args.resume:
         saved = ckpt.read_json(Path(args.resume) / "config.json")
+        if not isinstance(saved, dict) or saved.get("family") != "gpt" or not all(
+            k in saved for k in ("model", "train", "data")
+        ):
+            raise ckpt.CheckpointError(f"{args.resume}/config.json is not a qkv GPT run configuration")
         if model_over or data_over:
             given = ", ".join({**model_over, **data_over})
             raise ValueError("--resume keeps the run's model and data settings; "

@@ -61,7 +61,7 @@ def generate(
     start, fed = 0, 0  # context = tokens[:, start:]; the cache holds tokens[:, start:fed]
     for _ in range(max_new_tokens):
         if tokens.shape[1] - start > W:  # outgrew the context: keep the newest half
-            start = tokens.shape[1] - W // 2
+            start = tokens.shape[1] - max(1, W // 2)
             fed = start
             if cache is not None:
                 cache.reset()

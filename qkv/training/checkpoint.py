@@ -74,7 +74,7 @@ def load_weights(model: nn.Module, path: Path) -> None:
         load_model(model, str(path), strict=True)
     except Exception as e:  # safetensors raises several types for truncated/mismatched files
         raise CheckpointError(
-            f"cannot load {path}: {str(e).splitlines()[0][:200]} "
+            f"cannot load {path}: {(str(e).splitlines() or [type(e).__name__])[0][:200]} "
             "(the file is truncated or from a different model config)"
         ) from None
 
@@ -91,7 +91,7 @@ def load_state(path: Path) -> dict[str, Any]:
     except FileNotFoundError:
         raise CheckpointError(f"{path} is missing: this run cannot be resumed") from None
     except Exception as e:
-        raise CheckpointError(f"cannot read {path} ({str(e).splitlines()[0][:200]}); "
+        raise CheckpointError(f"cannot read {path} ({(str(e).splitlines() or [type(e).__name__])[0][:200]}); "
                               "the resume state is damaged") from None
 
 

@@ -172,7 +172,7 @@ class Trainer:
 
     def _fall_back_to_eager(self, err: Exception) -> None:
         warnings.warn(
-            f"torch.compile failed ({type(err).__name__}: {str(err).splitlines()[0][:160]}); "
+            f"torch.compile failed ({type(err).__name__}: {(str(err).splitlines() or [''])[0][:160]}); "
             "continuing without it (--compile false silences this)",
             stacklevel=2,
         )
@@ -294,7 +294,7 @@ class Trainer:
                     raise TrainingInterruptedError(
                         f"interrupted at step {self.step}; resume with --resume {self.run_dir}"
                     )
-                loss = self._guarded_step()
+                loss = mean_across(self._guarded_step(), self.dist)  # the global batch's loss
                 if not math.isfinite(loss):
                     raise TrainingDivergedError(
                         f"loss became {loss} at step {self.step}; the last good checkpoint "

@@ -78,7 +78,7 @@ def plot_attention_heads(
         if h >= H:
             ax.axis("off")
             continue
-        ax.imshow(w[h], cmap="viridis", vmin=0.0, vmax=float(w[h].max()) or 1.0)
+        ax.imshow(w[h].numpy(), cmap="viridis", vmin=0.0, vmax=float(w[h].max()) or 1.0)
         ax.set_title(f"head {h}", fontsize=9)
         if T <= 40:
             ax.set_xticks(range(len(labels)), labels, fontsize=6, rotation=90)

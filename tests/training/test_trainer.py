@@ -1,0 +1,313 @@
+"""The training loop and the language-model job: the loss goes down, the run directory is
+complete, resuming is exact, divergence keeps the last good checkpoint, gradient accumulation
+equals a bigger batch, and the errors a user can cause are clear."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import signal
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import load_file
+from torch import nn
+
+from qkv.models.gpt import GPT, GPTConfig
+from qkv.presets import get_preset
+from qkv.tokenizers import CharTokenizer, load_tokenizer
+from qkv.training import checkpoint as ckpt
+from qkv.training.lm import LMDataConfig, TokenBatches, train_lm
+from qkv.training.trainer import (
+    TrainConfig,
+    Trainer,
+    TrainingDivergedError,
+    TrainingInterruptedError,
+)
+
+LINES = [
+    "First Citizen: Before we proceed any further, hear me speak.",
+    "All: Speak, speak.",
+    "First Citizen: You are all resolved rather to die than to famish?",
+    "All: Resolved. resolved.",
+    "First Citizen: First, you know Caius Marcius is chief enemy to the people.",
+    "All: We know't, we know't.",
+]
+TEXT = "\n".join(LINES[i % len(LINES)] for i in range(60)) + "\n"  # ~2,700 characters
+RUN_FILES = {"config.json", "model.safetensors", "last.safetensors", "optimizer.pt",
+             "tokenizer.json", "metrics.jsonl"}
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    """Tiny matrices: one thread avoids contention on shared CPUs (and is faster)."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+@pytest.fixture
+def text_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    monkeypatch.setenv("QKV_CACHE_DIR", str(tmp_path / "token-cache"))
+    path = tmp_path / "text.txt"
+    path.write_text(TEXT, encoding="utf-8")
+    return path
+
+
+def configs(text: Path, out_dir: Path, *, model: dict | None = None, **train):
+    """The `tiny` preset, in fp32 eager mode on the CPU, with overrides."""
+    preset = get_preset("gpt", "tiny")
+    model_cfg = GPTConfig(**{**preset["model"], **(model or {})})
+    train_cfg = TrainConfig(**{**preset["train"], "out_dir": str(out_dir), "dtype": "fp32",
+                               "compile": False, "device": "cpu", **train})
+    return model_cfg, train_cfg, LMDataConfig(data=str(text))
+
+
+def records(run_dir: Path) -> list[dict]:
+    return [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def train_losses(run_dir: Path) -> dict[int, float]:
+    return {r["step"]: r["train_loss"] for r in records(run_dir) if "lr" in r}
+
+
+def val_losses(run_dir: Path) -> dict[int, float]:
+    return {r["step"]: r["val_loss"] for r in records(run_dir) if r.get("val_loss") is not None}
+
+
+def snapshot(run_dir: Path) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in sorted(run_dir.iterdir())}
+
+
+def random_batches(seed: int = 0, vocab: int = 20, n: int = 2000, block: int = 16) -> TokenBatches:
+    g = np.random.default_rng(seed)
+    return TokenBatches(g.integers(0, vocab, n).astype(np.uint16),
+                        g.integers(0, vocab, n // 4).astype(np.uint16), block)
+
+
+def small_gpt(seed: int = 0, **kw) -> GPT:
+    torch.manual_seed(seed)
+    return GPT(GPTConfig(**{**dict(vocab_size=20, max_seq_len=16, dim=32, n_layers=2,
+                                   n_heads=4), **kw}))
+
+
+def train_cfg(out_dir: Path, **kw) -> TrainConfig:
+    base = dict(out_dir=str(out_dir), batch_size=4, max_iters=10, lr=3e-3, min_lr=3e-4,
+                warmup_iters=2, eval_interval=2, eval_iters=2, dtype="fp32", compile=False,
+                device="cpu")
+    return TrainConfig(**{**base, **kw})
+
+
+# --------------------------------------------------------------------------- the LM job
+
+
+@pytest.fixture
+def trained(text_file: Path, tmp_path: Path):
+    """A 40-step run of the tiny preset on TEXT."""
+    model_cfg, cfg, data = configs(text_file, tmp_path / "run", max_iters=40, eval_interval=20)
+    model, tok, result = train_lm(model_cfg, cfg, data)
+    return tmp_path / "run", model, tok, result
+
+
+def test_loss_goes_down_and_the_run_dir_is_complete(trained) -> None:
+    run_dir, model, tok, result = trained
+    assert {p.name for p in run_dir.iterdir()} == RUN_FILES
+    val = val_losses(run_dir)
+    assert sorted(val) == [0, 20, 40]
+    assert val[0] > math.log(tok.vocab_size) - 0.3  # about uniform at the start
+    assert val[20] < val[0] - 0.3 and val[40] < val[20]
+    train = train_losses(run_dir)
+    assert sorted(train) == list(range(1, 41))
+    assert np.mean([train[s] for s in range(36, 41)]) < np.mean([train[s] for s in range(1, 6)]) - 0.5
+    assert result.step == 40 and result.best_val_loss == pytest.approx(min(val.values()))
+    assert result.last_train_loss == pytest.approx(train[40])
+
+    cfg = ckpt.read_json(run_dir / "config.json")
+    assert cfg["family"] == "gpt" and cfg["train"]["max_iters"] == 40
+    assert cfg["model"]["vocab_size"] == tok.vocab_size == len(set(TEXT))
+    assert GPTConfig(**cfg["model"]) == model.cfg
+    assert load_tokenizer(run_dir / "tokenizer.json") == CharTokenizer(TEXT)
+    assert ckpt.load_state(run_dir / "optimizer.pt")["step"] == 40
+    best = load_file(str(run_dir / "model.safetensors"))  # what train_lm hands back
+    for name, t in model.state_dict().items():
+        if name in best:
+            assert torch.equal(t, best[name]), name
+
+
+def test_existing_run_dir_without_resume_is_refused(trained, text_file: Path) -> None:
+    run_dir = trained[0]
+    before = snapshot(run_dir)
+    model_cfg, cfg, data = configs(text_file, run_dir, max_iters=2)
+    with pytest.raises(ValueError, match="--resume"):
+        train_lm(model_cfg, cfg, data)
+    assert snapshot(run_dir) == before  # nothing written, nothing added
+
+
+@pytest.mark.parametrize(("n_chars", "split"), [(20, "train"), (200, "val")])
+def test_text_shorter_than_one_block(tmp_path: Path, text_file: Path, n_chars: int, split: str) -> None:
+    text_file.write_text(TEXT[:n_chars], encoding="utf-8")
+    model_cfg, cfg, data = configs(text_file, tmp_path / "run", max_iters=2)
+    with pytest.raises(ValueError, match=rf"{split} split .* block of 33"):
+        train_lm(model_cfg, cfg, data)
+    assert not (tmp_path / "run").exists()
+
+
+# --------------------------------------------------------------------------- resume
+
+
+def test_resume_is_exact(text_file: Path, tmp_path: Path) -> None:
+    # Dropout draws from the global RNG, so this also checks that its state is restored.
+    kw = dict(model={"dropout": 0.1}, lr_decay_iters=12, warmup_iters=4, eval_interval=3)
+    full_dir, part_dir = tmp_path / "full", tmp_path / "part"
+    train_lm(*configs(text_file, full_dir, max_iters=12, **kw))
+    train_lm(*configs(text_file, part_dir, max_iters=6, **kw))
+    assert max(train_losses(part_dir)) == 6
+    model_cfg, cfg, data = configs(text_file, part_dir, max_iters=12, **kw)
+    train_lm(model_cfg, cfg, data, resume=True)
+
+    full, resumed = train_losses(full_dir), train_losses(part_dir)
+    assert sorted(resumed) == list(range(1, 13))  # the resumed run appends steps 7..12
+    for step in range(1, 13):
+        assert resumed[step] == pytest.approx(full[step], rel=0, abs=1e-6), step
+    assert val_losses(part_dir)[12] == pytest.approx(val_losses(full_dir)[12], rel=0, abs=1e-6)
+    a = load_file(str(full_dir / "last.safetensors"))
+    b = load_file(str(part_dir / "last.safetensors"))
+    assert a.keys() == b.keys()
+    for name in a:
+        torch.testing.assert_close(a[name], b[name], rtol=0, atol=1e-6, msg=name)
+    # And a run that only resumed matches one that never stopped, not a fresh one with
+    # different data: the losses after step 6 differ from the first six.
+    assert [full[s] for s in range(7, 13)] != [full[s] for s in range(1, 7)]
+
+
+def test_ctrl_c_saves_a_resumable_checkpoint(tmp_path: Path) -> None:
+    def stop_at_3(rec: dict) -> None:
+        if rec.get("lr") is not None and rec["step"] == 3:
+            os.kill(os.getpid(), signal.SIGINT)  # the trainer's handler only sets a flag
+
+    full = Trainer(small_gpt(), train_cfg(tmp_path / "full", max_iters=6), random_batches(),
+                   tmp_path / "full")
+    full.fit()
+    cut = Trainer(small_gpt(), train_cfg(tmp_path / "cut", max_iters=6), random_batches(),
+                  tmp_path / "cut", on_log=stop_at_3)
+    handler = signal.getsignal(signal.SIGINT)
+    with pytest.raises(TrainingInterruptedError, match="step 3"):
+        cut.fit()
+    assert signal.getsignal(signal.SIGINT) is handler  # restored
+    assert ckpt.load_state(tmp_path / "cut" / "optimizer.pt")["step"] == 3
+    again = Trainer(small_gpt(seed=9), train_cfg(tmp_path / "cut", max_iters=6), random_batches(),
+                    tmp_path / "cut")
+    again.load_resume_state()
+    assert again.step == 3
+    again.fit()
+    for (name, p), q in zip(full.model.named_parameters(), again.model.parameters(), strict=True):
+        torch.testing.assert_close(p, q, rtol=0, atol=1e-6, msg=name)
+
+
+def test_resume_state_of_another_model_is_a_checkpoint_error(tmp_path: Path) -> None:
+    t = Trainer(small_gpt(), train_cfg(tmp_path, max_iters=1), random_batches(), tmp_path)
+    t.fit()
+    other = Trainer(small_gpt(dim=16, n_heads=2), train_cfg(tmp_path), random_batches(), tmp_path)
+    with pytest.raises(ckpt.CheckpointError):
+        other.load_resume_state()
+
+
+# --------------------------------------------------------------------------- divergence
+
+
+class NaNAfter(nn.Module):
+    """A GPT whose training loss turns NaN after ``after`` training forward passes."""
+
+    def __init__(self, inner: GPT, after: int) -> None:
+        super().__init__()
+        self.inner, self.after, self.calls = inner, after, 0
+
+    def forward(self, x, y):
+        out = self.inner(x, y)
+        if self.training:
+            self.calls += 1
+            if self.calls > self.after:
+                return out._replace(loss=out.loss * float("nan"))
+        return out
+
+
+class SnapshotTrainer(Trainer):
+    """Keeps the bytes of model.safetensors as they were right after each save."""
+
+    saved: bytes = b""
+
+    def save(self, is_best: bool) -> None:
+        super().save(is_best)
+        self.saved = (self.run_dir / "model.safetensors").read_bytes()
+
+
+def test_nan_loss_raises_and_keeps_the_last_good_checkpoint(tmp_path: Path) -> None:
+    model = NaNAfter(small_gpt(), after=3)  # steps 0, 1, 2 are fine; step 3 is NaN
+    t = SnapshotTrainer(model, train_cfg(tmp_path, eval_interval=2), random_batches(), tmp_path)
+    with pytest.raises(TrainingDivergedError, match="step 3") as info:
+        t.fit()
+    msg = str(info.value)
+    assert "--lr" in msg and str(tmp_path) in msg
+    assert t.saved and (tmp_path / "model.safetensors").read_bytes() == t.saved
+    weights = load_file(str(tmp_path / "model.safetensors"))
+    assert all(torch.isfinite(w).all() for w in weights.values())
+    assert ckpt.load_state(tmp_path / "optimizer.pt")["step"] == 2  # the last save, not step 3
+    logged = [r["train_loss"] for r in records(tmp_path) if "lr" in r]
+    assert len(logged) == 3 and all(math.isfinite(x) for x in logged)
+
+
+# --------------------------------------------------------------------------- batching
+
+
+def test_grad_accum_equals_a_bigger_batch(tmp_path: Path) -> None:
+    a = Trainer(small_gpt(), train_cfg(tmp_path / "a", batch_size=4, grad_accum=2),
+                random_batches(), tmp_path / "a")
+    b = Trainer(small_gpt(), train_cfg(tmp_path / "b", batch_size=8, grad_accum=1),
+                random_batches(), tmp_path / "b")
+    # The same data stream: two micro-batches of 4 are the rows of one batch of 8.
+    ga, gb = torch.Generator().manual_seed(0), torch.Generator().manual_seed(0)
+    xa = torch.cat([a._batch("train", ga)[0], a._batch("train", ga)[0]])
+    assert torch.equal(xa, b._batch("train", gb)[0])
+
+    grads: dict[str, list[torch.Tensor]] = {"a": [], "b": []}
+    for key, t in (("a", a), ("b", b)):  # the (clipped) gradients AdamW is about to use
+        t.optimizer.register_step_pre_hook(
+            lambda opt, args, kw, key=key, t=t: grads[key].extend(
+                p.grad.clone() for p in t.model.parameters()))
+    before = [p.detach().clone() for p in a.model.parameters()]
+    loss_a, loss_b = a._train_step(), b._train_step()
+    assert loss_a == pytest.approx(loss_b, rel=1e-6)
+    assert len(grads["a"]) == len(grads["b"]) == len(before)
+    for ga_, gb_ in zip(grads["a"], grads["b"], strict=True):
+        torch.testing.assert_close(ga_, gb_, rtol=1e-5, atol=1e-8)
+    # Adam's first step is about lr·sign(g), so a 1e-8 gradient difference near g = 0 can move
+    # a weight by up to ~lr; compare the weights at a fraction of the step size instead.
+    lr = a.optimizer.param_groups[0]["lr"]
+    moved = 0.0
+    for p, q, p0 in zip(a.model.parameters(), b.model.parameters(), before, strict=True):
+        torch.testing.assert_close(p, q, rtol=0, atol=0.01 * lr)
+        moved = max(moved, (p - p0).abs().max().item())
+    assert moved > 0.5 * lr  # the step did change the weights
+
+
+def test_evaluation_uses_fixed_batches(tmp_path: Path) -> None:
+    t = Trainer(small_gpt(), train_cfg(tmp_path), random_batches(), tmp_path)
+    state = t.data_gen.get_state()
+    first = t.evaluate()
+    assert t.evaluate() == first  # the same batches each time
+    assert torch.equal(t.data_gen.get_state(), state)  # and the training stream is untouched
+    assert t.model.training
+
+
+def test_train_config_validation() -> None:
+    for kw, field in [(dict(batch_size=0), "batch_size"), (dict(grad_accum=0), "grad_accum"),
+                      (dict(max_iters=0), "max_iters"), (dict(warmup_iters=-1), "warmup_iters"),
+                      (dict(lr=0.0), "lr"), (dict(dtype="fp8"), "dtype")]:
+        with pytest.raises(ValueError, match=field):
+            TrainConfig(**kw)
+    assert dataclasses.asdict(TrainConfig())["lr_decay_iters"] is None
