@@ -15,8 +15,8 @@ GPT_PRESETS: dict[str, dict[str, Any]] = {
     },
     # The fast default of `qkv train`: a few minutes on 2 CPU cores, then readable Shakespeare.
     "cpu": {
-        "model": dict(max_seq_len=128, dim=192, n_layers=4, n_heads=6, bias=False),
-        "train": dict(batch_size=32, max_iters=1500, lr=2e-3, min_lr=2e-4, warmup_iters=100,
+        "model": dict(max_seq_len=128, dim=128, n_layers=4, n_heads=4, bias=False),
+        "train": dict(batch_size=12, max_iters=1500, lr=3e-3, min_lr=3e-4, warmup_iters=50,
                       eval_interval=250, eval_iters=20),
     },
     # nanoGPT's CPU recipe (README "I only have a macbook"): the speed baseline's model.

@@ -52,7 +52,7 @@ class TrainConfig:
     eval_interval: int = 250  # steps between evaluations/checkpoints
     eval_iters: int = 20  # validation batches per evaluation
     dtype: DType = "auto"  # auto = bf16 where the hardware has it, else fp32 (fp16 on old GPUs)
-    compile: bool = True  # torch.compile the model (falls back to eager if it fails)
+    compile: bool | None = None  # torch.compile; none = auto: on for GPUs, off on CPUs (see below)
     seed: int = 1337
     device: str = "auto"  # auto = cuda if available, else cpu
 
@@ -160,7 +160,13 @@ class Trainer:
     # ------------------------------------------------------------------ setup
 
     def _maybe_compile(self, model: nn.Module) -> nn.Module:
-        if not self.cfg.compile:
+        # Auto: on GPUs compilation pays for itself within a few hundred steps. On a 2-core CPU a
+        # cold compile of even a 4-layer GPT takes ~40 s and saves ~8% per step (BENCHMARKS.md),
+        # so it only pays off after thousands of steps; there it is opt-in (--compile true).
+        want = self.cfg.compile
+        if want is None:
+            want = torch.device(self.device).type == "cuda"
+        if not want:
             return model
         try:
             compiled = torch.compile(model)
