@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import hashlib
 import os
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -22,6 +21,7 @@ import torch
 from torch import Tensor
 
 from qkv.assets import asset_files
+from qkv.fileio import atomic_write
 from qkv.tokenizers.base import Tokenizer, tokenizer_json
 
 SHAKESPEARE = "shakespeare"
@@ -150,21 +150,12 @@ def token_cache(
             raise ValueError(f"corpus {corpus.name!r} encodes to no tokens; use a longer text")
         if ids.min() < 0 or ids.max() >= tokenizer.vocab_size:
             raise ValueError(f"tokenizer produced ids outside [0, {tokenizer.vocab_size})")
+        data = ids.astype(dtype).tobytes()
         try:
-            cache_dir.mkdir(parents=True, exist_ok=True)
-            fd, tmp = tempfile.mkstemp(dir=cache_dir, prefix=f".{path.name}.", suffix=".tmp")
+            atomic_write(path, lambda tmp: tmp.write_bytes(data))
         except OSError as e:
             raise ValueError(f"cannot write the token cache in {cache_dir} ({e.strerror}); "
                              "set QKV_CACHE_DIR to a writable folder") from None
-        try:
-            with os.fdopen(fd, "wb") as f:
-                f.write(ids.astype(dtype).tobytes())
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, path)
-        except BaseException:
-            Path(tmp).unlink(missing_ok=True)
-            raise
     return np.memmap(path, dtype=dtype, mode="r")
 
 

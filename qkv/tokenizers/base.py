@@ -9,10 +9,11 @@ from __future__ import annotations
 
 import json
 import os
-import tempfile
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
+
+from qkv.fileio import atomic_write
 
 
 @runtime_checkable
@@ -79,17 +80,7 @@ def save_tokenizer(tok: Tokenizer, path: str | os.PathLike[str]) -> Path:
     so a crash never leaves a half-written file where a good one was. Returns the path."""
     path = Path(path)
     text = tokenizer_json(tok)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    return path
+    return atomic_write(path, lambda tmp: tmp.write_text(text, encoding="utf-8"))
 
 
 def load_tokenizer(path: str | os.PathLike[str]) -> Tokenizer:
