@@ -81,3 +81,16 @@ def reference_attention():
 def rng():
     """A torch.Generator with a fixed seed, so each test draws the same numbers every run."""
     return torch.Generator().manual_seed(0)
+
+
+@pytest.fixture
+def one_thread():
+    """Tiny matrices: one thread avoids contention on shared CPUs (and is faster).
+
+    Test files with small training loops opt in with
+    ``pytestmark = pytest.mark.usefixtures("one_thread")``.
+    """
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)

@@ -65,9 +65,7 @@ def _configs(args: argparse.Namespace) -> tuple[GPTConfig, TrainConfig, LMDataCo
     preset = get_preset("gpt", args.preset)
     model = GPTConfig(**{**preset.get("model", {}), **model_over})
     train = {**preset.get("train", {}), **train_over}
-    train.setdefault("out_dir", default_run_dir("gpt", args.preset))
-    if "out_dir" not in train_over and "out_dir" not in preset.get("train", {}):
-        train["out_dir"] = default_run_dir("gpt", args.preset)
+    train.setdefault("out_dir", default_run_dir("gpt", args.preset))  # a new folder per run
     data = LMDataConfig(**{**preset.get("data", {}), **data_over})
     return model, TrainConfig(**train), data
 
@@ -75,7 +73,7 @@ def _configs(args: argparse.Namespace) -> tuple[GPTConfig, TrainConfig, LMDataCo
 class _Display:
     """Progress bar (rich) or plain lines; eval results always printed as a line."""
 
-    def __init__(self, total: int, start: int, plain: bool) -> None:
+    def __init__(self, total: int, plain: bool) -> None:
         self.total, self.plain = total, plain
         self.t0 = time.perf_counter()
         self.progress = None
@@ -97,7 +95,7 @@ class _Display:
                     TextColumn("loss {task.fields[loss]}"), TextColumn("{task.fields[tok_s]} tok/s"),
                     TimeElapsedColumn(), TextColumn("eta"), TimeRemainingColumn(),
                 )
-                self.task = self.progress.add_task("train", total=total, completed=start,
+                self.task = self.progress.add_task("train", total=total, completed=0,
                                                    loss="-", tok_s="-")
                 self.progress.start()
 
@@ -136,7 +134,7 @@ def cmd_train(args: argparse.Namespace) -> int:
               f"{model_cfg.n_layers} layers x {model_cfg.dim} wide, context {model_cfg.max_seq_len}, "
               f"{train_cfg.max_iters} steps on {dist.device}"
               + (f" x {dist.world_size} processes" if dist.enabled else "") + f" -> {run_dir}", flush=True)
-    display = _Display(train_cfg.max_iters, 0, args.no_progress or not sys.stdout.isatty()) \
+    display = _Display(train_cfg.max_iters, args.no_progress or not sys.stdout.isatty()) \
         if dist.is_main else None
     try:
         with warnings.catch_warnings():

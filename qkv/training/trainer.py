@@ -19,7 +19,7 @@ import signal
 import time
 import warnings
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal, Protocol
 
@@ -337,9 +337,6 @@ class Trainer:
     def _request_stop(self, signum, frame) -> None:
         self._stop_requested = True
         signal.signal(signal.SIGINT, signal.default_int_handler)  # a second Ctrl-C stops at once
-
-    def config_dict(self) -> dict:
-        return asdict(self.cfg)
 
 
 def _is_compile_error(e: Exception) -> bool:

@@ -10,36 +10,19 @@ import re
 
 import pytest
 import torch
+from attention_cases import draw_case
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from qkv.attention import attention, chunked_attention, scaled_dot_product_attention
 
-HEADS = [(1, 1), (2, 2), (4, 2), (4, 1), (6, 3)]
-LENGTHS = [1, 2, 7, 13, 33]
 TILES = [(3, 4), (4, 3), (5, 5), (3, 64), (64, 3), (None, None)]  # None: the default
 
 
 @st.composite
 def cases(draw):
     """One attention configuration plus the tile sizes to run it with."""
-    H, K = draw(st.sampled_from(HEADS))
-    D = draw(st.sampled_from([1, 4, 8]))
-    return dict(
-        B=draw(st.sampled_from([1, 2])),
-        H=H,
-        K=K,
-        T=draw(st.sampled_from(LENGTHS)),
-        S=draw(st.sampled_from(LENGTHS)),
-        D=D,
-        Dv=draw(st.sampled_from([D, 3])),
-        mask=draw(st.sampled_from([None, "random", "padding", "both"])),
-        bias=draw(st.booleans()),
-        is_causal=draw(st.booleans()),
-        scale=draw(st.sampled_from([None, 0.3, 2.0])),
-        seed=draw(st.integers(0, 2**16)),
-        tiles=draw(st.sampled_from(TILES)),
-    )
+    return {**draw_case(draw), "tiles": draw(st.sampled_from(TILES))}
 
 
 def _run(fn, q, k, v, upstream):

@@ -9,6 +9,7 @@ import re
 
 import pytest
 import torch
+from attention_cases import draw_case
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -25,30 +26,13 @@ from qkv.attention import (
     softmax,
 )
 
-HEADS = [(1, 1), (2, 2), (4, 2), (4, 1), (6, 3)]  # (H, K): MHA, GQA, MQA
-LENGTHS = [1, 2, 7, 13, 33]
 SETTINGS = settings(max_examples=30, deadline=None, derandomize=True)
 
 
 @st.composite
 def cases(draw):
     """One attention configuration: shapes, mask kind, causality, scale, bias, seed."""
-    H, K = draw(st.sampled_from(HEADS))
-    D = draw(st.sampled_from([1, 4, 8]))
-    return dict(
-        B=draw(st.sampled_from([1, 2])),
-        H=H,
-        K=K,
-        T=draw(st.sampled_from(LENGTHS)),
-        S=draw(st.sampled_from(LENGTHS)),
-        D=D,
-        Dv=draw(st.sampled_from([D, 3])),
-        mask=draw(st.sampled_from([None, "random", "padding", "both"])),
-        bias=draw(st.booleans()),
-        is_causal=draw(st.booleans()),
-        scale=draw(st.sampled_from([None, 0.3, 2.0])),
-        seed=draw(st.integers(0, 2**16)),
-    )
+    return draw_case(draw)
 
 
 def _inputs(make, case, dtype):

@@ -14,13 +14,7 @@ from qkv.models.gpt import GPT, GPTConfig
 V, W = 40, 8  # vocabulary, context (max_seq_len)
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """Tiny matrices: one thread avoids contention on shared CPUs (and is faster)."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")  # see tests/conftest.py
 
 
 def model(positions: str = "learned", seed: int = 2, ctx: int = W) -> GPT:

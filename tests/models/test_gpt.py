@@ -16,13 +16,7 @@ V, DIM, LAYERS, HEADS, CTX = 50, 32, 2, 4, 24
 POSITIONS = ("learned", "sinusoidal", "rope", "alibi", "none")
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """Tiny matrices: one thread avoids contention on shared CPUs (and is faster)."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")  # see tests/conftest.py
 
 
 def cfg(**kw) -> GPTConfig:

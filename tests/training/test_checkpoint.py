@@ -15,14 +15,7 @@ from qkv.models.gpt import GPT, GPTConfig
 from qkv.training import checkpoint as ckpt
 from qkv.training.checkpoint import CheckpointError
 
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """Tiny matrices: one thread avoids contention on shared CPUs (and is faster)."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")  # see tests/conftest.py
 
 
 def gpt(seed: int, **kw) -> GPT:

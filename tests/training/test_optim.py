@@ -15,13 +15,7 @@ from qkv.training.optim import lr_at, make_optimizer
 LR, MIN_LR, WARMUP, DECAY = 1.0, 0.1, 10, 110
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """Tiny matrices: one thread avoids contention on shared CPUs (and is faster)."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")  # see tests/conftest.py
 
 
 def test_warmup_is_linear_from_lr_over_warmup() -> None:

@@ -42,13 +42,7 @@ RUN_FILES = {"config.json", "model.safetensors", "last.safetensors", "optimizer.
              "tokenizer.json", "metrics.jsonl"}
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """Tiny matrices: one thread avoids contention on shared CPUs (and is faster)."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")  # see tests/conftest.py
 
 
 @pytest.fixture

@@ -1,0 +1,26 @@
+"""Hypothesis strategy shared by the attention backend tests: one attention configuration."""
+
+from hypothesis import strategies as st
+
+HEADS = [(1, 1), (2, 2), (4, 2), (4, 1), (6, 3)]  # (H, K): MHA, GQA, MQA
+LENGTHS = [1, 2, 7, 13, 33]
+
+
+def draw_case(draw) -> dict:
+    """Shapes, mask kind, causality, scale, bias and seed, drawn with ``draw``."""
+    H, K = draw(st.sampled_from(HEADS))
+    D = draw(st.sampled_from([1, 4, 8]))
+    return dict(
+        B=draw(st.sampled_from([1, 2])),
+        H=H,
+        K=K,
+        T=draw(st.sampled_from(LENGTHS)),
+        S=draw(st.sampled_from(LENGTHS)),
+        D=D,
+        Dv=draw(st.sampled_from([D, 3])),
+        mask=draw(st.sampled_from([None, "random", "padding", "both"])),
+        bias=draw(st.booleans()),
+        is_causal=draw(st.booleans()),
+        scale=draw(st.sampled_from([None, 0.3, 2.0])),
+        seed=draw(st.integers(0, 2**16)),
+    )
