@@ -5,3 +5,10 @@ Transformer blocks) -> models -> training -> generation / visualisation. See DES
 """
 
 __version__ = "0.1.0"
+
+
+def load(name: str, **kwargs):
+    """A pretrained model by name ("minilm", "smollm2"): see :func:`qkv.pretrained.load`."""
+    from qkv.pretrained import load as _load
+
+    return _load(name, **kwargs)

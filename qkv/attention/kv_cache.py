@@ -89,6 +89,9 @@ class LayerKVCache:
     def __init__(self, cache: KVCache, index: int) -> None:
         self.cache = cache
         self.index = index
+        # This layer's buffers as views, so code that reads them (and torch.compile's guards)
+        # depends on tensors, not on the layer number: one compiled block serves every layer.
+        self.k, self.v = cache.k[index], cache.v[index]  # (B, K, S_max, D)
 
     @property
     def pos(self) -> int:
@@ -101,23 +104,23 @@ class LayerKVCache:
         Returns:
             (B, K, pos + T, D) keys and values: views into the preallocated buffers.
         """
-        c, i, pos = self.cache, self.index, self.cache.pos
-        _, B, K, S_max, D = c.k.shape
+        pos = self.cache.pos
+        B, K, S_max, D = self.k.shape
         if k.ndim != 4 or k.shape[0] != B or k.shape[1] != K or k.shape[3] != D:
             raise ValueError(
                 f"KVCache: new keys have shape {tuple(k.shape)}, expected (B={B}, K={K}, T, D={D})"
             )
         T = k.shape[2]
-        if v.ndim != 4 or v.shape[:3] != k.shape[:3] or v.shape[3] != c.v.shape[-1]:
+        if v.ndim != 4 or v.shape[:3] != k.shape[:3] or v.shape[3] != self.v.shape[-1]:
             raise ValueError(
                 f"KVCache: new values have shape {tuple(v.shape)}, expected "
-                f"({B}, {K}, {T}, {c.v.shape[-1]})"
+                f"({B}, {K}, {T}, {self.v.shape[-1]})"
             )
         if pos + T > S_max:
             raise ValueError(
                 f"KVCache overflow: position {pos} + {T} new tokens > max_seq_len {S_max}; "
                 "allocate a larger cache or shorten the sequence"
             )
-        c.k[i, :, :, pos : pos + T] = k
-        c.v[i, :, :, pos : pos + T] = v
-        return c.k[i, :, :, : pos + T], c.v[i, :, :, : pos + T]
+        self.k[:, :, pos : pos + T] = k
+        self.v[:, :, pos : pos + T] = v
+        return self.k[:, :, : pos + T], self.v[:, :, : pos + T]

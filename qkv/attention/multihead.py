@@ -75,23 +75,31 @@ class MultiHeadAttention(nn.Module):
             self.qkv = nn.Linear(dim, q_width + 2 * kv_width, bias=bias)
         self.out_proj = nn.Linear(q_width, dim, bias=bias)
 
-    def _project(self, x: Tensor, context: Tensor | None) -> tuple[Tensor, Tensor, Tensor]:
-        """(B, T, dim) [, (B, S, kv_dim)] -> q (B, H, T, Dh), k and v (B, K, S, Dh)."""
+    def _project(
+        self, x: Tensor, context: Tensor | None, rope: RotaryEmbedding | None, offset: int
+    ) -> tuple[Tensor, Tensor, Tensor]:
+        """(B, T, dim) [, (B, S, kv_dim)] -> q (B, H, T, Dh), k and v (B, K, S, Dh), with
+        q and k rotated by RoPE from position ``offset`` when ``rope`` is given."""
         B, T, _ = x.shape
         H, K, Dh = self.n_heads, self.n_kv_heads, self.head_dim
         if self.cross:
             if context is None:
                 raise ValueError("cross-attention needs context= (B, S, kv_dim)")
-            q = self.q_proj(x)
-            k, v = self.kv_proj(context).split([K * Dh, K * Dh], dim=-1)
-        else:
-            if context is not None:
-                raise ValueError("self-attention takes no context; build with cross=True")
-            q, k, v = self.qkv(x).split([H * Dh, K * Dh, K * Dh], dim=-1)
-        S = k.shape[1]
-        q = q.view(B, T, H, Dh).transpose(1, 2)  # (B, H, T, Dh)
-        k = k.view(B, S, K, Dh).transpose(1, 2)  # (B, K, S, Dh)
-        v = v.view(B, S, K, Dh).transpose(1, 2)  # (B, K, S, Dh)
+            if rope is not None:
+                raise ValueError("RoPE is for self-attention; cross-attention takes rope=None")
+            S = context.shape[1]
+            q = self.q_proj(x).view(B, T, H, Dh).transpose(1, 2)  # (B, H, T, Dh)
+            k, v = self.kv_proj(context).view(B, S, 2 * K, Dh).transpose(1, 2).split([K, K], dim=1)
+            return q, k, v  # k, v: (B, K, S, Dh)
+        if context is not None:
+            raise ValueError("self-attention takes no context; build with cross=True")
+        # The fused projection lays out [q heads | k heads | v heads]: view it as H + 2K
+        # heads, so that RoPE rotates q and k in one call.
+        qkv = self.qkv(x).view(B, T, H + 2 * K, Dh).transpose(1, 2)  # (B, H+2K, T, Dh)
+        qk, v = qkv.split([H + K, K], dim=1)
+        if rope is not None:
+            qk = rope(qk, offset)
+        q, k = qk.split([H, K], dim=1)  # (B, H, T, Dh), (B, K, T, Dh)
         return q, k, v
 
     def forward(
@@ -126,10 +134,7 @@ class MultiHeadAttention(nn.Module):
         """
         if x.ndim != 3:
             raise ValueError(f"x must be (B, T, dim), got shape {tuple(x.shape)}")
-        q, k, v = self._project(x, context)
-        if rope is not None:
-            offset = 0 if cache is None else cache.pos
-            q, k = rope(q, offset), rope(k, offset)
+        q, k, v = self._project(x, context, rope, 0 if cache is None else cache.pos)
         if cache is not None:
             k, v = cache.update(k, v)  # (B, K, pos + T, Dh)
         out, weights = attention(

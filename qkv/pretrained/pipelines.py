@@ -1,0 +1,203 @@
+"""Pretrained models ready to use: text in, embeddings or text out.
+
+    enc = qkv.load("minilm");  enc.embed(["a sentence", ...])  -> (N, 384), unit length
+                               enc.rank("query", documents)     -> [(index, cosine), ...]
+    lm = qkv.load("smollm2");  lm.generate("Once upon a time", max_new_tokens=64)
+                               lm.generate("What is the capital of France?", chat=True)
+
+Each object holds a qkv model (built from ``qkv.layers``), its tokenizer and the settings
+read from the checkpoint; nothing here knows a foreign file format.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import torch
+from torch import Tensor
+
+from qkv.generation import generate as generate_tokens
+from qkv.generation.decode import crop_prompt
+from qkv.generation.layout import set_weight_layout
+from qkv.models.encoder import Encoder
+from qkv.models.gpt import GPT
+from qkv.tokenizers.hf import HFTokenizer
+
+DTypeName = Literal["float32", "bfloat16"]
+DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
+    return DTYPES[dtype]
+
+
+@dataclass
+class SentenceEncoder:
+    """A sentence-embedding model: mean-pooled, L2-normalised encoder states (Sentence-BERT)."""
+
+    name: str
+    model: Encoder
+    tokenizer: HFTokenizer
+    max_tokens: int  # longer sentences are truncated (sentence-transformers does the same)
+
+    @torch.inference_mode()
+    def embed(
+        self,
+        texts: str | Sequence[str],
+        batch_size: int = 32,
+        normalize: bool = True,
+        on_batch: Callable[[int], None] | None = None,
+    ) -> Tensor:
+        """(N, dim) float32 embeddings of ``texts`` (one text -> (1, dim)).
+
+        Sentences are sorted by length and batched, so a batch holds little padding; the
+        result is in the input order. ``on_batch(n)`` is called after each batch of n texts.
+        """
+        if isinstance(texts, str):
+            texts = [texts]
+        texts = list(texts)
+        if batch_size < 1:
+            raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+        if not all(isinstance(t, str) for t in texts):
+            raise TypeError("embed() takes a string or a sequence of strings")
+        device = self.model.tok_emb.weight.device
+        dim = self.model.cfg.dim
+        out = torch.empty(len(texts), dim)
+        order = sorted(range(len(texts)), key=lambda i: len(texts[i]))
+        for start in range(0, len(texts), batch_size):
+            idx = order[start : start + batch_size]
+            ids, lengths = self.tokenizer.encode_batch([texts[i] for i in idx], self.max_tokens)
+            x = torch.tensor(ids, device=device)
+            mask = torch.arange(x.shape[1], device=device) < torch.tensor(lengths, device=device)[:, None]
+            hidden = self.model(x, mask).hidden
+            pooled = self.model.pool(hidden, mask).float()
+            if normalize:
+                pooled = torch.nn.functional.normalize(pooled, dim=-1)
+            out[idx] = pooled.cpu()
+            if on_batch is not None:
+                on_batch(len(idx))
+        return out
+
+    def rank(self, query: str, documents: Sequence[str], batch_size: int = 32) -> list[tuple[int, float]]:
+        """Documents ranked by cosine similarity to ``query``: [(index, score)], best first.
+
+        Retrieval as an inner product of unit vectors (CS189 Lec 21, "inner-product retrieval").
+        """
+        if not documents:
+            raise ValueError("rank() needs at least one document")
+        e = self.embed([query, *documents], batch_size)
+        scores = e[1:] @ e[0]  # (N,) cosines, since rows have unit length
+        order = torch.argsort(scores, descending=True)
+        return [(int(i), float(scores[i])) for i in order]
+
+
+@dataclass
+class CausalLM:
+    """A pretrained decoder (qkv's GPT) with its tokenizer, chat template and stop tokens."""
+
+    name: str
+    model: GPT
+    tokenizer: HFTokenizer
+    chat_template: str | None = None
+    stop_ids: tuple[int, ...] = ()
+    info: dict[str, Any] = field(default_factory=dict)
+
+    def to(self, dtype: str | torch.dtype) -> CausalLM:
+        """Cast the weights (float32 or bfloat16) and pick the weight layout that decodes
+        fastest for that dtype on this device (see :mod:`qkv.generation.layout`)."""
+        dt = resolve_dtype(dtype)
+        set_weight_layout(self.model, "standard")
+        self.model.to(dt)
+        set_weight_layout(self.model, "decode")
+        return self
+
+    def format_chat(self, messages: str | Sequence[dict[str, str]], system: str | None = None) -> str:
+        """Render the checkpoint's chat template (ChatML for SmolLM2) with the assistant turn
+        opened, ready for generation. A string is one user message."""
+        if self.chat_template is None:
+            raise ValueError(f"{self.name} has no chat template; generate without --chat")
+        if isinstance(messages, str):
+            messages = [{"role": "user", "content": messages}]
+        messages = list(messages)
+        if system is not None:
+            messages = [{"role": "system", "content": system}, *messages]
+        from jinja2.exceptions import TemplateError
+        from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+        # The template comes from a file: render it sandboxed, as transformers does.
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                            extensions=["jinja2.ext.loopcontrols"])
+
+        def raise_exception(message: str) -> None:
+            raise TemplateError(message)
+
+        env.globals["raise_exception"] = raise_exception
+        try:
+            return env.from_string(self.chat_template).render(
+                messages=messages, add_generation_prompt=True,
+                bos_token="", eos_token=self.tokenizer.decode(self.stop_ids[:1]),
+            )
+        except TemplateError as e:
+            raise ValueError(f"the chat template of {self.name} failed to render: {e}") from None
+
+    def stream(
+        self,
+        prompt: str,
+        max_new_tokens: int = 128,
+        *,
+        chat: bool = False,
+        system: str | None = None,
+        temperature: float = 0.0,
+        top_k: int | None = None,
+        top_p: float | None = None,
+        seed: int | None = None,
+        use_cache: bool = True,
+        stop_at_eos: bool = True,
+    ) -> Iterator[str]:
+        """Yield the continuation of ``prompt`` piece by piece (whole characters only).
+
+        ``chat=True`` wraps the prompt in the chat template. ``max_new_tokens`` is bounded by
+        the context: at most ``max_seq_len - len(prompt)`` tokens are generated.
+        """
+        if max_new_tokens < 0:
+            raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
+        text = self.format_chat(prompt, system) if chat else prompt
+        ids = self.tokenizer.encode(text)
+        if not ids:
+            raise ValueError("the prompt is empty; give some text to continue")
+        W = self.model.cfg.max_seq_len
+        if len(ids) >= W:
+            raise ValueError(f"the prompt has {len(ids)} tokens; {self.name} reads at most "
+                             f"{W - 1} plus one new token: shorten it")
+        x, _ = crop_prompt(torch.tensor([ids], device=self.model.tok_emb.weight.device), W)
+        max_new_tokens = min(max_new_tokens, W - len(ids))
+        gen = torch.Generator(device=x.device)
+        if seed is not None:
+            gen.manual_seed(seed)
+        else:
+            gen.seed()
+        out: list[int] = []
+        shown = ""
+        for t in generate_tokens(self.model, x, max_new_tokens, temperature=temperature,
+                                 top_k=top_k, top_p=top_p, use_cache=use_cache, generator=gen):
+            tid = int(t[0])
+            if stop_at_eos and tid in self.stop_ids:
+                break
+            out.append(tid)
+            piece = self.tokenizer.decode(out)
+            if not piece.endswith("\ufffd"):  # hold back a partial UTF-8 character
+                yield piece[len(shown):]
+                shown = piece
+        rest = self.tokenizer.decode(out)[len(shown):]
+        if rest:
+            yield rest
+
+    def generate(self, prompt: str, max_new_tokens: int = 128, **kwargs: Any) -> str:
+        """The continuation of ``prompt`` as one string (greedy by default); see :meth:`stream`."""
+        return "".join(self.stream(prompt, max_new_tokens, **kwargs))

@@ -1,0 +1,156 @@
+"""SmolLM2-135M-Instruct (GGUF) -> qkv's own :class:`~qkv.models.gpt.GPT`.
+
+SmolLM2 is a Llama-architecture decoder: RMSNorm, SwiGLU, RoPE (θ = 100000), grouped-query
+attention (9 query heads, 3 key/value heads), no biases, tied input/output embeddings
+(Allal et al. 2025). All of that is a :class:`~qkv.models.gpt.GPTConfig`; this file only maps
+llama.cpp's tensor names onto qkv's and undoes one layout difference:
+
+llama.cpp's converter permutes the rows of W_Q and W_K inside each head so that the two
+halves of every rotated pair sit next to each other (its RoPE rotates adjacent pairs
+(x0, x1), (x2, x3), ...). qkv, like the original checkpoint, rotates pairs (x_i, x_{i+D/2})
+("rotate half"). :func:`unpermute_rope_rows` puts the rows back.
+
+The tokenizer (byte-level BPE: vocabulary, merges, control tokens) and the ChatML chat
+template are read from the same file's metadata.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from qkv.models.gpt import GPT, GPTConfig
+from qkv.pretrained._build import build_with_weights
+from qkv.pretrained.gguf_file import GGUFFile, PretrainedFormatError, read_gguf
+from qkv.tokenizers.hf import HFTokenizer, hf_tokenizers
+
+INSTALL_HINT = "reinstall it with `qkv assets install smollm2`"
+
+GGUF_TOKEN_CONTROL = 3  # llama.cpp's token type for special tokens (<|im_start|>, ...)
+GGUF_TOKEN_USER_DEFINED = 4
+
+
+def _meta(g: GGUFFile, key: str) -> Any:
+    arch = g.metadata.get("general.architecture", "llama")
+    full = key.replace("{arch}", arch)
+    if full not in g.metadata:
+        raise PretrainedFormatError(f"{g.path}: metadata key {full!r} missing; {INSTALL_HINT}")
+    return g.metadata[full]
+
+
+def gpt_config_from_gguf(g: GGUFFile) -> GPTConfig:
+    """The GPTConfig of a llama-architecture GGUF (sizes, heads, RoPE base, norm epsilon)."""
+    arch = g.metadata.get("general.architecture")
+    if arch != "llama":
+        raise PretrainedFormatError(f"{g.path}: architecture {arch!r} is not supported (only llama)")
+    dim = int(_meta(g, "{arch}.embedding_length"))
+    n_heads = int(_meta(g, "{arch}.attention.head_count"))
+    head_dim = dim // n_heads
+    rope_dims = int(g.metadata.get("llama.rope.dimension_count", head_dim))
+    if rope_dims != head_dim:
+        raise PretrainedFormatError(f"{g.path}: partial RoPE ({rope_dims} of {head_dim}) unsupported")
+    tied = "output.weight" not in g.tensor_names()
+    return GPTConfig(
+        vocab_size=len(_meta(g, "tokenizer.ggml.tokens")),
+        max_seq_len=int(_meta(g, "{arch}.context_length")),
+        dim=dim,
+        n_layers=int(_meta(g, "{arch}.block_count")),
+        n_heads=n_heads,
+        n_kv_heads=int(_meta(g, "{arch}.attention.head_count_kv")),
+        mlp_hidden=int(_meta(g, "{arch}.feed_forward_length")),
+        mlp="swiglu",
+        norm="rmsnorm",
+        norm_eps=float(_meta(g, "{arch}.attention.layer_norm_rms_epsilon")),
+        positions="rope",
+        rope_theta=float(_meta(g, "{arch}.rope.freq_base")),
+        tie_embeddings=tied,
+        bias=False,
+    )
+
+
+def unpermute_rope_rows(w: np.ndarray, n_heads: int) -> np.ndarray:
+    """Undo llama.cpp's per-head row permutation of W_Q / W_K, shape (n_heads·Dh, dim).
+
+    llama.cpp stored head rows in the order (0, D/2, 1, D/2+1, ...): view each head's rows as
+    (2, D/2) -> (D/2, 2); this reads them back as (D/2, 2) -> (2, D/2).
+    """
+    rows, cols = w.shape
+    dh = rows // n_heads
+    return w.reshape(n_heads, dh // 2, 2, cols).swapaxes(1, 2).reshape(rows, cols)
+
+
+def gpt_state_dict_from_gguf(tensors: dict[str, np.ndarray], cfg: GPTConfig) -> dict[str, Tensor]:
+    """llama.cpp tensor names -> GPT parameter names (fused QKV, Q/K rows unpermuted)."""
+    def get(name: str) -> np.ndarray:
+        if name not in tensors:
+            raise PretrainedFormatError(f"tensor {name!r} missing from the GGUF file; {INSTALL_HINT}")
+        return tensors[name]
+
+    sd: dict[str, Tensor] = {"tok_emb.weight": torch.from_numpy(get("token_embd.weight"))}
+    for i in range(cfg.n_layers):
+        b, p = f"blk.{i}.", f"stack.blocks.{i}."
+        q = unpermute_rope_rows(get(b + "attn_q.weight"), cfg.n_heads)
+        k = unpermute_rope_rows(get(b + "attn_k.weight"), cfg.resolved_kv_heads)
+        v = get(b + "attn_v.weight")
+        sd[p + "attn.qkv.weight"] = torch.from_numpy(np.concatenate([q, k, v], axis=0))
+        sd[p + "attn.out_proj.weight"] = torch.from_numpy(get(b + "attn_output.weight"))
+        sd[p + "norm1.weight"] = torch.from_numpy(get(b + "attn_norm.weight"))
+        sd[p + "norm2.weight"] = torch.from_numpy(get(b + "ffn_norm.weight"))
+        sd[p + "mlp.w_gate.weight"] = torch.from_numpy(get(b + "ffn_gate.weight"))
+        sd[p + "mlp.w_up.weight"] = torch.from_numpy(get(b + "ffn_up.weight"))
+        sd[p + "mlp.w_down.weight"] = torch.from_numpy(get(b + "ffn_down.weight"))
+    sd["stack.norm.weight"] = torch.from_numpy(get("output_norm.weight"))
+    sd["lm_head.weight"] = (sd["tok_emb.weight"] if cfg.tie_embeddings
+                            else torch.from_numpy(get("output.weight")))
+    return sd
+
+
+def tokenizer_from_gguf(g: GGUFFile) -> HFTokenizer:
+    """The byte-level BPE tokenizer stored in GGUF metadata, as a ``tokenizers.Tokenizer``:
+    GPT-2 byte-level pre-tokenisation (no prefix space), the stored merges, and the control
+    tokens (<|im_start|>, <|im_end|>, ...) matched whole in the text."""
+    model = g.metadata.get("tokenizer.ggml.model")
+    if model != "gpt2":
+        raise PretrainedFormatError(f"{g.path}: tokenizer model {model!r} unsupported (only gpt2 BPE)")
+    tk = hf_tokenizers()
+    tokens: list[str] = _meta(g, "tokenizer.ggml.tokens")
+    types: list[int] = g.metadata.get("tokenizer.ggml.token_type", [1] * len(tokens))
+    if len(types) != len(tokens):
+        raise PretrainedFormatError(f"{g.path}: {len(tokens)} tokens but {len(types)} token types")
+    merges = [tuple(m.split(" ", 1)) for m in _meta(g, "tokenizer.ggml.merges")]
+    vocab = {t: i for i, t in enumerate(tokens)}
+    tok = tk.Tokenizer(tk.models.BPE(vocab=vocab, merges=merges, fuse_unk=False))
+    tok.pre_tokenizer = tk.pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    tok.decoder = tk.decoders.ByteLevel()
+    kinds = (GGUF_TOKEN_CONTROL, GGUF_TOKEN_USER_DEFINED)
+    special = [tk.AddedToken(t, special=True, normalized=False)
+               for t, ty in zip(tokens, types, strict=True) if ty in kinds]
+    tok.add_special_tokens(special)
+    return HFTokenizer(tok)
+
+
+def load_smollm2(path: str | os.PathLike[str] | None = None) -> tuple[GPT, HFTokenizer, dict[str, Any]]:
+    """Read the GGUF (default: the installed ``smollm2`` asset) into (GPT, tokenizer, info).
+
+    ``info`` holds ``chat_template``, ``bos_id``, ``eos_id`` and the file's name.
+    """
+    if path is None:
+        from qkv.assets import asset_path
+
+        path = asset_path("smollm2")
+    g = read_gguf(path, fix=INSTALL_HINT)
+    cfg = gpt_config_from_gguf(g)
+    tok = tokenizer_from_gguf(g)
+    sd = gpt_state_dict_from_gguf(g.tensors(), cfg)
+    model = build_with_weights(lambda: GPT(cfg), sd, str(path))
+    info = {
+        "name": g.metadata.get("general.name", "SmolLM2"),
+        "chat_template": g.metadata.get("tokenizer.chat_template"),
+        "bos_id": g.metadata.get("tokenizer.ggml.bos_token_id"),
+        "eos_id": g.metadata.get("tokenizer.ggml.eos_token_id"),
+    }
+    return model, tok, info
