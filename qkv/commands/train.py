@@ -162,12 +162,15 @@ def cmd_train(args: argparse.Namespace) -> int:
 def add_generate_parser(sub) -> None:
     p = sub.add_parser(
         "generate",
-        help="sample text from a trained run, with a KV cache",
-        description="Sample a continuation of --prompt from a run directory written by `qkv train`. "
-        "Tokens stream to the terminal as they are generated.",
+        help="sample text from a trained run or from SmolLM2, with a KV cache",
+        description="Sample a continuation of --prompt from a run directory written by `qkv train`, "
+        "or from the pretrained SmolLM2-135M-Instruct (`qkv generate smollm2 --prompt ... [--chat]`; "
+        "needs `qkv assets install smollm2`). Tokens stream to the terminal as they are generated.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
-    p.add_argument("run", metavar="RUN_DIR", help="a run directory from `qkv train`")
+    p.add_argument("run", metavar="RUN_OR_MODEL",
+                   help="a run directory from `qkv train`, a pretrained model (smollm2), or a "
+                   "llama-architecture .gguf file")
     p.add_argument("--prompt", default="\n", help="text to continue")
     p.add_argument("--max-new-tokens", type=int, default=300, help="tokens to generate")
     p.add_argument("--temperature", type=float, default=0.8, help="0 = greedy; <1 sharper, >1 more random")
@@ -176,19 +179,31 @@ def add_generate_parser(sub) -> None:
     p.add_argument("--seed", type=int, default=None, help="random seed for reproducible samples")
     p.add_argument("--no-cache", action="store_true", help="recompute the whole context every step (slow)")
     p.add_argument("--device", default="cpu", help="cpu or cuda")
+    p.add_argument("--chat", action="store_true",
+                   help="(pretrained) wrap the prompt in the model's chat template and print the reply")
+    p.add_argument("--system", default=None, help="(pretrained, --chat) a system message")
+    p.add_argument("--dtype", default=None, choices=("float32", "bfloat16"),
+                   help="weights' precision (default: float32, exact to the reference)")
     p.set_defaults(func=cmd_generate)
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
     import torch
 
+    from qkv.commands.pretrained import DECODERS, cmd_generate_pretrained
     from qkv.generation import generate
     from qkv.generation.decode import crop_prompt
     from qkv.training.lm import load_lm_run
 
+    if (args.run in DECODERS and not Path(args.run).is_dir()) or args.run.endswith(".gguf"):
+        return cmd_generate_pretrained(args)
+    if args.chat or args.system:
+        raise ValueError("--chat and --system need a chat model (smollm2), not a trained run")
     if args.max_new_tokens < 0:
         raise ValueError(f"--max-new-tokens must be >= 0, got {args.max_new_tokens}")
     model, tok, _ = load_lm_run(Path(args.run), args.device)
+    if args.dtype:
+        model.to(getattr(torch, args.dtype))
     ids = tok.encode(args.prompt)
     if not ids:
         raise ValueError("the prompt encodes to no tokens; give a non-empty --prompt")

@@ -11,6 +11,7 @@ read from the checkpoint; nothing here knows a foreign file format.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -107,6 +108,7 @@ class CausalLM:
     chat_template: str | None = None
     stop_ids: tuple[int, ...] = ()
     info: dict[str, Any] = field(default_factory=dict)
+    last_stats: dict[str, float] = field(default_factory=dict)  # of the last stream()
 
     def to(self, dtype: str | torch.dtype) -> CausalLM:
         """Cast the weights (float32 or bfloat16) and pick the weight layout that decodes
@@ -184,12 +186,15 @@ class CausalLM:
             gen.seed()
         out: list[int] = []
         shown = ""
+        t0 = time.perf_counter()
+        self.last_stats = {"prompt_tokens": len(ids), "new_tokens": 0, "seconds": 0.0}
         for t in generate_tokens(self.model, x, max_new_tokens, temperature=temperature,
                                  top_k=top_k, top_p=top_p, use_cache=use_cache, generator=gen):
             tid = int(t[0])
             if stop_at_eos and tid in self.stop_ids:
                 break
             out.append(tid)
+            self.last_stats.update(new_tokens=len(out), seconds=time.perf_counter() - t0)
             piece = self.tokenizer.decode(out)
             if not piece.endswith("\ufffd"):  # hold back a partial UTF-8 character
                 yield piece[len(shown):]

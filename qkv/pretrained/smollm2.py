@@ -138,11 +138,14 @@ def load_smollm2(path: str | os.PathLike[str] | None = None) -> tuple[GPT, HFTok
 
     ``info`` holds ``chat_template``, ``bos_id``, ``eos_id`` and the file's name.
     """
+    fix = INSTALL_HINT
     if path is None:
         from qkv.assets import asset_path
 
         path = asset_path("smollm2")
-    g = read_gguf(path, fix=INSTALL_HINT)
+    else:
+        fix = "check that it is a complete llama-architecture GGUF file"
+    g = read_gguf(path, fix=fix)
     cfg = gpt_config_from_gguf(g)
     tok = tokenizer_from_gguf(g)
     sd = gpt_state_dict_from_gguf(g.tensors(), cfg)

@@ -1,0 +1,191 @@
+"""`qkv embed`, `qkv similarity` and `qkv generate smollm2`: the pretrained models from the shell."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+from qkv.pretrained import PRETRAINED
+
+ENCODERS = ("minilm",)
+DECODERS = ("smollm2",)
+
+
+def read_text_file(path: Path) -> str:
+    """A UTF-8 text file's contents; ValueError naming the fix when it is not UTF-8."""
+    try:
+        return path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise ValueError(f"{path} is not UTF-8 text (byte {e.start}); convert it first, e.g. "
+                         f"`iconv -f latin1 -t utf-8 {path} > fixed.txt`") from None
+
+
+def _lines(path: Path) -> list[str]:
+    return [line.strip() for line in read_text_file(path).splitlines() if line.strip()]
+
+
+def _texts(items: list[str], files: bool) -> list[str]:
+    """Arguments as texts; with ``files``, an argument naming an existing file adds its lines."""
+    out: list[str] = []
+    for item in items:
+        p = Path(item)
+        if item == "-":
+            out += [line.strip() for line in sys.stdin.read().splitlines() if line.strip()]
+        elif files and p.is_file():
+            out += _lines(p)
+        else:
+            out.append(item)
+    return out
+
+
+def _encoder(name: str):
+    if name not in ENCODERS:
+        raise ValueError(f"{name!r} is not a sentence encoder; choose from: {', '.join(ENCODERS)}")
+    from qkv.pretrained import load
+
+    return load(name)
+
+
+def add_embed_parser(sub) -> None:
+    p = sub.add_parser(
+        "embed",
+        help="sentence embeddings from the pretrained MiniLM encoder",
+        description="Embed sentences with all-MiniLM-L6-v2 loaded into qkv's own Encoder: "
+        "mean-pooled last hidden states, L2-normalised (what sentence-transformers computes). "
+        "Prints the cosine similarity of every pair, or the vectors with --json. "
+        "Needs `qkv assets install minilm`.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    p.add_argument("model", choices=ENCODERS, help="pretrained encoder")
+    p.add_argument("texts", nargs="*", metavar="TEXT", help="sentences to embed ('-' reads stdin)")
+    p.add_argument("--file", type=Path, help="also embed every non-empty line of this UTF-8 file")
+    p.add_argument("--json", action="store_true", help="print JSON: [{text, embedding}, ...]")
+    p.add_argument("--batch-size", type=int, default=32, help="sentences per forward pass")
+    p.set_defaults(func=cmd_embed)
+
+
+def cmd_embed(args: argparse.Namespace) -> int:
+    texts = _texts(args.texts, files=False) + (_lines(args.file) if args.file else [])
+    if not texts:
+        raise ValueError("give at least one sentence to embed (arguments, --file, or '-' for stdin)")
+    if any(not t.strip() for t in texts):
+        raise ValueError("empty sentences cannot be embedded; remove them")
+    enc = _encoder(args.model)
+    emb = enc.embed(texts, batch_size=args.batch_size)
+    if args.json:
+        json.dump([{"text": t, "embedding": [round(float(x), 7) for x in e]}
+                   for t, e in zip(texts, emb, strict=True)], sys.stdout)
+        sys.stdout.write("\n")
+        return 0
+    from rich.console import Console
+    from rich.table import Table
+
+    con = Console()
+    con.print(f"{len(texts)} sentence(s) -> {emb.shape[1]}-d unit vectors ({args.model}); "
+              "first values:")
+    for t, e in zip(texts, emb, strict=True):
+        con.print(f"  [{', '.join(f'{x:+.3f}' for x in e[:6])}, ...]  {t[:70]}", highlight=False)
+    if len(texts) > 1:
+        table = Table(title="cosine similarity (inner product of unit vectors)")
+        table.add_column("")
+        for j in range(len(texts)):
+            table.add_column(str(j + 1), justify="right")
+        sims = emb @ emb.T
+        for i, t in enumerate(texts):
+            table.add_row(f"{i + 1}. {t[:40]}", *(f"{float(s):.3f}" for s in sims[i]))
+        con.print(table)
+    return 0
+
+
+def add_similarity_parser(sub) -> None:
+    p = sub.add_parser(
+        "similarity",
+        help="rank sentences by cosine similarity to a query (MiniLM)",
+        description="Rank documents by the cosine similarity of their MiniLM embeddings to the "
+        "query: inner-product retrieval, as in the lectures. Each DOC is a sentence, or a UTF-8 "
+        "file whose non-empty lines are the documents.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    p.add_argument("model", choices=ENCODERS, help="pretrained encoder")
+    p.add_argument("query", help="the query sentence")
+    p.add_argument("docs", nargs="+", metavar="FILE_OR_SENTENCE", help="documents ('-' reads stdin)")
+    p.add_argument("--top", type=int, default=10, help="show the best N (0 = all)")
+    p.add_argument("--json", action="store_true", help="print JSON: [{rank, score, index, text}, ...]")
+    p.add_argument("--batch-size", type=int, default=32, help="sentences per forward pass")
+    p.set_defaults(func=cmd_similarity)
+
+
+def cmd_similarity(args: argparse.Namespace) -> int:
+    if not args.query.strip():
+        raise ValueError("the query is empty; give a sentence to search for")
+    docs = _texts(args.docs, files=True)
+    if not docs:
+        raise ValueError("no documents to rank (the files given are empty)")
+    if args.top < 0:
+        raise ValueError(f"--top must be >= 0, got {args.top}")
+    enc = _encoder(args.model)
+    t0 = time.perf_counter()
+    ranked = enc.rank(args.query, docs, batch_size=args.batch_size)
+    dt = time.perf_counter() - t0
+    shown = ranked[: args.top] if args.top else ranked
+    if args.json:
+        json.dump([{"rank": r + 1, "score": round(s, 6), "index": i, "text": docs[i]}
+                   for r, (i, s) in enumerate(shown)], sys.stdout)
+        sys.stdout.write("\n")
+        return 0
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=f"{len(docs)} documents ranked by cosine similarity to: {args.query!r}")
+    table.add_column("rank", justify="right")
+    table.add_column("cosine", justify="right")
+    table.add_column("document")
+    for r, (i, s) in enumerate(shown):
+        table.add_row(str(r + 1), f"{s:.4f}", docs[i])
+    con = Console()
+    con.print(table)
+    con.print(f"[dim]{len(docs) + 1} embeddings in {dt:.2f} s[/dim]")
+    return 0
+
+
+def cmd_generate_pretrained(args: argparse.Namespace) -> int:
+    """`qkv generate smollm2 ...`: stream a continuation (or a chat reply) from the GGUF model."""
+    from qkv.pretrained import load
+
+    if args.max_new_tokens < 0:
+        raise ValueError(f"--max-new-tokens must be >= 0, got {args.max_new_tokens}")
+    if not args.prompt.strip() and not args.chat:
+        raise ValueError("the prompt is empty; give --prompt TEXT")
+    t0 = time.perf_counter()
+    if args.run.endswith(".gguf"):  # any llama-architecture GGUF goes through the same converter
+        lm = load("smollm2", path=args.run, dtype=args.dtype or "float32", device=args.device)
+    else:
+        lm = load(args.run, dtype=args.dtype or "float32", device=args.device)
+    print(f"[{args.run}: loaded in {time.perf_counter() - t0:.1f} s, {args.dtype or 'float32'}]",
+          file=sys.stderr)
+    n_prompt = len(lm.tokenizer.encode(lm.format_chat(args.prompt, args.system) if args.chat
+                                       else args.prompt))
+    room = lm.model.cfg.max_seq_len - n_prompt
+    if args.max_new_tokens > room > 0:
+        print(f"qkv: note: --max-new-tokens {args.max_new_tokens} bounded to {room} by the "
+              f"{lm.model.cfg.max_seq_len}-token context", file=sys.stderr)
+    if not args.chat:
+        sys.stdout.write(args.prompt)
+    for piece in lm.stream(args.prompt, args.max_new_tokens, chat=args.chat, system=args.system,
+                           temperature=args.temperature, top_k=args.top_k or None, top_p=args.top_p,
+                           seed=args.seed, use_cache=not args.no_cache):
+        sys.stdout.write(piece)
+        sys.stdout.flush()
+    sys.stdout.write("\n")
+    st = lm.last_stats
+    print(f"[{st['prompt_tokens']} prompt + {st['new_tokens']} new tokens in {st['seconds']:.2f} s, "
+          f"{st['new_tokens'] / max(st['seconds'], 1e-9):.1f} tok/s, "
+          f"{'no cache' if args.no_cache else 'KV cache'}]", file=sys.stderr)
+    return 0
+
+
+__all__ = ["DECODERS", "ENCODERS", "PRETRAINED", "add_embed_parser", "add_similarity_parser",
+           "cmd_generate_pretrained"]
