@@ -21,7 +21,7 @@ from qkv.pretrained._build import build_with_weights
 from qkv.pretrained.gguf_file import PretrainedFormatError
 from qkv.tokenizers.hf import HFTokenizer
 
-INSTALL_HINT = "reinstall it with `qkv assets install minilm`"
+INSTALL_HINT = "check the model folder, or reinstall the bundled one: `qkv assets install minilm`"
 
 _LAYER_MAP = {  # BERT name (under encoder.layer.{i}.) -> qkv name (under stack.blocks.{i}.)
     "attention.output.dense": "attn.out_proj",
@@ -113,6 +113,15 @@ def load_minilm(folder: str | os.PathLike[str] | None = None) -> tuple[Encoder, 
 
         folder = asset_path("minilm")
     folder = Path(folder)
+    try:
+        return _load(folder)
+    except ValueError as e:  # shapes that do not fit, an unreadable tokenizer.json, ...
+        if isinstance(e, PretrainedFormatError):
+            raise
+        raise PretrainedFormatError(f"{e}; {INSTALL_HINT}") from None
+
+
+def _load(folder: Path) -> tuple[Encoder, HFTokenizer, int]:
     config = _read_json(folder / "config.json")
     st_config = folder / "sentence_bert_config.json"
     max_len = int(_read_json(st_config).get("max_seq_length", 256)) if st_config.exists() else 256

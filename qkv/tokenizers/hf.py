@@ -76,11 +76,19 @@ class HFTokenizer:
         """
         if isinstance(texts, str) or not all(isinstance(t, str) for t in texts):
             raise TypeError("encode_batch() takes a sequence of str")
-        encs = self.tokenizer.encode_batch(list(texts), add_special_tokens=True)
-        ids = [e.ids for e in encs]
+        n_special = self.tokenizer.num_special_tokens_to_add(False)
+        if max_length is not None and max_length <= n_special:
+            raise ValueError(f"max_length must be > {n_special} (the special tokens this "
+                             f"tokenizer adds), got {max_length}")
         if max_length is not None:
-            # Keep the closing special token ([SEP]) when truncating, as BERT tokenizers do.
-            ids = [i if len(i) <= max_length else i[: max_length - 1] + i[-1:] for i in ids]
+            # The library truncates the text and keeps the special tokens ([CLS] ... [SEP]).
+            self.tokenizer.enable_truncation(max_length)
+        try:
+            encs = self.tokenizer.encode_batch(list(texts), add_special_tokens=True)
+        finally:
+            if max_length is not None:
+                self.tokenizer.no_truncation()
+        ids = [e.ids for e in encs]
         lengths = [len(i) for i in ids]
         width = max(lengths, default=0)
         return [i + [pad_id] * (width - len(i)) for i in ids], lengths
