@@ -3,9 +3,9 @@
 Decoding: SmolLM2-135M-Instruct from the same GGUF, greedy, batch 1, a 32-token prompt and
 128 new tokens. Baseline: ``transformers`` ``model.generate(do_sample=False,
 min_new_tokens=128)`` (its default dynamic KV cache). qkv: ``qkv.generation.generate`` with
-its preallocated KV cache, in the weight layout ``qkv.load`` picks for the dtype (fp32:
-(in, out) storage, see ``qkv/generation/layout.py``), and, to show what the layout buys,
-fp32 in the standard layout. fp32 and bf16. The generated tokens are compared too.
+its preallocated KV cache; in fp32 its one-row projections split the weight rows over both
+cores (``qkv/attention/linear.py``), and to show what that buys, fp32 with plain
+``F.linear`` too. fp32 and bf16. The generated tokens are compared too.
 
 Memory bound: batch-1 decoding reads every weight once per token, so tokens/s × bytes of
 weights per token is the memory traffic the decoder sustains; it is reported beside the
@@ -65,7 +65,8 @@ def decode_bytes_per_token(model: torch.nn.Module) -> int:
 
 def _prompt_ids(tok, n: int) -> torch.Tensor:
     text = ("Once upon a time, in a small village by the sea, there lived an old fisherman "
-            "who told stories about the stars to anyone who would listen.")
+            "who told stories about the stars to anyone who would listen. Every evening the "
+            "children of the village gathered on the pier to hear about the lighthouse keeper.")
     ids = tok.encode(text)
     if len(ids) < n:
         raise SystemExit("benchmark prompt too short")
@@ -73,12 +74,13 @@ def _prompt_ids(tok, n: int) -> torch.Tensor:
 
 
 def bench_decoding(args: argparse.Namespace) -> tuple[list[dict], dict]:
+    import torch.nn.functional as F
     from transformers import AutoModelForCausalLM
 
     import qkv
     from qkv.assets import asset_path
+    from qkv.attention.linear import Linear
     from qkv.generation import generate
-    from qkv.generation.layout import set_weight_layout
 
     path = asset_path("smollm2")
     t = time.perf_counter()
@@ -104,17 +106,18 @@ def bench_decoding(args: argparse.Namespace) -> tuple[list[dict], dict]:
     rows = []
     for dtype in ("float32", "bfloat16"):
         dt = getattr(torch, dtype)
-        lm.to(dtype)  # picks the decode layout for the dtype
+        lm.to(dtype)
         ref.to(dt)
         contenders = {"transformers": run_ref, "qkv": run_qkv}
         if dtype == "float32":
-            def run_qkv_standard():
-                set_weight_layout(lm.model, "standard")
+            def run_qkv_plain():
+                fast = Linear.forward
+                Linear.forward = lambda self, x: F.linear(x, self.weight, self.bias)
                 try:
                     return run_qkv()
                 finally:
-                    set_weight_layout(lm.model, "decode")
-            contenders["qkv (standard layout)"] = run_qkv_standard
+                    Linear.forward = fast
+            contenders["qkv (plain F.linear)"] = run_qkv_plain
         tokens = {k: f() for k, f in contenders.items()}  # warm-up, and the tokens to compare
         times: dict[str, list[float]] = {k: [] for k in contenders}
         names = list(contenders)

@@ -15,6 +15,7 @@ from torch import Tensor, nn
 
 from qkv.attention.functional import BACKENDS, AttentionOutput, Backend, attention
 from qkv.attention.kv_cache import LayerKVCache
+from qkv.attention.linear import Linear
 from qkv.attention.positional import RotaryEmbedding
 
 
@@ -69,11 +70,11 @@ class MultiHeadAttention(nn.Module):
         self.cross, self.dropout, self.backend = cross, dropout, backend
         q_width, kv_width = n_heads * self.head_dim, n_kv_heads * self.head_dim
         if cross:
-            self.q_proj = nn.Linear(dim, q_width, bias=bias)
-            self.kv_proj = nn.Linear(dim if kv_dim is None else kv_dim, 2 * kv_width, bias=bias)
+            self.q_proj = Linear(dim, q_width, bias=bias)
+            self.kv_proj = Linear(dim if kv_dim is None else kv_dim, 2 * kv_width, bias=bias)
         else:
-            self.qkv = nn.Linear(dim, q_width + 2 * kv_width, bias=bias)
-        self.out_proj = nn.Linear(q_width, dim, bias=bias)
+            self.qkv = Linear(dim, q_width + 2 * kv_width, bias=bias)
+        self.out_proj = Linear(q_width, dim, bias=bias)
 
     def _project(
         self, x: Tensor, context: Tensor | None, rope: RotaryEmbedding | None, offset: int

@@ -16,6 +16,8 @@ from typing import Literal
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from qkv.attention.linear import Linear
+
 MLPKind = Literal["gelu", "gelu_tanh", "relu", "swiglu"]
 
 _ACTIVATIONS = {
@@ -42,8 +44,8 @@ class MLP(nn.Module):
                 f"activation must be one of {sorted(_ACTIVATIONS)}, got {activation!r}"
             )
         self.act = _ACTIVATIONS[activation]
-        self.fc_in = nn.Linear(dim, hidden_dim, bias=bias)
-        self.fc_out = nn.Linear(hidden_dim, dim, bias=bias)
+        self.fc_in = Linear(dim, hidden_dim, bias=bias)
+        self.fc_out = Linear(hidden_dim, dim, bias=bias)
         self.drop = nn.Dropout(dropout)
 
     def forward(self, x: Tensor) -> Tensor:
@@ -55,9 +57,9 @@ class SwiGLU(nn.Module):
 
     def __init__(self, dim: int, hidden_dim: int, bias: bool = False, dropout: float = 0.0) -> None:
         super().__init__()
-        self.w_gate = nn.Linear(dim, hidden_dim, bias=bias)
-        self.w_up = nn.Linear(dim, hidden_dim, bias=bias)
-        self.w_down = nn.Linear(hidden_dim, dim, bias=bias)
+        self.w_gate = Linear(dim, hidden_dim, bias=bias)
+        self.w_up = Linear(dim, hidden_dim, bias=bias)
+        self.w_down = Linear(hidden_dim, dim, bias=bias)
         self.drop = nn.Dropout(dropout)
 
     def forward(self, x: Tensor) -> Tensor:

@@ -30,6 +30,7 @@ from qkv.attention import (
     RotaryEmbedding,
     SinusoidalPositionalEmbedding,
 )
+from qkv.attention.linear import Linear
 from qkv.layers import BlockConfig, decoder_stack
 from qkv.layers.mlp import MLPKind
 from qkv.layers.norm import NormKind
@@ -127,7 +128,7 @@ class GPT(nn.Module):
             self.alibi = ALiBi(cfg.n_heads)
         self.drop = nn.Dropout(cfg.dropout)
         self.stack = decoder_stack(cfg.block_config(), cfg.n_layers, cross_attention=False)
-        self.lm_head = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
+        self.lm_head = Linear(cfg.dim, cfg.vocab_size, bias=False)
         if cfg.tie_embeddings:
             self.lm_head.weight = self.tok_emb.weight  # Press & Wolf 2017: one matrix, both ends
         self.apply(self._init_weights)

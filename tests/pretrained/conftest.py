@@ -98,8 +98,7 @@ def minilm(minilm_folder):
 
 @pytest.fixture(scope="session")
 def smollm2(smollm2_file):
-    """qkv's CausalLM (fp32; loaded in the "decode" weight layout). Tests that change its
-    layout or dtype must restore it (or work on a copy)."""
+    """qkv's CausalLM (fp32). Tests that change its dtype must work on a copy."""
     for m in ("gguf", "tokenizers", "jinja2"):
         _qkv_dependency(m)
     import qkv
@@ -111,7 +110,8 @@ def smollm2(smollm2_file):
 @pytest.fixture(scope="session")
 def qkv_greedy(smollm2):
     """``run(prompt) -> (ids, text)``: ``CausalLM.generate`` greedy, GREEDY_TOKENS tokens, in
-    its default mode (KV cache, "decode" weight layout), memoised.
+    its default mode (KV cache; batch 1, so every projection takes the two-core one-row path
+    of ``qkv.attention.linear.Linear``), memoised.
 
     The text is what ``generate`` returns (``stop_at_eos=False``); the ids are read with a
     forward hook as the argmax of each step's last logits, i.e. the tokens a greedy decoder
@@ -141,29 +141,23 @@ def qkv_greedy(smollm2):
 
 @pytest.fixture(scope="session")
 def qkv_greedy_batch(smollm2):
-    """``run(use_cache, layout) -> [ids for each of SMOLLM2_PROMPTS]``: greedy decoding of all
-    the prompts as one batch with ``qkv.generation.generate``, memoised. The shared model's
-    weight layout is restored afterwards."""
+    """``run(use_cache) -> [ids for each of SMOLLM2_PROMPTS]``: greedy decoding of all the
+    prompts as one batch with ``qkv.generation.generate`` (batch 3: plain ``F.linear``),
+    memoised."""
     from qkv.generation import generate
-    from qkv.generation.layout import set_weight_layout, weight_layout
 
     memo: dict = {}
 
-    def run(use_cache: bool, layout: str) -> list[list[int]]:
-        if (use_cache, layout) in memo:
-            return memo[use_cache, layout]
+    def run(use_cache: bool) -> list[list[int]]:
+        if use_cache in memo:
+            return memo[use_cache]
         prompts = [smollm2.tokenizer.encode(p) for p in SMOLLM2_PROMPTS]
         assert {len(p) for p in prompts} == {PROMPT_TOKENS}, "batched prompts must have one length"
-        before = weight_layout(smollm2.model)
-        set_weight_layout(smollm2.model, layout)
-        try:
-            with threads():
-                steps = list(generate(smollm2.model, torch.tensor(prompts), GREEDY_TOKENS,
-                                      temperature=0.0, use_cache=use_cache))
-        finally:
-            set_weight_layout(smollm2.model, before)
-        memo[use_cache, layout] = torch.stack(steps, dim=1).tolist()
-        return memo[use_cache, layout]
+        with threads():
+            steps = list(generate(smollm2.model, torch.tensor(prompts), GREEDY_TOKENS,
+                                  temperature=0.0, use_cache=use_cache))
+        memo[use_cache] = torch.stack(steps, dim=1).tolist()
+        return memo[use_cache]
 
     return run
 

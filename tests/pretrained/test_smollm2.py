@@ -1,6 +1,6 @@
 """SmolLM2-135M-Instruct (GGUF) in qkv's own GPT, compared live with transformers reading the
 same GGUF file: weights, logits (fp32, 1e-4 max abs), greedy continuations token for token
-(with and without the KV cache, in both weight layouts), tokenizer ids and the chat template.
+(with and without the KV cache, batch 1 and batched), tokenizer ids and the chat template.
 Also: llama.cpp's Q/K row permutation, undone exactly, and bf16 decoding.
 
 Without transformers the live tests skip; ``test_fixture.py`` covers them from stored values.
@@ -22,14 +22,12 @@ from pretrained_cases import (
     chat_ids,
 )
 
-from qkv.generation.layout import weight_layout
 from qkv.pretrained.smollm2 import unpermute_rope_rows
 
 LOGIT_TOL = 1e-4
-# (use_cache, weight layout) for batched decoding; CausalLM.generate, one prompt at a time,
-# runs the default (cache, "decode").
-MODES = [(True, "standard"), (False, "standard")]
-MODE_IDS = ["cache-standard", "nocache-standard"]
+# use_cache for batched decoding; CausalLM.generate, one prompt at a time, runs with the cache.
+MODES = [True, False]
+MODE_IDS = ["cache", "nocache"]
 
 
 # --------------------------------------------------------------------------- model
@@ -88,7 +86,7 @@ def test_logits_match_transformers(smollm2, qkv_greedy, hf_smollm2_logits, promp
 
 @pytest.mark.parametrize("prompt", SMOLLM2_PROMPTS)
 def test_greedy_continuation_matches_transformers(smollm2, qkv_greedy, hf_smollm2_logits, prompt: str):
-    """CausalLM.generate (KV cache, "decode" layout) picks, at each of 32 steps, the token
+    """CausalLM.generate (KV cache, batch 1) picks, at each of 32 steps, the token
     transformers' greedy decoder picks (see ``hf_smollm2_logits``)."""
     head, ids = _sequence(smollm2, qkv_greedy, prompt)
     assert len(ids) == GREEDY_TOKENS
@@ -97,19 +95,18 @@ def test_greedy_continuation_matches_transformers(smollm2, qkv_greedy, hf_smollm
     assert qkv_greedy(prompt)[1] == smollm2.tokenizer.decode(ref)
 
 
-@pytest.mark.parametrize(("use_cache", "layout"), MODES, ids=MODE_IDS)
+@pytest.mark.parametrize("use_cache", MODES, ids=MODE_IDS)
 def test_batched_greedy_with_and_without_cache_matches_transformers(
-    smollm2, qkv_greedy, qkv_greedy_batch, hf_smollm2_logits, use_cache: bool, layout: str
+    smollm2, qkv_greedy, qkv_greedy_batch, hf_smollm2_logits, use_cache: bool
 ) -> None:
-    """The prompts decoded as one batch, with the KV cache and without it, in the "standard"
-    weight layout (the test above ran the "decode" layout): token for token the same 32 tokens
-    as transformers' greedy decoder, and as CausalLM.generate."""
-    batch = qkv_greedy_batch(use_cache, layout)
+    """The prompts decoded as one batch (plain F.linear; the test above ran batch 1, the
+    two-core one-row path), with the KV cache and without it: token for token the same 32
+    tokens as transformers' greedy decoder, and as CausalLM.generate."""
+    batch = qkv_greedy_batch(use_cache)
     for prompt, ids in zip(SMOLLM2_PROMPTS, batch, strict=True):
         head = smollm2.tokenizer.encode(prompt)
         assert ids == hf_smollm2_logits(head + ids)[len(head) - 1 : -1].argmax(-1).tolist(), prompt
         assert ids == qkv_greedy(prompt)[0]
-    assert weight_layout(smollm2.model) == "decode"  # the shared model was restored
 
 
 # --------------------------------------------------------------------------- tokenizer
@@ -162,7 +159,6 @@ def test_bfloat16_still_answers_paris(smollm2) -> None:
     lm16 = copy.deepcopy(smollm2).to("bfloat16")  # a copy: the session model stays fp32
     linears = [m for m in lm16.model.modules() if isinstance(m, torch.nn.Linear)]
     assert all(m.weight.dtype == torch.bfloat16 for m in linears)
-    assert weight_layout(lm16.model) == "standard"  # bf16 keeps the standard layout
     assert smollm2.model.tok_emb.weight.dtype == torch.float32
     ids = torch.tensor([smollm2.tokenizer.encode(smollm2.format_chat(BF16_QUESTION))])
     with torch.inference_mode():

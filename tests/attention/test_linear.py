@@ -1,0 +1,65 @@
+"""qkv.attention.linear.Linear: the two-core one-row path computes W x + b like F.linear."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from qkv.attention.linear import Linear, _row_block_matvec
+
+
+@pytest.mark.parametrize("bias", [True, False])
+@pytest.mark.parametrize("n", [2, 3, 4])
+def test_row_blocks_equal_the_matrix_vector_product(bias: bool, n: int) -> None:
+    torch.manual_seed(0)
+    w = torch.randn(12 * n, 37, dtype=torch.float64)
+    b = torch.randn(12 * n, dtype=torch.float64) if bias else None
+    x = torch.randn(1, 1, 37, dtype=torch.float64)
+    expected = x @ w.T + (0 if b is None else b)  # (1, 1, out), written out independently
+    got = _row_block_matvec(x, w, b, n)
+    assert got.shape == (1, 1, 12 * n)
+    torch.testing.assert_close(got, expected, rtol=0, atol=1e-12)
+
+
+def _with_threads(n: int):
+    class _Ctx:
+        def __enter__(self):
+            self.before = torch.get_num_threads()
+            torch.set_num_threads(n)
+
+        def __exit__(self, *exc):
+            torch.set_num_threads(self.before)
+
+    return _Ctx()
+
+
+def test_fast_path_taken_only_for_one_row_inference(monkeypatch) -> None:
+    torch.manual_seed(0)
+    lin = Linear(16, 8)
+    calls = []
+    import qkv.attention.linear as mod
+
+    real = mod._row_block_matvec
+    monkeypatch.setattr(mod, "_row_block_matvec", lambda *a: calls.append(1) or real(*a))
+    with _with_threads(2):
+        x1, xb = torch.randn(1, 16), torch.randn(3, 16)
+        with torch.inference_mode():
+            y1 = lin(x1)
+            assert calls == [1]
+            yb = lin(xb)  # a batch: plain F.linear
+            assert calls == [1]
+        y_train = lin(x1)  # autograd on: plain F.linear, so training is untouched
+        assert calls == [1] and y_train.requires_grad
+    torch.testing.assert_close(y1, F.linear(x1, lin.weight, lin.bias), rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(yb, F.linear(xb, lin.weight, lin.bias))
+    with _with_threads(1), torch.inference_mode():
+        lin(x1)
+    assert calls == [1]  # one thread: nothing to split over
+
+
+def test_linear_is_an_nn_linear_with_the_same_parameters() -> None:
+    lin = Linear(5, 7, bias=False)
+    assert isinstance(lin, torch.nn.Linear)
+    assert list(dict(lin.named_parameters())) == ["weight"]
+    assert lin.weight.shape == (7, 5)
