@@ -56,8 +56,10 @@ class SentenceEncoder:
     ) -> Tensor:
         """(N, dim) float32 embeddings of ``texts`` (one text -> (1, dim)).
 
-        Sentences are sorted by length and batched, so a batch holds little padding; the
-        result is in the input order. ``on_batch(n)`` is called after each batch of n texts.
+        All texts are tokenized first (in parallel), then sorted by their number of tokens
+        and batched, so a batch holds little padding (sorting by characters, as
+        sentence-transformers does, pads ~1.5x more on mixed prose and code). The result is in
+        the input order. ``on_batch(n)`` is called after each batch of n texts.
         """
         if isinstance(texts, str):
             texts = [texts]
@@ -69,11 +71,14 @@ class SentenceEncoder:
         device = self.model.tok_emb.weight.device
         dim = self.model.cfg.dim
         out = torch.empty(len(texts), dim)
-        order = sorted(range(len(texts)), key=lambda i: len(texts[i]))
+        all_ids = self.tokenizer.encode_many(texts, self.max_tokens)
+        order = sorted(range(len(texts)), key=lambda i: len(all_ids[i]))
         for start in range(0, len(texts), batch_size):
             idx = order[start : start + batch_size]
-            ids, lengths = self.tokenizer.encode_batch([texts[i] for i in idx], self.max_tokens)
-            x = torch.tensor(ids, device=device)
+            lengths = [len(all_ids[i]) for i in idx]
+            width = max(lengths)
+            x = torch.tensor([all_ids[i] + [0] * (width - len(all_ids[i])) for i in idx],
+                             device=device)
             mask = torch.arange(x.shape[1], device=device) < torch.tensor(lengths, device=device)[:, None]
             hidden = self.model(x, mask).hidden
             pooled = self.model.pool(hidden, mask).float()

@@ -71,9 +71,16 @@ class HFTokenizer:
     ) -> tuple[list[list[int]], list[int]]:
         """Encode several texts (with special tokens), truncating each to ``max_length`` ids.
 
-        Returns (ids padded with ``pad_id`` to the longest, true lengths); the parallel Rust
-        encoder does the work.
+        Returns (ids padded with ``pad_id`` to the longest, true lengths).
         """
+        ids = self.encode_many(texts, max_length)
+        lengths = [len(i) for i in ids]
+        width = max(lengths, default=0)
+        return [i + [pad_id] * (width - len(i)) for i in ids], lengths
+
+    def encode_many(self, texts: Sequence[str], max_length: int | None = None) -> list[list[int]]:
+        """Ids of each text (with special tokens, truncated to ``max_length``), unpadded; the
+        parallel Rust encoder does the work."""
         if isinstance(texts, str) or not all(isinstance(t, str) for t in texts):
             raise TypeError("encode_batch() takes a sequence of str")
         n_special = self.tokenizer.num_special_tokens_to_add(False)
@@ -88,10 +95,7 @@ class HFTokenizer:
         finally:
             if max_length is not None:
                 self.tokenizer.no_truncation()
-        ids = [e.ids for e in encs]
-        lengths = [len(i) for i in ids]
-        width = max(lengths, default=0)
-        return [i + [pad_id] * (width - len(i)) for i in ids], lengths
+        return [e.ids for e in encs]
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str:
         """Text of ``ids``. Ids that end mid-character decode to U+FFFD (a model's sample may
