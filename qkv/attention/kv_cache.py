@@ -54,6 +54,7 @@ class KVCache:
         self.v = torch.zeros(n_layers, batch_size, n_kv_heads, max_seq_len, dv, dtype=dtype,
                              device=device)
         self.pos = 0  # tokens stored so far (the same for every layer once a step is done)
+        self._layers: list[LayerKVCache] = []  # built on first use (after k/v exist)
 
     @property
     def max_seq_len(self) -> int:
@@ -67,7 +68,9 @@ class KVCache:
         """The view of this cache that attention layer ``index`` reads and writes."""
         if not 0 <= index < self.n_layers:
             raise ValueError(f"KVCache: layer index {index} out of range [0, {self.n_layers})")
-        return LayerKVCache(self, index)
+        if not self._layers:  # one view object per layer, reused at every decoding step
+            self._layers = [LayerKVCache(self, i) for i in range(self.n_layers)]
+        return self._layers[index]
 
     def advance(self, n: int) -> None:
         """Record that ``n`` more tokens are stored in every layer (call after each step)."""

@@ -7,8 +7,9 @@ as ``n`` stacked blocks of rows (a free view) and computing the blocks with one 
 product lets PyTorch give each block its own core: the same arithmetic, ~1.4× faster per
 token on this project's 2-core machine (``benchmarks/pretrained_speed.py``).
 
-The fast path is taken only where it is known to help: inference (no autograd), fp32 on CPU,
-one input row, ≥ 2 threads and an output width divisible by the thread count. Everything
+The fast path is taken only where it is known to help: inference (``torch.no_grad`` or
+``inference_mode``), fp32 on CPU, one input row, ≥ 2 threads and an output width divisible
+by the thread count (bf16 is not split: its kernel already uses every core). Everything
 else — training, batches, prompts — is exactly ``F.linear``. Checkpoints are unchanged (same
 parameter names and shapes as ``nn.Linear``).
 """
@@ -23,9 +24,14 @@ from torch import Tensor, nn
 def _row_block_matvec(x: Tensor, weight: Tensor, bias: Tensor | None, n: int) -> Tensor:
     """x (..., in) holding one row, W (out, in) -> (..., out) as ``n`` parallel row blocks."""
     out_f, in_f = weight.shape
-    xb = x.reshape(1, 1, in_f).expand(n, 1, in_f)  # (n, 1, in): the same row for every block
-    wb = weight.view(n, out_f // n, in_f).transpose(1, 2)  # (n, in, out/n): a view, no copy
-    y = torch.bmm(xb, wb).reshape(*x.shape[:-1], out_f)  # blocks side by side = W x
+    return _blocks_matvec(x, weight.view(n, out_f // n, in_f).transpose(1, 2), bias)
+
+
+def _blocks_matvec(x: Tensor, blocks: Tensor, bias: Tensor | None) -> Tensor:
+    """x (..., in) holding one row, blocks (n, in, out/n) -> (..., out)."""
+    n, in_f, _ = blocks.shape
+    y = torch.bmm(x.view(1, 1, in_f).expand(n, 1, in_f), blocks)  # (n, 1, out/n), one core each
+    y = y.view(*x.shape[:-1], -1)  # blocks side by side = W x
     return y if bias is None else y + bias
 
 
@@ -33,11 +39,24 @@ class Linear(nn.Linear):
     """``nn.Linear`` (same parameters, same init, same results up to float rounding) whose
     one-row inference products use every core; see the module docstring."""
 
-    def forward(self, x: Tensor) -> Tensor:
+    _blocks: tuple[tuple, Tensor | None] = ((), None)  # (key, (n, in, out/n) view of weight)
+
+    def _row_blocks(self) -> Tensor | None:
+        """W as (n, in, out/n) row blocks — a view, so in-place updates show through — or
+        None where the fast path does not apply. Cached per weight storage and thread count."""
         w = self.weight
-        if (x.shape[-1] == x.numel() and w.device.type == "cpu" and w.dtype == torch.float32
-                and not (torch.is_grad_enabled() and (w.requires_grad or x.requires_grad))):
-            n = torch.get_num_threads()
-            if n > 1 and w.shape[0] % n == 0 and w.is_contiguous():
-                return _row_block_matvec(x, w, self.bias, n)
-        return F.linear(x, w, self.bias)
+        n = torch.get_num_threads()
+        key = (w.data_ptr(), w.dtype, w.device, n, w.shape)
+        if self._blocks[0] != key:
+            ok = (n > 1 and w.device.type == "cpu" and w.dtype == torch.float32
+                  and w.shape[0] % n == 0 and w.is_contiguous())
+            blocks = w.detach().view(n, w.shape[0] // n, w.shape[1]).transpose(1, 2) if ok else None
+            self._blocks = (key, blocks)
+        return self._blocks[1]
+
+    def forward(self, x: Tensor) -> Tensor:
+        if x.shape[-1] == x.numel() and not torch.is_grad_enabled():  # one row, inference
+            blocks = self._row_blocks()
+            if blocks is not None:
+                return _blocks_matvec(x, blocks, self.bias)
+        return F.linear(x, self.weight, self.bias)

@@ -113,8 +113,9 @@ class RotaryEmbedding(nn.Module):
         if D != self.head_dim:
             raise ValueError(f"RoPE built for head_dim {self.head_dim}, got tensor with D={D}")
         _check_range("RotaryEmbedding", offset, T, self.max_seq_len)
-        cos = self.cos[offset : offset + T].to(x.dtype)  # (T, D), broadcast over B and H
-        sin = self.sin[offset : offset + T].to(x.dtype)
+        cos, sin = self.cos[offset : offset + T], self.sin[offset : offset + T]  # (T, D)
+        if cos.dtype != x.dtype:
+            cos, sin = cos.to(x.dtype), sin.to(x.dtype)
         return x * cos + rotate_half(x) * sin
 
 

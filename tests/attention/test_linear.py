@@ -40,8 +40,8 @@ def test_fast_path_taken_only_for_one_row_inference(monkeypatch) -> None:
     calls = []
     import qkv.attention.linear as mod
 
-    real = mod._row_block_matvec
-    monkeypatch.setattr(mod, "_row_block_matvec", lambda *a: calls.append(1) or real(*a))
+    real = mod._blocks_matvec
+    monkeypatch.setattr(mod, "_blocks_matvec", lambda *a: calls.append(1) or real(*a))
     with _with_threads(2):
         x1, xb = torch.randn(1, 16), torch.randn(3, 16)
         with torch.inference_mode():
@@ -51,11 +51,15 @@ def test_fast_path_taken_only_for_one_row_inference(monkeypatch) -> None:
             assert calls == [1]
         y_train = lin(x1)  # autograd on: plain F.linear, so training is untouched
         assert calls == [1] and y_train.requires_grad
+        with torch.inference_mode():
+            lin.weight.data = lin.weight.data.double().float()  # new storage: blocks rebuilt
+            torch.testing.assert_close(lin(x1), F.linear(x1, lin.weight, lin.bias))
+            assert calls == [1, 1]
     torch.testing.assert_close(y1, F.linear(x1, lin.weight, lin.bias), rtol=1e-6, atol=1e-6)
     torch.testing.assert_close(yb, F.linear(xb, lin.weight, lin.bias))
     with _with_threads(1), torch.inference_mode():
         lin(x1)
-    assert calls == [1]  # one thread: nothing to split over
+    assert calls == [1, 1]  # one thread: nothing to split over
 
 
 def test_linear_is_an_nn_linear_with_the_same_parameters() -> None:
