@@ -9,12 +9,16 @@ token on this project's 2-core machine (``benchmarks/pretrained_speed.py``).
 
 The fast path is taken only where it is known to help: inference (``torch.no_grad`` or
 ``inference_mode``), fp32 on CPU, one input row, ≥ 2 threads and an output width divisible
-by the thread count (bf16 is not split: its kernel already uses every core). Everything
+by the thread count (bf16 is not split: its kernel already uses every core). One more CPU
+fix, for bf16 prompts: on CPUs without bf16 instructions a many-row bf16 product is computed
+from fp32 copies of the weights, ~100× faster than PyTorch's emulated bf16 GEMM. Everything
 else — training, batches, prompts — is exactly ``F.linear``. Checkpoints are unchanged (same
 parameter names and shapes as ``nn.Linear``).
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 import torch.nn.functional as F
@@ -55,8 +59,28 @@ class Linear(nn.Linear):
         return self._blocks[1]
 
     def forward(self, x: Tensor) -> Tensor:
-        if x.shape[-1] == x.numel() and not torch.is_grad_enabled():  # one row, inference
-            blocks = self._row_blocks()
-            if blocks is not None:
-                return _blocks_matvec(x, blocks, self.bias)
+        if not torch.is_grad_enabled():  # inference
+            if x.shape[-1] == x.numel():  # one row
+                blocks = self._row_blocks()
+                if blocks is not None:
+                    return _blocks_matvec(x, blocks, self.bias)
+            elif self.weight.dtype == torch.bfloat16 and _slow_bf16_gemm(self.weight):
+                # Many rows (a prompt) in bf16 on a CPU without bf16 instructions: PyTorch's
+                # bf16 GEMM is ~100x slower than upcasting the weights and multiplying in fp32,
+                # which is what the bf16 kernel computes anyway (fp32 accumulation).
+                b = None if self.bias is None else self.bias.float()
+                return F.linear(x.float(), self.weight.float(), b).to(x.dtype)
         return F.linear(x, self.weight, self.bias)
+
+
+def _slow_bf16_gemm(w: Tensor) -> bool:
+    """True on CPUs whose bf16 matrix products are emulated (no AVX512-BF16 / AMX)."""
+    return w.device.type == "cpu" and not _cpu_has_native_bf16()
+
+
+@functools.cache
+def _cpu_has_native_bf16() -> bool:
+    try:
+        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    except (AttributeError, RuntimeError):  # no oneDNN in this build: assume emulated
+        return False

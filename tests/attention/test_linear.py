@@ -67,3 +67,18 @@ def test_linear_is_an_nn_linear_with_the_same_parameters() -> None:
     assert isinstance(lin, torch.nn.Linear)
     assert list(dict(lin.named_parameters())) == ["weight"]
     assert lin.weight.shape == (7, 5)
+
+
+def test_bf16_many_rows_match_the_bf16_kernel() -> None:
+    """The fp32-upcast path for bf16 prompts gives what PyTorch's bf16 GEMM gives (both
+    accumulate in fp32; only the accumulation order may differ)."""
+    torch.manual_seed(0)
+    lin = Linear(64, 48).to(torch.bfloat16)
+    x = torch.randn(2, 5, 64).to(torch.bfloat16)
+    with torch.inference_mode():
+        got = lin(x)
+    expected = F.linear(x, lin.weight, lin.bias)
+    assert got.dtype == torch.bfloat16 and got.shape == (2, 5, 48)
+    exact = (x.double() @ lin.weight.double().T + lin.bias.double())
+    assert (got.double() - exact).abs().max() <= (expected.double() - exact).abs().max() + 0.02
+    torch.testing.assert_close(got, expected, rtol=1e-2, atol=2e-2)
