@@ -120,3 +120,23 @@ def test_make_norm_builds_the_named_norm() -> None:
 def test_make_norm_bad_kind_raises(kind: str) -> None:
     with pytest.raises(ValueError, match="layernorm"):
         make_norm(kind, 8)
+
+
+def test_rmsnorm_bf16_equals_the_fp32_computation_rounded_once() -> None:
+    """bf16 input and weight: the result is the fp32 formula rounded to bf16 once."""
+    import torch.nn.functional as F
+
+
+    torch.manual_seed(0)
+    norm = RMSNorm(96, eps=1e-5)
+    with torch.no_grad():
+        norm.weight.copy_(torch.randn(96))
+    norm = norm.to(torch.bfloat16)
+    x = (torch.randn(4, 9, 96) * 3).to(torch.bfloat16)
+    xf, wf = x.double(), norm.weight.double()
+    exact = xf / torch.sqrt(xf.pow(2).mean(-1, keepdim=True) + 1e-5) * wf
+    got = norm(x)
+    assert got.dtype == torch.bfloat16
+    via_fp32 = F.rms_norm(x.float(), (96,), norm.weight.float(), 1e-5).to(torch.bfloat16)
+    assert torch.equal(got, via_fp32)
+    assert (got.double() - exact).abs().max() <= exact.abs().max() * 2**-8
