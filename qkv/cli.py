@@ -133,7 +133,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    # parse_known_args: argparse cannot put a `nargs="*"` positional after options
+    # (`qkv embed minilm --json "a b"`); commands that take free text collect the rest.
+    args, extra = parser.parse_known_args(argv)
+    if extra:
+        if getattr(args, "extra_texts", False) and not any(e.startswith("-") for e in extra):
+            args.texts = [*args.texts, *extra]
+        else:
+            parser.error(f"unrecognized arguments: {' '.join(extra)}")
     if args.command is None:
         parser.print_help()
         return 0

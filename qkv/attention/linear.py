@@ -36,7 +36,7 @@ def _blocks_matvec(x: Tensor, blocks: Tensor, bias: Tensor | None) -> Tensor:
     n, in_f, _ = blocks.shape
     y = torch.bmm(x.view(1, 1, in_f).expand(n, 1, in_f), blocks)  # (n, 1, out/n), one core each
     y = y.view(*x.shape[:-1], -1)  # blocks side by side = W x
-    return y if bias is None else y + bias
+    return y if bias is None else y + bias.to(y.dtype)  # (autocast: y may be bf16)
 
 
 class Linear(nn.Linear):
@@ -50,13 +50,17 @@ class Linear(nn.Linear):
         None where the fast path does not apply. Cached per weight storage and thread count."""
         w = self.weight
         n = torch.get_num_threads()
-        key = (w.data_ptr(), w.dtype, w.device, n, w.shape)
+        key = (w.data_ptr(), w.dtype, w.device, n, w.shape, w.stride())
         if self._blocks[0] != key:
             ok = (n > 1 and w.device.type == "cpu" and w.dtype == torch.float32
                   and w.shape[0] % n == 0 and w.is_contiguous())
             blocks = w.detach().view(n, w.shape[0] // n, w.shape[1]).transpose(1, 2) if ok else None
             self._blocks = (key, blocks)
         return self._blocks[1]
+
+    def _apply(self, fn, recurse: bool = True):
+        self._blocks = ((), None)  # .to() / .cuda() / .half(): let the old storage go
+        return super()._apply(fn, recurse)
 
     def forward(self, x: Tensor) -> Tensor:
         if not torch.is_grad_enabled():  # inference

@@ -36,6 +36,10 @@ def _texts(items: list[str], files: bool) -> list[str]:
             out += [line.strip() for line in sys.stdin.read().splitlines() if line.strip()]
         elif files and p.is_file():
             out += _lines(p)
+        elif files and p.is_dir():
+            raise ValueError(f"{item} is a directory; give a UTF-8 file with one document per line")
+        elif files and item.endswith(("/", ".txt", ".tsv", ".csv", ".md", ".jsonl")):
+            raise ValueError(f"file not found: {item} (a sentence would not end like a path)")
         else:
             out.append(item)
     return out
@@ -64,7 +68,7 @@ def add_embed_parser(sub) -> None:
     p.add_argument("--file", type=Path, help="also embed every non-empty line of this UTF-8 file")
     p.add_argument("--json", action="store_true", help="print JSON: [{text, embedding}, ...]")
     p.add_argument("--batch-size", type=int, default=32, help="sentences per forward pass")
-    p.set_defaults(func=cmd_embed)
+    p.set_defaults(func=cmd_embed, extra_texts=True)
 
 
 def cmd_embed(args: argparse.Namespace) -> int:
@@ -159,8 +163,14 @@ def cmd_generate_pretrained(args: argparse.Namespace) -> int:
         raise ValueError(f"--max-new-tokens must be >= 0, got {args.max_new_tokens}")
     if not args.prompt.strip() and not args.chat:
         raise ValueError("the prompt is empty; give --prompt TEXT")
+    if args.system is not None and not args.chat:
+        raise ValueError("--system is a chat message: add --chat")
+    if args.temperature < 0:
+        raise ValueError(f"--temperature must be >= 0, got {args.temperature}")
+    if args.top_p is not None and not 0.0 < args.top_p <= 1.0:
+        raise ValueError(f"--top-p must be in (0, 1], got {args.top_p}")
     t0 = time.perf_counter()
-    if args.run.endswith(".gguf"):  # any llama-architecture GGUF goes through the same converter
+    if args.run.lower().endswith(".gguf"):  # any llama-architecture GGUF goes through the same converter
         lm = load("smollm2", path=args.run, dtype=args.dtype or "float32", device=args.device)
     else:
         lm = load(args.run, dtype=args.dtype or "float32", device=args.device)
@@ -172,14 +182,17 @@ def cmd_generate_pretrained(args: argparse.Namespace) -> int:
     if args.max_new_tokens > room > 0:
         print(f"qkv: note: --max-new-tokens {args.max_new_tokens} bounded to {room} by the "
               f"{lm.model.cfg.max_seq_len}-token context", file=sys.stderr)
-    if not args.chat:
-        sys.stdout.write(args.prompt)
-    for piece in lm.stream(args.prompt, args.max_new_tokens, chat=args.chat, system=args.system,
-                           temperature=args.temperature, top_k=args.top_k or None, top_p=args.top_p,
-                           seed=args.seed, use_cache=not args.no_cache):
+    pieces = lm.stream(args.prompt, args.max_new_tokens, chat=args.chat, system=args.system,
+                       temperature=args.temperature, top_k=args.top_k or None, top_p=args.top_p,
+                       seed=args.seed, use_cache=not args.no_cache)
+    echoed = args.chat  # the prompt is echoed once generation has started (errors come first)
+    for piece in pieces:
+        if not echoed:
+            sys.stdout.write(args.prompt)
+            echoed = True
         sys.stdout.write(piece)
         sys.stdout.flush()
-    sys.stdout.write("\n")
+    sys.stdout.write(("" if echoed else args.prompt) + "\n")
     st = lm.last_stats
     print(f"[{st['prompt_tokens']} prompt + {st['new_tokens']} new tokens in {st['seconds']:.2f} s, "
           f"{st['new_tokens'] / max(st['seconds'], 1e-9):.1f} tok/s, "

@@ -187,6 +187,19 @@ def add_generate_parser(sub) -> None:
     p.set_defaults(func=cmd_generate)
 
 
+def check_device(device: str) -> None:
+    """ValueError naming the fix for a device this machine does not have."""
+    import torch
+
+    try:
+        dev = torch.device(device)
+    except RuntimeError:
+        raise ValueError(f"--device {device!r} is not a device; use cpu or cuda") from None
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"--device {device}: this machine has no CUDA GPU (or torch is a CPU "
+                         "build); use --device cpu")
+
+
 def cmd_generate(args: argparse.Namespace) -> int:
     import torch
 
@@ -195,7 +208,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
     from qkv.generation.decode import crop_prompt
     from qkv.training.lm import load_lm_run
 
-    if (args.run in DECODERS and not Path(args.run).is_dir()) or args.run.endswith(".gguf"):
+    check_device(args.device)
+    if (args.run in DECODERS and not Path(args.run).is_dir()) or args.run.lower().endswith(".gguf"):
         return cmd_generate_pretrained(args)
     if args.chat or args.system:
         raise ValueError("--chat and --system need a chat model (smollm2), not a trained run")

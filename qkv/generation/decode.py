@@ -59,7 +59,7 @@ def generate(
     tokens, _ = crop_prompt(prompt, W)
     # The cache never holds more than the context, nor more than this call can produce:
     # sizing it to the need avoids zeroing a (L, B, K, 8192, D) buffer for a short reply.
-    cache_len = min(W, tokens.shape[1] + max_new_tokens)
+    cache_len = min(W, tokens.shape[1] + max(max_new_tokens, 1))
     cache = model.make_cache(tokens.shape[0], cache_len) if use_cache else None
     start, fed = 0, 0  # context = tokens[:, start:]; the cache holds tokens[:, start:fed]
     for _ in range(max_new_tokens):

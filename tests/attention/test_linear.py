@@ -82,3 +82,23 @@ def test_bf16_many_rows_match_the_bf16_kernel() -> None:
     exact = (x.double() @ lin.weight.double().T + lin.bias.double())
     assert (got.double() - exact).abs().max() <= (expected.double() - exact).abs().max() + 0.02
     torch.testing.assert_close(got, expected, rtol=1e-2, atol=2e-2)
+
+
+def test_one_row_path_under_autocast_keeps_the_autocast_dtype() -> None:
+    lin = Linear(8, 6)
+    x = torch.randn(1, 8)
+    with _with_threads(2), torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        one, many = lin(x), lin(torch.randn(3, 8))
+    assert one.dtype == many.dtype == torch.bfloat16
+
+
+def test_blocks_follow_dtype_changes_and_release_the_old_storage() -> None:
+    lin = Linear(8, 6, bias=False)
+    x = torch.randn(1, 8)
+    with _with_threads(2), torch.inference_mode():
+        lin(x)
+        assert lin._blocks[1] is not None
+        lin.to(torch.float64)
+        assert lin._blocks[1] is None  # .to() dropped the view of the fp32 storage
+        y = lin(x.double())  # fp64: plain F.linear
+    torch.testing.assert_close(y, F.linear(x.double(), lin.weight))

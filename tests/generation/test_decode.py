@@ -195,3 +195,12 @@ def test_seeded_sampling_same_with_and_without_cache() -> None:
     out = [run(m, x, 2 * W, temperature=0.9, use_cache=c,
                generator=torch.Generator().manual_seed(5)) for c in (True, False)]
     assert torch.equal(out[0], out[1])
+
+
+def test_negative_max_new_tokens_generates_nothing() -> None:
+    from qkv.generation import generate
+    from qkv.models.gpt import GPT, GPTConfig
+
+    m = GPT(GPTConfig(vocab_size=11, max_seq_len=8, dim=8, n_layers=1, n_heads=2))
+    for n in (-5, -1, 0):
+        assert list(generate(m, torch.tensor([[1, 2, 3]]), n)) == []
