@@ -21,12 +21,14 @@ PRETRAINED = {
 
 
 def load(name: str, *, dtype: str | torch.dtype = "float32", path: str | None = None,
-         device: str = "cpu") -> SentenceEncoder | CausalLM:
+         device: str = "cpu", cache: bool = True) -> SentenceEncoder | CausalLM:
     """Load a pretrained model by name (see ``PRETRAINED``) from its installed asset.
 
     Args:
         dtype: "float32" (exact to the reference) or "bfloat16" (half the memory traffic).
         path: read this file/folder instead of the installed asset.
+        cache: reuse (and store) the converted GGUF: ~1 s instead of ~8 s per load
+            (:mod:`qkv.pretrained.cache`; ``QKV_CACHE_DIR=off`` disables it everywhere).
 
     Raises:
         ValueError: unknown name. AssetMissingError: asset not installed (names the command).
@@ -41,7 +43,7 @@ def load(name: str, *, dtype: str | torch.dtype = "float32", path: str | None = 
     if name == "smollm2":
         from qkv.pretrained.smollm2 import load_smollm2
 
-        gpt, tok, info = load_smollm2(path)
+        gpt, tok, info = load_smollm2(path, cache=cache)
         stops = {info.get("eos_id"), tok.token_to_id("<|im_end|>")} - {None}
         lm = CausalLM("smollm2", gpt.to(device), tok, info.get("chat_template"),
                       tuple(sorted(stops)), info)

@@ -15,7 +15,7 @@ _INIT_FUNCTIONS = ("normal_", "uniform_", "kaiming_uniform_", "kaiming_normal_",
 
 
 @contextlib.contextmanager
-def _skip_init() -> Iterator[None]:
+def skip_init() -> Iterator[None]:
     """Make ``torch.nn.init``'s fill functions no-ops: every value is overwritten by the
     checkpoint anyway, and a 135M-parameter random init costs ~2 s on two cores."""
     saved = {name: getattr(nn.init, name) for name in _INIT_FUNCTIONS}
@@ -34,7 +34,7 @@ def build_with_weights(factory: Callable[[], M], state_dict: Mapping[str, Tensor
     Raises:
         ValueError: keys missing or unexpected, or a shape mismatch (names the first few).
     """
-    with _skip_init():
+    with skip_init():
         model = factory()
     expected = model.state_dict()
     missing = sorted(set(expected) - set(state_dict))

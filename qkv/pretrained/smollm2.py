@@ -17,6 +17,8 @@ template are read from the same file's metadata.
 from __future__ import annotations
 
 import os
+import shutil
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -25,6 +27,7 @@ from torch import Tensor
 
 from qkv.models.gpt import GPT, GPTConfig
 from qkv.pretrained._build import build_with_weights
+from qkv.pretrained.cache import entry_dir, load_gpt_entry, save_gpt_entry
 from qkv.pretrained.gguf_file import GGUFFile, PretrainedFormatError, read_gguf
 from qkv.tokenizers.hf import HFTokenizer, hf_tokenizers
 
@@ -133,10 +136,13 @@ def tokenizer_from_gguf(g: GGUFFile) -> HFTokenizer:
     return HFTokenizer(tok)
 
 
-def load_smollm2(path: str | os.PathLike[str] | None = None) -> tuple[GPT, HFTokenizer, dict[str, Any]]:
+def load_smollm2(
+    path: str | os.PathLike[str] | None = None, cache: bool = True
+) -> tuple[GPT, HFTokenizer, dict[str, Any]]:
     """Read the GGUF (default: the installed ``smollm2`` asset) into (GPT, tokenizer, info).
 
-    ``info`` holds ``chat_template``, ``bos_id``, ``eos_id`` and the file's name.
+    ``info`` holds ``chat_template``, ``bos_id``, ``eos_id`` and the file's name. With
+    ``cache`` the conversion is stored once and reused (see :mod:`qkv.pretrained.cache`).
     """
     fix = INSTALL_HINT
     if path is None:
@@ -146,6 +152,13 @@ def load_smollm2(path: str | os.PathLike[str] | None = None) -> tuple[GPT, HFTok
     else:
         fix = ("check that it is a complete llama-architecture GGUF file "
                "(the bundled one: `qkv assets install smollm2`)")
+    path = Path(path)
+    entry = entry_dir("smollm2", path) if cache and path.is_file() else None
+    if entry is not None and entry.is_dir():
+        hit = load_gpt_entry(entry)
+        if hit is not None:
+            return hit
+        shutil.rmtree(entry, ignore_errors=True)  # damaged: convert again
     g = read_gguf(path, fix=fix)
     try:
         cfg = gpt_config_from_gguf(g)
@@ -156,10 +169,15 @@ def load_smollm2(path: str | os.PathLike[str] | None = None) -> tuple[GPT, HFTok
         if isinstance(e, PretrainedFormatError):
             raise
         raise PretrainedFormatError(f"{e}; {fix}") from None
-    info = {
+    info: dict[str, Any] = {
         "name": g.metadata.get("general.name", "SmolLM2"),
         "chat_template": g.metadata.get("tokenizer.chat_template"),
         "bos_id": g.metadata.get("tokenizer.ggml.bos_token_id"),
         "eos_id": g.metadata.get("tokenizer.ggml.eos_token_id"),
     }
+    if entry is not None:
+        try:
+            save_gpt_entry(entry, model, tok, info)
+        except OSError:  # a read-only or full disk only costs the next load its speed
+            pass
     return model, tok, info

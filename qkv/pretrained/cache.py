@@ -1,0 +1,83 @@
+"""A cache of converted checkpoints, so that a GGUF is parsed and dequantised only once.
+
+Reading SmolLM2's GGUF takes ~8 s on two cores (the ``gguf`` package parses ~100k metadata
+strings, then every block is dequantised). The result — a qkv GPT, its tokenizer and the chat
+settings — is saved once as qkv files (``config.json``, ``tokenizer.json``, safetensors) under
+``$QKV_CACHE_DIR`` (default ``$XDG_CACHE_HOME/qkv`` or ``~/.cache/qkv``), keyed by the source
+file's path, size and modification time and by the converter's version; later loads read
+those in about a second. Entries are written to a temporary folder and renamed into place,
+so a crash never leaves half an entry; an entry that cannot be read is ignored and rebuilt.
+``QKV_CACHE_DIR=off`` turns the cache off.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from qkv.models.gpt import GPT, GPTConfig
+from qkv.tokenizers.base import load_tokenizer, save_tokenizer
+from qkv.tokenizers.hf import HFTokenizer
+
+CONVERTER_VERSION = 1  # bump when a converter's output changes
+
+
+def cache_root() -> Path | None:
+    """The cache folder, or None when ``QKV_CACHE_DIR=off``."""
+    env = os.environ.get("QKV_CACHE_DIR")
+    if env is not None:
+        return None if env.lower() in ("off", "0", "none", "") else Path(env)
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    return (Path(xdg) if xdg else Path.home() / ".cache") / "qkv"
+
+
+def entry_dir(name: str, source: Path) -> Path | None:
+    """Where the conversion of ``source`` is cached (None when the cache is off)."""
+    root = cache_root()
+    if root is None:
+        return None
+    st = source.stat()
+    key = f"{source.resolve()}|{st.st_size}|{st.st_mtime_ns}|{CONVERTER_VERSION}"
+    return root / "converted" / f"{name}-{hashlib.sha256(key.encode()).hexdigest()[:16]}"
+
+
+def save_gpt_entry(folder: Path, model: GPT, tok: HFTokenizer, info: dict[str, Any]) -> None:
+    """Write an entry atomically (a temporary sibling folder renamed into place)."""
+    from safetensors.torch import save_model
+
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{folder.name}.", dir=folder.parent))
+    try:
+        (tmp / "config.json").write_text(
+            json.dumps({"model": model.cfg.to_dict(), "info": info}), encoding="utf-8")
+        save_tokenizer(tok, tmp / "tokenizer.json")
+        save_model(model, str(tmp / "model.safetensors"))  # tied weights stored once
+        os.replace(tmp, folder)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def load_gpt_entry(folder: Path) -> tuple[GPT, HFTokenizer, dict[str, Any]] | None:
+    """Read an entry; None if it is missing or unreadable (the caller converts again)."""
+    from safetensors.torch import load_model
+
+    from qkv.pretrained._build import skip_init
+
+    try:
+        data = json.loads((folder / "config.json").read_text(encoding="utf-8"))
+        cfg = GPTConfig(**data["model"])
+        tok = load_tokenizer(folder / "tokenizer.json")
+        if not isinstance(tok, HFTokenizer):
+            return None
+        with skip_init():
+            model = GPT(cfg)
+        load_model(model, str(folder / "model.safetensors"), strict=True)
+        return model.eval(), tok, data["info"]
+    except Exception:  # any damage: ignore the entry, it is rebuilt from the source file
+        return None
