@@ -171,7 +171,7 @@ def add_generate_parser(sub) -> None:
     p.add_argument("run", metavar="RUN_OR_MODEL",
                    help="a run directory from `qkv train`, a pretrained model (smollm2), or a "
                    "llama-architecture .gguf file")
-    p.add_argument("--prompt", default="\n", help="text to continue")
+    p.add_argument("--prompt", default="\n", help="text to continue (default: %(default)r)")
     p.add_argument("--max-new-tokens", type=int, default=300, help="tokens to generate")
     p.add_argument("--temperature", type=float, default=0.8, help="0 = greedy; <1 sharper, >1 more random")
     p.add_argument("--top-k", type=int, default=200, help="sample among the k most likely tokens (0 = off)")
@@ -183,7 +183,8 @@ def add_generate_parser(sub) -> None:
                    help="(pretrained) wrap the prompt in the model's chat template and print the reply")
     p.add_argument("--system", default=None, help="(pretrained, --chat) a system message")
     p.add_argument("--dtype", default=None, choices=("float32", "bfloat16"),
-                   help="weights' precision (default: float32, exact to the reference)")
+                   help="weights' precision (default %(default)s: as loaded, i.e. float32, "
+                   "exact to the reference)")
     p.set_defaults(func=cmd_generate)
 
 
