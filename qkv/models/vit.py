@@ -1,0 +1,181 @@
+"""Vision Transformer: an image as a sequence of patch tokens.
+
+    image (B, C, H, W) -> cut into P×P patches -> (B, N, C·P·P) -> linear -> (B, N, dim)
+    [+ a learnable class token] + positions -> pre-LN encoder blocks -> norm -> read-out -> logits
+
+Dosovitskiy et al. 2021 ("An Image is Worth 16x16 Words"). Lectures: CS189 Lec 22 (images
+as tokens; the three ways to read a class out of the token states: a class token, mean
+pooling, concatenation + linear), CS231N Lec 8 (ViT).
+
+Shapes: B batch, C channels, H×W image, P patch size, N = (H/P)·(W/P) patches, dim width.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Literal, NamedTuple
+
+import torch
+from torch import Tensor, nn
+
+from qkv.attention import BACKENDS, Backend, LearnedPositionalEmbedding, sinusoidal_2d_table
+from qkv.attention.linear import Linear
+from qkv.layers import BlockConfig, encoder_stack
+
+ReadOut = Literal["cls", "mean", "concat"]
+ViTPositions = Literal["learned", "sinusoidal", "none"]
+
+
+def patchify(images: Tensor, patch_size: int) -> Tensor:
+    """(B, C, H, W) -> (B, N, C·P·P), patches in row-major order, each flattened (c, y, x)."""
+    B, C, H, W = images.shape
+    P = patch_size
+    if H % P or W % P:
+        raise ValueError(f"patch size {P} must divide the image size {H}x{W}")
+    x = images.reshape(B, C, H // P, P, W // P, P)  # (B, C, h, P, w, P)
+    x = x.permute(0, 2, 4, 1, 3, 5)  # (B, h, w, C, P, P)
+    return x.reshape(B, (H // P) * (W // P), C * P * P)
+
+
+def unpatchify(patches: Tensor, patch_size: int, channels: int, height: int, width: int) -> Tensor:
+    """Inverse of :func:`patchify`: (B, N, C·P·P) -> (B, C, H, W)."""
+    B = patches.shape[0]
+    P, h, w = patch_size, height // patch_size, width // patch_size
+    x = patches.reshape(B, h, w, channels, P, P).permute(0, 3, 1, 4, 2, 5)  # (B, C, h, P, w, P)
+    return x.reshape(B, channels, height, width)
+
+
+@dataclass
+class ViTConfig:
+    """Everything needed to rebuild a ViT (saved as ``config.json`` in a run directory)."""
+
+    image_size: int = 28  # height = width of the input images
+    channels: int = 1  # 1 (grey) or 3 (RGB)
+    patch_size: int = 4  # P: must divide image_size
+    n_classes: int = 10  # output classes
+    dim: int = 128  # model width
+    n_layers: int = 6  # Transformer blocks
+    n_heads: int = 4  # attention heads
+    mlp_hidden: int | None = None  # MLP hidden width (none = 4 * dim)
+    positions: ViTPositions = "learned"  # learned, 2-D sinusoidal, or none
+    read_out: ReadOut = "cls"  # class token, mean of patch tokens, or concatenation + linear
+    dropout: float = 0.0  # dropout on embeddings, attention weights and residual branches
+    norm_eps: float = 1e-6  # LayerNorm epsilon
+    backend: Backend = "sdpa"  # attention implementation
+
+    def __post_init__(self) -> None:
+        for name in ("image_size", "channels", "patch_size", "n_classes", "dim", "n_layers", "n_heads"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.image_size % self.patch_size:
+            raise ValueError(f"patch_size ({self.patch_size}) must divide image_size ({self.image_size})")
+        if self.dim % self.n_heads:
+            raise ValueError(f"dim ({self.dim}) must be divisible by n_heads ({self.n_heads})")
+        if self.positions not in ("learned", "sinusoidal", "none"):
+            raise ValueError(f"positions must be learned, sinusoidal or none, got {self.positions!r}")
+        if self.positions == "sinusoidal" and self.dim % 4:
+            raise ValueError(f"2-D sinusoidal positions need dim divisible by 4, got {self.dim}")
+        if self.read_out not in ("cls", "mean", "concat"):
+            raise ValueError(f"read_out must be cls, mean or concat, got {self.read_out!r}")
+        if self.backend not in BACKENDS:
+            raise ValueError(f"backend must be one of {BACKENDS}, got {self.backend!r}")
+
+    @property
+    def grid(self) -> int:
+        """Patches per side."""
+        return self.image_size // self.patch_size
+
+    @property
+    def n_patches(self) -> int:
+        return self.grid**2
+
+    def block_config(self) -> BlockConfig:
+        return BlockConfig(
+            dim=self.dim, n_heads=self.n_heads, mlp_hidden=self.mlp_hidden, mlp="gelu",
+            norm="layernorm", norm_position="pre", norm_eps=self.norm_eps, bias=True,
+            dropout=self.dropout, attn_dropout=self.dropout, backend=self.backend,
+        )
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+class ViTOutput(NamedTuple):
+    """logits (B, n_classes); loss with labels; per-layer weights (B, H, T, T) if asked
+    (T = N patches, plus 1 for the class token)."""
+
+    logits: Tensor
+    loss: Tensor | None = None
+    weights: list[Tensor] | None = None
+
+
+class ViT(nn.Module):
+    """Vision Transformer built only from ``qkv.attention`` and ``qkv.layers``."""
+
+    def __init__(self, cfg: ViTConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.patch_embed = Linear(cfg.channels * cfg.patch_size**2, cfg.dim)
+        self.cls_token = nn.Parameter(torch.zeros(1, 1, cfg.dim)) if cfg.read_out == "cls" else None
+        n_tokens = cfg.n_patches + (1 if cfg.read_out == "cls" else 0)
+        self.pos_emb: LearnedPositionalEmbedding | None = None
+        if cfg.positions == "learned":
+            self.pos_emb = LearnedPositionalEmbedding(n_tokens, cfg.dim)
+        elif cfg.positions == "sinusoidal":
+            table = sinusoidal_2d_table(cfg.grid, cfg.grid, cfg.dim)  # (N, dim)
+            if cfg.read_out == "cls":  # the class token sits at no place in the grid
+                table = torch.cat([torch.zeros(1, cfg.dim), table])
+            self.register_buffer("pos_table", table, persistent=False)
+        self.drop = nn.Dropout(cfg.dropout)
+        self.stack = encoder_stack(cfg.block_config(), cfg.n_layers)  # pre-LN: ends with a norm
+        head_in = cfg.dim * cfg.n_patches if cfg.read_out == "concat" else cfg.dim
+        self.head = Linear(head_in, cfg.n_classes)
+        nn.init.trunc_normal_(self.patch_embed.weight, std=0.02)
+        if self.cls_token is not None:
+            nn.init.trunc_normal_(self.cls_token, std=0.02)
+        nn.init.zeros_(self.head.weight)  # start from uniform class probabilities
+        nn.init.zeros_(self.head.bias)
+
+    def forward_features(
+        self, images: Tensor, *, backend: Backend | None = None, return_weights: bool = False
+    ) -> tuple[Tensor, list[Tensor] | None]:
+        """(B, C, H, W) -> token states (B, T, dim) after the final norm, and weights."""
+        cfg = self.cfg
+        if images.ndim != 4 or images.shape[1:] != (cfg.channels, cfg.image_size, cfg.image_size):
+            raise ValueError(f"images must be (B, {cfg.channels}, {cfg.image_size}, "
+                             f"{cfg.image_size}), got shape {tuple(images.shape)}")
+        x = self.patch_embed(patchify(images, cfg.patch_size))  # (B, N, dim)
+        if self.cls_token is not None:
+            x = torch.cat([self.cls_token.expand(x.shape[0], -1, -1), x], dim=1)  # (B, 1+N, dim)
+        if self.pos_emb is not None:
+            x = x + self.pos_emb(x.shape[1])
+        elif cfg.positions == "sinusoidal":
+            x = x + self.pos_table.to(x.dtype)
+        x = self.drop(x)
+        out = self.stack(x, backend=backend, return_weights=return_weights)
+        return out.x, out.self_weights
+
+    def forward_head(self, tokens: Tensor) -> Tensor:
+        """Token states (B, T, dim) -> logits (B, n_classes) by the configured read-out."""
+        if self.cfg.read_out == "cls":
+            pooled = tokens[:, 0]  # the class token's state
+        elif self.cfg.read_out == "mean":
+            pooled = tokens.mean(dim=1)
+        else:
+            pooled = tokens.flatten(1)  # (B, N·dim): keeps where each patch was
+        return self.head(pooled)
+
+    def forward(
+        self,
+        images: Tensor,
+        labels: Tensor | None = None,
+        *,
+        backend: Backend | None = None,
+        return_weights: bool = False,
+    ) -> ViTOutput:
+        """images (B, C, H, W) [, labels (B,)] -> ViTOutput(logits, loss, weights)."""
+        tokens, weights = self.forward_features(images, backend=backend, return_weights=return_weights)
+        logits = self.forward_head(tokens)
+        loss = None if labels is None else nn.functional.cross_entropy(logits.float(), labels)
+        return ViTOutput(logits, loss, weights)

@@ -1,0 +1,102 @@
+"""ViT: patches, positions, read-outs, and that it learns."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from qkv.models.vit import ViT, ViTConfig, patchify, unpatchify
+
+
+def _cfg(**kw) -> ViTConfig:
+    base = dict(image_size=8, channels=1, patch_size=2, n_classes=3, dim=16, n_layers=2, n_heads=2)
+    return ViTConfig(**{**base, **kw})
+
+
+@pytest.mark.parametrize("C, H, W, P", [(1, 8, 8, 2), (3, 12, 8, 4), (2, 6, 6, 3), (1, 4, 4, 4)])
+def test_patchify_round_trip_and_layout(C, H, W, P) -> None:
+    img = torch.randn(2, C, H, W)
+    patches = patchify(img, P)
+    assert patches.shape == (2, (H // P) * (W // P), C * P * P)
+    torch.testing.assert_close(unpatchify(patches, P, C, H, W), img, rtol=0, atol=0)
+    # patch (row r, column c) holds exactly the pixels img[:, :, rP:(r+1)P, cP:(c+1)P]
+    r, c = H // P - 1, 0
+    idx = r * (W // P) + c
+    block = img[:, :, r * P:(r + 1) * P, c * P:(c + 1) * P]
+    torch.testing.assert_close(patches[:, idx], block.reshape(2, -1))
+
+
+def test_patch_size_must_divide() -> None:
+    with pytest.raises(ValueError, match="must divide"):
+        patchify(torch.zeros(1, 1, 7, 7), 2)
+    with pytest.raises(ValueError, match="patch_size"):
+        ViTConfig(image_size=7, patch_size=2)
+
+
+def _permute_patches(images: torch.Tensor, P: int, perm: torch.Tensor) -> torch.Tensor:
+    _, C, H, W = images.shape
+    return unpatchify(patchify(images, P)[:, perm], P, C, H, W)
+
+
+def test_no_positions_and_mean_read_out_ignores_patch_order() -> None:
+    torch.manual_seed(0)
+    m = ViT(_cfg(positions="none", read_out="mean")).eval().double()
+    torch.nn.init.normal_(m.head.weight)  # a non-zero head, so the logits say something
+    x = torch.randn(3, 1, 8, 8, dtype=torch.float64)
+    perm = torch.randperm(16)
+    a, b = m(x).logits, m(_permute_patches(x, 2, perm)).logits
+    torch.testing.assert_close(a, b, rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize("positions", ["learned", "sinusoidal"])
+def test_positions_make_patch_order_matter(positions) -> None:
+    torch.manual_seed(0)
+    m = ViT(_cfg(positions=positions, read_out="mean")).eval().double()
+    torch.nn.init.normal_(m.head.weight)
+    if positions == "learned":
+        torch.nn.init.normal_(m.pos_emb.weight)
+    x = torch.randn(3, 1, 8, 8, dtype=torch.float64)
+    perm = torch.randperm(16)
+    a, b = m(x).logits, m(_permute_patches(x, 2, perm)).logits
+    assert (a - b).abs().max() > 1e-3
+
+
+@pytest.mark.parametrize("read_out", ["cls", "mean", "concat"])
+def test_shapes_weights_and_wrong_input(read_out) -> None:
+    m = ViT(_cfg(read_out=read_out)).eval()
+    out = m(torch.randn(4, 1, 8, 8), torch.tensor([0, 1, 2, 0]), backend="reference", return_weights=True)
+    T = 16 + (read_out == "cls")
+    assert out.logits.shape == (4, 3) and out.loss is not None
+    assert len(out.weights) == 2 and out.weights[0].shape == (4, 2, T, T)
+    torch.testing.assert_close(out.weights[0].sum(-1), torch.ones(4, 2, T))
+    with pytest.raises(ValueError, match="images must be"):
+        m(torch.randn(4, 3, 8, 8))
+
+
+@pytest.mark.parametrize("read_out", ["cls", "mean", "concat"])
+def test_each_read_out_overfits_a_small_batch(read_out) -> None:
+    torch.manual_seed(0)
+    m = ViT(_cfg(read_out=read_out))
+    x = torch.randn(12, 1, 8, 8)
+    y = torch.arange(12) % 3
+    opt = torch.optim.AdamW(m.parameters(), lr=3e-3)
+    first = None
+    for _ in range(150):
+        loss = m(x, y).loss
+        first = first if first is not None else loss.item()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    assert first == pytest.approx(torch.log(torch.tensor(3.0)).item(), abs=1e-4)  # zero head
+    assert loss.item() < 0.05
+    assert (m(x).logits.argmax(-1) == y).all()
+
+
+def test_backends_agree() -> None:
+    torch.manual_seed(0)
+    m = ViT(_cfg()).eval().double()
+    torch.nn.init.normal_(m.head.weight)
+    x = torch.randn(2, 1, 8, 8, dtype=torch.float64)
+    ref = m(x, backend="reference").logits
+    for b in ("sdpa", "chunked"):
+        torch.testing.assert_close(m(x, backend=b).logits, ref, rtol=0, atol=1e-10)
