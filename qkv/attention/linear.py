@@ -27,8 +27,13 @@ from torch import Tensor, nn
 
 def _row_block_matvec(x: Tensor, weight: Tensor, bias: Tensor | None, n: int) -> Tensor:
     """x (..., in) holding one row, W (out, in) -> (..., out) as ``n`` parallel row blocks."""
+    return _blocks_matvec(x, _row_blocks_view(weight, n), bias)
+
+
+def _row_blocks_view(weight: Tensor, n: int) -> Tensor:
+    """W (out, in) as n blocks of rows, transposed for bmm: (n, in, out/n), a view."""
     out_f, in_f = weight.shape
-    return _blocks_matvec(x, weight.view(n, out_f // n, in_f).transpose(1, 2), bias)
+    return weight.view(n, out_f // n, in_f).transpose(1, 2)
 
 
 def _blocks_matvec(x: Tensor, blocks: Tensor, bias: Tensor | None) -> Tensor:
@@ -54,7 +59,7 @@ class Linear(nn.Linear):
         if self._blocks[0] != key:
             ok = (n > 1 and w.device.type == "cpu" and w.dtype == torch.float32
                   and w.shape[0] % n == 0 and w.is_contiguous())
-            blocks = w.detach().view(n, w.shape[0] // n, w.shape[1]).transpose(1, 2) if ok else None
+            blocks = _row_blocks_view(w.detach(), n) if ok else None
             self._blocks = (key, blocks)
         return self._blocks[1]
 
@@ -79,11 +84,12 @@ class Linear(nn.Linear):
 
 def _slow_bf16_gemm(w: Tensor) -> bool:
     """True on CPUs whose bf16 matrix products are emulated (no AVX512-BF16 / AMX)."""
-    return w.device.type == "cpu" and not _cpu_has_native_bf16()
+    return w.device.type == "cpu" and not cpu_has_native_bf16()
 
 
 @functools.cache
-def _cpu_has_native_bf16() -> bool:
+def cpu_has_native_bf16() -> bool:
+    """Whether this CPU multiplies bf16 natively (oneDNN's probe; False without oneDNN)."""
     try:
         return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
     except (AttributeError, RuntimeError):  # no oneDNN in this build: assume emulated

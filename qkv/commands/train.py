@@ -205,7 +205,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     import torch
 
     from qkv.commands.pretrained import DECODERS, cmd_generate_pretrained
-    from qkv.generation import generate
+    from qkv.generation import generate, text_pieces
     from qkv.generation.decode import crop_prompt
     from qkv.training.lm import load_lm_run
 
@@ -234,18 +234,19 @@ def cmd_generate(args: argparse.Namespace) -> int:
         gen.seed()
     sys.stdout.write(args.prompt)
     out: list[int] = []
-    shown = ""
+
+    def new_ids():
+        for t in generate(model, x, args.max_new_tokens, temperature=args.temperature,
+                          top_k=args.top_k or None, top_p=args.top_p, use_cache=not args.no_cache,
+                          generator=gen):
+            out.append(int(t[0]))
+            yield out[-1]
+
     t0 = time.perf_counter()
-    for t in generate(model, x, args.max_new_tokens, temperature=args.temperature,
-                      top_k=args.top_k or None, top_p=args.top_p, use_cache=not args.no_cache,
-                      generator=gen):
-        out.append(int(t[0]))
-        text = tok.decode(out)
-        if not text.endswith("\ufffd"):  # hold back a partial UTF-8 character (byte-level BPE)
-            sys.stdout.write(text[len(shown):])
-            sys.stdout.flush()
-            shown = text
-    sys.stdout.write(tok.decode(out)[len(shown):] + "\n")
+    for piece in text_pieces(tok.decode, new_ids()):
+        sys.stdout.write(piece)
+        sys.stdout.flush()
+    sys.stdout.write("\n")
     dt = time.perf_counter() - t0
     print(f"[{len(out)} tokens in {dt:.2f} s, {len(out) / max(dt, 1e-9):.1f} tok/s, "
           f"{'no cache' if args.no_cache else 'KV cache'}]", file=sys.stderr)

@@ -14,7 +14,7 @@ Shapes: B batch, T tokens.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 
 import torch
 from torch import Tensor
@@ -29,6 +29,26 @@ def crop_prompt(ids: Tensor, max_seq_len: int) -> tuple[Tensor, bool]:
     if ids.shape[1] <= limit:
         return ids, False
     return ids[:, -limit:], True
+
+
+def text_pieces(decode: Callable[[Sequence[int]], str], ids: Iterable[int]) -> Iterator[str]:
+    """Turn a stream of token ids into a stream of text, whole characters only.
+
+    A byte-level BPE token can end in the middle of a UTF-8 character; text that decodes to a
+    trailing U+FFFD is held back until a later token completes it (and flushed as it is at the
+    end of the stream).
+    """
+    out: list[int] = []
+    shown = ""
+    for i in ids:
+        out.append(i)
+        text = decode(out)
+        if not text.endswith("\ufffd"):
+            yield text[len(shown):]
+            shown = text
+    rest = decode(out)[len(shown):]
+    if rest:
+        yield rest
 
 
 @torch.inference_mode()

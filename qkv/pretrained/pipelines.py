@@ -20,7 +20,7 @@ import torch
 from torch import Tensor
 
 from qkv.generation import generate as generate_tokens
-from qkv.generation.decode import crop_prompt
+from qkv.generation.decode import text_pieces
 from qkv.models.encoder import Encoder
 from qkv.models.gpt import GPT
 from qkv.tokenizers.hf import HFTokenizer
@@ -178,31 +178,26 @@ class CausalLM:
         if len(ids) >= W:
             raise ValueError(f"the prompt has {len(ids)} tokens; {self.name} reads at most "
                              f"{W - 1} plus one new token: shorten it")
-        x, _ = crop_prompt(torch.tensor([ids], device=self.model.tok_emb.weight.device), W)
+        x = torch.tensor([ids], device=self.model.tok_emb.weight.device)
         max_new_tokens = min(max_new_tokens, W - len(ids))
         gen = torch.Generator(device=x.device)
         if seed is not None:
             gen.manual_seed(seed)
         else:
             gen.seed()
-        out: list[int] = []
-        shown = ""
-        t0 = time.perf_counter()
-        self.last_stats = {"prompt_tokens": len(ids), "new_tokens": 0, "seconds": 0.0}
-        for t in generate_tokens(self.model, x, max_new_tokens, temperature=temperature,
-                                 top_k=top_k, top_p=top_p, use_cache=use_cache, generator=gen):
-            tid = int(t[0])
-            if stop_at_eos and tid in self.stop_ids:
-                break
-            out.append(tid)
-            self.last_stats.update(new_tokens=len(out), seconds=time.perf_counter() - t0)
-            piece = self.tokenizer.decode(out)
-            if not piece.endswith("\ufffd"):  # hold back a partial UTF-8 character
-                yield piece[len(shown):]
-                shown = piece
-        rest = self.tokenizer.decode(out)[len(shown):]
-        if rest:
-            yield rest
+        stats = self.last_stats = {"prompt_tokens": len(ids), "new_tokens": 0, "seconds": 0.0}
+
+        def new_ids() -> Iterator[int]:
+            t0 = time.perf_counter()
+            for t in generate_tokens(self.model, x, max_new_tokens, temperature=temperature,
+                                     top_k=top_k, top_p=top_p, use_cache=use_cache, generator=gen):
+                tid = int(t[0])
+                if stop_at_eos and tid in self.stop_ids:
+                    return
+                stats.update(new_tokens=stats["new_tokens"] + 1, seconds=time.perf_counter() - t0)
+                yield tid
+
+        yield from text_pieces(self.tokenizer.decode, new_ids())
 
     def generate(self, prompt: str, max_new_tokens: int = 128, **kwargs: Any) -> str:
         """The continuation of ``prompt`` as one string (greedy by default); see :meth:`stream`."""

@@ -26,6 +26,7 @@ from typing import Literal, Protocol
 import torch
 from torch import Tensor, nn
 
+from qkv.attention.linear import cpu_has_native_bf16
 from qkv.training import checkpoint as ckpt
 from qkv.training.distributed import DistInfo, broadcast_flag, mean_across, no_sync, wrap_model
 from qkv.training.optim import lr_at, make_optimizer
@@ -101,14 +102,7 @@ def resolve_dtype(dtype: DType, device: str) -> torch.dtype:
         return torch.float16
     if device.startswith("cuda"):
         return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
-    return torch.bfloat16 if torch.backends.mkldnn.is_available() and _cpu_has_bf16() else torch.float32
-
-
-def _cpu_has_bf16() -> bool:
-    try:
-        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
-    except (AttributeError, RuntimeError):
-        return False
+    return torch.bfloat16 if torch.backends.mkldnn.is_available() and cpu_has_native_bf16() else torch.float32
 
 
 class Trainer:
