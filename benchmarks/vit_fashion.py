@@ -139,7 +139,7 @@ def bench_accuracy(args: argparse.Namespace) -> list[dict]:
             opt.zero_grad()
             times.append(time.perf_counter() - t)
         step_s = C.median(times[2:]) * 1.1  # + the data and logging work of a Trainer step
-        for share, label in ((1.0, "equal time"), (0.2, "a fifth of the time")):
+        for share, label in () if "cnn" in args.skip else ((1.0, "equal time"), (0.2, "a fifth of the time")):
             steps = max(50, int(vit_s * share / step_s))
             torch.manual_seed(train_cfg.seed)
             cnn = SmallCNN(*data.shape[:1], len(data.classes))
@@ -231,7 +231,7 @@ def main() -> int:
     p.add_argument("--quick", action="store_true", help="300 steps and 1 timing round")
     p.add_argument("--max-iters", type=int, default=None, help="ViT steps (default: the preset's)")
     p.add_argument("--rounds", type=int, default=5, help="interleaved speed rounds")
-    p.add_argument("--skip", choices=("accuracy", "speed"), action="append", default=[])
+    p.add_argument("--skip", choices=("accuracy", "cnn", "speed"), action="append", default=[])
     p.add_argument("--json", default=None, help="write results here (default benchmarks/results/)")
     args = p.parse_args()
     if args.quick:

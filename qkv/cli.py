@@ -22,7 +22,6 @@ class UserError(Exception):
 
 # Subcommands that later work will fill in: name -> (one-line help, what it will do).
 PLANNED: dict[str, str] = {
-    "translate": "translate with a trained seq2seq model",
     "caption": "caption images with a trained captioner",
     "explain": "the lectures' worked examples, computed live",
     "serve": "a local web page to explore attention",
@@ -107,6 +106,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench.set_defaults(func=cmd_bench)
 
     from qkv.commands.pretrained import add_embed_parser, add_similarity_parser
+    from qkv.commands.seq2seq import add_translate_parser
     from qkv.commands.train import add_generate_parser, add_train_parser
     from qkv.commands.vision import add_attend_parser, add_classify_parser
 
@@ -115,6 +115,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_embed_parser(sub)
     add_similarity_parser(sub)
     add_classify_parser(sub)
+    add_translate_parser(sub)
     add_attend_parser(sub)
     assets = sub.add_parser(
         "assets",

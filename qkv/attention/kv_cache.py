@@ -85,6 +85,15 @@ class KVCache:
         """Forget every stored token (the buffers are reused, not freed)."""
         self.pos = 0
 
+    def reorder(self, index: Tensor) -> None:
+        """Row b of the batch becomes old row ``index[b]`` (index: (B,)), e.g. the surviving
+        hypotheses of a beam search. In place, so the layer views stay valid."""
+        if index.ndim != 1 or len(index) != self.k.shape[1]:
+            raise ValueError(f"KVCache.reorder: index must have shape ({self.k.shape[1]},), "
+                             f"got {tuple(index.shape)}")
+        self.k.copy_(self.k.index_select(1, index))
+        self.v.copy_(self.v.index_select(1, index))
+
 
 class LayerKVCache:
     """One layer's slice of a :class:`KVCache`; what ``MultiHeadAttention`` receives."""

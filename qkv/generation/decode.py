@@ -15,6 +15,7 @@ Shapes: B batch, T tokens.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator, Sequence
+from typing import NamedTuple
 
 import torch
 from torch import Tensor
@@ -96,3 +97,106 @@ def generate(
         nxt = sample_next(logits[:, -1], temperature, top_k, top_p, generator)  # (B,)
         tokens = torch.cat([tokens, nxt.unsqueeze(1)], dim=1)
         yield nxt
+
+
+# --------------------------------------------------------------------------- encoder-decoder
+#
+# An encoder-decoder model decodes through two methods (RNNSeq2Seq, TransformerSeq2Seq):
+#     state = model.start(src)                      encode the source once
+#     logits, weights = model.step(state, prev)     one target token per row, (N,) -> (N, V)
+# and ``state.reorder(index)`` keeps rows ``index`` (beam search). Token 1 is BOS, 2 EOS.
+
+_BOS, _EOS = 1, 2
+
+
+class Decoded(NamedTuple):
+    """Per source sentence: token ids (EOS excluded), total log-probability, and the
+    attention over the source of each emitted token (len(tokens), S), if the model has it."""
+
+    tokens: list[list[int]]
+    scores: list[float]
+    weights: list[Tensor | None]
+
+
+@torch.no_grad()
+def greedy_decode(model, src: Tensor, max_len: int) -> Decoded:
+    """The most likely token at every step, for a batch of sources (B, S), PAD-padded."""
+    B = src.shape[0]
+    state = model.start(src)
+    prev = torch.full((B,), _BOS, dtype=torch.long, device=src.device)
+    done = torch.zeros(B, dtype=torch.bool, device=src.device)
+    score = torch.zeros(B, device=src.device)
+    out, ws = [], []
+    for _ in range(max_len):
+        logits, w = model.step(state, prev)
+        logp = logits.float().log_softmax(-1)
+        nxt = logp.argmax(-1)
+        score += torch.where(done, 0.0, logp.gather(1, nxt[:, None])[:, 0])
+        out.append(torch.where(done, _EOS, nxt))
+        ws.append(w)
+        done |= nxt == _EOS
+        prev = nxt
+        if bool(done.all()):
+            break
+    toks = torch.stack(out, 1).tolist()
+    weights = torch.stack(ws, 1) if ws and ws[0] is not None else None  # (B, T, S)
+    return _finish(toks, score.tolist(), weights)
+
+
+def _finish(toks: list[list[int]], scores: list[float], weights: Tensor | None) -> Decoded:
+    cut = [row.index(_EOS) if _EOS in row else len(row) for row in toks]
+    return Decoded([row[:n] for row, n in zip(toks, cut, strict=True)], scores,
+                   [None if weights is None else weights[b, :n].cpu() for b, n in enumerate(cut)])
+
+
+@torch.no_grad()
+def beam_search(model, src: Tensor, max_len: int, beam: int = 4, length_penalty: float = 1.0) -> Decoded:
+    """Keep the ``beam`` best partial outputs per source; finished ones (ended by EOS) stay.
+
+    The winner maximises log p(y) / len(y)^length_penalty (len counts EOS): 0 = pure
+    probability, which favours short outputs; 1 = mean log-probability per token. Batched:
+    B sources × ``beam`` rows run as one batch. ``beam=1`` is greedy decoding.
+    """
+    if beam < 1:
+        raise ValueError(f"beam must be >= 1, got {beam}")
+    B, K = src.shape[0], beam
+    state = model.start(src.repeat_interleave(K, dim=0))  # rows b*K .. b*K+K-1 belong to b
+    dev = src.device
+    scores = torch.full((B, K), float("-inf"), device=dev)
+    scores[:, 0] = 0.0  # one live hypothesis at the start (the others would be duplicates)
+    done = torch.zeros(B, K, dtype=torch.bool, device=dev)
+    lengths = torch.zeros(B, K, device=dev)
+    seqs = torch.empty(B, K, 0, dtype=torch.long, device=dev)
+    hist: Tensor | None = None  # (B, K, t, S)
+    prev = torch.full((B * K,), _BOS, dtype=torch.long, device=dev)
+    for _ in range(max_len):
+        logits, w = model.step(state, prev)
+        logp = logits.float().log_softmax(-1).view(B, K, -1)
+        V = logp.shape[-1]
+        # A finished hypothesis continues only with EOS, at no cost: its score is final.
+        frozen = torch.full_like(logp, float("-inf"))
+        frozen[..., _EOS] = 0.0
+        logp = torch.where(done[..., None], frozen, logp)
+        top, idx = (scores[..., None] + logp).view(B, K * V).topk(K, dim=-1)  # (B, K)
+        src_beam, tok = idx // V, idx % V
+        rows = (src_beam + torch.arange(B, device=dev)[:, None] * K).flatten()
+        state.reorder(rows)
+        was_done = done.gather(1, src_beam)
+        lengths = lengths.gather(1, src_beam) + (~was_done).float()
+        done = was_done | (tok == _EOS)
+        seqs = torch.cat([seqs.gather(1, src_beam[..., None].expand(-1, -1, seqs.shape[-1])),
+                          tok[..., None]], dim=-1)
+        if w is not None:
+            w = w.view(B, K, 1, -1)
+            hist = w if hist is None else torch.cat(
+                [hist.gather(1, src_beam[..., None, None].expand(-1, -1, *hist.shape[2:])),
+                 w.gather(1, src_beam[..., None, None].expand(-1, -1, 1, w.shape[-1]))], dim=2)
+        scores, prev = top, tok.flatten()
+        if bool(done.all()):
+            break
+    norm = scores / lengths.clamp_min(1) ** length_penalty
+    best = norm.argmax(-1)  # (B,)
+    ar = torch.arange(B, device=dev)
+    toks = seqs[ar, best].tolist()
+    weights = None if hist is None else hist[ar, best]
+    return _finish(toks, scores[ar, best].tolist(), weights)

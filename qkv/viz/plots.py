@@ -93,3 +93,28 @@ def plot_attention_heads(
     fig.savefig(out_path)
     plt.close(fig)
     return Path(out_path)
+
+
+def plot_alignment(weights: Tensor, source: Sequence[str], output: Sequence[str], out_path: Path,
+                   title: str = "attention: output (rows) x input (columns)") -> Path:
+    """One alignment matrix (T_out, S_in), output characters down, input characters across,
+    as in Bahdanau et al. 2015, Fig. 3 (and the lectures' translation figure)."""
+    plt = _pyplot()
+    w = weights.detach().float().cpu()
+    T, S = w.shape
+    fig, ax = plt.subplots(figsize=(max(4.0, 0.32 * S + 1.5), max(3.0, 0.32 * T + 1.2)), dpi=120)
+    ax.imshow(w.numpy(), cmap="Greys", vmin=0.0, vmax=1.0, aspect="equal")
+
+    def show(c: str) -> str:
+        return "␣" if c == " " else c
+
+    ax.set_xticks(range(S), [show(c) for c in source], fontsize=8)
+    ax.set_yticks(range(T), [show(c) for c in output], fontsize=8)
+    ax.xaxis.tick_top()
+    ax.set_xlabel("input", fontsize=9)
+    ax.set_ylabel("output", fontsize=9)
+    ax.set_title(title, fontsize=9, pad=18)
+    fig.tight_layout()
+    fig.savefig(out_path)
+    plt.close(fig)
+    return Path(out_path)

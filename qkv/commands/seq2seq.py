@@ -1,0 +1,62 @@
+"""`qkv translate RUN_DIR TEXT...`: run a trained sequence-to-sequence model."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+
+def add_translate_parser(sub) -> None:
+    p = sub.add_parser(
+        "translate",
+        help="translate with a trained seq2seq run (dates -> ISO 8601), with an alignment plot",
+        description="Translate each TEXT with a run directory from `qkv train seq2seq`. With "
+        "--plot, also draw the attention of every output character over the input characters "
+        "(the alignment matrix; RNN + attention and Transformer runs).",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    p.add_argument("run", metavar="RUN_DIR", help="a run directory from `qkv train seq2seq`")
+    p.add_argument("texts", nargs="+", metavar="TEXT", help="inputs, e.g. '8 août 1977'")
+    p.add_argument("--beam", type=int, default=1, help="beam width (1 = greedy)")
+    p.add_argument("--length-penalty", type=float, default=1.0,
+                   help="beam search: rank by log p / length^this (0 = raw probability)")
+    p.add_argument("--plot", metavar="OUT.png", default=None,
+                   help="write the alignment heatmap of the first text here")
+    p.add_argument("--json", action="store_true", help="print JSON")
+    p.set_defaults(func=cmd_translate, extra_texts=True)
+
+
+def cmd_translate(args: argparse.Namespace) -> int:
+    from qkv.training.seq2seq import decode_texts, load_seq2seq_run, prepare_inputs
+
+    if args.beam < 1:
+        raise ValueError(f"--beam must be >= 1, got {args.beam}")
+    if args.plot is not None:
+        out = Path(args.plot)
+        if out.suffix.lower() != ".png":
+            raise ValueError(f"--plot must name a .png file, got {out}")
+        if not out.parent.is_dir():
+            raise ValueError(f"folder {out.parent} does not exist; create it or choose another --plot")
+    model, cfg, src, tgt = load_seq2seq_run(Path(args.run))
+    texts = prepare_inputs(args.texts, cfg, src)
+    outs, weights = decode_texts(model, cfg, src, tgt, texts, beam=args.beam,
+                                 length_penalty=args.length_penalty)
+    if args.json:
+        print(json.dumps([{"input": t, "output": o} for t, o in zip(texts, outs, strict=True)],
+                         ensure_ascii=False, indent=2))
+    else:
+        width = max(len(t) for t in texts)
+        for t, o in zip(texts, outs, strict=True):
+            print(f"{t:<{width}}  ->  {o}")
+    if args.plot is not None:
+        from qkv.viz import plot_alignment
+
+        w = weights[0]
+        if w is None:
+            raise ValueError(f"this run is arch {cfg.arch}: it has no attention to plot")
+        if not outs[0]:
+            raise ValueError("the model produced an empty output; nothing to plot")
+        plot_alignment(w, list(texts[0]), list(outs[0]), Path(args.plot))
+        print(f"wrote {args.plot}")
+    return 0

@@ -1,0 +1,139 @@
+"""RNN encoder-decoder with Bahdanau (additive) attention, and the fixed-context baseline.
+
+    encoder: x_1..x_S -> bidirectional GRU/LSTM -> h_j = [h→_j; h←_j]          (B, S, 2H)
+    decoder: s_0 = tanh(W [h→_S; h←_1])
+             at step t:  e_tj = vᵀ tanh(W_q s_{t-1} + W_k h_j)   (padding: e = -inf)
+                         α_t = softmax(e_t),  c_t = Σ_j α_tj h_j
+                         s_t = GRU([emb(y_{t-1}); c_t], s_{t-1})
+                         p(y_t) = softmax(W_o [s_t; c_t; emb(y_{t-1})])
+
+Bahdanau, Cho & Bengio 2015 ("Neural Machine Translation by Jointly Learning to Align and
+Translate"). With ``attention=False`` the context is the same summary [h→_S; h←_1] at every
+step (Cho et al. 2014 / Sutskever et al. 2014): the fixed-length bottleneck the lectures
+start from (CS189 Lec 21, CS231N Lec 8).
+
+Tokens: 0 = padding, 1 = BOS, 2 = EOS, 3 = unknown (``qkv.data.seq2seq``).
+Shapes: B batch, S source length, T target length, E embedding, H encoder width per
+direction, D decoder width, V vocabularies.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch.nn.utils.rnn import pack_padded_sequence, pad_packed_sequence
+
+from qkv.attention.additive import AdditiveAttention
+
+PAD, BOS, EOS, UNK = 0, 1, 2, 3
+
+
+class Seq2SeqOutput(NamedTuple):
+    """logits (B, T, V_tgt); loss (mean over non-padding targets) when targets are given;
+    cross-attention weights (B, T, S) (RNN) or per-layer (B, H, T, S) (Transformer)."""
+
+    logits: Tensor
+    loss: Tensor | None = None
+    weights: Tensor | list[Tensor] | None = None
+
+
+def split_targets(tgt: Tensor) -> tuple[Tensor, Tensor]:
+    """[BOS, y1..yn, EOS, PAD...] (B, T+1) -> decoder inputs (B, T) and outputs (B, T)."""
+    return tgt[:, :-1], tgt[:, 1:]
+
+
+def seq2seq_loss(logits: Tensor, targets: Tensor, label_smoothing: float = 0.0) -> Tensor:
+    return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), ignore_index=PAD,
+                           label_smoothing=label_smoothing)
+
+
+@dataclass
+class RNNDecoderState:
+    """What one decoding step needs; every tensor's first dimension is the batch row, so
+    beam search can reorder rows with :meth:`reorder`."""
+
+    s: Tensor  # decoder state (N, D); (h, c) packed as (N, 2D) for an LSTM
+    memory: Tensor  # encoder states (N, S, 2H)
+    keys: Tensor  # projected keys (N, S, A)
+    mask: Tensor  # (N, S) True = real token
+    fixed: Tensor  # the no-attention context (N, 2H)
+
+    def reorder(self, index: Tensor) -> None:
+        for name in ("s", "memory", "keys", "mask", "fixed"):
+            setattr(self, name, getattr(self, name).index_select(0, index))
+
+
+class RNNSeq2Seq(nn.Module):
+    """Bidirectional GRU/LSTM encoder, GRU/LSTM decoder, additive attention (or none)."""
+
+    def __init__(self, src_vocab: int, tgt_vocab: int, emb_dim: int = 64, hidden: int = 128,
+                 dec_hidden: int = 256, attn_dim: int = 128, cell: str = "gru",
+                 attention: bool = True, dropout: float = 0.0) -> None:
+        super().__init__()
+        if cell not in ("gru", "lstm"):
+            raise ValueError(f"cell must be gru or lstm, got {cell!r}")
+        self.cell, self.attention, self.dec_hidden = cell, attention, dec_hidden
+        rnn = nn.GRU if cell == "gru" else nn.LSTM
+        self.src_emb = nn.Embedding(src_vocab, emb_dim, padding_idx=PAD)
+        self.tgt_emb = nn.Embedding(tgt_vocab, emb_dim, padding_idx=PAD)
+        self.encoder = rnn(emb_dim, hidden, batch_first=True, bidirectional=True)
+        self.init_state = nn.Linear(2 * hidden, dec_hidden * (2 if cell == "lstm" else 1))
+        self.attn = AdditiveAttention(dec_hidden, 2 * hidden, attn_dim)
+        step = nn.GRUCell if cell == "gru" else nn.LSTMCell
+        self.decoder = step(emb_dim + 2 * hidden, dec_hidden)
+        self.drop = nn.Dropout(dropout)
+        self.out = nn.Linear(dec_hidden + 2 * hidden + emb_dim, tgt_vocab)
+
+    # ------------------------------------------------------------------ encoder
+
+    def start(self, src: Tensor) -> RNNDecoderState:
+        """src (B, S) token ids, PAD-padded on the right -> the decoder's starting state."""
+        mask = src != PAD
+        lengths = mask.sum(1).clamp_min(1)
+        emb = self.drop(self.src_emb(src))
+        packed = pack_padded_sequence(emb, lengths.cpu(), batch_first=True, enforce_sorted=False)
+        out, last = self.encoder(packed)
+        memory, _ = pad_packed_sequence(out, batch_first=True, total_length=src.shape[1])  # (B, S, 2H)
+        h = last[0] if self.cell == "lstm" else last  # (2, B, H): forward's last, backward's first
+        summary = torch.cat([h[0], h[1]], dim=-1)  # (B, 2H)
+        s0 = torch.tanh(self.init_state(summary))
+        return RNNDecoderState(s0, memory, self.attn.project_keys(memory), mask, summary)
+
+    # ------------------------------------------------------------------ decoder
+
+    def step(self, state: RNNDecoderState, prev: Tensor) -> tuple[Tensor, Tensor | None]:
+        """One decoding step: previous tokens (N,) -> logits (N, V), attention (N, S) or None.
+        Updates ``state`` in place."""
+        D = self.dec_hidden
+        h = state.s[:, :D]
+        e = self.drop(self.tgt_emb(prev))  # (N, E)
+        if self.attention:
+            context, weights = self.attn(h, state.memory, mask=state.mask, projected_keys=state.keys)
+        else:
+            context, weights = state.fixed, None
+        x = torch.cat([e, context], dim=-1)
+        if self.cell == "gru":
+            h = self.decoder(x, h)
+            state.s = h
+        else:
+            h, c = self.decoder(x, (h, state.s[:, D:]))
+            state.s = torch.cat([h, c], dim=-1)
+        logits = self.out(self.drop(torch.cat([h, context, e], dim=-1)))
+        return logits, weights
+
+    def forward(self, src: Tensor, tgt: Tensor, *, return_weights: bool = False) -> Seq2SeqOutput:
+        """Teacher forcing. src (B, S); tgt (B, T+1) = [BOS, y..., EOS, PAD...]."""
+        tgt_in, tgt_out = split_targets(tgt)
+        state = self.start(src)
+        logits, weights = [], []
+        for t in range(tgt_in.shape[1]):
+            lg, w = self.step(state, tgt_in[:, t])
+            logits.append(lg)
+            weights.append(w)
+        out = torch.stack(logits, dim=1)  # (B, T, V)
+        w = torch.stack(weights, dim=1) if return_weights and self.attention else None  # (B, T, S)
+        return Seq2SeqOutput(out, seq2seq_loss(out, tgt_out), w)

@@ -1,0 +1,112 @@
+"""The Transformer encoder-decoder (Vaswani et al. 2017), from ``qkv.layers``.
+
+    source ids -> embedding·√d + sinusoidal positions -> encoder blocks (bidirectional)
+                                                            │ memory (B, S, d)
+    target ids -> embedding·√d + sinusoidal positions -> decoder blocks: causal self-attention,
+                  cross-attention to the memory (source padding masked), MLP -> logits
+
+Pre-LN blocks (a final norm on each stack). Decoding one token at a time reuses the decoder's
+self-attention keys and values from a :class:`~qkv.attention.KVCache`; cross-attention reads
+the memory, which does not change.
+
+Lectures: CS231N Lec 8 (the encoder-decoder Transformer, cross-attention), CS189 Lec 22.
+Shapes: B batch, S source length, T target length, d width, H heads, V vocabularies.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor, nn
+
+from qkv.attention import KVCache, sinusoidal_table
+from qkv.layers import BlockConfig, decoder_stack, encoder_stack
+from qkv.models.rnn_seq2seq import PAD, Seq2SeqOutput, seq2seq_loss, split_targets
+
+
+@dataclass
+class TransformerDecoderState:
+    """Memory, its mask and the self-attention KV cache; rows reorderable for beam search."""
+
+    memory: Tensor  # (N, S, d)
+    mask: Tensor  # (N, 1, 1, S) True = real source token
+    cache: KVCache
+
+    def reorder(self, index: Tensor) -> None:
+        self.memory = self.memory.index_select(0, index)
+        self.mask = self.mask.index_select(0, index)
+        self.cache.reorder(index)
+
+
+class TransformerSeq2Seq(nn.Module):
+    """Encoder-decoder Transformer over token ids (PAD = 0)."""
+
+    def __init__(self, src_vocab: int, tgt_vocab: int, dim: int = 128, n_heads: int = 4,
+                 enc_layers: int = 2, dec_layers: int = 2, mlp_hidden: int | None = None,
+                 dropout: float = 0.0, max_src_len: int = 64, max_tgt_len: int = 32,
+                 backend: str = "sdpa") -> None:
+        super().__init__()
+        self.dim, self.max_src_len, self.max_tgt_len = dim, max_src_len, max_tgt_len
+        cfg = BlockConfig(dim=dim, n_heads=n_heads, mlp_hidden=mlp_hidden, mlp="gelu",
+                          norm_position="pre", dropout=dropout, attn_dropout=dropout,
+                          backend=backend)  # type: ignore[arg-type]
+        self.src_emb = nn.Embedding(src_vocab, dim, padding_idx=PAD)
+        self.tgt_emb = nn.Embedding(tgt_vocab, dim, padding_idx=PAD)
+        self.register_buffer("pos", sinusoidal_table(max(max_src_len, max_tgt_len), dim), persistent=False)
+        self.drop = nn.Dropout(dropout)
+        self.encoder = encoder_stack(cfg, enc_layers)
+        self.decoder = decoder_stack(cfg, dec_layers, cross_attention=True)
+        self.head = nn.Linear(dim, tgt_vocab)
+        for emb in (self.src_emb, self.tgt_emb):
+            nn.init.normal_(emb.weight, std=dim**-0.5)
+            with torch.no_grad():
+                emb.weight[PAD].zero_()
+
+    def _embed(self, emb: nn.Embedding, ids: Tensor, offset: int = 0) -> Tensor:
+        T = ids.shape[1]
+        return self.drop(emb(ids) * math.sqrt(self.dim) + self.pos[offset:offset + T].to(emb.weight.dtype))
+
+    def encode(self, src: Tensor, *, return_weights: bool = False):
+        """src (B, S) -> memory (B, S, d), source mask (B, 1, 1, S) [, encoder weights]."""
+        if src.shape[1] > self.max_src_len:
+            raise ValueError(f"source has {src.shape[1]} tokens; this model reads at most {self.max_src_len}")
+        mask = (src != PAD)[:, None, None, :]
+        out = self.encoder(self._embed(self.src_emb, src), mask=mask,
+                           backend="reference" if return_weights else None, return_weights=return_weights)
+        return out.x, mask, out.self_weights
+
+    def forward(self, src: Tensor, tgt: Tensor, *, return_weights: bool = False) -> Seq2SeqOutput:
+        """Teacher forcing. src (B, S); tgt (B, T+1) = [BOS, y..., EOS, PAD...]."""
+        tgt_in, tgt_out = split_targets(tgt)
+        if tgt_in.shape[1] > self.max_tgt_len:
+            raise ValueError(f"target has {tgt_in.shape[1]} tokens; this model writes at most "
+                             f"{self.max_tgt_len}")
+        memory, mask, _ = self.encode(src)
+        out = self.decoder(self._embed(self.tgt_emb, tgt_in), memory, context_mask=mask,
+                           backend="reference" if return_weights else None,
+                           return_weights=return_weights)
+        logits = self.head(out.x)
+        return Seq2SeqOutput(logits, seq2seq_loss(logits, tgt_out), out.cross_weights)
+
+    # ------------------------------------------------------------------ step-wise decoding
+
+    def start(self, src: Tensor) -> TransformerDecoderState:
+        memory, mask, _ = self.encode(src)
+        blocks = self.decoder.blocks
+        cache = KVCache(len(blocks), src.shape[0], blocks[0].attn.n_kv_heads, self.max_tgt_len,
+                        blocks[0].attn.head_dim, dtype=memory.dtype, device=memory.device)
+        return TransformerDecoderState(memory, mask, cache)
+
+    def step(self, state: TransformerDecoderState, prev: Tensor) -> tuple[Tensor, Tensor]:
+        """prev (N,) -> logits (N, V) and the last layer's cross-attention averaged over heads
+        (N, S); appends to the KV cache."""
+        pos = state.cache.pos
+        if pos >= self.max_tgt_len:
+            raise ValueError(f"this model writes at most {self.max_tgt_len} tokens")
+        x = self._embed(self.tgt_emb, prev[:, None], offset=pos)
+        out = self.decoder(x, state.memory, context_mask=state.mask, cache=state.cache,
+                           backend="reference", return_weights=True)
+        assert out.cross_weights is not None
+        return self.head(out.x[:, -1]), out.cross_weights[-1][:, :, -1].mean(1)
