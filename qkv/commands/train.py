@@ -67,11 +67,12 @@ def _families() -> dict[str, _Family]:
 def add_train_parser(sub) -> None:
     p = sub.add_parser(
         "train",
-        help="train a model: gpt (default; Shakespeare in minutes on a CPU) or vit (Fashion-MNIST)",
+        help="train a model: gpt (default; Shakespeare in minutes on a CPU), vit (Fashion-MNIST) "
+        "or seq2seq (dates -> ISO 8601)",
         description="Train a model of one family: `qkv train gpt ...` (the default when no family "
-        "is named) or `qkv train vit ...`. `qkv train FAMILY --help` lists every option of that "
-        "family: every config field can be overridden; presets are in `qkv/presets.py`. "
-        "Under torchrun it trains with DDP.",
+        "is named), `qkv train vit ...` or `qkv train seq2seq ...`. `qkv train FAMILY --help` "
+        "lists every option of that family: every config field can be overridden; presets are "
+        "in `qkv/presets.py`. Under torchrun it trains with DDP.",
     )
     fam = p.add_subparsers(dest="family", metavar="FAMILY")
     for name, f in _families().items():
@@ -123,7 +124,11 @@ def _configs(args: argparse.Namespace, family: str) -> tuple[Any, TrainConfig, A
                              f"only training fields can change (got {given})")
         train = {**saved["train"], **train_over, "out_dir": args.resume}
         data = {k: v for k, v in saved["data"].items() if k in data_fields}
-        return f.model_cls(**saved["model"]), TrainConfig(**train), f.data_cls(**data)
+        try:
+            return f.model_cls(**saved["model"]), TrainConfig(**train), f.data_cls(**data)
+        except TypeError as e:  # unknown or missing fields: written by another qkv version
+            raise ckpt.CheckpointError(f"{args.resume}/config.json does not fit this version of "
+                                       f"qkv ({e})") from None
     preset = get_preset(family, args.preset)
     model_args = {**preset.get("model", {}), **model_over}
     if family == "vit":  # size, channels and classes come from the data (fit_model_config);
@@ -306,7 +311,7 @@ def _train_seq2seq(args, model_cfg, train_cfg, data_cfg, dist, display) -> Calla
                 what = "held-out locale/style" if name == "heldout" else "test"
                 print(f"{what} exact match {ev[name]['exact']:.2%} of {ev[name]['n']:,}  "
                       f"(by input length {by_len})")
-        example = pairs.test[0][0]
+        example = pairs.test[0][0][: cfg.max_src_len]
         [out], [w] = decode_texts(model, cfg, src, tgt, [example])
         print(f"example: {example!r} -> {out!r}")
         loss_png = plot_loss_curve(run_dir / "metrics.jsonl", run_dir / "loss.png")

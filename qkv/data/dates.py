@@ -83,11 +83,12 @@ def numeric_parser(locale: str, style: str) -> re.Pattern[str] | None:
         elif tok[0].isalpha():
             letter, n = tok[0], len(tok)
             if letter == "d" and n <= 2:
-                out.append(r"(?P<day>\d{1,2})" if n == 1 else r"(?P<day>\d{2})")
+                out.append(r"(?P<day>[1-9]\d?)" if n == 1 else r"(?P<day>\d{2})")  # d: no zero
             elif letter in "ML" and n <= 2:
-                out.append(r"(?P<month>\d{1,2})" if n == 1 else r"(?P<month>\d{2})")
+                out.append(r"(?P<month>[1-9]\d?)" if n == 1 else r"(?P<month>\d{2})")
             elif letter == "y":
-                out.append(r"(?P<year2>\d{2})" if n == 2 else rf"(?P<year>\d{{{max(n, 1)},}})")
+                # CLDR y is the full year; every year here has four digits (1950-2049)
+                out.append(r"(?P<year2>\d{2})" if n == 2 else r"(?P<year>\d{4})")
             else:
                 return None  # a name (MMM, EEEE, ...): not numeric
         else:
@@ -108,9 +109,10 @@ def parse_numeric(text: str, locale: str, style: str) -> dt.date | None:
         y2 = int(g["year2"])
         year = 1900 + y2 if y2 >= 50 else 2000 + y2  # the 1950-2049 window
     try:
-        return dt.date(year, int(g["month"]), int(g["day"]))  # type: ignore[arg-type]
+        date = dt.date(year, int(g["month"]), int(g["day"]))  # type: ignore[arg-type]
     except (TypeError, ValueError):
         return None
+    return date if FIRST <= date <= LAST else None
 
 
 def ambiguous(text: str, combos: Iterable[tuple[str, str]]) -> bool:
@@ -142,16 +144,29 @@ class DatePairs:
         return out
 
 
+def _signature(locale: str, style: str) -> tuple[str, ...]:
+    """Renderings of a few probe dates: two combinations with the same signature write every
+    date the same way (e.g. fr_FR and en_GB short, both dd/MM/y)."""
+    probes = (dt.date(1977, 8, 8), dt.date(2018, 12, 22), dt.date(1986, 11, 6), dt.date(2003, 2, 1))
+    return tuple(render(d, locale, style) for d in probes)
+
+
 def heldout_combos(seed: int = 0, n: int = 12) -> list[tuple[str, str]]:
-    """``n`` (locale, style) combinations to hold out, chosen by seed so that every locale
-    keeps at least three styles and every style at least 20 locales in training."""
+    """``n`` (locale, style) combinations to hold out, chosen by seed among those whose format
+    no other combination shares (so a held-out format is really unseen), such that every
+    locale keeps at least three styles and every style at least 20 locales in training."""
     rng = random.Random(seed)
     combos = [(lc, st) for lc in LOCALES for st in STYLES]
-    rng.shuffle(combos)
+    signatures: dict[tuple[str, ...], int] = {}
+    for c in combos:
+        sig = _signature(*c)
+        signatures[sig] = signatures.get(sig, 0) + 1
+    unique = [c for c in combos if signatures[_signature(*c)] == 1]
+    rng.shuffle(unique)
     out: list[tuple[str, str]] = []
     per_locale: dict[str, int] = {}
     per_style: dict[str, int] = {}
-    for lc, st in combos:
+    for lc, st in unique:
         if len(out) == n:
             break
         if per_locale.get(lc, 0) >= 1 or per_style.get(st, 0) >= len(LOCALES) - 20:
@@ -217,7 +232,7 @@ def load_pairs(path: str | os.PathLike[str], val_fraction: float = 0.05, test_fr
     if not path.is_file():
         raise ValueError(f"pairs file not found: {path}")
     try:
-        lines = path.read_text(encoding="utf-8").splitlines()
+        lines = path.read_text(encoding="utf-8-sig").splitlines()  # a BOM is not part of line 1
     except UnicodeDecodeError as e:
         raise ValueError(f"{path} is not UTF-8 text ({e.reason} at byte {e.start})") from None
     pairs = []

@@ -250,7 +250,7 @@ def read_image(path: str | os.PathLike[str], size: int, channels: int) -> tuple[
     image, bilinear. Raises ValueError for missing or unreadable files.
     """
     try:
-        from PIL import Image, UnidentifiedImageError
+        from PIL import Image, ImageOps
     except ImportError as e:
         raise ImportError("reading images needs Pillow: pip install pillow") from e
     path = Path(path)
@@ -260,6 +260,13 @@ def read_image(path: str | os.PathLike[str], size: int, channels: int) -> tuple[
     try:
         with Image.open(path) as im:
             im.load()
+            im = ImageOps.exif_transpose(im)  # phone photos: the orientation the camera meant
+            if im.mode in ("I", "I;16", "I;16B", "I;16L", "F"):  # 16-bit / float grey: rescale
+                a = np.asarray(im, dtype=np.float64)
+                top = 1.0 if im.mode == "F" and a.max() <= 1.0 else 65535.0 if "16" in im.mode \
+                    or a.max() > 255 else 255.0
+                notes.append(f"rescaled {im.mode} pixels to 8 bits")
+                im = Image.fromarray(np.clip(np.rint(a * (255.0 / top)), 0, 255).astype(np.uint8))
             mode = "L" if channels == 1 else "RGB"
             if im.mode != mode:
                 if not (im.mode in ("L", "P", "1", "I", "I;16") and mode == "L"):
@@ -273,7 +280,7 @@ def read_image(path: str | os.PathLike[str], size: int, channels: int) -> tuple[
                 notes.append(f"resized {im.size[0]}x{im.size[1]} to {size}x{size}")
                 im = im.resize((size, size), Image.Resampling.BILINEAR)
             arr = np.asarray(im, dtype=np.uint8)
-    except (UnidentifiedImageError, OSError, SyntaxError) as e:
+    except Exception as e:  # Pillow raises many types for damaged or hostile files
         raise ValueError(f"{path} is not a readable image ({type(e).__name__}: "
                          f"{str(e).splitlines()[0] if str(e) else 'damaged'})") from None
     x = torch.from_numpy(arr.copy())
@@ -295,7 +302,8 @@ def load_image_folder(root: str | os.PathLike[str], image_size: int = 28, channe
     if not root.is_dir():
         raise ValueError(f"dataset folder not found: {root}")
     class_dirs = sorted(p for p in root.iterdir() if p.is_dir() and not p.name.startswith("."))
-    files = {d.name: sorted(f for f in d.iterdir() if f.suffix.lower() in IMAGE_SUFFIXES)
+    files = {d.name: sorted(f for f in d.iterdir() if f.suffix.lower() in IMAGE_SUFFIXES
+                            and f.is_file() and not f.name.startswith("."))  # not macOS ._ files
              for d in class_dirs}
     if not files:
         raise ValueError(f"{root} has no class sub-folders; put the images of each class in "
@@ -317,7 +325,7 @@ def load_image_folder(root: str | os.PathLike[str], image_size: int = 28, channe
                         if im.mode not in ("L", "1", "I", "I;16", "LA"):
                             channels = 3
                             break
-                except (OSError, SyntaxError):
+                except Exception:
                     continue  # read_image below names the broken file
             if channels == 3:
                 break
@@ -347,7 +355,7 @@ def load_image_folder(root: str | os.PathLike[str], image_size: int = 28, channe
             sel[k] = sel["train"]
             if on_note is not None:
                 on_note(f"too few images for a separate {k} split; using the training images")
-    return ImageData(root.name, tuple(files), x[sel["train"]], y[sel["train"]], x[sel["val"]],
+    return ImageData(root.resolve().name, tuple(files), x[sel["train"]], y[sel["train"]], x[sel["val"]],
                      y[sel["val"]], x[sel["test"]], y[sel["test"]])
 
 

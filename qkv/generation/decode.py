@@ -107,6 +107,14 @@ def generate(
 # and ``state.reorder(index)`` keeps rows ``index`` (beam search). Token 1 is BOS, 2 EOS.
 
 _BOS, _EOS = 1, 2
+_NEVER = (0, 1, 3)  # padding, BOS and unknown never appear in an output
+
+
+def _allowed(logits: Tensor) -> Tensor:
+    """Logits with the tokens that never appear in an output set to -inf."""
+    out = logits.clone()
+    out[:, [t for t in _NEVER if t < out.shape[-1]]] = float("-inf")
+    return out
 
 
 class Decoded(NamedTuple):
@@ -129,7 +137,7 @@ def greedy_decode(model, src: Tensor, max_len: int) -> Decoded:
     out, ws = [], []
     for _ in range(max_len):
         logits, w = model.step(state, prev)
-        logp = logits.float().log_softmax(-1)
+        logp = _allowed(logits).float().log_softmax(-1)
         nxt = logp.argmax(-1)
         score += torch.where(done, 0.0, logp.gather(1, nxt[:, None])[:, 0])
         out.append(torch.where(done, _EOS, nxt))
@@ -151,11 +159,14 @@ def _finish(toks: list[list[int]], scores: list[float], weights: Tensor | None) 
 
 @torch.no_grad()
 def beam_search(model, src: Tensor, max_len: int, beam: int = 4, length_penalty: float = 1.0) -> Decoded:
-    """Keep the ``beam`` best partial outputs per source; finished ones (ended by EOS) stay.
+    """Keep the ``beam`` best unfinished outputs per source; outputs that end (EOS) move to a
+    per-source list of finished ones, so later, longer candidates can never evict them.
 
-    The winner maximises log p(y) / len(y)^length_penalty (len counts EOS): 0 = pure
-    probability, which favours short outputs; 1 = mean log-probability per token. Batched:
-    B sources × ``beam`` rows run as one batch. ``beam=1`` is greedy decoding.
+    A source is done once it has ``beam`` finished outputs (or at ``max_len``, when the
+    unfinished ones join the list). The winner maximises log p(y) / len(y)^length_penalty
+    (len counts EOS): 0 = pure probability, which favours short outputs; 1 = mean
+    log-probability per token. Batched: B sources × ``beam`` rows run as one batch.
+    ``beam=1`` is greedy decoding.
     """
     if beam < 1:
         raise ValueError(f"beam must be >= 1, got {beam}")
@@ -164,39 +175,59 @@ def beam_search(model, src: Tensor, max_len: int, beam: int = 4, length_penalty:
     dev = src.device
     scores = torch.full((B, K), float("-inf"), device=dev)
     scores[:, 0] = 0.0  # one live hypothesis at the start (the others would be duplicates)
-    done = torch.zeros(B, K, dtype=torch.bool, device=dev)
-    lengths = torch.zeros(B, K, device=dev)
     seqs = torch.empty(B, K, 0, dtype=torch.long, device=dev)
-    hist: Tensor | None = None  # (B, K, t, S)
+    hist: Tensor | None = None  # (B, K, t, S) attention of the live hypotheses
+    finished: list[list[tuple[float, float, list[int], Tensor | None]]] = [[] for _ in range(B)]
     prev = torch.full((B * K,), _BOS, dtype=torch.long, device=dev)
-    for _ in range(max_len):
+
+    def norm(score: float, length: int) -> float:
+        return score / max(length, 1) ** length_penalty
+
+    for t in range(max_len):
         logits, w = model.step(state, prev)
-        logp = logits.float().log_softmax(-1).view(B, K, -1)
+        logp = _allowed(logits).float().log_softmax(-1).view(B, K, -1)
         V = logp.shape[-1]
-        # A finished hypothesis continues only with EOS, at no cost: its score is final.
-        frozen = torch.full_like(logp, float("-inf"))
-        frozen[..., _EOS] = 0.0
-        logp = torch.where(done[..., None], frozen, logp)
-        top, idx = (scores[..., None] + logp).view(B, K * V).topk(K, dim=-1)  # (B, K)
-        src_beam, tok = idx // V, idx % V
-        rows = (src_beam + torch.arange(B, device=dev)[:, None] * K).flatten()
-        state.reorder(rows)
-        was_done = done.gather(1, src_beam)
-        lengths = lengths.gather(1, src_beam) + (~was_done).float()
-        done = was_done | (tok == _EOS)
-        seqs = torch.cat([seqs.gather(1, src_beam[..., None].expand(-1, -1, seqs.shape[-1])),
-                          tok[..., None]], dim=-1)
+        cand, idx = (scores[..., None] + logp).view(B, K * V).topk(min(2 * K, K * V), dim=-1)
+        cand_l, idx_l = cand.tolist(), idx.tolist()
+        keep_beam = torch.zeros(B, K, dtype=torch.long)
+        keep_tok = torch.full((B, K), _EOS, dtype=torch.long)
+        keep_score = torch.full((B, K), float("-inf"))
+        for b in range(B):
+            n = 0
+            for c, i in zip(cand_l[b], idx_l[b], strict=True):
+                k, tok = divmod(i, V)
+                if c == float("-inf"):
+                    break
+                if tok == _EOS:
+                    if len(finished[b]) < K:
+                        ws = None if w is None else (  # attention of the tokens before EOS
+                            hist[b, k].cpu() if hist is not None else w.new_zeros(0, w.shape[-1]).cpu())
+                        finished[b].append((norm(c, t + 1), c, seqs[b, k].tolist(), ws))
+                elif n < K:
+                    keep_beam[b, n], keep_tok[b, n], keep_score[b, n] = k, tok, c
+                    n += 1
+                if n == K:
+                    break
+        keep_beam, keep_tok = keep_beam.to(dev), keep_tok.to(dev)
+        state.reorder((keep_beam + torch.arange(B, device=dev)[:, None] * K).flatten())
+        seqs = torch.cat([seqs.gather(1, keep_beam[..., None].expand(-1, -1, seqs.shape[-1])),
+                          keep_tok[..., None]], dim=-1)
         if w is not None:
-            w = w.view(B, K, 1, -1)
-            hist = w if hist is None else torch.cat(
-                [hist.gather(1, src_beam[..., None, None].expand(-1, -1, *hist.shape[2:])),
-                 w.gather(1, src_beam[..., None, None].expand(-1, -1, 1, w.shape[-1]))], dim=2)
-        scores, prev = top, tok.flatten()
-        if bool(done.all()):
+            w_new = w.view(B, K, -1).gather(1, keep_beam[..., None].expand(-1, -1, w.shape[-1]))[:, :, None]
+            hist = w_new if hist is None else torch.cat(
+                [hist.gather(1, keep_beam[..., None, None].expand(-1, -1, *hist.shape[2:])), w_new], dim=2)
+        scores, prev = keep_score.to(dev), keep_tok.flatten()
+        if all(len(f) >= K for f in finished):
             break
-    norm = scores / lengths.clamp_min(1) ** length_penalty
-    best = norm.argmax(-1)  # (B,)
-    ar = torch.arange(B, device=dev)
-    toks = seqs[ar, best].tolist()
-    weights = None if hist is None else hist[ar, best]
-    return _finish(toks, scores[ar, best].tolist(), weights)
+    else:  # max_len reached: the unfinished hypotheses compete too
+        for b in range(B):
+            for k in range(K):
+                c = float(scores[b, k])
+                if c > float("-inf"):
+                    ws = None if hist is None else hist[b, k].cpu()
+                    finished[b].append((norm(c, seqs.shape[-1]), c, seqs[b, k].tolist(), ws))
+    best = [max(f, key=lambda h: h[0]) for f in finished]
+    toks = [h[2] for h in best]
+    weights = [h[3] for h in best]
+    return Decoded(toks, [h[1] for h in best],
+                   [None if ws is None else ws[: len(tk)] for ws, tk in zip(weights, toks, strict=True)])

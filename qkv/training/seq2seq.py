@@ -75,6 +75,11 @@ class Seq2SeqDataConfig:
     n_heldout: int = 5_000  # dates: pairs in the held-out locale/style combinations
     data_seed: int = 0  # seed of the generated pairs and of every split
 
+    def __post_init__(self) -> None:
+        for name, least in (("n_train", 10), ("n_val", 1), ("n_test", 1), ("n_heldout", 0)):
+            if getattr(self, name) < least:
+                raise ValueError(f"{name} must be >= {least}, got {getattr(self, name)}")
+
 
 def build_model(cfg: Seq2SeqConfig) -> nn.Module:
     if cfg.arch == "transformer":
@@ -240,6 +245,10 @@ def train_seq2seq(model_cfg: Seq2SeqConfig, train_cfg: TrainConfig, data_cfg: Se
     model = build_model(model_cfg)
     trainer = Trainer(model, train_cfg, PairBatches(splits), run_dir, dist, on_log, tokens_per_batch=1)
     if resume:
+        saved = ckpt.read_json(run_dir / "config.json")
+        if saved.get("src_chars") != src.chars() or saved.get("tgt_chars") != tgt.chars():
+            raise ValueError(f"the training pairs changed since {run_dir} was started (other "
+                             "characters); start a new run instead of resuming")
         trainer.load_resume_state()
     elif dist.is_main:
         run_dir.mkdir(parents=True, exist_ok=True)

@@ -37,6 +37,8 @@ class ImageDataConfig:
     split_seed: int = 0  # seed of the deterministic train/validation/test split
 
     def __post_init__(self) -> None:
+        if self.val_size < 1:
+            raise ValueError(f"val_size must be >= 1, got {self.val_size}")
         if self.shift < 0:
             raise ValueError(f"shift must be >= 0, got {self.shift}")
         if self.image_size < 1:
@@ -125,6 +127,10 @@ def train_vit(
     model = ViT(model_cfg)
     trainer = Trainer(model, train_cfg, batches, run_dir, dist, on_log, tokens_per_batch=1)
     if resume:
+        saved = ckpt.read_json(run_dir / "config.json").get("data", {})
+        if saved.get("classes") != list(data.classes) or abs(saved.get("mean", 0) - batches.mean) > 1e-6:
+            raise ValueError(f"the images of {data_cfg.dataset} changed since {run_dir} was started "
+                             "(other classes or statistics); start a new run instead of resuming")
         trainer.load_resume_state()
     elif dist.is_main:
         run_dir.mkdir(parents=True, exist_ok=True)

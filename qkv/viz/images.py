@@ -54,8 +54,8 @@ def plot_image_attention(image: Tensor, maps: Sequence[tuple[str, Tensor]], out_
     panels show where each head looks, not how sharply (the caption can say that).
     """
     plt = _pyplot()
-    img = image.detach().float().cpu()
-    img = img / 255 if img.max() > 1.0 else img
+    img = image.detach().cpu()
+    img = img.float() / 255 if img.dtype == torch.uint8 else img.float()
     C, H, W = img.shape
     shown = img[0].numpy() if C == 1 else img.permute(1, 2, 0).numpy()
     n = len(maps) + 1

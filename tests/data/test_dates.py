@@ -44,6 +44,21 @@ def test_ambiguity() -> None:
     assert not D.ambiguous("3/14/77", [us, es])  # only en_US can read it
     assert not D.ambiguous("4/4/77", [us, es])  # both read 4 April
     assert not D.ambiguous("3/4/77", [us])
+    numeric = [(lc, st) for lc in D.LOCALES for st in D.STYLES if D.numeric_parser(lc, st)]
+    assert not D.ambiguous("09.04.88", numeric)  # a 2-digit year is not a 4-digit one
+    assert not D.ambiguous("08/08/77", numeric)  # en_US writes 8/8/77: no leading zeros
+
+
+def test_only_true_ambiguity_is_dropped() -> None:
+    """Formats no other combination can read differently keep every date."""
+    numeric = [(lc, st) for lc in D.LOCALES for st in D.STYLES if D.numeric_parser(lc, st)]
+    rng = random.Random(1)
+    kept = {}
+    for c in [("de_DE", "short"), ("ja_JP", "short"), ("fr_FR", "short"), ("es_ES", "short")]:
+        dates = [D.FIRST + dt.timedelta(days=rng.randrange(36524)) for _ in range(60)]
+        kept[c] = sum(not D.ambiguous(D.render(d, *c), numeric) for d in dates) / 60
+    assert kept[("de_DE", "short")] == kept[("ja_JP", "short")] == kept[("fr_FR", "short")] == 1.0
+    assert 0.4 < kept[("es_ES", "short")] < 0.9  # d/M/yy vs en_US M/d/yy: both numbers <= 12
 
 
 @pytest.fixture(scope="module")
@@ -69,6 +84,10 @@ def test_splits_are_deterministic_and_clean(pairs) -> None:
 
 def test_heldout_combinations(pairs) -> None:
     assert set(pairs.unseen).isdisjoint(pairs.seen) and len(pairs.unseen) == 12
+    probes = [dt.date(1999, 3, 14), dt.date(2024, 10, 5)]
+    seen_formats = {tuple(D.render(d, *c) for d in probes) for c in pairs.seen}
+    for c in pairs.unseen:  # no seen combination writes dates the same way
+        assert tuple(D.render(d, *c) for d in probes) not in seen_formats, c
     for lc in D.LOCALES:
         assert sum(c[0] == lc for c in pairs.seen) >= 3
     # every held-out source is a rendering in some held-out combination (up to case)

@@ -316,3 +316,28 @@ def test_unknown_dataset_name(tmp_path) -> None:
 
     with pytest.raises(ValueError, match="fashion-mnist, mnist, digits or a folder"):
         load_image_dataset(str(tmp_path / "nowhere"))
+
+
+def test_read_image_16_bit_and_float(tmp_path) -> None:
+    from PIL import Image
+
+    from qkv.data.images import read_image
+
+    a16 = (np.arange(64, dtype=np.uint16).reshape(8, 8) * 1000)  # up to 63,000 of 65,535
+    Image.fromarray(a16).save(tmp_path / "deep.png")
+    x, notes = read_image(tmp_path / "deep.png", 8, 1)
+    assert any("8 bits" in n for n in notes)
+    np.testing.assert_allclose(x[0].numpy(), np.rint(a16 / 65535 * 255), atol=1)
+    f = np.linspace(0, 1, 64, dtype=np.float32).reshape(8, 8)
+    Image.fromarray(f).save(tmp_path / "f.tif")
+    x, _ = read_image(tmp_path / "f.tif", 8, 1)
+    np.testing.assert_allclose(x[0].numpy(), np.rint(f * 255), atol=1)
+
+
+def test_image_folder_ignores_hidden_files(tmp_path) -> None:
+    from qkv.data.images import load_image_folder
+
+    _folder(tmp_path / "ds", {"a": 3, "b": 3})
+    (tmp_path / "ds" / "a" / "._0.png").write_bytes(b"AppleDouble junk")
+    d = load_image_folder(tmp_path / "ds", image_size=8)
+    assert len(d.train_y) + len(d.val_y) + len(d.test_y) == 6

@@ -161,3 +161,50 @@ def test_teacher_forced_loss_decreases(name: str) -> None:
         loss.backward()
         opt.step()
     assert loss.item() < 0.4 * first
+
+
+class _EvictionToy(_ToyModel):
+    """First step EOS 0.3 / A 0.7; after A, A and B 0.5 each, and from there on tokens keep
+    coming at 0.5 each (EOS 1e-9): the empty output (p 0.3) is the best, but two longer live
+    candidates outscore it by raw score at step 2. It must not be forgotten."""
+
+    def step(self, state, prev: torch.Tensor):
+        rows = []
+        for h, p in zip(state.hist, prev.tolist(), strict=True):
+            if p != BOS:
+                h.append(p)
+            probs = torch.full((6,), 1e-9)
+            if not h:
+                probs[EOS], probs[4] = 0.3, 0.7
+            else:
+                probs[4], probs[5] = 0.5, 0.5
+            rows.append(probs.log())
+        return torch.stack(rows), None
+
+
+def test_beam_search_keeps_finished_hypotheses() -> None:
+    b = beam_search(_EvictionToy(), torch.ones(1, 2, dtype=torch.long), 6, beam=2, length_penalty=0.0)
+    assert b.tokens == [[]] and b.scores[0] == pytest.approx(math.log(0.3), abs=1e-6)
+
+
+@pytest.mark.parametrize("name", ["rnn", "transformer"])
+def test_batched_beam_search_equals_one_source_at_a_time(name: str) -> None:
+    src, _ = _batch(2)
+    m = _model(name)
+    together = beam_search(m, src, 8, beam=3)
+    for i in range(len(src)):
+        alone = beam_search(m, src[i : i + 1, : int((src[i] != PAD).sum())], 8, beam=3)
+        assert alone.tokens[0] == together.tokens[i]
+        assert alone.scores[0] == pytest.approx(together.scores[i], abs=1e-4)
+        if alone.weights[0] is not None:
+            S = alone.weights[0].shape[-1]
+            torch.testing.assert_close(alone.weights[0], together.weights[i][:, :S], atol=1e-5, rtol=1e-4)
+
+
+def test_outputs_never_contain_padding_bos_or_unknown() -> None:
+    src, _ = _batch(3)
+    m = _model("rnn")
+    with torch.no_grad():  # make the untrained model prefer the forbidden tokens
+        m.out.bias[[PAD, BOS, 3]] += 100.0
+    for res in (greedy_decode(m, src, 6), beam_search(m, src, 6, beam=2)):
+        assert all(not {PAD, BOS, 3} & set(t) for t in res.tokens)
