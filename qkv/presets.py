@@ -67,7 +67,7 @@ SEQ2SEQ_PRESETS: dict[str, dict[str, Any]] = {
     # The default of `qkv train seq2seq` (any --arch): dates in under 10 minutes on 2 CPU cores.
     "dates-cpu": {
         "model": dict(),
-        "train": dict(batch_size=128, max_iters=3000, lr=2e-3, min_lr=2e-5, warmup_iters=100,
+        "train": dict(batch_size=128, max_iters=1500, lr=2e-3, min_lr=2e-5, warmup_iters=100,
                       eval_interval=500, eval_iters=8, weight_decay=0.0),
         "data": dict(),
     },
