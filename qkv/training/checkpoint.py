@@ -33,6 +33,23 @@ def write_json(path: Path, obj: Any) -> None:
     atomic_write(path, lambda p: p.write_text(json.dumps(obj, indent=2) + "\n", encoding="utf-8"))
 
 
+def read_run_config(run_dir: Path, family: str, kind: str) -> dict:
+    """``run_dir/config.json`` of a run of ``family``; CheckpointError naming what the folder is
+    instead (a missing folder, a run of another family, not a qkv run). ``kind`` names the
+    model for the message ("an image classifier")."""
+    run_dir = Path(run_dir)
+    if not run_dir.is_dir():
+        raise CheckpointError(f"{run_dir} is not a directory; pass a run directory from "
+                              f"`qkv train {family}`")
+    cfg = read_json(run_dir / "config.json")
+    found = cfg.get("family") if isinstance(cfg, dict) else None
+    if found != family:
+        what = f"a {found} run" if isinstance(found, str) else "not a qkv run configuration"
+        raise CheckpointError(f"{run_dir} is {what}, not {kind}; pass a run directory from "
+                              f"`qkv train {family}`")
+    return cfg
+
+
 def read_json(path: Path) -> Any:
     try:
         return json.loads(Path(path).read_text(encoding="utf-8"))

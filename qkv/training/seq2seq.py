@@ -262,15 +262,7 @@ def train_seq2seq(model_cfg: Seq2SeqConfig, train_cfg: TrainConfig, data_cfg: Se
 def load_seq2seq_run(run_dir: Path, device: str = "cpu"):
     """(model (eval mode), cfg, src vocab, tgt vocab) from a run directory."""
     run_dir = Path(run_dir)
-    if not run_dir.is_dir():
-        raise ckpt.CheckpointError(f"{run_dir} is not a directory; pass a run directory from "
-                                   "`qkv train seq2seq`")
-    saved = ckpt.read_json(run_dir / "config.json")
-    family = saved.get("family") if isinstance(saved, dict) else None
-    if family != "seq2seq":
-        what = f"a {family} run" if isinstance(family, str) else "not a qkv run configuration"
-        raise ckpt.CheckpointError(f"{run_dir} is {what}, not a sequence-to-sequence model; pass a "
-                                   "run directory from `qkv train seq2seq`")
+    saved = ckpt.read_run_config(run_dir, "seq2seq", "a sequence-to-sequence model")
     try:
         cfg = Seq2SeqConfig(**saved["model"])
         src, tgt = CharVocab(saved["src_chars"]), CharVocab(saved["tgt_chars"])

@@ -144,15 +144,7 @@ def train_vit(
 def load_vit_run(run_dir: Path, device: str = "cpu") -> tuple[ViT, dict[str, Any]]:
     """A trained ViT (best weights, eval mode) and its run's ``data`` section (classes, mean, std)."""
     run_dir = Path(run_dir)
-    if not run_dir.is_dir():
-        raise ckpt.CheckpointError(f"{run_dir} is not a directory; pass a run directory from "
-                                   "`qkv train vit`")
-    cfg = ckpt.read_json(run_dir / "config.json")
-    family = cfg.get("family") if isinstance(cfg, dict) else None
-    if family != "vit":
-        what = f"a {family} run" if isinstance(family, str) else "not a qkv run configuration"
-        raise ckpt.CheckpointError(f"{run_dir} is {what}, not an image classifier; pass a run "
-                                   "directory from `qkv train vit`")
+    cfg = ckpt.read_run_config(run_dir, "vit", "an image classifier")
     data = cfg.get("data")
     try:
         model_cfg = ViTConfig(**cfg["model"])
