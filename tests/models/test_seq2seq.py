@@ -122,16 +122,20 @@ class _ToyModel:
             if p != BOS:
                 h.append(p)
             probs = torch.full((6,), 1e-9)
-            if not h:
-                probs[4], probs[5] = 0.6, 0.4
-            elif h == [4]:
-                probs[4], probs[5] = 0.5, 0.5
-            elif h == [5]:
-                probs[EOS], probs[4] = 0.9, 0.1
-            else:
-                probs[EOS] = 1.0
+            for tok, pr in self.next_probs(h).items():
+                probs[tok] = pr
             rows.append(probs.log())
         return torch.stack(rows), None
+
+    @staticmethod
+    def next_probs(h: list[int]) -> dict[int, float]:
+        if not h:
+            return {4: 0.6, 5: 0.4}
+        if h == [4]:
+            return {4: 0.5, 5: 0.5}
+        if h == [5]:
+            return {EOS: 0.9, 4: 0.1}
+        return {EOS: 1.0}
 
 
 def test_beam_search_finds_the_more_likely_sequence() -> None:
@@ -168,18 +172,9 @@ class _EvictionToy(_ToyModel):
     coming at 0.5 each (EOS 1e-9): the empty output (p 0.3) is the best, but two longer live
     candidates outscore it by raw score at step 2. It must not be forgotten."""
 
-    def step(self, state, prev: torch.Tensor):
-        rows = []
-        for h, p in zip(state.hist, prev.tolist(), strict=True):
-            if p != BOS:
-                h.append(p)
-            probs = torch.full((6,), 1e-9)
-            if not h:
-                probs[EOS], probs[4] = 0.3, 0.7
-            else:
-                probs[4], probs[5] = 0.5, 0.5
-            rows.append(probs.log())
-        return torch.stack(rows), None
+    @staticmethod
+    def next_probs(h: list[int]) -> dict[int, float]:
+        return {EOS: 0.3, 4: 0.7} if not h else {4: 0.5, 5: 0.5}
 
 
 def test_beam_search_keeps_finished_hypotheses() -> None:
