@@ -1,0 +1,240 @@
+"""The captioning job behind `qkv train captioner`: generated scenes -> word vocabulary ->
+Captioner (soft or hard attention) -> the shared Trainer -> exact match, BLEU-4 and pointing
+accuracy (does the most attended location fall inside the object a word names?).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import random
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from qkv import __version__
+from qkv.data.shapes import COLOURS, SHAPES, Scene, make_scene, split_combos
+from qkv.models.captioner import BOS, EOS, PAD, UNK, Captioner, CaptionerConfig
+from qkv.training import checkpoint as ckpt
+from qkv.training.distributed import DistInfo
+from qkv.training.trainer import TrainConfig, Trainer
+
+SPECIALS = ("<pad>", "<bos>", "<eos>", "<unk>")
+MEAN, STD = 0.25, 0.3  # pixel normalisation of the generated scenes (x / 255 - MEAN) / STD
+
+
+@dataclass
+class CaptionDataConfig:
+    """How many scenes, and which colour/shape pairs are held out."""
+
+    n_train: int = 20_000  # training scenes
+    n_val: int = 500  # validation scenes
+    n_test: int = 2_000  # test scenes (seen colour/shape pairs)
+    n_heldout: int = 2_000  # test scenes where every object has a held-out colour/shape pair... or more
+    heldout_pairs: int = 4  # (colour, shape) pairs never seen in training
+    data_seed: int = 0  # seed of the scenes and the held-out pairs
+
+    def __post_init__(self) -> None:
+        for name, least in (("n_train", 10), ("n_val", 1), ("n_test", 1), ("n_heldout", 0)):
+            if getattr(self, name) < least:
+                raise ValueError(f"{name} must be >= {least}, got {getattr(self, name)}")
+
+
+class WordVocab:
+    def __init__(self, words: Sequence[str]) -> None:
+        self.itos = list(SPECIALS) + [w for w in words if w not in SPECIALS]
+        self.stoi = {w: i for i, w in enumerate(self.itos)}
+
+    @classmethod
+    def build(cls, captions: Sequence[str]) -> WordVocab:
+        return cls(sorted({w for c in captions for w in c.split()}))
+
+    def __len__(self) -> int:
+        return len(self.itos)
+
+    def encode(self, caption: str) -> list[int]:
+        return [self.stoi.get(w, UNK) for w in caption.split()]
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return " ".join(self.itos[i] for i in ids if i >= len(SPECIALS))
+
+
+@dataclass
+class CaptionSplits:
+    scenes: dict[str, list[Scene]]
+    seen: list[tuple[str, str]]
+    heldout: list[tuple[str, str]]
+
+
+def make_splits(cfg: CaptionDataConfig) -> CaptionSplits:
+    """Train/val/test scenes use only the seen pairs; every held-out scene has at least one
+    object with a held-out pair (the others drawn from everything)."""
+    seen, held = split_combos(cfg.heldout_pairs, cfg.data_seed)
+    rng = random.Random(cfg.data_seed)
+    scenes = {name: [make_scene(rng, combos=seen) for _ in range(n)]
+              for name, n in (("train", cfg.n_train), ("val", cfg.n_val), ("test", cfg.n_test))}
+    heldout = []
+    while len(heldout) < cfg.n_heldout and held:
+        s = make_scene(rng)
+        if any((o.colour, o.shape) in held for o in s.objects):
+            heldout.append(s)
+    if heldout:
+        scenes["heldout"] = heldout
+    return CaptionSplits(scenes, seen, held)
+
+
+def to_tensors(scenes: Sequence[Scene], vocab: WordVocab, max_len: int) -> tuple[Tensor, Tensor]:
+    """uint8 images (N, 3, H, W) and [BOS, words, EOS, PAD...] (N, max_len + 2)."""
+    x = torch.from_numpy(np.stack([s.image for s in scenes])).permute(0, 3, 1, 2).contiguous()
+    y = torch.full((len(scenes), max_len + 2), PAD, dtype=torch.long)
+    for i, s in enumerate(scenes):
+        ids = [BOS, *vocab.encode(s.caption)[:max_len], EOS]
+        y[i, : len(ids)] = torch.tensor(ids)
+    return x, y
+
+
+def normalize(images: Tensor) -> Tensor:
+    return (images.float() / 255 - MEAN) / STD
+
+
+class CaptionBatches:
+    def __init__(self, splits: dict[str, tuple[Tensor, Tensor]]) -> None:
+        self.splits = splits
+
+    def get_batch(self, split: str, batch_size: int, generator: torch.Generator) -> tuple[Tensor, Tensor]:
+        x, y = self.splits[split]
+        idx = torch.randint(0, len(x), (batch_size,), generator=generator)
+        yb = y[idx]
+        T = int((yb != PAD).sum(1).max())
+        return normalize(x[idx]), yb[:, :T]
+
+
+@torch.no_grad()
+def greedy_captions(model: Captioner, images: Tensor, max_len: int,
+                    batch_size: int = 256) -> tuple[list[list[int]], list[Tensor]]:
+    """uint8 images -> token ids (EOS excluded) and attention (len, L) per image."""
+    model.eval()
+    toks, alphas = [], []
+    for i in range(0, len(images), batch_size):
+        x = normalize(images[i : i + batch_size])
+        state = model.start(x)
+        prev = torch.full((len(x),), BOS, dtype=torch.long)
+        out, att = [], []
+        for _ in range(max_len + 1):
+            logits, state, a, _, _ = model.step(state, prev)
+            logits[:, [PAD, BOS, UNK]] = float("-inf")
+            prev = logits.argmax(-1)
+            out.append(prev)
+            att.append(a)
+        ids = torch.stack(out, 1).tolist()
+        A = torch.stack(att, 1)
+        for row, a in zip(ids, A, strict=True):
+            n = row.index(EOS) if EOS in row else len(row)
+            toks.append(row[:n])
+            alphas.append(a[:n])
+    return toks, alphas
+
+
+def bleu4(references: Sequence[Sequence[str]], hypotheses: Sequence[Sequence[str]]) -> float:
+    """Corpus BLEU-4 (Papineni et al. 2002), one reference per hypothesis: the geometric mean
+    of clipped 1-4-gram precisions times the brevity penalty."""
+    matches, totals = [0] * 4, [0] * 4
+    ref_len = hyp_len = 0
+    for ref, hyp in zip(references, hypotheses, strict=True):
+        ref_len, hyp_len = ref_len + len(ref), hyp_len + len(hyp)
+        for n in range(1, 5):
+            r = Counter(tuple(ref[i : i + n]) for i in range(len(ref) - n + 1))
+            h = Counter(tuple(hyp[i : i + n]) for i in range(len(hyp) - n + 1))
+            matches[n - 1] += sum(min(c, r[g]) for g, c in h.items())
+            totals[n - 1] += max(len(hyp) - n + 1, 0)
+    if min(matches) == 0:
+        return 0.0
+    log_p = sum(math.log(m / t) for m, t in zip(matches, totals, strict=True)) / 4
+    bp = 1.0 if hyp_len > ref_len else math.exp(1 - ref_len / max(hyp_len, 1))
+    return bp * math.exp(log_p)
+
+
+def _inside(x: float, y: float, boxes: Sequence[tuple[int, int, int, int]]) -> bool:
+    """Whether the point lies in any box (pixel (i, j) covers [i, i+1) x [j, j+1))."""
+    return any(x0 <= x <= x1 + 1 and y0 <= y <= y1 + 1 for x0, y0, x1, y1 in boxes)
+
+
+def pointing(scene: Scene, words: Sequence[str], alphas: Tensor, grid: int) -> tuple[int, int, float]:
+    """(hits, named words, uniform baseline's expected hits) for one generated caption: a word
+    naming a colour or shape hits if its most attended grid cell's centre lies inside an object
+    of the scene with that colour/shape; a uniform attention hits with the share of cell
+    centres inside such an object."""
+    H = scene.image.shape[0]
+    cell = H / grid
+    centres = [((j + 0.5) * cell, (i + 0.5) * cell) for i in range(grid) for j in range(grid)]
+    hits = named = 0
+    uniform = 0.0
+    for w, a in zip(words, alphas, strict=False):
+        if w not in COLOURS and w not in SHAPES:
+            continue
+        boxes = [o.box for o in scene.objects if w in (o.colour, o.shape)]
+        if not boxes:
+            continue  # the word names nothing in the scene: a caption error, not a pointing one
+        named += 1
+        x, y = centres[int(a.argmax())]
+        hits += _inside(x, y, boxes)
+        uniform += sum(_inside(cx, cy, boxes) for cx, cy in centres) / len(centres)
+    return hits, named, uniform
+
+
+def evaluate(model: Captioner, vocab: WordVocab, splits: CaptionSplits, max_len: int) -> dict:
+    result = {}
+    for name, scenes in splits.scenes.items():
+        if name == "train" or not scenes:
+            continue
+        x, _ = to_tensors(scenes, vocab, max_len)
+        toks, alphas = greedy_captions(model, x, max_len)
+        hyps = [vocab.decode(t) for t in toks]
+        exact = sum(h == s.caption for h, s in zip(hyps, scenes, strict=True)) / len(scenes)
+        bleu = bleu4([s.caption.split() for s in scenes], [h.split() for h in hyps])
+        hits = named = 0
+        uniform = 0.0
+        for s, h, a in zip(scenes, hyps, alphas, strict=True):
+            hh, nn_, uu = pointing(s, h.split(), a, model.cfg.grid)
+            hits, named, uniform = hits + hh, named + nn_, uniform + uu
+        result[name] = {"n": len(scenes), "exact": exact, "bleu4": bleu,
+                        "pointing": hits / max(named, 1), "pointing_uniform": uniform / max(named, 1),
+                        "named_words": named,
+                        "examples": [(s.caption, h) for s, h in zip(scenes[:5], hyps, strict=False)]}
+    return result
+
+
+def train_captioner(model_cfg: CaptionerConfig, train_cfg: TrainConfig, data_cfg: CaptionDataConfig, *,
+                    resume: bool = False, dist: DistInfo | None = None, on_log=None):
+    """Train (or resume) into ``train_cfg.out_dir``: (model, vocab, splits, max_len, result)."""
+    dist = dist or DistInfo()
+    run_dir = Path(train_cfg.out_dir)
+    if not resume and (run_dir / "config.json").is_file():
+        raise ValueError(f"{run_dir} already holds a run; continue it with --resume {run_dir} "
+                         "or choose another --out_dir")
+    splits = make_splits(data_cfg)
+    vocab = WordVocab.build([s.caption for s in splits.scenes["train"]])
+    max_len = max(len(s.caption.split()) for s in splits.scenes["train"])
+    model_cfg = dataclasses.replace(model_cfg, vocab_size=len(vocab))
+    tensors = {k: to_tensors(v, vocab, max_len) for k, v in splits.scenes.items()}
+    torch.manual_seed(train_cfg.seed)
+    model = Captioner(model_cfg)
+    trainer = Trainer(model, train_cfg, CaptionBatches(tensors), run_dir, dist, on_log)
+    if resume:
+        trainer.load_resume_state()
+    elif dist.is_main:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        ckpt.write_json(run_dir / "config.json", {
+            "family": "captioner", "qkv_version": __version__, "model": dataclasses.asdict(model_cfg),
+            "train": dataclasses.asdict(train_cfg), "data": dataclasses.asdict(data_cfg),
+            "words": vocab.itos[len(SPECIALS):], "max_len": max_len,
+            "heldout_pairs": [list(p) for p in splits.heldout]})
+    result = trainer.fit()
+    if dist.is_main:
+        ckpt.load_weights(model, run_dir / "model.safetensors")
+    return model, vocab, splits, max_len, result
