@@ -22,7 +22,6 @@ class UserError(Exception):
 
 # Subcommands that later work will fill in: name -> (one-line help, what it will do).
 PLANNED: dict[str, str] = {
-    "caption": "caption images with a trained captioner",
     "explain": "the lectures' worked examples, computed live",
     "serve": "a local web page to explore attention",
 }
@@ -105,6 +104,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--list", action="store_true", help="list the benchmarks and exit")
     bench.set_defaults(func=cmd_bench)
 
+    from qkv.commands.caption import add_caption_parser
     from qkv.commands.pretrained import add_embed_parser, add_similarity_parser
     from qkv.commands.seq2seq import add_translate_parser
     from qkv.commands.train import add_generate_parser, add_train_parser
@@ -116,6 +116,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_similarity_parser(sub)
     add_classify_parser(sub)
     add_translate_parser(sub)
+    add_caption_parser(sub)
     add_attend_parser(sub)
     assets = sub.add_parser(
         "assets",

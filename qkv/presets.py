@@ -73,8 +73,26 @@ SEQ2SEQ_PRESETS: dict[str, dict[str, Any]] = {
     },
 }
 
+CAPTIONER_PRESETS: dict[str, dict[str, Any]] = {
+    # For tests and smoke runs: 1,000 scenes, a small CNN and LSTM, seconds.
+    "tiny": {
+        "model": dict(width=8, emb_dim=16, hidden=64, attn_dim=32),
+        "train": dict(batch_size=32, max_iters=100, lr=3e-3, min_lr=3e-4, warmup_iters=10,
+                      eval_interval=50, eval_iters=2, weight_decay=0.0, compile=False),
+        "data": dict(n_train=1000, n_val=50, n_test=100, n_heldout=100),
+    },
+    # The default of `qkv train captioner` (not yet tuned against the goals).
+    "shapes-cpu": {
+        "model": dict(width=16, emb_dim=32, hidden=128, attn_dim=64),
+        "train": dict(batch_size=64, max_iters=3000, lr=3e-3, min_lr=3e-5, warmup_iters=100,
+                      eval_interval=500, eval_iters=8, weight_decay=0.0),
+        "data": dict(),
+    },
+}
+
 PRESETS: dict[str, dict[str, dict[str, Any]]] = {"gpt": GPT_PRESETS, "vit": VIT_PRESETS,
-                                                 "seq2seq": SEQ2SEQ_PRESETS}
+                                                 "seq2seq": SEQ2SEQ_PRESETS,
+                                                 "captioner": CAPTIONER_PRESETS}
 
 
 def get_preset(family: str, name: str) -> dict[str, Any]:

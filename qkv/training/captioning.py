@@ -35,7 +35,7 @@ class CaptionDataConfig:
     n_train: int = 20_000  # training scenes
     n_val: int = 500  # validation scenes
     n_test: int = 2_000  # test scenes (seen colour/shape pairs)
-    n_heldout: int = 2_000  # test scenes where every object has a held-out colour/shape pair... or more
+    n_heldout: int = 2_000  # test scenes with at least one object of a held-out colour/shape pair
     heldout_pairs: int = 4  # (colour, shape) pairs never seen in training
     data_seed: int = 0  # seed of the scenes and the held-out pairs
 
@@ -238,3 +238,16 @@ def train_captioner(model_cfg: CaptionerConfig, train_cfg: TrainConfig, data_cfg
     if dist.is_main:
         ckpt.load_weights(model, run_dir / "model.safetensors")
     return model, vocab, splits, max_len, result
+
+
+def load_captioner_run(run_dir: Path, device: str = "cpu") -> tuple[Captioner, WordVocab, int]:
+    """(model in eval mode, vocabulary, longest caption) from a run directory."""
+    saved = ckpt.read_run_config(Path(run_dir), "captioner", "an image captioner")
+    try:
+        cfg = CaptionerConfig(**saved["model"])
+        vocab, max_len = WordVocab(saved["words"]), int(saved["max_len"])
+    except (TypeError, ValueError, KeyError) as e:
+        raise ckpt.CheckpointError(f"{run_dir}/config.json is damaged ({type(e).__name__}: {e})") from None
+    model = Captioner(cfg)
+    ckpt.load_weights(model, Path(run_dir) / "model.safetensors")
+    return model.to(device).eval(), vocab, max_len

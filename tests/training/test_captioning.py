@@ -41,3 +41,56 @@ def test_pointing_by_hand() -> None:
     hits, named, uniform = pointing(scene, words, alphas, grid=8)
     assert (hits, named) == (1, 2)
     assert uniform == pytest.approx(2 * 4 / 64)  # each named word: 4 of 64 cell centres inside
+
+
+@pytest.fixture(scope="module")
+def cap_run(tmp_path_factory: pytest.TempPathFactory):
+    from test_train_cli import call
+
+    run = tmp_path_factory.mktemp("cap") / "run"
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        rc, out, err = call(["train", "captioner", "--preset", "tiny", "--out_dir", str(run),
+                             "--no-progress"])
+    finally:
+        torch.set_num_threads(threads)
+    assert rc == 0, out + err
+    return run, out
+
+
+def test_train_captioner_end_to_end(cap_run) -> None:
+    import json
+
+    run, out = cap_run
+    ev = json.loads((run / "eval.json").read_text())
+    assert ev["test"]["n"] == 100 and ev["heldout"]["n"] == 100
+    for split in ("test", "heldout"):
+        e = ev[split]
+        assert 0 <= e["exact"] <= 1 and 0 <= e["bleu4"] <= 1
+        assert 0 < e["pointing_uniform"] < 0.5  # objects cover a small share of the grid
+    assert "pointing" in out and json.loads((run / "config.json").read_text())["family"] == "captioner"
+
+
+def test_caption_command(cap_run, tmp_path) -> None:
+    import random
+
+    from PIL import Image
+    from test_train_cli import PNG, assert_one_line_error, call
+
+    from qkv.data.shapes import make_scene
+
+    run, _ = cap_run
+    Image.fromarray(make_scene(random.Random(4)).image).save(tmp_path / "s.png")
+    Image.fromarray(make_scene(random.Random(5)).image).resize((96, 96)).convert("L").save(tmp_path / "g.png")
+    rc, out, err = call(["caption", str(run), str(tmp_path / "s.png"), str(tmp_path / "g.png"),
+                         "--plot", str(tmp_path / "p.png")])
+    assert rc == 0, err
+    assert out.count(": a ") >= 1 and "resized 96x96 to 64x64" in err and "converted L to RGB" in err
+    assert (tmp_path / "p.png").read_bytes()[:8] == PNG
+    rc, _, err = call(["caption", str(run), str(tmp_path / "s.png"), "--plot", str(tmp_path / "p.jpg")])
+    assert ".png" in assert_one_line_error(rc, err)
+    (tmp_path / "other").mkdir()
+    (tmp_path / "other" / "config.json").write_text('{"family": "vit"}')
+    rc, _, err = call(["caption", str(tmp_path / "other"), str(tmp_path / "s.png")])
+    assert "vit run" in assert_one_line_error(rc, err)

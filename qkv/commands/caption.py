@@ -1,0 +1,59 @@
+"""`qkv caption RUN_DIR IMAGE...`: caption images with a trained captioner."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+
+def add_caption_parser(sub) -> None:
+    p = sub.add_parser(
+        "caption",
+        help="caption images with a trained captioner run, with one attention overlay per word",
+        description="Caption each IMAGE with a run directory from `qkv train captioner` (greedy "
+        "decoding). Images of another size or mode are converted, with a note. With --plot, draw "
+        "the first image with the attention of every generated word over it.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    p.add_argument("run", metavar="RUN_DIR", help="a run directory from `qkv train captioner`")
+    p.add_argument("images", nargs="+", metavar="IMAGE", help="PNG/JPEG/... files")
+    p.add_argument("--plot", metavar="OUT.png", default=None,
+                   help="write the first image with one attention overlay per word")
+    p.set_defaults(func=cmd_caption)
+
+
+def cmd_caption(args: argparse.Namespace) -> int:
+    import sys
+
+    import torch
+
+    from qkv.data.images import read_image
+    from qkv.training.captioning import greedy_captions, load_captioner_run
+
+    if args.plot is not None:
+        out = Path(args.plot)
+        if out.suffix.lower() != ".png":
+            raise ValueError(f"--plot must name a .png file, got {out}")
+        if not out.parent.is_dir():
+            raise ValueError(f"folder {out.parent} does not exist; create it or choose another --plot")
+    model, vocab, max_len = load_captioner_run(Path(args.run))
+    cfg = model.cfg
+    images = []
+    for path in args.images:
+        x, notes = read_image(path, cfg.image_size, cfg.channels)
+        for n in notes:
+            print(f"qkv: note: {path}: {n}", file=sys.stderr)
+        images.append(x)
+    toks, alphas = greedy_captions(model, torch.stack(images), max_len)
+    captions = [vocab.decode(t) for t in toks]
+    for path, c in zip(args.images, captions, strict=True):
+        print(f"{path}: {c}")
+    if args.plot is not None:
+        from qkv.viz import plot_image_attention
+
+        words = captions[0].split()
+        g = cfg.grid
+        maps = [(w, a.reshape(g, g)) for w, a in zip(words, alphas[0], strict=False)]
+        plot_image_attention(images[0], maps, Path(args.plot), title=captions[0])
+        print(f"wrote {args.plot}")
+    return 0
