@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from qkv.commands.options import check_png_out
+
 
 def add_caption_parser(sub) -> None:
     p = sub.add_parser(
@@ -31,11 +33,7 @@ def cmd_caption(args: argparse.Namespace) -> int:
     from qkv.training.captioning import greedy_captions, load_captioner_run
 
     if args.plot is not None:
-        out = Path(args.plot)
-        if out.suffix.lower() != ".png":
-            raise ValueError(f"--plot must name a .png file, got {out}")
-        if not out.parent.is_dir():
-            raise ValueError(f"folder {out.parent} does not exist; create it or choose another --plot")
+        check_png_out(args.plot, "--plot")
     model, vocab, max_len = load_captioner_run(Path(args.run))
     cfg = model.cfg
     images = []

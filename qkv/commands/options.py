@@ -83,3 +83,16 @@ def overrides(args: argparse.Namespace, cls: type) -> dict[str, Any]:
     """The fields of ``cls`` that the user gave on the command line."""
     prefix = f"{cls.__name__}."
     return {k[len(prefix):]: v for k, v in vars(args).items() if k.startswith(prefix)}
+
+
+def check_png_out(path: str, flag: str):
+    """The Path of a PNG the command will write; ValueError (one line) if ``path`` is not a
+    .png name or its folder does not exist."""
+    from pathlib import Path
+
+    out = Path(path)
+    if out.suffix.lower() != ".png":
+        raise ValueError(f"{flag} must name a .png file, got {out}")
+    if not out.parent.is_dir():
+        raise ValueError(f"folder {out.parent} does not exist; create it or choose another {flag}")
+    return out

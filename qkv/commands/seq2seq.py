@@ -6,6 +6,8 @@ import argparse
 import json
 from pathlib import Path
 
+from qkv.commands.options import check_png_out
+
 
 def add_translate_parser(sub) -> None:
     p = sub.add_parser(
@@ -33,11 +35,7 @@ def cmd_translate(args: argparse.Namespace) -> int:
     if args.beam < 1:
         raise ValueError(f"--beam must be >= 1, got {args.beam}")
     if args.plot is not None:
-        out = Path(args.plot)
-        if out.suffix.lower() != ".png":
-            raise ValueError(f"--plot must name a .png file, got {out}")
-        if not out.parent.is_dir():
-            raise ValueError(f"folder {out.parent} does not exist; create it or choose another --plot")
+        check_png_out(args.plot, "--plot")
     model, cfg, src, tgt = load_seq2seq_run(Path(args.run))
     texts = prepare_inputs(args.texts, cfg, src)
     outs, weights = decode_texts(model, cfg, src, tgt, texts, beam=args.beam,

@@ -7,6 +7,8 @@ import json
 import sys
 from pathlib import Path
 
+from qkv.commands.options import check_png_out
+
 
 def add_classify_parser(sub) -> None:
     p = sub.add_parser(
@@ -93,11 +95,7 @@ def cmd_attend(args: argparse.Namespace) -> int:
         if family in ("gpt",):
             raise ValueError(f"{run} is a gpt run; `qkv attend` draws ViT runs only so far (text "
                              f"models are not built yet); its training wrote {run / 'attention.png'}")
-    out = Path(args.out)
-    if out.suffix.lower() != ".png":
-        raise ValueError(f"--out must be a .png file, got {out}")
-    if not out.parent.is_dir():
-        raise ValueError(f"folder {out.parent} does not exist; create it or choose another --out")
+    out = check_png_out(args.out, "--out")
     model, info = load_vit_run(run)
     cfg = model.cfg
     if not -cfg.n_layers <= args.layer < cfg.n_layers:

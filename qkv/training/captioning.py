@@ -22,9 +22,9 @@ from qkv.data.shapes import COLOURS, SHAPES, Scene, make_scene, split_combos
 from qkv.models.captioner import BOS, EOS, PAD, UNK, Captioner, CaptionerConfig
 from qkv.training import checkpoint as ckpt
 from qkv.training.distributed import DistInfo
+from qkv.training.seq2seq import CharVocab
 from qkv.training.trainer import TrainConfig, Trainer
 
-SPECIALS = ("<pad>", "<bos>", "<eos>", "<unk>")
 MEAN, STD = 0.25, 0.3  # pixel normalisation of the generated scenes (x / 255 - MEAN) / STD
 
 
@@ -45,23 +45,16 @@ class CaptionDataConfig:
                 raise ValueError(f"{name} must be >= {least}, got {getattr(self, name)}")
 
 
-class WordVocab:
-    def __init__(self, words: Sequence[str]) -> None:
-        self.itos = list(SPECIALS) + [w for w in words if w not in SPECIALS]
-        self.stoi = {w: i for i, w in enumerate(self.itos)}
+class WordVocab(CharVocab):
+    """Words <-> ids (split at spaces), with the same special ids as :class:`CharVocab`."""
 
-    @classmethod
-    def build(cls, captions: Sequence[str]) -> WordVocab:
-        return cls(sorted({w for c in captions for w in c.split()}))
+    @staticmethod
+    def split(text: str) -> list[str]:
+        return text.split()
 
-    def __len__(self) -> int:
-        return len(self.itos)
-
-    def encode(self, caption: str) -> list[int]:
-        return [self.stoi.get(w, UNK) for w in caption.split()]
-
-    def decode(self, ids: Sequence[int]) -> str:
-        return " ".join(self.itos[i] for i in ids if i >= len(SPECIALS))
+    @staticmethod
+    def join(symbols: Sequence[str]) -> str:
+        return " ".join(symbols)
 
 
 @dataclass
@@ -232,7 +225,7 @@ def train_captioner(model_cfg: CaptionerConfig, train_cfg: TrainConfig, data_cfg
         ckpt.write_json(run_dir / "config.json", {
             "family": "captioner", "qkv_version": __version__, "model": dataclasses.asdict(model_cfg),
             "train": dataclasses.asdict(train_cfg), "data": dataclasses.asdict(data_cfg),
-            "words": vocab.itos[len(SPECIALS):], "max_len": max_len,
+            "words": vocab.symbols(), "max_len": max_len,
             "heldout_pairs": [list(p) for p in splits.heldout]})
     result = trainer.fit()
     if dist.is_main:

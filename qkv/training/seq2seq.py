@@ -91,29 +91,38 @@ def build_model(cfg: Seq2SeqConfig) -> nn.Module:
 
 
 class CharVocab:
-    """Characters <-> ids; ids 0-3 are padding, BOS, EOS and unknown."""
+    """Characters <-> ids; ids 0-3 are padding, BOS, EOS and unknown. Subclasses change what a
+    symbol is by overriding ``split`` and ``join`` (words: ``qkv.training.captioning``)."""
 
-    def __init__(self, chars: Sequence[str]) -> None:
-        self.itos = list(SPECIALS) + [c for c in chars if c not in SPECIALS]
+    def __init__(self, symbols: Sequence[str]) -> None:
+        self.itos = list(SPECIALS) + [c for c in symbols if c not in SPECIALS]
         self.stoi = {c: i for i, c in enumerate(self.itos)}
+
+    @staticmethod
+    def split(text: str) -> list[str]:
+        return list(text)
+
+    @staticmethod
+    def join(symbols: Sequence[str]) -> str:
+        return "".join(symbols)
 
     @classmethod
     def build(cls, texts: Sequence[str]) -> CharVocab:
-        return cls(sorted({c for t in texts for c in t}))
+        return cls(sorted({c for t in texts for c in cls.split(t)}))
 
     def __len__(self) -> int:
         return len(self.itos)
 
     def encode(self, text: str) -> list[int]:
-        return [self.stoi.get(c, UNK) for c in text]
+        return [self.stoi.get(c, UNK) for c in self.split(text)]
 
     def unknown(self, text: str) -> list[str]:
-        return sorted({c for c in text if c not in self.stoi})
+        return sorted({c for c in self.split(text) if c not in self.stoi})
 
     def decode(self, ids: Sequence[int]) -> str:
-        return "".join(self.itos[i] for i in ids if i >= len(SPECIALS))
+        return self.join([self.itos[i] for i in ids if i >= len(SPECIALS)])
 
-    def chars(self) -> list[str]:
+    def symbols(self) -> list[str]:
         return self.itos[len(SPECIALS):]
 
 
@@ -223,8 +232,8 @@ def run_config(model_cfg: Seq2SeqConfig, train_cfg: TrainConfig, data_cfg: Seq2S
                  "sizes": {k: len(v) for k, v in pairs.splits().items()},
                  "heldout_combos": [list(c) for c in pairs.unseen],
                  "dropped_ambiguous": pairs.dropped_ambiguous},
-        "src_chars": src.chars(),
-        "tgt_chars": tgt.chars(),
+        "src_chars": src.symbols(),
+        "tgt_chars": tgt.symbols(),
     }
 
 
@@ -246,7 +255,7 @@ def train_seq2seq(model_cfg: Seq2SeqConfig, train_cfg: TrainConfig, data_cfg: Se
     trainer = Trainer(model, train_cfg, PairBatches(splits), run_dir, dist, on_log, tokens_per_batch=1)
     if resume:
         saved = ckpt.read_json(run_dir / "config.json")
-        if saved.get("src_chars") != src.chars() or saved.get("tgt_chars") != tgt.chars():
+        if saved.get("src_chars") != src.symbols() or saved.get("tgt_chars") != tgt.symbols():
             raise ValueError(f"the training pairs changed since {run_dir} was started (other "
                              "characters); start a new run instead of resuming")
         trainer.load_resume_state()
