@@ -13,12 +13,14 @@ def add_caption_parser(sub) -> None:
         "caption",
         help="caption images with a trained captioner run, with one attention overlay per word",
         description="Caption each IMAGE with a run directory from `qkv train captioner` (greedy "
-        "decoding). Images of another size or mode are converted, with a note. With --plot, draw "
-        "the first image with the attention of every generated word over it.",
+        "decoding, or beam search with --beam K). Images of another size or mode are converted, "
+        "with a note. With --plot, draw the first image with the attention of every generated word over it.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     p.add_argument("run", metavar="RUN_DIR", help="a run directory from `qkv train captioner`")
     p.add_argument("images", nargs="+", metavar="IMAGE", help="PNG/JPEG/... files")
+    p.add_argument("--beam", type=int, default=1, metavar="K",
+                   help="beam width: 1 = greedy; K > 1 keeps the K most likely captions at every word")
     p.add_argument("--plot", metavar="OUT.png", default=None,
                    help="write the first image with one attention overlay per word")
     p.set_defaults(func=cmd_caption)
@@ -34,6 +36,8 @@ def cmd_caption(args: argparse.Namespace) -> int:
 
     if args.plot is not None:
         check_png_out(args.plot, "--plot")
+    if not 1 <= args.beam <= 64:
+        raise ValueError(f"--beam must be between 1 and 64, got {args.beam}")
     model, vocab, max_len = load_captioner_run(Path(args.run))
     cfg = model.cfg
     images = []
@@ -42,7 +46,7 @@ def cmd_caption(args: argparse.Namespace) -> int:
         for n in notes:
             print(f"qkv: note: {path}: {n}", file=sys.stderr)
         images.append(x)
-    toks, alphas = greedy_captions(model, torch.stack(images), max_len)
+    toks, alphas = greedy_captions(model, torch.stack(images), max_len, beam=args.beam)
     captions = [vocab.decode(t) for t in toks]
     for path, c in zip(args.images, captions, strict=True):
         print(f"{path}: {c}")

@@ -68,7 +68,8 @@ def _families() -> dict[str, _Family]:
             "an image captioner with soft or hard attention (Show, Attend and Tell) on generated scenes",
             "Train a captioner: a CNN grid encoder and an LSTM decoder that attends over the grid at "
             "every word, --attention soft (weighted average, doubly stochastic penalty) or hard "
-            "(one sampled location, REINFORCE). Data: generated scenes of coloured shapes with "
+            "(one sampled location, REINFORCE) or uniform (the plain average of the grid: the "
+            "baseline). Data: generated scenes of coloured shapes with "
             "captions and boxes, some colour/shape pairs held out. At the end: exact match, BLEU-4 "
             "and pointing accuracy (is the most attended location inside the named object?) next "
             "to uniform attention's.",
@@ -360,8 +361,9 @@ def _train_captioner(args, model_cfg, train_cfg, data_cfg, dist, display) -> Cal
         for name in ("test", "heldout"):
             if name in ev:
                 e = ev[name]
-                print(f"{name}: exact match {e['exact']:.1%}, BLEU-4 {e['bleu4']:.3f}, pointing "
-                      f"{e['pointing']:.1%} (uniform attention {e['pointing_uniform']:.1%}) on {e['n']:,}")
+                where = ("" if e["pointing"] is None else f", pointing {e['pointing']:.1%} (uniform "
+                         f"attention {e['pointing_uniform']:.1%})")
+                print(f"{name}: exact match {e['exact']:.1%}, BLEU-4 {e['bleu4']:.3f}{where} on {e['n']:,}")
         loss_png = plot_loss_curve(run_dir / "metrics.jsonl", run_dir / "loss.png")
         print(f"run directory: {run_dir}\n  loss plot: {loss_png}\n  evaluation: {run_dir / 'eval.json'}")
 

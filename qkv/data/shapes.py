@@ -5,8 +5,13 @@ and where every object is (issue 7; no captioning data ships offline).
             background of a random dark tint
     caption, 1 object:   "a small red circle"
              2 objects:  "a large blue square above a small green triangle"
-                         (the relation from the centres: above / below / left of / right of)
+                         (the relation from the centres: above / below / left of / right of;
+                         the large object first, and between two of one size the left or upper)
              3 objects:  "a red circle , a blue square and a green triangle" (left to right)
+
+Every caption is the only right one: scenes whose relation would be a close call (|dx| within
+MARGIN pixels of |dy|) or whose objects' left-to-right order is (centres within MARGIN) are
+redrawn, and the rules above fix which of two objects is named first.
 
 Every object's bounding box and its pixel mask (an id map: 0 = background, i + 1 = object i)
 are recorded, so attention can be scored against where the object really is. Deterministic by
@@ -15,6 +20,7 @@ seed. ``split_combos`` holds out some (colour, shape) pairs that never appear in
 
 from __future__ import annotations
 
+import itertools
 import random
 from dataclasses import dataclass
 
@@ -26,6 +32,7 @@ COLOURS = {
     "yellow": (230, 210, 40), "purple": (160, 60, 200), "white": (235, 235, 235),
 }
 SIZES = {"small": (5, 7), "large": (10, 13)}  # half-width ranges in pixels
+MARGIN = 4.0  # pixels: how clear a relation or a left-to-right order must be
 
 
 @dataclass
@@ -73,11 +80,24 @@ def relation(a: SceneObject, b: SceneObject) -> str:
     return "above" if ay < by else "below"
 
 
+def well_posed(objects: list[SceneObject]) -> bool:
+    """Whether the caption's relation / order is clear by at least MARGIN pixels."""
+    if len(objects) == 2:
+        (ax, ay), (bx, by) = objects[0].centre, objects[1].centre
+        return abs(abs(ax - bx) - abs(ay - by)) >= MARGIN
+    xs = sorted(o.centre[0] for o in objects)
+    return all(b - a >= MARGIN for a, b in itertools.pairwise(xs))
+
+
 def caption_for(objects: list[SceneObject]) -> str:
     if len(objects) == 1:
         return f"a {objects[0].words()}"
     if len(objects) == 2:
         a, b = objects
+        if a.size == b.size:  # the left one (a horizontal relation) or the upper one first
+            a, b = sorted(objects, key=lambda o: o.centre[0 if relation(a, b).endswith("of") else 1])
+        elif a.size == "small":
+            a, b = b, a
         return f"a {a.words()} {relation(a, b)} a {b.words()}"
     ordered = sorted(objects, key=lambda o: o.centre[0])
     names = [f"a {o.words(with_size=False)}" for o in ordered]
@@ -89,6 +109,14 @@ def make_scene(rng: random.Random, size: int = 64, n_objects: int | None = None,
     """One scene; ``combos`` limits the (colour, shape) pairs drawn."""
     n = n_objects if n_objects is not None else rng.choice((1, 1, 2, 2, 3))
     pairs = combos or [(c, s) for c in COLOURS for s in SHAPES]
+    for _ in range(100):
+        scene = _draw(rng, size, n, pairs, noise)
+        if n == 1 or well_posed(scene.objects):
+            return scene
+    raise RuntimeError("could not draw a scene with a clear caption; use fewer objects or a larger canvas")
+
+
+def _draw(rng: random.Random, size: int, n: int, pairs: list[tuple[str, str]], noise: float) -> Scene:
     nrng = np.random.default_rng(rng.randrange(2**32))
     tint = np.array([rng.randrange(0, 50) for _ in range(3)], dtype=np.float64)
     img = np.clip(tint + nrng.normal(0, noise, (size, size, 3)), 0, 255)

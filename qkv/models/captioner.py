@@ -7,8 +7,9 @@ the caption, and at every word it attends over the grid (Xu et al. 2015).
               α_t = softmax(e_t)                         over the L locations
               soft:  z_t = β_t Σ_i α_ti a_i,   β_t = σ(w_β·h_{t-1})   (the paper's gating scalar)
               hard:  s_t ~ Categorical(α_t) in training, argmax at test;  z_t = β_t a_{s_t}
+              uniform (the baseline): α_ti = 1/L, z_t = β_t mean_i a_i
               h_t, c_t = LSTM([E y_{t-1}; z_t], (h_{t-1}, c_{t-1}))
-              p(y_t) = softmax(L_o tanh(E y_{t-1} + L_h h_t + L_z z_t))      (deep output)
+              p(y_t) = softmax(L_o (E y_{t-1} + L_h h_t + L_z z_t))      (deep output, linear)
 
 Soft attention's loss adds the doubly stochastic penalty λ Σ_i (1 - Σ_t α_ti)²: every
 location should get attention about once over the caption. Hard attention is trained with
@@ -58,18 +59,26 @@ class CaptionerConfig:
     emb_dim: int = 64  # word embedding width
     hidden: int = 256  # LSTM width
     attn_dim: int = 128  # additive attention's scoring width
-    attention: Literal["soft", "hard"] = "soft"  # weighted average of locations, or one sampled
+    attention: Literal["soft", "hard", "uniform"] = "soft"  # weighted average, one sampled location,
+    # or the plain average of the grid (the baseline: attention that looks everywhere alike)
     scoring: Literal["additive", "dot"] = "additive"  # Bahdanau MLP or scaled dot product
     doubly_stochastic: float = 1.0  # λ of Σ_i (1 - Σ_t α_ti)² (soft attention)
     entropy_bonus: float = 0.01  # hard attention: weight of the attention's entropy
     baseline_decay: float = 0.9  # hard attention: moving-average baseline of the reward
     dropout: float = 0.0  # dropout on the deep output
+    word_dropout: float = 0.0  # training: share of input words replaced by UNK (leans on the image)
+    stage_convs: int = 2  # 3x3 convolutions per CNN stage (fewer: smaller receptive field)
+    positions: bool = True  # add a learned embedding of each grid cell to its features (where)
 
     def __post_init__(self) -> None:
-        if self.attention not in ("soft", "hard"):
-            raise ValueError(f"attention must be soft or hard, got {self.attention!r}")
+        if self.attention not in ("soft", "hard", "uniform"):
+            raise ValueError(f"attention must be soft, hard or uniform, got {self.attention!r}")
         if self.scoring not in ("additive", "dot"):
             raise ValueError(f"scoring must be additive or dot, got {self.scoring!r}")
+        if not 0 <= self.word_dropout < 1:
+            raise ValueError(f"word_dropout must be in [0, 1), got {self.word_dropout}")
+        if self.stage_convs not in (1, 2, 3):
+            raise ValueError(f"stage_convs must be 1, 2 or 3, got {self.stage_convs}")
         if self.image_size % 8:
             raise ValueError(f"image_size must be a multiple of 8 (three stride-2 stages), got "
                              f"{self.image_size}")
@@ -108,11 +117,14 @@ class Captioner(nn.Module):
         w, D = cfg.width, cfg.feature_dim
 
         def stage(cin: int, cout: int) -> list[nn.Module]:
-            return [nn.Conv2d(cin, cout, 3, stride=2, padding=1, bias=False), nn.BatchNorm2d(cout),
-                    nn.ReLU(), nn.Conv2d(cout, cout, 3, padding=1, bias=False), nn.BatchNorm2d(cout),
-                    nn.ReLU()]
+            layers: list[nn.Module] = []
+            for k in range(cfg.stage_convs):
+                layers += [nn.Conv2d(cin if k == 0 else cout, cout, 3, stride=2 if k == 0 else 1,
+                                     padding=1, bias=False), nn.BatchNorm2d(cout), nn.ReLU()]
+            return layers
 
         self.cnn = nn.Sequential(*stage(cfg.channels, w), *stage(w, 2 * w), *stage(2 * w, D))
+        self.pos = nn.Parameter(torch.zeros(cfg.grid * cfg.grid, D)) if cfg.positions else None
         self.init_h = nn.Linear(D, cfg.hidden)
         self.init_c = nn.Linear(D, cfg.hidden)
         if cfg.scoring == "additive":
@@ -132,8 +144,8 @@ class Captioner(nn.Module):
 
     def encode(self, images: Tensor) -> Tensor:
         """(B, C, H, W) normalised images -> features (B, L, D), row-major over the grid."""
-        f = self.cnn(images)  # (B, D, g, g)
-        return f.flatten(2).transpose(1, 2)
+        f = self.cnn(images).flatten(2).transpose(1, 2)  # (B, D, g, g) -> (B, L, D)
+        return f if self.pos is None else f + self.pos
 
     def start(self, images: Tensor) -> CaptionerState:
         feats = self.encode(images)
@@ -154,10 +166,13 @@ class Captioner(nn.Module):
         """One word: (state, previous tokens (B,)) -> (logits (B, V), new state, α (B, L), β (B,),
         chosen locations (B,) or None for soft attention)."""
         h, c, feats, keys = state
-        alpha = self.attention_weights(h, feats, keys)
+        if self.cfg.attention == "uniform":
+            alpha = feats.new_full(feats.shape[:2], 1.0 / feats.shape[1])
+        else:
+            alpha = self.attention_weights(h, feats, keys)
         beta = torch.sigmoid(self.gate(h)).squeeze(-1)
         loc = None
-        if self.cfg.attention == "soft":
+        if self.cfg.attention != "hard":
             z = (alpha.unsqueeze(1) @ feats).squeeze(1)  # Σ_i α_i a_i
         else:
             loc = (torch.multinomial(alpha, 1, generator=generator).squeeze(-1) if sample
@@ -166,7 +181,7 @@ class Captioner(nn.Module):
         z = beta.unsqueeze(-1) * z
         e = self.emb(prev)
         h, c = self.lstm(torch.cat([e, z], dim=-1), (h, c))
-        logits = self.out(self.drop(torch.tanh(e + self.out_h(h) + self.out_z(z))))
+        logits = self.out(self.drop(e + self.out_h(h) + self.out_z(z)))  # linear, as in the paper
         return logits, CaptionerState(h, c, feats, keys), alpha, beta, loc
 
     # ------------------------------------------------------------------ training
@@ -175,6 +190,9 @@ class Captioner(nn.Module):
         """Teacher forcing. captions (B, T+1) = [BOS, words..., EOS, PAD...]."""
         cfg = self.cfg
         inp, tgt = captions[:, :-1], captions[:, 1:]
+        if self.training and cfg.word_dropout > 0:  # BOS and PAD stay; other words become UNK
+            drop = (torch.rand(inp.shape, device=inp.device) < cfg.word_dropout) & (inp > EOS)
+            inp = inp.masked_fill(drop, UNK)
         state = self.start(images)
         logits, alphas, betas, log_locs, entropies = [], [], [], [], []
         for t in range(inp.shape[1]):

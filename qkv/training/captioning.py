@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import random
+import sys
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -19,7 +20,8 @@ from torch import Tensor
 
 from qkv import __version__
 from qkv.data.shapes import COLOURS, SHAPES, Scene, make_scene, split_combos
-from qkv.models.captioner import BOS, EOS, PAD, UNK, Captioner, CaptionerConfig
+from qkv.generation.decode import beam_search, greedy_decode
+from qkv.models.captioner import BOS, EOS, PAD, Captioner, CaptionerConfig, CaptionerState
 from qkv.training import checkpoint as ckpt
 from qkv.training.distributed import DistInfo
 from qkv.training.seq2seq import CharVocab
@@ -30,11 +32,12 @@ MEAN, STD = 0.25, 0.3  # pixel normalisation of the generated scenes (x / 255 - 
 
 @dataclass
 class CaptionDataConfig:
-    """How many scenes, and which colour/shape pairs are held out."""
+    """Generated scenes (how many, which colour/shape pairs held out), or a folder of your own."""
 
+    data: str = "shapes"  # "shapes" (generated), or a folder with captions.tsv: image<TAB>caption per line
     n_train: int = 20_000  # training scenes
-    n_val: int = 500  # validation scenes
-    n_test: int = 2_000  # test scenes (seen colour/shape pairs)
+    n_val: int = 500  # validation scenes (a folder: a tenth of the lines)
+    n_test: int = 2_000  # test scenes (seen colour/shape pairs; a folder: a tenth of the lines)
     n_heldout: int = 2_000  # test scenes with at least one object of a held-out colour/shape pair
     heldout_pairs: int = 4  # (colour, shape) pairs never seen in training
     data_seed: int = 0  # seed of the scenes and the held-out pairs
@@ -62,6 +65,55 @@ class CaptionSplits:
     scenes: dict[str, list[Scene]]
     seen: list[tuple[str, str]]
     heldout: list[tuple[str, str]]
+    notes: list[str] = dataclasses.field(default_factory=list)  # how a folder's images were converted
+
+
+CAPTIONS_FILE = "captions.tsv"
+
+
+def load_caption_folder(root: str | Path, image_size: int, channels: int, seed: int = 0) -> CaptionSplits:
+    """Your own data: ``root/captions.tsv`` holds one ``image<TAB>caption`` per line (image paths
+    relative to the folder; blank lines and lines starting with # are skipped). Images of another
+    size or mode are converted (a note says how many). A shuffled tenth each (at least one) goes to
+    validation and test. There are no boxes, so pointing accuracy is not measured.
+    Raises ValueError naming the line for a line without a caption or an unreadable image."""
+    from qkv.data.images import read_image
+
+    root = Path(root)
+    tsv = root / CAPTIONS_FILE
+    if not root.is_dir():
+        raise ValueError(f"--data {root}: not a folder; give 'shapes' or a folder with {CAPTIONS_FILE}")
+    if not tsv.is_file():
+        raise ValueError(f"{root} has no {CAPTIONS_FILE}: write one line per image, "
+                         "'image.png<TAB>a caption of it'")
+    try:
+        lines = tsv.read_text(encoding="utf-8").splitlines()
+    except UnicodeDecodeError as e:
+        raise ValueError(f"{tsv} is not UTF-8 text ({e.reason} at byte {e.start})") from None
+    scenes: list[Scene] = []
+    converted: list[str] = []
+    for no, line in enumerate(lines, 1):
+        if not line.strip() or line.lstrip().startswith("#"):
+            continue
+        name, _, caption = line.partition("\t")
+        if not caption.strip():
+            raise ValueError(f"{tsv} line {no}: no caption; write 'image.png<TAB>a caption of it'")
+        try:
+            x, notes = read_image(root / name.strip(), image_size, channels)
+        except ValueError as e:
+            raise ValueError(f"{tsv} line {no}: {e}") from None
+        if notes:
+            converted.append(f"{name.strip()}: {', '.join(notes)}")
+        img = x.permute(1, 2, 0).numpy()
+        scenes.append(Scene(img, [], np.zeros(img.shape[:2], np.int64), " ".join(caption.split())))
+    if len(scenes) < 3:
+        raise ValueError(f"{tsv} has {len(scenes)} captioned image(s); it needs at least 3 "
+                         "(train, validation, test)")
+    random.Random(seed).shuffle(scenes)
+    k = max(1, len(scenes) // 10)
+    notes = [f"converted {len(converted)} of {len(scenes)} images to {image_size}x{image_size} "
+             f"{'RGB' if channels == 3 else 'grey'} (e.g. {converted[0]})"] if converted else []
+    return CaptionSplits({"train": scenes[2 * k:], "val": scenes[:k], "test": scenes[k:2 * k]}, [], [], notes)
 
 
 def make_splits(cfg: CaptionDataConfig) -> CaptionSplits:
@@ -107,29 +159,47 @@ class CaptionBatches:
         return normalize(x[idx]), yb[:, :T]
 
 
+class _DecodeState:
+    """A captioner's decoding state with the ``reorder`` that beam search needs."""
+
+    def __init__(self, state: CaptionerState) -> None:
+        self.state = state
+
+    def reorder(self, index: Tensor) -> None:
+        self.state = CaptionerState(*(None if t is None else t.index_select(0, index) for t in self.state))
+
+
+class _Decoding:
+    """The captioner behind the encoder-decoder decoding interface of qkv.generation.decode:
+    ``start(images)`` and ``step(state, prev) -> (logits, attention over the grid)``."""
+
+    def __init__(self, model: Captioner) -> None:
+        self.model = model
+
+    def start(self, images: Tensor) -> _DecodeState:
+        return _DecodeState(self.model.start(images))
+
+    def step(self, state: _DecodeState, prev: Tensor) -> tuple[Tensor, Tensor]:
+        logits, state.state, alpha, _, _ = self.model.step(state.state, prev)
+        return logits, alpha
+
+
 @torch.no_grad()
-def greedy_captions(model: Captioner, images: Tensor, max_len: int,
+def greedy_captions(model: Captioner, images: Tensor, max_len: int, beam: int = 1,
                     batch_size: int = 256) -> tuple[list[list[int]], list[Tensor]]:
-    """uint8 images -> token ids (EOS excluded) and attention (len, L) per image."""
+    """uint8 images (N, C, H, W) -> token ids (EOS excluded) and the attention over the grid of
+    every emitted word (len, L), per image: greedy decoding, or beam search with ``beam`` > 1
+    (hard attention decodes with the most likely location)."""
     model.eval()
-    toks, alphas = [], []
+    dec = _Decoding(model)
+    toks: list[list[int]] = []
+    alphas: list[Tensor] = []
     for i in range(0, len(images), batch_size):
         x = normalize(images[i : i + batch_size])
-        state = model.start(x)
-        prev = torch.full((len(x),), BOS, dtype=torch.long)
-        out, att = [], []
-        for _ in range(max_len + 1):
-            logits, state, a, _, _ = model.step(state, prev)
-            logits[:, [PAD, BOS, UNK]] = float("-inf")
-            prev = logits.argmax(-1)
-            out.append(prev)
-            att.append(a)
-        ids = torch.stack(out, 1).tolist()
-        A = torch.stack(att, 1)
-        for row, a in zip(ids, A, strict=True):
-            n = row.index(EOS) if EOS in row else len(row)
-            toks.append(row[:n])
-            alphas.append(a[:n])
+        out = (greedy_decode(dec, x, max_len + 1) if beam == 1
+               else beam_search(dec, x, max_len + 1, beam=beam))
+        toks += out.tokens
+        alphas += out.weights
     return toks, alphas
 
 
@@ -180,25 +250,36 @@ def pointing(scene: Scene, words: Sequence[str], alphas: Tensor, grid: int) -> t
     return hits, named, uniform
 
 
-def evaluate(model: Captioner, vocab: WordVocab, splits: CaptionSplits, max_len: int) -> dict:
+def evaluate(model: Captioner, vocab: WordVocab, splits: CaptionSplits, max_len: int,
+             beam: int = 1) -> dict:
+    """Per split but train: exact match, corpus BLEU-4, pointing accuracy (and uniform attention's
+    expected pointing), exact match by number of objects, and a few examples (wrong ones first)."""
     result = {}
     for name, scenes in splits.scenes.items():
         if name == "train" or not scenes:
             continue
         x, _ = to_tensors(scenes, vocab, max_len)
-        toks, alphas = greedy_captions(model, x, max_len)
+        toks, alphas = greedy_captions(model, x, max_len, beam=beam)
         hyps = [vocab.decode(t) for t in toks]
-        exact = sum(h == s.caption for h, s in zip(hyps, scenes, strict=True)) / len(scenes)
+        right = [h == s.caption for h, s in zip(hyps, scenes, strict=True)]
         bleu = bleu4([s.caption.split() for s in scenes], [h.split() for h in hyps])
-        hits = named = 0
-        uniform = 0.0
-        for s, h, a in zip(scenes, hyps, alphas, strict=True):
+        hits = uniform = 0.0
+        named = 0
+        by_objects: dict[int, list[bool]] = {}
+        for s, h, a, ok in zip(scenes, hyps, alphas, right, strict=True):
             hh, nn_, uu = pointing(s, h.split(), a, model.cfg.grid)
             hits, named, uniform = hits + hh, named + nn_, uniform + uu
-        result[name] = {"n": len(scenes), "exact": exact, "bleu4": bleu,
-                        "pointing": hits / max(named, 1), "pointing_uniform": uniform / max(named, 1),
+            if s.objects:
+                by_objects.setdefault(len(s.objects), []).append(ok)
+        if model.cfg.attention == "uniform":  # every cell ties: the argmax means nothing, the
+            hits = uniform  # expected hit rate of a uniformly chosen cell is the fair score
+        order = sorted(range(len(scenes)), key=lambda i: right[i])[:5]
+        result[name] = {"n": len(scenes), "exact": sum(right) / len(scenes), "bleu4": bleu,
+                        "pointing": hits / named if named else None,  # no boxes: no pointing
+                        "pointing_uniform": uniform / named if named else None,
                         "named_words": named,
-                        "examples": [(s.caption, h) for s, h in zip(scenes[:5], hyps, strict=False)]}
+                        "exact_by_objects": {k: sum(v) / len(v) for k, v in sorted(by_objects.items())},
+                        "examples": [(scenes[i].caption, hyps[i]) for i in order]}
     return result
 
 
@@ -210,7 +291,14 @@ def train_captioner(model_cfg: CaptionerConfig, train_cfg: TrainConfig, data_cfg
     if not resume and (run_dir / "config.json").is_file():
         raise ValueError(f"{run_dir} already holds a run; continue it with --resume {run_dir} "
                          "or choose another --out_dir")
-    splits = make_splits(data_cfg)
+    if data_cfg.data == "shapes":
+        splits = make_splits(data_cfg)
+    else:
+        splits = load_caption_folder(data_cfg.data, model_cfg.image_size, model_cfg.channels,
+                                     data_cfg.data_seed)
+    if dist.is_main:
+        for note in splits.notes:
+            print(f"qkv: note: {note}", file=sys.stderr)
     vocab = WordVocab.build([s.caption for s in splits.scenes["train"]])
     max_len = max(len(s.caption.split()) for s in splits.scenes["train"])
     model_cfg = dataclasses.replace(model_cfg, vocab_size=len(vocab))

@@ -8,7 +8,7 @@ import random
 import numpy as np
 import pytest
 
-from qkv.data.shapes import COLOURS, SHAPES, caption_for, make_scene, relation, split_combos
+from qkv.data.shapes import COLOURS, MARGIN, SHAPES, caption_for, make_scene, relation, split_combos
 
 
 @pytest.mark.parametrize("seed", range(20))
@@ -43,27 +43,34 @@ def test_shapes_have_their_geometry() -> None:
     assert 0.45 < np.mean(fills["triangle"]) < 0.65
 
 
+def _two_object_caption_ok(caption: str, a, b) -> bool:
+    """Whether ``caption`` describes a (named first) and b by the grammar's rules."""
+    (ax, ay), (bx, by) = a.centre, b.centre
+    dx, dy = bx - ax, by - ay  # from the first-named object to the second
+    assert abs(abs(dx) - abs(dy)) >= MARGIN  # no close calls
+    want = ("left of" if dx > 0 else "right of") if abs(dx) > abs(dy) else ("above" if dy > 0 else "below")
+    assert relation(a, b) == want
+    order_ok = want in ("left of", "above") if a.size == b.size else a.size == "large"
+    return order_ok and caption == f"a {a.words()} {want} a {b.words()}"
+
+
 def test_captions_and_relations() -> None:
     rng = random.Random(3)
-    for _ in range(50):
+    for _ in range(200):
         s = make_scene(rng)
         words = s.caption.split()
         if len(s.objects) == 1:
             o = s.objects[0]
             assert s.caption == f"a {o.size} {o.colour} {o.shape}"
         elif len(s.objects) == 2:
-            a, b = s.objects
-            assert relation(a, b) in s.caption
-            (ax, ay), (bx, by) = a.centre, b.centre
-            if "left of" in s.caption:
-                assert ax < bx and abs(ax - bx) > abs(ay - by)
-            if "above" in s.caption:
-                assert ay < by
+            # the caption names the large one first, or between equals the left / upper one
+            assert any(_two_object_caption_ok(s.caption, a, b) for a, b in (s.objects, s.objects[::-1]))
         else:
             assert words.count("and") == 1 and words.count(",") == 1
             named = [w for w in words if w in SHAPES]
+            xs = sorted(o.centre[0] for o in s.objects)
             left_to_right = [o.shape for o in sorted(s.objects, key=lambda o: o.centre[0])]
-            assert named == left_to_right
+            assert named == left_to_right and min(xs[1] - xs[0], xs[2] - xs[1]) >= MARGIN
     assert caption_for(make_scene(random.Random(1), n_objects=1).objects).startswith("a ")
 
 

@@ -23,8 +23,13 @@ def _model(**kw) -> Captioner:
 def test_soft_attention_is_a_weighted_average_of_the_grid(scoring: str) -> None:
     m = _model(scoring=scoring).eval()
     images = torch.randn(3, 3, 32, 32)
+    with torch.no_grad():
+        m.pos.normal_()  # learned positions start at zero; make them count here
     state = m.start(images)
     assert state.features.shape == (3, 16, 32)  # 4x4 grid of 4*8 channels
+    with torch.no_grad():  # the features are the CNN's grid, row-major, plus each cell's position
+        grid = m.cnn(images).flatten(2).transpose(1, 2)
+        torch.testing.assert_close(state.features, grid + m.pos)
     prev = torch.full((3,), BOS)
     alpha = m.attention_weights(state.h, state.features, state.keys)
     torch.testing.assert_close(alpha.sum(-1), torch.ones(3))
@@ -36,7 +41,7 @@ def test_soft_attention_is_a_weighted_average_of_the_grid(scoring: str) -> None:
     z = beta[:, None].double() * torch.einsum("bl,bld->bd", alpha.double(), state.features.double())
     e = m.emb(prev).double()
     h, _ = m.lstm(torch.cat([e, z], -1).float(), (state.h, state.c))
-    want = m.out(torch.tanh(e + m.out_h(h).double() + m.out_z(z.float()).double()).float())
+    want = m.out((e + m.out_h(h).double() + m.out_z(z.float()).double()).float())
     torch.testing.assert_close(logits, want, atol=1e-5, rtol=1e-5)
 
 
@@ -51,6 +56,20 @@ def test_hard_attention_reads_one_location() -> None:
         _, _, a, _, loc = m.step(state, torch.full((2,), BOS), sample=True, generator=g)
         counts[loc[0]] += 1
     torch.testing.assert_close(counts / 2000, a[0].detach(), atol=0.04, rtol=0)  # samples follow α
+
+
+def test_uniform_attention_reads_the_mean_of_the_grid() -> None:
+    """The baseline: α = 1/L everywhere, so the context is the plain average of the features."""
+    m = _model(attention="uniform").eval()
+    state = m.start(torch.randn(2, 3, 32, 32))
+    prev = torch.full((2,), BOS)
+    logits, _, alpha, beta, loc = m.step(state, prev)
+    torch.testing.assert_close(alpha, torch.full((2, 16), 1 / 16))
+    z = beta[:, None] * state.features.mean(1)
+    e = m.emb(prev)
+    h, _ = m.lstm(torch.cat([e, z], -1), (state.h, state.c))
+    torch.testing.assert_close(logits, m.out(e + m.out_h(h) + m.out_z(z)))
+    assert loc is None
 
 
 @pytest.mark.parametrize("baseline", [0.0, 2.5])

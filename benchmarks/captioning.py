@@ -1,0 +1,122 @@
+"""Show, Attend and Tell on generated scenes: soft vs hard vs uniform attention, scored on the
+captions and on where the model looks.
+
+Each variant is trained with the `shapes-cpu` preset by
+``qkv.training.captioning.train_captioner`` (exactly what `qkv train captioner --attention A`
+runs) on the same generated scenes, then scored on the test split (seen colour/shape pairs)
+and on the held-out split (every scene has an object of a colour/shape pair never seen in
+training): exact match (the whole caption right), corpus BLEU-4, and pointing accuracy: for
+every generated colour or shape word, is the most attended grid cell's centre inside an
+object of that colour/shape? Beside it: the expected pointing of uniform attention (a cell
+drawn at random), and a model trained with uniform attention (the plain average of the grid).
+Also beam-3 decoding of the soft model, and the wall time of every part.
+
+    python benchmarks/captioning.py            # ~40 minutes on 2 cores
+    python benchmarks/captioning.py --quick    # smoke run (~3 minutes)
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import _common as C
+import torch
+
+from qkv.models.captioner import CaptionerConfig
+from qkv.presets import get_preset
+from qkv.training.captioning import CaptionDataConfig, evaluate, make_splits, train_captioner
+from qkv.training.trainer import TrainConfig
+
+NAME = "captioning"
+VARIANTS = ("soft", "hard", "uniform")
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--quick", action="store_true", help="200 steps, 2,000 scenes")
+    p.add_argument("--attention", action="append", choices=VARIANTS, default=None, help="(repeatable)")
+    p.add_argument("--max-iters", type=int, default=None, help="steps (default: the preset's)")
+    p.add_argument("--json", default=None, help="write results here (default benchmarks/results/)")
+    args = p.parse_args()
+    machine = C.machine_info()
+    print(C.machine_line(machine), flush=True)
+    meter = C.LoadMeter()
+    preset = get_preset("captioner", "shapes-cpu")
+    data = CaptionDataConfig(**preset["data"])
+    train_over = dict(preset["train"])
+    if args.quick:
+        data = dataclasses.replace(data, n_train=2000, n_val=100, n_test=300, n_heldout=300)
+        train_over["max_iters"] = 200
+    if args.max_iters:
+        train_over["max_iters"] = args.max_iters
+    t = time.perf_counter()
+    make_splits(data)
+    scenes_s = time.perf_counter() - t
+    print(f"generating {data.n_train + data.n_val + data.n_test + data.n_heldout:,} scenes: "
+          f"{scenes_s:.0f} s (part of every run's total)", flush=True)
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for attention in args.attention or VARIANTS:
+            model_cfg = CaptionerConfig(**{**preset["model"], "attention": attention})
+            train_cfg = TrainConfig(**{**train_over, "out_dir": str(Path(tmp) / attention)})
+            t0 = time.perf_counter()
+            model, vocab, splits, max_len, result = train_captioner(model_cfg, train_cfg, data)
+            total = time.perf_counter() - t0
+            t1 = time.perf_counter()
+            ev = evaluate(model, vocab, splits, max_len)
+            eval_s = time.perf_counter() - t1
+            row = {"attention": attention, "params": sum(q.numel() for q in model.parameters()),
+                   "steps": result.step, "train_s": round(result.seconds, 1), "total_s": round(total, 1),
+                   "eval_s": round(eval_s, 1), "eval": ev}
+            if attention == "soft":
+                t1 = time.perf_counter()
+                row["beam3"] = evaluate(model, vocab, splits, max_len, beam=3)
+                row["beam3_eval_s"] = round(time.perf_counter() - t1, 1)
+            rows.append(row)
+            print(f"{attention}: test exact {ev['test']['exact']:.1%}, held-out exact "
+                  f"{ev['heldout']['exact']:.1%}, pointing {ev['test']['pointing']:.1%}; "
+                  f"training {result.seconds:.0f} s (total {total:.0f} s)", flush=True)
+
+    def cells(e: dict) -> list[str]:
+        return [f"{e['exact']:.1%}", f"{e['bleu4']:.3f}", f"{e['pointing']:.1%}"]
+
+    C.print_table("captions and pointing, greedy decoding (test: seen colour/shape pairs; held-out: "
+                  "a never-seen pair in every scene)",
+                  ["attention", "params", "steps", "training", "total", "test exact", "test BLEU-4",
+                   "test pointing", "held-out exact", "held-out BLEU-4", "held-out pointing"],
+                  [[r["attention"], f"{r['params'] / 1e6:.2f}M", str(r["steps"]), C.fmt_time(r["train_s"]),
+                    C.fmt_time(r["total_s"]), *cells(r["eval"]["test"]), *cells(r["eval"]["heldout"])]
+                   for r in rows])
+    first = rows[0]["eval"]
+    print(f"uniform attention's expected pointing (a random cell) under the first model's captions: "
+          f"test {first['test']['pointing_uniform']:.1%}, "
+          f"held-out {first['heldout']['pointing_uniform']:.1%}")
+    C.print_table("exact match by number of objects in the scene", ["attention", "split", "1", "2", "3"],
+                  [[r["attention"], split,
+                    *(f"{v:.1%}" for v in r["eval"][split]["exact_by_objects"].values())]
+                   for r in rows for split in ("test", "heldout")])
+    for r in rows:
+        if "beam3" in r:
+            b = r["beam3"]
+            print(f"soft, beam 3: test exact {b['test']['exact']:.1%} (BLEU-4 {b['test']['bleu4']:.3f}), "
+                  f"held-out {b['heldout']['exact']:.1%} (BLEU-4 {b['heldout']['bleu4']:.3f}); "
+                  f"{r['beam3_eval_s']:.0f} s for all splits vs {r['eval_s']:.0f} s greedy")
+    for r in rows:
+        wrong = [f"{ref!r} -> {hyp!r}" for ref, hyp in r["eval"]["heldout"]["examples"] if ref != hyp][:3]
+        if wrong:
+            print(f"{r['attention']}, held-out mistakes: " + "; ".join(wrong))
+    result = {"machine": machine, "quick": args.quick, "scenes_s": round(scenes_s, 1), "rows": rows,
+              "threads": torch.get_num_threads(), "load": meter.stop()}
+    print(C.load_line(result["load"]))
+    print(f"wrote {C.write_json(NAME + ('_quick' if args.quick else ''), result, args.json)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
