@@ -1,0 +1,67 @@
+"""The lectures' worked examples, computed live by qkv's own code (``qkv explain TOPIC``).
+
+Each topic is a function that returns a plain result object (dataclasses of floats and
+lists, so tests check the numbers, not printed text), a renderer that prints it as rich
+tables, and, where a picture helps, a plot function (``--plot out.png``):
+
+    softmax         hardmax vs softmax of [1, 2, 3], temperature, row-wise on a matrix
+    lookup          the soft dictionary {A: 51, B: 42, C: 31} with one-hot keys
+    retrieval       bag of words, TF-IDF and MiniLM retrieval; then attention over the documents
+    scaling         Var(qᵀk) grows like d; dividing by √d keeps the softmax soft (Discussion 10)
+    worked-example  Discussion 10's three tokens, step by step and as softmax(QKᵀ/√d)V
+    equivariance    permuting tokens permutes outputs; positions break it
+    cost            parameters, FLOPs and KV-cache bytes of attention
+    context         MiniLM: "bank" by a river and at a bank; where "it" looks
+
+Lectures: Berkeley CS189 Lec 21-22 and Discussion 10; Stanford CS231N Lec 8.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+from qkv.explain import plots
+from qkv.explain.context import explain_context, render_context
+from qkv.explain.cost import explain_cost, render_cost
+from qkv.explain.equivariance import explain_equivariance, render_equivariance
+from qkv.explain.lookup import explain_lookup, render_lookup
+from qkv.explain.retrieval import explain_retrieval, render_retrieval
+from qkv.explain.scaling import explain_scaling, render_scaling
+from qkv.explain.softmax import explain_softmax, render_softmax
+from qkv.explain.worked_example import explain_worked_example, render_worked_example
+
+
+class Topic(NamedTuple):
+    """One topic: its one-line help, the function computing its result, the renderer
+    (result, rich Console) and the plot writer (result, path) or None."""
+
+    help: str
+    compute: Callable[..., Any]
+    render: Callable[[Any, Any], None]
+    plot: Callable[[Any, Any], Any] | None = None
+    needs_minilm: bool = False
+
+
+TOPICS: dict[str, Topic] = {
+    "softmax": Topic("hardmax vs softmax of [1, 2, 3] (≈ 0.09, 0.24, 0.67), temperature, row by row",
+                     explain_softmax, render_softmax, plots.plot_softmax),
+    "lookup": Topic("the soft dictionary {A: 51, B: 42, C: 31}: queries [0,1,0] and [1,1,0]",
+                    explain_lookup, render_lookup, plots.plot_lookup),
+    "retrieval": Topic("inner-product retrieval: bag of words, TF-IDF, MiniLM; then soft attention",
+                       explain_retrieval, render_retrieval, plots.plot_retrieval),
+    "scaling": Topic("why divide by √d: Var(qᵀk) = d and a saturating softmax (Discussion 10)",
+                     explain_scaling, render_scaling, plots.plot_scaling),
+    "worked-example": Topic("Discussion 10's three tokens by hand, checked against softmax(QKᵀ/√d)V",
+                            explain_worked_example, render_worked_example, plots.plot_worked_example),
+    "equivariance": Topic("permuting tokens permutes the outputs; adding positions breaks it",
+                          explain_equivariance, render_equivariance),
+    "cost": Topic("parameters and FLOPs vs a dense layer (3D² vs N²D²); KV cache of MHA/GQA/MQA",
+                  explain_cost, render_cost, plots.plot_cost),
+    "context": Topic('MiniLM: "bank" by the river vs at the bank; which tokens "it" attends to',
+                     explain_context, render_context, plots.plot_context, needs_minilm=True),
+}
+
+__all__ = ["TOPICS", "Topic", "explain_context", "explain_cost", "explain_equivariance",
+           "explain_lookup", "explain_retrieval", "explain_scaling", "explain_softmax",
+           "explain_worked_example"]
