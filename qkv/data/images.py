@@ -239,26 +239,39 @@ def load_digits(val_size: int = 200, test_size: int = 360, seed: int = 0) -> Ima
     return ImageData("digits", tuple(str(i) for i in range(10)), trx, try_, vx, vy, x[test], y[test])
 
 
+class ImageTooLargeError(ValueError):
+    """An image over ``read_image``'s pixel limit."""
+
+
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".bmp", ".gif", ".webp", ".tif", ".tiff")
 
 
-def read_image(path: str | os.PathLike[str], size: int, channels: int) -> tuple[Tensor, list[str]]:
-    """One image file -> uint8 (C, size, size), and notes on what was converted.
+def read_image(path: str | os.PathLike[str] | bytes, size: int, channels: int,
+               max_pixels: int | None = None) -> tuple[Tensor, list[str]]:
+    """One image file (or its bytes, e.g. an upload) -> uint8 (C, size, size), and notes on
+    what was converted.
 
     Colour images become grey (or grey images RGB) to match ``channels``; transparent pixels
     become black (the background of the training images); other sizes are resized, the whole
-    image, bilinear. Raises ValueError for missing or unreadable files.
+    image, bilinear. Raises ValueError for missing or unreadable files, and for images of more
+    than ``max_pixels`` pixels (checked from the header, before anything is decoded).
     """
     try:
         from PIL import Image, ImageOps
     except ImportError as e:
         raise ImportError("reading images needs Pillow: pip install pillow") from e
-    path = Path(path)
-    if not path.is_file():
-        raise ValueError(f"image not found: {path}")
+    if isinstance(path, bytes):
+        source, name = io.BytesIO(path), "the upload"
+    else:
+        source = name = Path(path)
+        if not source.is_file():
+            raise ValueError(f"image not found: {source}")
     notes: list[str] = []
     try:
-        with Image.open(path) as im:
+        with Image.open(source) as im:
+            if max_pixels is not None and im.size[0] * im.size[1] > max_pixels:
+                raise ImageTooLargeError(f"{name} is {im.size[0]}x{im.size[1]} pixels, more than "
+                                         f"the {max_pixels:,} allowed; make it smaller")
             im.load()
             im = ImageOps.exif_transpose(im)  # phone photos: the orientation the camera meant
             if im.mode in ("I", "I;16", "I;16B", "I;16L", "F"):  # 16-bit / float grey: rescale
@@ -280,8 +293,10 @@ def read_image(path: str | os.PathLike[str], size: int, channels: int) -> tuple[
                 notes.append(f"resized {im.size[0]}x{im.size[1]} to {size}x{size}")
                 im = im.resize((size, size), Image.Resampling.BILINEAR)
             arr = np.asarray(im, dtype=np.uint8)
+    except ImageTooLargeError:
+        raise
     except Exception as e:  # Pillow raises many types for damaged or hostile files
-        raise ValueError(f"{path} is not a readable image ({type(e).__name__}: "
+        raise ValueError(f"{name} is not a readable image ({type(e).__name__}: "
                          f"{str(e).splitlines()[0] if str(e) else 'damaged'})") from None
     x = torch.from_numpy(arr.copy())
     x = x.unsqueeze(0) if x.ndim == 2 else x.permute(2, 0, 1)

@@ -203,6 +203,11 @@ def greedy_captions(model: Captioner, images: Tensor, max_len: int, beam: int = 
     return toks, alphas
 
 
+def word_maps(caption: str, alphas: Tensor, grid: int) -> list[tuple[str, Tensor]]:
+    """(word, its attention as a (grid, grid) map) for every word of a generated caption."""
+    return [(w, a.reshape(grid, grid)) for w, a in zip(caption.split(), alphas, strict=False)]
+
+
 def bleu4(references: Sequence[Sequence[str]], hypotheses: Sequence[Sequence[str]]) -> float:
     """Corpus BLEU-4 (Papineni et al. 2002), one reference per hypothesis: the geometric mean
     of clipped 1-4-gram precisions times the brevity penalty."""

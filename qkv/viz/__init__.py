@@ -1,7 +1,13 @@
 """Pictures: loss curves, attention maps, confusion matrices, attention over images (PNG)."""
 
 from qkv.viz.images import plot_confusion, plot_image_attention
-from qkv.viz.plots import plot_alignment, plot_attention_heads, plot_loss_curve
+from qkv.viz.plots import (
+    plot_alignment,
+    plot_attention_grid,
+    plot_attention_head,
+    plot_attention_heads,
+    plot_loss_curve,
+)
 
-__all__ = ["plot_alignment", "plot_attention_heads", "plot_confusion", "plot_image_attention",
-           "plot_loss_curve"]
+__all__ = ["plot_alignment", "plot_attention_grid", "plot_attention_head", "plot_attention_heads",
+           "plot_confusion", "plot_image_attention", "plot_loss_curve"]

@@ -95,6 +95,108 @@ def plot_attention_heads(
     return Path(out_path)
 
 
+def _label(token: str) -> str:
+    """A token as an axis label: whitespace made visible ('␣', '\\n'), control characters
+    escaped."""
+    if not token.strip():
+        return token.replace(" ", "␣").replace("\n", "\\n").replace("\t", "\\t") or "∅"
+    return token if token.isprintable() else repr(token)[1:-1]
+
+
+def _labels(tokens: Sequence[str]) -> list[str]:
+    return [_label(t) for t in tokens]
+
+
+GRID_PANEL = 1.3  # inches per heatmap in plot_attention_grid
+GRID_MARGIN = (0.9, 0.65, 0.45)  # inches: left (layer labels), top (title, head labels), bottom
+GRID_DPI = 100
+GRID_LABELLED = 24  # token labels on the grid's outer axes up to this many tokens
+
+
+def attention_grid_size(n_layers: int, n_heads: int) -> tuple[int, int]:
+    """(width, height) in pixels of :func:`plot_attention_grid`'s PNG."""
+    w = GRID_MARGIN[0] + GRID_PANEL * n_heads + 0.1
+    h = GRID_MARGIN[1] + GRID_MARGIN[2] + GRID_PANEL * n_layers
+    return round(w * GRID_DPI), round(h * GRID_DPI)
+
+
+def plot_attention_grid(weights: Tensor, tokens: Sequence[str], out_path: Path,
+                        title: str = "attention") -> Path:
+    """Every head of every layer: weights (L, H, T, S), one small heatmap each, layers down,
+    heads across (the overview bertviz calls the model view). Each panel is scaled to its own
+    maximum so that weak and sharp heads both show their pattern. Token labels appear on the
+    outer axes when T <= GRID_LABELLED; for a readable single head see
+    :func:`plot_attention_head`."""
+    plt = _pyplot()
+    w = weights.detach().float().cpu()
+    L, H, T, S = w.shape
+    width, height = attention_grid_size(L, H)
+    fig, axes = plt.subplots(L, H, figsize=(width / GRID_DPI, height / GRID_DPI), dpi=GRID_DPI,
+                             squeeze=False)
+    labels = _labels(tokens)
+    show = T <= GRID_LABELLED and S <= GRID_LABELLED
+    for i in range(L):
+        for j in range(H):
+            ax = axes[i][j]
+            ax.imshow(w[i, j].numpy(), cmap="viridis", vmin=0.0, vmax=float(w[i, j].max()) or 1.0,
+                      aspect="auto", interpolation="nearest")
+            ax.set_xticks([])
+            ax.set_yticks([])
+            if i == 0:
+                ax.set_title(f"head {j}", fontsize=8)
+            if j == 0:
+                ax.set_ylabel(f"layer {i}", fontsize=8)
+            if show and j == 0:
+                ax.set_yticks(range(T), labels[:T], fontsize=4)
+            if show and i == L - 1:
+                ax.set_xticks(range(S), labels[:S], fontsize=4, rotation=90)
+    # Fixed margins (not tight_layout): the picture's size depends on L and H only.
+    w_in, h_in = width / GRID_DPI, height / GRID_DPI
+    fig.suptitle(title, fontsize=10, y=1 - 0.12 / h_in, va="top")
+    fig.subplots_adjust(left=GRID_MARGIN[0] / w_in, right=1 - 0.1 / w_in, top=1 - GRID_MARGIN[1] / h_in,
+                        bottom=GRID_MARGIN[2] / h_in, wspace=0.08, hspace=0.08)
+    fig.savefig(out_path)
+    plt.close(fig)
+    return Path(out_path)
+
+
+HEAD_DPI = 120
+HEAD_LABELLED = 80  # token labels on both axes up to this many tokens
+
+
+def attention_head_size(n_tokens: int) -> tuple[int, int]:
+    """(width, height) in pixels of :func:`plot_attention_head`'s PNG for T tokens."""
+    side = min(max(5.0, 0.16 * n_tokens + 2.0), 20.0)
+    return round((side + 1.2) * HEAD_DPI), round(side * HEAD_DPI)
+
+
+def plot_attention_head(weights: Tensor, tokens: Sequence[str], out_path: Path,
+                        title: str = "attention", key_tokens: Sequence[str] | None = None) -> Path:
+    """One head large: weights (T, S), queries down, keys across, every token labelled on both
+    axes (up to HEAD_LABELLED tokens), with a colour bar of the weights."""
+    plt = _pyplot()
+    w = weights.detach().float().cpu()
+    T, S = w.shape
+    width, height = attention_head_size(max(T, S))
+    fig, ax = plt.subplots(figsize=(width / HEAD_DPI, height / HEAD_DPI), dpi=HEAD_DPI)
+    im = ax.imshow(w.numpy(), cmap="viridis", vmin=0.0, vmax=float(w.max()) or 1.0,
+                   interpolation="nearest")
+    rows = _labels(tokens)
+    cols = _labels(key_tokens if key_tokens is not None else tokens)
+    if max(T, S) <= HEAD_LABELLED:
+        size = 8 if max(T, S) <= 30 else 6
+        ax.set_xticks(range(S), cols[:S], fontsize=size, rotation=90)
+        ax.set_yticks(range(T), rows[:T], fontsize=size)
+    ax.set_xlabel("key (attended to)", fontsize=9)
+    ax.set_ylabel("query (attending)", fontsize=9)
+    ax.set_title(title, fontsize=10)
+    fig.colorbar(im, ax=ax, fraction=0.046, pad=0.03, label="attention weight")
+    fig.tight_layout()
+    fig.savefig(out_path)
+    plt.close(fig)
+    return Path(out_path)
+
+
 def plot_alignment(weights: Tensor, source: Sequence[str], output: Sequence[str], out_path: Path,
                    title: str = "attention: output (rows) x input (columns)") -> Path:
     """One alignment matrix (T_out, S_in), output characters down, input characters across,

@@ -1,0 +1,85 @@
+"""`qkv serve [--host 127.0.0.1] [--port 8000] [--runs DIR]`: the attention explorer page."""
+
+from __future__ import annotations
+
+import argparse
+import ipaddress
+import socket
+import sys
+from pathlib import Path
+
+
+def add_serve_parser(sub) -> None:
+    p = sub.add_parser(
+        "serve",
+        help="a local web page to explore attention (pretrained models and your runs)",
+        description="Serve the attention explorer: choose MiniLM, SmolLM2 or a run found under "
+        "--runs, type text and see every layer's and head's attention as a heatmap and as "
+        "token-to-token lines; generate with a GPT model and watch each new token's attention; "
+        "upload an image for ViT and captioner runs. A JSON API backs the page (its schema: "
+        "/openapi.json). Listens on the loopback interface only, unless --host says otherwise; "
+        "on loopback, requests naming another host are refused (DNS rebinding). Needs "
+        "`pip install 'qkv[serve]'`.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    p.add_argument("--host", default="127.0.0.1",
+                   help="interface to listen on; anything but loopback exposes the page to the network")
+    p.add_argument("--port", type=int, default=8000, help="TCP port")
+    p.add_argument("--runs", default="runs", metavar="DIR",
+                   help="where to look for run directories from `qkv train` (one level deep); "
+                   "nothing outside it is ever read")
+    p.add_argument("--max-tokens", type=int, default=256,
+                   help="longest text (in tokens) a request may show; longer text is truncated, with a note")
+    p.add_argument("--max-upload-mb", type=float, default=5.0, help="largest image upload, in MB")
+    p.set_defaults(func=cmd_serve)
+
+
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def _check_port_free(host: str, port: int) -> None:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host, port))
+        except OSError as e:
+            raise ValueError(f"cannot listen on {host}:{port} ({e.strerror}); choose another --port "
+                             "or --host") from None
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    try:
+        import uvicorn
+    except ImportError as e:
+        raise ImportError("qkv serve needs FastAPI and uvicorn: pip install 'qkv[serve]'") from e
+    from qkv.serve import ServeConfig, create_app
+
+    if not 1 <= args.port <= 65535:
+        raise ValueError(f"--port must be in 1..65535, got {args.port}")
+    if args.max_upload_mb <= 0:
+        raise ValueError(f"--max-upload-mb must be positive, got {args.max_upload_mb}")
+    # A page on loopback answers only to loopback names: a web page elsewhere cannot reach it
+    # through a DNS name it controls (DNS rebinding).
+    hosts = None
+    if _is_loopback(args.host) and ":" not in args.host:
+        hosts = sorted({args.host, "127.0.0.1", "localhost"})
+    cfg = ServeConfig(runs_dir=Path(args.runs), max_tokens=args.max_tokens,
+                      max_upload_bytes=int(args.max_upload_mb * 1_000_000), allowed_hosts=hosts)
+    app = create_app(cfg)
+    _check_port_free(args.host, args.port)
+    if not _is_loopback(args.host):
+        print(f"qkv: warning: serving on {args.host}: anyone who can reach this machine can use "
+              "the page and its models", file=sys.stderr)
+    runs = cfg.runs_dir.resolve()
+    print(f"qkv serve: runs from {runs}{'' if runs.is_dir() else ' (missing: pretrained models only)'}")
+    url_host = f"[{args.host}]" if ":" in args.host else args.host
+    print(f"qkv serve: open http://{url_host}:{args.port}/ (Ctrl-C stops)", flush=True)
+    uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
+    return 0

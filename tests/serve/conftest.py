@@ -1,0 +1,49 @@
+"""Fixtures for `qkv serve`: a runs directory with one tiny run of each family (plus traps that
+must never be listed or read), and the app served by uvicorn on a free loopback port."""
+
+from __future__ import annotations
+
+import threading
+import time
+from pathlib import Path
+
+import pytest
+from serve_helpers import free_port
+
+
+@pytest.fixture(scope="session")
+def runs_dir(tiny_run, tmp_path_factory) -> Path:
+    """ROOT/runs with gpt-tiny, vit-tiny, seq2seq-tiny, captioner-tiny, a folder that is not a
+    run, and ``escape``: a symlink to a gpt run outside the runs directory (refused)."""
+    for family in ("gpt", "vit", "seq2seq", "captioner"):
+        runs = tiny_run(family).parent
+    outside = tmp_path_factory.mktemp("outside") / "secret-run"
+    outside.mkdir()
+    (outside / "config.json").write_text((tiny_run("gpt") / "config.json").read_text())
+    if not (runs / "escape").exists():
+        (runs / "escape").symlink_to(outside, target_is_directory=True)
+    (runs / "notes").mkdir(exist_ok=True)
+    (runs / "notes" / "readme.txt").write_text("not a run")
+    return runs
+
+
+@pytest.fixture(scope="session")
+def server(runs_dir):
+    """The app on http://127.0.0.1:PORT (uvicorn in a thread); yields the base URL."""
+    pytest.importorskip("fastapi", reason="qkv serve needs FastAPI: pip install 'qkv[serve]'")
+    uvicorn = pytest.importorskip("uvicorn", reason="qkv serve needs uvicorn: pip install 'qkv[serve]'")
+    from qkv.serve import create_app
+
+    app = create_app(runs_dir=runs_dir, max_upload_bytes=200_000)
+    port = free_port()
+    srv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=srv.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not srv.started:
+        if time.monotonic() > deadline or not thread.is_alive():
+            pytest.fail("uvicorn did not start")
+        time.sleep(0.05)
+    yield f"http://127.0.0.1:{port}"
+    srv.should_exit = True
+    thread.join(timeout=10)

@@ -1,0 +1,476 @@
+"""The JSON API of `qkv serve` through FastAPI's TestClient: valid requests checked against the
+models' own forward passes, every kind of bad request answered with a 4xx JSON message,
+limits, path traversal, concurrency, and the `qkv serve` command itself."""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+import torch
+from serve_helpers import asset_installed, free_port
+
+from qkv.generation import generate
+from qkv.viz import sources
+
+pytestmark = pytest.mark.usefixtures("one_thread")  # see tests/conftest.py
+for _module, _why in (("fastapi", "qkv serve needs FastAPI"), ("multipart", "uploads need python-multipart"),
+                      ("httpx", "FastAPI's TestClient needs httpx")):
+    pytest.importorskip(_module, reason=f"{_why}: pip install 'qkv[dev]'")
+
+
+@pytest.fixture(scope="module")
+def app(runs_dir):
+    from qkv.serve import create_app
+
+    return create_app(runs_dir=runs_dir, max_tokens=64, max_chars=2000, max_upload_bytes=20_000,
+                      max_pixels=100_000)
+
+
+@pytest.fixture(scope="module")
+def client(app):
+    from fastapi.testclient import TestClient
+
+    with TestClient(app) as c:
+        yield c
+
+
+def png_bytes(size: tuple[int, int] = (16, 16), mode: str = "L", colour=200) -> bytes:
+    from PIL import Image
+
+    buf = io.BytesIO()
+    Image.new(mode, size, colour).save(buf, format="PNG")
+    return buf.getvalue()
+
+
+def detail(r, status: int) -> str:
+    """The response's one-line message, after checking its status and shape."""
+    assert r.status_code == status, r.text
+    body = r.json()
+    assert set(body) == {"detail"} and isinstance(body["detail"], str) and "\n" not in body["detail"]
+    return body["detail"]
+
+
+# --------------------------------------------------------------------------- listing, page, schema
+
+
+def test_models_lists_runs_and_installed_models_only(client, runs_dir: Path) -> None:
+    r = client.get("/api/models")
+    assert r.status_code == 200
+    body = r.json()
+    ids = {m["id"]: m for m in body["models"]}
+    runs = {i for i in ids if i.startswith("runs/")}
+    assert runs == {"runs/gpt-tiny", "runs/vit-tiny", "runs/seq2seq-tiny", "runs/captioner-tiny"}
+    assert (ids["runs/gpt-tiny"]["kind"], ids["runs/gpt-tiny"]["can_generate"]) == ("decoder", True)
+    assert (ids["runs/vit-tiny"]["kind"], ids["runs/vit-tiny"]["input"]) == ("image", "image")
+    assert ids["runs/seq2seq-tiny"]["kind"] == "seq2seq"
+    assert ("minilm" in ids) == asset_installed("minilm")
+    assert ("smollm2" in ids) == asset_installed("smollm2")
+    assert body["runs_dir"] == str(runs_dir.resolve())
+    assert body["limits"] == {"max_chars": 2000, "max_tokens": 64, "max_new_tokens": 128,
+                              "max_upload_bytes": 20_000}
+
+
+def test_page_schema_and_headers(client) -> None:
+    r = client.get("/")
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/html")
+    assert "default-src 'self'" in r.headers["content-security-policy"]
+    assert '<script src="/static/app.js"' in r.text and "http" not in r.text.split("<body>")[0]
+    for name in ("app.js", "style.css"):
+        assert client.get(f"/static/{name}").status_code == 200
+    assert client.get("/static/../app.py").status_code == 404
+    schema = client.get("/openapi.json").json()
+    assert set(schema["paths"]) == {"/api/models", "/api/attention", "/api/generate", "/api/image-attention"}
+    for name in ("AttentionRequest", "AttentionResponse", "GenerateRequest", "ImageAttentionResponse",
+                 "ErrorMessage"):
+        assert name in schema["components"]["schemas"]
+    assert "404" in schema["paths"]["/api/attention"]["post"]["responses"]
+    assert client.get("/docs").status_code == 404  # Swagger UI would load scripts from a CDN
+
+
+def test_host_header_is_checked_when_configured(runs_dir) -> None:
+    from fastapi.testclient import TestClient
+
+    from qkv.serve import create_app
+
+    c = TestClient(create_app(runs_dir=runs_dir, allowed_hosts=["127.0.0.1", "localhost"]))
+    assert c.get("/api/models", headers={"host": "evil.example"}).status_code == 400
+    assert c.get("/api/models", headers={"host": "127.0.0.1:8000"}).status_code == 200
+
+
+# --------------------------------------------------------------------------- attention
+
+
+def test_attention_matches_the_models_own_forward_pass(client, tiny_run) -> None:
+    text = "ROMEO: But soft"
+    src = sources.load_source(tiny_run("gpt"))
+    with torch.no_grad():
+        ids = torch.tensor([src.tokenizer.encode(text)])
+        want = src.model(ids, backend="reference", return_weights=True).weights  # [(1, H, T, T)]
+    for layer, head in [(0, 1), (1, None), (-1, -1)]:
+        r = client.post("/api/attention", json={"model": "runs/gpt-tiny", "text": text,
+                                                "layer": layer, "head": head})
+        assert r.status_code == 200, r.text
+        body = r.json()
+        assert body["query_tokens"] == body["key_tokens"] == list(text)
+        assert (body["n_layers"], body["n_heads"], body["causal"], body["notes"]) == (2, 4, True, [])
+        assert (body["layer"], body["head"]) == (layer % 2, None if head is None else head % 4)
+        w = torch.tensor(body["weights"], dtype=torch.float64)
+        assert w.shape == (len(text), len(text))
+        torch.testing.assert_close(w.sum(-1), torch.ones(len(text), dtype=torch.float64), atol=1e-5, rtol=0)
+        ref = want[layer][0].double()
+        ref = ref.mean(0) if head is None else ref[head]
+        torch.testing.assert_close(w, ref, atol=2e-6, rtol=0)
+
+
+@pytest.mark.skipif(not asset_installed("minilm"),
+                    reason="asset minilm not installed: qkv assets install minilm")
+def test_minilm_attention(client) -> None:
+    r = client.post("/api/attention", json={"model": "minilm", "text": "The cat sat on the mat.",
+                                            "layer": 0})
+    body = r.json()
+    assert r.status_code == 200, body
+    assert body["query_tokens"] == ["[CLS]", "the", "cat", "sat", "on", "the", "mat", ".", "[SEP]"]
+    assert (body["n_layers"], body["n_heads"], body["causal"]) == (6, 12, False)
+    w = torch.tensor(body["weights"])
+    assert w.shape == (9, 9) and float(w.triu(1).sum()) > 1  # bidirectional: later keys count
+    # longer than the server's limit (64 here): truncated, [SEP] kept, with a note
+    r = client.post("/api/attention", json={"model": "minilm", "text": "word " * 100})
+    body = r.json()
+    assert len(body["query_tokens"]) == 64 and body["query_tokens"][-1] == "[SEP]"
+    assert body["notes"] == ["truncated to the first 64 of 102 tokens (the limit here is 64 tokens)"]
+
+
+def test_text_beyond_the_context_is_truncated_with_a_note(client) -> None:
+    text = "ROMEO: But soft, what light through yonder window breaks?"
+    r = client.post("/api/attention", json={"model": "runs/gpt-tiny", "text": text})
+    body = r.json()
+    assert r.status_code == 200 and body["query_tokens"] == list(text[:32])
+    assert body["notes"] == [f"truncated to the first 32 of {len(text)} tokens "
+                             "(the model's context is 32 tokens)"]
+    assert len(body["weights"]) == 32
+
+
+def test_seq2seq_alignment(client) -> None:
+    r = client.post("/api/attention", json={"model": "runs/seq2seq-tiny", "text": "8 août 1977"})
+    body = r.json()
+    assert r.status_code == 200, body
+    assert body["key_tokens"] == list("8 août 1977") and body["query_tokens"] == list(body["output"])
+    w = torch.tensor(body["weights"])
+    assert w.shape == (len(body["output"]), 11)
+    torch.testing.assert_close(w.sum(-1), torch.ones(len(body["output"])), atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("body, status, message", [
+    ({"model": "runs/gpt-tiny", "text": ""}, 422, "the text is empty"),
+    ({"model": "runs/gpt-tiny", "text": " \n\t "}, 422, "the text is empty"),
+    ({"model": "runs/gpt-tiny", "text": "ROMEO ✓"}, 422, "never saw"),
+    ({"model": "runs/gpt-tiny", "text": "R" * 2001}, 422, "has 2,001 characters; the limit is 2,000"),
+    ({"model": "runs/gpt-tiny", "text": "R" * 20_001}, 422, "text: String should have at most 20000"),
+    ({"model": "runs/gpt-tiny", "text": "ROMEO", "layer": 2}, 422, "layer must be in [-2, 1]"),
+    ({"model": "runs/gpt-tiny", "text": "ROMEO", "head": 4}, 422, "head must be in [-4, 3]"),
+    ({"model": "runs/gpt-tiny", "text": "ROMEO", "layer": "top"}, 422, "layer: "),
+    ({"model": "runs/gpt-tiny"}, 422, "text: Field required"),
+    ({"model": "runs/vit-tiny", "text": "hello"}, 422, "it reads images; upload one"),
+    ({"model": "gpt2", "text": "hi"}, 404, "unknown model 'gpt2'"),
+    ({"model": "runs/nope", "text": "hi"}, 404, "no run 'nope'"),
+    ({"model": "runs/notes", "text": "hi"}, 404, "is not a run of"),
+    ({"model": "../../etc/passwd", "text": "hi"}, 400, "invalid model name"),
+    ({"model": "/etc/passwd", "text": "hi"}, 400, "invalid model name"),
+    ({"model": "runs/../../etc/passwd", "text": "hi"}, 400, "invalid run name"),
+    ({"model": "runs/..", "text": "hi"}, 400, "invalid run name"),
+    ({"model": "runs/gpt-tiny/../../../etc", "text": "hi"}, 400, "invalid run name"),
+    ({"model": "runs/escape", "text": "hi"}, 400, "points outside the runs directory"),
+    ({"model": "runs/.hidden", "text": "hi"}, 400, "invalid run name"),
+])
+def test_bad_attention_requests(client, body, status, message) -> None:
+    assert message in detail(client.post("/api/attention", json=body), status)
+
+
+def test_requests_never_read_outside_the_runs_directory(app, client, monkeypatch) -> None:
+    """Whatever the name, the loader is only ever handed folders inside the runs directory."""
+    import qkv.serve.registry as registry
+
+    seen: list[str] = []
+    real = registry.load_source
+
+    def spy(target, display_name=None):
+        seen.append(str(target))
+        return real(target, display_name)
+
+    monkeypatch.setattr(registry, "load_source", spy)
+    app.state.registry._loaded.clear()
+    for name in ["../../etc/passwd", "runs/../../etc/passwd", "runs/escape", "runs/%2e%2e", "runs/~root",
+                 "runs/gpt-tiny\x00", "runs/a/b", "runs/gpt-tiny"]:
+        client.post("/api/attention", json={"model": name, "text": "ROMEO"})
+    root = app.state.registry.root
+    assert seen == [str(root / "gpt-tiny")]
+
+
+@pytest.mark.skipif(not asset_installed("smollm2"),
+                    reason="asset smollm2 not installed: qkv assets install smollm2")
+def test_smollm2_attention_and_generation(client) -> None:
+    """GQA (9 query heads over 3 key/value heads) and RoPE: every query head has its own map."""
+    pytest.importorskip("gguf")
+    r = client.post("/api/attention", json={"model": "smollm2", "text": "Once upon a time", "layer": 3})
+    body = r.json()
+    assert r.status_code == 200, body
+    assert body["query_tokens"] == ["Once", " upon", " a", " time"]
+    assert (body["n_layers"], body["n_heads"], body["causal"]) == (30, 9, True)
+    w = torch.tensor(body["weights"])
+    assert float(w.triu(1).abs().max()) == 0
+    torch.testing.assert_close(w.sum(-1), torch.ones(4), atol=1e-5, rtol=0)
+    events = _events(client.post("/api/generate", json={
+        "model": "smollm2", "prompt": "The capital of France is", "max_new_tokens": 2}))
+    assert "".join(e["token"] for e in events if e["event"] == "token") == " Paris."
+
+
+def test_a_run_retrained_on_disk_is_loaded_again(app, client, runs_dir) -> None:
+    reg = app.state.registry
+    first = reg.get("runs/gpt-tiny")
+    assert reg.get("runs/gpt-tiny") is first  # loaded once, shared
+    weights = runs_dir / "gpt-tiny" / "model.safetensors"
+    st = weights.stat()
+    os.utime(weights, ns=(st.st_atime_ns, st.st_mtime_ns + 1_000_000))
+    try:
+        assert reg.get("runs/gpt-tiny") is not first
+    finally:
+        os.utime(weights, ns=(st.st_atime_ns, st.st_mtime_ns))
+
+
+def test_a_pretrained_model_that_is_not_installed(runs_dir, monkeypatch) -> None:
+    from fastapi.testclient import TestClient
+
+    import qkv.assets
+    from qkv.serve import create_app
+
+    def missing(name):
+        raise qkv.assets.AssetMissingError(f"asset {name!r} is not installed")
+
+    monkeypatch.setattr(qkv.assets, "asset_path", missing)
+    c = TestClient(create_app(runs_dir=runs_dir))
+    assert not {"minilm", "smollm2"} & {m["id"] for m in c.get("/api/models").json()["models"]}
+    r = c.post("/api/attention", json={"model": "minilm", "text": "hi"})
+    assert detail(r, 404) == "minilm is not installed: qkv assets install minilm"
+
+
+# --------------------------------------------------------------------------- generation
+
+
+def _events(r) -> list[dict]:
+    assert r.status_code == 200, r.text
+    assert r.headers["content-type"].startswith("application/x-ndjson")
+    return [json.loads(line) for line in r.text.splitlines()]
+
+
+def test_generate_streams_tokens_with_their_attention(client, tiny_run) -> None:
+    r = client.post("/api/generate", json={"model": "runs/gpt-tiny", "prompt": "ROMEO: ",
+                                           "max_new_tokens": 5, "layer": 1, "head": 0})
+    events = _events(r)
+    assert [e["event"] for e in events] == ["start"] + ["token"] * 5 + ["done"]
+    assert events[0]["tokens"] == list("ROMEO: ") and (events[0]["layer"], events[0]["head"]) == (1, 0)
+    src = sources.load_source(tiny_run("gpt"))
+    prompt = src.tokenizer.encode("ROMEO: ")
+    greedy = [int(t[0]) for t in generate(src.model, torch.tensor([prompt]), 5, temperature=0.0)]
+    assert [e["id"] for e in events[1:-1]] == greedy
+    for i, e in enumerate(events[1:-1]):
+        assert len(e["weights"]) == len(prompt) + i  # over every token before the new one
+        assert sum(e["weights"]) == pytest.approx(1, abs=1e-5)
+    assert events[-1]["text"] == src.tokenizer.decode(greedy)
+
+
+def test_generate_stops_at_the_context_with_a_note(client) -> None:
+    events = _events(client.post("/api/generate", json={
+        "model": "runs/gpt-tiny", "prompt": "ROMEO: But soft, what light", "max_new_tokens": 50}))
+    assert events[0]["notes"] == ["5 new tokens at most: the prompt has 27 tokens and the limit is 32"]
+    assert [e["event"] for e in events].count("token") == 5
+
+
+@pytest.mark.parametrize("body, status, message", [
+    ({"model": "runs/vit-tiny", "prompt": "hi"}, 422, "only GPT models"),
+    ({"model": "runs/seq2seq-tiny", "prompt": "hi"}, 422, "only GPT models"),
+    ({"model": "runs/gpt-tiny", "prompt": "  "}, 422, "the text is empty"),
+    ({"model": "runs/gpt-tiny", "prompt": "R", "max_new_tokens": 0}, 422, "max_new_tokens"),
+    ({"model": "runs/gpt-tiny", "prompt": "R", "temperature": -1}, 422, "temperature"),
+    ({"model": "runs/gpt-tiny", "prompt": "R", "layer": 7}, 422, "layer must be in"),
+    ({"model": "nope", "prompt": "R"}, 404, "unknown model"),
+    ({"model": "runs/../x", "prompt": "R"}, 400, "invalid run name"),
+])
+def test_bad_generate_requests(client, body, status, message) -> None:
+    assert message in detail(client.post("/api/generate", json=body), status)
+
+
+# --------------------------------------------------------------------------- images
+
+
+def test_vit_image_attention(client, tiny_run) -> None:
+    r = client.post("/api/image-attention", data={"model": "runs/vit-tiny", "layer": "0"},
+                    files={"image": ("digit.png", png_bytes((20, 20)), "image/png")})
+    body = r.json()
+    assert r.status_code == 200, body
+    assert body["image"] == {"width": 8, "height": 8, "channels": 1, "pixels": [200] * 64}
+    assert body["notes"] == ["resized 20x20 to 8x8"]
+    assert [m["label"] for m in body["maps"]] == [f"layer 0 head {h}" for h in range(4)] + ["rollout"]
+    src = sources.load_source(tiny_run("vit"))
+    want = sources.image_attention(src, png_bytes((20, 20)), layer=0)
+    for m, (_, w) in zip(body["maps"], want.maps, strict=True):
+        torch.testing.assert_close(torch.tensor(m["weights"]), w.float(), atol=2e-6, rtol=0)
+    assert body["details"]["prediction"] == want.details["prediction"]
+
+
+def test_captioner_image_attention(client) -> None:
+    r = client.post("/api/image-attention", data={"model": "runs/captioner-tiny"},
+                    files={"image": ("scene.png", png_bytes((64, 64), "RGB", (200, 30, 30)), "image/png")})
+    body = r.json()
+    assert r.status_code == 200, body
+    assert body["family"] == "captioner" and body["image"]["channels"] == 3
+    assert [m["label"] for m in body["maps"]] == body["title"].split()
+    for m in body["maps"]:  # each word's soft attention over the 8x8 grid sums to 1
+        assert sum(map(sum, m["weights"])) == pytest.approx(1, abs=1e-4)
+
+
+@pytest.mark.parametrize("model, upload, status, message", [
+    ("runs/vit-tiny", ("notes.txt", b"just some text, not pixels", "text/plain"), 415, "is not an image"),
+    ("runs/vit-tiny", ("fake.png", b"\x89PNG\r\n\x1a\n broken", "image/png"), 415, "is not an image"),
+    ("runs/vit-tiny", ("big.bin", os.urandom(20_001), "image/png"), 413, "larger than 20,000 bytes"),
+    ("runs/vit-tiny", ("huge.png", png_bytes((400, 400)), "image/png"), 413, "400x400 pixels"),
+    ("runs/vit-tiny", ("empty.png", b"", "image/png"), 422, "the upload is empty"),
+    ("runs/gpt-tiny", ("d.png", png_bytes(), "image/png"), 422, "reads text, not images"),
+    ("runs/../../etc", ("d.png", png_bytes(), "image/png"), 400, "invalid run name"),
+    ("nope", ("d.png", png_bytes(), "image/png"), 404, "unknown model"),
+])
+def test_bad_uploads(client, model, upload, status, message) -> None:
+    r = client.post("/api/image-attention", data={"model": model}, files={"image": upload})
+    assert message in detail(r, status)
+
+
+def test_bodies_over_the_limit_are_refused_before_parsing(client) -> None:
+    big = os.urandom(400_000)  # past the upload limit plus the form's allowance
+    r = client.post("/api/image-attention", data={"model": "runs/vit-tiny"},
+                    files={"image": ("big.png", big, "image/png")})
+    assert "larger than" in detail(r, 413)
+
+    def chunks():  # no Content-Length: counted as it arrives
+        for _ in range(10):
+            yield b"x" * 50_000
+
+    r = client.post("/api/attention", content=chunks(), headers={"content-type": "application/json"})
+    assert "larger than" in detail(r, 413)
+    r = client.post("/api/image-attention", data={"model": "runs/vit-tiny", "layer": "9"},
+                    files={"image": ("d.png", png_bytes(), "image/png")})
+    assert "layer must be in" in detail(r, 422)
+
+
+# --------------------------------------------------------------------------- concurrency
+
+
+def test_twenty_concurrent_requests_succeed_and_load_each_model_once(runs_dir, monkeypatch) -> None:
+    from fastapi.testclient import TestClient
+
+    import qkv.serve.registry as registry
+    from qkv.serve import create_app
+
+    loads: list[str] = []
+    real = registry.load_source
+
+    def counting(target, display_name=None):
+        loads.append(str(display_name))
+        time.sleep(0.2)  # widen the window in which a second load could start
+        return real(target, display_name)
+
+    monkeypatch.setattr(registry, "load_source", counting)
+    model = "minilm" if asset_installed("minilm") else "runs/gpt-tiny"
+    client = TestClient(create_app(runs_dir=runs_dir))
+    words = "But soft what light through yonder window".split()
+    texts = [f"ROMEO: {' '.join(words[: 1 + i % 7])}{'?' * (i // 7)}" for i in range(20)]  # 20 texts
+
+    def ask(i: int):
+        m = model if i % 2 == 0 else "runs/gpt-tiny"
+        return m, client.post("/api/attention", json={"model": m, "text": texts[i], "head": i % 4})
+
+    with ThreadPoolExecutor(max_workers=20) as pool:
+        results = list(pool.map(ask, range(20)))
+    assert [r.status_code for _, r in results] == [200] * 20
+    assert sorted(loads) == sorted({model, "runs/gpt-tiny"})  # each model loaded once
+    for i, (m, r) in enumerate(results):
+        if m == "runs/gpt-tiny":
+            assert r.json()["query_tokens"] == list(texts[i][:32])  # the context: 32 characters
+
+
+def test_twenty_concurrent_requests_over_http(server, capsys) -> None:
+    """The same through uvicorn and real sockets: 20 clients at once, all answered."""
+    import httpx
+
+    model = "minilm" if asset_installed("minilm") else "runs/gpt-tiny"
+    with httpx.Client(base_url=server, timeout=120) as warm:  # load the model first
+        assert warm.post("/api/attention", json={"model": model, "text": "ROMEO"}).status_code == 200
+
+    def ask(i: int) -> tuple[int, float]:
+        t0 = time.perf_counter()
+        with httpx.Client(base_url=server, timeout=120) as c:
+            r = c.post("/api/attention", json={"model": model, "text": f"ROMEO: But soft{'!' * i}"})
+        return r.status_code, time.perf_counter() - t0
+
+    t0 = time.perf_counter()
+    with ThreadPoolExecutor(max_workers=20) as pool:
+        results = list(pool.map(ask, range(20)))
+    wall = time.perf_counter() - t0
+    assert [code for code, _ in results] == [200] * 20
+    with capsys.disabled():
+        print(f"\n20 concurrent /api/attention requests ({model}) over HTTP: all 200 in {wall:.2f} s "
+              f"(slowest {max(t for _, t in results):.2f} s)")
+
+
+# --------------------------------------------------------------------------- the command
+
+
+def test_serve_command_errors(tmp_path: Path, capsys) -> None:
+    from qkv import cli
+
+    def error(argv: list[str]) -> str:
+        assert cli.main(argv) == 2
+        err = capsys.readouterr().err.strip()
+        assert len(err.splitlines()) == 1 and err.startswith("qkv: error: "), err
+        return err
+
+    assert "--port must be in 1..65535, got 70000" in error(["serve", "--port", "70000"])
+    assert "--max-upload-mb must be positive" in error(["serve", "--max-upload-mb", "0"])
+    assert "max_tokens must be >= 2" in error(["serve", "--max-tokens", "1"])
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        busy = s.getsockname()[1]
+        assert f"cannot listen on 127.0.0.1:{busy}" in error(["serve", "--port", str(busy), "--runs",
+                                                              str(tmp_path)])
+
+
+def test_serve_command_serves_the_page(runs_dir) -> None:
+    import httpx
+
+    port = free_port()
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    argv = [sys.executable, "-m", "qkv", "serve", "--port", str(port), "--runs", str(runs_dir)]
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        line = proc.stdout.readline()  # the runs folder, then the address
+        line += proc.stdout.readline()
+        assert f"open http://127.0.0.1:{port}/" in line, line + proc.stderr.read()
+        for _ in range(100):
+            try:
+                r = httpx.get(f"http://127.0.0.1:{port}/api/models", timeout=5)
+                break
+            except httpx.ConnectError:
+                time.sleep(0.1)
+        assert r.status_code == 200 and "runs/gpt-tiny" in r.text
+        assert "qkv · attention explorer" in httpx.get(f"http://127.0.0.1:{port}/").text
+    finally:
+        proc.terminate()
+        proc.wait(timeout=10)

@@ -1,0 +1,220 @@
+"""The explorer page in a real browser: Debian's Chromium, headless, driven by Playwright (never
+a downloaded browser). The page loads, draws tokens² heatmap cells, shows the top attended
+tokens on hover, shows the API's errors, generates and uploads; and the time from the click to
+the rendered heatmap for MiniLM on a 128-token text is measured (printed, not asserted)."""
+
+from __future__ import annotations
+
+import io
+import json
+import shutil
+import time
+import urllib.request
+
+import pytest
+from serve_helpers import asset_installed
+
+pytestmark = pytest.mark.usefixtures("one_thread")  # see tests/conftest.py
+
+pytest.importorskip("fastapi", reason="qkv serve needs FastAPI: pip install 'qkv[serve]'")
+sync_api = pytest.importorskip("playwright.sync_api", reason="browser tests need Playwright: "
+                               "pip install playwright (it drives the system Chromium)")
+CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
+if CHROMIUM is None:
+    pytest.skip("browser tests need Debian's Chromium: apt-get install -y chromium",
+                allow_module_level=True)
+
+WORDS = "the cat sat on a mat and the dog ran to the park with a red ball".split()
+
+
+def text_of_128_minilm_tokens(shift: int) -> str:
+    """126 one-token words: [CLS] + 126 + [SEP] = 128 tokens."""
+    return " ".join(WORDS[(i * shift) % len(WORDS)] for i in range(126))
+
+
+@pytest.fixture(scope="module")
+def browser():
+    pw = sync_api.sync_playwright().start()
+    b = pw.chromium.launch(executable_path=CHROMIUM, headless=True)
+    yield b
+    b.close()
+    pw.stop()
+
+
+@pytest.fixture
+def page(browser, server):
+    """A fresh page on the explorer; fails the test on a script error or on any request that
+    leaves this server."""
+    p = browser.new_page(viewport={"width": 1400, "height": 1000})
+    errors: list[str] = []
+    p.on("pageerror", lambda e: errors.append(str(e)))
+    p.on("request", lambda r: None if r.url.startswith(server) else errors.append(f"request to {r.url}"))
+    p.goto(server + "/")
+    p.wait_for_selector("body[data-state=ready]")
+    yield p
+    p.close()
+    assert errors == []
+
+
+def api(server: str, path: str, body: dict) -> dict:
+    req = urllib.request.Request(server + path, json.dumps(body).encode(),
+                                 {"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=60) as r:
+        return json.loads(r.read())
+
+
+def wait_until(page, expression: str, timeout: float = 60.0) -> None:
+    """Poll ``expression`` in the page until it is true. (page.wait_for_function compiles its
+    predicate with eval, which the page's Content-Security-Policy rightly forbids.)"""
+    deadline = time.monotonic() + timeout
+    while not page.evaluate(expression):
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {expression}")
+        time.sleep(0.005)
+
+
+def show(page, model: str, text: str) -> None:
+    page.select_option("#model", model)
+    page.fill("#text", text)
+    page.click("#show")
+    page.wait_for_selector("body[data-state=ready], body[data-state=error]")
+
+
+def test_page_loads_with_the_models(page) -> None:
+    assert page.title() == "qkv · attention explorer"
+    options = page.eval_on_selector_all("#model option", "os => os.map(o => o.value)")
+    assert {"runs/gpt-tiny", "runs/vit-tiny", "runs/seq2seq-tiny", "runs/captioner-tiny"} <= set(options)
+    assert ("minilm" in options) == asset_installed("minilm")
+    assert "runs/escape" not in options
+    assert page.is_hidden("#error") and page.is_hidden("#views")
+
+
+def test_heatmap_has_tokens_squared_cells(page) -> None:
+    text = "ROMEO: But soft"
+    show(page, "runs/gpt-tiny", text)
+    assert page.is_hidden("#error")
+    T = len(text)  # a character-level GPT: one token per character
+    assert page.locator("#heatmap rect.cell").count() == T * T
+    assert page.locator("#lines text.query").count() == T
+    assert page.inner_text("#heatmap-caption").startswith("layer 1, mean of 4 heads")
+    # another layer and head: the page asks again and redraws
+    page.select_option("#layer", "0")
+    page.wait_for_selector("body[data-state=ready]")
+    page.select_option("#head", "2")
+    wait_until(page, "document.querySelector('#heatmap-caption').textContent.startsWith('layer 0, head 2') "
+               "&& document.body.dataset.state === 'ready'")
+    assert page.locator("#heatmap rect.cell").count() == T * T
+    if asset_installed("minilm"):
+        show(page, "minilm", "The cat sat on the mat.")
+        assert page.locator("#heatmap rect.cell").count() == 9 * 9  # [CLS] ... [SEP]
+
+
+def test_hovering_a_token_shows_its_top_attended_tokens(page, server) -> None:
+    text = "ROMEO: But soft"
+    show(page, "runs/gpt-tiny", text)
+    page.hover('#lines text.query[data-i="9"]')  # the "t" of "But"
+    page.wait_for_selector("#hover:not([hidden])")
+    assert page.inner_text("#hover b") == '"t" attends to'
+    shown = page.eval_on_selector_all("#hover td.weight", "ts => ts.map(t => Number(t.textContent))")
+    row = api(server, "/api/attention", {"model": "runs/gpt-tiny", "text": text})["weights"][9]
+    want = sorted(row, reverse=True)[:5]
+    assert shown == pytest.approx(want, abs=6e-4)  # three decimals on the page
+    # the row's lines stand out; the others are hidden
+    assert page.eval_on_selector("#lines", "s => s.classList.contains('focus')")
+    on = page.locator("#lines line.on").count()
+    assert on == sum(w >= 0.01 for w in row) and on > 0
+    # a heatmap cell: query -> key and the weight
+    page.hover('#heatmap rect.cell[data-q="9"][data-k="0"]')
+    page.wait_for_selector("#hover:not([hidden])")
+    assert page.inner_text("#hover b") == f"t → R: {row[0]:.3f}"
+
+
+def test_api_errors_are_shown_to_the_user(page) -> None:
+    show(page, "runs/gpt-tiny", "   ")
+    assert page.is_visible("#error")
+    assert page.inner_text("#error") == "Error 422: the text is empty; type some text to see its attention"
+    assert page.get_attribute("body", "data-state") == "error"
+    # a model name that tries to leave the runs directory
+    page.evaluate("""() => {
+        const s = document.querySelector('#model');
+        s.insertAdjacentHTML('beforeend', '<option value="runs/../../etc/passwd">x</option>');
+    }""")
+    page.evaluate("() => { state.models.push({id: 'runs/../../etc/passwd', input: 'text', kind: 'decoder', "
+                  "description: 'x'}); }")
+    show(page, "runs/../../etc/passwd", "hello")
+    assert page.inner_text("#error").startswith("Error 400: invalid run name '../../etc/passwd'")
+    # a good request clears the message
+    show(page, "runs/gpt-tiny", "ROMEO")
+    assert page.is_hidden("#error")
+    # characters the model never saw; text beyond the context: a visible note
+    show(page, "runs/gpt-tiny", "ROMEO ✓")
+    assert "never saw" in page.inner_text("#error")
+    show(page, "runs/gpt-tiny", "ROMEO: But soft, what light through yonder window breaks?")
+    assert page.is_hidden("#error") and page.is_visible("#notes")
+    assert "truncated to the first 32 of 57 tokens" in page.inner_text("#notes")
+
+
+def _png(size: int) -> bytes:
+    from PIL import Image
+
+    buf = io.BytesIO()
+    Image.new("L", (size, size), 128).save(buf, format="PNG")
+    return buf.getvalue()
+
+
+def test_image_upload_draws_overlays_and_errors(page) -> None:
+    page.select_option("#model", "runs/vit-tiny")
+    assert page.is_visible("#image-input") and page.is_hidden("#text-input")
+    page.click("#upload")
+    assert page.inner_text("#error") == "Choose an image file first."
+    page.set_input_files("#image", {"name": "d.png", "mimeType": "image/png", "buffer": _png(8)})
+    page.click("#upload")
+    page.wait_for_selector("body[data-state=ready]")
+    assert page.locator("#image-maps canvas").count() == 1 + 4 + 1  # image, 4 heads, rollout
+    assert page.inner_text("#image-title").startswith("prediction: ")
+    page.set_input_files("#image", {"name": "a.txt", "mimeType": "text/plain", "buffer": b"not an image"})
+    page.click("#upload")
+    page.wait_for_selector("body[data-state=error]")
+    assert page.inner_text("#error").startswith("Error 415: a.txt is not an image")
+    page.set_input_files("#image", {"name": "big.png", "mimeType": "image/png", "buffer": b"\0" * 300_000})
+    page.click("#upload")
+    page.wait_for_selector("body[data-state=error]")
+    assert page.inner_text("#error").startswith("Error 413: ")
+
+
+def test_generation_streams_tokens_with_attention(page) -> None:
+    page.select_option("#model", "runs/gpt-tiny")
+    assert page.is_visible("#generate")
+    page.fill("#text", "ROMEO: ")
+    page.fill("#n-new", "6")
+    page.click("#generate")
+    page.wait_for_selector("body[data-state=ready]")
+    assert page.locator("#generated span.prompt").count() == 7
+    assert page.locator("#generated span.new").count() == 6
+    # the last token's attention shades the tokens before it
+    shaded = page.eval_on_selector_all("#generated span",
+                                       "ss => ss.filter(s => s.style.backgroundColor).length")
+    assert shaded >= 1
+    assert "6 new tokens in" in page.inner_text("#generation-status")
+
+
+@pytest.mark.skipif(not asset_installed("minilm"),
+                    reason="asset minilm not installed: qkv assets install minilm")
+def test_minilm_128_tokens_request_to_heatmap_time(page, capsys) -> None:
+    """Reported, not asserted: click -> 128x128 cells drawn, for three different texts (each a
+    forward pass on the server, the model already loaded), as the test measures it and as the
+    page does (request = until the JSON is parsed, render = until the next frame)."""
+    results = {}
+    for label, shift in (("text1", 1), ("text2", 7), ("text3", 5)):
+        page.select_option("#model", "minilm")
+        page.fill("#text", text_of_128_minilm_tokens(shift))
+        t0 = time.perf_counter()
+        page.click("#show")
+        wait_until(page, "document.querySelectorAll('#heatmap rect.cell').length === 128 * 128 "
+                   "&& document.body.dataset.state === 'ready'")
+        wall = (time.perf_counter() - t0) * 1000
+        timing = page.evaluate("window.qkvTiming")
+        assert timing["tokens"] == 128
+        results[label] = {"click_to_heatmap_ms": round(wall), **{k: round(v) for k, v in timing.items()}}
+    with capsys.disabled():
+        print(f"\nMiniLM, 128 tokens, request -> rendered heatmap (16,384 cells): {json.dumps(results)}")
