@@ -81,10 +81,12 @@ CAPTIONER_PRESETS: dict[str, dict[str, Any]] = {
                       eval_interval=50, eval_iters=2, weight_decay=0.0, compile=False),
         "data": dict(n_train=1000, n_val=50, n_test=100, n_heldout=100),
     },
-    # The default of `qkv train captioner` (not yet tuned against the goals).
+    # The default of `qkv train captioner`: ~99% exact captions on seen colour/shape pairs in
+    # ~7 minutes on 2 CPU cores (benchmarks/captioning.py). No doubly stochastic penalty: on
+    # these short captions it spreads attention and costs pointing accuracy (measured there).
     "shapes-cpu": {
-        "model": dict(width=16, emb_dim=32, hidden=128, attn_dim=64),
-        "train": dict(batch_size=64, max_iters=3000, lr=3e-3, min_lr=3e-5, warmup_iters=100,
+        "model": dict(width=16, emb_dim=32, hidden=128, attn_dim=64, doubly_stochastic=0.0, dropout=0.3),
+        "train": dict(batch_size=64, max_iters=2500, lr=3e-3, min_lr=3e-5, warmup_iters=100,
                       eval_interval=500, eval_iters=8, weight_decay=0.0),
         "data": dict(),
     },

@@ -14,7 +14,8 @@ the caption, and at every word it attends over the grid (Xu et al. 2015).
 Soft attention's loss adds the doubly stochastic penalty λ Σ_i (1 - Σ_t α_ti)²: every
 location should get attention about once over the caption. Hard attention is trained with
 REINFORCE (:func:`reinforce_surrogate`): the log-likelihood of the caption is the reward for
-the sampled locations, minus a moving-average baseline, plus an entropy bonus.
+the sampled locations, minus a moving-average baseline, plus an entropy bonus; as in the
+paper (§4.1), half the captions of a batch read the expected value Σ_i α_ti a_i instead.
 
 Lectures: CS189 Lec 21 (image captioning with soft attention), CS231N Lec 8.
 Shapes: B batch, T caption length, L = g·g locations, D feature width, V vocabulary.
@@ -65,6 +66,8 @@ class CaptionerConfig:
     doubly_stochastic: float = 1.0  # λ of Σ_i (1 - Σ_t α_ti)² (soft attention)
     entropy_bonus: float = 0.01  # hard attention: weight of the attention's entropy
     baseline_decay: float = 0.9  # hard attention: moving-average baseline of the reward
+    hard_expectation: float = 0.5  # hard attention, training: share of captions that read the
+    # expected value Σ α_i a_i instead of a sampled location (Xu et al. 2015, §4.1)
     dropout: float = 0.0  # dropout on the deep output
     word_dropout: float = 0.0  # training: share of input words replaced by UNK (leans on the image)
     stage_convs: int = 2  # 3x3 convolutions per CNN stage (fewer: smaller receptive field)
@@ -75,6 +78,8 @@ class CaptionerConfig:
             raise ValueError(f"attention must be soft, hard or uniform, got {self.attention!r}")
         if self.scoring not in ("additive", "dot"):
             raise ValueError(f"scoring must be additive or dot, got {self.scoring!r}")
+        if not 0 <= self.hard_expectation <= 1:
+            raise ValueError(f"hard_expectation must be in [0, 1], got {self.hard_expectation}")
         if not 0 <= self.word_dropout < 1:
             raise ValueError(f"word_dropout must be in [0, 1), got {self.word_dropout}")
         if self.stage_convs not in (1, 2, 3):
@@ -162,9 +167,10 @@ class Captioner(nn.Module):
         return softmax(scores, dim=-1)
 
     def step(self, state: CaptionerState, prev: Tensor, sample: bool = False,
-             generator: torch.Generator | None = None):
+             generator: torch.Generator | None = None, expect: Tensor | None = None):
         """One word: (state, previous tokens (B,)) -> (logits (B, V), new state, α (B, L), β (B,),
-        chosen locations (B,) or None for soft attention)."""
+        chosen locations (B,) or None for soft attention). Hard attention: ``expect`` (B,) bool
+        marks the rows that read the expected value Σ α_i a_i instead of their location."""
         h, c, feats, keys = state
         if self.cfg.attention == "uniform":
             alpha = feats.new_full(feats.shape[:2], 1.0 / feats.shape[1])
@@ -178,6 +184,8 @@ class Captioner(nn.Module):
             loc = (torch.multinomial(alpha, 1, generator=generator).squeeze(-1) if sample
                    else alpha.argmax(-1))
             z = feats[torch.arange(len(feats)), loc]
+            if expect is not None:
+                z = torch.where(expect[:, None], (alpha.unsqueeze(1) @ feats).squeeze(1), z)
         z = beta.unsqueeze(-1) * z
         e = self.emb(prev)
         h, c = self.lstm(torch.cat([e, z], dim=-1), (h, c))
@@ -194,9 +202,12 @@ class Captioner(nn.Module):
             drop = (torch.rand(inp.shape, device=inp.device) < cfg.word_dropout) & (inp > EOS)
             inp = inp.masked_fill(drop, UNK)
         state = self.start(images)
+        expect = None
+        if cfg.attention == "hard" and self.training and cfg.hard_expectation > 0:
+            expect = torch.rand(len(images), device=images.device) < cfg.hard_expectation
         logits, alphas, betas, log_locs, entropies = [], [], [], [], []
         for t in range(inp.shape[1]):
-            lg, state, a, b, loc = self.step(state, inp[:, t], sample=self.training)
+            lg, state, a, b, loc = self.step(state, inp[:, t], sample=self.training, expect=expect)
             logits.append(lg)
             alphas.append(a)
             betas.append(b)
@@ -214,8 +225,12 @@ class Captioner(nn.Module):
         if cfg.attention == "hard" and self.training:
             seq_logp = -(nll * valid).sum(1)  # log p(caption | sampled locations): the reward
             log_p_locs = (torch.stack(log_locs, 1) * valid).sum(1)
-            loss = loss + reinforce_surrogate(log_p_locs, seq_logp, self.baseline)
+            sampled = torch.ones_like(seq_logp) if expect is None else (~expect).float()
+            if sampled.any():  # REINFORCE on the captions that used their sampled locations
+                loss = loss + reinforce_surrogate(log_p_locs * sampled, seq_logp, self.baseline) \
+                    * len(sampled) / sampled.sum()
+                with torch.no_grad():
+                    mean = (seq_logp * sampled).sum() / sampled.sum()
+                    self.baseline.mul_(cfg.baseline_decay).add_((1 - cfg.baseline_decay) * mean)
             loss = loss - cfg.entropy_bonus * (torch.stack(entropies, 1) * valid).sum() / valid.sum()
-            with torch.no_grad():
-                self.baseline.mul_(cfg.baseline_decay).add_((1 - cfg.baseline_decay) * seq_logp.mean())
         return CaptionerOutput(out, loss, A, torch.stack(betas, 1))

@@ -7,16 +7,14 @@ skip those checks, naming the install command, when the asset is absent; CI inst
 
 from __future__ import annotations
 
-import contextlib
-import io
 import math
 import re
 from pathlib import Path
 
 import pytest
 import torch
+from cli_helpers import assert_one_line_error, call
 
-from qkv import cli
 from qkv.explain import TOPICS
 from qkv.explain.context import explain_context
 from qkv.explain.cost import kv_cache_rows, layer_flops, lecture_cost, model_config, model_cost
@@ -30,25 +28,6 @@ from qkv.explain.worked_example import explain_worked_example
 pytestmark = pytest.mark.usefixtures("one_thread")  # see tests/conftest.py
 
 PNG = b"\x89PNG\r\n\x1a\n"
-
-
-def call(argv: list[str]) -> tuple[int, str, str]:
-    """cli.main with stdout/stderr captured; argparse's own exits become return codes."""
-    out, err = io.StringIO(), io.StringIO()
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        try:
-            rc = cli.main(argv)
-        except SystemExit as e:
-            rc = e.code if isinstance(e.code, int) else 1
-    return rc, out.getvalue(), err.getvalue()
-
-
-def assert_one_line_error(rc: int, err: str) -> str:
-    assert rc == 2, err
-    lines = err.strip().splitlines()
-    assert len(lines) == 1, err
-    assert lines[0].startswith("qkv: error: ") and "Traceback" not in err
-    return lines[0]
 
 
 def softmax64(xs: list[float]) -> list[float]:

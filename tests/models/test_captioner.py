@@ -72,6 +72,21 @@ def test_uniform_attention_reads_the_mean_of_the_grid() -> None:
     assert loc is None
 
 
+def test_hard_attention_can_read_the_expected_value() -> None:
+    """Xu et al. §4.1: a caption that reads the expected value Σ α_i a_i instead of a sampled
+    location is exactly soft attention; with hard_expectation=1 every caption does."""
+    hard = _model(attention="hard", hard_expectation=1.0).train()
+    soft = _model(attention="soft", doubly_stochastic=0.0).train()
+    soft.load_state_dict(hard.state_dict())
+    images = torch.randn(4, 3, 32, 32)
+    caps = torch.tensor([[BOS, 5, 6, 7, EOS]] * 4)
+    torch.manual_seed(0)
+    want = soft(images, caps)
+    torch.manual_seed(0)
+    got = hard(images, caps)
+    torch.testing.assert_close(got.logits, want.logits)
+
+
 @pytest.mark.parametrize("baseline", [0.0, 2.5])
 def test_reinforce_is_unbiased_on_a_known_gradient(baseline: float) -> None:
     """Policy softmax(θ) over 4 actions, reward f: ∇θ E[f] = p ⊙ (f - p·f) exactly."""

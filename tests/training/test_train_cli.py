@@ -4,9 +4,7 @@ cache-independent generation, damaged run directories, and --resume."""
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import io
 import json
 import os
 import shutil
@@ -16,8 +14,8 @@ from pathlib import Path
 
 import pytest
 import torch
+from cli_helpers import assert_one_line_error, call
 
-from qkv import cli
 from qkv.models.gpt import GPTConfig
 from qkv.presets import GPT_PRESETS
 from qkv.training.lm import LMDataConfig
@@ -32,25 +30,6 @@ PNG = b"\x89PNG\r\n\x1a\n"
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # see tests/conftest.py
-
-
-def call(argv: list[str]) -> tuple[int, str, str]:
-    """cli.main with stdout/stderr captured; argparse's own exits become return codes."""
-    out, err = io.StringIO(), io.StringIO()
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        try:
-            rc = cli.main(argv)
-        except SystemExit as e:
-            rc = e.code if isinstance(e.code, int) else 1
-    return rc, out.getvalue(), err.getvalue()
-
-
-def assert_one_line_error(rc: int, err: str) -> str:
-    assert rc == 2, err
-    lines = err.strip().splitlines()
-    assert len(lines) == 1, err
-    assert lines[0].startswith("qkv: error: ") and "Traceback" not in err
-    return lines[0]
 
 
 def metrics(run_dir: Path) -> list[dict]:

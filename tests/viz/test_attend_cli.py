@@ -5,34 +5,16 @@ pictures as `qkv caption --plot` / `qkv translate --plot`, one-line errors with 
 
 from __future__ import annotations
 
-import contextlib
-import io
 from pathlib import Path
 
 import numpy as np
 import pytest
+from cli_helpers import assert_one_line_error as one_line_error
+from cli_helpers import call
 
-from qkv import cli
 from qkv.viz.plots import attention_grid_size, attention_head_size
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # see tests/conftest.py
-
-
-def call(argv: list[str]) -> tuple[int, str, str]:
-    out, err = io.StringIO(), io.StringIO()
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        try:
-            rc = cli.main(argv)
-        except SystemExit as e:
-            rc = e.code if isinstance(e.code, int) else 1
-    return rc, out.getvalue(), err.getvalue()
-
-
-def one_line_error(rc: int, err: str) -> str:
-    assert rc == 2, err
-    lines = err.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("qkv: error: ") and "Traceback" not in err, err
-    return lines[0]
 
 
 def png(path: Path) -> np.ndarray:
