@@ -82,7 +82,7 @@ CAPTIONER_PRESETS: dict[str, dict[str, Any]] = {
         "data": dict(n_train=1000, n_val=50, n_test=100, n_heldout=100),
     },
     # The default of `qkv train captioner`: ~99% exact captions on seen colour/shape pairs in
-    # ~7 minutes on 2 CPU cores (benchmarks/captioning.py). No doubly stochastic penalty: on
+    # ~6 minutes on 2 CPU cores (benchmarks/captioning.py). No doubly stochastic penalty: on
     # these short captions it spreads attention and costs pointing accuracy (measured there).
     "shapes-cpu": {
         "model": dict(width=16, emb_dim=32, hidden=128, attn_dim=64, doubly_stochastic=0.0, dropout=0.3),
