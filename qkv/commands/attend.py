@@ -89,12 +89,12 @@ def cmd_attend(args: argparse.Namespace) -> int:
     src = load_source(args.model)
     if src.family == "vit":
         return _attend_vit(src, args.texts[0], args.layer, args.head, out)
-    if args.layer is None and args.head is not None:
-        raise ValueError(f"--head needs --layer (which layer's head? 0..{src.n_layers - 1})")
     if src.family == "captioner":
         return _attend_captioner(src, args.texts[0], args.layer, args.head, out)
     if src.family == "seq2seq":
         return _attend_seq2seq(src, text, args.layer, args.head, out)
+    if args.layer is None and args.head is not None:
+        raise ValueError(f"--head needs --layer (which layer's head? 0..{src.n_layers - 1})")
     return _attend_text(src, text, args.layer, args.head, args.max_tokens, out)
 
 

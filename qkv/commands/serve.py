@@ -18,7 +18,7 @@ def add_serve_parser(sub) -> None:
         "token-to-token lines; generate with a GPT model and watch each new token's attention; "
         "upload an image for ViT and captioner runs. A JSON API backs the page (its schema: "
         "/openapi.json). Listens on the loopback interface only, unless --host says otherwise; "
-        "on loopback, requests naming another host are refused (DNS rebinding). Needs "
+        "on an IPv4 loopback address, requests naming another host are refused (DNS rebinding). Needs "
         "`pip install 'qkv[serve]'`.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )

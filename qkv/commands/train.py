@@ -65,12 +65,13 @@ def _families() -> dict[str, _Family]:
         ),
         "captioner": _Family(
             CaptionerConfig, CaptionDataConfig, ("vocab_size",), "shapes-cpu",
-            "an image captioner with soft or hard attention (Show, Attend and Tell) on generated scenes",
+            "an image captioner with soft, hard or uniform attention (Show, Attend and Tell)",
             "Train a captioner: a CNN grid encoder and an LSTM decoder that attends over the grid at "
             "every word, --attention soft (weighted average, doubly stochastic penalty) or hard "
             "(one sampled location, REINFORCE) or uniform (the plain average of the grid: the "
             "baseline). Data: generated scenes of coloured shapes with "
-            "captions and boxes, some colour/shape pairs held out. At the end: exact match, BLEU-4 "
+            "captions and boxes, some colour/shape pairs held out, or --data FOLDER with a captions.tsv "
+            "(image<TAB>caption per line). At the end: exact match, BLEU-4 "
             "and pointing accuracy (is the most attended location inside the named object?) next "
             "to uniform attention's.",
         ),

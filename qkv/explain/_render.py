@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Sequence
 from typing import Any
 
@@ -40,6 +41,8 @@ def say(console: Any, text: str, style: str | None = None) -> None:
 
 def num(x: float, digits: int = 4) -> str:
     """A number for a table: fixed point, integers without decimals, tiny values readable."""
+    if not math.isfinite(x):
+        return str(x)  # nan, inf: shown, not a crash
     if x == int(x) and abs(x) < 1e15:
         return str(int(x))
     if x != 0 and abs(x) < 10 ** -digits:

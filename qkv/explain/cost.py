@@ -254,7 +254,7 @@ def render_cost(r: CostResult, console: Console) -> None:
                "T · bytes", ["layout", "K heads", "queries per K", "bytes", "per token"])
     for row in m.kv:
         add_row(kv, row.kind + (" (this model)" if row.actual else ""), str(row.kv_heads), str(row.group),
-                f"{row.bytes:,} ({human_bytes(row.bytes)})", human_bytes(row.bytes / m.context),
+                f"{row.bytes:,} ({human_bytes(row.bytes)})", human_bytes(row.bytes / (m.context * m.batch)),
                 style="bold" if row.actual else None)
     console.print(kv)
     fl = table("FLOPs of one layer over T tokens (full T x T scores)",

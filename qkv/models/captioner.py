@@ -132,7 +132,9 @@ class Captioner(nn.Module):
         self.pos = nn.Parameter(torch.zeros(cfg.grid * cfg.grid, D)) if cfg.positions else None
         self.init_h = nn.Linear(D, cfg.hidden)
         self.init_c = nn.Linear(D, cfg.hidden)
-        if cfg.scoring == "additive":
+        if cfg.attention == "uniform":
+            pass  # nothing scores the cells (and DDP wants no unused parameters)
+        elif cfg.scoring == "additive":
             self.attn = AdditiveAttention(cfg.hidden, D, cfg.attn_dim)
         else:
             self.query = nn.Linear(cfg.hidden, D, bias=False)
@@ -155,7 +157,8 @@ class Captioner(nn.Module):
     def start(self, images: Tensor) -> CaptionerState:
         feats = self.encode(images)
         mean = feats.mean(1)
-        keys = self.attn.project_keys(feats) if self.cfg.scoring == "additive" else None
+        scored = self.cfg.attention != "uniform" and self.cfg.scoring == "additive"
+        keys = self.attn.project_keys(feats) if scored else None
         return CaptionerState(torch.tanh(self.init_h(mean)), torch.tanh(self.init_c(mean)), feats, keys)
 
     def attention_weights(self, h: Tensor, feats: Tensor, keys: Tensor | None) -> Tensor:

@@ -8,6 +8,7 @@ results; :func:`qkv.serve.app.create_app` routes the endpoints to its methods. F
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import time
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Annotated, Any
@@ -118,7 +119,8 @@ class Explorer:
                 raise InputError(f"{req.model} is a {src.family} run: it reads images; upload one "
                                  "(POST /api/image-attention)")
             layer, head = sources.check_layer_head(src, req.layer, req.head)
-            key = (req.model, src.extra.get("serial"), req.text, self.cfg.max_tokens)
+            text_id = hashlib.sha256(req.text.encode()).hexdigest()  # keys stay small, whatever the text
+            key = (req.model, src.extra.get("serial"), text_id, self.cfg.max_tokens)
             att = self.cache.get(key)
             if att is None:
                 att = sources.text_attention(src, req.text, self.cfg.max_tokens)

@@ -17,7 +17,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from qkv.viz.sources import KINDS, Source, TextAttention, UnknownModelError, load_source, run_family
+from qkv.viz.sources import (
+    KINDS,
+    Source,
+    TextAttention,
+    UnknownModelError,
+    load_pretrained,
+    load_source,
+    run_family,
+)
 
 RUN_PREFIX = "runs/"
 _RUN_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._-]{0,199}")
@@ -156,7 +164,8 @@ class Registry:
                 hit = self._loaded.get(model_id)
                 if hit is not None and hit[0] == version:
                     return hit[1]
-            src = load_source(target, display_name=model_id)
+            # a pretrained name never resolves to a folder of that name in the working directory
+            src = load_source(target, display_name=model_id) if is_run else load_pretrained(model_id)
             src.extra["serial"] = next(self._serial)  # tells cached results of a reload apart
             with self._lock:
                 self._loaded[model_id] = (version, src)

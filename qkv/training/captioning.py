@@ -194,8 +194,9 @@ def greedy_captions(model: Captioner, images: Tensor, max_len: int, beam: int = 
     dec = _Decoding(model)
     toks: list[list[int]] = []
     alphas: list[Tensor] = []
+    device = next(model.parameters()).device
     for i in range(0, len(images), batch_size):
-        x = normalize(images[i : i + batch_size])
+        x = normalize(images[i : i + batch_size]).to(device)
         out = (greedy_decode(dec, x, max_len + 1) if beam == 1
                else beam_search(dec, x, max_len + 1, beam=beam))
         toks += out.tokens

@@ -116,7 +116,7 @@ def load_source(name_or_path: str | os.PathLike[str], display_name: str | None =
     path = Path(text)
     name = display_name or text
     if text in pretrained_names() and not path.is_dir():
-        return _load_pretrained(text)
+        return load_pretrained(text)
     if not path.is_dir():
         raise UnknownModelError(f"{text!r} is neither a pretrained model ({', '.join(pretrained_names())}) "
                                 "nor a run directory from `qkv train`")
@@ -130,7 +130,8 @@ def load_source(name_or_path: str | os.PathLike[str], display_name: str | None =
     return _load_run(path, family, name)
 
 
-def _load_pretrained(name: str) -> Source:
+def load_pretrained(name: str) -> Source:
+    """An installed pretrained model by name (never a folder of that name)."""
     import qkv
 
     pipe = qkv.load(name)

@@ -70,6 +70,10 @@ def test_uniform_attention_reads_the_mean_of_the_grid() -> None:
     h, _ = m.lstm(torch.cat([e, z], -1), (state.h, state.c))
     torch.testing.assert_close(logits, m.out(e + m.out_h(h) + m.out_z(z)))
     assert loc is None
+    # training: every parameter gets a gradient (DDP fails on unused ones)
+    m.train()
+    m(torch.randn(2, 3, 32, 32), torch.tensor([[BOS, 5, 6, EOS]] * 2)).loss.backward()
+    assert all(p.grad is not None for p in m.parameters())
 
 
 def test_hard_attention_can_read_the_expected_value() -> None:

@@ -133,6 +133,19 @@ def test_attention_matches_the_models_own_forward_pass(client, tiny_run) -> None
 
 @pytest.mark.skipif(not asset_installed("minilm"),
                     reason="asset minilm not installed: qkv assets install minilm")
+def test_a_pretrained_name_never_reads_a_folder_of_that_name(tmp_path, monkeypatch) -> None:
+    """A folder ./minilm in the server's working directory is not the pretrained minilm."""
+    from qkv.serve.registry import Registry
+
+    (tmp_path / "minilm").mkdir()
+    (tmp_path / "minilm" / "config.json").write_text('{"family": "gpt"}')
+    monkeypatch.chdir(tmp_path)
+    src = Registry(tmp_path / "runs").get("minilm")
+    assert src.family == "minilm" and src.n_layers == 6
+
+
+@pytest.mark.skipif(not asset_installed("minilm"),
+                    reason="asset minilm not installed: qkv assets install minilm")
 def test_minilm_attention(client) -> None:
     r = client.post("/api/attention", json={"model": "minilm", "text": "The cat sat on the mat.",
                                             "layer": 0})
@@ -379,14 +392,20 @@ def test_twenty_concurrent_requests_succeed_and_load_each_model_once(runs_dir, m
     from qkv.serve import create_app
 
     loads: list[str] = []
-    real = registry.load_source
+    real_run, real_pretrained = registry.load_source, registry.load_pretrained
 
-    def counting(target, display_name=None):
+    def counting_run(target, display_name=None):
         loads.append(str(display_name))
         time.sleep(0.2)  # widen the window in which a second load could start
-        return real(target, display_name)
+        return real_run(target, display_name)
 
-    monkeypatch.setattr(registry, "load_source", counting)
+    def counting_pretrained(name):
+        loads.append(name)
+        time.sleep(0.2)
+        return real_pretrained(name)
+
+    monkeypatch.setattr(registry, "load_source", counting_run)
+    monkeypatch.setattr(registry, "load_pretrained", counting_pretrained)
     model = "minilm" if asset_installed("minilm") else "runs/gpt-tiny"
     client = TestClient(create_app(runs_dir=runs_dir))
     words = "But soft what light through yonder window".split()

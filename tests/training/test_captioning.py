@@ -195,3 +195,25 @@ def test_a_short_run_learns_to_name_the_colour() -> None:
     words = [vocab.decode(t).split() for t in toks]
     right = sum(len(w) > 2 and w[2] == s.objects[0].colour for w, s in zip(words, test, strict=True))
     assert right >= 80, right
+
+
+def test_beam_of_one_is_greedy_decoding(cap_run) -> None:
+    """The captioner behind the shared decoders: beam search with one beam keeps exactly the
+    greedy caption, its log-probability and its attention."""
+    import random
+
+    from qkv.data.shapes import make_scene
+    from qkv.generation.decode import beam_search, greedy_decode
+    from qkv.training.captioning import _Decoding, load_captioner_run, normalize
+
+    run, _ = cap_run
+    model, _, max_len = load_captioner_run(run)
+    rng = random.Random(11)
+    images = torch.from_numpy(np.stack([make_scene(rng).image for _ in range(8)])).permute(0, 3, 1, 2)
+    x = normalize(images)
+    g = greedy_decode(_Decoding(model), x, max_len + 1)
+    b = beam_search(_Decoding(model), x, max_len + 1, beam=1)
+    assert g.tokens == b.tokens
+    torch.testing.assert_close(torch.tensor(g.scores), torch.tensor(b.scores))
+    for wg, wb in zip(g.weights, b.weights, strict=True):
+        torch.testing.assert_close(wg, wb)
