@@ -151,6 +151,16 @@ def greedy_decode(model, src: Tensor, max_len: int) -> Decoded:
     return _finish(toks, score.tolist(), weights)
 
 
+def _keep_best(kept: list, hyp: tuple, k: int) -> None:
+    """Add a finished hypothesis (normalised score first) to ``kept``, at most ``k`` of the best."""
+    if len(kept) < k:
+        kept.append(hyp)
+        return
+    worst = min(range(len(kept)), key=lambda i: kept[i][0])
+    if hyp[0] > kept[worst][0]:
+        kept[worst] = hyp
+
+
 def _finish(toks: list[list[int]], scores: list[float], weights: Tensor | None) -> Decoded:
     cut = [row.index(_EOS) if _EOS in row else len(row) for row in toks]
     return Decoded([row[:n] for row, n in zip(toks, cut, strict=True)], scores,
@@ -160,13 +170,16 @@ def _finish(toks: list[list[int]], scores: list[float], weights: Tensor | None) 
 @torch.no_grad()
 def beam_search(model, src: Tensor, max_len: int, beam: int = 4, length_penalty: float = 1.0) -> Decoded:
     """Keep the ``beam`` best unfinished outputs per source; outputs that end (EOS) move to a
-    per-source list of finished ones, so later, longer candidates can never evict them.
+    per-source list of the ``beam`` best finished ones, so later, longer candidates can never
+    evict them (and a better finished output replaces the worst one kept).
 
-    A source is done once it has ``beam`` finished outputs (or at ``max_len``, when the
-    unfinished ones join the list). The winner maximises log p(y) / len(y)^length_penalty
-    (len counts EOS): 0 = pure probability, which favours short outputs; 1 = mean
-    log-probability per token. Batched: B sources × ``beam`` rows run as one batch.
-    ``beam=1`` is greedy decoding.
+    The winner maximises log p(y) / len(y)^length_penalty (len counts EOS): 0 = pure
+    probability, which favours short outputs; 1 = mean log-probability per token. A source
+    is done when it has ``beam`` finished outputs and its best live output, scored at its
+    current length, cannot beat the worst of them (exact for length_penalty 0, where scores
+    only fall; the usual heuristic otherwise), or at ``max_len``, when the live outputs join
+    the finished ones. Batched: B sources × ``beam`` rows run as one batch. ``beam=1`` is
+    greedy decoding.
     """
     if beam < 1:
         raise ValueError(f"beam must be >= 1, got {beam}")
@@ -178,6 +191,7 @@ def beam_search(model, src: Tensor, max_len: int, beam: int = 4, length_penalty:
     seqs = torch.empty(B, K, 0, dtype=torch.long, device=dev)
     hist: Tensor | None = None  # (B, K, t, S) attention of the live hypotheses
     finished: list[list[tuple[float, float, list[int], Tensor | None]]] = [[] for _ in range(B)]
+    done = [False] * B
     prev = torch.full((B * K,), _BOS, dtype=torch.long, device=dev)
 
     def norm(score: float, length: int) -> float:
@@ -193,21 +207,26 @@ def beam_search(model, src: Tensor, max_len: int, beam: int = 4, length_penalty:
         keep_tok = torch.full((B, K), _EOS, dtype=torch.long)
         keep_score = torch.full((B, K), float("-inf"))
         for b in range(B):
+            if done[b]:
+                continue  # its rows stay dead (score -inf)
             n = 0
             for c, i in zip(cand_l[b], idx_l[b], strict=True):
                 k, tok = divmod(i, V)
                 if c == float("-inf"):
                     break
                 if tok == _EOS:
-                    if len(finished[b]) < K:
-                        ws = None if w is None else (  # attention of the tokens before EOS
-                            hist[b, k].cpu() if hist is not None else w.new_zeros(0, w.shape[-1]).cpu())
-                        finished[b].append((norm(c, t + 1), c, seqs[b, k].tolist(), ws))
+                    ws = None if w is None else (  # attention of the tokens before EOS
+                        hist[b, k].cpu() if hist is not None else w.new_zeros(0, w.shape[-1]).cpu())
+                    _keep_best(finished[b], (norm(c, t + 1), c, seqs[b, k].tolist(), ws), K)
                 elif n < K:
                     keep_beam[b, n], keep_tok[b, n], keep_score[b, n] = k, tok, c
                     n += 1
                 if n == K:
                     break
+            if len(finished[b]) >= K and (n == 0 or norm(float(keep_score[b, 0]), t + 1)
+                                          <= min(h[0] for h in finished[b])):
+                done[b] = True
+                keep_score[b] = float("-inf")
         keep_beam, keep_tok = keep_beam.to(dev), keep_tok.to(dev)
         state.reorder((keep_beam + torch.arange(B, device=dev)[:, None] * K).flatten())
         seqs = torch.cat([seqs.gather(1, keep_beam[..., None].expand(-1, -1, seqs.shape[-1])),
@@ -217,11 +236,11 @@ def beam_search(model, src: Tensor, max_len: int, beam: int = 4, length_penalty:
             hist = w_new if hist is None else torch.cat(
                 [hist.gather(1, keep_beam[..., None, None].expand(-1, -1, *hist.shape[2:])), w_new], dim=2)
         scores, prev = keep_score.to(dev), keep_tok.flatten()
-        if all(len(f) >= K for f in finished):
+        if all(done):
             break
     else:  # max_len reached: the unfinished hypotheses compete too
         for b in range(B):
-            for k in range(K):
+            for k in range(K if not done[b] else 0):
                 c = float(scores[b, k])
                 if c > float("-inf"):
                     ws = None if hist is None else hist[b, k].cpu()

@@ -203,3 +203,27 @@ def test_outputs_never_contain_padding_bos_or_unknown() -> None:
         m.out.bias[[PAD, BOS, 3]] += 100.0
     for res in (greedy_decode(m, src, 6), beam_search(m, src, 6, beam=2)):
         assert all(not {PAD, BOS, 3} & set(t) for t in res.tokens)
+
+
+class _LateBestToy(_ToyModel):
+    """First step A 0.6 / EOS 0.2 / B 0.2; after A: A 0.9 / EOS 0.1; after A, A: EOS 0.99; after
+    B: EOS 0.9. With two beams, the empty output (0.2) and B, EOS (0.18) finish first, but
+    A, A, EOS (p 0.535) is far more likely: a full list of finished outputs must not end the
+    search while a live output can still beat them."""
+
+    @staticmethod
+    def next_probs(h: list[int]) -> dict[int, float]:
+        if not h:
+            return {4: 0.6, EOS: 0.2, 5: 0.2}
+        if h == [4]:
+            return {4: 0.9, EOS: 0.1}
+        if h == [5]:
+            return {EOS: 0.9, 4: 0.1}
+        return {EOS: 0.99, 4: 0.01}
+
+
+@pytest.mark.parametrize("length_penalty", [0.0, 1.0])
+def test_beam_search_waits_for_a_better_late_output(length_penalty: float) -> None:
+    b = beam_search(_LateBestToy(), torch.ones(1, 2, dtype=torch.long), 6, beam=2,
+                    length_penalty=length_penalty)
+    assert b.tokens == [[4, 4]] and b.scores[0] == pytest.approx(math.log(0.6 * 0.9 * 0.99), abs=1e-6)
