@@ -206,7 +206,7 @@ class _Display:
 
 
 def cmd_train(args: argparse.Namespace) -> int:
-    from qkv.training.distributed import cleanup, init_distributed
+    from qkv.training.distributed import barrier, cleanup, init_distributed
 
     family = args.family or "gpt"
     model_cfg, train_cfg, data_cfg = _configs(args, family)
@@ -232,6 +232,7 @@ def cmd_train(args: argparse.Namespace) -> int:
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=".*TF32.*")
             finish = run(args, model_cfg, train_cfg, data_cfg, dist, display)
+        barrier(dist)  # finished on every rank: only now tear down (not on an error, which could hang)
     finally:
         if display is not None:
             display.close()

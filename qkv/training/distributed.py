@@ -91,6 +91,13 @@ def broadcast_flag(flag: bool, info: DistInfo) -> bool:
     return bool(t.item())
 
 
+def barrier(info: DistInfo) -> None:
+    """Wait until every rank gets here (no-op without DDP): a run ends together, so no rank
+    tears down its process group while another still talks to it."""
+    if info.enabled and dist.is_initialized():
+        dist.barrier()
+
+
 def cleanup(info: DistInfo) -> None:
     if info.enabled and dist.is_initialized():
         dist.destroy_process_group()
