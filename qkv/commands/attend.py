@@ -102,8 +102,8 @@ def _attend_text(src, text: str, layer: int | None, head: int | None, max_tokens
     from qkv.viz import plot_attention_grid, plot_attention_head, plot_attention_heads
     from qkv.viz.sources import check_layer_head, text_attention
 
-    if layer is not None:
-        check_layer_head(src, layer, head, ("--layer", "--head"))
+    if layer is not None:  # checked before the forward pass; negative indices count from the end
+        layer, head = check_layer_head(src, layer, head, ("--layer", "--head"))
     att = text_attention(src, text, max_tokens)
     _note(att.notes)
     T = len(att.tokens)
@@ -114,7 +114,6 @@ def _attend_text(src, text: str, layer: int | None, head: int | None, max_tokens
         print(f"wrote {out}: {L} layers x {H} heads over {T} tokens "
               "(--layer L [--head H] for a closer look)")
         return 0
-    layer, head = check_layer_head(src, layer, head, ("--layer", "--head"))
     if head is None:
         plot_attention_heads(att.weights[layer], att.tokens, out,
                              title=f"{src.name}: layer {layer}, {T} tokens")
