@@ -32,7 +32,7 @@ def cmd_caption(args: argparse.Namespace) -> int:
     import torch
 
     from qkv.data.images import read_image
-    from qkv.training.captioning import greedy_captions, load_captioner_run, word_maps
+    from qkv.training.captioning import decode_captions, load_captioner_run, word_maps
 
     if args.plot is not None:
         check_png_out(args.plot, "--plot")
@@ -46,7 +46,7 @@ def cmd_caption(args: argparse.Namespace) -> int:
         for n in notes:
             print(f"qkv: note: {path}: {n}", file=sys.stderr)
         images.append(x)
-    toks, alphas = greedy_captions(model, torch.stack(images), max_len, beam=args.beam)
+    toks, alphas = decode_captions(model, torch.stack(images), max_len, beam=args.beam)
     captions = [vocab.decode(t) for t in toks]
     for path, c in zip(args.images, captions, strict=True):
         print(f"{path}: {c}")

@@ -185,7 +185,7 @@ class _Decoding:
 
 
 @torch.no_grad()
-def greedy_captions(model: Captioner, images: Tensor, max_len: int, beam: int = 1,
+def decode_captions(model: Captioner, images: Tensor, max_len: int, beam: int = 1,
                     batch_size: int = 256) -> tuple[list[list[int]], list[Tensor]]:
     """uint8 images (N, C, H, W) -> token ids (EOS excluded) and the attention over the grid of
     every emitted word (len, L), per image: greedy decoding, or beam search with ``beam`` > 1
@@ -265,7 +265,7 @@ def evaluate(model: Captioner, vocab: WordVocab, splits: CaptionSplits, max_len:
         if name == "train" or not scenes:
             continue
         x, _ = to_tensors(scenes, vocab, max_len)
-        toks, alphas = greedy_captions(model, x, max_len, beam=beam)
+        toks, alphas = decode_captions(model, x, max_len, beam=beam)
         hyps = [vocab.decode(t) for t in toks]
         right = [h == s.caption for h, s in zip(hyps, scenes, strict=True)]
         bleu = bleu4([s.caption.split() for s in scenes], [h.split() for h in hyps])

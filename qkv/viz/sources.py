@@ -348,11 +348,11 @@ def image_attention(src: Source, image: str | os.PathLike[str] | bytes | Tensor,
                    "rollout_peak": divmod(int(rollout.argmax()), g), "patch_size": src.model.cfg.patch_size,
                    "n_layers": src.n_layers}
         return ImageAttention(x, g, maps, f"{info['classes'][pred]} ({probs[pred]:.0%})", notes, details)
-    from qkv.training.captioning import greedy_captions, word_maps
+    from qkv.training.captioning import decode_captions, word_maps
 
     if layer is not None:
         raise InputError(f"a captioner has one attention per word (no layers); drop {layer_name}")
-    toks, alphas = greedy_captions(src.model, x[None], src.extra["max_len"])
+    toks, alphas = decode_captions(src.model, x[None], src.extra["max_len"])
     caption = src.extra["vocab"].decode(toks[0])
     return ImageAttention(x, g, word_maps(caption, alphas[0], g), caption, notes, {"caption": caption})
 

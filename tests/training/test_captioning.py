@@ -173,7 +173,7 @@ def test_a_short_run_learns_to_name_the_colour() -> None:
 
     from qkv.data.shapes import make_scene
     from qkv.models.captioner import Captioner, CaptionerConfig
-    from qkv.training.captioning import WordVocab, greedy_captions, normalize, to_tensors
+    from qkv.training.captioning import WordVocab, decode_captions, normalize, to_tensors
 
     rng = random.Random(0)
     train = [make_scene(rng, n_objects=1) for _ in range(800)]
@@ -191,7 +191,7 @@ def test_a_short_run_learns_to_name_the_colour() -> None:
         opt.zero_grad()
         loss.backward()
         opt.step()
-    toks, _ = greedy_captions(m, to_tensors(test, vocab, 4)[0], 4)
+    toks, _ = decode_captions(m, to_tensors(test, vocab, 4)[0], 4)
     words = [vocab.decode(t).split() for t in toks]
     right = sum(len(w) > 2 and w[2] == s.objects[0].colour for w, s in zip(words, test, strict=True))
     assert right >= 80, right
