@@ -6,40 +6,48 @@ nanoGPT trains on a CPU: fp32, eager, torch.optim.AdamW, char-level, block 64, b
 4 layers, 4 heads, dim 128, dropout 0, lr 1e-3 cosine to 1e-4 over 2000 iterations, warmup 100,
 β2 0.99, weight decay 0.1, gradient clipping 1.0.
 
-qkv: the same recipe through qkv's Trainer with its defaults (torch.compile, fused AdamW,
-bf16 autocast where the CPU has native bf16 — otherwise fp32), and the `cpu` preset of
-`qkv train`. Both read the same tokens (the Shakespeare corpus, char-level) and are scored
-on the same validation batches.
+qkv: (a) the same recipe, qkv's `nanogpt-cpu` preset, through qkv's Trainer (fused AdamW,
+`--dtype auto` measured by the probe, eager; and once compiled, for speed only); (b) the
+default `qkv train`: the `cpu` preset with `--optimizer auto` (Muon where its bf16
+orthogonalisation is fast, else the preset's AdamW recipe), `--dtype auto` and
+`--compile auto`, the probe counted as wall time (a fresh probe cache). All read the same tokens
+(the Shakespeare corpus, char-level) and are scored on the same validation windows (block 64).
 
-Reported: ms/iter and tokens/s (interleaved timing blocks, medians), val loss at the end,
-wall time, achieved FLOP/s as a fraction of this machine's measured matmul peak (fp32 and
-bf16), the wall time the `cpu` preset needs to reach the baseline's final val loss, KV-cache
-vs no-cache generation speed (500 new tokens, `shakespeare-char` preset model), and peak RSS.
+Reported: ms/iter and tokens/s (interleaved timing blocks, medians); per seed: val loss at the
+end and wall time of each run, the wall time the default run needs to reach that seed's
+baseline final loss (evaluated every 5% of its steps), the baseline's loss at the default
+run's finishing time, the default run's tokens/s and MFU against the measured matmul peak of
+the dtype it chose; KV-cache vs no-cache generation speed (500 new tokens,
+`shakespeare-char` preset model), and peak RSS.
 
-    python benchmarks/train_speed.py            # full run (~10 minutes on 2 cores)
+    python benchmarks/train_speed.py            # full run (~12 minutes on 2 cores)
     python benchmarks/train_speed.py --quick    # smoke run (~1 minute)
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
-import platform
+import os
 import resource
 import statistics
 import sys
+import tempfile
 import time
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from _common import LoadMeter, load_line, machine_info, machine_line
 from torch import nn
 
+from qkv.attention.linear import cpu_has_native_bf16
 from qkv.models.gpt import GPT, GPTConfig
-from qkv.presets import get_preset
+from qkv.presets import get_preset, preset_train
 from qkv.training.lm import LMDataConfig, prepare_data
-from qkv.training.optim import lr_at
+from qkv.training.optim import lr_at, resolve_optimizer
 from qkv.training.trainer import TrainConfig, Trainer
 
 # ----------------------------------------------------------------------------- the baseline
@@ -164,19 +172,28 @@ def peak_rss_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
-def run_to_end(step_fn, max_iters: int, eval_fn, eval_every: int, target: float | None = None):
-    """Train to ``max_iters``; returns (final val loss, wall s, s to reach ``target`` or None)."""
-    t0 = time.perf_counter()
+def run_to_end(step_fn, max_iters: int, eval_fn, eval_every: int, target: float | None = None,
+               curve: list | None = None, start_s: float = 0.0):
+    """Train to ``max_iters``; returns (final val loss, wall s, s to reach ``target`` or None).
+
+    Evaluations (every ``eval_every`` steps) are not counted as training time; ``start_s``
+    (set-up already spent, e.g. the dtype probe) is. Each evaluation is appended to ``curve``
+    as (seconds, loss).
+    """
+    t0 = time.perf_counter() - start_s
     hit = None
+    loss = math.nan
     for i in range(max_iters):
         step_fn()
-        if target is not None and hit is None and ((i + 1) % eval_every == 0 or i + 1 == max_iters):
+        if (i + 1) % eval_every == 0 or i + 1 == max_iters:
             pause = time.perf_counter()
-            if eval_fn() <= target:
+            loss = eval_fn()
+            if curve is not None:
+                curve.append((round(pause - t0, 2), round(loss, 4)))
+            if target is not None and hit is None and loss <= target:
                 hit = pause - t0
             t0 += time.perf_counter() - pause  # evaluation time is not training time
-    wall = time.perf_counter() - t0
-    return eval_fn(), wall, hit
+    return loss, time.perf_counter() - t0, hit
 
 
 def generation_speed(quick: bool) -> dict:
@@ -208,13 +225,75 @@ def generation_speed(quick: bool) -> dict:
 # ----------------------------------------------------------------------------- main
 
 
+def _step_fn(trainer: Trainer):
+    def step():
+        trainer._guarded_step()
+        trainer.step += 1
+
+    return step
+
+
+def default_recipe(V: int) -> tuple[GPTConfig, TrainConfig, str]:
+    """What `qkv train` (no options) runs on this machine: the `cpu` preset, with the training
+    fields of the optimiser that `--optimizer auto` picks here."""
+    cpu = get_preset("gpt", "cpu")
+    kind = resolve_optimizer("auto", "cpu", cpu_has_native_bf16())
+    train = {**preset_train(cpu, kind), "out_dir": "/tmp/qkv-bench-unused"}
+    return GPTConfig(**{**cpu["model"], "vocab_size": V}), TrainConfig(**train), kind
+
+
+def baseline_curve(batches, recipe_train: TrainConfig, dims, iters: int, seed: int, eval_n: int,
+                   eval_every: int) -> dict:
+    """nanoGPT's recipe from scratch: the final val loss, wall time, and the loss curve."""
+    V, T, dim, n_layers, n_heads = dims
+    torch.manual_seed(seed)
+    base = BaselineTrainer(NanoGPTBaseline(V, T, dim, n_layers, n_heads), recipe_train, batches, seed)
+    curve: list[tuple[float, float]] = []
+    loss, wall, _ = run_to_end(base.train_step, iters, lambda: val_loss(base.model, batches, 12, eval_n),
+                               eval_every, curve=curve)
+    return {"val_loss": round(loss, 4), "wall_s": round(wall, 1), "curve": curve}
+
+
+def qkv_run(mcfg: GPTConfig, tcfg: TrainConfig, batches, val_batches, seed: int, eval_n: int,
+            eval_every: int, target: float | None) -> dict:
+    """A qkv Trainer run from scratch, as the CLI builds it (including the dtype/compile
+    probe, which counts as wall time), scored on the baseline's validation windows."""
+    torch.manual_seed(seed)
+    t0 = time.perf_counter()
+    trainer = Trainer(GPT(mcfg), dataclasses.replace(tcfg, seed=seed), batches, Path("/tmp/qkv-bench-unused"),
+                      tokens_per_batch=mcfg.max_seq_len)
+    setup_s = time.perf_counter() - t0
+    curve: list[tuple[float, float]] = []
+    loss, wall, hit = run_to_end(
+        _step_fn(trainer), tcfg.max_iters,
+        lambda: val_loss(lambda x, y: trainer.model(x, y).loss, val_batches, 12, eval_n),
+        eval_every, target=target, curve=curve, start_s=setup_s,
+    )
+    return {"val_loss": round(loss, 4), "wall_s": round(wall, 1), "setup_s": round(setup_s, 2),
+            "s_to_target": None if hit is None else round(hit, 1), "curve": curve,
+            "dtype": trainer.speed.dtype, "compile": trainer.speed.compile,
+            "optimizer": trainer.optimizer_kind, "speed_reason": trainer.speed.reason}
+
+
+def loss_at(curve: list[tuple[float, float]], t: float) -> float | None:
+    """The last evaluated loss of a (seconds, loss) curve at or before time ``t``."""
+    seen = [loss for s, loss in curve if s <= t]
+    return seen[-1] if seen else None
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--quick", action="store_true", help="200 iterations instead of 2000")
+    ap.add_argument("--quick", action="store_true", help="200 iterations, one seed, small evaluations")
+    ap.add_argument("--seeds", type=int, default=3, help="seeds of each full run (baseline, same recipe, "
+                    "default run); losses differ by ~0.01-0.03 between seeds")
     ap.add_argument("--out", default="benchmarks/results/train_speed.json", help="JSON results file")
     args = ap.parse_args(argv)
+    # A fresh probe cache: the default run pays for its dtype/compile probe as a first run would.
+    os.environ["QKV_CACHE_DIR"] = tempfile.mkdtemp(prefix="qkv-bench-cache-")
+    meter = LoadMeter()
 
     iters = 200 if args.quick else 2000
+    seeds = [1337 + i for i in range(1 if args.quick else args.seeds)]
     recipe = get_preset("gpt", "nanogpt-cpu")
     base_train = TrainConfig(
         **{**recipe["train"], "max_iters": iters, "lr_decay_iters": iters, "out_dir": "/tmp/qkv-bench-unused"}
@@ -223,139 +302,91 @@ def main(argv: list[str] | None = None) -> int:
     V, T = tok.vocab_size, recipe["model"]["max_seq_len"]
     mcfg = GPTConfig(**{**recipe["model"], "vocab_size": V})
     eval_n = 20 if args.quick else 100
-
+    native = cpu_has_native_bf16()
     info = {
-        "machine": {
-            "cpu": _cpu_name(),
-            "cores": torch.get_num_threads(),
-            "torch": torch.__version__,
-            "python": platform.python_version(),
-            "cpu_capability": torch.backends.cpu.get_cpu_capability(),
-        },
+        "machine": machine_info(),
         "peak_fp32_gflops": round(matmul_peak(torch.float32) / 1e9, 1),
-        "peak_bf16_gflops": round(matmul_peak(torch.bfloat16, n=1024, reps=1) / 1e9, 1),
+        # An emulated bf16 GEMM of 2048² takes minutes: measure a smaller one there.
+        "peak_bf16_gflops": round(matmul_peak(torch.bfloat16, *(2048, 5) if native else (1024, 1)) / 1e9, 1),
     }
-    print(json.dumps(info, indent=1), flush=True)
+    print(machine_line(info["machine"]), flush=True)
+    print(json.dumps({k: v for k, v in info.items() if k != "machine"}), flush=True)
 
-    # 1. ms/iter, interleaved: baseline vs qkv (same recipe).
+    # 1. ms/iter, interleaved: baseline vs qkv's nanogpt-cpu preset (same recipe) vs compiled.
     torch.manual_seed(1337)
-    base_model = NanoGPTBaseline(V, T, mcfg.dim, mcfg.n_layers, mcfg.n_heads)
-    base = BaselineTrainer(base_model, base_train, batches, seed=1337)
+    dims = (V, T, mcfg.dim, mcfg.n_layers, mcfg.n_heads)
+    base = BaselineTrainer(NanoGPTBaseline(*dims), base_train, batches, 1337)
     torch.manual_seed(1337)
-    qkv_model = GPT(mcfg)
     qkv_cfg = TrainConfig(**{**base_train.__dict__})
-    trainer = Trainer(qkv_model, qkv_cfg, batches, Path("/tmp/qkv-bench-unused"), tokens_per_batch=T)
+    trainer = Trainer(GPT(mcfg), qkv_cfg, batches, Path("/tmp/qkv-bench-unused"), tokens_per_batch=T)
     torch.manual_seed(1337)
-    compiled = Trainer(GPT(mcfg), TrainConfig(**{**base_train.__dict__, "compile": True}), batches,
+    compiled = Trainer(GPT(mcfg), dataclasses.replace(qkv_cfg, compile=True), batches,
                        Path("/tmp/qkv-bench-unused"), tokens_per_batch=T)
     t0 = time.perf_counter()
     compiled._guarded_step()  # the cold torch.compile happens here
     compile_s = time.perf_counter() - t0
-
-    def stepper(tr):
-        def step():
-            tr._guarded_step()
-            tr.step += 1
-
-        return step
-
     for _ in range(5):  # warm-up
         base.train_step()
-        stepper(trainer)()
-        stepper(compiled)()
+        _step_fn(trainer)()
+        _step_fn(compiled)()
     ms = timed_blocks(
-        {"baseline": base.train_step, "qkv": stepper(trainer), "qkv_compiled": stepper(compiled)},
-        steps=10 if args.quick else 25,
-        rounds=3 if args.quick else 6,
+        {"baseline": base.train_step, "qkv": _step_fn(trainer), "qkv_compiled": _step_fn(compiled)},
+        steps=10 if args.quick else 25, rounds=3 if args.quick else 6,
     )
-    n_params = sum(p.numel() for p in qkv_model.parameters())
+    n_params = sum(p.numel() for p in trainer.model.parameters())
     fpt = flops_per_token(n_params, mcfg.n_layers, mcfg.dim, T)
     tok_per_iter = base_train.batch_size * T
     speed = {
-        k: {
-            "ms_per_iter": round(v, 2),
-            "tokens_per_s": round(tok_per_iter / v * 1000),
-            "mfu_fp32": round(fpt * tok_per_iter / (v / 1000) / (info["peak_fp32_gflops"] * 1e9), 3),
-        }
+        k: {"ms_per_iter": round(v, 2), "tokens_per_s": round(tok_per_iter / v * 1000),
+            "mfu_fp32": round(fpt * tok_per_iter / (v / 1000) / (info["peak_fp32_gflops"] * 1e9), 3)}
         for k, v in ms.items()
     }
-    speed["ratio_baseline_over_qkv"] = round(ms["baseline"] / ms["qkv"], 2)
-    speed["qkv_compute_dtype"] = str(trainer.dtype)
-    speed["qkv_default_compiles"] = trainer.compiled
-    speed["ratio_baseline_over_qkv_compiled"] = round(ms["baseline"] / ms["qkv_compiled"], 2)
+    speed["iters_per_s_ratio_qkv_over_baseline"] = round(ms["baseline"] / ms["qkv"], 2)
+    speed["iters_per_s_ratio_compiled_over_baseline"] = round(ms["baseline"] / ms["qkv_compiled"], 2)
+    speed["qkv_dtype"], speed["qkv_reason"] = trainer.speed.dtype, trainer.speed.reason
     speed["cold_compile_s"] = round(compile_s, 1)
     print(json.dumps(speed, indent=1), flush=True)
+    del base, trainer, compiled
 
-    # 2. Full runs from scratch: val loss at the end and wall time.
-    torch.manual_seed(1337)
-    base = BaselineTrainer(
-        NanoGPTBaseline(V, T, mcfg.dim, mcfg.n_layers, mcfg.n_heads), base_train, batches, 1337
-    )
-    b_loss, b_wall, _ = run_to_end(
-        base.train_step, iters, lambda: val_loss(base.model, batches, 12, eval_n), 10**9
-    )
-    torch.manual_seed(1337)
-    trainer = Trainer(GPT(mcfg), qkv_cfg, batches, Path("/tmp/qkv-bench-unused"), tokens_per_batch=T)
+    # 2. Full runs from scratch, per seed: the baseline, qkv's same recipe, and the default run.
+    dcfg, dtrain, dkind = default_recipe(V)
+    _, _, d_batches = prepare_data(LMDataConfig(), dcfg.max_seq_len, tok)
+    if args.quick:
+        dtrain = dataclasses.replace(dtrain, max_iters=min(dtrain.max_iters, 150))
+    d_eval_every = max(10, dtrain.max_iters // 20)
+    runs = []
+    for seed in seeds:
+        b = baseline_curve(batches, base_train, dims, iters, seed, eval_n, eval_every=iters // 10)
+        same = qkv_run(mcfg, qkv_cfg, batches, batches, seed, eval_n, iters // 10, None)
+        default = qkv_run(dcfg, dtrain, d_batches, batches, seed, eval_n, d_eval_every, b["val_loss"])
+        default["fraction_of_baseline_wall"] = (None if default["s_to_target"] is None
+                                                else round(default["s_to_target"] / b["wall_s"], 3))
+        default["baseline_loss_at_same_wall"] = loss_at(b["curve"], default["wall_s"])
+        default["tokens_per_s"] = round(dtrain.batch_size * dcfg.max_seq_len * dtrain.max_iters
+                                        / (default["wall_s"] - default["setup_s"]))
+        d_params = sum(p.numel() for p in GPT(dcfg).parameters())
+        peak = info["peak_bf16_gflops"] if default["dtype"] == "bf16" else info["peak_fp32_gflops"]
+        default["mfu_of_chosen_dtype_peak"] = round(
+            flops_per_token(d_params, dcfg.n_layers, dcfg.dim, dcfg.max_seq_len) * default["tokens_per_s"]
+            / (peak * 1e9), 3)
+        runs.append({"seed": seed, "baseline": b, "qkv_same_recipe": same, "qkv_default": default})
+        print(json.dumps({"seed": seed, "baseline": {k: v for k, v in b.items() if k != "curve"},
+                          "same": {k: v for k, v in same.items() if k != "curve"},
+                          "default": {k: v for k, v in default.items() if k != "curve"}}), flush=True)
+    summary = summarise(runs)
+    print(json.dumps(summary, indent=1), flush=True)
 
-    def qkv_step():
-        trainer._guarded_step()
-        trainer.step += 1
-
-    q_loss, q_wall, _ = run_to_end(
-        qkv_step, iters, lambda: val_loss(lambda x, y: trainer.model(x, y).loss, batches, 12, eval_n), 10**9
-    )
-    full = {
-        "baseline": {"val_loss": round(b_loss, 4), "wall_s": round(b_wall, 1)},
-        "qkv_same_recipe": {"val_loss": round(q_loss, 4), "wall_s": round(q_wall, 1)},
-        "wall_ratio": round(b_wall / q_wall, 2),
-    }
-    print(json.dumps(full, indent=1), flush=True)
-
-    # 3. The `cpu` preset: wall time to reach the baseline's final val loss.
-    cpu = get_preset("gpt", "cpu")
-    c_iters = 300 if args.quick else cpu["train"]["max_iters"]
-    c_model = GPTConfig(**{**cpu["model"], "vocab_size": V})
-    _, _, c_batches = prepare_data(LMDataConfig(), c_model.max_seq_len, tok)
-    c_cfg = TrainConfig(**{**cpu["train"], "max_iters": c_iters, "out_dir": "/tmp/qkv-bench-unused"})
-    torch.manual_seed(1337)
-    c_trainer = Trainer(
-        GPT(c_model), c_cfg, c_batches, Path("/tmp/qkv-bench-unused"), tokens_per_batch=c_model.max_seq_len
-    )
-
-    def c_step():
-        c_trainer._guarded_step()
-        c_trainer.step += 1
-
-    # Scored on the baseline's validation windows (block 64) so the losses are comparable.
-    c_loss, c_wall, c_hit = run_to_end(
-        c_step,
-        c_iters,
-        lambda: val_loss(lambda x, y: c_trainer.model(x, y).loss, batches, 12, eval_n),
-        eval_every=50,
-        target=b_loss,
-    )
-    preset_res = {
-        "preset": cpu,
-        "val_loss": round(c_loss, 4),
-        "wall_s": round(c_wall, 1),
-        "s_to_baseline_loss": None if c_hit is None else round(c_hit, 1),
-        "fraction_of_baseline_wall": None if c_hit is None else round(c_hit / b_wall, 3),
-    }
-    print(json.dumps(preset_res, indent=1), flush=True)
-
-    # 4. Generation with and without the KV cache.
+    # 3. Generation with and without the KV cache.
     gen = generation_speed(args.quick)
     print(json.dumps(gen, indent=1), flush=True)
 
     results = {
-        **info,
-        "iters": iters,
-        "speed": speed,
-        "full_runs": full,
-        "cpu_preset": preset_res,
-        "generation": gen,
-        "peak_rss_mb": round(peak_rss_mb(), 1),
+        **info, "iters": iters, "seeds": seeds, "speed": speed,
+        "default_recipe": {"model": dcfg.to_dict(), "train": dataclasses.asdict(dtrain), "optimizer": dkind},
+        "runs": runs, "summary": summary, "generation": gen, "peak_rss_mb": round(peak_rss_mb(), 1),
+        "load": meter.stop(),
     }
+    print(load_line(results["load"]))
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(results, indent=1) + "\n")
@@ -363,14 +394,26 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def _cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
+def summarise(runs: list[dict]) -> dict:
+    """Means over seeds, and the per-seed numbers the tables quote."""
+    def col(part: str, key: str) -> list:
+        return [r[part][key] for r in runs]
+
+    fr = [f for f in col("qkv_default", "fraction_of_baseline_wall") if f is not None]
+    return {
+        "baseline_val_loss": col("baseline", "val_loss"),
+        "baseline_wall_s": col("baseline", "wall_s"),
+        "same_recipe_val_loss": col("qkv_same_recipe", "val_loss"),
+        "same_recipe_wall_s": col("qkv_same_recipe", "wall_s"),
+        "same_recipe_minus_baseline_mean": round(statistics.fmean(col("qkv_same_recipe", "val_loss"))
+                                                 - statistics.fmean(col("baseline", "val_loss")), 4),
+        "default_val_loss": col("qkv_default", "val_loss"),
+        "default_wall_s": col("qkv_default", "wall_s"),
+        "default_s_to_baseline_loss": col("qkv_default", "s_to_target"),
+        "default_fraction_of_baseline_wall": col("qkv_default", "fraction_of_baseline_wall"),
+        "default_reached_target_in_every_seed": len(fr) == len(runs),
+        "default_fraction_median": round(statistics.median(fr), 3) if fr else None,
+    }
 
 
 if __name__ == "__main__":

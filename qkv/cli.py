@@ -66,8 +66,16 @@ def cmd_assets(args: argparse.Namespace) -> int:
     return assets.cmd_install(args.names)
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse with one-line errors: the problem and where the options are listed, no usage
+    block (every subcommand's parser is of this class too)."""
+
+    def error(self, message: str):  # type: ignore[override]
+        self.exit(2, f"{self.prog}: error: {message} (see `{self.prog} --help`)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="qkv",
         description="Attention and Transformers from first principles. "
         "`python -m qkv` works the same.",

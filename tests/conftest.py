@@ -152,3 +152,18 @@ def tiny_run(tmp_path_factory):
         return made[family]
 
     return make
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _speed_probe_cache(tmp_path_factory):
+    """The trainer's dtype/compile probe caches its answers under $QKV_CACHE_DIR: keep the
+    tests' answers out of the user's ~/.cache (and the user's out of the tests)."""
+    import os
+
+    old = os.environ.get("QKV_CACHE_DIR")
+    os.environ["QKV_CACHE_DIR"] = str(tmp_path_factory.mktemp("qkv-cache"))
+    yield
+    if old is None:
+        os.environ.pop("QKV_CACHE_DIR", None)
+    else:
+        os.environ["QKV_CACHE_DIR"] = old

@@ -13,7 +13,7 @@ from typing import Any
 
 from qkv.commands.options import add_config_options, overrides
 from qkv.models.gpt import GPTConfig
-from qkv.presets import PRESETS, get_preset
+from qkv.presets import PRESETS, get_preset, preset_train
 from qkv.training.lm import LMDataConfig
 from qkv.training.trainer import TrainConfig
 
@@ -149,10 +149,24 @@ def _configs(args: argparse.Namespace, family: str) -> tuple[Any, TrainConfig, A
         # until the data is loaded, a size the patch divides lets every other field be checked
         model_args["image_size"] = model_args.get("patch_size", 4)
     model = f.model_cls(**model_args)
-    train = {**preset.get("train", {}), **train_over}
+    train = {**preset_train(preset, _optimizer_for({**preset.get("train", {}), **train_over})),
+             **train_over}
     train.setdefault("out_dir", default_run_dir(family, args.preset))  # a new folder per run
     data = f.data_cls(**{**preset.get("data", {}), **data_over})
     return model, TrainConfig(**train), data
+
+
+def _optimizer_for(train: dict) -> str:
+    """The optimiser a run with these training fields will use on this machine."""
+    import torch
+
+    from qkv.attention.linear import cpu_has_native_bf16
+    from qkv.training.optim import resolve_optimizer
+
+    device = train.get("device", "auto")
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    return resolve_optimizer(train.get("optimizer", "auto"), torch.device(device).type, cpu_has_native_bf16())
 
 
 class _Display:
@@ -185,6 +199,12 @@ class _Display:
                 self.progress.start()
 
     def __call__(self, rec: dict) -> None:
+        if "note" in rec:
+            if self.progress is not None:
+                self.progress.console.print(rec["note"])
+            else:
+                print(rec["note"], flush=True)
+            return
         if rec.get("val_loss") is not None:
             best = " (best, saved)" if rec.get("best") else ""
             line = f"step {rec['step']:>6}  val loss {rec['val_loss']:.4f}{best}"

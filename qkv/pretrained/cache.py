@@ -21,19 +21,11 @@ from pathlib import Path
 from typing import Any
 
 from qkv.models.gpt import GPT, GPTConfig
+from qkv.paths import cache_root
 from qkv.tokenizers.base import load_tokenizer, save_tokenizer
 from qkv.tokenizers.hf import HFTokenizer
 
 CONVERTER_VERSION = 1  # bump when a converter's output changes
-
-
-def cache_root() -> Path | None:
-    """The cache folder, or None when ``QKV_CACHE_DIR=off``."""
-    env = os.environ.get("QKV_CACHE_DIR")
-    if env is not None:
-        return None if env.lower() in ("off", "0", "none", "") else Path(env)
-    xdg = os.environ.get("XDG_CACHE_HOME")
-    return (Path(xdg) if xdg else Path.home() / ".cache") / "qkv"
 
 
 def entry_dir(name: str, source: Path) -> Path | None:

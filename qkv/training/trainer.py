@@ -14,6 +14,7 @@ killed and resumed follows the uninterrupted run exactly (in deterministic setti
 from __future__ import annotations
 
 import contextlib
+import copy
 import math
 import signal
 import time
@@ -28,8 +29,9 @@ from torch import Tensor, nn
 
 from qkv.attention.linear import cpu_has_native_bf16
 from qkv.training import checkpoint as ckpt
+from qkv.training import probe
 from qkv.training.distributed import DistInfo, broadcast_flag, mean_across, no_sync, wrap_model
-from qkv.training.optim import lr_at, make_optimizer
+from qkv.training.optim import OptimizerKind, lr_at, make_optimizers, resolve_optimizer
 
 DType = Literal["auto", "fp32", "bf16", "fp16"]
 
@@ -50,6 +52,10 @@ class TrainConfig:
     beta1: float = 0.9
     beta2: float = 0.99
     grad_clip: float = 1.0  # max global gradient norm (0 = off)
+    # adamw, or muon: Muon for the hidden matrices + AdamW for the rest; auto = muon where its
+    # (bf16) Newton-Schulz products are fast (GPUs, CPUs with bf16 instructions), else adamw
+    optimizer: OptimizerKind = "auto"
+    muon_lr: float = 0.02  # Muon's peak learning rate (same warmup and decay as lr)
     eval_interval: int = 250  # steps between evaluations/checkpoints
     eval_iters: int = 20  # validation batches per evaluation
     dtype: DType = "auto"  # auto = bf16 where the hardware has it, else fp32 (fp16 on old GPUs)
@@ -67,6 +73,10 @@ class TrainConfig:
             raise ValueError(f"lr must be > 0 and min_lr >= 0, got lr={self.lr}, min_lr={self.min_lr}")
         if self.dtype not in ("auto", "fp32", "bf16", "fp16"):
             raise ValueError(f"dtype must be auto, fp32, bf16 or fp16, got {self.dtype!r}")
+        if self.optimizer not in ("auto", "adamw", "muon"):
+            raise ValueError(f"optimizer must be auto, adamw or muon, got {self.optimizer!r}")
+        if self.muon_lr <= 0:
+            raise ValueError(f"muon_lr must be > 0, got {self.muon_lr}")
 
 
 class BatchSource(Protocol):
@@ -92,17 +102,18 @@ class TrainResult:
     tokens_per_s: float
 
 
+_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
 def resolve_dtype(dtype: DType, device: str) -> torch.dtype:
-    """The compute dtype for autocast: bf16 where the hardware does it natively."""
-    if dtype == "fp32":
-        return torch.float32
-    if dtype == "bf16":
-        return torch.bfloat16
-    if dtype == "fp16":
-        return torch.float16
+    """The autocast dtype without measuring: explicit choices as given; auto = bf16 (or fp16 on
+    GPUs without bf16) on a GPU, fp32 on a CPU. The Trainer measures auto on CPUs that have
+    bf16 instructions instead (:mod:`qkv.training.probe`)."""
+    if dtype != "auto":
+        return _DTYPES[dtype]
     if device.startswith("cuda"):
         return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
-    return torch.bfloat16 if torch.backends.mkldnn.is_available() and cpu_has_native_bf16() else torch.float32
+    return torch.float32
 
 
 class Trainer:
@@ -134,16 +145,12 @@ class Trainer:
         self.model = model.to(self.device)
         self.on_log = on_log or (lambda rec: None)
         self.tokens_per_batch = tokens_per_batch
-        self.dtype = resolve_dtype(cfg.dtype, self.device)
         dev_type = torch.device(self.device).type
-        self.autocast = (
-            torch.autocast(dev_type, dtype=self.dtype)
-            if self.dtype != torch.float32 else contextlib.nullcontext()
-        )
+        self._build_optimizers(resolve_optimizer(cfg.optimizer, dev_type, cpu_has_native_bf16()))
+        self.speed = self._choose_speed(dev_type)
+        self.dtype = _DTYPES[self.speed.dtype]
+        self.autocast = self._autocast(self.dtype)
         self.scaler = torch.amp.GradScaler(dev_type, enabled=self.dtype == torch.float16)
-        self.optimizer = make_optimizer(
-            self.model, cfg.lr, cfg.weight_decay, (cfg.beta1, cfg.beta2), dev_type
-        )
         self.step = 0
         self.best_val = math.inf
         self.data_gen = torch.Generator().manual_seed(cfg.seed)  # the data stream's position
@@ -153,14 +160,90 @@ class Trainer:
 
     # ------------------------------------------------------------------ setup
 
+    def _build_optimizers(self, kind: Literal["adamw", "muon"]) -> None:
+        cfg = self.cfg
+        self.optimizer_kind = kind
+        self.optimizers = make_optimizers(
+            self.model, kind, cfg.lr, cfg.muon_lr, cfg.weight_decay, (cfg.beta1, cfg.beta2),
+            torch.device(self.device).type,
+        )
+
+    def _autocast(self, dtype: torch.dtype):
+        if dtype == torch.float32:
+            return contextlib.nullcontext()
+        return torch.autocast(torch.device(self.device).type, dtype=dtype)
+
+    def _choose_speed(self, dev_type: str) -> probe.SpeedChoice:
+        """--dtype and --compile: as given, or (auto) measured on this machine for this model."""
+        cfg = self.cfg
+        dtype = {v: k for k, v in _DTYPES.items()}[resolve_dtype(cfg.dtype, self.device)]
+        if dev_type != "cpu":
+            compile_ = dev_type == "cuda" if cfg.compile is None else cfg.compile
+            return probe.SpeedChoice(dtype, compile_, f"{dtype} on {dev_type}")
+        if cfg.dtype == "bf16" and not cpu_has_native_bf16():
+            warnings.warn(f"--dtype bf16 on a CPU without bf16 instructions: {probe.emulated_bf16_cost()}; "
+                          "--dtype auto picks fp32 here", stacklevel=3)
+        if cfg.dtype != "auto" and cfg.compile is not None:
+            return probe.SpeedChoice(dtype, cfg.compile, f"{dtype} and compile {cfg.compile} as asked")
+        x, y = self.data.get_batch("train", cfg.batch_size, torch.Generator().manual_seed(cfg.seed + 2))
+        key = probe.probe_key(model=type(self.model).__name__, batch=list(x.shape),
+                              params=[list(p.shape) for p in self.model.parameters()],
+                              optimizer=self.optimizer_kind, grad_clip=cfg.grad_clip > 0)
+        entry = probe.read_cache(key) or {}
+        reasons, cached = [], False
+        if cfg.dtype == "auto" and cpu_has_native_bf16():
+            if "dtype" in entry:
+                dtype, cached = entry["dtype"], True
+                reasons.append(entry["dtype_reason"] + " (cached)")
+            else:
+                ms = self._probe(x, y, ("fp32", "bf16"))
+                dtype, why = probe.choose_dtype(ms)
+                entry.update(dtype=dtype, dtype_reason=why, ms=ms)
+                probe.write_cache(key, entry)
+                reasons.append(why)
+        elif cfg.dtype == "auto":
+            reasons.append("no bf16 instructions on this CPU (bf16 products are emulated) -> fp32")
+        compile_ = cfg.compile
+        if compile_ is None:
+            ms_step = (entry.get("ms") or {}).get(dtype) or self._probe(x, y, (dtype,), rounds=1)[dtype]
+            compile_, why = probe.compile_worth_trying(ms_step * cfg.grad_accum, cfg.max_iters, entry)
+            reasons.append(why)
+        choice = probe.SpeedChoice(dtype, compile_, "; ".join(reasons) or f"{dtype}", entry.get("ms", {}),
+                                   cached)
+        # Every DDP rank must train alike: rank 0's choice wins.
+        choice.dtype = "bf16" if broadcast_flag(choice.dtype == "bf16", self.dist) else "fp32"
+        choice.compile = broadcast_flag(choice.compile, self.dist)
+        self._probe_key = key
+        return choice
+
+    def _probe(self, x: Tensor, y: Tensor, options: tuple[str, ...], rounds: int = 3) -> dict[str, float]:
+        """ms per real training step (forward, backward, clip, optimiser) of a copy of the model
+        in each autocast dtype; the run's model, optimiser and random state stay untouched."""
+        rng = torch.get_rng_state()
+        model = copy.deepcopy(self.model).train()
+        opts = make_optimizers(model, self.optimizer_kind, self.cfg.lr, self.cfg.muon_lr,
+                               self.cfg.weight_decay, (self.cfg.beta1, self.cfg.beta2), "cpu")
+        x, y = x.to(self.device), y.to(self.device)
+
+        def step(option: str) -> None:
+            with self._autocast(_DTYPES[option]):
+                loss = model(x, y).loss
+            loss.backward()
+            if self.cfg.grad_clip > 0:
+                torch.nn.utils.clip_grad_norm_(model.parameters(), self.cfg.grad_clip)
+            for opt in opts:
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+
+        try:
+            return probe.time_options(step, options, rounds=rounds)
+        finally:
+            torch.set_rng_state(rng)
+
     def _maybe_compile(self, model: nn.Module) -> nn.Module:
-        # Auto: on GPUs compilation pays for itself within a few hundred steps. On a 2-core CPU a
-        # cold compile of even a 4-layer GPT takes ~40 s and saves ~8% per step (BENCHMARKS.md),
-        # so it only pays off after thousands of steps; there it is opt-in (--compile true).
-        want = self.cfg.compile
-        if want is None:
-            want = torch.device(self.device).type == "cuda"
-        if not want:
+        # Auto (see _choose_speed): on GPUs always; on a CPU only when the run is long enough to
+        # repay a cold compile (~40 s for a 4-layer GPT on 2 cores, ~10% saved per step).
+        if not self.speed.compile:
             return model
         try:
             compiled = torch.compile(model)
@@ -183,7 +266,8 @@ class Trainer:
 
     def _state(self) -> dict:
         return {
-            "optimizer": self.optimizer.state_dict(),
+            "optimizer": [opt.state_dict() for opt in self.optimizers],
+            "optimizer_kind": self.optimizer_kind,
             "scaler": self.scaler.state_dict(),
             "step": self.step,
             "best_val": self.best_val,
@@ -204,8 +288,20 @@ class Trainer:
         """Restore everything ``save`` wrote; the next step to run is the saved ``step``."""
         ckpt.load_weights(self.model, self.run_dir / "last.safetensors")
         state = ckpt.load_state(self.run_dir / "optimizer.pt")
+        saved = state.get("optimizer")
+        saved = [saved] if isinstance(saved, dict) else saved  # runs written before Muon: one AdamW
+        kind = state.get("optimizer_kind", "adamw")
+        if kind != self.optimizer_kind:
+            if self.cfg.optimizer != "auto":
+                raise ckpt.CheckpointError(
+                    f"{self.run_dir} was trained with --optimizer {kind}; resume it with that optimizer"
+                )
+            self._build_optimizers(kind)  # auto picks what the run started with, on any machine
         try:
-            self.optimizer.load_state_dict(state["optimizer"])
+            if not isinstance(saved, list) or len(saved) != len(self.optimizers):
+                raise ValueError("optimizer state has another number of optimizers")
+            for opt, sd in zip(self.optimizers, saved, strict=True):
+                opt.load_state_dict(sd)
             self.scaler.load_state_dict(state["scaler"])
             self.step, self.best_val = int(state["step"]), float(state["best_val"])
             torch.set_rng_state(state["torch_rng"])
@@ -243,8 +339,9 @@ class Trainer:
         """One optimiser step over ``grad_accum`` micro-batches; returns the mean loss."""
         cfg = self.cfg
         lr = lr_at(self.step, cfg.lr, cfg.min_lr, cfg.warmup_iters, cfg.lr_decay_iters or cfg.max_iters)
-        for group in self.optimizer.param_groups:
-            group["lr"] = lr
+        for opt in self.optimizers:
+            for group in opt.param_groups:
+                group["lr"] = lr * group.get("lr_scale", 1.0)
         total = 0.0
         for micro in range(cfg.grad_accum):
             x, y = self._batch("train", self.data_gen)
@@ -253,12 +350,20 @@ class Trainer:
             self.scaler.scale(loss).backward()
             total += float(loss.detach())
         if cfg.grad_clip > 0:
-            self.scaler.unscale_(self.optimizer)
+            for opt in self.optimizers:
+                self.scaler.unscale_(opt)
             torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.grad_clip)
-        self.scaler.step(self.optimizer)
+        for opt in self.optimizers:
+            self.scaler.step(opt)
         self.scaler.update()
-        self.optimizer.zero_grad(set_to_none=True)
+        for opt in self.optimizers:
+            opt.zero_grad(set_to_none=True)
         return total
+
+    def _note(self, text: str) -> None:
+        """A line for the user (not a metric): what auto chose and why."""
+        if self.dist.is_main:
+            self.on_log({"note": text})
 
     def _log(self, record: dict) -> None:
         if self.dist.is_main:
@@ -283,6 +388,7 @@ class Trainer:
         prev_handler = signal.getsignal(signal.SIGINT)
         if self.dist.is_main:
             signal.signal(signal.SIGINT, self._request_stop)
+        self._note(f"speed: {self.speed.reason}")
         t0 = time.perf_counter()
         tokens, loss = 0, math.nan
         try:
@@ -320,12 +426,13 @@ class Trainer:
         except Exception as e:  # compilation errors surface at the first call
             if self.step > 0 and not _is_compile_error(e):
                 raise
-            self.optimizer.zero_grad(set_to_none=True)
+            for opt in self.optimizers:
+                opt.zero_grad(set_to_none=True)
             self._fall_back_to_eager(e)
             return self._train_step()
 
     def _log_progress(self, loss: float, tok_s: float) -> None:
-        lr = self.optimizer.param_groups[0]["lr"]
+        lr = self.optimizers[-1].param_groups[0]["lr"]  # AdamW's (the last one) is --lr
         self._log({"step": self.step, "train_loss": loss, "lr": lr, "tokens_per_s": round(tok_s, 1)})
 
     def _request_stop(self, signum, frame) -> None:

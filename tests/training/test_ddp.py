@@ -45,7 +45,7 @@ SCRIPT = textwrap.dedent(
     model = GPT(GPTConfig(vocab_size=20, max_seq_len=16, dim=32, n_layers=2, n_heads=4))
     cfg = TrainConfig(out_dir=str(out), batch_size=batch, grad_accum=2, max_iters=steps,
                       lr=3e-3, min_lr=3e-4, warmup_iters=2, eval_interval=3, eval_iters=2,
-                      dtype="fp32", compile=False, device="cpu", seed=1)
+                      dtype="fp32", compile=False, device="cpu", seed=1, optimizer="adamw")
     trainer = Trainer(model, cfg, data, out / f"rank{info.rank}", info)
     local = []
     step = trainer._train_step

@@ -93,7 +93,7 @@ def small_gpt(seed: int = 0, **kw) -> GPT:
 def train_cfg(out_dir: Path, **kw) -> TrainConfig:
     base = dict(out_dir=str(out_dir), batch_size=4, max_iters=10, lr=3e-3, min_lr=3e-4,
                 warmup_iters=2, eval_interval=2, eval_iters=2, dtype="fp32", compile=False,
-                device="cpu")
+                device="cpu", optimizer="adamw")
     return TrainConfig(**{**base, **kw})
 
 
@@ -154,9 +154,14 @@ def test_text_shorter_than_one_block(tmp_path: Path, text_file: Path, n_chars: i
 # --------------------------------------------------------------------------- resume
 
 
-def test_resume_is_exact(text_file: Path, tmp_path: Path) -> None:
+@pytest.mark.parametrize("optimizer", ["adamw", "muon"])
+def test_resume_is_exact(text_file: Path, tmp_path: Path, optimizer: str) -> None:
     # Dropout draws from the global RNG, so this also checks that its state is restored.
-    kw = dict(model={"dropout": 0.1}, lr_decay_iters=12, warmup_iters=4, eval_interval=3)
+    # Muon: its momentum buffers (and AdamW's moments for the embeddings) come back exactly.
+    if optimizer == "muon" and not hasattr(torch.optim, "Muon"):
+        pytest.skip("torch.optim.Muon needs torch >= 2.9")
+    kw = dict(model={"dropout": 0.1}, lr_decay_iters=12, warmup_iters=4, eval_interval=3,
+              optimizer=optimizer)
     full_dir, part_dir = tmp_path / "full", tmp_path / "part"
     train_lm(*configs(text_file, full_dir, max_iters=12, **kw))
     train_lm(*configs(text_file, part_dir, max_iters=6, **kw))
@@ -201,6 +206,20 @@ def test_ctrl_c_saves_a_resumable_checkpoint(tmp_path: Path) -> None:
     again.fit()
     for (name, p), q in zip(full.model.named_parameters(), again.model.parameters(), strict=True):
         torch.testing.assert_close(p, q, rtol=0, atol=1e-6, msg=name)
+
+
+def test_resume_with_another_optimizer_is_refused_but_auto_follows_the_run(tmp_path: Path) -> None:
+    if not hasattr(torch.optim, "Muon"):
+        pytest.skip("torch.optim.Muon needs torch >= 2.9")
+    Trainer(small_gpt(), train_cfg(tmp_path, max_iters=2, optimizer="muon"), random_batches(),
+            tmp_path).fit()
+    with pytest.raises(ckpt.CheckpointError, match="--optimizer muon"):
+        Trainer(small_gpt(), train_cfg(tmp_path, optimizer="adamw"), random_batches(),
+                tmp_path).load_resume_state()
+    auto = Trainer(small_gpt(), train_cfg(tmp_path, optimizer="auto"), random_batches(), tmp_path)
+    auto.load_resume_state()  # whatever auto means on this machine, the run's Muon is kept
+    assert auto.optimizer_kind == "muon" and isinstance(auto.optimizers[0], torch.optim.Muon)
+    assert auto.optimizers[0].state  # its momentum buffers came back
 
 
 def test_resume_state_of_another_model_is_a_checkpoint_error(tmp_path: Path) -> None:
@@ -270,7 +289,7 @@ def test_grad_accum_equals_a_bigger_batch(tmp_path: Path) -> None:
 
     grads: dict[str, list[torch.Tensor]] = {"a": [], "b": []}
     for key, t in (("a", a), ("b", b)):  # the (clipped) gradients AdamW is about to use
-        t.optimizer.register_step_pre_hook(
+        t.optimizers[0].register_step_pre_hook(
             lambda opt, args, kw, key=key, t=t: grads[key].extend(
                 p.grad.clone() for p in t.model.parameters()))
     before = [p.detach().clone() for p in a.model.parameters()]
@@ -281,7 +300,7 @@ def test_grad_accum_equals_a_bigger_batch(tmp_path: Path) -> None:
         torch.testing.assert_close(ga_, gb_, rtol=1e-5, atol=1e-8)
     # Adam's first step is about lr·sign(g), so a 1e-8 gradient difference near g = 0 can move
     # a weight by up to ~lr; compare the weights at a fraction of the step size instead.
-    lr = a.optimizer.param_groups[0]["lr"]
+    lr = a.optimizers[0].param_groups[0]["lr"]
     moved = 0.0
     for p, q, p0 in zip(a.model.parameters(), b.model.parameters(), before, strict=True):
         torch.testing.assert_close(p, q, rtol=0, atol=0.01 * lr)

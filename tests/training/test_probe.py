@@ -1,0 +1,163 @@
+"""--dtype auto / --compile auto: the probe picks what a (fake) clock says is faster, caches
+it, leaves the run untouched, and an explicit choice always wins."""
+
+from __future__ import annotations
+
+import json
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+
+from qkv.models.gpt import GPT, GPTConfig
+from qkv.training import probe
+from qkv.training import trainer as trainer_mod
+from qkv.training.trainer import TrainConfig, Trainer
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+@pytest.fixture(autouse=True)
+def fresh_cache(tmp_path, monkeypatch) -> None:
+    monkeypatch.setenv("QKV_CACHE_DIR", str(tmp_path / "cache"))
+
+
+class RandomBatches:
+    def get_batch(self, split, batch_size, generator):
+        x = torch.randint(0, 20, (batch_size, 8), generator=generator)
+        return x, torch.roll(x, -1, dims=1)
+
+
+def gpt() -> GPT:
+    torch.manual_seed(0)
+    return GPT(GPTConfig(vocab_size=20, max_seq_len=8, dim=16, n_layers=1, n_heads=2))
+
+
+def cfg(tmp_path: Path, **kw) -> TrainConfig:
+    base = dict(out_dir=str(tmp_path), batch_size=4, max_iters=4, eval_interval=2, eval_iters=1,
+                device="cpu", optimizer="adamw")
+    return TrainConfig(**{**base, **kw})
+
+
+class FakeClock:
+    """A timer that advances by the cost of the option the step just ran."""
+
+    def __init__(self, cost: dict[str, float]) -> None:
+        self.now, self.cost, self.calls = 0.0, cost, {k: 0 for k in cost}
+
+    def step(self, option: str) -> None:
+        self.now += self.cost[option]
+        self.calls[option] += 1
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@pytest.mark.parametrize(("fp32_s", "bf16_s", "pick"), [(0.010, 0.007, "bf16"), (0.007, 0.010, "fp32"),
+                                                        (0.0100, 0.0099, "fp32")])  # a tie: fp32
+def test_time_options_and_choice_follow_the_clock(fp32_s: float, bf16_s: float, pick: str) -> None:
+    clock = FakeClock({"fp32": fp32_s, "bf16": bf16_s})
+    ms = probe.time_options(clock.step, ("fp32", "bf16"), rounds=3, steps=2, timer=clock)
+    assert ms == pytest.approx({"fp32": fp32_s * 1000, "bf16": bf16_s * 1000})
+    assert clock.calls == {"fp32": 7, "bf16": 7}  # one warm-up + 3 rounds of 2 each
+    dtype, reason = probe.choose_dtype(ms)
+    assert dtype == pick and reason.endswith(f"-> {pick}")
+    assert f"({fp32_s / bf16_s:.2f}x)" in reason
+
+
+def force_probe(monkeypatch, ms: dict[str, float], native: bool = True) -> list[int]:
+    """Make the trainer believe the CPU has bf16 instructions and that the probe measured ``ms``."""
+    calls: list[int] = []
+    monkeypatch.setattr(trainer_mod, "cpu_has_native_bf16", lambda: native)
+
+    def fake(step, options, rounds=3, steps=2, timer=None):
+        calls.append(1)
+        for o in options:
+            step(o)  # the real step runs once each way: it must not touch the run
+        return {o: ms[o] for o in options}
+
+    monkeypatch.setattr(probe, "time_options", fake)
+    return calls
+
+
+@pytest.mark.parametrize(("ms", "want"), [({"fp32": 10.0, "bf16": 6.0}, torch.bfloat16),
+                                          ({"fp32": 6.0, "bf16": 10.0}, torch.float32)])
+def test_auto_dtype_takes_the_faster_and_caches_it(tmp_path, monkeypatch, ms, want) -> None:
+    calls = force_probe(monkeypatch, ms)
+    t = Trainer(gpt(), cfg(tmp_path, compile=False), RandomBatches(), tmp_path)
+    assert t.dtype == want and len(calls) == 1 and not t.speed.cached
+    assert "bf16 autocast" in t.speed.reason
+    entry = next(iter(json.loads(probe.cache_path().read_text()).values()))
+    assert entry["dtype"] == {torch.bfloat16: "bf16", torch.float32: "fp32"}[want]
+    # The same shape again: answered from the cache, nothing measured.
+    t2 = Trainer(gpt(), cfg(tmp_path, compile=False), RandomBatches(), tmp_path)
+    assert t2.dtype == want and len(calls) == 1 and t2.speed.cached and "(cached)" in t2.speed.reason
+    # Another shape (batch size) is measured afresh.
+    Trainer(gpt(), cfg(tmp_path, compile=False, batch_size=5), RandomBatches(), tmp_path)
+    assert len(calls) == 2
+
+
+@pytest.mark.parametrize("asked", ["fp32", "bf16"])
+def test_an_explicit_dtype_always_wins(tmp_path, monkeypatch, asked: str) -> None:
+    calls = force_probe(monkeypatch, {"fp32": 10.0, "bf16": 1.0} if asked == "fp32" else
+                        {"fp32": 1.0, "bf16": 10.0})
+    Trainer(gpt(), cfg(tmp_path, compile=False), RandomBatches(), tmp_path)  # caches the other one
+    t = Trainer(gpt(), cfg(tmp_path, compile=False, dtype=asked), RandomBatches(), tmp_path)
+    assert t.dtype == {"fp32": torch.float32, "bf16": torch.bfloat16}[asked]
+    assert len(calls) == 1  # the explicit run measured nothing
+
+
+def test_probe_leaves_model_optimizer_and_rng_untouched(tmp_path, monkeypatch) -> None:
+    force_probe(monkeypatch, {"fp32": 10.0, "bf16": 6.0})
+    model = gpt()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    torch.manual_seed(5)
+    rng = torch.get_rng_state()
+    t = Trainer(model, cfg(tmp_path, compile=False), RandomBatches(), tmp_path)
+    assert torch.equal(torch.get_rng_state(), rng)
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, before[k]), k
+    assert all(not opt.state for opt in t.optimizers)  # no optimiser step was taken on the run
+
+
+def test_no_bf16_instructions_means_fp32_without_probing(tmp_path, monkeypatch) -> None:
+    calls = force_probe(monkeypatch, {"fp32": 10.0, "bf16": 1.0}, native=False)
+    t = Trainer(gpt(), cfg(tmp_path, compile=False), RandomBatches(), tmp_path)
+    assert t.dtype == torch.float32 and not calls
+    assert "no bf16 instructions" in t.speed.reason
+
+
+def test_bf16_asked_on_an_emulating_cpu_warns_with_the_measured_cost(tmp_path, monkeypatch) -> None:
+    monkeypatch.setattr(trainer_mod, "cpu_has_native_bf16", lambda: False)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        t = Trainer(gpt(), cfg(tmp_path, compile=False, dtype="bf16"), RandomBatches(), tmp_path)
+    assert t.dtype == torch.bfloat16  # asked for: given, with the warning
+    text = " ".join(str(w.message) for w in caught)
+    assert "without bf16 instructions" in text and "as long as fp32" in text
+
+
+def test_compile_auto_is_on_only_when_the_run_can_repay_it() -> None:
+    # 50 ms steps, 10% saved: 1,000 steps save 5 s (< 40 s compile); 10,000 save 50 s.
+    assert probe.compile_worth_trying(50.0, 1000, None)[0] is False
+    worth, why = probe.compile_worth_trying(50.0, 10_000, None)
+    assert worth and "save ~50 s" in why and "typical 40 s" in why
+    # A measured compile time and saving on this machine replace the assumptions.
+    assert probe.compile_worth_trying(50.0, 10_000, {"compile_s": 80.0, "compile_saving": 0.1})[0] is False
+    assert probe.compile_worth_trying(50.0, 1000, {"compile_s": 2.0, "compile_saving": 0.05})[0] is True
+
+
+def test_compile_auto_in_the_trainer_uses_the_measured_step(tmp_path, monkeypatch) -> None:
+    force_probe(monkeypatch, {"fp32": 10.0, "bf16": 20.0})
+    t = Trainer(gpt(), cfg(tmp_path), RandomBatches(), tmp_path)  # 4 steps of 10 ms: never pays
+    assert t.speed.compile is False and not t.compiled and "compile off" in t.speed.reason
+
+
+def test_a_damaged_cache_is_measured_again(tmp_path, monkeypatch) -> None:
+    calls = force_probe(monkeypatch, {"fp32": 10.0, "bf16": 6.0})
+    probe.cache_path().parent.mkdir(parents=True, exist_ok=True)
+    probe.cache_path().write_text("{not json")
+    t = Trainer(gpt(), cfg(tmp_path, compile=False), RandomBatches(), tmp_path)
+    assert t.dtype == torch.bfloat16 and len(calls) == 1
+    assert json.loads(probe.cache_path().read_text())  # rewritten whole
