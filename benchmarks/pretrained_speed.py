@@ -2,10 +2,14 @@
 
 Decoding: SmolLM2-135M-Instruct from the same GGUF, greedy, batch 1, a 32-token prompt and
 128 new tokens. Baseline: ``transformers`` ``model.generate(do_sample=False,
-min_new_tokens=128)`` (its default dynamic KV cache). qkv: ``qkv.generation.generate`` with
-its preallocated KV cache; in fp32 its one-row projections split the weight rows over both
-cores (``qkv/attention/linear.py``), and to show what that buys, fp32 with plain
-``F.linear`` too. fp32 and bf16. The generated tokens are compared too.
+min_new_tokens=128)`` (its default dynamic KV cache), fp32 and bf16. qkv:
+``qkv.generation.generate`` with its preallocated KV cache, in each weight format of
+``qkv.load(..., weights=)``: fp32 (its one-row projections split the weight rows over both
+cores, ``qkv/attention/linear.py``; also shown with plain ``F.linear``), bf16, int8 rows and
+the GGUF's own 4-bit groups (q4). Decode tok/s counts the tokens after the first (the time of
+prompt + first token is measured separately: that is the prefill rate). The generated tokens
+are compared. llama.cpp (``llama-bench -t 2 -p 32 -n 128``) on the same GGUF where it is built
+(``--build-llama-cpp`` builds it once, ~10 minutes; see ``benchmarks/_llama_cpp.py``).
 
 Memory bound: batch-1 decoding reads every weight once per token, so tokens/s × bytes of
 weights per token is the memory traffic the decoder sustains; it is reported beside the
@@ -25,6 +29,7 @@ load on the shared machine hits both sides of a round.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import re
 import sys
@@ -52,13 +57,18 @@ def memory_bandwidth(gib: float = 1.0, repeats: int = 5) -> float:
 
 
 def decode_bytes_per_token(model: torch.nn.Module) -> int:
-    """Bytes of weights one decoding step reads: every Linear (the tied output matrix
-    included, once) plus one embedding row and the norms."""
+    """Bytes of weights one decoding step reads: every projection in its stored form (float
+    matrix, int8 rows + scales, or packed 4-bit groups + scales/zeros; the tied output matrix
+    once) plus one embedding row and the norms."""
+    from qkv.layers.quant import Int4Linear, Int8Linear
+
     seen, total = set(), 0
     for m in model.modules():
         if isinstance(m, torch.nn.Linear) and id(m.weight) not in seen:
             seen.add(id(m.weight))
             total += m.weight.numel() * m.weight.element_size()
+        elif isinstance(m, (Int4Linear, Int8Linear)):
+            total += sum(b.numel() * b.element_size() for n, b in m.named_buffers() if n != "codes")
     norms = sum(p.numel() * p.element_size() for n, p in model.named_parameters() if p.ndim == 1)
     return total + norms
 
@@ -73,7 +83,12 @@ def _prompt_ids(tok, n: int) -> torch.Tensor:
     return torch.tensor([ids[:n]])
 
 
-def bench_decoding(args: argparse.Namespace) -> tuple[list[dict], dict]:
+def bench_decoding(args: argparse.Namespace, bandwidth: float) -> tuple[list[dict], dict]:
+    """Every weight format of qkv beside transformers (fp32, bf16) and, where it is built,
+    llama.cpp on the same GGUF: decode tok/s (tokens after the first), prefill tok/s (the
+    32-token prompt) and the end-to-end rate, round-robin."""
+    import copy
+
     import torch.nn.functional as F
     from transformers import AutoModelForCausalLM
 
@@ -88,66 +103,107 @@ def bench_decoding(args: argparse.Namespace) -> tuple[list[dict], dict]:
     qkv_convert = time.perf_counter() - t
     qkv.load("smollm2")  # make sure the conversion cache holds it
     t = time.perf_counter()
-    lm = qkv.load("smollm2")  # what every later load costs
+    lm = qkv.load("smollm2", weights="fp32")  # what every later load costs
     qkv_load = time.perf_counter() - t
     t = time.perf_counter()
     ref = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
                                                dtype=torch.float32).eval()
     ref_load = time.perf_counter() - t
+    ref16 = copy.deepcopy(ref).to(torch.bfloat16)
     print(f"load: qkv {qkv_convert:.1f} s from the GGUF, {qkv_load:.1f} s from its conversion "
           f"cache; transformers {ref_load:.1f} s", flush=True)
     x = _prompt_ids(lm.tokenizer, 32)
     n_new = args.new_tokens
+    lms = {w: copy.deepcopy(lm).quantize(w) for w in args.formats}
 
-    def run_ref():
-        with torch.inference_mode():
-            out = ref.generate(x, max_new_tokens=n_new, min_new_tokens=n_new, do_sample=False,
-                               pad_token_id=2)
-        return out[0, x.shape[1]:].tolist()
+    def hf(model):
+        def run(n: int) -> list[int]:
+            with torch.inference_mode():
+                out = model.generate(x, max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=2)
+            return out[0, x.shape[1]:].tolist()
+        return run
 
-    def run_qkv():
-        return [int(t[0]) for t in generate(lm.model, x, n_new, temperature=0.0)]
+    def ours(q):
+        return lambda n: [int(t[0]) for t in generate(q.model, x, n, temperature=0.0)]
 
+    def plain(n: int) -> list[int]:  # fp32 with every projection a plain F.linear
+        fast = Linear.forward
+        Linear.forward = lambda self, x: F.linear(x, self.weight, self.bias)
+        try:
+            return ours(lms["fp32"])(n)
+        finally:
+            Linear.forward = fast
+
+    contenders = {("fp32", "transformers"): hf(ref), ("bf16", "transformers"): hf(ref16)}
+    for w, q in lms.items():
+        contenders[(w, "qkv")] = ours(q)
+    if "fp32" in lms:
+        contenders[("fp32", "qkv (plain F.linear)")] = plain
+    tokens = {k: f(n_new) for k, f in contenders.items()}  # warm-up, and the tokens to compare
+    names = list(contenders)
+    full: dict = {k: [] for k in names}
+    first: dict = {k: [] for k in names}
+    for r in range(args.rounds):
+        for k in (names if r % 2 == 0 else names[::-1]):
+            t = time.perf_counter()
+            contenders[k](1)  # the prompt (prefill) and the first token
+            first[k].append(time.perf_counter() - t)
+            t = time.perf_counter()
+            contenders[k](n_new)
+            full[k].append(time.perf_counter() - t)
+    base = ("fp32", "transformers")
     rows = []
-    for dtype in ("float32", "bfloat16"):
-        dt = getattr(torch, dtype)
-        lm.to(dtype)
-        ref.to(dt)
-        contenders = {"transformers": run_ref, "qkv": run_qkv}
-        if dtype == "float32":
-            def run_qkv_plain():
-                fast = Linear.forward
-                Linear.forward = lambda self, x: F.linear(x, self.weight, self.bias)
-                try:
-                    return run_qkv()
-                finally:
-                    Linear.forward = fast
-            contenders["qkv (plain F.linear)"] = run_qkv_plain
-        tokens = {k: f() for k, f in contenders.items()}  # warm-up, and the tokens to compare
-        times: dict[str, list[float]] = {k: [] for k in contenders}
-        names = list(contenders)
-        for r in range(args.rounds):
-            order = names if r % 2 == 0 else names[::-1]
-            for k in order:
-                t = time.perf_counter()
-                contenders[k]()
-                times[k].append(time.perf_counter() - t)
-        bytes_tok = decode_bytes_per_token(lm.model)
-        for k in names:
-            ratios = [b / a for a, b in zip(times[k], times["transformers"], strict=True)]
-            tok_s = n_new / C.median(times[k])
-            rows.append({
-                "dtype": dtype, "contender": k, "tokens_per_s": round(tok_s, 2),
-                "speedup_vs_transformers": round(C.median(ratios), 3),
-                "speedup_min_max": [round(min(ratios), 3), round(max(ratios), 3)],
-                "same_tokens_as_transformers": tokens[k] == tokens["transformers"],
-                "weight_bytes_per_token": bytes_tok,
-                "weight_traffic_gb_s": round(tok_s * bytes_tok / 1e9, 2),
-            })
-            print(f"{dtype} {k}: {tok_s:.1f} tok/s, x{C.median(ratios):.2f} vs transformers, "
-                  f"same tokens: {tokens[k] == tokens['transformers']}", flush=True)
+    for k in names:
+        w, who = k
+        bytes_tok = decode_bytes_per_token(lms[w].model if w in lms else lm.model)
+        decode = [(n_new - 1) / max(a - b, 1e-9) for a, b in zip(full[k], first[k], strict=True)]
+        base_decode = [(n_new - 1) / max(a - b, 1e-9) for a, b in zip(full[base], first[base], strict=True)]
+        ratios = [d / b for d, b in zip(decode, base_decode, strict=True)]
+        dec = C.median(decode)
+        limit = bandwidth / bytes_tok
+        rows.append({
+            "weights": w, "contender": who, "decode_tokens_per_s": round(dec, 1),
+            "prefill_tokens_per_s": round(x.shape[1] / C.median(first[k]), 1),
+            "end_to_end_tokens_per_s": round(n_new / C.median(full[k]), 1),
+            "decode_vs_transformers_fp32": round(C.median(ratios), 3),
+            "decode_vs_transformers_fp32_min_max": [round(min(ratios), 3), round(max(ratios), 3)],
+            "same_tokens_as_transformers_fp32": tokens[k] == tokens[base],
+            "same_tokens_as_qkv_fp32": tokens[k] == tokens.get(("fp32", "qkv")),
+            "weight_bytes_per_token": bytes_tok if who != "transformers" else None,
+            "bandwidth_limit_tokens_per_s": round(limit, 1) if who != "transformers" else None,
+            "fraction_of_bandwidth_limit": round(dec / limit, 3) if who != "transformers" else None,
+            "decode_samples_tokens_per_s": [round(d, 1) for d in decode],
+        })
+        print(f"{w} {who}: decode {dec:.1f} tok/s (x{C.median(ratios):.2f} vs transformers fp32), "
+              f"prefill {rows[-1]['prefill_tokens_per_s']:.0f} tok/s, same tokens as transformers "
+              f"fp32: {tokens[k] == tokens[base]}", flush=True)
     return rows, {"qkv_convert_s": round(qkv_convert, 2), "qkv_cached_load_s": round(qkv_load, 2),
                   "transformers_load_s": round(ref_load, 2)}
+
+
+def bench_llama_cpp(args: argparse.Namespace, rows: list[dict]) -> dict:
+    """llama.cpp's llama-bench on the same GGUF, in this run, beside qkv's q4 decode rate."""
+    from _llama_cpp import llama_bench, run_llama_bench
+
+    from qkv.assets import asset_path
+
+    binary, how = llama_bench(build=args.build_llama_cpp)
+    if binary is None:
+        print(f"llama.cpp: not available ({how})", flush=True)
+        return {"available": False, "reason": how}
+    res = run_llama_bench(binary, asset_path("smollm2"), threads=torch.get_num_threads(),
+                          prompt=32, new=args.new_tokens, reps=max(args.rounds, 3))
+    res.update(available=True, how=how)
+    for w in ("q4", "bf16", "fp32"):
+        row = next((r for r in rows if r["weights"] == w and r["contender"] == "qkv"), None)
+        if row and "decode" in res:
+            res[f"qkv_{w}_decode_over_llama_cpp"] = round(row["decode_tokens_per_s"]
+                                                          / res["decode"]["tokens_per_s"], 3)
+        if row and "prefill" in res:
+            res[f"qkv_{w}_prefill_over_llama_cpp"] = round(row["prefill_tokens_per_s"]
+                                                           / res["prefill"]["tokens_per_s"], 3)
+    print(f"llama.cpp ({how}): {json.dumps({k: v for k, v in res.items() if k != 'build'})}", flush=True)
+    return res
 
 
 def _sentences(n: int) -> list[str]:
@@ -212,7 +268,11 @@ def main() -> int:
     p.add_argument("--new-tokens", type=int, default=128, help="tokens generated per run")
     p.add_argument("--sentences", type=int, default=1000, help="sentences embedded per run")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: all cores)")
-    p.add_argument("--skip", choices=("decoding", "embeddings"), action="append", default=[])
+    p.add_argument("--skip", choices=("decoding", "embeddings", "llama-cpp"), action="append", default=[])
+    p.add_argument("--formats", nargs="+", default=["fp32", "bf16", "int8", "q4"],
+                   choices=("fp32", "bf16", "int8", "q4"), help="qkv weight formats to decode with")
+    p.add_argument("--build-llama-cpp", action="store_true",
+                   help="build llama.cpp's llama-bench (~10 min, once, cached) if it is not built yet")
     p.add_argument("--json", default=None, help="write results here (default benchmarks/results/)")
     args = p.parse_args()
     if args.quick:
@@ -238,16 +298,21 @@ def main() -> int:
     result: dict = {"machine": machine, "memory_bandwidth_gb_s": round(bw / 1e9, 2),
                     "prompt_tokens": 32, "new_tokens": args.new_tokens, "rounds": args.rounds}
     if "decoding" not in args.skip:
-        rows, loads = bench_decoding(args)
+        rows, loads = bench_decoding(args, bw)
         result["decoding"], result["load"] = rows, loads
+        if "llama-cpp" not in args.skip:
+            result["llama_cpp"] = bench_llama_cpp(args, rows)
         C.print_table(
             f"SmolLM2-135M greedy decoding, batch 1, 32-token prompt + {args.new_tokens} new tokens",
-            ["dtype", "contender", "tok/s", "× transformers (min–max)", "same tokens",
-             "weights GB/s", "% of bandwidth"],
-            [[r["dtype"], r["contender"], f"{r['tokens_per_s']:.1f}",
-              f"{r['speedup_vs_transformers']:.2f} ({r['speedup_min_max'][0]:.2f}–"
-              f"{r['speedup_min_max'][1]:.2f})", "yes" if r["same_tokens_as_transformers"] else "NO",
-              f"{r['weight_traffic_gb_s']:.1f}", f"{100 * r['weight_traffic_gb_s'] / (bw / 1e9):.0f}%"]
+            ["weights", "contender", "decode tok/s", "× transformers fp32 (min–max)", "prefill tok/s",
+             "same tokens (hf fp32 / qkv fp32)", "% of bandwidth limit"],
+            [[r["weights"], r["contender"], f"{r['decode_tokens_per_s']:.1f}",
+              f"{r['decode_vs_transformers_fp32']:.2f} ({r['decode_vs_transformers_fp32_min_max'][0]:.2f}–"
+              f"{r['decode_vs_transformers_fp32_min_max'][1]:.2f})", f"{r['prefill_tokens_per_s']:.0f}",
+              f"{'yes' if r['same_tokens_as_transformers_fp32'] else 'no'} / "
+              f"{'yes' if r['same_tokens_as_qkv_fp32'] else 'no'}",
+              "-" if r["fraction_of_bandwidth_limit"] is None else
+              f"{100 * r['fraction_of_bandwidth_limit']:.0f}% of {r['bandwidth_limit_tokens_per_s']:.0f}"]
              for r in rows],
         )
     if "embeddings" not in args.skip:

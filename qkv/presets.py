@@ -25,7 +25,7 @@ GPT_PRESETS: dict[str, dict[str, Any]] = {
     # 1,500 steps instead (~1.78 in ~45 s of fp32 on an AVX-512 CPU).
     "cpu": {
         "model": dict(max_seq_len=64, dim=192, n_layers=2, n_heads=4, bias=False),
-        "train": dict(batch_size=16, max_iters=400, lr=5e-3, min_lr=3e-5, muon_lr=0.03,
+        "train": dict(batch_size=16, max_iters=500, lr=5e-3, min_lr=3e-5, muon_lr=0.03,
                       warmup_iters=10, eval_interval=100, eval_iters=20),
         "train_adamw": dict(batch_size=12, max_iters=1500, lr=3e-3, min_lr=3e-4, warmup_iters=50,
                             eval_interval=250),

@@ -155,6 +155,9 @@ def cmd_similarity(args: argparse.Namespace) -> int:
     return 0
 
 
+DEFAULT_WEIGHTS = "auto"  # q4 for a GGUF stored in 4 bits: fastest, keeps the answers (BENCHMARKS.md)
+
+
 def cmd_generate_pretrained(args: argparse.Namespace) -> int:
     """`qkv generate smollm2 ...`: stream a continuation (or a chat reply) from the GGUF model."""
     from qkv.pretrained import load
@@ -170,12 +173,11 @@ def cmd_generate_pretrained(args: argparse.Namespace) -> int:
     if args.top_p is not None and not 0.0 < args.top_p <= 1.0:
         raise ValueError(f"--top-p must be in (0, 1], got {args.top_p}")
     t0 = time.perf_counter()
-    if args.run.lower().endswith(".gguf"):  # any llama-architecture GGUF goes through the same converter
-        lm = load("smollm2", path=args.run, dtype=args.dtype or "float32", device=args.device)
-    else:
-        lm = load(args.run, dtype=args.dtype or "float32", device=args.device)
-    print(f"[{args.run}: loaded in {time.perf_counter() - t0:.1f} s, {args.dtype or 'float32'}]",
-          file=sys.stderr)
+    weights = args.weights or {"float32": "fp32", "bfloat16": "bf16", None: DEFAULT_WEIGHTS}[args.dtype]
+    path = args.run if args.run.lower().endswith(".gguf") else None  # any llama-architecture GGUF
+    lm = load("smollm2" if path else args.run, path=path, device=args.device, weights=weights)
+    used = lm.info.get("weights", weights)
+    print(f"[{args.run}: loaded in {time.perf_counter() - t0:.1f} s, weights {used}]", file=sys.stderr)
     n_prompt = len(lm.tokenizer.encode(lm.format_chat(args.prompt, args.system) if args.chat
                                        else args.prompt))
     room = lm.model.cfg.max_seq_len - n_prompt

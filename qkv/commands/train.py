@@ -418,6 +418,11 @@ def add_generate_parser(sub) -> None:
     p.add_argument("--dtype", default=None, choices=("float32", "bfloat16"),
                    help="weights' precision (default %(default)s: as loaded, i.e. float32, "
                    "exact to the reference)")
+    p.add_argument("--weights", default=None, choices=("auto", "fp32", "bf16", "int8", "q4"),
+                   help="how the weights are stored while decoding (overrides --dtype): int8 rows or "
+                   "(pretrained GGUFs stored in 4 bits) the file's own 4-bit groups read fewer bytes "
+                   "per token; fp32 is exact to the reference. Default (auto): fp32 for a trained run, "
+                   "q4 for a GGUF stored in 4 bits such as smollm2's (BENCHMARKS.md: speed, agreement)")
     p.set_defaults(func=cmd_generate)
 
 
@@ -452,6 +457,16 @@ def cmd_generate(args: argparse.Namespace) -> int:
     model, tok, _ = load_lm_run(Path(args.run), args.device)
     if args.dtype:
         model.to(getattr(torch, args.dtype))
+    if args.weights == "q4":
+        raise ValueError("--weights q4 decodes from a GGUF's own 4-bit groups (smollm2); for a trained "
+                         "run use --weights int8")
+    if args.weights in ("auto", "fp32", "bf16"):
+        args.weights = "fp32" if args.weights == "auto" else args.weights
+        model.to(torch.float32 if args.weights == "fp32" else torch.bfloat16)
+    elif args.weights == "int8":
+        from qkv.layers.quant import quantize_linears
+
+        quantize_linears(model, "int8")
     ids = tok.encode(args.prompt)
     if not ids:
         raise ValueError("the prompt encodes to no tokens; give a non-empty --prompt")

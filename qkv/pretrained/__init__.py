@@ -20,12 +20,16 @@ PRETRAINED = {
 }
 
 
-def load(name: str, *, dtype: str | torch.dtype = "float32", path: str | None = None,
-         device: str = "cpu", cache: bool = True) -> SentenceEncoder | CausalLM:
+def load(name: str, *, dtype: str | torch.dtype | None = None, path: str | None = None,
+         device: str = "cpu", cache: bool = True, weights: str | None = None) -> SentenceEncoder | CausalLM:
     """Load a pretrained model by name (see ``PRETRAINED``) from its installed asset.
 
     Args:
         dtype: "float32" (exact to the reference) or "bfloat16" (half the memory traffic).
+        weights: decoders only: "auto" | "fp32" | "bf16" | "int8" | "q4" (see
+            ``CausalLM.quantize``); overrides ``dtype``. Default: ``dtype`` when it is given,
+            else "auto" (the GGUF's own 4-bit groups where it is stored so: the fastest format
+            that keeps the model's answers; "fp32" is the parity mode).
         path: read this file/folder instead of the installed asset.
         cache: reuse (and store) the converted GGUF: ~1 s instead of ~8 s per load
             (:mod:`qkv.pretrained.cache`; ``QKV_CACHE_DIR=off`` disables it everywhere).
@@ -34,8 +38,10 @@ def load(name: str, *, dtype: str | torch.dtype = "float32", path: str | None = 
         ValueError: unknown name. AssetMissingError: asset not installed (names the command).
         PretrainedFormatError: the file is damaged.
     """
-    dt = resolve_dtype(dtype)
+    dt = resolve_dtype("float32" if dtype is None else dtype)
     if name == "minilm":
+        if weights is not None:
+            raise ValueError("weights= is for decoders (smollm2); minilm takes dtype=")
         from qkv.pretrained.minilm import load_minilm
 
         enc, tok, max_tokens = load_minilm(path)
@@ -46,8 +52,10 @@ def load(name: str, *, dtype: str | torch.dtype = "float32", path: str | None = 
         gpt, tok, info = load_smollm2(path, cache=cache)
         stops = {info.get("eos_id"), tok.token_to_id("<|im_end|>")} - {None}
         lm = CausalLM("smollm2", gpt.to(device), tok, info.get("chat_template"),
-                      tuple(sorted(stops)), info)
-        return lm.to(dt)
+                      tuple(sorted(stops)), dict(info))
+        if weights is None:
+            return lm.to(dt) if dtype is not None else lm.quantize("auto")
+        return lm.quantize(weights)
     raise ValueError(f"unknown pretrained model {name!r}; choose from: {', '.join(PRETRAINED)}")
 
 

@@ -25,7 +25,7 @@ from qkv.paths import cache_root
 from qkv.tokenizers.base import load_tokenizer, save_tokenizer
 from qkv.tokenizers.hf import HFTokenizer
 
-CONVERTER_VERSION = 1  # bump when a converter's output changes
+CONVERTER_VERSION = 2  # bump when a converter's output changes (2: info records weight types)
 
 
 def entry_dir(name: str, source: Path) -> Path | None:

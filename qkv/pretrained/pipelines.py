@@ -27,6 +27,13 @@ from qkv.tokenizers.hf import HFTokenizer
 
 DTypeName = Literal["float32", "bfloat16"]
 DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+WeightsName = Literal["auto", "fp32", "bf16", "int8", "q4"]
+WEIGHTS = ("auto", "fp32", "bf16", "int8", "q4")
+# GGUF block formats whose groups of 32 are exactly torch's 4-bit groups: Q4_1 (w = d·q + m)
+# and Q4_0 (w = d·(q − 8)). Re-grouping their dequantised weights by each group's min and max
+# gives back the file's own codes and scales (llama.cpp sets d and m from the group's min and
+# max), so weights="q4" decodes from the file's 4 bits, not from a second rounding.
+Q4_SOURCES = ("Q4_0", "Q4_1")
 
 
 def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
@@ -117,7 +124,57 @@ class CausalLM:
     def to(self, dtype: str | torch.dtype) -> CausalLM:
         """Cast the weights to float32 (exact to the reference) or bfloat16 (half the memory
         traffic per token)."""
+        self._check_not_quantized(f"cast to {dtype}")
         self.model.to(resolve_dtype(dtype))
+        return self
+
+    def _check_not_quantized(self, what: str) -> None:
+        if self.info.get("weights") in ("int8", "q4"):
+            raise ValueError(f"{self.name} is stored as {self.info['weights']}, which cannot be {what}; "
+                             f"load it again: qkv.load({self.name!r}, weights=...)")
+
+    def quantize(self, weights: WeightsName) -> CausalLM:
+        """Store the weights as ``weights``, in place, for faster decoding:
+
+        - "fp32": as converted (exact to the reference implementation); "bf16": cast.
+        - "int8": every projection and the output head as int8 rows (PyTorch's int8 kernel).
+        - "q4": the decoder blocks' projections in 4-bit groups of 32 (PyTorch's int4 kernel,
+          bf16 activations). Only for files stored in 4 bits (Q4_0/Q4_1), whose own codes it
+          keeps.
+        int8 and q4 give the output head int8 rows whose 64 largest logits are recomputed in
+        fp32 (:class:`~qkv.layers.quant.TopKRefinedLinear`).
+        - "auto": q4 where the file is stored in 4 bits and PyTorch has the kernels, else fp32.
+        The embedding table, norms and the attention arithmetic stay float32.
+        """
+        from qkv.layers.quant import TopKRefinedLinear, int4_kernels_available, quantize_linears
+
+        if weights not in WEIGHTS:
+            raise ValueError(f"weights must be one of {', '.join(WEIGHTS)}, got {weights!r}")
+        self._check_not_quantized(f"re-stored as {weights}")
+        if weights == "auto":
+            types = self.info.get("weight_types") or []
+            q4 = bool(types) and all(t in Q4_SOURCES for t in types) and int4_kernels_available()
+            weights = "q4" if q4 else "fp32"
+        self.info["weights"] = weights
+        if weights in ("fp32", "bf16"):
+            return self.to("float32" if weights == "fp32" else "bfloat16")
+        self.model.to(torch.float32)
+        if weights == "q4":
+            types = self.info.get("weight_types") or []
+            other = [t for t in types if t not in Q4_SOURCES]
+            if other or not types:
+                raise ValueError(
+                    f"weights='q4' decodes from a file's own 4-bit groups ({', '.join(Q4_SOURCES)}); "
+                    f"{self.name}'s blocks are stored as {', '.join(types) or 'unknown'}: use "
+                    "weights='int8', 'bf16' or 'fp32'")
+            if not int4_kernels_available():
+                raise ValueError(f"weights='q4' needs PyTorch's CPU int4 kernels (torch >= 2.5; this is "
+                                 f"{torch.__version__}); use weights='int8'")
+            quantize_linears(self.model, "q4", skip=("lm_head",))
+        head = self.model.lm_head.weight.detach()  # (V, dim) float32, the tied embedding
+        quantize_linears(self.model, "int8")
+        # bf16 logits from the int8 kernel would round near-ties: recompute the top 64 in fp32.
+        self.model.lm_head = TopKRefinedLinear(self.model.lm_head, head)
         return self
 
     def format_chat(self, messages: str | Sequence[dict[str, str]], system: str | None = None) -> str:

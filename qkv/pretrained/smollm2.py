@@ -174,6 +174,10 @@ def load_smollm2(
         "chat_template": g.metadata.get("tokenizer.chat_template"),
         "bos_id": g.metadata.get("tokenizer.ggml.bos_token_id"),
         "eos_id": g.metadata.get("tokenizer.ggml.eos_token_id"),
+        # The storage format of the block matrices (Q4_1 for the bundled file): whether
+        # weights="q4" can decode from the file's own 4-bit groups (see pipelines.quantize).
+        "weight_types": sorted({t.tensor_type.name for t in g.reader.tensors
+                                if t.name.startswith("blk.") and len(t.shape) == 2}),
     }
     if entry is not None:
         try:

@@ -1,0 +1,111 @@
+"""llama.cpp's ``llama-bench``, the decoding peer of ``pretrained_speed.py`` (not a dependency).
+
+llama.cpp is what people run to decode a GGUF on a CPU. Its source ships inside the
+``llama-cpp-python`` sdist on PyPI (``vendor/llama.cpp``); this helper downloads that sdist
+with pip, builds only the ``llama-bench`` target with CMake (~10 minutes on 2 cores, once) into
+``$QKV_CACHE_DIR/llama.cpp`` (default ``~/.cache/qkv/llama.cpp``), and runs it on a GGUF.
+
+Build flags: a portable build (``GGML_NATIVE=OFF``) with AVX2/FMA/F16C, AVX-512 where the CPU
+has it, and AMX off: a ``GGML_NATIVE=ON`` build died with an illegal instruction on an AMX
+Xeon (issue 14), and the Python binding's own build segfaulted on first decode there.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+import tarfile
+import tempfile
+from pathlib import Path
+
+LLAMA_CPP_PYTHON = "llama-cpp-python==0.3.36"  # the sdist whose vendor/llama.cpp is built
+
+
+def _root() -> Path:
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+    from qkv.paths import cache_root
+
+    root = cache_root() or Path(tempfile.gettempdir()) / "qkv-cache"
+    return root / "llama.cpp"
+
+
+def _cpu_flags() -> set[str]:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
+
+
+def cmake_flags() -> list[str]:
+    flags = _cpu_flags()
+    avx512 = all(f in flags for f in ("avx512f", "avx512bw", "avx512vl", "avx512dq"))
+    return [
+        "-DCMAKE_BUILD_TYPE=Release", "-DBUILD_SHARED_LIBS=OFF", "-DGGML_NATIVE=OFF",
+        "-DGGML_AVX=ON", "-DGGML_AVX2=ON", "-DGGML_FMA=ON", "-DGGML_F16C=ON",
+        f"-DGGML_AVX512={'ON' if avx512 else 'OFF'}",
+        "-DGGML_AMX_TILE=OFF", "-DGGML_AMX_INT8=OFF", "-DGGML_AMX_BF16=OFF",
+        "-DGGML_OPENMP=ON", "-DLLAMA_CURL=OFF", "-DLLAMA_BUILD_TESTS=OFF",
+        "-DLLAMA_BUILD_EXAMPLES=ON", "-DLLAMA_BUILD_TOOLS=ON", "-DLLAMA_BUILD_SERVER=OFF",
+    ]
+
+
+def llama_bench(build: bool = True, log=print) -> tuple[Path | None, str]:
+    """(path of llama-bench, how it was found), or (None, why it is not available)."""
+    binary = _root() / "llama-bench"
+    if binary.is_file():
+        return binary, f"cached build in {binary.parent}"
+    if not build:
+        return None, f"not built (run with --build-llama-cpp to build it into {binary.parent})"
+    if not shutil.which("cmake") or not (shutil.which("c++") or shutil.which("g++")):
+        return None, "cmake or a C++ compiler is missing (apt-get install cmake g++)"
+    with tempfile.TemporaryDirectory(prefix="qkv-llama-") as tmp:
+        tmp_path = Path(tmp)
+        log(f"llama.cpp: downloading the {LLAMA_CPP_PYTHON} sdist ...")
+        r = subprocess.run([sys.executable, "-m", "pip", "download", "--no-binary", ":all:", "--no-deps",
+                            "-d", tmp, LLAMA_CPP_PYTHON], capture_output=True, text=True)
+        sdists = list(tmp_path.glob("llama_cpp_python-*.tar.gz"))
+        if r.returncode != 0 or not sdists:
+            return None, f"pip could not download {LLAMA_CPP_PYTHON}: {(r.stderr or r.stdout).strip()[-300:]}"
+        with tarfile.open(sdists[0]) as tar:
+            tar.extractall(tmp_path, filter="data")
+        src = next(tmp_path.glob("llama_cpp_python-*/vendor/llama.cpp"), None)
+        if src is None:
+            return None, "the sdist has no vendor/llama.cpp"
+        build_dir = tmp_path / "build"
+        log("llama.cpp: configuring (cmake) and building llama-bench (~10 minutes on 2 cores) ...")
+        for cmd in (["cmake", "-S", str(src), "-B", str(build_dir), *cmake_flags()],
+                    ["cmake", "--build", str(build_dir), "--target", "llama-bench", "-j", "2"]):
+            r = subprocess.run(cmd, capture_output=True, text=True)
+            if r.returncode != 0:
+                return None, f"{' '.join(cmd[:3])} failed: {(r.stderr or r.stdout).strip()[-500:]}"
+        built = next((p for p in build_dir.rglob("llama-bench") if p.is_file()), None)
+        if built is None:
+            return None, "the build produced no llama-bench binary"
+        binary.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(built, binary)
+        (binary.parent / "build.json").write_text(json.dumps(
+            {"source": LLAMA_CPP_PYTHON, "cmake_flags": cmake_flags()}, indent=1))
+    return binary, f"built now from {LLAMA_CPP_PYTHON} into {binary.parent}"
+
+
+def run_llama_bench(binary: Path, gguf: Path, threads: int = 2, prompt: int = 32, new: int = 128,
+                    reps: int = 3) -> dict:
+    """Prefill and decode tokens/s of ``gguf`` (llama-bench's own averages over ``reps``)."""
+    cmd = [str(binary), "-m", str(gguf), "-t", str(threads), "-p", str(prompt), "-n", str(new),
+           "-r", str(reps), "-o", "json"]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
+    if r.returncode != 0:
+        raise RuntimeError(f"llama-bench failed ({r.returncode}): {(r.stderr or r.stdout).strip()[-300:]}")
+    rows = json.loads(r.stdout)
+    out: dict = {"command": " ".join(cmd[1:]), "build": str(binary)}
+    for row in rows:
+        kind = "prefill" if row.get("n_prompt", 0) > 0 else "decode"
+        out[kind] = {"tokens_per_s": round(float(row["avg_ts"]), 1),
+                     "stdev": round(float(row.get("stddev_ts", 0.0)), 1),
+                     "samples_ts": row.get("samples_ts")}
+    return out

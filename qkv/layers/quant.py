@@ -1,0 +1,213 @@
+"""Weight-only quantised linear layers for decoding: 4-bit groups and 8-bit rows.
+
+Decoding one token multiplies one activation row by every weight matrix, so its time is the
+time to read the weights. Storing them in fewer bits reads fewer bytes; PyTorch's own CPU
+kernels multiply straight from the packed form, without widening the matrix first:
+
+- :class:`Int4Linear`: groups of ``group_size`` weights along the input share a scale and a
+  zero point, ``w = (q − 8)·scale + zero`` with q ∈ {0..15} (asymmetric, as llama.cpp's Q4_1:
+  ``w = d·q + m`` is scale d, zero m + 8d). ``torch.ops.aten._weight_int4pack_mm_for_cpu``
+  computes ``x Wᵀ`` from the packed nibbles; it is fast with bf16 activations (scales and
+  zeros then round to bf16: ~3e-3 relative) and slow with fp32 ones, so activations are cast
+  to bf16 for the product and back.
+- :class:`Int8Linear`: symmetric per-output-row int8, ``w = q·scale``,
+  ``torch.ops.aten._weight_int8pack_mm``. It too takes bf16 activations by default: with fp32
+  ones the kernel is ~17× slower (281 µs vs 16 µs for a 1536×576 row product, 2 cores).
+
+Both keep ``in_features``/``out_features`` like ``nn.Linear`` and have ``dequantize()`` (the
+float matrix they stand for), which the tests use as the reference.
+
+Shapes: x (..., K) -> (..., N); W (N, K); G = K / group_size groups per row.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+
+INT4_INNER_K_TILES = 2  # the packing PyTorch's CPU kernel reads fastest for K a multiple of 64
+
+
+def int4_kernels_available() -> bool:
+    """PyTorch has the CPU int4 weight-only kernels (2.5+)."""
+    return hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu")
+
+
+class Int4Linear(nn.Module):
+    """``x Wᵀ`` with W in 4-bit groups: ``w = (q − 8)·scale + zero`` per group (see module doc)."""
+
+    def __init__(self, q: Tensor, scale: Tensor, zero: Tensor, group_size: int,
+                 act_dtype: torch.dtype = torch.bfloat16) -> None:
+        """q (N, K) integers in 0..15; scale, zero (N, G) floats; K divisible by group_size."""
+        super().__init__()
+        N, K = q.shape
+        if K % 2 or K % group_size or scale.shape != (N, K // group_size) or zero.shape != scale.shape:
+            raise ValueError(f"4-bit weight of shape {tuple(q.shape)} needs scale/zero of shape "
+                             f"({N}, {K // group_size}) and K divisible by {group_size}")
+        if N % 16:
+            raise ValueError(f"PyTorch's 4-bit kernel needs an output width divisible by 16, got {N}")
+        if int(q.min()) < 0 or int(q.max()) > 15:
+            raise ValueError("4-bit codes must lie in 0..15")
+        self.in_features, self.out_features, self.group_size = K, N, group_size
+        self.act_dtype = act_dtype
+        inner = INT4_INNER_K_TILES if K % (16 * INT4_INNER_K_TILES) == 0 else 1
+        packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32).contiguous(), inner)
+        self.register_buffer("packed", packed)
+        # The kernel's layout: (G, N, 2) holding [scale, zero], in the activation dtype.
+        sz = torch.stack([scale.t(), zero.t()], dim=-1).to(act_dtype).contiguous()
+        self.register_buffer("scales_zeros", sz)
+        # Our own copy of the codes, two per byte, for dequantize() (the packed layout above
+        # is the kernel's own business).
+        q8 = q.to(torch.uint8)
+        self.register_buffer("codes", q8[:, 0::2] | (q8[:, 1::2] << 4), persistent=False)
+
+    @classmethod
+    def from_float(cls, weight: Tensor, group_size: int = 32,
+                   act_dtype: torch.dtype = torch.bfloat16) -> Int4Linear:
+        """Quantise a float (N, K) matrix: each group's [min, max] spread over 16 levels."""
+        N, K = weight.shape
+        w = weight.detach().float().view(N, K // group_size, group_size)
+        lo, hi = w.amin(dim=-1), w.amax(dim=-1)
+        scale = ((hi - lo) / 15).clamp(min=1e-10)
+        q = ((w - lo[..., None]) / scale[..., None]).round().clamp(0, 15).view(N, K)
+        return cls(q, scale, lo + 8 * scale, group_size, act_dtype)
+
+    def dequantize(self) -> Tensor:
+        """The (N, K) float32 matrix this layer multiplies by, with the scales and zeros as
+        the kernel sees them (rounded to the activation dtype)."""
+        sz = self.scales_zeros.float()  # (G, N, 2)
+        scale, zero = sz[..., 0].t(), sz[..., 1].t()  # (N, G)
+        N, K, g = self.out_features, self.in_features, self.group_size
+        q = torch.stack([self.codes & 0xF, self.codes >> 4], dim=-1).view(N, K).float().view(N, K // g, g)
+        return ((q - 8) * scale[..., None] + zero[..., None]).view(N, K)
+
+    def forward(self, x: Tensor) -> Tensor:
+        shape = x.shape
+        x2 = x.reshape(-1, self.in_features).to(self.act_dtype)  # (M, K)
+        y = torch.ops.aten._weight_int4pack_mm_for_cpu(x2, self.packed, self.group_size, self.scales_zeros)
+        return y.view(*shape[:-1], self.out_features).to(x.dtype)
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, "
+                f"group_size={self.group_size}, act_dtype={self.act_dtype}")
+
+
+class Int8Linear(nn.Module):
+    """``x Wᵀ`` with W as int8 rows: ``w = q·scale``, one scale per output row.
+
+    ``terms=2`` stores W as two int8 matrices, the second quantising what the first left over
+    (``w ≈ q₁·s₁ + q₂·s₂``, error ≤ s₁/254 per weight instead of s₁/2): twice the bytes and
+    two kernel calls, but as exact as bf16 weights. qkv uses it for SmolLM2's output head,
+    whose one-term int8 rows change the greedy token at 2.6% of positions (BENCHMARKS.md).
+    """
+
+    def __init__(self, q: Tensor, scale: Tensor, act_dtype: torch.dtype = torch.bfloat16) -> None:
+        """q (terms, N, K) or (N, K) int8; scale (terms, N) or (N,) float."""
+        super().__init__()
+        q, scale = (q[None], scale[None]) if q.dim() == 2 else (q, scale)
+        if q.dtype != torch.int8 or scale.shape != q.shape[:2]:
+            raise ValueError("Int8Linear takes int8 codes (terms, N, K) and one scale per row (terms, N)")
+        self.act_dtype = act_dtype
+        self.terms, self.out_features, self.in_features = q.shape
+        self.register_buffer("weight_int8", q.contiguous())
+        self.register_buffer("scale", scale.to(act_dtype).contiguous())  # as the kernel reads it
+
+    @classmethod
+    def from_float(cls, weight: Tensor, act_dtype: torch.dtype = torch.bfloat16,
+                   terms: int = 1) -> Int8Linear:
+        """Symmetric per-row quantisation (scale = max|w| / 127), of the weights and then, for
+        each further term, of what the previous terms left over."""
+        rest = weight.detach().float()
+        qs, scales = [], []
+        for _ in range(terms):
+            scale = (rest.abs().amax(dim=1) / 127).clamp(min=1e-10).to(act_dtype).float()
+            q = (rest / scale[:, None]).round().clamp(-127, 127)
+            qs.append(q.to(torch.int8))
+            scales.append(scale)
+            rest = rest - q * scale[:, None]
+        return cls(torch.stack(qs), torch.stack(scales), act_dtype)
+
+    def dequantize(self) -> Tensor:
+        """The (N, K) float32 matrix this layer multiplies by (scales as the kernel reads them)."""
+        return (self.weight_int8.float() * self.scale.float()[..., None]).sum(dim=0)
+
+    def forward(self, x: Tensor) -> Tensor:
+        shape = x.shape
+        x2 = x.reshape(-1, self.in_features).to(self.act_dtype)
+        y = torch.ops.aten._weight_int8pack_mm(x2, self.weight_int8[0], self.scale[0])
+        for t in range(1, self.terms):
+            y = y + torch.ops.aten._weight_int8pack_mm(x2, self.weight_int8[t], self.scale[t])
+        return y.view(*shape[:-1], self.out_features).to(x.dtype)
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, "
+                f"terms={self.terms}, act_dtype={self.act_dtype}")
+
+
+class TopKRefinedLinear(nn.Module):
+    """An output head that reads few bytes and still ranks the likely tokens exactly.
+
+    The int8 kernel returns bf16 outputs: logits of size ~25 come back rounded to steps of
+    0.125, coarser than the gap between the two best tokens at a few per cent of positions, so
+    the greedy token changes there. This head takes the fast approximate logits for every
+    token, then recomputes the ``k`` largest in fp32 from the float matrix (``k`` rows read,
+    not all of them) and writes them back: the top of the distribution is exact, the tail
+    (where sampling rarely looks) is within bf16 rounding.
+
+    Args:
+        approx: the quantised head (e.g. :class:`Int8Linear`), (..., K) -> (..., N).
+        weight: (N, K) float32 matrix it approximates (a tied embedding is shared, not copied).
+        k: how many of the largest logits are recomputed exactly.
+    """
+
+    def __init__(self, approx: nn.Module, weight: Tensor, k: int = 64) -> None:
+        super().__init__()
+        self.approx, self.k = approx, k
+        self.weight = weight  # not a buffer of its own: shared with the embedding, not saved twice
+        self.in_features, self.out_features = weight.shape[1], weight.shape[0]
+
+    def forward(self, x: Tensor) -> Tensor:
+        y = self.approx(x).float()  # (..., N)
+        shape = y.shape
+        y2, x2 = y.reshape(-1, self.out_features), x.reshape(-1, self.in_features).float()  # (M, N), (M, K)
+        idx = y2.topk(min(self.k, self.out_features), dim=-1).indices  # (M, k)
+        rows = self.weight.float()[idx]  # (M, k, K): the only float rows read
+        y2.scatter_(1, idx, torch.bmm(rows, x2.unsqueeze(-1)).squeeze(-1))  # exact fp32 logits
+        return y2.view(shape).to(x.dtype)
+
+    def dequantize(self) -> Tensor:
+        return self.weight.float()
+
+    def extra_repr(self) -> str:
+        return f"k={self.k}"
+
+
+WeightFormat = str  # "fp32" | "bf16" | "int8" | "q4"
+
+
+def quantize_linears(model: nn.Module, weights: str, skip: tuple[str, ...] = (),
+                     group_size: int = 32, terms: int = 1) -> nn.Module:
+    """Replace every ``nn.Linear`` of ``model`` (but those whose name ends in ``skip``) by its
+    int8 (``weights="int8"``, ``terms`` int8 matrices each) or 4-bit (``"q4"``) form, in
+    place; returns the model.
+
+    Biases are not supported (the decoders that use this have none).
+    """
+    if weights not in ("int8", "q4"):
+        raise ValueError(f"weights must be int8 or q4 here, got {weights!r}")
+    for name, module in list(model.named_modules()):
+        if not isinstance(module, nn.Linear) or name.endswith(skip):
+            continue
+        if module.bias is not None:
+            raise ValueError(f"{name} has a bias; weight-only quantisation here needs bias-free layers")
+        w = module.weight
+        q = (Int8Linear.from_float(w, terms=terms) if weights == "int8"
+             else Int4Linear.from_float(w, group_size))
+        set_submodule(model, name, q)
+    return model
+
+
+def set_submodule(model: nn.Module, name: str, new: nn.Module) -> None:
+    parent_name, _, child = name.rpartition(".")
+    parent = model.get_submodule(parent_name) if parent_name else model
+    setattr(parent, child, new)

@@ -1,0 +1,136 @@
+"""Weight-only int4/int8 linear layers against float64 products of the weights they stand for."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from qkv.layers.quant import (
+    Int4Linear,
+    Int8Linear,
+    TopKRefinedLinear,
+    int4_kernels_available,
+    quantize_linears,
+)
+
+pytestmark = pytest.mark.skipif(not int4_kernels_available(), reason="needs PyTorch's CPU int4 kernels")
+
+
+def gen(seed: int = 0) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+def codes_scales(N: int, K: int, g: int = 32):
+    q = torch.randint(0, 16, (N, K), generator=gen(1))
+    d = torch.rand(N, K // g, generator=gen(2)) * 0.05 + 0.005
+    m = torch.randn(N, K // g, generator=gen(3)) * 0.1
+    return q, d, m
+
+
+@pytest.mark.parametrize(("N", "K"), [(96, 64), (64, 192), (48, 32)])
+@pytest.mark.parametrize("rows", [1, 5])
+def test_int4_matches_the_dequantised_matrix_in_float64(N: int, K: int, rows: int) -> None:
+    """GGUF Q4_1 groups (w = d·q + m) as torch's 4-bit groups (scale d, zero m + 8d): the
+    kernel's product equals x·Wᵀ of that matrix, with x and the scales rounded to bf16 as the
+    kernel reads them, to bf16 output precision."""
+    q, d, m = codes_scales(N, K)
+    layer = Int4Linear(q, d, m + 8 * d, 32)
+    # Our own dequantisation, written from the Q4_1 formula (not from the layer's):
+    d16, z16 = d.bfloat16().double(), (m + 8 * d).bfloat16().double()
+    w = ((q.double().view(N, K // 32, 32) - 8) * d16[..., None] + z16[..., None]).view(N, K)
+    torch.testing.assert_close(layer.dequantize().double(), w, rtol=0, atol=1e-12)
+    x = torch.randn(rows, K, generator=gen(4))
+    ref = x.bfloat16().double() @ w.T
+    y = layer(x)
+    assert y.dtype == torch.float32 and y.shape == (rows, N)
+    err = (y.double() - ref).abs().max().item()
+    assert err <= 8e-3 * ref.abs().max().item()  # bf16 output: 2^-8 relative
+    # And the float formula without bf16 scales is close, but not exactly it (what q4 costs).
+    exact = x.double() @ ((q.double().view(N, K // 32, 32) * d.double()[..., None]
+                           + m.double()[..., None]).view(N, K)).T
+    assert (y.double() - exact).abs().max().item() < 3e-2 * exact.abs().max().item()
+
+
+def test_int4_keeps_leading_dims_and_input_dtype() -> None:
+    q, d, m = codes_scales(32, 64)
+    layer = Int4Linear(q, d, m, 32)
+    x = torch.randn(2, 3, 64, generator=gen(5))
+    y = layer(x)
+    assert y.shape == (2, 3, 32) and y.dtype == torch.float32
+    torch.testing.assert_close(y[1, 2], layer(x[1, 2:3])[0])
+
+
+def test_int4_from_float_recovers_codes_from_a_grid() -> None:
+    """Weights made as d·q + m with q spanning 0..15 in every group (as llama.cpp's Q4_1
+    quantiser makes them) are re-grouped into exactly those codes."""
+    N, K = 16, 64
+    q, d, m = codes_scales(N, K)
+    q = q.view(N, 2, 32)
+    q[..., 0], q[..., 1] = 0, 15  # each group's min and max on the grid's ends
+    q = q.view(N, K)
+    w = (q.float().view(N, 2, 32) * d[..., None] + m[..., None]).view(N, K)
+    layer = Int4Linear.from_float(w)
+    back = torch.stack([layer.codes & 0xF, layer.codes >> 4], dim=-1).view(N, K)
+    assert torch.equal(back.long(), q.long())
+
+
+def test_int4_rejects_bad_shapes_and_codes() -> None:
+    with pytest.raises(ValueError, match="divisible by 16"):
+        Int4Linear(*codes_scales(8, 64), 32)
+    q, d, m = codes_scales(16, 64)
+    with pytest.raises(ValueError, match="needs scale/zero"):
+        Int4Linear(q, d[:, :1], m[:, :1], 32)
+    with pytest.raises(ValueError, match=r"0\.\.15"):
+        Int4Linear(q + 1, d, m, 32)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_int8_matches_the_dequantised_matrix(dtype: torch.dtype) -> None:
+    w = torch.randn(48, 80, generator=gen(6))
+    layer = Int8Linear.from_float(w)
+    wd = layer.dequantize().double()
+    assert (wd - w.double()).abs().max() <= layer.scale.max() / 2 + 1e-7  # rounding: half a step
+    x = torch.randn(3, 80, generator=gen(7)).to(dtype)
+    ref = x.bfloat16().double() @ wd.T  # the kernel reads bf16 activations, returns bf16
+    y = layer(x)
+    assert y.dtype == dtype
+    assert (y.double() - ref).abs().max().item() <= 8e-3 * ref.abs().max().item()
+
+
+def test_two_term_int8_is_as_exact_as_bf16_weights() -> None:
+    w = torch.randn(64, 96, generator=gen(8))
+    one, two = Int8Linear.from_float(w), Int8Linear.from_float(w, terms=2)
+    e1 = (one.dequantize() - w).abs().max().item()
+    e2 = (two.dequantize() - w).abs().max().item()
+    step = (w.abs().amax(dim=1) / 127).max().item()
+    assert e1 <= step / 2 + 1e-6 and e2 <= step / 200  # the second term quantises the rest
+    assert e2 < (w.bfloat16().float() - w).abs().max().item()  # finer than bf16 rounding
+    x = torch.randn(2, 96, generator=gen(9))
+    ref = x.bfloat16().double() @ two.dequantize().double().T
+    assert (two(x).double() - ref).abs().max().item() <= 8e-3 * ref.abs().max().item()
+
+
+def test_refined_head_is_exact_on_its_top_k() -> None:
+    w = torch.randn(500, 64, generator=gen(10))
+    head = TopKRefinedLinear(Int8Linear.from_float(w), w, k=16)
+    x = torch.randn(3, 64, generator=gen(11))
+    y = head(x).double()
+    exact = x.double() @ w.double().T
+    top = exact.topk(8, dim=-1).indices
+    # The true top 8 are among the approximate top 16 (bf16 errors ~0.03, smaller than the
+    # gap to the 17th), so they are exact to fp32 rounding; the argmax is the true argmax.
+    torch.testing.assert_close(y.gather(1, top), exact.gather(1, top), rtol=1e-6, atol=1e-5)
+    assert torch.equal(y.argmax(-1), exact.argmax(-1))
+    rest = (y - exact).abs().max().item()
+    assert rest <= 8e-3 * exact.abs().max().item()  # the tail: within bf16 rounding
+
+
+def test_quantize_linears_replaces_every_linear_but_the_skipped() -> None:
+    model = nn.Sequential(nn.Linear(64, 32, bias=False), nn.ReLU(), nn.Linear(32, 64, bias=False))
+    quantize_linears(model, "q4", skip=("2",))
+    assert isinstance(model[0], Int4Linear) and isinstance(model[2], nn.Linear)
+    quantize_linears(model, "int8")
+    assert isinstance(model[2], Int8Linear)
+    with pytest.raises(ValueError, match="bias"):
+        quantize_linears(nn.Sequential(nn.Linear(64, 32)), "int8")

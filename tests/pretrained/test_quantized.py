@@ -1,0 +1,189 @@
+"""SmolLM2 decoded from int8 and from the GGUF's own 4-bit groups (weights="int8" / "q4"),
+against the dequantised fp32 model on held text, and against plain float products of the very
+weights each layer multiplies by."""
+
+from __future__ import annotations
+
+import copy
+import math
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from qkv.layers.quant import Int4Linear, Int8Linear, TopKRefinedLinear, int4_kernels_available
+
+pytestmark = pytest.mark.skipif(not int4_kernels_available(), reason="needs PyTorch's CPU int4 kernels")
+POSITIONS = 300  # teacher-forced positions scored (the issue asks for >= 256)
+
+
+@pytest.fixture(scope="module")
+def held_ids(smollm2) -> torch.Tensor:
+    """(1, POSITIONS + 1) tokens of English prose the tests never tuned on: Python's own docs."""
+    import pydoc_data.topics
+
+    text = " ".join(pydoc_data.topics.topics[k] for k in ("assert", "for", "while", "with"))
+    ids = smollm2.tokenizer.encode(" ".join(text.split()))
+    assert len(ids) > POSITIONS
+    return torch.tensor([ids[: POSITIONS + 1]])
+
+
+@pytest.fixture(scope="module")
+def formats(smollm2) -> dict:
+    return {w: copy.deepcopy(smollm2).quantize(w) for w in ("int8", "q4")}
+
+
+def logits(lm, ids: torch.Tensor) -> torch.Tensor:
+    with torch.inference_mode():
+        return lm.model(ids[:, :-1]).logits[0].float()  # (POSITIONS, V)
+
+
+def perplexity(lg: torch.Tensor, ids: torch.Tensor) -> float:
+    return math.exp(F.cross_entropy(lg, ids[0, 1:]).item())
+
+
+def test_formats_replace_the_projections(formats) -> None:
+    q4 = formats["q4"].model
+    kinds = {type(m) for name, m in q4.named_modules() if name.startswith("stack.blocks.")}
+    assert Int4Linear in kinds and nn.Linear not in kinds
+    assert isinstance(q4.lm_head, TopKRefinedLinear) and isinstance(q4.lm_head.approx, Int8Linear)
+    assert q4.lm_head.weight.data_ptr() == q4.tok_emb.weight.data_ptr()  # shared, not copied
+    assert all(not isinstance(m, nn.Linear) for m in formats["int8"].model.modules())
+    assert formats["q4"].info["weights"] == "q4"
+
+
+# Measured on 1,000 positions of the same text (BENCHMARKS.md): q4 99.1%, int8 97.2%, and the
+# bf16 model 97.6%. int8 rows cannot hold SmolLM2's 4-bit groups as they are (each row's
+# range spans many groups): its top-1 agreement misses the 99% that q4 meets.
+TOP1 = {"q4": 0.99, "int8": 0.965}
+
+
+@pytest.mark.parametrize("weights", ["int8", "q4"])
+def test_quantized_agrees_with_fp32_on_held_text(smollm2, formats, held_ids, weights: str) -> None:
+    ref, got = logits(smollm2, held_ids), logits(formats[weights], held_ids)
+    top1 = (ref.argmax(-1) == got.argmax(-1)).float().mean().item()
+    ppl_ref, ppl = perplexity(ref, held_ids), perplexity(got, held_ids)
+    print(f"{weights}: top-1 agreement {top1:.2%} over {POSITIONS} positions; perplexity {ppl:.3f} "
+          f"vs fp32 {ppl_ref:.3f} ({ppl / ppl_ref - 1:+.2%})")
+    assert top1 >= TOP1[weights]
+    assert abs(ppl / ppl_ref - 1) <= 0.01
+
+
+@pytest.mark.parametrize("weights", ["int8", "q4"])
+def test_every_layer_equals_a_plain_product_of_its_weights(formats, held_ids, weights: str) -> None:
+    """Each of the 210 quantised projections, on the activations it really sees on held text:
+    the kernel's output equals the float64 product of its dequantised matrix with the input
+    rounded to bf16, to bf16 output precision."""
+    lm = formats[weights]
+    seen: list[tuple[str, float]] = []
+
+    def check(name):
+        def hook(mod, inputs, out):
+            x = inputs[0].reshape(-1, mod.in_features)
+            ref = x.bfloat16().double() @ mod.dequantize().double().T
+            err = (out.reshape(ref.shape).double() - ref).abs().max().item()
+            seen.append((name, err / ref.abs().max().item()))
+        return hook
+
+    hooks = [m.register_forward_hook(check(n)) for n, m in lm.model.named_modules()
+             if isinstance(m, (Int4Linear, Int8Linear)) and n.startswith("stack.")]
+    try:
+        logits(lm, held_ids[:, :33])
+    finally:
+        for h in hooks:
+            h.remove()
+    worst = max(seen, key=lambda t: t[1])
+    print(f"{weights}: {len(seen)} layers, worst relative error {worst[1]:.2e} ({worst[0]})")
+    assert len(seen) == 30 * 5
+    assert worst[1] < 2 ** -7  # bf16 output rounding is 2^-9; the sum's order adds a little
+
+
+@pytest.mark.parametrize("weights", ["int8", "q4"])
+def test_refined_head_equals_the_fp32_product_on_top_logits(formats, held_ids, weights: str) -> None:
+    lm = formats[weights]
+    with torch.inference_mode():
+        h = lm.model.stack(lm.model.tok_emb(held_ids[:, :-1]), rope=lm.model.rope).x  # (1, T, dim)
+        got = lm.model.lm_head(h)[0]
+        exact = h[0].double() @ lm.model.tok_emb.weight.double().T
+    top = exact.topk(8, dim=-1).indices
+    torch.testing.assert_close(got.double().gather(1, top), exact.gather(1, top), rtol=1e-5, atol=1e-4)
+    assert torch.equal(got.argmax(-1), exact.argmax(-1))
+
+
+@pytest.mark.parametrize("weights", ["int8", "q4"])
+def test_cache_and_no_cache_agree(formats, weights: str) -> None:
+    lm = formats[weights]
+    with_cache = lm.generate("The capital of France is", 16, use_cache=True, stop_at_eos=False)
+    without = lm.generate("The capital of France is", 16, use_cache=False, stop_at_eos=False)
+    assert with_cache == without and with_cache.startswith(" Paris")
+
+
+def test_q4_answers_the_chat_question(formats) -> None:
+    assert "Paris" in formats["q4"].generate("What is the capital of France? Answer in one sentence.",
+                                             chat=True, max_new_tokens=20)
+
+
+def test_q4_keeps_the_files_own_codes(smollm2, smollm2_file) -> None:
+    """The Q4_1 blocks of one matrix, read raw from the GGUF: the 4-bit layer built from the
+    dequantised weights holds exactly the file's codes, scales and minima."""
+    gguf = pytest.importorskip("gguf")
+    reader = gguf.GGUFReader(str(smollm2_file))
+    t = next(t for t in reader.tensors if t.name == "blk.3.ffn_down.weight")
+    assert t.tensor_type.name == "Q4_1"
+    blocks = np.asarray(t.data, dtype=np.uint8).reshape(-1, 20)  # [d f16][m f16][16 bytes]
+    d = blocks[:, 0:2].copy().view(np.float16).astype(np.float32)[:, 0]
+    m = blocks[:, 2:4].copy().view(np.float16).astype(np.float32)[:, 0]
+    qs = blocks[:, 4:]
+    codes = np.concatenate([qs & 0x0F, qs >> 4], axis=1)  # elements 0..15, then 16..31
+    w = smollm2.model.stack.blocks[3].mlp.w_down.weight
+    layer = Int4Linear.from_float(w, 32, act_dtype=torch.float32)
+    ours = torch.stack([layer.codes & 0xF, layer.codes >> 4], dim=-1).reshape(-1, 32).numpy()
+    assert (ours == codes).mean() > 0.999  # a code may differ where d·q + m rounded in fp32
+    sz = layer.scales_zeros.float()  # (G, N, 2), rows of W in order N, groups G
+    scale = sz[..., 0].t().reshape(-1).numpy()
+    np.testing.assert_allclose(scale, d, rtol=1e-5, atol=1e-9)
+    np.testing.assert_allclose(sz[..., 1].t().reshape(-1).numpy() - 8 * scale, m, rtol=0, atol=1e-6)
+
+
+def test_q4_refuses_a_file_not_stored_in_4_bits(smollm2) -> None:
+    lm = copy.copy(smollm2)
+    lm.info = {**smollm2.info, "weight_types": ["Q6_K", "Q8_0"]}
+    with pytest.raises(ValueError, match=r"Q4_0, Q4_1.*Q6_K, Q8_0.*int8"):
+        lm.quantize("q4")
+    with pytest.raises(ValueError, match="weights must be one of"):
+        lm.quantize("q3")
+
+
+def test_cli_generates_from_q4_by_default_and_names_the_format(smollm2_file) -> None:
+    from cli_helpers import call
+
+    rc, out, err = call(["generate", "smollm2", "--prompt", "The capital of France is",
+                         "--temperature", "0", "--max-new-tokens", "3"])
+    assert rc == 0, err
+    assert out.startswith("The capital of France is Paris")
+    assert "weights q4" in err  # auto picked the file's own 4-bit groups
+    rc, out, err = call(["generate", "smollm2", "--prompt", "The capital of France is",
+                         "--temperature", "0", "--max-new-tokens", "3", "--weights", "fp32"])
+    assert rc == 0 and out.startswith("The capital of France is Paris") and "weights fp32" in err
+
+
+def test_cli_refuses_q4_for_a_run_qkv_trained(tmp_path) -> None:
+    from cli_helpers import assert_one_line_error, call
+
+    run = tmp_path / "run"
+    rc, _, err = call(["train", "--preset", "tiny", "--out_dir", str(run), "--no-progress",
+                       "--max_iters", "2", "--data", str(_text(tmp_path)), "--sample-tokens", "5"])
+    assert rc == 0, err
+    rc, _, err = call(["generate", str(run), "--weights", "q4", "--prompt", "a"])
+    assert "--weights int8" in assert_one_line_error(rc, err)
+    rc, out, err = call(["generate", str(run), "--weights", "int8", "--prompt", "a",
+                         "--max-new-tokens", "5", "--temperature", "0"])
+    assert rc == 0, err
+
+
+def _text(tmp_path):
+    f = tmp_path / "text.txt"
+    f.write_text("the quick brown fox jumps over the lazy dog.\n" * 200)
+    return f
