@@ -178,7 +178,7 @@ def test_cli_refuses_q4_for_a_run_qkv_trained(tmp_path) -> None:
     assert rc == 0, err
     rc, _, err = call(["generate", str(run), "--weights", "q4", "--prompt", "a"])
     assert "--weights int8" in assert_one_line_error(rc, err)
-    rc, out, err = call(["generate", str(run), "--weights", "int8", "--prompt", "a",
+    rc, _, err = call(["generate", str(run), "--weights", "int8", "--prompt", "a",
                          "--max-new-tokens", "5", "--temperature", "0"])
     assert rc == 0, err
 
