@@ -17,12 +17,11 @@ GPT_PRESETS: dict[str, dict[str, Any]] = {
         "train": dict(batch_size=8, max_iters=50, lr=3e-3, min_lr=3e-4, warmup_iters=5,
                       eval_interval=25, eval_iters=4, compile=False),
     },
-    # The fast default of `qkv train`: ~17 s of training on 2 cores to a validation loss of ~1.85,
-    # past nanoGPT's CPU recipe's final loss in about a quarter of its wall time
+    # The fast default of `qkv train`: ~15 s of training on 2 cores (avx512_bf16) to a validation
+    # loss of ~1.80, past nanoGPT's CPU recipe's final loss in under a fifth of its wall time
     # (benchmarks/train_speed.py). Two wide layers beat four narrow ones per second here, and
-    # Muon needs a third of AdamW's steps. Where Muon would be slow (a CPU without bf16
-    # instructions: torch's Muon orthogonalises in bf16), AdamW trains the same model for
-    # 1,500 steps instead (~1.78 in ~45 s of fp32 on an AVX-512 CPU).
+    # Muon needs a third of AdamW's steps (on CPUs without bf16 instructions it orthogonalises
+    # in fp32). "train_adamw": the recipe for --optimizer adamw (1,500 steps, ~1.78).
     "cpu": {
         "model": dict(max_seq_len=64, dim=192, n_layers=2, n_heads=4, bias=False),
         "train": dict(batch_size=16, max_iters=500, lr=5e-3, min_lr=3e-5, muon_lr=0.03,

@@ -11,6 +11,8 @@ that every direction of the matrix learns at the same rate. It is meant for the 
 *inside* the network; the embeddings, the output head and every vector (norm gains, biases)
 stay with AdamW, as in modded-nanogpt and nanochat. On a small character-level GPT it reaches
 nanoGPT's final loss in about a third of the steps (``benchmarks/train_speed.py``).
+PyTorch orthogonalises in bf16; on a CPU without bf16 instructions qkv runs the same
+iteration in fp32 (:class:`Muon`), where emulated bf16 would be ~100× slower.
 
 Schedule: linear warmup, then cosine decay to ``min_lr`` (as in nanoGPT / GPT-3). Every
 parameter group carries an ``lr_scale``; the schedule sets ``lr = lr_at(...) * lr_scale``, so
@@ -24,7 +26,7 @@ import math
 from typing import Literal
 
 import torch
-from torch import nn
+from torch import Tensor, nn
 
 OptimizerKind = Literal["auto", "adamw", "muon"]
 
@@ -78,17 +80,71 @@ def muon_available() -> bool:
 
 
 def resolve_optimizer(kind: OptimizerKind, device_type: str, native_bf16: bool) -> Literal["adamw", "muon"]:
-    """The optimiser ``auto`` stands for: Muon where its Newton–Schulz products run fast.
-
-    ``torch.optim.Muon`` orthogonalises in bf16. On a CPU without bf16 instructions those
-    products are emulated (~100× slower than fp32 here), which would make each step seconds
-    long, so ``auto`` takes AdamW there; ``--optimizer muon`` still forces Muon.
-    """
+    """The optimiser ``auto`` stands for: Muon wherever PyTorch has it, else AdamW."""
     if kind != "auto":
         return kind
-    if not muon_available():
-        return "adamw"
-    return "muon" if device_type == "cuda" or native_bf16 else "adamw"
+    return "muon" if muon_available() else "adamw"
+
+
+def muon_ns_dtype(device_type: str, native_bf16: bool) -> torch.dtype:
+    """Where the Newton–Schulz products run fast: bf16 on GPUs and on CPUs with bf16
+    instructions (PyTorch's choice), fp32 on CPUs that would emulate bf16 (~100× slower)."""
+    return torch.bfloat16 if device_type == "cuda" or native_bf16 else torch.float32
+
+
+def newton_schulz(g: Tensor, coefficients: tuple[float, float, float], steps: int, eps: float,
+                  dtype: torch.dtype) -> Tensor:
+    """Keller Jordan's quintic Newton–Schulz iteration towards the orthogonal factor of g,
+    in ``dtype``: X ← X/‖X‖, then ``steps`` times S = XXᵀ, X ← aX + (bS + cS²)X (on the wide
+    side of g). The same iteration as ``torch.optim.Muon``'s, which fixes bf16."""
+    a, b, c = coefficients
+    x = g.to(dtype)
+    tall = x.size(0) > x.size(1)
+    if tall:
+        x = x.T
+    x = x / x.norm().clamp(min=eps)
+    for _ in range(steps):
+        s = x @ x.T
+        x = a * x + (b * s + c * (s @ s)) @ x
+    return (x.T if tall else x).to(g.dtype)
+
+
+class Muon(torch.optim.Muon if muon_available() else torch.optim.Optimizer):  # type: ignore[misc]
+    """``torch.optim.Muon`` with its Newton–Schulz iteration in ``ns_dtype``.
+
+    With bf16 (the default) every step is PyTorch's own. With fp32 the same update is
+    computed here — momentum ``B ← μB + (1 − μ)g``, Nesterov ``u = (1 − μ)g + μB``,
+    ``W ← W(1 − ηλ) − η·√max(1, rows/cols)·NS(u)`` — because on a CPU without bf16
+    instructions PyTorch's bf16 products are emulated and one step would take seconds.
+    """
+
+    def __init__(self, params, *, ns_dtype: torch.dtype = torch.bfloat16, **kwargs) -> None:
+        super().__init__(params, **kwargs)
+        self.ns_dtype = ns_dtype
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        if self.ns_dtype == torch.bfloat16:
+            return super().step(closure)
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            if group["adjust_lr_fn"] not in (None, "original"):
+                raise ValueError("qkv's fp32 Muon step implements the original lr adjustment only")
+            params: list[Tensor] = []
+            grads: list[Tensor] = []
+            bufs: list[Tensor] = []
+            self._init_group(group, params, grads, bufs)
+            mu, lr = group["momentum"], group["lr"]
+            for p, g, buf in zip(params, grads, bufs, strict=True):
+                buf.lerp_(g, 1 - mu)
+                u = g.lerp(buf, mu) if group["nesterov"] else buf
+                u = newton_schulz(u, group["ns_coefficients"], group["ns_steps"], group["eps"], self.ns_dtype)
+                p.mul_(1 - lr * group["weight_decay"])
+                p.add_(u, alpha=-lr * math.sqrt(max(1.0, p.shape[0] / p.shape[1])))
+        return loss
 
 
 def make_optimizers(
@@ -100,12 +156,14 @@ def make_optimizers(
     betas: tuple[float, float],
     device_type: str,
     muon_momentum: float = 0.95,
+    ns_dtype: torch.dtype = torch.bfloat16,
 ) -> list[torch.optim.Optimizer]:
     """[AdamW] or [Muon for the hidden matrices, AdamW for the rest].
 
     Muon uses PyTorch's default learning-rate adjustment (``lr·√max(1, rows/cols)``, Keller
-    Jordan's original) and decoupled weight decay; its groups carry ``lr_scale = muon_lr / lr``
-    so one schedule drives both optimisers.
+    Jordan's original) and decoupled weight decay, and orthogonalises in ``ns_dtype`` (see
+    :func:`muon_ns_dtype`); its groups carry ``lr_scale = muon_lr / lr`` so one schedule
+    drives both optimisers.
     """
     if kind == "adamw":
         return [make_optimizer(model, lr, weight_decay, betas, device_type)]
@@ -117,7 +175,7 @@ def make_optimizers(
     hidden, rest = muon_params(model)
     opts: list[torch.optim.Optimizer] = []
     if hidden:
-        muon = torch.optim.Muon(hidden, lr=muon_lr, weight_decay=weight_decay, momentum=muon_momentum)
+        muon = Muon(hidden, lr=muon_lr, weight_decay=weight_decay, momentum=muon_momentum, ns_dtype=ns_dtype)
         for group in muon.param_groups:
             group["lr_scale"] = muon_lr / lr
         opts.append(muon)

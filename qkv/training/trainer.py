@@ -31,7 +31,7 @@ from qkv.attention.linear import cpu_has_native_bf16
 from qkv.training import checkpoint as ckpt
 from qkv.training import probe
 from qkv.training.distributed import DistInfo, broadcast_flag, mean_across, no_sync, wrap_model
-from qkv.training.optim import OptimizerKind, lr_at, make_optimizers, resolve_optimizer
+from qkv.training.optim import OptimizerKind, lr_at, make_optimizers, muon_ns_dtype, resolve_optimizer
 
 DType = Literal["auto", "fp32", "bf16", "fp16"]
 
@@ -52,8 +52,8 @@ class TrainConfig:
     beta1: float = 0.9
     beta2: float = 0.99
     grad_clip: float = 1.0  # max global gradient norm (0 = off)
-    # adamw, or muon: Muon for the hidden matrices + AdamW for the rest; auto = muon where its
-    # (bf16) Newton-Schulz products are fast (GPUs, CPUs with bf16 instructions), else adamw
+    # muon: Muon for the hidden matrices + AdamW for the rest (orthogonalised in bf16 where the
+    # hardware has it, else fp32); adamw: AdamW for all; auto = muon where torch has it (>= 2.9)
     optimizer: OptimizerKind = "auto"
     muon_lr: float = 0.02  # Muon's peak learning rate (same warmup and decay as lr)
     eval_interval: int = 250  # steps between evaluations/checkpoints
@@ -163,9 +163,11 @@ class Trainer:
     def _build_optimizers(self, kind: Literal["adamw", "muon"]) -> None:
         cfg = self.cfg
         self.optimizer_kind = kind
+        dev_type = torch.device(self.device).type
+        self.ns_dtype = muon_ns_dtype(dev_type, cpu_has_native_bf16())
         self.optimizers = make_optimizers(
             self.model, kind, cfg.lr, cfg.muon_lr, cfg.weight_decay, (cfg.beta1, cfg.beta2),
-            torch.device(self.device).type,
+            dev_type, ns_dtype=self.ns_dtype,
         )
 
     def _autocast(self, dtype: torch.dtype):
@@ -222,7 +224,8 @@ class Trainer:
         rng = torch.get_rng_state()
         model = copy.deepcopy(self.model).train()
         opts = make_optimizers(model, self.optimizer_kind, self.cfg.lr, self.cfg.muon_lr,
-                               self.cfg.weight_decay, (self.cfg.beta1, self.cfg.beta2), "cpu")
+                               self.cfg.weight_decay, (self.cfg.beta1, self.cfg.beta2), "cpu",
+                               ns_dtype=self.ns_dtype)
         x, y = x.to(self.device), y.to(self.device)
 
         def step(option: str) -> None:

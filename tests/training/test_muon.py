@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from qkv.models.gpt import GPT, GPTConfig
-from qkv.training.optim import make_optimizers, muon_params, resolve_optimizer
+from qkv.training.optim import Muon, make_optimizers, muon_ns_dtype, muon_params, resolve_optimizer
 
 pytestmark = [
     pytest.mark.usefixtures("one_thread"),
@@ -42,17 +42,19 @@ def test_optimizers_cover_every_parameter_once_with_muon_lr_scale() -> None:
     muon, adamw = make_optimizers(m, "muon", lr=4e-3, muon_lr=0.02, weight_decay=0.1,
                                   betas=(0.9, 0.99), device_type="cpu")
     assert isinstance(muon, torch.optim.Muon) and isinstance(adamw, torch.optim.AdamW)
+    assert muon.ns_dtype == torch.bfloat16
     assert muon.param_groups[0]["lr_scale"] == pytest.approx(5.0)  # 0.02 / 4e-3
     ids = [id(p) for opt in (muon, adamw) for g in opt.param_groups for p in g["params"]]
     assert len(ids) == len(set(ids)) == len(list(m.parameters()))
 
 
-def test_auto_is_muon_only_where_bf16_products_are_fast() -> None:
+def test_auto_is_muon_orthogonalising_where_it_is_fast() -> None:
     assert resolve_optimizer("auto", "cpu", native_bf16=True) == "muon"
-    assert resolve_optimizer("auto", "cpu", native_bf16=False) == "adamw"
-    assert resolve_optimizer("auto", "cuda", native_bf16=False) == "muon"
-    assert resolve_optimizer("muon", "cpu", native_bf16=False) == "muon"  # asked for: given
-    assert resolve_optimizer("adamw", "cuda", native_bf16=True) == "adamw"
+    assert resolve_optimizer("auto", "cpu", native_bf16=False) == "muon"
+    assert resolve_optimizer("adamw", "cuda", native_bf16=True) == "adamw"  # asked for: given
+    assert muon_ns_dtype("cpu", native_bf16=True) == torch.bfloat16
+    assert muon_ns_dtype("cpu", native_bf16=False) == torch.float32  # bf16 would be emulated
+    assert muon_ns_dtype("cuda", native_bf16=False) == torch.bfloat16
 
 
 def newton_schulz64(g: torch.Tensor, steps: int = 5) -> torch.Tensor:
@@ -77,15 +79,18 @@ def test_newton_schulz_pushes_singular_values_towards_one() -> None:
     assert torch.linalg.svdvals(g).max() / torch.linalg.svdvals(g).min() > 3  # it was far from that
 
 
+@pytest.mark.parametrize("ns_dtype", [torch.bfloat16, torch.float32], ids=["torch-bf16", "qkv-fp32"])
 @pytest.mark.parametrize("shape", [(12, 20), (20, 12)])
-def test_muon_steps_match_a_float64_reference(shape: tuple[int, int]) -> None:
-    """Three steps of torch.optim.Muon on one matrix equal the update written out in float64:
-    m ← μm + g;  u = g + μm (Nesterov);  W ← W(1 − η·λ) − η·√max(1, rows/cols)·NS(u)."""
+def test_muon_steps_match_a_float64_reference(shape: tuple[int, int], ns_dtype: torch.dtype) -> None:
+    """Three Muon steps on one matrix equal the update written out in float64:
+    m ← μm + g;  u = g + μm (Nesterov);  W ← W(1 − η·λ) − η·√max(1, rows/cols)·NS(u)
+    (PyTorch keeps m as an average, (1 − μ) times this one: NS(u) does not see the scale).
+    bf16 is PyTorch's own step; fp32 is qkv's, for CPUs that would emulate bf16."""
     gen = torch.Generator().manual_seed(0)
     w = nn.Parameter(torch.randn(*shape, generator=gen))
     grads = [torch.randn(*shape, generator=gen) for _ in range(3)]
     lr, wd, mu = 0.05, 0.1, 0.95
-    opt = torch.optim.Muon([w], lr=lr, weight_decay=wd, momentum=mu)
+    opt = Muon([w], lr=lr, weight_decay=wd, momentum=mu, ns_dtype=ns_dtype)
     ref = w.detach().double().clone()
     buf = torch.zeros_like(ref)
     scale = math.sqrt(max(1.0, shape[0] / shape[1]))
@@ -95,12 +100,27 @@ def test_muon_steps_match_a_float64_reference(shape: tuple[int, int]) -> None:
         buf = mu * buf + g.double()
         u = g.double() + mu * buf
         ref = ref * (1 - lr * wd) - lr * scale * newton_schulz64(u)
-    # torch runs Newton–Schulz in bf16 (8 significant bits): an update of size ~lr agrees to a
-    # few per cent of lr, far tighter than a wrong formula (a missing Nesterov term, the wrong
-    # scale or decay moves W by ~lr).
+    # In bf16 (8 significant bits) an update of size ~lr agrees to a few per cent of lr; in
+    # fp32 to 1e-5 of it. A wrong formula (a missing Nesterov term, the wrong scale or decay)
+    # moves W by ~lr.
     err = (w.detach().double() - ref).abs().max().item()
+    if ns_dtype == torch.float32:
+        assert err < 1e-5 * lr
     assert err < 0.15 * lr
     assert (w.detach().double() - ref).abs().mean().item() < 0.03 * lr
+
+
+def test_qkv_muon_in_bf16_is_pytorchs_own_step() -> None:
+    gen = torch.Generator().manual_seed(3)
+    w0 = torch.randn(16, 24, generator=gen)
+    a, b = nn.Parameter(w0.clone()), nn.Parameter(w0.clone())
+    oa, ob = torch.optim.Muon([a], lr=0.02), Muon([b], lr=0.02)
+    for _ in range(2):
+        g = torch.randn(16, 24, generator=gen)
+        a.grad, b.grad = g.clone(), g.clone()
+        oa.step()
+        ob.step()
+    assert torch.equal(a, b)
 
 
 def test_the_cpu_preset_gives_adamw_its_own_recipe() -> None:

@@ -161,3 +161,13 @@ def test_a_damaged_cache_is_measured_again(tmp_path, monkeypatch) -> None:
     t = Trainer(gpt(), cfg(tmp_path, compile=False), RandomBatches(), tmp_path)
     assert t.dtype == torch.bfloat16 and len(calls) == 1
     assert json.loads(probe.cache_path().read_text())  # rewritten whole
+
+
+def test_muon_orthogonalises_in_fp32_where_bf16_is_emulated(tmp_path, monkeypatch) -> None:
+    if not hasattr(torch.optim, "Muon"):
+        pytest.skip("torch.optim.Muon needs torch >= 2.9")
+    for native, want in ((False, torch.float32), (True, torch.bfloat16)):
+        monkeypatch.setattr(trainer_mod, "cpu_has_native_bf16", lambda native=native: native)
+        t = Trainer(gpt(), cfg(tmp_path, optimizer="auto", dtype="fp32", compile=False),
+                    RandomBatches(), tmp_path)
+        assert t.optimizer_kind == "muon" and t.optimizers[0].ns_dtype == want
