@@ -139,8 +139,8 @@ class CausalLM:
         - "fp32": as converted (exact to the reference implementation); "bf16": cast.
         - "int8": every projection and the output head as int8 rows (PyTorch's int8 kernel).
         - "q4": the decoder blocks' projections in 4-bit groups of 32 (PyTorch's int4 kernel,
-          bf16 activations). Only for files stored in 4 bits (Q4_0/Q4_1), whose own codes it
-          keeps.
+          bf16 activations; each SwiGLU's gate and up matrices as one, its hidden in bf16).
+          Only for files stored in 4 bits (Q4_0/Q4_1), whose own codes it keeps.
         int8 and q4 give the output head int8 rows whose 64 largest logits are recomputed in
         fp32 (:class:`~qkv.layers.quant.TopKRefinedLinear`).
         - "auto": q4 where the file is stored in 4 bits and PyTorch has the kernels, else fp32.

@@ -8,6 +8,7 @@ from torch import nn
 
 from qkv.layers.quant import (
     Int4Linear,
+    Int4SwiGLU,
     Int8Linear,
     TopKRefinedLinear,
     int4_kernels_available,
@@ -134,3 +135,22 @@ def test_quantize_linears_replaces_every_linear_but_the_skipped() -> None:
     assert isinstance(model[2], Int8Linear)
     with pytest.raises(ValueError, match="bias"):
         quantize_linears(nn.Sequential(nn.Linear(64, 32)), "int8")
+
+
+def test_int4_swiglu_equals_swiglu_of_its_dequantised_weights() -> None:
+    from qkv.layers.mlp import SwiGLU
+
+    torch.manual_seed(0)
+    mlp = SwiGLU(64, 96, bias=False)
+    fused = Int4SwiGLU.from_swiglu(mlp)
+    x = torch.randn(3, 64, generator=gen(12))
+    wgu = fused.gate_up.dequantize().double()
+    g, u = (x.bfloat16().double() @ wgu.T).split(96, dim=-1)
+    h = (torch.nn.functional.silu(g) * u).bfloat16().double()
+    ref = h @ fused.down.dequantize().double().T
+    assert (fused(x).double() - ref).abs().max().item() <= 2 ** -6 * ref.abs().max().item()
+    # and it is the float SwiGLU up to 4-bit rounding of the weights
+    dense = mlp(x).double()
+    assert (fused(x).double() - dense).abs().max().item() <= 0.15 * dense.abs().max().item()
+    # the fused matrix is [gate | up]: its first half is the gate's own 4-bit form
+    torch.testing.assert_close(wgu[:96].float(), Int4Linear.from_float(mlp.w_gate.weight).dequantize())
