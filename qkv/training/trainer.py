@@ -2,8 +2,10 @@
 
 Per step: learning rate from the schedule -> ``grad_accum`` micro-batches forward/backward
 (under bf16/fp16 autocast when enabled; DDP all-reduces only on the last one) -> gradient
-clipping -> AdamW step. Every ``eval_interval`` steps: validation loss on fixed batches,
-``metrics.jsonl``, and a checkpoint (the latest for ``--resume``, the best for use).
+clipping -> optimiser step (AdamW, or Muon + AdamW). Every ``eval_interval`` steps:
+validation loss on fixed batches, ``metrics.jsonl``, and a checkpoint (the latest for
+``--resume``, the best for use). ``--dtype auto`` and ``--compile auto`` are measured first
+(:mod:`qkv.training.probe`).
 
 Anything a model needs to train here: ``model(inputs, targets)`` returns an object with a
 ``.loss`` scalar, and a :class:`BatchSource` yields (inputs, targets) for "train" and "val".
@@ -48,18 +50,17 @@ class TrainConfig:
     min_lr: float = 1e-4  # final learning rate of the cosine schedule
     warmup_iters: int = 100  # linear warmup steps
     lr_decay_iters: int | None = None  # cosine length (default: max_iters)
-    weight_decay: float = 0.1  # AdamW decay on matrices (not on biases/norms)
+    weight_decay: float = 0.1  # decoupled decay on matrices (not on biases/norms), AdamW and Muon
     beta1: float = 0.9
     beta2: float = 0.99
     grad_clip: float = 1.0  # max global gradient norm (0 = off)
-    # muon: Muon for the hidden matrices + AdamW for the rest (orthogonalised in bf16 where the
-    # hardware has it, else fp32); adamw: AdamW for all; auto = muon where torch has it (>= 2.9)
-    optimizer: OptimizerKind = "auto"
+    # Muon orthogonalises in bf16 where the hardware has it, else in fp32.
+    optimizer: OptimizerKind = "auto"  # muon: Muon (hidden matrices) + AdamW (rest); adamw; auto = muon
     muon_lr: float = 0.02  # Muon's peak learning rate (same warmup and decay as lr)
     eval_interval: int = 250  # steps between evaluations/checkpoints
     eval_iters: int = 20  # validation batches per evaluation
-    dtype: DType = "auto"  # auto = bf16 where the hardware has it, else fp32 (fp16 on old GPUs)
-    compile: bool | None = None  # torch.compile; none = auto: on for GPUs, off on CPUs (see below)
+    dtype: DType = "auto"  # auto = measured: bf16 autocast if faster than fp32 here (GPUs: bf16/fp16)
+    compile: bool | None = None  # torch.compile; none = auto: GPUs yes; CPUs if the run can repay it
     seed: int = 1337
     device: str = "auto"  # auto = cuda if available, else cpu
 
