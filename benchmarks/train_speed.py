@@ -237,7 +237,7 @@ def default_recipe(V: int) -> tuple[GPTConfig, TrainConfig, str]:
     """What `qkv train` (no options) runs on this machine: the `cpu` preset, with the training
     fields of the optimiser that `--optimizer auto` picks here."""
     cpu = get_preset("gpt", "cpu")
-    kind = resolve_optimizer("auto", "cpu", cpu_has_native_bf16())
+    kind = resolve_optimizer("auto")
     train = {**preset_train(cpu, kind), "out_dir": "/tmp/qkv-bench-unused"}
     return GPTConfig(**{**cpu["model"], "vocab_size": V}), TrainConfig(**train), kind
 

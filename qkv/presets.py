@@ -1,9 +1,9 @@
 """Named configurations as plain data: {"model": {...GPTConfig / ViTConfig fields}, "train": {...TrainConfig
 fields}, "data": {...}}. Every field can still be overridden on the command line.
 
-A preset may add "train_adamw": the training fields to use instead where the optimiser is AdamW
-(``--optimizer adamw``, or ``auto`` on a machine where Muon would be slow): a Muon recipe's
-learning rate and step count do not suit AdamW.
+A preset may add "train_adamw": the training fields to use instead when the optimiser is AdamW
+(``--optimizer adamw``, or ``auto`` with a torch older than 2.9, which has no Muon): a Muon
+recipe's learning rate and step count do not suit AdamW.
 """
 
 from __future__ import annotations

@@ -155,9 +155,11 @@ def tiny_run(tmp_path_factory):
 
 
 @pytest.fixture(autouse=True, scope="session")
-def _speed_probe_cache(tmp_path_factory):
-    """The trainer's dtype/compile probe caches its answers under $QKV_CACHE_DIR: keep the
-    tests' answers out of the user's ~/.cache (and the user's out of the tests)."""
+def _qkv_cache(tmp_path_factory):
+    """Everything qkv caches under $QKV_CACHE_DIR goes to a temporary folder for the session,
+    not ~/.cache: the trainer's dtype/compile probe answers (the user's must not steer the
+    tests) and converted checkpoints (the first SmolLM2 load converts and stores it there,
+    later loads, e.g. tests/pretrained/test_cache.py, read it back)."""
     import os
 
     old = os.environ.get("QKV_CACHE_DIR")

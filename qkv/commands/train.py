@@ -15,6 +15,7 @@ from qkv.commands.options import add_config_options, overrides
 from qkv.models.gpt import GPTConfig
 from qkv.presets import PRESETS, get_preset, preset_train
 from qkv.training.lm import LMDataConfig
+from qkv.training.optim import resolve_optimizer
 from qkv.training.trainer import TrainConfig
 
 FAMILIES = ("gpt", "vit", "seq2seq", "captioner")
@@ -149,24 +150,11 @@ def _configs(args: argparse.Namespace, family: str) -> tuple[Any, TrainConfig, A
         # until the data is loaded, a size the patch divides lets every other field be checked
         model_args["image_size"] = model_args.get("patch_size", 4)
     model = f.model_cls(**model_args)
-    train = {**preset_train(preset, _optimizer_for({**preset.get("train", {}), **train_over})),
-             **train_over}
+    kind = resolve_optimizer({**preset.get("train", {}), **train_over}.get("optimizer", "auto"))
+    train = {**preset_train(preset, kind), **train_over}
     train.setdefault("out_dir", default_run_dir(family, args.preset))  # a new folder per run
     data = f.data_cls(**{**preset.get("data", {}), **data_over})
     return model, TrainConfig(**train), data
-
-
-def _optimizer_for(train: dict) -> str:
-    """The optimiser a run with these training fields will use on this machine."""
-    import torch
-
-    from qkv.attention.linear import cpu_has_native_bf16
-    from qkv.training.optim import resolve_optimizer
-
-    device = train.get("device", "auto")
-    if device == "auto":
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-    return resolve_optimizer(train.get("optimizer", "auto"), torch.device(device).type, cpu_has_native_bf16())
 
 
 class _Display:
@@ -460,9 +448,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
     if args.weights == "q4":
         raise ValueError("--weights q4 decodes from a GGUF's own 4-bit groups (smollm2); for a trained "
                          "run use --weights int8")
-    if args.weights in ("auto", "fp32", "bf16"):
-        args.weights = "fp32" if args.weights == "auto" else args.weights
-        model.to(torch.float32 if args.weights == "fp32" else torch.bfloat16)
+    if args.weights in ("auto", "fp32", "bf16"):  # auto: a trained run decodes in fp32
+        model.to(torch.bfloat16 if args.weights == "bf16" else torch.float32)
     elif args.weights == "int8":
         from qkv.layers.quant import quantize_linears
 

@@ -29,6 +29,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from qkv.layers.mlp import SwiGLU
+
 INT4_INNER_K_TILES = 2  # the packing PyTorch's CPU kernel reads fastest for K a multiple of 64
 
 
@@ -85,10 +87,13 @@ class Int4Linear(nn.Module):
         q = torch.stack([self.codes & 0xF, self.codes >> 4], dim=-1).view(N, K).float().view(N, K // g, g)
         return ((q - 8) * scale[..., None] + zero[..., None]).view(N, K)
 
+    def matmul(self, x2: Tensor) -> Tensor:
+        """x2 (M, K) in the activation dtype -> (M, N) in the activation dtype: the kernel alone."""
+        return torch.ops.aten._weight_int4pack_mm_for_cpu(x2, self.packed, self.group_size, self.scales_zeros)
+
     def forward(self, x: Tensor) -> Tensor:
         shape = x.shape
-        x2 = x.reshape(-1, self.in_features).to(self.act_dtype)  # (M, K)
-        y = torch.ops.aten._weight_int4pack_mm_for_cpu(x2, self.packed, self.group_size, self.scales_zeros)
+        y = self.matmul(x.reshape(-1, self.in_features).to(self.act_dtype))  # (M, N)
         return y.view(*shape[:-1], self.out_features).to(x.dtype)
 
     def extra_repr(self) -> str:
@@ -97,55 +102,37 @@ class Int4Linear(nn.Module):
 
 
 class Int8Linear(nn.Module):
-    """``x Wᵀ`` with W as int8 rows: ``w = q·scale``, one scale per output row.
-
-    ``terms=2`` stores W as two int8 matrices, the second quantising what the first left over
-    (``w ≈ q₁·s₁ + q₂·s₂``, error ≤ s₁/254 per weight instead of s₁/2): twice the bytes and
-    two kernel calls, but as exact as bf16 weights. qkv uses it for SmolLM2's output head,
-    whose one-term int8 rows change the greedy token at 2.6% of positions (BENCHMARKS.md).
-    """
+    """``x Wᵀ`` with W as int8 rows: ``w = q·scale``, one scale per output row."""
 
     def __init__(self, q: Tensor, scale: Tensor, act_dtype: torch.dtype = torch.bfloat16) -> None:
-        """q (terms, N, K) or (N, K) int8; scale (terms, N) or (N,) float."""
+        """q (N, K) int8; scale (N,) float."""
         super().__init__()
-        q, scale = (q[None], scale[None]) if q.dim() == 2 else (q, scale)
-        if q.dtype != torch.int8 or scale.shape != q.shape[:2]:
-            raise ValueError("Int8Linear takes int8 codes (terms, N, K) and one scale per row (terms, N)")
+        if q.dtype != torch.int8 or q.dim() != 2 or scale.shape != (q.shape[0],):
+            raise ValueError("Int8Linear takes int8 codes (N, K) and one scale per row (N,)")
         self.act_dtype = act_dtype
-        self.terms, self.out_features, self.in_features = q.shape
+        self.out_features, self.in_features = q.shape
         self.register_buffer("weight_int8", q.contiguous())
         self.register_buffer("scale", scale.to(act_dtype).contiguous())  # as the kernel reads it
 
     @classmethod
-    def from_float(cls, weight: Tensor, act_dtype: torch.dtype = torch.bfloat16,
-                   terms: int = 1) -> Int8Linear:
-        """Symmetric per-row quantisation (scale = max|w| / 127), of the weights and then, for
-        each further term, of what the previous terms left over."""
-        rest = weight.detach().float()
-        qs, scales = [], []
-        for _ in range(terms):
-            scale = (rest.abs().amax(dim=1) / 127).clamp(min=1e-10).to(act_dtype).float()
-            q = (rest / scale[:, None]).round().clamp(-127, 127)
-            qs.append(q.to(torch.int8))
-            scales.append(scale)
-            rest = rest - q * scale[:, None]
-        return cls(torch.stack(qs), torch.stack(scales), act_dtype)
+    def from_float(cls, weight: Tensor, act_dtype: torch.dtype = torch.bfloat16) -> Int8Linear:
+        """Symmetric per-row quantisation: scale = max|w| / 127."""
+        w = weight.detach().float()
+        scale = (w.abs().amax(dim=1) / 127).clamp(min=1e-10).to(act_dtype).float()
+        return cls((w / scale[:, None]).round().clamp(-127, 127).to(torch.int8), scale, act_dtype)
 
     def dequantize(self) -> Tensor:
         """The (N, K) float32 matrix this layer multiplies by (scales as the kernel reads them)."""
-        return (self.weight_int8.float() * self.scale.float()[..., None]).sum(dim=0)
+        return self.weight_int8.float() * self.scale.float()[:, None]
 
     def forward(self, x: Tensor) -> Tensor:
         shape = x.shape
         x2 = x.reshape(-1, self.in_features).to(self.act_dtype)
-        y = torch.ops.aten._weight_int8pack_mm(x2, self.weight_int8[0], self.scale[0])
-        for t in range(1, self.terms):
-            y = y + torch.ops.aten._weight_int8pack_mm(x2, self.weight_int8[t], self.scale[t])
+        y = torch.ops.aten._weight_int8pack_mm(x2, self.weight_int8, self.scale)
         return y.view(*shape[:-1], self.out_features).to(x.dtype)
 
     def extra_repr(self) -> str:
-        return (f"in_features={self.in_features}, out_features={self.out_features}, "
-                f"terms={self.terms}, act_dtype={self.act_dtype}")
+        return f"in_features={self.in_features}, out_features={self.out_features}, act_dtype={self.act_dtype}"
 
 
 class Int4SwiGLU(nn.Module):
@@ -160,20 +147,16 @@ class Int4SwiGLU(nn.Module):
         self.hidden = gate_up.out_features // 2
 
     @classmethod
-    def from_swiglu(cls, mlp: nn.Module, group_size: int = 32) -> Int4SwiGLU:
-        """From a float SwiGLU (``w_gate``, ``w_up``, ``w_down``, no biases)."""
+    def from_swiglu(cls, mlp: SwiGLU, group_size: int = 32) -> Int4SwiGLU:
+        """From a float :class:`~qkv.layers.mlp.SwiGLU` without biases."""
         w = torch.cat([mlp.w_gate.weight, mlp.w_up.weight], dim=0)  # (2F, dim): [gate | up]
         return cls(Int4Linear.from_float(w, group_size), Int4Linear.from_float(mlp.w_down.weight, group_size))
 
     def forward(self, x: Tensor) -> Tensor:
         shape = x.shape
-        x2 = x.reshape(-1, shape[-1]).to(self.gate_up.act_dtype)  # (M, dim)
-        gu = torch.ops.aten._weight_int4pack_mm_for_cpu(x2, self.gate_up.packed, self.gate_up.group_size,
-                                                        self.gate_up.scales_zeros)  # (M, 2F) bf16
+        gu = self.gate_up.matmul(x.reshape(-1, shape[-1]).to(self.gate_up.act_dtype))  # (M, 2F) bf16
         g, u = gu.split(self.hidden, dim=-1)
-        h = F.silu(g) * u  # (M, F), bf16
-        y = torch.ops.aten._weight_int4pack_mm_for_cpu(h, self.down.packed, self.down.group_size,
-                                                       self.down.scales_zeros)
+        y = self.down.matmul(F.silu(g) * u)  # hidden (M, F) stays bf16
         return y.view(*shape[:-1], -1).to(x.dtype)
 
 
@@ -215,14 +198,11 @@ class TopKRefinedLinear(nn.Module):
         return f"k={self.k}"
 
 
-WeightFormat = str  # "fp32" | "bf16" | "int8" | "q4"
-
-
 def quantize_linears(model: nn.Module, weights: str, skip: tuple[str, ...] = (),
-                     group_size: int = 32, terms: int = 1) -> nn.Module:
+                     group_size: int = 32) -> nn.Module:
     """Replace every ``nn.Linear`` of ``model`` (but those whose name ends in ``skip``) by its
-    int8 (``weights="int8"``, ``terms`` int8 matrices each) or 4-bit (``"q4"``) form, in
-    place; returns the model.
+    int8 (``weights="int8"``) or 4-bit (``"q4"``) form, in place (4-bit: each bias-free
+    SwiGLU as one :class:`Int4SwiGLU`); returns the model.
 
     Biases are not supported (the decoders that use this have none).
     """
@@ -230,8 +210,8 @@ def quantize_linears(model: nn.Module, weights: str, skip: tuple[str, ...] = (),
         raise ValueError(f"weights must be int8 or q4 here, got {weights!r}")
     if weights == "q4":  # SwiGLU MLPs first: one fused 4-bit gate|up product each
         for name, module in list(model.named_modules()):
-            if (all(hasattr(module, n) for n in ("w_gate", "w_up", "w_down")) and not name.endswith(skip)
-                    and all(getattr(module, n).bias is None for n in ("w_gate", "w_up", "w_down"))):
+            if (isinstance(module, SwiGLU) and not name.endswith(skip)
+                    and all(m.bias is None for m in (module.w_gate, module.w_up, module.w_down))):
                 set_submodule(model, name, Int4SwiGLU.from_swiglu(module, group_size))
     for name, module in list(model.named_modules()):
         if not isinstance(module, nn.Linear) or name.endswith(skip):
@@ -239,8 +219,7 @@ def quantize_linears(model: nn.Module, weights: str, skip: tuple[str, ...] = (),
         if module.bias is not None:
             raise ValueError(f"{name} has a bias; weight-only quantisation here needs bias-free layers")
         w = module.weight
-        q = (Int8Linear.from_float(w, terms=terms) if weights == "int8"
-             else Int4Linear.from_float(w, group_size))
+        q = Int8Linear.from_float(w) if weights == "int8" else Int4Linear.from_float(w, group_size)
         set_submodule(model, name, q)
     return model
 

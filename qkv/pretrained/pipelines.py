@@ -137,39 +137,38 @@ class CausalLM:
         """Store the weights as ``weights``, in place, for faster decoding:
 
         - "fp32": as converted (exact to the reference implementation); "bf16": cast.
-        - "int8": every projection and the output head as int8 rows (PyTorch's int8 kernel).
+        - "int8": every projection as int8 rows (PyTorch's int8 kernel).
         - "q4": the decoder blocks' projections in 4-bit groups of 32 (PyTorch's int4 kernel,
           bf16 activations; each SwiGLU's gate and up matrices as one, its hidden in bf16).
           Only for files stored in 4 bits (Q4_0/Q4_1), whose own codes it keeps.
-        int8 and q4 give the output head int8 rows whose 64 largest logits are recomputed in
-        fp32 (:class:`~qkv.layers.quant.TopKRefinedLinear`).
         - "auto": q4 where the file is stored in 4 bits and PyTorch has the kernels, else fp32.
-        The embedding table, norms and the attention arithmetic stay float32.
+
+        int8 and q4 give the output head int8 rows whose 64 largest logits are recomputed in
+        fp32 (:class:`~qkv.layers.quant.TopKRefinedLinear`). The embedding table, norms and the
+        attention arithmetic stay float32.
         """
         from qkv.layers.quant import TopKRefinedLinear, int4_kernels_available, quantize_linears
 
         if weights not in WEIGHTS:
             raise ValueError(f"weights must be one of {', '.join(WEIGHTS)}, got {weights!r}")
         self._check_not_quantized(f"re-stored as {weights}")
+        types = self.info.get("weight_types") or []
+        in_4_bits = bool(types) and all(t in Q4_SOURCES for t in types)
         if weights == "auto":
-            types = self.info.get("weight_types") or []
-            q4 = bool(types) and all(t in Q4_SOURCES for t in types) and int4_kernels_available()
-            weights = "q4" if q4 else "fp32"
+            weights = "q4" if in_4_bits and int4_kernels_available() else "fp32"
+        if weights == "q4" and not in_4_bits:
+            raise ValueError(
+                f"weights='q4' decodes from a file's own 4-bit groups ({', '.join(Q4_SOURCES)}); "
+                f"{self.name}'s blocks are stored as {', '.join(types) or 'unknown'}: use "
+                "weights='int8', 'bf16' or 'fp32'")
+        if weights == "q4" and not int4_kernels_available():
+            raise ValueError(f"weights='q4' needs PyTorch's CPU int4 kernels (torch >= 2.5; this is "
+                             f"{torch.__version__}); use weights='int8'")
         self.info["weights"] = weights
         if weights in ("fp32", "bf16"):
             return self.to("float32" if weights == "fp32" else "bfloat16")
         self.model.to(torch.float32)
         if weights == "q4":
-            types = self.info.get("weight_types") or []
-            other = [t for t in types if t not in Q4_SOURCES]
-            if other or not types:
-                raise ValueError(
-                    f"weights='q4' decodes from a file's own 4-bit groups ({', '.join(Q4_SOURCES)}); "
-                    f"{self.name}'s blocks are stored as {', '.join(types) or 'unknown'}: use "
-                    "weights='int8', 'bf16' or 'fp32'")
-            if not int4_kernels_available():
-                raise ValueError(f"weights='q4' needs PyTorch's CPU int4 kernels (torch >= 2.5; this is "
-                                 f"{torch.__version__}); use weights='int8'")
             quantize_linears(self.model, "q4", skip=("lm_head",))
         head = self.model.lm_head.weight.detach()  # (V, dim) float32, the tied embedding
         quantize_linears(self.model, "int8")

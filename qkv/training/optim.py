@@ -79,7 +79,7 @@ def muon_available() -> bool:
     return hasattr(torch.optim, "Muon")
 
 
-def resolve_optimizer(kind: OptimizerKind, device_type: str, native_bf16: bool) -> Literal["adamw", "muon"]:
+def resolve_optimizer(kind: OptimizerKind) -> Literal["adamw", "muon"]:
     """The optimiser ``auto`` stands for: Muon wherever PyTorch has it, else AdamW."""
     if kind != "auto":
         return kind

@@ -11,8 +11,9 @@ the next run of the same shape starts at once.
 
 Compilation is judged by its cost: a cold ``torch.compile`` of a small GPT takes ~40 s on two
 CPU cores and saves ~10% of a step (BENCHMARKS.md). Auto compiles on a CPU only when the run
-is long enough that a 10% saving could repay the compile time; a run that compiles measures
-both, and the cache remembers them for the next decision.
+is long enough that a 10% saving of the measured step time could repay that compile time.
+(A cache entry may hold ``compile_s`` / ``compile_saving`` measured on this machine, which
+then replace the two assumptions; the trainer does not record them itself yet.)
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ import platform
 import statistics
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -45,7 +46,6 @@ class SpeedChoice:
     dtype: str  # "fp32", "bf16" or "fp16"
     compile: bool
     reason: str
-    ms_per_step: dict[str, float] = field(default_factory=dict)  # each option measured
     cached: bool = False
 
 

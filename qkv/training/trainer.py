@@ -147,7 +147,7 @@ class Trainer:
         self.on_log = on_log or (lambda rec: None)
         self.tokens_per_batch = tokens_per_batch
         dev_type = torch.device(self.device).type
-        self._build_optimizers(resolve_optimizer(cfg.optimizer, dev_type, cpu_has_native_bf16()))
+        self._build_optimizers(resolve_optimizer(cfg.optimizer))
         self.speed = self._choose_speed(dev_type)
         self.dtype = _DTYPES[self.speed.dtype]
         self.autocast = self._autocast(self.dtype)
@@ -211,12 +211,10 @@ class Trainer:
             ms_step = (entry.get("ms") or {}).get(dtype) or self._probe(x, y, (dtype,), rounds=1)[dtype]
             compile_, why = probe.compile_worth_trying(ms_step * cfg.grad_accum, cfg.max_iters, entry)
             reasons.append(why)
-        choice = probe.SpeedChoice(dtype, compile_, "; ".join(reasons) or f"{dtype}", entry.get("ms", {}),
-                                   cached)
+        choice = probe.SpeedChoice(dtype, compile_, "; ".join(reasons) or f"{dtype}", cached)
         # Every DDP rank must train alike: rank 0's choice wins.
         choice.dtype = "bf16" if broadcast_flag(choice.dtype == "bf16", self.dist) else "fp32"
         choice.compile = broadcast_flag(choice.compile, self.dist)
-        self._probe_key = key
         return choice
 
     def _probe(self, x: Tensor, y: Tensor, options: tuple[str, ...], rounds: int = 3) -> dict[str, float]:

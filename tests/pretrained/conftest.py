@@ -36,19 +36,6 @@ def threads(n: int = THREADS):
         torch.set_num_threads(old)
 
 
-@pytest.fixture(scope="session", autouse=True)
-def _conversion_cache(tmp_path_factory):
-    """Converted checkpoints go to a temporary cache for the session, not ~/.cache: the first
-    SmolLM2 load converts and stores it there, later loads (test_cache.py) read it back."""
-    before = os.environ.get("QKV_CACHE_DIR")
-    os.environ["QKV_CACHE_DIR"] = str(tmp_path_factory.mktemp("qkv-cache"))
-    yield
-    if before is None:
-        del os.environ["QKV_CACHE_DIR"]
-    else:
-        os.environ["QKV_CACHE_DIR"] = before
-
-
 @pytest.fixture(autouse=True)
 def _two_threads():
     """Every test here runs on two threads (other test files may have set one)."""

@@ -49,9 +49,8 @@ def test_optimizers_cover_every_parameter_once_with_muon_lr_scale() -> None:
 
 
 def test_auto_is_muon_orthogonalising_where_it_is_fast() -> None:
-    assert resolve_optimizer("auto", "cpu", native_bf16=True) == "muon"
-    assert resolve_optimizer("auto", "cpu", native_bf16=False) == "muon"
-    assert resolve_optimizer("adamw", "cuda", native_bf16=True) == "adamw"  # asked for: given
+    assert resolve_optimizer("auto") == "muon"  # on any machine: the dtype of NS differs
+    assert resolve_optimizer("adamw") == "adamw"  # asked for: given
     assert muon_ns_dtype("cpu", native_bf16=True) == torch.bfloat16
     assert muon_ns_dtype("cpu", native_bf16=False) == torch.float32  # bf16 would be emulated
     assert muon_ns_dtype("cuda", native_bf16=False) == torch.bfloat16
