@@ -6,10 +6,14 @@ min_new_tokens=128)`` (its default dynamic KV cache), fp32 and bf16. qkv:
 ``qkv.generation.generate`` with its preallocated KV cache, in each weight format of
 ``qkv.load(..., weights=)``: fp32 (its one-row projections split the weight rows over both
 cores, ``qkv/attention/linear.py``; also shown with plain ``F.linear``), bf16, int8 rows and
-the GGUF's own 4-bit groups (q4). Decode tok/s counts the tokens after the first (the time of
+the GGUF's own 4-bit groups (q4); and each format again through the compiled decoding step
+(``generate(compile=True)``, ``qkv/generation/compiled.py``), whose compile is timed on a
+fresh inductor cache (what a first ``--compile`` on a machine pays) and once more in a second
+process that finds the cache warm. Decode tok/s counts the tokens after the first (the time of
 prompt + first token is measured separately: that is the prefill rate). The generated tokens
-are compared. llama.cpp (``llama-bench -t 2 -p 32 -n 128``) on the same GGUF where it is built
-(``--build-llama-cpp`` builds it once, ~10 minutes; see ``benchmarks/_llama_cpp.py``).
+are compared. llama.cpp (``llama-bench -t 2 -p 32 -n 128 -r 1``) on the same GGUF where it is
+built (``--build-llama-cpp`` builds it once, ~10 minutes; see ``benchmarks/_llama_cpp.py``), run
+once in the middle of every round, so each qkv rate is divided by llama.cpp's in the same round.
 
 Memory bound: batch-1 decoding reads every weight once per token, so tokens/s × bytes of
 weights per token is the memory traffic the decoder sustains; it is reported beside the
@@ -83,7 +87,7 @@ def _prompt_ids(tok, n: int) -> torch.Tensor:
     return torch.tensor([ids[:n]])
 
 
-def bench_decoding(args: argparse.Namespace, bandwidth: float) -> tuple[list[dict], dict]:
+def bench_decoding(args: argparse.Namespace, bandwidth: float, llama=None) -> tuple[list[dict], dict]:
     """Every weight format of qkv beside transformers (fp32, bf16) and, where it is built,
     llama.cpp on the same GGUF: decode tok/s (tokens after the first), prefill tok/s (the
     32-token prompt) and the end-to-end rate, round-robin."""
@@ -96,6 +100,7 @@ def bench_decoding(args: argparse.Namespace, bandwidth: float) -> tuple[list[dic
     from qkv.assets import asset_path
     from qkv.attention.linear import Linear
     from qkv.generation import generate
+    from qkv.generation.compiled import compiled_decoder
 
     path = asset_path("smollm2")
     t = time.perf_counter()
@@ -126,6 +131,9 @@ def bench_decoding(args: argparse.Namespace, bandwidth: float) -> tuple[list[dic
     def ours(q):
         return lambda n: [int(t[0]) for t in generate(q.model, x, n, temperature=0.0)]
 
+    def compiled(q):
+        return lambda n: [int(t[0]) for t in generate(q.model, x, n, temperature=0.0, compile=True)]
+
     def plain(n: int) -> list[int]:  # fp32 with every projection a plain F.linear
         fast = Linear.forward
         Linear.forward = lambda self, x: F.linear(x, self.weight, self.bias)
@@ -139,12 +147,26 @@ def bench_decoding(args: argparse.Namespace, bandwidth: float) -> tuple[list[dic
         contenders[(w, "qkv")] = ours(q)
     if "fp32" in lms:
         contenders[("fp32", "qkv (plain F.linear)")] = plain
-    tokens = {k: f(n_new) for k, f in contenders.items()}  # warm-up, and the tokens to compare
+    for w in args.compiled:
+        contenders[(w, "qkv compiled")] = compiled(lms[w])
+    tokens, compile_s = {}, {}
+    for k, f in contenders.items():  # warm-up (compiled: the compile), and the tokens to compare
+        t = time.perf_counter()
+        tokens[k] = f(n_new)
+        if k[1] == "qkv compiled":
+            dec = compiled_decoder(lms[k[0]].model)
+            compile_s[k[0]] = round(dec.compile_seconds, 1)
+            print(f"{k[0]} compiled: first request {time.perf_counter() - t:.1f} s, of which "
+                  f"{dec.compile_seconds:.1f} s compiling", flush=True)
     names = list(contenders)
     full: dict = {k: [] for k in names}
     first: dict = {k: [] for k in names}
+    llama_rounds: list[dict] = []  # llama.cpp's own run in each round, beside qkv's
     for r in range(args.rounds):
-        for k in (names if r % 2 == 0 else names[::-1]):
+        order = names if r % 2 == 0 else names[::-1]
+        for i, k in enumerate(order):
+            if llama is not None and i == len(order) // 2:  # mid-round: same conditions as qkv
+                llama_rounds.append(llama())
             t = time.perf_counter()
             contenders[k](1)  # the prompt (prefill) and the first token
             first[k].append(time.perf_counter() - t)
@@ -173,16 +195,57 @@ def bench_decoding(args: argparse.Namespace, bandwidth: float) -> tuple[list[dic
             "bandwidth_limit_tokens_per_s": round(limit, 1) if who != "transformers" else None,
             "fraction_of_bandwidth_limit": round(dec / limit, 3) if who != "transformers" else None,
             "decode_samples_tokens_per_s": [round(d, 1) for d in decode],
+            "same_tokens_as_qkv_eager": tokens[k] == tokens.get((w, "qkv")),
         })
+        if llama_rounds:
+            per_round = [d / lr["decode"]["tokens_per_s"] for d, lr in zip(decode, llama_rounds, strict=True)]
+            rows[-1]["decode_vs_llama_cpp_same_round"] = round(C.median(per_round), 3)
+            rows[-1]["decode_vs_llama_cpp_min_max"] = [round(min(per_round), 3), round(max(per_round), 3)]
+        if who == "qkv compiled":
+            eager = next(r for r in rows if r["weights"] == w and r["contender"] == "qkv")
+            saved = 1 / eager["decode_tokens_per_s"] - 1 / dec
+            rows[-1].update(compile_s=compile_s[w], over_eager=round(dec / eager["decode_tokens_per_s"], 3),
+                            pays_after_tokens=round(compile_s[w] / saved) if saved > 0 else None)
         print(f"{w} {who}: decode {dec:.1f} tok/s (x{C.median(ratios):.2f} vs transformers fp32), "
               f"prefill {rows[-1]['prefill_tokens_per_s']:.0f} tok/s, same tokens as transformers "
               f"fp32: {tokens[k] == tokens[base]}", flush=True)
     return rows, {"qkv_convert_s": round(qkv_convert, 2), "qkv_cached_load_s": round(qkv_load, 2),
-                  "transformers_load_s": round(ref_load, 2)}
+                  "transformers_load_s": round(ref_load, 2), "llama_cpp_rounds": llama_rounds}
 
 
-def bench_llama_cpp(args: argparse.Namespace, rows: list[dict]) -> dict:
-    """llama.cpp's llama-bench on the same GGUF, in this run, beside qkv's q4 decode rate."""
+def compile_probe(weights: str) -> dict:
+    """In a fresh process: load SmolLM2 in ``weights`` and time the compile of its decoding
+    step (what a second `qkv generate --compile` pays once the compile cache is warm)."""
+    import qkv
+    from qkv.generation import generate
+    from qkv.generation.compiled import compiled_decoder
+
+    lm = qkv.load("smollm2", weights=weights)
+    x = _prompt_ids(lm.tokenizer, 32)
+    t = time.perf_counter()
+    for _ in generate(lm.model, x, 8, temperature=0.0, compile=True):
+        pass
+    dec = compiled_decoder(lm.model)
+    return {"weights": weights, "compile_s": round(dec.compile_seconds, 2),
+            "first_request_s": round(time.perf_counter() - t, 2)}
+
+
+def warm_compile(weights: str) -> dict:
+    """:func:`compile_probe` in a child process sharing this run's compile cache."""
+    import subprocess
+
+    out = subprocess.run([sys.executable, __file__, "--compile-probe", weights], capture_output=True,
+                         text=True, env=os.environ.copy())
+    if out.returncode:
+        return {"weights": weights, "error": (out.stderr.strip().splitlines() or ["?"])[-1]}
+    res = json.loads(out.stdout.strip().splitlines()[-1])
+    print(f"{weights} compiled, second process (warm compile cache): {res['compile_s']} s compiling",
+          flush=True)
+    return res
+
+
+def llama_cpp_runner(args: argparse.Namespace):
+    """(run one llama-bench round, description), or (None, why not) where it is not built."""
     from _llama_cpp import llama_bench, run_llama_bench
 
     from qkv.assets import asset_path
@@ -190,19 +253,24 @@ def bench_llama_cpp(args: argparse.Namespace, rows: list[dict]) -> dict:
     binary, how = llama_bench(build=args.build_llama_cpp)
     if binary is None:
         print(f"llama.cpp: not available ({how})", flush=True)
-        return {"available": False, "reason": how}
-    res = run_llama_bench(binary, asset_path("smollm2"), threads=torch.get_num_threads(),
-                          prompt=32, new=args.new_tokens, reps=max(args.rounds, 3))
-    res.update(available=True, how=how)
-    for w in ("q4", "bf16", "fp32"):
-        row = next((r for r in rows if r["weights"] == w and r["contender"] == "qkv"), None)
-        if row and "decode" in res:
-            res[f"qkv_{w}_decode_over_llama_cpp"] = round(row["decode_tokens_per_s"]
-                                                          / res["decode"]["tokens_per_s"], 3)
-        if row and "prefill" in res:
-            res[f"qkv_{w}_prefill_over_llama_cpp"] = round(row["prefill_tokens_per_s"]
-                                                           / res["prefill"]["tokens_per_s"], 3)
-    print(f"llama.cpp ({how}): {json.dumps({k: v for k, v in res.items() if k != 'build'})}", flush=True)
+        return None, how
+    return (lambda: run_llama_bench(binary, asset_path("smollm2"), threads=torch.get_num_threads(),
+                                    prompt=32, new=args.new_tokens, reps=1)), how
+
+
+def llama_cpp_summary(rows: list[dict], rounds: list[dict], how: str) -> dict:
+    """llama.cpp's rates over the rounds it ran beside qkv, and qkv's ratios to it."""
+    dec = [r["decode"]["tokens_per_s"] for r in rounds]
+    pre = [r["prefill"]["tokens_per_s"] for r in rounds]
+    res: dict = {"available": True, "how": how, "command": rounds[0]["command"],
+                 "decode": {"tokens_per_s": round(C.median(dec), 1), "samples_ts": dec},
+                 "prefill": {"tokens_per_s": round(C.median(pre), 1), "samples_ts": pre}}
+    for r in rows:
+        if "decode_vs_llama_cpp_same_round" in r:
+            tag = f"{r['contender'].replace(' ', '_')}_{r['weights']}"
+            res[f"{tag}_decode_over_llama_cpp"] = r["decode_vs_llama_cpp_same_round"]
+            res[f"{tag}_prefill_over_llama_cpp"] = round(r["prefill_tokens_per_s"] / C.median(pre), 3)
+    print(f"llama.cpp ({how}): {json.dumps(res)}", flush=True)
     return res
 
 
@@ -271,10 +339,20 @@ def main() -> int:
     p.add_argument("--skip", choices=("decoding", "embeddings", "llama-cpp"), action="append", default=[])
     p.add_argument("--formats", nargs="+", default=["fp32", "bf16", "int8", "q4"],
                    choices=("fp32", "bf16", "int8", "q4"), help="qkv weight formats to decode with")
+    p.add_argument("--compiled", nargs="*", default=["fp32", "bf16", "int8", "q4"],
+                   choices=("fp32", "bf16", "int8", "q4"),
+                   help="formats also decoded through the compiled step (`--compiled` alone: none)")
+    p.add_argument("--warm-compile-cache", action="store_true",
+                   help="use the usual inductor cache instead of a fresh one (then the compile times "
+                   "are not a first compile)")
+    p.add_argument("--compile-probe", default=None, help=argparse.SUPPRESS)
     p.add_argument("--build-llama-cpp", action="store_true",
                    help="build llama.cpp's llama-bench (~10 min, once, cached) if it is not built yet")
     p.add_argument("--json", default=None, help="write results here (default benchmarks/results/)")
     args = p.parse_args()
+    if args.compile_probe:
+        print(json.dumps(compile_probe(args.compile_probe)))
+        return 0
     if args.quick:
         args.rounds, args.new_tokens, args.sentences = 1, 32, 200
     if args.threads:
@@ -297,22 +375,33 @@ def main() -> int:
     print(f"memory bandwidth (streaming read): {bw / 1e9:.1f} GB/s", flush=True)
     result: dict = {"machine": machine, "memory_bandwidth_gb_s": round(bw / 1e9, 2),
                     "prompt_tokens": 32, "new_tokens": args.new_tokens, "rounds": args.rounds}
+    if args.compiled and not args.warm_compile_cache:  # compile times as on a new machine
+        import tempfile
+
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = tempfile.mkdtemp(prefix="qkv-bench-inductor-")
+    result["compile_cache"] = "warm (usual)" if args.warm_compile_cache else "fresh (first compile)"
     if "decoding" not in args.skip:
-        rows, loads = bench_decoding(args, bw)
+        llama, how = llama_cpp_runner(args) if "llama-cpp" not in args.skip else (None, "skipped")
+        rows, loads = bench_decoding(args, bw, llama)
         result["decoding"], result["load"] = rows, loads
-        if "llama-cpp" not in args.skip:
-            result["llama_cpp"] = bench_llama_cpp(args, rows)
+        result["llama_cpp"] = (llama_cpp_summary(rows, loads["llama_cpp_rounds"], how) if llama
+                               else {"available": False, "reason": how})
+        if args.compiled:
+            result["warm_compile"] = [warm_compile(w) for w in args.compiled]
         C.print_table(
             f"SmolLM2-135M greedy decoding, batch 1, 32-token prompt + {args.new_tokens} new tokens",
             ["weights", "contender", "decode tok/s", "× transformers fp32 (min–max)", "prefill tok/s",
-             "same tokens (hf fp32 / qkv fp32)", "% of bandwidth limit"],
+             "× llama.cpp (same rounds)", "same tokens (hf fp32 / qkv fp32)", "% of bandwidth limit",
+             "compile s"],
             [[r["weights"], r["contender"], f"{r['decode_tokens_per_s']:.1f}",
               f"{r['decode_vs_transformers_fp32']:.2f} ({r['decode_vs_transformers_fp32_min_max'][0]:.2f}–"
               f"{r['decode_vs_transformers_fp32_min_max'][1]:.2f})", f"{r['prefill_tokens_per_s']:.0f}",
+              f"{r['decode_vs_llama_cpp_same_round']:.2f}" if "decode_vs_llama_cpp_same_round" in r else "-",
               f"{'yes' if r['same_tokens_as_transformers_fp32'] else 'no'} / "
               f"{'yes' if r['same_tokens_as_qkv_fp32'] else 'no'}",
               "-" if r["fraction_of_bandwidth_limit"] is None else
-              f"{100 * r['fraction_of_bandwidth_limit']:.0f}% of {r['bandwidth_limit_tokens_per_s']:.0f}"]
+              f"{100 * r['fraction_of_bandwidth_limit']:.0f}% of {r['bandwidth_limit_tokens_per_s']:.0f}",
+              f"{r['compile_s']}" if "compile_s" in r else "-"]
              for r in rows],
         )
     if "embeddings" not in args.skip:

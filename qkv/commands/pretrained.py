@@ -172,6 +172,9 @@ def cmd_generate_pretrained(args: argparse.Namespace) -> int:
         raise ValueError(f"--temperature must be >= 0, got {args.temperature}")
     if args.top_p is not None and not 0.0 < args.top_p <= 1.0:
         raise ValueError(f"--top-p must be in (0, 1], got {args.top_p}")
+    from qkv.commands.train import check_compile, decode_mode
+
+    check_compile(args)
     t0 = time.perf_counter()
     weights = args.weights or {"float32": "fp32", "bfloat16": "bf16", None: DEFAULT_WEIGHTS}[args.dtype]
     path = args.run if args.run.lower().endswith(".gguf") else None  # any llama-architecture GGUF
@@ -186,7 +189,7 @@ def cmd_generate_pretrained(args: argparse.Namespace) -> int:
               f"{lm.model.cfg.max_seq_len}-token context", file=sys.stderr)
     pieces = lm.stream(args.prompt, args.max_new_tokens, chat=args.chat, system=args.system,
                        temperature=args.temperature, top_k=args.top_k or None, top_p=args.top_p,
-                       seed=args.seed, use_cache=not args.no_cache)
+                       seed=args.seed, use_cache=not args.no_cache, compile=args.compile)
     echoed = args.chat  # the prompt is echoed once generation has started (errors come first)
     for piece in pieces:
         if not echoed:
@@ -198,7 +201,7 @@ def cmd_generate_pretrained(args: argparse.Namespace) -> int:
     st = lm.last_stats
     print(f"[{st['prompt_tokens']} prompt + {st['new_tokens']} new tokens in {st['seconds']:.2f} s, "
           f"{st['new_tokens'] / max(st['seconds'], 1e-9):.1f} tok/s, "
-          f"{'no cache' if args.no_cache else 'KV cache'}]", file=sys.stderr)
+          f"{decode_mode(args, lm.model, st['new_tokens'], st['seconds'])}]", file=sys.stderr)
     return 0
 
 

@@ -63,6 +63,7 @@ def generate(
     top_p: float | None = None,
     use_cache: bool = True,
     generator: torch.Generator | None = None,
+    compile: bool = False,
 ) -> Iterator[Tensor]:
     """Yield (B,) new token ids one step at a time (so callers can stream them).
 
@@ -72,6 +73,10 @@ def generate(
         temperature / top_k / top_p: see :func:`qkv.generation.sampling.sample_next`.
         use_cache: decode with a preallocated KV cache (False = full forward each step).
         generator: RNG for sampling, for reproducible output.
+        compile: run the 1-token steps through the model's compiled step
+            (:mod:`qkv.generation.compiled`: compiled once per process, faster per token;
+            the prompt still runs eagerly). Requests longer than its fixed cache
+            (prompt + new tokens > 2,048) decode eagerly.
     """
     if prompt.ndim != 2 or prompt.shape[1] < 1:
         raise ValueError(f"prompt must be (B, T) with T >= 1, got shape {tuple(prompt.shape)}")
@@ -81,22 +86,38 @@ def generate(
     # The cache never holds more than the context, nor more than this call can produce:
     # sizing it to the need avoids zeroing a (L, B, K, 8192, D) buffer for a short reply.
     cache_len = min(W, tokens.shape[1] + max(max_new_tokens, 1))
-    cache = model.make_cache(tokens.shape[0], cache_len) if use_cache else None
+    cache, step = None, None  # step: the compiled 1-token step, if asked for and the request fits
+    if compile and use_cache:
+        from qkv.generation.compiled import compiled_decoder
+
+        dec = compiled_decoder(model)
+        if dec.fits(tokens.shape[1] + max_new_tokens):
+            dec.begin()
+            cache, step = dec.make_cache(tokens.shape[0]), dec.step
+    if use_cache and cache is None:
+        cache = model.make_cache(tokens.shape[0], cache_len)
     start, fed = 0, 0  # context = tokens[:, start:]; the cache holds tokens[:, start:fed]
-    for _ in range(max_new_tokens):
-        if tokens.shape[1] - start > W:  # outgrew the context: keep the newest half
-            start = tokens.shape[1] - max(1, W // 2)
-            fed = start
-            if cache is not None:
-                cache.reset()
-        if cache is None:
-            logits = model(tokens[:, start:], last_only=True).logits
-        else:
-            logits = model(tokens[:, fed:], cache=cache, last_only=True).logits
-            fed = tokens.shape[1]
-        nxt = sample_next(logits[:, -1], temperature, top_k, top_p, generator)  # (B,)
-        tokens = torch.cat([tokens, nxt.unsqueeze(1)], dim=1)
-        yield nxt
+    try:
+        for _ in range(max_new_tokens):
+            if tokens.shape[1] - start > W:  # outgrew the context: keep the newest half
+                start = tokens.shape[1] - max(1, W // 2)
+                fed = start
+                if cache is not None:
+                    cache.reset()
+            if cache is None:
+                logits = model(tokens[:, start:], last_only=True).logits
+            elif step is not None and tokens.shape[1] - fed == 1:
+                logits = step(tokens[:, fed:], cache)
+                fed = tokens.shape[1]
+            else:
+                logits = model(tokens[:, fed:], cache=cache, last_only=True).logits
+                fed = tokens.shape[1]
+            nxt = sample_next(logits[:, -1], temperature, top_k, top_p, generator)  # (B,)
+            tokens = torch.cat([tokens, nxt.unsqueeze(1)], dim=1)
+            yield nxt
+    finally:
+        if step is not None:
+            dec.release(cache)  # the next request reuses it
 
 
 # --------------------------------------------------------------------------- encoder-decoder

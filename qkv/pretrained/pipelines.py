@@ -218,11 +218,15 @@ class CausalLM:
         seed: int | None = None,
         use_cache: bool = True,
         stop_at_eos: bool = True,
+        compile: bool = False,
     ) -> Iterator[str]:
         """Yield the continuation of ``prompt`` piece by piece (whole characters only).
 
         ``chat=True`` wraps the prompt in the chat template. ``max_new_tokens`` is bounded by
         the context: at most ``max_seq_len - len(prompt)`` tokens are generated.
+        ``compile=True`` decodes through the model's compiled step
+        (:mod:`qkv.generation.compiled`): compiled on the first call of the process (tens of
+        seconds), faster per token on every later one.
         """
         if max_new_tokens < 0:
             raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
@@ -246,7 +250,8 @@ class CausalLM:
         def new_ids() -> Iterator[int]:
             t0 = time.perf_counter()
             for t in generate_tokens(self.model, x, max_new_tokens, temperature=temperature,
-                                     top_k=top_k, top_p=top_p, use_cache=use_cache, generator=gen):
+                                     top_k=top_k, top_p=top_p, use_cache=use_cache, generator=gen,
+                                     compile=compile):
                 tid = int(t[0])
                 if stop_at_eos and tid in self.stop_ids:
                     return

@@ -200,3 +200,25 @@ def _text(tmp_path):
     f = tmp_path / "text.txt"
     f.write_text("the quick brown fox jumps over the lazy dog.\n" * 200)
     return f
+
+
+@pytest.mark.slow  # compiles SmolLM2's decoding step: ~50 s with an empty inductor cache
+def test_compiled_q4_step_agrees_with_the_eager_one_on_held_text(formats, held_ids) -> None:
+    """Teacher-forced through the compiled 1-token step (`generate(compile=True)`) vs the eager
+    q4 model: the step fuses the bf16 casts around each 4-bit product differently, so the
+    logits agree to bf16 rounding and the top-1 token at >= 99% of positions."""
+    from qkv.generation.compiled import CompiledDecoder
+
+    m = formats["q4"].model
+    dec = CompiledDecoder(m, cache_len=POSITIONS + 8)
+    ids = held_ids[:, :POSITIONS]
+    with torch.inference_mode():
+        dec.begin()
+        cache = dec.make_cache(1)
+        first = m(ids[:, :1], cache=cache).logits[0]
+        steps = [dec.step(ids[:, t:t + 1], cache)[0] for t in range(1, POSITIONS)]
+    got = torch.cat([first, *steps]).float()  # (POSITIONS, V)
+    want = logits(formats["q4"], held_ids)
+    assert dec.failed is None
+    assert (got.argmax(-1) == want.argmax(-1)).float().mean() >= 0.99
+    assert abs(perplexity(got, held_ids) / perplexity(want, held_ids) - 1) < 0.01
