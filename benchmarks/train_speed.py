@@ -44,6 +44,7 @@ from _common import LoadMeter, load_line, machine_info, machine_line
 from torch import nn
 
 from qkv.attention.linear import cpu_has_native_bf16
+from qkv.commands.train import fp32_newton_schulz
 from qkv.models.gpt import GPT, GPTConfig
 from qkv.presets import get_preset, preset_train
 from qkv.training.lm import LMDataConfig, prepare_data
@@ -238,7 +239,7 @@ def default_recipe(V: int) -> tuple[GPTConfig, TrainConfig, str]:
     fields of the optimiser that `--optimizer auto` picks here."""
     cpu = get_preset("gpt", "cpu")
     kind = resolve_optimizer("auto")
-    train = {**preset_train(cpu, kind), "out_dir": "/tmp/qkv-bench-unused"}
+    train = {**preset_train(cpu, kind, fp32_newton_schulz("auto")), "out_dir": "/tmp/qkv-bench-unused"}
     return GPTConfig(**{**cpu["model"], "vocab_size": V}), TrainConfig(**train), kind
 
 

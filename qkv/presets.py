@@ -3,7 +3,8 @@ fields}, "data": {...}}. Every field can still be overridden on the command line
 
 A preset may add "train_adamw": the training fields to use instead when the optimiser is AdamW
 (``--optimizer adamw``, or ``auto`` with a torch older than 2.9, which has no Muon): a Muon
-recipe's learning rate and step count do not suit AdamW.
+recipe's learning rate and step count do not suit AdamW. And "train_fp32_ns": fields for Muon
+on a CPU without bf16 instructions, where its orthogonalisation runs in fp32 (slower).
 """
 
 from __future__ import annotations
@@ -28,6 +29,9 @@ GPT_PRESETS: dict[str, dict[str, Any]] = {
                       warmup_iters=10, eval_interval=100, eval_iters=20),
         "train_adamw": dict(batch_size=12, max_iters=1500, lr=3e-3, min_lr=3e-4, warmup_iters=50,
                             eval_interval=250),
+        # Without bf16 instructions Muon orthogonalises in fp32, ~25 ms of a ~65 ms step: larger
+        # batches and fewer steps spread that cost (BENCHMARKS.md, AVX2 kernels).
+        "train_fp32_ns": dict(batch_size=24, max_iters=340),
     },
     # nanoGPT's CPU recipe (README "I only have a macbook"): the speed baseline's model.
     "nanogpt-cpu": {
@@ -107,11 +111,15 @@ PRESETS: dict[str, dict[str, dict[str, Any]]] = {"gpt": GPT_PRESETS, "vit": VIT_
                                                  "captioner": CAPTIONER_PRESETS}
 
 
-def preset_train(preset: dict[str, Any], optimizer: str) -> dict[str, Any]:
-    """The preset's training fields for the optimiser that will run ("adamw" or "muon")."""
+def preset_train(preset: dict[str, Any], optimizer: str, fp32_newton_schulz: bool = False) -> dict[str, Any]:
+    """The preset's training fields for the optimiser that will run ("adamw" or "muon"), and
+    for Muon, for where its Newton–Schulz products run: ``fp32_newton_schulz`` (a CPU without
+    bf16 instructions) adds the preset's "train_fp32_ns" fields."""
     train = dict(preset.get("train", {}))
     if optimizer == "adamw":
         train.update(preset.get("train_adamw", {}))
+    elif optimizer == "muon" and fp32_newton_schulz:
+        train.update(preset.get("train_fp32_ns", {}))
     return train
 
 

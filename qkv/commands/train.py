@@ -150,8 +150,9 @@ def _configs(args: argparse.Namespace, family: str) -> tuple[Any, TrainConfig, A
         # until the data is loaded, a size the patch divides lets every other field be checked
         model_args["image_size"] = model_args.get("patch_size", 4)
     model = f.model_cls(**model_args)
-    kind = resolve_optimizer({**preset.get("train", {}), **train_over}.get("optimizer", "auto"))
-    train = {**preset_train(preset, kind), **train_over}
+    merged = {**preset.get("train", {}), **train_over}
+    kind = resolve_optimizer(merged.get("optimizer", "auto"))
+    train = {**preset_train(preset, kind, fp32_newton_schulz(merged.get("device", "auto"))), **train_over}
     train.setdefault("out_dir", default_run_dir(family, args.preset))  # a new folder per run
     data = f.data_cls(**{**preset.get("data", {}), **data_over})
     return model, TrainConfig(**train), data
@@ -492,6 +493,18 @@ def cmd_generate(args: argparse.Namespace) -> int:
     print(f"[{len(out)} tokens in {dt:.2f} s, {len(out) / max(dt, 1e-9):.1f} tok/s, "
           f"{decode_mode(args, model, len(out), dt)}]", file=sys.stderr)
     return 0
+
+
+def fp32_newton_schulz(device: str) -> bool:
+    """Whether Muon's Newton–Schulz products will run in fp32 on ``device`` (a CPU without
+    bf16 instructions), which the cpu preset's recipe accounts for."""
+    import torch
+
+    from qkv.attention.linear import cpu_has_native_bf16
+    from qkv.training.optim import muon_ns_dtype
+
+    dev = "cuda" if device.startswith("cuda") or (device == "auto" and torch.cuda.is_available()) else "cpu"
+    return muon_ns_dtype(dev, cpu_has_native_bf16()) == torch.float32
 
 
 def check_compile(args: argparse.Namespace) -> None:

@@ -122,18 +122,28 @@ def test_qkv_muon_in_bf16_is_pytorchs_own_step() -> None:
     assert torch.equal(a, b)
 
 
-def test_the_cpu_preset_gives_adamw_its_own_recipe() -> None:
+@pytest.mark.parametrize("native_bf16", [True, False])
+def test_the_cpu_preset_gives_adamw_and_fp32_muon_their_own_recipes(monkeypatch, native_bf16) -> None:
+    import qkv.attention.linear as linear
     from qkv.cli import build_parser
     from qkv.commands.train import _configs
     from qkv.presets import get_preset, preset_train
 
+    monkeypatch.setattr(linear, "cpu_has_native_bf16", lambda: native_bf16)
     cpu = get_preset("gpt", "cpu")
+    muon = cpu["train"] if native_bf16 else {**cpu["train"], **cpu["train_fp32_ns"]}
     assert preset_train(cpu, "muon")["max_iters"] == cpu["train"]["max_iters"]
-    assert preset_train(cpu, "adamw")["max_iters"] == cpu["train_adamw"]["max_iters"]
+    fp32_ns = preset_train(cpu, "muon", fp32_newton_schulz=True)
+    assert fp32_ns["batch_size"] == cpu["train_fp32_ns"]["batch_size"]
+    assert preset_train(cpu, "adamw", fp32_newton_schulz=True)["max_iters"] == cpu["train_adamw"]["max_iters"]
     parser = build_parser()
-    for argv, steps in ((["--optimizer", "adamw"], cpu["train_adamw"]["max_iters"]),
-                        (["--optimizer", "muon"], cpu["train"]["max_iters"]),
-                        (["--optimizer", "adamw", "--max_iters", "7"], 7)):  # the user's word wins
+    for argv, steps, batch in ((["--optimizer", "adamw"], cpu["train_adamw"]["max_iters"],
+                                cpu["train_adamw"]["batch_size"]),
+                               (["--optimizer", "muon"], muon["max_iters"], muon["batch_size"]),
+                               (["--optimizer", "muon", "--device", "cuda"], cpu["train"]["max_iters"],
+                                cpu["train"]["batch_size"]),  # GPUs orthogonalise in bf16
+                               (["--optimizer", "adamw", "--max_iters", "7"], 7,  # the user's word wins
+                                cpu["train_adamw"]["batch_size"])):
         args = parser.parse_args(["train", "gpt", *argv])
         _, train, _ = _configs(args, "gpt")
-        assert train.max_iters == steps and train.optimizer == argv[1]
+        assert (train.max_iters, train.batch_size, train.optimizer) == (steps, batch, argv[1])
