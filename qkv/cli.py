@@ -98,10 +98,11 @@ def build_parser() -> argparse.ArgumentParser:
     from qkv.commands.attend import add_attend_parser
     from qkv.commands.caption import add_caption_parser
     from qkv.commands.explain import add_explain_parser
+    from qkv.commands.generate import add_generate_parser
     from qkv.commands.pretrained import add_embed_parser, add_similarity_parser
     from qkv.commands.seq2seq import add_translate_parser
     from qkv.commands.serve import add_serve_parser
-    from qkv.commands.train import add_generate_parser, add_train_parser
+    from qkv.commands.train import add_train_parser
     from qkv.commands.vision import add_classify_parser
 
     add_train_parser(sub)

@@ -1,4 +1,5 @@
-"""`qkv embed`, `qkv similarity` and `qkv generate smollm2`: the pretrained models from the shell."""
+"""`qkv embed` and `qkv similarity`: the pretrained encoders from the shell (`qkv generate
+smollm2` is in :mod:`qkv.commands.generate`)."""
 
 from __future__ import annotations
 
@@ -155,55 +156,4 @@ def cmd_similarity(args: argparse.Namespace) -> int:
     return 0
 
 
-DEFAULT_WEIGHTS = "auto"  # q4 for a GGUF stored in 4 bits: fastest, keeps the answers (BENCHMARKS.md)
-
-
-def cmd_generate_pretrained(args: argparse.Namespace) -> int:
-    """`qkv generate smollm2 ...`: stream a continuation (or a chat reply) from the GGUF model."""
-    from qkv.pretrained import load
-
-    if args.max_new_tokens < 0:
-        raise ValueError(f"--max-new-tokens must be >= 0, got {args.max_new_tokens}")
-    if not args.prompt.strip() and not args.chat:
-        raise ValueError("the prompt is empty; give --prompt TEXT")
-    if args.system is not None and not args.chat:
-        raise ValueError("--system is a chat message: add --chat")
-    if args.temperature < 0:
-        raise ValueError(f"--temperature must be >= 0, got {args.temperature}")
-    if args.top_p is not None and not 0.0 < args.top_p <= 1.0:
-        raise ValueError(f"--top-p must be in (0, 1], got {args.top_p}")
-    from qkv.commands.train import check_compile, decode_mode
-
-    check_compile(args)
-    t0 = time.perf_counter()
-    weights = args.weights or {"float32": "fp32", "bfloat16": "bf16", None: DEFAULT_WEIGHTS}[args.dtype]
-    path = args.run if args.run.lower().endswith(".gguf") else None  # any llama-architecture GGUF
-    lm = load("smollm2" if path else args.run, path=path, device=args.device, weights=weights)
-    used = lm.info.get("weights", weights)
-    print(f"[{args.run}: loaded in {time.perf_counter() - t0:.1f} s, weights {used}]", file=sys.stderr)
-    n_prompt = len(lm.tokenizer.encode(lm.format_chat(args.prompt, args.system) if args.chat
-                                       else args.prompt))
-    room = lm.model.cfg.max_seq_len - n_prompt
-    if args.max_new_tokens > room > 0:
-        print(f"qkv: note: --max-new-tokens {args.max_new_tokens} bounded to {room} by the "
-              f"{lm.model.cfg.max_seq_len}-token context", file=sys.stderr)
-    pieces = lm.stream(args.prompt, args.max_new_tokens, chat=args.chat, system=args.system,
-                       temperature=args.temperature, top_k=args.top_k or None, top_p=args.top_p,
-                       seed=args.seed, use_cache=not args.no_cache, compile=args.compile)
-    echoed = args.chat  # the prompt is echoed once generation has started (errors come first)
-    for piece in pieces:
-        if not echoed:
-            sys.stdout.write(args.prompt)
-            echoed = True
-        sys.stdout.write(piece)
-        sys.stdout.flush()
-    sys.stdout.write(("" if echoed else args.prompt) + "\n")
-    st = lm.last_stats
-    print(f"[{st['prompt_tokens']} prompt + {st['new_tokens']} new tokens in {st['seconds']:.2f} s, "
-          f"{st['new_tokens'] / max(st['seconds'], 1e-9):.1f} tok/s, "
-          f"{decode_mode(args, lm.model, st['new_tokens'], st['seconds'])}]", file=sys.stderr)
-    return 0
-
-
-__all__ = ["DECODERS", "ENCODERS", "PRETRAINED", "add_embed_parser", "add_similarity_parser",
-           "cmd_generate_pretrained"]
+__all__ = ["DECODERS", "ENCODERS", "PRETRAINED", "add_embed_parser", "add_similarity_parser"]
