@@ -8,50 +8,14 @@ from __future__ import annotations
 
 import argparse
 import os
-import subprocess
 import sys
 from collections.abc import Sequence
-from pathlib import Path
 
 from qkv import __version__
 
 
 class UserError(Exception):
     """A problem the user can fix; printed as one line, exit code 2."""
-
-
-def _benchmarks_dir() -> Path:
-    return Path(__file__).resolve().parent.parent / "benchmarks"
-
-
-def _bench_scripts() -> dict[str, Path]:
-    d = _benchmarks_dir()
-    return {p.stem: p for p in sorted(d.glob("*.py")) if not p.stem.startswith("_")}
-
-
-def cmd_bench(args: argparse.Namespace) -> int:
-    """Run the project's benchmark scripts (each prints its own table)."""
-    scripts = _bench_scripts()
-    if not scripts:
-        raise UserError(
-            f"no benchmark scripts found in {_benchmarks_dir()}; `qkv bench` needs a source "
-            "checkout (git clone, then pip install -e .)"
-        )
-    if args.list:
-        for name in scripts:
-            print(name)
-        return 0
-    names = args.names or list(scripts)
-    unknown = [n for n in names if n not in scripts]
-    if unknown:
-        raise UserError(f"unknown benchmark {unknown[0]!r}; choose from: {', '.join(scripts)}")
-    for name in names:
-        cmd = [sys.executable, str(scripts[name])] + (["--quick"] if args.quick else [])
-        print(f"$ {' '.join(cmd)}", flush=True)
-        rc = subprocess.call(cmd)
-        if rc != 0:
-            return rc
-    return 0
 
 
 def cmd_assets(args: argparse.Namespace) -> int:
@@ -84,18 +48,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"qkv {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
 
-    bench = sub.add_parser(
-        "bench",
-        help="run the benchmarks in benchmarks/ and print their tables",
-        description="Run the project's benchmarks. Each reports ratios against a baseline "
-        "measured in the same run; results are recorded in BENCHMARKS.md.",
-    )
-    bench.add_argument("names", nargs="*", help="benchmarks to run (default: all; see --list)")
-    bench.add_argument("--quick", action="store_true", help="small sizes, for a smoke run")
-    bench.add_argument("--list", action="store_true", help="list the benchmarks and exit")
-    bench.set_defaults(func=cmd_bench)
 
     from qkv.commands.attend import add_attend_parser
+    from qkv.commands.bench import add_bench_parser
     from qkv.commands.caption import add_caption_parser
     from qkv.commands.explain import add_explain_parser
     from qkv.commands.generate import add_generate_parser
@@ -105,6 +60,7 @@ def build_parser() -> argparse.ArgumentParser:
     from qkv.commands.train import add_train_parser
     from qkv.commands.vision import add_classify_parser
 
+    add_bench_parser(sub)
     add_train_parser(sub)
     add_generate_parser(sub)
     add_embed_parser(sub)

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from qkv import __version__, cli
+from qkv.commands import bench
 
 COMMANDS = ("train", "generate", "embed", "similarity", "classify", "translate", "caption", "attend",
             "explain", "serve", "assets", "bench")
@@ -40,7 +41,7 @@ def fake_benchmarks(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     (tmp_path / "beta.py").write_text("import sys\nsys.exit(3)\n")
     (tmp_path / "_common.py").write_text("")  # helpers are not benchmarks
     (tmp_path / "notes.txt").write_text("not a script")
-    monkeypatch.setattr(cli, "_benchmarks_dir", lambda: tmp_path)
+    monkeypatch.setattr(bench, "_benchmarks_dir", lambda: tmp_path)
     return tmp_path
 
 
@@ -71,7 +72,7 @@ def test_bench_list(fake_benchmarks: Path, capsys) -> None:
 
 def test_bench_list_real_folder(capsys) -> None:
     # The real folder may be empty or filling up: compare with what is there right now.
-    expected = sorted(p.stem for p in cli._benchmarks_dir().glob("*.py")
+    expected = sorted(p.stem for p in bench._benchmarks_dir().glob("*.py")
                       if not p.stem.startswith("_"))
     rc, out, err = run_main(["bench", "--list"], capsys)
     if expected:
@@ -104,7 +105,7 @@ def test_bench_returns_the_failing_exit_code(fake_benchmarks: Path, capfd) -> No
 
 
 def test_bench_without_scripts(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys) -> None:
-    monkeypatch.setattr(cli, "_benchmarks_dir", lambda: tmp_path)
+    monkeypatch.setattr(bench, "_benchmarks_dir", lambda: tmp_path)
     rc, _, err = run_main(["bench", "--list"], capsys)
     assert rc == 2
     assert_one_line_error(err)

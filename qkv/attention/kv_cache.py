@@ -23,8 +23,7 @@ class KVCache:
 
     Args:
         n_layers: number of attention layers that share this cache (L).
-        batch_size: B. n_kv_heads: K. max_seq_len: S_max. head_dim: D.
-        v_head_dim: value head dim if it differs from D.
+        batch_size: B. n_kv_heads: K. max_seq_len: S_max. head_dim: D (keys and values).
     """
 
     def __init__(
@@ -35,7 +34,6 @@ class KVCache:
         max_seq_len: int,
         head_dim: int,
         *,
-        v_head_dim: int | None = None,
         dtype: torch.dtype = torch.float32,
         device: torch.device | str | None = None,
     ) -> None:
@@ -48,10 +46,9 @@ class KVCache:
         ):
             if val < 1:
                 raise ValueError(f"KVCache: {name} must be >= 1, got {val}")
-        dv = head_dim if v_head_dim is None else v_head_dim
         self.k = torch.zeros(n_layers, batch_size, n_kv_heads, max_seq_len, head_dim, dtype=dtype,
                              device=device)
-        self.v = torch.zeros(n_layers, batch_size, n_kv_heads, max_seq_len, dv, dtype=dtype,
+        self.v = torch.zeros(n_layers, batch_size, n_kv_heads, max_seq_len, head_dim, dtype=dtype,
                              device=device)
         self.pos = 0  # tokens stored so far (the same for every layer once a step is done)
         self._layers: list[LayerKVCache] = []  # built on first use (after k/v exist)

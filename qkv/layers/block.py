@@ -155,15 +155,15 @@ class TransformerStack(nn.Module):
     differs. See :func:`encoder_stack` and :func:`decoder_stack`.
     """
 
-    def __init__(self, cfg: BlockConfig, n_layers: int, final_norm: bool | None = None) -> None:
+    def __init__(self, cfg: BlockConfig, n_layers: int) -> None:
         super().__init__()
         if n_layers < 1:
             raise ValueError(f"n_layers must be >= 1, got {n_layers}")
         self.cfg = cfg
         self.blocks = nn.ModuleList(TransformerBlock(cfg) for _ in range(n_layers))
         # Pre-LN leaves the residual stream unnormalised, so it gets one norm at the end.
-        final_norm = cfg.norm_position == "pre" if final_norm is None else final_norm
-        self.norm = make_norm(cfg.norm, cfg.dim, cfg.norm_eps, cfg.bias) if final_norm else None
+        pre = cfg.norm_position == "pre"
+        self.norm = make_norm(cfg.norm, cfg.dim, cfg.norm_eps, cfg.bias) if pre else None
 
     def forward(
         self,

@@ -36,7 +36,6 @@ class MLP(nn.Module):
         hidden_dim: int,
         activation: Literal["gelu", "gelu_tanh", "relu"] = "gelu",
         bias: bool = True,
-        dropout: float = 0.0,
     ) -> None:
         super().__init__()
         if activation not in _ACTIVATIONS:
@@ -46,32 +45,29 @@ class MLP(nn.Module):
         self.act = _ACTIVATIONS[activation]
         self.fc_in = Linear(dim, hidden_dim, bias=bias)
         self.fc_out = Linear(hidden_dim, dim, bias=bias)
-        self.drop = nn.Dropout(dropout)
 
     def forward(self, x: Tensor) -> Tensor:
-        return self.fc_out(self.drop(self.act(self.fc_in(x))))
+        return self.fc_out(self.act(self.fc_in(x)))
 
 
 class SwiGLU(nn.Module):
     """Gated MLP: w_down(silu(w_gate x) * w_up x)."""
 
-    def __init__(self, dim: int, hidden_dim: int, bias: bool = False, dropout: float = 0.0) -> None:
+    def __init__(self, dim: int, hidden_dim: int, bias: bool = False) -> None:
         super().__init__()
         self.w_gate = Linear(dim, hidden_dim, bias=bias)
         self.w_up = Linear(dim, hidden_dim, bias=bias)
         self.w_down = Linear(hidden_dim, dim, bias=bias)
-        self.drop = nn.Dropout(dropout)
 
     def forward(self, x: Tensor) -> Tensor:
-        return self.w_down(self.drop(F.silu(self.w_gate(x)) * self.w_up(x)))
+        return self.w_down(F.silu(self.w_gate(x)) * self.w_up(x))
 
 
-def make_mlp(
-    kind: MLPKind, dim: int, hidden_dim: int, bias: bool = True, dropout: float = 0.0
-) -> nn.Module:
-    """Build the feed-forward network named ``kind``."""
+def make_mlp(kind: MLPKind, dim: int, hidden_dim: int, bias: bool = True) -> nn.Module:
+    """Build the feed-forward network named ``kind`` (dropout, if any, is the block's, on the
+    residual branch)."""
     if kind == "swiglu":
-        return SwiGLU(dim, hidden_dim, bias, dropout)
+        return SwiGLU(dim, hidden_dim, bias)
     if kind not in _ACTIVATIONS:
         raise ValueError(f"mlp must be one of {[*_ACTIVATIONS, 'swiglu']}, got {kind!r}")
-    return MLP(dim, hidden_dim, kind, bias, dropout)
+    return MLP(dim, hidden_dim, kind, bias)

@@ -46,9 +46,9 @@ def split_targets(tgt: Tensor) -> tuple[Tensor, Tensor]:
     return tgt[:, :-1], tgt[:, 1:]
 
 
-def seq2seq_loss(logits: Tensor, targets: Tensor, label_smoothing: float = 0.0) -> Tensor:
-    return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), ignore_index=PAD,
-                           label_smoothing=label_smoothing)
+def seq2seq_loss(logits: Tensor, targets: Tensor) -> Tensor:
+    """Mean cross-entropy of (B, T, V) logits against (B, T) targets, padding ignored."""
+    return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), ignore_index=PAD)
 
 
 @dataclass

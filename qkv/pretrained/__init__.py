@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from qkv.pretrained.gguf_file import PretrainedFormatError
-from qkv.pretrained.pipelines import CausalLM, SentenceEncoder, resolve_dtype
+from qkv.pretrained.pipelines import CausalLM, SentenceEncoder, weights_dtype
 
 PRETRAINED = {
     "minilm": "all-MiniLM-L6-v2 sentence encoder (BERT, 6 layers x 384, 22.7M parameters)",
@@ -38,7 +38,7 @@ def load(name: str, *, dtype: str | torch.dtype | None = None, path: str | None 
         ValueError: unknown name. AssetMissingError: asset not installed (names the command).
         PretrainedFormatError: the file is damaged.
     """
-    dt = resolve_dtype("float32" if dtype is None else dtype)
+    dt = weights_dtype("float32" if dtype is None else dtype)
     if name == "minilm":
         if weights is not None:
             raise ValueError("weights= is for decoders (smollm2); minilm takes dtype=")

@@ -36,7 +36,8 @@ WEIGHTS = ("auto", "fp32", "bf16", "int8", "q4")
 Q4_SOURCES = ("Q4_0", "Q4_1")
 
 
-def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
+def weights_dtype(dtype: str | torch.dtype) -> torch.dtype:
+    """A weights' precision by name ("float32", "bfloat16", ...) or as a torch dtype."""
     if isinstance(dtype, torch.dtype):
         return dtype
     if dtype not in DTYPES:
@@ -125,7 +126,7 @@ class CausalLM:
         """Cast the weights to float32 (exact to the reference) or bfloat16 (half the memory
         traffic per token)."""
         self._check_not_quantized(f"cast to {dtype}")
-        self.model.to(resolve_dtype(dtype))
+        self.model.to(weights_dtype(dtype))
         return self
 
     def _check_not_quantized(self, what: str) -> None:

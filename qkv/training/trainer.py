@@ -106,7 +106,7 @@ class TrainResult:
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
-def resolve_dtype(dtype: DType, device: str) -> torch.dtype:
+def default_autocast_dtype(dtype: DType, device: str) -> torch.dtype:
     """The autocast dtype without measuring: explicit choices as given; auto = bf16 (or fp16 on
     GPUs without bf16) on a GPU, fp32 on a CPU. The Trainer measures auto on CPUs that have
     bf16 instructions instead (:mod:`qkv.training.probe`)."""
@@ -179,7 +179,7 @@ class Trainer:
     def _choose_speed(self, dev_type: str) -> probe.SpeedChoice:
         """--dtype and --compile: as given, or (auto) measured on this machine for this model."""
         cfg = self.cfg
-        dtype = {v: k for k, v in _DTYPES.items()}[resolve_dtype(cfg.dtype, self.device)]
+        dtype = {v: k for k, v in _DTYPES.items()}[default_autocast_dtype(cfg.dtype, self.device)]
         if dev_type != "cpu":
             compile_ = dev_type == "cuda" if cfg.compile is None else cfg.compile
             return probe.SpeedChoice(dtype, compile_, f"{dtype} on {dev_type}")

@@ -112,10 +112,10 @@ def test_buffers_are_preallocated(rng):
 
 
 def test_update_stores_at_pos_and_returns_views(rng):
-    kv = KVCache(2, 2, 3, 6, 4, v_head_dim=5)
+    kv = KVCache(2, 2, 3, 6, 4)
     layer = kv.layer(1)
     k1, k2 = torch.randn(2, 2, 3, 2, 4, generator=rng)
-    v1, v2 = torch.randn(2, 2, 3, 2, 5, generator=rng)
+    v1, v2 = torch.randn(2, 2, 3, 2, 4, generator=rng)
     k, v = layer.update(k1, v1)
     assert torch.equal(k, k1) and torch.equal(v, v1)
     kv.advance(2)

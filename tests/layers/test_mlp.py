@@ -67,16 +67,6 @@ def test_swiglu_matches_manual(x, bias: bool) -> None:
     torch.testing.assert_close(mlp(x).double(), ref, rtol=1e-5, atol=1e-5)
 
 
-def test_dropout_only_in_training(x) -> None:
-    torch.manual_seed(4)
-    mlp = MLP(DIM, HIDDEN, "relu", dropout=0.5)
-    ref = linear(mlp.fc_out, linear(mlp.fc_in, x.double()).clamp(min=0))
-    mlp.eval()
-    torch.testing.assert_close(mlp(x).double(), ref, rtol=1e-5, atol=1e-5)
-    mlp.train()
-    assert (mlp(x).double() - ref).abs().max() > 1e-3
-
-
 def test_make_mlp_builds_the_named_mlp(x) -> None:
     torch.manual_seed(5)
     sw = make_mlp("swiglu", DIM, HIDDEN, bias=False)
