@@ -15,7 +15,7 @@ from qkv.commands.options import add_config_options, overrides
 from qkv.models.gpt import GPTConfig
 from qkv.presets import PRESETS, get_preset, preset_train
 from qkv.training.lm import LMDataConfig
-from qkv.training.optim import resolve_optimizer
+from qkv.training.optim import fp32_newton_schulz, resolve_optimizer
 from qkv.training.trainer import TrainConfig
 
 FAMILIES = ("gpt", "vit", "seq2seq", "captioner")
@@ -252,7 +252,7 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 
 def _train_gpt(args, model_cfg, train_cfg, data_cfg, dist, display) -> Callable[[], None]:
-    from qkv.training.lm import attention_map, sample_text, train_lm
+    from qkv.training.lm import sample_text, train_lm
     from qkv.viz import plot_loss_curve
 
     model, tok, result = train_lm(model_cfg, train_cfg, data_cfg, resume=bool(args.resume),
@@ -265,7 +265,7 @@ def _train_gpt(args, model_cfg, train_cfg, data_cfg, dist, display) -> Callable[
         sample = sample_text(model, tok, "\n", args.sample_tokens)
         print("\n--- sample (temperature 0.8, top-k 200) ---" + sample + "\n---")
         loss_png = plot_loss_curve(run_dir / "metrics.jsonl", run_dir / "loss.png")
-        attn_png = attention_map(model, tok, sample.lstrip("\n"), run_dir / "attention.png")
+        attn_png = _attention_map(model, tok, sample.lstrip("\n"), run_dir / "attention.png")
         print(f"run directory: {run_dir}\n  weights: {run_dir / 'model.safetensors'}\n"
               f"  loss plot: {loss_png}\n  attention map (last layer): {attn_png}\n"
               f"generate more: qkv generate {run_dir} --prompt 'ROMEO:'")
@@ -381,13 +381,17 @@ def _train_captioner(args, model_cfg, train_cfg, data_cfg, dist, display) -> Cal
     return finish
 
 
-def fp32_newton_schulz(device: str) -> bool:
-    """Whether Muon's Newton–Schulz products will run in fp32 on ``device`` (a CPU without
-    bf16 instructions), which the cpu preset's recipe accounts for."""
+def _attention_map(model, tok, text: str, out_path: Path, max_tokens: int = 32) -> Path:
+    """Heatmaps of the last layer's heads on the first ``max_tokens`` tokens of ``text``."""
     import torch
 
-    from qkv.attention.linear import cpu_has_native_bf16
-    from qkv.training.optim import muon_ns_dtype
+    from qkv.viz import plot_attention_heads
 
-    dev = "cuda" if device.startswith("cuda") or (device == "auto" and torch.cuda.is_available()) else "cpu"
-    return muon_ns_dtype(dev, cpu_has_native_bf16()) == torch.float32
+    ids = tok.encode(text)[:max_tokens]
+    x = torch.tensor([ids], dtype=torch.long, device=next(model.parameters()).device)
+    model.eval()
+    with torch.no_grad():
+        out = model(x, backend="reference", return_weights=True)
+    labels = [tok.decode([i]) for i in ids]
+    title = f"last layer attention ({len(ids)} tokens)"
+    return plot_attention_heads(out.weights[-1][0], labels, out_path, title=title)

@@ -168,19 +168,5 @@ def sample_text(
     return prompt + tok.decode(new)
 
 
-@torch.no_grad()
-def attention_map(model: GPT, tok, text: str, out_path: Path, max_tokens: int = 32) -> Path:
-    """Heatmaps of the last layer's heads on the first ``max_tokens`` tokens of ``text``."""
-    from qkv.viz import plot_attention_heads
-
-    ids = tok.encode(text)[:max_tokens]
-    x = torch.tensor([ids], dtype=torch.long, device=next(model.parameters()).device)
-    model.eval()
-    out = model(x, backend="reference", return_weights=True)
-    labels = [tok.decode([i]) for i in ids]
-    title = f"last layer attention ({len(ids)} tokens)"
-    return plot_attention_heads(out.weights[-1][0], labels, out_path, title=title)
-
-
 def default_run_dir(family: str, preset: str) -> str:
     return f"runs/{family}-{preset}-{time.strftime('%Y%m%d-%H%M%S')}"

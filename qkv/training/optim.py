@@ -92,6 +92,15 @@ def muon_ns_dtype(device_type: str, native_bf16: bool) -> torch.dtype:
     return torch.bfloat16 if device_type == "cuda" or native_bf16 else torch.float32
 
 
+def fp32_newton_schulz(device: str) -> bool:
+    """Whether Muon's Newton–Schulz products will run in fp32 on ``device`` (a CPU without
+    bf16 instructions), which the cpu preset's recipe accounts for."""
+    from qkv.attention.linear import cpu_has_native_bf16
+
+    dev = "cuda" if device.startswith("cuda") or (device == "auto" and torch.cuda.is_available()) else "cpu"
+    return muon_ns_dtype(dev, cpu_has_native_bf16()) == torch.float32
+
+
 def newton_schulz(g: Tensor, coefficients: tuple[float, float, float], steps: int, eps: float,
                   dtype: torch.dtype) -> Tensor:
     """Keller Jordan's quintic Newton–Schulz iteration towards the orthogonal factor of g,
