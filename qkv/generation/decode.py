@@ -22,6 +22,7 @@ from torch import Tensor
 
 from qkv.generation.sampling import sample_next
 from qkv.models.gpt import GPT
+from qkv.tokenizers.vocab import BOS, EOS, PAD, UNK
 
 
 def crop_prompt(ids: Tensor, max_seq_len: int) -> tuple[Tensor, bool]:
@@ -125,10 +126,9 @@ def generate(
 # An encoder-decoder model decodes through two methods (RNNSeq2Seq, TransformerSeq2Seq):
 #     state = model.start(src)                      encode the source once
 #     logits, weights = model.step(state, prev)     one target token per row, (N,) -> (N, V)
-# and ``state.reorder(index)`` keeps rows ``index`` (beam search). Token 1 is BOS, 2 EOS.
+# and ``state.reorder(index)`` keeps rows ``index`` (beam search). Special ids: qkv.tokenizers.vocab.
 
-_BOS, _EOS = 1, 2
-_NEVER = (0, 1, 3)  # padding, BOS and unknown never appear in an output
+_NEVER = (PAD, BOS, UNK)  # never appear in an output
 
 
 def _allowed(logits: Tensor) -> Tensor:
@@ -152,7 +152,7 @@ def greedy_decode(model, src: Tensor, max_len: int) -> Decoded:
     """The most likely token at every step, for a batch of sources (B, S), PAD-padded."""
     B = src.shape[0]
     state = model.start(src)
-    prev = torch.full((B,), _BOS, dtype=torch.long, device=src.device)
+    prev = torch.full((B,), BOS, dtype=torch.long, device=src.device)
     done = torch.zeros(B, dtype=torch.bool, device=src.device)
     score = torch.zeros(B, device=src.device)
     out, ws = [], []
@@ -161,9 +161,9 @@ def greedy_decode(model, src: Tensor, max_len: int) -> Decoded:
         logp = _allowed(logits).float().log_softmax(-1)
         nxt = logp.argmax(-1)
         score += torch.where(done, 0.0, logp.gather(1, nxt[:, None])[:, 0])
-        out.append(torch.where(done, _EOS, nxt))
+        out.append(torch.where(done, EOS, nxt))
         ws.append(w)
-        done |= nxt == _EOS
+        done |= nxt == EOS
         prev = nxt
         if bool(done.all()):
             break
@@ -183,7 +183,7 @@ def _keep_best(kept: list, hyp: tuple, k: int) -> None:
 
 
 def _finish(toks: list[list[int]], scores: list[float], weights: Tensor | None) -> Decoded:
-    cut = [row.index(_EOS) if _EOS in row else len(row) for row in toks]
+    cut = [row.index(EOS) if EOS in row else len(row) for row in toks]
     return Decoded([row[:n] for row, n in zip(toks, cut, strict=True)], scores,
                    [None if weights is None else weights[b, :n].cpu() for b, n in enumerate(cut)])
 
@@ -213,7 +213,7 @@ def beam_search(model, src: Tensor, max_len: int, beam: int = 4, length_penalty:
     hist: Tensor | None = None  # (B, K, t, S) attention of the live hypotheses
     finished: list[list[tuple[float, float, list[int], Tensor | None]]] = [[] for _ in range(B)]
     done = [False] * B
-    prev = torch.full((B * K,), _BOS, dtype=torch.long, device=dev)
+    prev = torch.full((B * K,), BOS, dtype=torch.long, device=dev)
 
     def norm(score: float, length: int) -> float:
         return score / max(length, 1) ** length_penalty
@@ -225,7 +225,7 @@ def beam_search(model, src: Tensor, max_len: int, beam: int = 4, length_penalty:
         cand, idx = (scores[..., None] + logp).view(B, K * V).topk(min(2 * K, K * V), dim=-1)
         cand_l, idx_l = cand.tolist(), idx.tolist()
         keep_beam = torch.zeros(B, K, dtype=torch.long)
-        keep_tok = torch.full((B, K), _EOS, dtype=torch.long)
+        keep_tok = torch.full((B, K), EOS, dtype=torch.long)
         keep_score = torch.full((B, K), float("-inf"))
         for b in range(B):
             if done[b]:
@@ -235,7 +235,7 @@ def beam_search(model, src: Tensor, max_len: int, beam: int = 4, length_penalty:
                 k, tok = divmod(i, V)
                 if c == float("-inf"):
                     break
-                if tok == _EOS:
+                if tok == EOS:
                     ws = None if w is None else (  # attention of the tokens before EOS
                         hist[b, k].cpu() if hist is not None else w.new_zeros(0, w.shape[-1]).cpu())
                     _keep_best(finished[b], (norm(c, t + 1), c, seqs[b, k].tolist(), ws), K)

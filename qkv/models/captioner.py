@@ -33,8 +33,7 @@ from torch import Tensor, nn
 
 from qkv.attention.additive import AdditiveAttention
 from qkv.attention.functional import softmax
-
-PAD, BOS, EOS, UNK = 0, 1, 2, 3
+from qkv.tokenizers.vocab import EOS, PAD, UNK
 
 
 def reinforce_surrogate(log_prob: Tensor, reward: Tensor, baseline: float | Tensor = 0.0) -> Tensor:

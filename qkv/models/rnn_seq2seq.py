@@ -12,7 +12,7 @@ Translate"). With ``attention=False`` the context is the same summary [h→_S; h
 step (Cho et al. 2014 / Sutskever et al. 2014): the fixed-length bottleneck the lectures
 start from (CS189 Lec 21, CS231N Lec 8).
 
-Tokens: 0 = padding, 1 = BOS, 2 = EOS, 3 = unknown (``qkv.training.seq2seq.CharVocab``).
+Tokens: 0 = padding, 1 = BOS, 2 = EOS, 3 = unknown (``qkv.tokenizers.vocab``).
 Shapes: B batch, S source length, T target length, E embedding, H encoder width per
 direction, D decoder width, V vocabularies.
 """
@@ -28,8 +28,7 @@ from torch import Tensor, nn
 from torch.nn.utils.rnn import pack_padded_sequence, pad_packed_sequence
 
 from qkv.attention.additive import AdditiveAttention
-
-PAD, BOS, EOS, UNK = 0, 1, 2, 3
+from qkv.tokenizers.vocab import PAD
 
 
 class Seq2SeqOutput(NamedTuple):

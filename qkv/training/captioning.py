@@ -21,10 +21,10 @@ from torch import Tensor
 from qkv import __version__
 from qkv.data.shapes import COLOURS, SHAPES, Scene, make_scene, split_combos
 from qkv.generation.decode import beam_search, greedy_decode
-from qkv.models.captioner import BOS, EOS, PAD, Captioner, CaptionerConfig, CaptionerState
+from qkv.models.captioner import Captioner, CaptionerConfig, CaptionerState
+from qkv.tokenizers.vocab import BOS, EOS, PAD, WordVocab
 from qkv.training import checkpoint as ckpt
 from qkv.training.distributed import DistInfo
-from qkv.training.seq2seq import CharVocab
 from qkv.training.trainer import TrainConfig, Trainer
 
 MEAN, STD = 0.25, 0.3  # pixel normalisation of the generated scenes (x / 255 - MEAN) / STD
@@ -46,18 +46,6 @@ class CaptionDataConfig:
         for name, least in (("n_train", 10), ("n_val", 1), ("n_test", 1), ("n_heldout", 0)):
             if getattr(self, name) < least:
                 raise ValueError(f"{name} must be >= {least}, got {getattr(self, name)}")
-
-
-class WordVocab(CharVocab):
-    """Words <-> ids (split at spaces), with the same special ids as :class:`CharVocab`."""
-
-    @staticmethod
-    def split(text: str) -> list[str]:
-        return text.split()
-
-    @staticmethod
-    def join(symbols: Sequence[str]) -> str:
-        return " ".join(symbols)
 
 
 @dataclass

@@ -21,14 +21,14 @@ from torch import Tensor, nn
 
 from qkv import __version__
 from qkv.data.dates import DatePairs, load_pairs, make_date_pairs, normalize_source
-from qkv.models.rnn_seq2seq import BOS, EOS, PAD, UNK, RNNSeq2Seq
+from qkv.models.rnn_seq2seq import RNNSeq2Seq
 from qkv.models.transformer import TransformerSeq2Seq
+from qkv.tokenizers.vocab import BOS, EOS, PAD, CharVocab
 from qkv.training import checkpoint as ckpt
 from qkv.training.distributed import DistInfo
 from qkv.training.trainer import TrainConfig, Trainer, TrainResult
 
 Arch = Literal["rnn", "rnn-noattn", "transformer"]
-SPECIALS = ("<pad>", "<bos>", "<eos>", "<unk>")
 
 
 @dataclass
@@ -88,42 +88,6 @@ def build_model(cfg: Seq2SeqConfig) -> nn.Module:
                                   max_tgt_len=cfg.max_tgt_len)
     return RNNSeq2Seq(cfg.src_vocab, cfg.tgt_vocab, cfg.emb_dim, cfg.hidden, cfg.dec_hidden,
                       cfg.attn_dim, cfg.cell, attention=cfg.arch == "rnn", dropout=cfg.dropout)
-
-
-class CharVocab:
-    """Characters <-> ids; ids 0-3 are padding, BOS, EOS and unknown. Subclasses change what a
-    symbol is by overriding ``split`` and ``join`` (words: ``qkv.training.captioning``)."""
-
-    def __init__(self, symbols: Sequence[str]) -> None:
-        self.itos = list(SPECIALS) + [c for c in symbols if c not in SPECIALS]
-        self.stoi = {c: i for i, c in enumerate(self.itos)}
-
-    @staticmethod
-    def split(text: str) -> list[str]:
-        return list(text)
-
-    @staticmethod
-    def join(symbols: Sequence[str]) -> str:
-        return "".join(symbols)
-
-    @classmethod
-    def build(cls, texts: Sequence[str]) -> CharVocab:
-        return cls(sorted({c for t in texts for c in cls.split(t)}))
-
-    def __len__(self) -> int:
-        return len(self.itos)
-
-    def encode(self, text: str) -> list[int]:
-        return [self.stoi.get(c, UNK) for c in self.split(text)]
-
-    def unknown(self, text: str) -> list[str]:
-        return sorted({c for c in self.split(text) if c not in self.stoi})
-
-    def decode(self, ids: Sequence[int]) -> str:
-        return self.join([self.itos[i] for i in ids if i >= len(SPECIALS)])
-
-    def symbols(self) -> list[str]:
-        return self.itos[len(SPECIALS):]
 
 
 def encode_split(pairs: Sequence[tuple[str, str]], src: CharVocab, tgt: CharVocab,

@@ -8,7 +8,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from qkv.models.captioner import BOS, EOS, Captioner, CaptionerConfig, reinforce_surrogate
+from qkv.models.captioner import Captioner, CaptionerConfig, reinforce_surrogate
+from qkv.tokenizers.vocab import BOS, EOS
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

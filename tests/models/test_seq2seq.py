@@ -11,8 +11,9 @@ import torch
 
 from qkv.attention import KVCache
 from qkv.generation.decode import beam_search, greedy_decode
-from qkv.models.rnn_seq2seq import BOS, EOS, PAD, RNNSeq2Seq
+from qkv.models.rnn_seq2seq import RNNSeq2Seq
 from qkv.models.transformer import TransformerSeq2Seq
+from qkv.tokenizers.vocab import BOS, EOS, PAD
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -173,7 +173,8 @@ def test_a_short_run_learns_to_name_the_colour() -> None:
 
     from qkv.data.shapes import make_scene
     from qkv.models.captioner import Captioner, CaptionerConfig
-    from qkv.training.captioning import WordVocab, decode_captions, normalize, to_tensors
+    from qkv.tokenizers.vocab import WordVocab
+    from qkv.training.captioning import decode_captions, normalize, to_tensors
 
     rng = random.Random(0)
     train = [make_scene(rng, n_objects=1) for _ in range(800)]
