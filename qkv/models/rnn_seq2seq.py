@@ -20,34 +20,14 @@ direction, D decoder width, V vocabularies.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import NamedTuple
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.nn.utils.rnn import pack_padded_sequence, pad_packed_sequence
 
 from qkv.attention.additive import AdditiveAttention
+from qkv.models.seq2seq import Seq2SeqOutput, seq2seq_loss, split_targets
 from qkv.tokenizers.vocab import PAD
-
-
-class Seq2SeqOutput(NamedTuple):
-    """logits (B, T, V_tgt); loss (mean over non-padding targets) when targets are given;
-    cross-attention weights (B, T, S) (RNN) or per-layer (B, H, T, S) (Transformer)."""
-
-    logits: Tensor
-    loss: Tensor | None = None
-    weights: Tensor | list[Tensor] | None = None
-
-
-def split_targets(tgt: Tensor) -> tuple[Tensor, Tensor]:
-    """[BOS, y1..yn, EOS, PAD...] (B, T+1) -> decoder inputs (B, T) and outputs (B, T)."""
-    return tgt[:, :-1], tgt[:, 1:]
-
-
-def seq2seq_loss(logits: Tensor, targets: Tensor) -> Tensor:
-    """Mean cross-entropy of (B, T, V) logits against (B, T) targets, padding ignored."""
-    return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), ignore_index=PAD)
 
 
 @dataclass

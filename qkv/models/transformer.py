@@ -23,7 +23,7 @@ from torch import Tensor, nn
 
 from qkv.attention import KVCache, sinusoidal_table
 from qkv.layers import BlockConfig, decoder_stack, encoder_stack
-from qkv.models.rnn_seq2seq import Seq2SeqOutput, seq2seq_loss, split_targets
+from qkv.models.seq2seq import Seq2SeqOutput, seq2seq_loss, split_targets
 from qkv.tokenizers.vocab import PAD
 
 

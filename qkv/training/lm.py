@@ -136,11 +136,9 @@ def load_lm_run(run_dir: Path, device: str = "cpu") -> tuple[GPT, Any, dict]:
     from qkv.tokenizers import load_tokenizer
 
     run_dir = Path(run_dir)
-    if not run_dir.is_dir():
-        raise ckpt.CheckpointError(f"{run_dir} is not a directory; pass a run directory from `qkv train`")
-    cfg = ckpt.read_json(run_dir / "config.json")
-    if not isinstance(cfg, dict) or cfg.get("family") != "gpt" or "model" not in cfg:
-        raise ckpt.CheckpointError(f"{run_dir}/config.json is not a qkv GPT run configuration")
+    cfg = ckpt.read_run_config(run_dir, "gpt", "a GPT language model")
+    if not isinstance(cfg.get("model"), dict):
+        raise ckpt.CheckpointError(f"{run_dir}/config.json has no model config: the run directory is damaged")
     try:
         model_cfg = GPTConfig(**cfg["model"])
     except (TypeError, ValueError) as e:
