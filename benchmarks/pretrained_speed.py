@@ -5,7 +5,7 @@ Decoding: SmolLM2-135M-Instruct from the same GGUF, greedy, batch 1, a 32-token 
 min_new_tokens=128)`` (its default dynamic KV cache), fp32 and bf16. qkv:
 ``qkv.generation.generate`` with its preallocated KV cache, in each weight format of
 ``qkv.load(..., weights=)``: fp32 (its one-row projections split the weight rows over both
-cores, ``qkv/attention/linear.py``; also shown with plain ``F.linear``), bf16, int8 rows and
+cores, ``qkv/nn/linear.py``; also shown with plain ``F.linear``), bf16, int8 rows and
 the GGUF's own 4-bit groups (q4); and each format again through the compiled decoding step
 (``generate(compile=True)``, ``qkv/generation/compiled.py``), whose compile is timed on a
 fresh inductor cache (what a first ``--compile`` on a machine pays) and once more in a second
@@ -98,9 +98,9 @@ def bench_decoding(args: argparse.Namespace, bandwidth: float, llama=None) -> tu
 
     import qkv
     from qkv.assets import asset_path
-    from qkv.attention.linear import Linear
     from qkv.generation import generate
     from qkv.generation.compiled import compiled_decoder
+    from qkv.nn.linear import Linear
 
     path = asset_path("smollm2")
     t = time.perf_counter()

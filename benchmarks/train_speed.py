@@ -43,7 +43,7 @@ import torch.nn.functional as F
 from _common import LoadMeter, load_line, machine_info, machine_line
 from torch import nn
 
-from qkv.attention.linear import cpu_has_native_bf16
+from qkv.device import cpu_has_native_bf16
 from qkv.models.gpt import GPT, GPTConfig
 from qkv.presets import get_preset, preset_train
 from qkv.training.lm import LMDataConfig, prepare_data

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent / "qkv"
-LOWER = ("attention", "layers", "models", "training", "generation", "tokenizers", "data")
+LOWER = ("nn", "attention", "layers", "models", "training", "generation", "tokenizers", "data")
 HIGHER = ("qkv.viz", "qkv.serve", "qkv.commands", "qkv.cli", "qkv.families")
 
 

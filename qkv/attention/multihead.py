@@ -15,8 +15,8 @@ from torch import Tensor, nn
 
 from qkv.attention.functional import BACKENDS, AttentionOutput, Backend, attention
 from qkv.attention.kv_cache import LayerKVCache
-from qkv.attention.linear import Linear
 from qkv.attention.positional import RotaryEmbedding
+from qkv.nn.linear import Linear
 
 
 class MultiHeadAttention(nn.Module):

@@ -23,7 +23,7 @@ module tree, and compiles afresh when it differs. Each model gets its own ``torc
 wrapper around its own copy of the step's code, so compiled programs are never shared.
 
 One-row products inside the step are written as multiply-and-sum
-(:func:`qkv.attention.linear._compiled_matvec`), which inductor emits as one reduction at
+(:func:`qkv.nn.linear._compiled_matvec`), which inductor emits as one reduction at
 memory speed; the quantised products keep PyTorch's int4/int8 kernels. The glue between the
 kernels is generated as C++ (``cpp_wrapper``), not Python: ~10% less per token, a longer
 first compile.

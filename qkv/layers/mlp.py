@@ -16,7 +16,7 @@ from typing import Literal
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from qkv.attention.linear import Linear
+from qkv.nn.linear import Linear
 
 MLPKind = Literal["gelu", "gelu_tanh", "relu", "swiglu"]
 

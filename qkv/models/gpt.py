@@ -30,10 +30,10 @@ from qkv.attention import (
     RotaryEmbedding,
     SinusoidalPositionalEmbedding,
 )
-from qkv.attention.linear import Linear
 from qkv.layers import BlockConfig, decoder_stack
 from qkv.layers.mlp import MLPKind
 from qkv.layers.norm import NormKind
+from qkv.nn.linear import Linear
 
 PositionKind = Literal["learned", "sinusoidal", "rope", "alibi", "none"]
 

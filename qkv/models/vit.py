@@ -20,8 +20,8 @@ import torch
 from torch import Tensor, nn
 
 from qkv.attention import BACKENDS, Backend, LearnedPositionalEmbedding, sinusoidal_2d_table
-from qkv.attention.linear import Linear
 from qkv.layers import BlockConfig, encoder_stack
+from qkv.nn.linear import Linear
 
 ReadOut = Literal["cls", "mean", "concat"]
 ViTPositions = Literal["learned", "sinusoidal", "none"]

@@ -95,7 +95,7 @@ def muon_ns_dtype(device_type: str, native_bf16: bool) -> torch.dtype:
 def fp32_newton_schulz(device: str) -> bool:
     """Whether Muon's Newton–Schulz products will run in fp32 on ``device`` (a CPU without
     bf16 instructions), which the cpu preset's recipe accounts for."""
-    from qkv.attention.linear import cpu_has_native_bf16
+    from qkv.device import cpu_has_native_bf16
 
     dev = "cuda" if device.startswith("cuda") or (device == "auto" and torch.cuda.is_available()) else "cpu"
     return muon_ns_dtype(dev, cpu_has_native_bf16()) == torch.float32

@@ -29,7 +29,7 @@ from typing import Literal, Protocol
 import torch
 from torch import Tensor, nn
 
-from qkv.attention.linear import cpu_has_native_bf16
+from qkv.device import cpu_has_native_bf16
 from qkv.training import checkpoint as ckpt
 from qkv.training import probe
 from qkv.training.distributed import DistInfo, broadcast_flag, mean_across, no_sync, wrap_model

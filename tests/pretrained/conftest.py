@@ -111,7 +111,7 @@ def smollm2(smollm2_file):
 def qkv_greedy(smollm2):
     """``run(prompt) -> (ids, text)``: ``CausalLM.generate`` greedy, GREEDY_TOKENS tokens, in
     its default mode (KV cache; batch 1, so every projection takes the two-core one-row path
-    of ``qkv.attention.linear.Linear``), memoised.
+    of ``qkv.nn.linear.Linear``), memoised.
 
     The text is what ``generate`` returns (``stop_at_eos=False``); the ids are read with a
     forward hook as the argmax of each step's last logits, i.e. the tokens a greedy decoder

@@ -124,12 +124,12 @@ def test_qkv_muon_in_bf16_is_pytorchs_own_step() -> None:
 
 @pytest.mark.parametrize("native_bf16", [True, False])
 def test_the_cpu_preset_gives_adamw_and_fp32_muon_their_own_recipes(monkeypatch, native_bf16) -> None:
-    import qkv.attention.linear as linear
+    import qkv.device as device
     from qkv.cli import build_parser
     from qkv.commands.train import _configs
     from qkv.presets import get_preset, preset_train
 
-    monkeypatch.setattr(linear, "cpu_has_native_bf16", lambda: native_bf16)
+    monkeypatch.setattr(device, "cpu_has_native_bf16", lambda: native_bf16)
     cpu = get_preset("gpt", "cpu")
     muon = cpu["train"] if native_bf16 else {**cpu["train"], **cpu["train_fp32_ns"]}
     assert preset_train(cpu, "muon")["max_iters"] == cpu["train"]["max_iters"]

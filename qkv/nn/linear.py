@@ -18,11 +18,11 @@ parameter names and shapes as ``nn.Linear``).
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+
+from qkv.device import slow_bf16_gemm
 
 
 def _row_block_matvec(x: Tensor, weight: Tensor, bias: Tensor | None, n: int) -> Tensor:
@@ -73,7 +73,7 @@ class Linear(nn.Linear):
                 blocks = self._row_blocks()
                 if blocks is not None:
                     return _blocks_matvec(x, blocks, self.bias)
-            elif self.weight.dtype == torch.bfloat16 and _slow_bf16_gemm(self.weight):
+            elif self.weight.dtype == torch.bfloat16 and slow_bf16_gemm(self.weight):
                 # Many rows (a prompt) in bf16 on a CPU without bf16 instructions: PyTorch's
                 # bf16 GEMM is ~100x slower than upcasting the weights and multiplying in fp32,
                 # which is what the bf16 kernel computes anyway (fp32 accumulation).
@@ -101,17 +101,3 @@ def _splits(w: Tensor, n: int) -> bool:
     """Whether a one-row product with W (out, in) takes the n-thread row-block path."""
     return (n > 1 and w.device.type == "cpu" and w.dtype == torch.float32 and w.shape[0] % n == 0
             and w.is_contiguous())
-
-
-def _slow_bf16_gemm(w: Tensor) -> bool:
-    """True on CPUs whose bf16 matrix products are emulated (no AVX512-BF16 / AMX)."""
-    return w.device.type == "cpu" and not cpu_has_native_bf16()
-
-
-@functools.cache
-def cpu_has_native_bf16() -> bool:
-    """Whether this CPU multiplies bf16 natively (oneDNN's probe; False without oneDNN)."""
-    try:
-        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
-    except (AttributeError, RuntimeError):  # no oneDNN in this build: assume emulated
-        return False

@@ -1,4 +1,4 @@
-"""qkv.attention.linear.Linear: the two-core one-row path computes W x + b like F.linear."""
+"""qkv.nn.linear.Linear: the two-core one-row path computes W x + b like F.linear."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from qkv.attention.linear import Linear, _row_block_matvec
+from qkv.nn.linear import Linear, _row_block_matvec
 
 
 @pytest.mark.parametrize("bias", [True, False])
@@ -38,7 +38,7 @@ def test_fast_path_taken_only_for_one_row_inference(monkeypatch) -> None:
     torch.manual_seed(0)
     lin = Linear(16, 8)
     calls = []
-    import qkv.attention.linear as mod
+    import qkv.nn.linear as mod
 
     real = mod._blocks_matvec
     monkeypatch.setattr(mod, "_blocks_matvec", lambda *a: calls.append(1) or real(*a))
