@@ -154,10 +154,10 @@ def bench_decoding(args: argparse.Namespace, bandwidth: float, llama=None) -> tu
         t = time.perf_counter()
         tokens[k] = f(n_new)
         if k[1] == "qkv compiled":
-            dec = compiled_decoder(lms[k[0]].model)
-            compile_s[k[0]] = round(dec.compile_seconds, 1)
+            decoder = compiled_decoder(lms[k[0]].model)
+            compile_s[k[0]] = round(decoder.compile_seconds, 1)
             print(f"{k[0]} compiled: first request {time.perf_counter() - t:.1f} s, of which "
-                  f"{dec.compile_seconds:.1f} s compiling", flush=True)
+                  f"{decoder.compile_seconds:.1f} s compiling", flush=True)
     names = list(contenders)
     full: dict = {k: [] for k in names}
     first: dict = {k: [] for k in names}

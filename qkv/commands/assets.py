@@ -64,7 +64,7 @@ def install_assets(names: Sequence[str], runner: assets.Runner | None = None) ->
         raise ValueError(f"name the assets to install, e.g. `qkv assets install shakespeare`; "
                          f"known assets: {', '.join(assets.ASSETS)}")
     wanted = [assets.get_asset(n).name for n in dict.fromkeys(names)]
-    installed = assets.install(wanted, *([] if runner is None else [runner]))
+    installed = assets.install(wanted) if runner is None else assets.install(wanted, runner)
     for n in wanted:
         status = "installed" if n in installed else "already installed"
         print(f"{n}: {status} at {assets.asset_path(n)}")

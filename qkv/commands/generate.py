@@ -30,7 +30,7 @@ def add_generate_parser(sub) -> None:
     p.add_argument("--no-cache", action="store_true", help="recompute the whole context every step (slow)")
     p.add_argument("--compile", action="store_true",
                    help="decode through a torch.compile'd step: ~1.7-2x faster per token once "
-                   "compiled (smollm2 q4: 204 tok/s here, llama.cpp 195), but compiling takes "
+                   "compiled (smollm2 q4 on a 2-core Zen 5: 204 tok/s, llama.cpp 195), but compiling takes "
                    "35-65 s the first time on a machine and ~7 s once PyTorch's cache holds it, so "
                    "it pays for long outputs (BENCHMARKS.md)")
     p.add_argument("--device", default="cpu", help="cpu or cuda")
@@ -188,6 +188,8 @@ def decode_mode(args: argparse.Namespace, model, n_tokens: int, seconds: float) 
     dec = compiled_decoder(model)
     if dec.failed:
         return "KV cache (could not compile: decoded eagerly)"
+    if not dec.compilations:  # the request did not fit the compiled step's fixed cache
+        return f"KV cache (decoded eagerly: prompt + new tokens exceed the compiled step's {dec.cache_len})"
     rest = seconds - dec.compile_seconds
     return (f"KV cache, compiled step: {dec.compile_seconds:.1f} s compiling, then "
             f"{n_tokens / max(rest, 1e-9):.1f} tok/s")

@@ -71,6 +71,18 @@ def fingerprint(model: torch.nn.Module) -> tuple:
     return mods, tensors, model.training
 
 
+def _job_id(model: GPT, cache_len: int) -> str:
+    """PyTorch's profile-guided cache keeps, per job id, which sizes varied: one id per model
+    shape and cache length, so another model's sizes never make this one's dynamic."""
+    shape = (repr(model.cfg), cache_len, [(n, type(m).__name__) for n, m in model.named_modules()],
+             [(n, t.dtype, tuple(t.shape)) for n, t in model.state_dict(keep_vars=True).items()])
+    return "qkv-decode-" + hashlib.sha256(repr(shape).encode()).hexdigest()[:16]
+
+
+def _cache_len(model: GPT, cache_len: int | None) -> int:
+    return min(model.cfg.max_seq_len, cache_len or DEFAULT_CACHE_LEN)
+
+
 class CompiledDecoder:
     """The compiled 1-token step of one model, with the fixed cache length it was built for.
 
@@ -90,7 +102,7 @@ class CompiledDecoder:
 
     def __init__(self, model: GPT, cache_len: int | None = None) -> None:
         self._model = weakref.ref(model)
-        self.cache_len = min(model.cfg.max_seq_len, cache_len or DEFAULT_CACHE_LEN)
+        self.cache_len = _cache_len(model, cache_len)
         self._fn = None
         self._stamp: tuple | None = None
         self._watch = 0  # steps still timed for compilation
@@ -128,11 +140,7 @@ class CompiledDecoder:
             self._free.clear()  # caches of the old model (dtype, device)
             self.compilations += 1
             self._watch = 3  # the first steps compile: a static one, then the dynamic position
-            # PyTorch's profile-guided cache keeps, per job id, which sizes varied: one id per
-            # model shape and cache length, so another model's sizes never make these dynamic.
-            shape = (repr(self.model.cfg), self.cache_len, [(n, t.__name__) for n, _, t in stamp[0]],
-                     [(n, dtype, size) for n, _, _, dtype, _, size in stamp[1]])
-            self._job_id = "qkv-decode-" + hashlib.sha256(repr(shape).encode()).hexdigest()[:16]
+            self._job_id = _job_id(self.model, self.cache_len)
             self.compile_seconds += time.perf_counter() - t
 
     def make_cache(self, batch_size: int) -> KVCache:
@@ -187,7 +195,7 @@ _DECODERS: weakref.WeakKeyDictionary[GPT, CompiledDecoder] = weakref.WeakKeyDict
 def compiled_decoder(model: GPT, cache_len: int | None = None) -> CompiledDecoder:
     """The model's compiled step, built on first use and kept as long as the model lives."""
     dec = _DECODERS.get(model)
-    want = min(model.cfg.max_seq_len, cache_len or DEFAULT_CACHE_LEN)
+    want = _cache_len(model, cache_len)
     if dec is None or dec.cache_len != want:
         dec = _DECODERS[model] = CompiledDecoder(model, want)
     return dec
