@@ -2,7 +2,7 @@
 captions and on where the model looks.
 
 Each variant is trained with the `shapes-cpu` preset by
-``qkv.training.captioning.train_captioner`` (exactly what `qkv train captioner --attention A`
+``qkv.training.run.train_run`` of the captioner family (exactly what `qkv train captioner --attention A`
 runs) on the same generated scenes, then scored on the test split (seen colour/shape pairs)
 and on the held-out split (every scene has an object of a colour/shape pair never seen in
 training): exact match (the whole caption right), corpus BLEU-4, and pointing accuracy: for
@@ -29,9 +29,11 @@ from pathlib import Path
 import _common as C
 import torch
 
+from qkv.data.captions import make_splits
+from qkv.families.captioner import CaptionDataConfig, CaptionerFamily, evaluate
 from qkv.models.captioner import CaptionerConfig
 from qkv.presets import get_preset
-from qkv.training.captioning import CaptionDataConfig, evaluate, make_splits, train_captioner
+from qkv.training.run import train_run
 from qkv.training.trainer import TrainConfig
 
 NAME = "captioning"
@@ -82,7 +84,9 @@ def main() -> int:
             train_cfg = TrainConfig(**{**train_over, "seed": seed,
                                        "out_dir": str(Path(tmp) / f"{variant}-{seed}")})
             t0 = time.perf_counter()
-            model, vocab, splits, max_len, result = train_captioner(model_cfg, train_cfg, data)
+            run = train_run(CaptionerFamily(), model_cfg, train_cfg, data, evaluate=False)
+            model, result, st = run.model, run.result, run.prepared.state
+            vocab, splits, max_len = st.vocab, st.splits, st.max_len
             total = time.perf_counter() - t0
             t1 = time.perf_counter()
             ev = evaluate(model, vocab, splits, max_len)

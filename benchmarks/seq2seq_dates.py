@@ -2,7 +2,7 @@
 
 Each architecture (RNN + Bahdanau attention, the same RNN with a fixed context, the
 Transformer encoder-decoder) is trained with the `dates-cpu` preset by
-``qkv.training.seq2seq.train_seq2seq`` (exactly what `qkv train seq2seq --arch A` runs) on
+``qkv.training.run.train_run`` of the seq2seq family (exactly what `qkv train seq2seq --arch A` runs) on
 the same generated pairs, then scored by exact match (the whole date right) on the test split
 (seen locale/style combinations) and on the held-out combinations, per input length.
 Decoding throughput: sentences/s for greedy and beam-4 decoding of the test split, batch 256.
@@ -23,8 +23,10 @@ from pathlib import Path
 import _common as C
 import torch
 
+from qkv.families.seq2seq import Seq2SeqDataConfig, Seq2SeqFamily, decode_texts, evaluate
+from qkv.models.seq2seq import Seq2SeqConfig
 from qkv.presets import get_preset
-from qkv.training.seq2seq import Seq2SeqConfig, Seq2SeqDataConfig, decode_texts, evaluate, train_seq2seq
+from qkv.training.run import train_run
 from qkv.training.trainer import TrainConfig
 
 NAME = "seq2seq_dates"
@@ -61,7 +63,9 @@ def main() -> int:
             model_cfg = Seq2SeqConfig(**{**preset["model"], "arch": arch})
             train_cfg = TrainConfig(**{**train_over, "out_dir": str(Path(tmp) / arch)})
             t0 = time.perf_counter()
-            model, cfg, src, tgt, pairs, result = train_seq2seq(model_cfg, train_cfg, data)
+            run = train_run(Seq2SeqFamily(), model_cfg, train_cfg, data, evaluate=False)
+            model, cfg, result, st = run.model, run.prepared.model_cfg, run.result, run.prepared.state
+            src, tgt, pairs = st.src, st.tgt, st.pairs
             seconds = time.perf_counter() - t0
             ev = evaluate(model, cfg, src, tgt, pairs)
             row = {"arch": arch, "params": sum(q.numel() for q in model.parameters()),

@@ -44,9 +44,9 @@ from _common import LoadMeter, load_line, machine_info, machine_line
 from torch import nn
 
 from qkv.device import cpu_has_native_bf16
+from qkv.families.gpt import LMDataConfig, prepare_data
 from qkv.models.gpt import GPT, GPTConfig
 from qkv.presets import get_preset, preset_train
-from qkv.training.lm import LMDataConfig, prepare_data
 from qkv.training.optim import fp32_newton_schulz, lr_at, resolve_optimizer
 from qkv.training.trainer import TrainConfig, Trainer
 

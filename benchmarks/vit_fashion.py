@@ -1,7 +1,7 @@
 """Vision Transformer on Fashion-MNIST (or MNIST) on a CPU: accuracy vs time, a CNN beside it,
 and training / inference speed vs the same ViT in plain PyTorch.
 
-Accuracy: the `fashion-cpu` preset trained by ``qkv.training.vision.train_vit`` (exactly what
+Accuracy: the `fashion-cpu` preset trained by ``qkv.training.run.train_run`` of the ViT family (exactly what
 `qkv train vit` runs), scored on the 10,000 test images. Beside it, a small CNN with a similar
 parameter count (defined below, the lectures' CNN-vs-attention question) trained by the same
 Trainer on the same batches (same augmentation, optimiser, schedule shape), once for the
@@ -33,10 +33,11 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from qkv.families.vit import ImageDataConfig, ViTFamily, evaluate_split, fit_model_config, load_data
 from qkv.models.vit import ViT, ViTConfig, patchify
 from qkv.presets import get_preset
+from qkv.training.run import train_run
 from qkv.training.trainer import TrainConfig, Trainer
-from qkv.training.vision import ImageDataConfig, evaluate_split, fit_model_config, load_data, train_vit
 
 NAME = "vit_fashion"
 
@@ -117,8 +118,9 @@ def bench_accuracy(args: argparse.Namespace) -> list[dict]:
     with tempfile.TemporaryDirectory() as tmp:
         run = Path(tmp) / "vit"
         t0 = time.perf_counter()
-        model, data, batches, result = train_vit(model_cfg, train_cfg.__class__(
-            **{**train_cfg.__dict__, "out_dir": str(run)}), data_cfg)
+        done = train_run(ViTFamily(), model_cfg, train_cfg.__class__(
+            **{**train_cfg.__dict__, "out_dir": str(run)}), data_cfg, evaluate=False)
+        model, data, batches, result = done.model, done.prepared.state, done.prepared.batches, done.result
         vit_s = time.perf_counter() - t0
         ev = evaluate_split(model, data, batches.mean, batches.std, "test")
         rows.append({"model": "ViT (fashion-cpu preset)", "params": n_params(model),

@@ -123,9 +123,10 @@ def preset_train(preset: dict[str, Any], optimizer: str, fp32_newton_schulz: boo
     return train
 
 
-def get_preset(family: str, name: str) -> dict[str, Any]:
-    """A copy of preset ``name`` of model ``family``; ValueError names the known presets."""
-    table = PRESETS.get(family)
+def get_preset(family: str, name: str, table: dict[str, dict[str, Any]] | None = None) -> dict[str, Any]:
+    """A copy of preset ``name`` of model ``family`` (from ``table``, default this module's);
+    ValueError names the known presets."""
+    table = PRESETS.get(family) if table is None else table
     if table is None:
         raise ValueError(f"no presets for model family {family!r}")
     if name not in table:

@@ -71,14 +71,15 @@ def _family(name: str) -> str | None:
 
 
 def cmd_attend(args: argparse.Namespace) -> int:
-    from qkv.viz.sources import KINDS, load_source
+    from qkv.families import get_family
+    from qkv.viz.sources import kind_of, load_source
 
     out = check_png_out(args.out, "--out")
     if args.max_tokens < 2:
         raise ValueError(f"--max-tokens must be >= 2, got {args.max_tokens}")
     family = _family(args.model)
     text = " ".join(args.texts)
-    if family is not None and KINDS[family] == "image":
+    if family is not None and kind_of(family) == "image":
         if len(args.texts) != 1:
             raise ValueError(f"{args.model} is a {family} run: give one image file, got {len(args.texts)} "
                              "arguments")
@@ -87,12 +88,10 @@ def cmd_attend(args: argparse.Namespace) -> int:
         raise ValueError(f"{args.model} is a {family} {what} (a text model): give it text to attend "
                          f"over, not the image {text}")
     src = load_source(args.model)
-    if src.family == "vit":
-        return _attend_vit(src, args.texts[0], args.layer, args.head, out)
-    if src.family == "captioner":
-        return _attend_captioner(src, args.texts[0], args.layer, args.head, out)
-    if src.family == "seq2seq":
-        return _attend_seq2seq(src, text, args.layer, args.head, out)
+    if src.kind in ("image", "seq2seq"):  # a trained run's own picture: its family draws it
+        get_family(src.family).attend(src, args.texts[0] if src.kind == "image" else text,
+                                      args.layer, args.head, out)
+        return 0
     if args.layer is None and args.head is not None:
         raise ValueError(f"--head needs --layer (which layer's head? 0..{src.n_layers - 1})")
     return _attend_text(src, text, args.layer, args.head, args.max_tokens, out)
@@ -122,52 +121,4 @@ def _attend_text(src, text: str, layer: int | None, head: int | None, max_tokens
     plot_attention_head(att.weights[layer, head], att.tokens, out,
                         title=f"{src.name}: layer {layer} head {head}")
     print(f"wrote {out}: layer {layer} head {head} over {T} tokens")
-    return 0
-
-
-def _attend_vit(src, image: str, layer: int | None, head: int | None, out: Path) -> int:
-    from qkv.viz import plot_image_attention
-    from qkv.viz.sources import image_attention
-
-    if head is not None:
-        raise ValueError("a ViT run shows every head of --layer, over the image; drop --head")
-    att = image_attention(src, image, layer, layer_name="--layer")
-    for n in att.notes:
-        print(f"qkv: note: {image}: {n}", file=sys.stderr)
-    d = att.details
-    plot_image_attention(att.image, att.maps, out, title=f"{Path(image).name}: {att.title}")
-    print(f"predicted {d['prediction']} ({d['probability']:.1%}); wrote {out}")
-    (r, c), g, p = d["rollout_peak"], att.grid, d["patch_size"]
-    print(f"rollout peaks at patch row {r}, column {c} of the {g}x{g} grid ({p}x{p} pixels each)")
-    return 0
-
-
-def _attend_captioner(src, image: str, layer: int | None, head: int | None, out: Path) -> int:
-    from qkv.viz import plot_image_attention
-    from qkv.viz.sources import image_attention
-
-    if layer is not None or head is not None:
-        raise ValueError("a captioner has one attention per word (no layers or heads); drop "
-                         "--layer/--head")
-    att = image_attention(src, image)
-    for n in att.notes:
-        print(f"qkv: note: {image}: {n}", file=sys.stderr)
-    print(f"{image}: {att.title}")
-    plot_image_attention(att.image, att.maps, out, title=att.title)
-    print(f"wrote {out}")
-    return 0
-
-
-def _attend_seq2seq(src, text: str, layer: int | None, head: int | None, out: Path) -> int:
-    from qkv.viz import plot_alignment
-    from qkv.viz.sources import alignment
-
-    if layer is not None or head is not None:
-        raise ValueError("a seq2seq run's picture is one alignment matrix (output x input); drop "
-                         "--layer/--head")
-    ali = alignment(src, text)
-    _note(ali.notes)
-    plot_alignment(ali.weights, ali.source, ali.output, out)
-    print(f"{''.join(ali.source)}  ->  {ali.text}")
-    print(f"wrote {out}")
     return 0

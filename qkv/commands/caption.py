@@ -32,13 +32,14 @@ def cmd_caption(args: argparse.Namespace) -> int:
     import torch
 
     from qkv.data.images import read_image
-    from qkv.training.captioning import decode_captions, load_captioner_run, word_maps
+    from qkv.families.captioner import CaptionerFamily, decode_captions, word_maps
 
     if args.plot is not None:
         check_png_out(args.plot, "--plot")
     if not 1 <= args.beam <= 64:
         raise ValueError(f"--beam must be between 1 and 64, got {args.beam}")
-    model, vocab, max_len = load_captioner_run(Path(args.run))
+    run = CaptionerFamily().load(Path(args.run))
+    model, vocab, max_len = run.model, run.vocab, run.max_len
     cfg = model.cfg
     images = []
     for path in args.images:

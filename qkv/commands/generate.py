@@ -65,9 +65,10 @@ def cmd_generate(args: argparse.Namespace) -> int:
     import torch
 
     from qkv.commands.pretrained import DECODERS
+    from qkv.families.gpt import GPTFamily
     from qkv.generation import generate, text_pieces
     from qkv.generation.decode import crop_prompt
-    from qkv.training.lm import load_lm_run
+    from qkv.generation.sampling import make_generator
 
     check_device(args.device)
     if (args.run in DECODERS and not Path(args.run).is_dir()) or args.run.lower().endswith(".gguf"):
@@ -77,7 +78,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
     if args.max_new_tokens < 0:
         raise ValueError(f"--max-new-tokens must be >= 0, got {args.max_new_tokens}")
     check_compile(args)
-    model, tok, _ = load_lm_run(Path(args.run), args.device)
+    run = GPTFamily().load(Path(args.run), args.device)
+    model, tok = run.model, run.tokenizer
     if args.dtype:
         model.to(getattr(torch, args.dtype))
     if args.weights == "q4":
@@ -97,11 +99,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     if cropped:
         print(f"qkv: warning: prompt has {len(ids)} tokens, more than the context; "
               f"keeping the last {x.shape[1]}", file=sys.stderr)
-    gen = torch.Generator(device=args.device)
-    if args.seed is not None:
-        gen.manual_seed(args.seed)
-    else:
-        gen.seed()
+    gen = make_generator(args.device, args.seed)
     sys.stdout.write(args.prompt)
     out: list[int] = []
 

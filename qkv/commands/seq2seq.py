@@ -30,13 +30,14 @@ def add_translate_parser(sub) -> None:
 
 
 def cmd_translate(args: argparse.Namespace) -> int:
-    from qkv.training.seq2seq import decode_texts, load_seq2seq_run, prepare_inputs
+    from qkv.families.seq2seq import Seq2SeqFamily, decode_texts, prepare_inputs
 
     if args.beam < 1:
         raise ValueError(f"--beam must be >= 1, got {args.beam}")
     if args.plot is not None:
         check_png_out(args.plot, "--plot")
-    model, cfg, src, tgt = load_seq2seq_run(Path(args.run))
+    run = Seq2SeqFamily().load(Path(args.run))
+    model, cfg, src, tgt = run.model, run.cfg, run.src, run.tgt
     texts = prepare_inputs(args.texts, cfg, src)
     outs, weights = decode_texts(model, cfg, src, tgt, texts, beam=args.beam,
                                  length_penalty=args.length_penalty)

@@ -39,19 +39,20 @@ def _load_images(paths: list[str], size: int, channels: int):
 def cmd_classify(args: argparse.Namespace) -> int:
     import torch
 
-    from qkv.training.vision import load_vit_run, predict
+    from qkv.families.vit import ViTFamily, predict
 
     if args.top < 1:
         raise ValueError(f"--top must be >= 1, got {args.top}")
-    model, info = load_vit_run(Path(args.run))
+    run = ViTFamily().load(Path(args.run))
+    model, classes = run.model, run.classes
     cfg = model.cfg
     images = _load_images(args.images, cfg.image_size, cfg.channels)
-    probs = predict(model, torch.stack([x for _, x in images]), info["mean"], info["std"])
-    k = min(args.top, len(info["classes"]))
+    probs = predict(model, torch.stack([x for _, x in images]), run.mean, run.std)
+    k = min(args.top, len(classes))
     results = []
     for (path, _), p in zip(images, probs, strict=True):
         top = torch.topk(p, k)
-        results.append({"image": path, "top": [{"class": info["classes"][int(i)], "probability": float(v)}
+        results.append({"image": path, "top": [{"class": classes[int(i)], "probability": float(v)}
                                                for v, i in zip(top.values, top.indices, strict=True)]})
     if args.json:
         print(json.dumps(results, indent=2, ensure_ascii=False))

@@ -191,3 +191,21 @@ def get_batch(
     idx = starts.numpy()[:, None] + np.arange(block_size + 1)  # (B, T+1)
     windows = torch.from_numpy(np.asarray(data[idx], dtype=np.int64))  # (B, T+1)
     return windows[:, :-1].contiguous(), windows[:, 1:].contiguous()
+
+
+class TokenBatches:
+    """Random windows of ``block_size + 1`` tokens from the train or val split (a Trainer's
+    BatchSource: inputs and next-token targets)."""
+
+    def __init__(self, train: np.ndarray, val: np.ndarray, block_size: int) -> None:
+        self.splits = {"train": train, "val": val}
+        self.block_size = block_size
+        for name, arr in self.splits.items():
+            if len(arr) <= block_size:
+                raise ValueError(
+                    f"the {name} split has {len(arr)} tokens, fewer than one block of "
+                    f"{block_size + 1}; use a longer text or a smaller --max_seq_len"
+                )
+
+    def get_batch(self, split: str, batch_size: int, generator: torch.Generator) -> tuple[Tensor, Tensor]:
+        return get_batch(self.splits[split], batch_size, self.block_size, generator)

@@ -15,12 +15,12 @@ Shapes: B batch, T tokens.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from typing import NamedTuple
+from typing import Any, NamedTuple, Protocol
 
 import torch
 from torch import Tensor
 
-from qkv.generation.sampling import sample_next
+from qkv.generation.sampling import make_generator, sample_next
 from qkv.models.gpt import GPT
 from qkv.tokenizers.vocab import BOS, EOS, PAD, UNK
 
@@ -64,16 +64,25 @@ def generate(
     top_p: float | None = None,
     use_cache: bool = True,
     generator: torch.Generator | None = None,
+    seed: int | None = None,
+    stop_ids: Iterable[int] = (),
+    return_weights: bool = False,
     compile: bool = False,
-) -> Iterator[Tensor]:
-    """Yield (B,) new token ids one step at a time (so callers can stream them).
+) -> Iterator[Any]:
+    """Yield (B,) new token ids one step at a time (so callers can stream them), or, with
+    ``return_weights``, (ids, weights): the attention of the position that chose them, one
+    (B, H, S) tensor per layer (the explicit ``reference`` backend, which can return them).
 
     Args:
         prompt: (B, T0) token ids, T0 >= 1. Longer than the context: cropped (see
             :func:`crop_prompt`; the caller may warn).
         temperature / top_k / top_p: see :func:`qkv.generation.sampling.sample_next`.
         use_cache: decode with a preallocated KV cache (False = full forward each step).
-        generator: RNG for sampling, for reproducible output.
+        generator: RNG for sampling, for reproducible output; ``seed``: a fresh generator
+            seeded with it instead (neither: the global RNG).
+        stop_ids: ids that end a row (chat models' end of turn). Generation ends, without
+            yielding that step, once every row has produced one; a row that stopped earlier
+            repeats its stop id.
         compile: run the 1-token steps through the model's compiled step
             (:mod:`qkv.generation.compiled`: compiled once per process, faster per token;
             the prompt still runs eagerly). Requests longer than its fixed cache
@@ -81,7 +90,15 @@ def generate(
     """
     if prompt.ndim != 2 or prompt.shape[1] < 1:
         raise ValueError(f"prompt must be (B, T) with T >= 1, got shape {tuple(prompt.shape)}")
+    if return_weights and compile:
+        raise ValueError("the compiled step returns no attention weights; use compile=False")
     model.eval()
+    if generator is None and seed is not None:
+        generator = make_generator(prompt.device, seed)
+    stops = torch.tensor(sorted(set(stop_ids)), dtype=torch.long, device=prompt.device)
+    stopped = torch.zeros(prompt.shape[0], dtype=torch.bool, device=prompt.device)
+    stop_tok = torch.zeros(prompt.shape[0], dtype=torch.long, device=prompt.device)
+    extra = {"backend": "reference", "return_weights": True} if return_weights else {}
     W = model.cfg.max_seq_len
     tokens, _ = crop_prompt(prompt, W)
     # The cache never holds more than the context, nor more than this call can produce:
@@ -105,28 +122,55 @@ def generate(
                 fed = start
                 if cache is not None:
                     cache.reset()
+            out = None
             if cache is None:
-                logits = model(tokens[:, start:], last_only=True).logits
+                out = model(tokens[:, start:], last_only=True, **extra)
             elif step is not None and tokens.shape[1] - fed == 1:
                 logits = step(tokens[:, fed:], cache)
                 fed = tokens.shape[1]
             else:
-                logits = model(tokens[:, fed:], cache=cache, last_only=True).logits
+                out = model(tokens[:, fed:], cache=cache, last_only=True, **extra)
                 fed = tokens.shape[1]
+            if out is not None:
+                logits = out.logits
             nxt = sample_next(logits[:, -1], temperature, top_k, top_p, generator)  # (B,)
+            if len(stops):
+                nxt = torch.where(stopped, stop_tok, nxt)
+                now = torch.isin(nxt, stops) & ~stopped
+                stop_tok, stopped = torch.where(now, nxt, stop_tok), stopped | now
+                if bool(stopped.all()):
+                    return
             tokens = torch.cat([tokens, nxt.unsqueeze(1)], dim=1)
-            yield nxt
+            yield (nxt, [w[:, :, -1] for w in out.weights]) if return_weights else nxt
     finally:
         if step is not None:
             dec.release(cache)  # the next request reuses it
 
 
 # --------------------------------------------------------------------------- encoder-decoder
-#
-# An encoder-decoder model decodes through two methods (RNNSeq2Seq, TransformerSeq2Seq):
-#     state = model.start(src)                      encode the source once
-#     logits, weights = model.step(state, prev)     one target token per row, (N,) -> (N, V)
-# and ``state.reorder(index)`` keeps rows ``index`` (beam search). Special ids: qkv.tokenizers.vocab.
+
+
+class DecodeState(Protocol):
+    """What an encoder-decoder carries between steps (encoder memory, decoder state, caches)."""
+
+    def reorder(self, index: Tensor) -> None:
+        """Keep rows ``index`` (N,), in that order (beam search)."""
+        ...
+
+
+class StepDecoder(Protocol):
+    """What :func:`greedy_decode` and :func:`beam_search` decode: RNNSeq2Seq, TransformerSeq2Seq,
+    the captioner's adapter. Special ids: :mod:`qkv.tokenizers.vocab`."""
+
+    def start(self, src: Tensor) -> DecodeState:
+        """Encode the sources (N, ...) once."""
+        ...
+
+    def step(self, state: Any, prev: Tensor) -> tuple[Tensor, Tensor | None]:
+        """One target token per row: previous ids (N,) -> logits (N, V) and the attention over
+        the source (N, S), or None for a model without attention."""
+        ...
+
 
 _NEVER = (PAD, BOS, UNK)  # never appear in an output
 
@@ -148,7 +192,7 @@ class Decoded(NamedTuple):
 
 
 @torch.no_grad()
-def greedy_decode(model, src: Tensor, max_len: int) -> Decoded:
+def greedy_decode(model: StepDecoder, src: Tensor, max_len: int) -> Decoded:
     """The most likely token at every step, for a batch of sources (B, S), PAD-padded."""
     B = src.shape[0]
     state = model.start(src)
@@ -189,7 +233,8 @@ def _finish(toks: list[list[int]], scores: list[float], weights: Tensor | None) 
 
 
 @torch.no_grad()
-def beam_search(model, src: Tensor, max_len: int, beam: int = 4, length_penalty: float = 1.0) -> Decoded:
+def beam_search(model: StepDecoder, src: Tensor, max_len: int, beam: int = 4,
+                length_penalty: float = 1.0) -> Decoded:
     """Keep the ``beam`` best unfinished outputs per source; outputs that end (EOS) move to a
     per-source list of the ``beam`` best finished ones, so later, longer candidates can never
     evict them (and a better finished output replaces the worst one kept).

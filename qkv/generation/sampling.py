@@ -29,6 +29,17 @@ def filter_logits(logits: Tensor, top_k: int | None = None, top_p: float | None 
     return logits
 
 
+def make_generator(device: str | torch.device, seed: int | None = None) -> torch.Generator:
+    """The RNG of one sampling request: seeded with ``seed`` (reproducible), or, with None, from
+    fresh entropy (each request differs; the global RNG is left alone)."""
+    gen = torch.Generator(device=device)
+    if seed is None:
+        gen.seed()
+    else:
+        gen.manual_seed(seed)
+    return gen
+
+
 def sample_next(
     logits: Tensor,
     temperature: float = 1.0,

@@ -21,6 +21,7 @@ from torch import Tensor
 
 from qkv.generation import generate as generate_tokens
 from qkv.generation.decode import text_pieces
+from qkv.generation.sampling import make_generator
 from qkv.models.encoder import Encoder
 from qkv.models.gpt import GPT
 from qkv.tokenizers.hf import HFTokenizer
@@ -241,21 +242,15 @@ class CausalLM:
                              f"{W - 1} plus one new token: shorten it")
         x = torch.tensor([ids], device=self.model.tok_emb.weight.device)
         max_new_tokens = min(max_new_tokens, W - len(ids))
-        gen = torch.Generator(device=x.device)
-        if seed is not None:
-            gen.manual_seed(seed)
-        else:
-            gen.seed()
+        gen = make_generator(x.device, seed)
         stats = self.last_stats = {"prompt_tokens": len(ids), "new_tokens": 0, "seconds": 0.0}
 
         def new_ids() -> Iterator[int]:
             t0 = time.perf_counter()
             for t in generate_tokens(self.model, x, max_new_tokens, temperature=temperature,
                                      top_k=top_k, top_p=top_p, use_cache=use_cache, generator=gen,
-                                     compile=compile):
+                                     stop_ids=self.stop_ids if stop_at_eos else (), compile=compile):
                 tid = int(t[0])
-                if stop_at_eos and tid in self.stop_ids:
-                    return
                 stats.update(new_tokens=stats["new_tokens"] + 1, seconds=time.perf_counter() - t0)
                 yield tid
 

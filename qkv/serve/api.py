@@ -120,7 +120,7 @@ class Explorer:
                                  "(POST /api/image-attention)")
             layer, head = sources.check_layer_head(src, req.layer, req.head)
             text_id = hashlib.sha256(req.text.encode()).hexdigest()  # keys stay small, whatever the text
-            key = (req.model, src.extra.get("serial"), text_id, self.cfg.max_tokens)
+            key = (req.model, src.serial, text_id, self.cfg.max_tokens)
             att = self.cache.get(key)
             if att is None:
                 att = sources.text_attention(src, req.text, self.cfg.max_tokens)

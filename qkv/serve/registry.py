@@ -18,10 +18,10 @@ from pathlib import Path
 from typing import Any
 
 from qkv.viz.sources import (
-    KINDS,
     Source,
     TextAttention,
     UnknownModelError,
+    kind_of,
     load_pretrained,
     load_source,
     run_family,
@@ -46,7 +46,7 @@ class Entry:
 
     @property
     def kind(self) -> str:
-        return KINDS[self.family]
+        return kind_of(self.family)
 
 
 def _inside(path: Path, root: Path) -> bool:
@@ -166,7 +166,7 @@ class Registry:
                     return hit[1]
             # a pretrained name never resolves to a folder of that name in the working directory
             src = load_source(target, display_name=model_id) if is_run else load_pretrained(model_id)
-            src.extra["serial"] = next(self._serial)  # tells cached results of a reload apart
+            src.serial = next(self._serial)  # tells cached results of a reload apart
             with self._lock:
                 self._loaded[model_id] = (version, src)
                 self._loaded.move_to_end(model_id)

@@ -17,7 +17,8 @@ class ErrorMessage(BaseModel):
 
 class ModelInfo(BaseModel):
     id: str = Field(description="what to send as `model`: a pretrained name or runs/NAME")
-    family: Literal["minilm", "smollm2", "gpt", "vit", "captioner", "seq2seq"]
+    family: str = Field(description="a pretrained model (minilm, smollm2) or the family of a run "
+                        "(gpt, vit, seq2seq, captioner: see qkv.families)")
     kind: Literal["encoder", "decoder", "image", "seq2seq"] = Field(
         description="encoder: bidirectional self-attention; decoder: causal, can generate; "
         "image: takes an image upload; seq2seq: output x input alignment")

@@ -50,6 +50,11 @@ def read_run_config(run_dir: Path, family: str, kind: str) -> dict:
     return cfg
 
 
+def damaged(run_dir: Path, error: Exception) -> CheckpointError:
+    """The error for a config.json whose fields do not build the run's model or vocabulary."""
+    return CheckpointError(f"{run_dir}/config.json is damaged ({type(error).__name__}: {error})")
+
+
 def read_json(path: Path) -> Any:
     try:
         return json.loads(Path(path).read_text(encoding="utf-8"))

@@ -27,12 +27,16 @@ from typing import Any, Literal
 import torch
 from torch import Tensor, nn
 
-Family = Literal["minilm", "smollm2", "gpt", "vit", "captioner", "seq2seq"]
 Kind = Literal["encoder", "decoder", "image", "seq2seq"]
-KINDS: dict[str, Kind] = {"minilm": "encoder", "smollm2": "decoder", "gpt": "decoder", "vit": "image",
-                          "captioner": "image", "seq2seq": "seq2seq"}
-RUN_FAMILIES = ("gpt", "vit", "captioner", "seq2seq")
+PRETRAINED_KINDS: dict[str, Kind] = {"minilm": "encoder", "smollm2": "decoder"}
 MAX_TOKENS = 512  # attention maps over more tokens than this are unreadable (and (L,H,T,T) is big)
+
+
+def kind_of(family: str) -> Kind:
+    """What a pretrained model or a run family reads and shows (see :mod:`qkv.families`)."""
+    from qkv.families import get_family
+
+    return PRETRAINED_KINDS.get(family) or get_family(family).kind
 
 
 class UnknownModelError(ValueError):
@@ -47,19 +51,31 @@ class InputError(ValueError):
 class Source:
     """A loaded model with what it needs to read input and label its attention.
 
-    ``extra`` holds each family's own pieces: ViT ``info`` (classes, mean, std), captioner
-    ``vocab`` and ``max_len``, seq2seq ``cfg``, ``src`` and ``tgt`` vocabularies.
+    ``loaded``: a trained run as its family loads it (:class:`qkv.families.base.Loaded`: the
+    ViT's classes and normalisation, the vocabularies of a seq2seq or captioner run); None for
+    a pretrained model. ``stop_ids``: ids that end a generation (SmolLM2's end of turn);
+    ``serial``: tells a reloaded model's cached results apart (the server's).
     """
 
     name: str
-    family: Family
+    family: str
     model: nn.Module
     tokenizer: Any = None
-    extra: dict[str, Any] = field(default_factory=dict)
+    loaded: Any = None
+    stop_ids: tuple[int, ...] = ()
+    serial: int = 0
 
     @property
     def kind(self) -> Kind:
-        return KINDS[self.family]
+        return kind_of(self.family)
+
+    def _shape(self) -> tuple[int, int, int]:
+        if self.loaded is None:  # a pretrained text model
+            cfg = self.model.cfg
+            return cfg.n_layers, cfg.n_heads, cfg.max_seq_len
+        from qkv.families import get_family
+
+        return get_family(self.family).shape(self.loaded)
 
     @property
     def input(self) -> Literal["text", "image"]:
@@ -68,20 +84,16 @@ class Source:
     @property
     def n_layers(self) -> int:
         """Layers with attention weights to choose from (1: one alignment, or a captioner)."""
-        return self.model.cfg.n_layers if self.family in ("minilm", "smollm2", "gpt", "vit") else 1
+        return self._shape()[0]
 
     @property
     def n_heads(self) -> int:
-        return self.model.cfg.n_heads if self.family in ("minilm", "smollm2", "gpt", "vit") else 1
+        return self._shape()[1]
 
     @property
     def context(self) -> int:
         """The most tokens (characters for seq2seq, grid cells for images) read at once."""
-        if self.family == "seq2seq":
-            return self.extra["cfg"].max_src_len
-        if self.kind == "image":
-            return self.model.cfg.grid ** 2
-        return self.model.cfg.max_seq_len
+        return self._shape()[2]
 
 
 # --------------------------------------------------------------------------- loading
@@ -101,8 +113,10 @@ def run_family(run_dir: Path) -> str | None:
         cfg = ckpt.read_json(Path(run_dir) / "config.json")
     except ckpt.CheckpointError:
         return None
+    from qkv.families import family_names
+
     family = cfg.get("family") if isinstance(cfg, dict) else None
-    return family if family in RUN_FAMILIES else None
+    return family if family in family_names() else None
 
 
 def load_source(name_or_path: str | os.PathLike[str], display_name: str | None = None) -> Source:
@@ -125,7 +139,9 @@ def load_source(name_or_path: str | os.PathLike[str], display_name: str | None =
         from qkv.training import checkpoint as ckpt
 
         ckpt.read_json(path / "config.json")  # names a missing or damaged config.json
-        raise UnknownModelError(f"{path} is not a run of {', '.join(RUN_FAMILIES)}; pass a run "
+        from qkv.families import family_names
+
+        raise UnknownModelError(f"{path} is not a run of {', '.join(family_names())}; pass a run "
                                 "directory from `qkv train`")
     return _load_run(path, family, name)
 
@@ -136,30 +152,14 @@ def load_pretrained(name: str) -> Source:
 
     pipe = qkv.load(name)
     stops = tuple(getattr(pipe, "stop_ids", ()))  # SmolLM2's end of text / end of turn
-    return Source(name, name, pipe.model.eval(), pipe.tokenizer,  # type: ignore[arg-type]
-                  extra={"stop_ids": stops})
+    return Source(name, name, pipe.model.eval(), pipe.tokenizer, stop_ids=stops)
 
 
 def _load_run(path: Path, family: str, name: str) -> Source:
-    if family == "gpt":
-        from qkv.training.lm import load_lm_run
+    from qkv.families import get_family
 
-        model, tok, _ = load_lm_run(path)
-        return Source(name, "gpt", model, tok)
-    if family == "vit":
-        from qkv.training.vision import load_vit_run
-
-        model, info = load_vit_run(path)
-        return Source(name, "vit", model, extra={"info": info})
-    if family == "captioner":
-        from qkv.training.captioning import load_captioner_run
-
-        model, vocab, max_len = load_captioner_run(path)
-        return Source(name, "captioner", model, extra={"vocab": vocab, "max_len": max_len})
-    from qkv.training.seq2seq import load_seq2seq_run
-
-    model, cfg, src, tgt = load_seq2seq_run(path)
-    return Source(name, "seq2seq", model, extra={"cfg": cfg, "src": src, "tgt": tgt})
+    loaded = get_family(family).load(path)
+    return Source(name, family, loaded.model, getattr(loaded, "tokenizer", None), loaded)
 
 
 def _require(src: Source, kinds: tuple[Kind, ...], what: str) -> None:
@@ -248,32 +248,21 @@ def generate_steps(src: Source, prompt_ids: list[int], max_new_tokens: int, *, l
     """Sample up to ``max_new_tokens`` tokens after ``prompt_ids`` with a KV cache, yielding
     each token with its attention row; stops at the context's end (and at SmolLM2's end of
     turn). Use :func:`encode_text` for the prompt."""
-    from qkv.generation.sampling import sample_next
+    from qkv.generation import generate
+    from qkv.generation.sampling import make_generator
 
     _require(src, ("decoder",), "a prompt to continue")
-    model = src.model
     layer, head = check_layer_head(src, layer, head)
-    device = next(model.parameters()).device
-    room = src.context - len(prompt_ids)
-    n_new = min(max_new_tokens, room)
-    gen = torch.Generator(device=device)
-    if seed is not None:
-        gen.manual_seed(seed)
-    else:
-        gen.seed()
-    stops = set(src.extra.get("stop_ids", ()))
-    cache = model.make_cache(1, len(prompt_ids) + max(n_new, 1))
+    device = next(src.model.parameters()).device
+    n_new = min(max_new_tokens, src.context - len(prompt_ids))  # never past the context's end
     x = torch.tensor([prompt_ids], dtype=torch.long, device=device)
-    for _ in range(n_new):
-        out = model(x, cache=cache, last_only=True, backend="reference", return_weights=True)
-        w = out.weights[layer][0, :, -1].float()  # (H, S): the last position's row
+    for nxt, weights in generate(src.model, x, max(n_new, 0), temperature=temperature, top_k=top_k,
+                                 generator=make_generator(device, seed), stop_ids=src.stop_ids,
+                                 return_weights=True):
+        w = weights[layer][0].float()  # (H, S): the last position's row
         row = w.mean(0) if head is None else w[head]
-        nxt = sample_next(out.logits[:, -1], temperature, top_k, None, gen)  # (1,)
         tid = int(nxt[0])
-        if tid in stops:
-            return
         yield GenerationStep(tid, src.tokenizer.decode([tid]), row.cpu())
-        x = nxt[:, None]
 
 
 def check_layer_head(src: Source, layer: int | None, head: int | None,
@@ -332,29 +321,10 @@ def image_attention(src: Source, image: str | os.PathLike[str] | bytes | Tensor,
         x, notes = image, []
     else:
         x, notes = read_model_image(src, image, max_pixels)
-    g = src.model.cfg.grid
-    if src.family == "vit":
-        from qkv.training.vision import attention_maps
+    from qkv.families import get_family
 
-        layer, _ = check_layer_head(src, layer, None, (layer_name, "head"))
-        info = src.extra["info"]
-        probs, heads, rollout = attention_maps(src.model, x, info["mean"], info["std"], layer=layer)
-        maps = [(f"layer {layer} head {h}", heads[h]) for h in range(len(heads))] + [("rollout", rollout)]
-        pred = int(probs.argmax())
-        top = torch.topk(probs, min(3, len(probs)))
-        details = {"layer": layer, "prediction": info["classes"][pred], "probability": float(probs[pred]),
-                   "top": [(info["classes"][int(i)], float(v)) for v, i in zip(top.values, top.indices,
-                                                                             strict=True)],
-                   "rollout_peak": divmod(int(rollout.argmax()), g), "patch_size": src.model.cfg.patch_size,
-                   "n_layers": src.n_layers}
-        return ImageAttention(x, g, maps, f"{info['classes'][pred]} ({probs[pred]:.0%})", notes, details)
-    from qkv.training.captioning import decode_captions, word_maps
-
-    if layer is not None:
-        raise InputError(f"a captioner has one attention per word (no layers); drop {layer_name}")
-    toks, alphas = decode_captions(src.model, x[None], src.extra["max_len"])
-    caption = src.extra["vocab"].decode(toks[0])
-    return ImageAttention(x, g, word_maps(caption, alphas[0], g), caption, notes, {"caption": caption})
+    maps, title, details = get_family(src.family).image_attention(src, x, layer, layer_name)
+    return ImageAttention(x, src.model.cfg.grid, maps, title, notes, details)
 
 
 # --------------------------------------------------------------------------- seq2seq
@@ -377,10 +347,10 @@ def alignment(src: Source, text: str) -> Alignment:
     """Translate ``text`` greedily and return the alignment matrix; InputError for empty
     input and for runs without attention (``--arch rnn-noattn``)."""
     from qkv.data.dates import normalize_source
-    from qkv.training.seq2seq import decode_texts
+    from qkv.families.seq2seq import decode_texts
 
     _require(src, ("seq2seq",), "an image")
-    cfg, vocab_in, vocab_out = src.extra["cfg"], src.extra["src"], src.extra["tgt"]
+    cfg, vocab_in, vocab_out = src.loaded.cfg, src.loaded.src, src.loaded.tgt
     if cfg.arch == "rnn-noattn":
         raise InputError(f"{src.name} is arch rnn-noattn: it has no attention to show")
     t = normalize_source(text)

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from qkv.data.shapes import Scene, SceneObject
-from qkv.training.captioning import bleu4, pointing
+from qkv.families.captioner import bleu4, pointing
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -121,7 +121,7 @@ def _folder(tmp_path, lines: list[str], n_images: int = 5):
 
 
 def test_caption_folder(tmp_path) -> None:
-    from qkv.training.captioning import load_caption_folder
+    from qkv.data.captions import load_caption_folder
 
     lines = ["# image<TAB>caption", ""] + [f"{i}.png\t a  caption number {i} " for i in range(5)]
     splits = load_caption_folder(_folder(tmp_path, lines), 64, 3, seed=0)
@@ -142,7 +142,7 @@ def test_caption_folder(tmp_path) -> None:
     ("corrupt", "line 1:"),
 ])
 def test_caption_folder_errors(tmp_path, case: str, want: str) -> None:
-    from qkv.training.captioning import load_caption_folder
+    from qkv.data.captions import load_caption_folder
 
     lines = {"no_file": [], "empty": ["# only a comment"], "no_caption": ["0.png\tok", "1.png\t  "],
              "missing_image": ["0.png\tok", "9.png\tmissing"], "corrupt": ["bad.png\tbroken"]}[case]
@@ -172,9 +172,9 @@ def test_a_short_run_learns_to_name_the_colour() -> None:
     import random
 
     from qkv.data.shapes import make_scene
+    from qkv.families.captioner import decode_captions, normalize, to_tensors
     from qkv.models.captioner import Captioner, CaptionerConfig
     from qkv.tokenizers.vocab import WordVocab
-    from qkv.training.captioning import decode_captions, normalize, to_tensors
 
     rng = random.Random(0)
     train = [make_scene(rng, n_objects=1) for _ in range(800)]
@@ -204,11 +204,12 @@ def test_beam_of_one_is_greedy_decoding(cap_run) -> None:
     import random
 
     from qkv.data.shapes import make_scene
+    from qkv.families.captioner import CaptionerFamily, _Decoding, normalize
     from qkv.generation.decode import beam_search, greedy_decode
-    from qkv.training.captioning import _Decoding, load_captioner_run, normalize
 
     run, _ = cap_run
-    model, _, max_len = load_captioner_run(run)
+    loaded = CaptionerFamily().load(run)
+    model, max_len = loaded.model, loaded.max_len
     rng = random.Random(11)
     images = torch.from_numpy(np.stack([make_scene(rng).image for _ in range(8)])).permute(0, 3, 1, 2)
     x = normalize(images)

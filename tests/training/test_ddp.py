@@ -32,7 +32,7 @@ SCRIPT = textwrap.dedent(
 
     from qkv.models.gpt import GPT, GPTConfig
     from qkv.training.distributed import cleanup, init_distributed
-    from qkv.training.lm import TokenBatches
+    from qkv.data.corpora import TokenBatches
     from qkv.training.trainer import TrainConfig, Trainer
 
     out, batch, steps = Path(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])

@@ -126,7 +126,8 @@ def test_qkv_muon_in_bf16_is_pytorchs_own_step() -> None:
 def test_the_cpu_preset_gives_adamw_and_fp32_muon_their_own_recipes(monkeypatch, native_bf16) -> None:
     import qkv.device as device
     from qkv.cli import build_parser
-    from qkv.commands.train import _configs
+    from qkv.commands.train import configs
+    from qkv.families import get_family
     from qkv.presets import get_preset, preset_train
 
     monkeypatch.setattr(device, "cpu_has_native_bf16", lambda: native_bf16)
@@ -145,5 +146,5 @@ def test_the_cpu_preset_gives_adamw_and_fp32_muon_their_own_recipes(monkeypatch,
                                (["--optimizer", "adamw", "--max_iters", "7"], 7,  # the user's word wins
                                 cpu["train_adamw"]["batch_size"])):
         args = parser.parse_args(["train", "gpt", *argv])
-        _, train, _ = _configs(args, "gpt")
+        _, train, _ = configs(get_family("gpt"), args)
         assert (train.max_iters, train.batch_size, train.optimizer) == (steps, batch, argv[1])

@@ -16,9 +16,9 @@ import pytest
 import torch
 from cli_helpers import assert_one_line_error, call
 
+from qkv.families.gpt import LMDataConfig
 from qkv.models.gpt import GPTConfig
 from qkv.presets import GPT_PRESETS
-from qkv.training.lm import LMDataConfig
 from qkv.training.trainer import TrainConfig
 
 TEXT = "\n".join(

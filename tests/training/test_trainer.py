@@ -17,11 +17,14 @@ import torch
 from safetensors.torch import load_file
 from torch import nn
 
+from qkv.data.corpora import TokenBatches
+from qkv.families import get_family
+from qkv.families.gpt import LMDataConfig
 from qkv.models.gpt import GPT, GPTConfig
 from qkv.presets import get_preset
 from qkv.tokenizers import CharTokenizer, load_tokenizer
 from qkv.training import checkpoint as ckpt
-from qkv.training.lm import LMDataConfig, TokenBatches, train_lm
+from qkv.training.run import train_run
 from qkv.training.trainer import (
     TrainConfig,
     Trainer,
@@ -39,7 +42,13 @@ LINES = [
 ]
 TEXT = "\n".join(LINES[i % len(LINES)] for i in range(60)) + "\n"  # ~2,700 characters
 RUN_FILES = {"config.json", "model.safetensors", "last.safetensors", "optimizer.pt",
-             "tokenizer.json", "metrics.jsonl"}
+             "tokenizer.json", "metrics.jsonl", "eval.json", "loss.png", "attention.png"}
+
+
+def train_lm(model_cfg, cfg, data, resume: bool = False):
+    """(model, tokenizer, result) of the GPT family's run lifecycle."""
+    run = train_run(get_family("gpt"), model_cfg, cfg, data, resume=resume)
+    return run.model, run.prepared.state.tokenizer, run.result
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # see tests/conftest.py

@@ -13,8 +13,8 @@ import torch
 from test_train_cli import PNG, assert_one_line_error, call
 
 from qkv.data.images import ImageData
+from qkv.families.vit import ViTFamily, confusion_matrix, fit_model_config, predict
 from qkv.models.vit import ViTConfig
-from qkv.training.vision import confusion_matrix, fit_model_config, load_vit_run, predict
 
 pytest.importorskip("sklearn")
 pytestmark = pytest.mark.usefixtures("one_thread")  # see tests/conftest.py
@@ -66,7 +66,8 @@ def test_train_vit_end_to_end(vit_run) -> None:
     assert (cfg["model"]["image_size"], cfg["model"]["channels"], cfg["model"]["n_classes"]) == (8, 1, 10)
     # eval.json agrees with an independent recount from the saved weights
     ev = json.loads((run_dir / "eval.json").read_text())
-    model, info = load_vit_run(run_dir)
+    run = ViTFamily().load(run_dir)
+    model, info = run.model, {"classes": run.classes, "mean": run.mean, "std": run.std}
     data = _test_split()
     preds = predict(model, data.test_x, info["mean"], info["std"]).argmax(-1)
     acc = float((preds == data.test_y).float().mean())
@@ -108,7 +109,8 @@ def test_classify_matches_the_model(vit_run, tmp_path: Path) -> None:
     rc, out, err = call(["classify", str(run_dir), str(tmp_path / "d.png"), "--top", "4", "--json"])
     assert rc == 0, err
     [result] = json.loads(out)
-    model, info = load_vit_run(run_dir)
+    run = ViTFamily().load(run_dir)
+    model, info = run.model, {"classes": run.classes, "mean": run.mean, "std": run.std}
     probs = predict(model, x[None], info["mean"], info["std"])[0]
     top = torch.topk(probs, 4)
     assert [t["class"] for t in result["top"]] == [info["classes"][int(i)] for i in top.indices]

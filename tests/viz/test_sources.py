@@ -127,4 +127,4 @@ def test_image_and_seq2seq_sources(tiny_run, tmp_path) -> None:
     with pytest.raises(InputError, match="the text is empty"):
         sources.alignment(s2s, "   ")
     long = sources.alignment(s2s, "1" * 200)
-    assert len(long.source) == s2s.context == s2s.extra["cfg"].max_src_len and "truncated" in long.notes[0]
+    assert len(long.source) == s2s.context == s2s.loaded.cfg.max_src_len and "truncated" in long.notes[0]

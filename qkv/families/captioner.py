@@ -1,31 +1,37 @@
-"""The captioning job behind `qkv train captioner`: generated scenes -> word vocabulary ->
-Captioner (soft or hard attention) -> the shared Trainer -> exact match, BLEU-4 and pointing
-accuracy (does the most attended location fall inside the object a word names?).
+"""The captioner family: Show, Attend and Tell (Xu et al. 2015; Lecture 21): a CNN grid encoder
+and an LSTM decoder that attends over the grid at every word, with soft, hard or uniform
+attention. Scenes -> word vocabulary -> :class:`qkv.models.captioner.Captioner` -> exact match,
+BLEU-4 and pointing accuracy (does the most attended location fall inside the object a word
+names?).
+
+Run directory: ``config.json`` of family ``"captioner"`` (the words and the longest caption),
+``eval.json``, ``loss.png``.
 """
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import math
-import random
 import sys
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
 from torch import Tensor
 
-from qkv import __version__
-from qkv.data.shapes import COLOURS, SHAPES, Scene, make_scene, split_combos
+from qkv.data.captions import CaptionSplits, load_caption_folder, make_splits
+from qkv.data.shapes import COLOURS, SHAPES, Scene
+from qkv.families.base import FamilyBase, Loaded, files_lines, trained_line
 from qkv.generation.decode import beam_search, greedy_decode
 from qkv.models.captioner import Captioner, CaptionerConfig, CaptionerState
 from qkv.tokenizers.vocab import BOS, EOS, PAD, WordVocab
 from qkv.training import checkpoint as ckpt
-from qkv.training.distributed import DistInfo
-from qkv.training.trainer import TrainConfig, Trainer
+from qkv.training.run import Prepared, Run
 
 MEAN, STD = 0.25, 0.3  # pixel normalisation of the generated scenes (x / 255 - MEAN) / STD
 
@@ -46,79 +52,6 @@ class CaptionDataConfig:
         for name, least in (("n_train", 10), ("n_val", 1), ("n_test", 1), ("n_heldout", 0)):
             if getattr(self, name) < least:
                 raise ValueError(f"{name} must be >= {least}, got {getattr(self, name)}")
-
-
-@dataclass
-class CaptionSplits:
-    scenes: dict[str, list[Scene]]
-    seen: list[tuple[str, str]]
-    heldout: list[tuple[str, str]]
-    notes: list[str] = dataclasses.field(default_factory=list)  # how a folder's images were converted
-
-
-CAPTIONS_FILE = "captions.tsv"
-
-
-def load_caption_folder(root: str | Path, image_size: int, channels: int, seed: int = 0) -> CaptionSplits:
-    """Your own data: ``root/captions.tsv`` holds one ``image<TAB>caption`` per line (image paths
-    relative to the folder; blank lines and lines starting with # are skipped). Images of another
-    size or mode are converted (a note says how many). A shuffled tenth each (at least one) goes to
-    validation and test. There are no boxes, so pointing accuracy is not measured.
-    Raises ValueError naming the line for a line without a caption or an unreadable image."""
-    from qkv.data.images import read_image
-
-    root = Path(root)
-    tsv = root / CAPTIONS_FILE
-    if not root.is_dir():
-        raise ValueError(f"--data {root}: not a folder; give 'shapes' or a folder with {CAPTIONS_FILE}")
-    if not tsv.is_file():
-        raise ValueError(f"{root} has no {CAPTIONS_FILE}: write one line per image, "
-                         "'image.png<TAB>a caption of it'")
-    try:
-        lines = tsv.read_text(encoding="utf-8").splitlines()
-    except UnicodeDecodeError as e:
-        raise ValueError(f"{tsv} is not UTF-8 text ({e.reason} at byte {e.start})") from None
-    scenes: list[Scene] = []
-    converted: list[str] = []
-    for no, line in enumerate(lines, 1):
-        if not line.strip() or line.lstrip().startswith("#"):
-            continue
-        name, _, caption = line.partition("\t")
-        if not caption.strip():
-            raise ValueError(f"{tsv} line {no}: no caption; write 'image.png<TAB>a caption of it'")
-        try:
-            x, notes = read_image(root / name.strip(), image_size, channels)
-        except ValueError as e:
-            raise ValueError(f"{tsv} line {no}: {e}") from None
-        if notes:
-            converted.append(f"{name.strip()}: {', '.join(notes)}")
-        img = x.permute(1, 2, 0).numpy()
-        scenes.append(Scene(img, [], np.zeros(img.shape[:2], np.int64), " ".join(caption.split())))
-    if len(scenes) < 3:
-        raise ValueError(f"{tsv} has {len(scenes)} captioned image(s); it needs at least 3 "
-                         "(train, validation, test)")
-    random.Random(seed).shuffle(scenes)
-    k = max(1, len(scenes) // 10)
-    notes = [f"converted {len(converted)} of {len(scenes)} images to {image_size}x{image_size} "
-             f"{'RGB' if channels == 3 else 'grey'} (e.g. {converted[0]})"] if converted else []
-    return CaptionSplits({"train": scenes[2 * k:], "val": scenes[:k], "test": scenes[k:2 * k]}, [], [], notes)
-
-
-def make_splits(cfg: CaptionDataConfig) -> CaptionSplits:
-    """Train/val/test scenes use only the seen pairs; every held-out scene has at least one
-    object with a held-out pair (the others drawn from everything)."""
-    seen, held = split_combos(cfg.heldout_pairs, cfg.data_seed)
-    rng = random.Random(cfg.data_seed)
-    scenes = {name: [make_scene(rng, combos=seen) for _ in range(n)]
-              for name, n in (("train", cfg.n_train), ("val", cfg.n_val), ("test", cfg.n_test))}
-    heldout = []
-    while len(heldout) < cfg.n_heldout and held:
-        s = make_scene(rng)
-        if any((o.colour, o.shape) in held for o in s.objects):
-            heldout.append(s)
-    if heldout:
-        scenes["heldout"] = heldout
-    return CaptionSplits(scenes, seen, held)
 
 
 def to_tensors(scenes: Sequence[Scene], vocab: WordVocab, max_len: int) -> tuple[Tensor, Tensor]:
@@ -277,52 +210,113 @@ def evaluate(model: Captioner, vocab: WordVocab, splits: CaptionSplits, max_len:
     return result
 
 
-def train_captioner(model_cfg: CaptionerConfig, train_cfg: TrainConfig, data_cfg: CaptionDataConfig, *,
-                    resume: bool = False, dist: DistInfo | None = None, on_log=None):
-    """Train (or resume) into ``train_cfg.out_dir``: (model, vocab, splits, max_len, result)."""
-    dist = dist or DistInfo()
-    run_dir = Path(train_cfg.out_dir)
-    if not resume and (run_dir / "config.json").is_file():
-        raise ValueError(f"{run_dir} already holds a run; continue it with --resume {run_dir} "
-                         "or choose another --out_dir")
-    if data_cfg.data == "shapes":
-        splits = make_splits(data_cfg)
-    else:
-        splits = load_caption_folder(data_cfg.data, model_cfg.image_size, model_cfg.channels,
-                                     data_cfg.data_seed)
-    if dist.is_main:
+@dataclass
+class LoadedCaptioner(Loaded):
+    vocab: WordVocab = dataclasses.field(default_factory=lambda: WordVocab([]))
+    max_len: int = 0
+
+
+@dataclass
+class CaptionState:
+    splits: CaptionSplits
+    vocab: WordVocab
+    max_len: int
+
+
+class CaptionerFamily(FamilyBase):
+    name = "captioner"
+    kind = "image"
+    unit = "img"
+    help = "an image captioner with soft, hard or uniform attention (Show, Attend and Tell)"
+    description = (
+        "Train a captioner: a CNN grid encoder and an LSTM decoder that attends over the grid at "
+        "every word, --attention soft (weighted average, doubly stochastic penalty) or hard "
+        "(one sampled location, REINFORCE) or uniform (the plain average of the grid: the "
+        "baseline). Data: generated scenes of coloured shapes with "
+        "captions and boxes, some colour/shape pairs held out, or --data FOLDER with a captions.tsv "
+        "(image<TAB>caption per line). At the end: exact match, BLEU-4 "
+        "and pointing accuracy (is the most attended location inside the named object?) next "
+        "to uniform attention's.")
+    model_config = CaptionerConfig
+    data_config = CaptionDataConfig
+    from_data = ("vocab_size",)
+    default_preset = "shapes-cpu"
+
+    def prepare(self, model_cfg: CaptionerConfig, data_cfg: CaptionDataConfig, resume_dir,
+                on_note) -> Prepared:
+        if data_cfg.data == "shapes":
+            splits = make_splits(data_cfg)
+        else:
+            splits = load_caption_folder(data_cfg.data, model_cfg.image_size, model_cfg.channels,
+                                         data_cfg.data_seed)
         for note in splits.notes:
-            print(f"qkv: note: {note}", file=sys.stderr)
-    vocab = WordVocab.build([s.caption for s in splits.scenes["train"]])
-    max_len = max(len(s.caption.split()) for s in splits.scenes["train"])
-    model_cfg = dataclasses.replace(model_cfg, vocab_size=len(vocab))
-    tensors = {k: to_tensors(v, vocab, max_len) for k, v in splits.scenes.items()}
-    torch.manual_seed(train_cfg.seed)
-    model = Captioner(model_cfg)
-    trainer = Trainer(model, train_cfg, CaptionBatches(tensors), run_dir, dist, on_log)
-    if resume:
-        trainer.load_resume_state()
-    elif dist.is_main:
-        run_dir.mkdir(parents=True, exist_ok=True)
-        ckpt.write_json(run_dir / "config.json", {
-            "family": "captioner", "qkv_version": __version__, "model": dataclasses.asdict(model_cfg),
-            "train": dataclasses.asdict(train_cfg), "data": dataclasses.asdict(data_cfg),
-            "words": vocab.symbols(), "max_len": max_len,
-            "heldout_pairs": [list(p) for p in splits.heldout]})
-    result = trainer.fit()
-    if dist.is_main:
-        ckpt.load_weights(model, run_dir / "model.safetensors")
-    return model, vocab, splits, max_len, result
+            on_note(note)
+        vocab = WordVocab.build([s.caption for s in splits.scenes["train"]])
+        max_len = max(len(s.caption.split()) for s in splits.scenes["train"])
+        tensors = {k: to_tensors(v, vocab, max_len) for k, v in splits.scenes.items()}
+        return Prepared(dataclasses.replace(model_cfg, vocab_size=len(vocab)), CaptionBatches(tensors),
+                        CaptionState(splits, vocab, max_len),
+                        record={"words": vocab.symbols(), "max_len": max_len,
+                                "heldout_pairs": [list(p) for p in splits.heldout]})
 
+    def build(self, model_cfg: CaptionerConfig) -> Captioner:
+        return Captioner(model_cfg)
 
-def load_captioner_run(run_dir: Path, device: str = "cpu") -> tuple[Captioner, WordVocab, int]:
-    """(model in eval mode, vocabulary, longest caption) from a run directory."""
-    saved = ckpt.read_run_config(Path(run_dir), "captioner", "an image captioner")
-    try:
-        cfg = CaptionerConfig(**saved["model"])
-        vocab, max_len = WordVocab(saved["words"]), int(saved["max_len"])
-    except (TypeError, ValueError, KeyError) as e:
-        raise ckpt.CheckpointError(f"{run_dir}/config.json is damaged ({type(e).__name__}: {e})") from None
-    model = Captioner(cfg)
-    ckpt.load_weights(model, Path(run_dir) / "model.safetensors")
-    return model.to(device).eval(), vocab, max_len
+    def evaluate(self, model: Captioner, prepared: Prepared) -> dict[str, Any]:
+        st = prepared.state
+        return evaluate(model, st.vocab, st.splits, st.max_len)
+
+    def headline(self, model_cfg: CaptionerConfig, data_cfg: CaptionDataConfig) -> str:
+        return f"{model_cfg.attention} attention, {data_cfg.n_train:,} generated scenes"
+
+    def summary(self, run: Run, args: argparse.Namespace | None = None) -> str:
+        lines = ["", trained_line(run, None)]
+        for name in ("test", "heldout"):
+            if name in run.eval:
+                e = run.eval[name]
+                where = ("" if e["pointing"] is None else f", pointing {e['pointing']:.1%} (uniform "
+                         f"attention {e['pointing_uniform']:.1%})")
+                lines.append(f"{name}: exact match {e['exact']:.1%}, BLEU-4 {e['bleu4']:.3f}{where} "
+                             f"on {e['n']:,}")
+        return "\n".join(lines) + "\n" + files_lines(run) + f"  evaluation: {run.run_dir / 'eval.json'}"
+
+    def load(self, run_dir: Path, device: str = "cpu") -> LoadedCaptioner:
+        saved = ckpt.read_run_config(Path(run_dir), "captioner", "an image captioner")
+        try:
+            cfg = CaptionerConfig(**saved["model"])
+            vocab, max_len = WordVocab(saved["words"]), int(saved["max_len"])
+        except (TypeError, ValueError, KeyError) as e:
+            raise ckpt.damaged(run_dir, e) from None
+        model = Captioner(cfg)
+        ckpt.load_weights(model, Path(run_dir) / "model.safetensors")
+        return LoadedCaptioner(Path(run_dir), model.to(device).eval(), saved, vocab, max_len)
+
+    def shape(self, loaded: Loaded) -> tuple[int, int, int]:
+        return 1, 1, loaded.model.cfg.grid ** 2  # one attention per word, over the grid
+
+    def image_attention(self, src, x: Tensor, layer: int | None, layer_name: str) -> tuple[list, str, dict]:
+        """(maps, caption, details) for :func:`qkv.viz.sources.image_attention`: the greedy
+        caption and each word's attention over the grid."""
+        from qkv.viz.sources import InputError
+
+        if layer is not None:
+            raise InputError(f"a captioner has one attention per word (no layers); drop {layer_name}")
+        loaded = src.loaded
+        toks, alphas = decode_captions(loaded.model, x[None], loaded.max_len)
+        caption = loaded.vocab.decode(toks[0])
+        return word_maps(caption, alphas[0], loaded.model.cfg.grid), caption, {"caption": caption}
+
+    def attend(self, src, image: str, layer: int | None, head: int | None, out: Path) -> None:
+        """`qkv attend RUN IMAGE`: the caption and each word's attention, as one PNG."""
+        from qkv.viz import plot_image_attention
+        from qkv.viz.sources import image_attention
+
+        if layer is not None or head is not None:
+            raise ValueError("a captioner has one attention per word (no layers or heads); drop "
+                             "--layer/--head")
+        att = image_attention(src, image)
+        for n in att.notes:
+            print(f"qkv: note: {image}: {n}", file=sys.stderr)
+        print(f"{image}: {att.title}")
+        plot_image_attention(att.image, att.maps, out, title=att.title)
+        print(f"wrote {out}")

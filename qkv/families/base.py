@@ -1,0 +1,125 @@
+"""What a model family is: the :class:`Family` protocol every family file implements, and the
+defaults most of them share (:class:`FamilyBase`).
+
+A family ties a model of :mod:`qkv.models` to its data, its evaluation and its pictures:
+
+    training     prepare -> build -> check_resume -> evaluate -> report   (qkv.training.run)
+    the CLI      help, description, presets, headline, summary            (qkv train FAMILY)
+    afterwards   load -> Loaded; shape; attend                            (generate, attend, serve)
+"""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, ClassVar, Literal, Protocol
+
+from torch import nn
+
+from qkv.training.run import Prepared, Run, RunFamily
+
+Kind = Literal["encoder", "decoder", "image", "seq2seq"]  # what a model reads and what it shows
+
+
+@dataclass
+class Loaded:
+    """A trained run, loaded: its model (best weights, eval mode) and the run's config.json.
+    Each family's subclass adds what reads the model's input (tokenizer, vocabularies, classes)."""
+
+    run_dir: Path
+    model: nn.Module
+    config: dict[str, Any] = field(repr=False, default_factory=dict)
+
+
+class Family(RunFamily, Protocol):
+    """One model family, end to end. ``name`` is the ``family`` of its runs' config.json."""
+
+    name: str
+    kind: Kind
+    unit: str  # what one batch row is, for the progress bar: "tok", "img", "pair"
+    help: str  # one line for `qkv train --help`
+    description: str  # the paragraph of `qkv train FAMILY --help`
+    model_config: type  # its model's config dataclass
+    data_config: type  # its data's config dataclass
+    from_data: tuple[str, ...]  # model fields set from the data, not options
+    default_preset: str
+    presets: dict[str, dict[str, dict[str, Any]]]  # name -> {"model": .., "train": .., "data": ..}
+
+    def add_options(self, parser: argparse.ArgumentParser) -> None:
+        """Options of `qkv train FAMILY` beyond the config fields (none for most)."""
+        ...
+
+    def draft_model(self, model_args: dict[str, Any]) -> dict[str, Any]:
+        """Model arguments valid before the data is seen (fields the data sets get placeholders)."""
+        ...
+
+    def headline(self, model_cfg: Any, data_cfg: Any) -> str:
+        """The run's shape in a few words, for the first line of `qkv train`."""
+        ...
+
+    def summary(self, run: Run, args: argparse.Namespace | None = None) -> str:
+        """What `qkv train` prints when the run is done (scores, files, what to try next)."""
+        ...
+
+    def load(self, run_dir: Path, device: str = "cpu") -> Loaded:
+        """A trained run; CheckpointError (one line) for a damaged one."""
+        ...
+
+    def shape(self, loaded: Loaded) -> tuple[int, int, int]:
+        """(layers, heads, context) of the attention a picture can choose from; context: the
+        most tokens, characters or grid cells read at once."""
+        ...
+
+
+class FamilyBase:
+    """Defaults: presets from :mod:`qkv.presets`, no extra options, placeholders-free configs,
+    a loss plot as the only picture, one attention of one head."""
+
+    name: ClassVar[str]
+    kind: ClassVar[Kind]
+    unit: ClassVar[str] = "item"
+    from_data: ClassVar[tuple[str, ...]] = ()
+
+    @property
+    def presets(self) -> dict[str, dict[str, dict[str, Any]]]:
+        from qkv.presets import PRESETS
+
+        return PRESETS.get(self.name, {})
+
+    def add_options(self, parser: argparse.ArgumentParser) -> None:
+        return None
+
+    def draft_model(self, model_args: dict[str, Any]) -> dict[str, Any]:
+        return model_args
+
+    def check_resume(self, saved: dict[str, Any], prepared: Prepared) -> None:
+        return None
+
+    def report(self, run: Run) -> dict[str, Path]:
+        return {"loss plot": loss_plot(run.run_dir)}
+
+    def shape(self, loaded: Loaded) -> tuple[int, int, int]:
+        cfg = loaded.model.cfg
+        return cfg.n_layers, cfg.n_heads, cfg.max_seq_len
+
+
+def loss_plot(run_dir: Path) -> Path:
+    from qkv.viz import plot_loss_curve
+
+    return plot_loss_curve(run_dir / "metrics.jsonl", run_dir / "loss.png")
+
+
+def trained_line(run: Run, unit: str | None) -> str:
+    """'trained 300 steps in 12 s (4,000 tok/s); best val loss 1.2345; 0.80M parameters'."""
+    r = run.result
+    n = sum(p.numel() for p in run.model.parameters())
+    rate = f" ({r.tokens_per_s:,.0f} {unit}/s)" if unit else ""
+    return (f"trained {r.step} steps in {r.seconds:.0f} s{rate}; best val loss {r.best_val_loss:.4f}; "
+            f"{n / 1e6:.2f}M parameters")
+
+
+def files_lines(run: Run, first: dict[str, Path] | None = None) -> str:
+    """The run directory and the files in it worth opening, one per line."""
+    items = {**(first or {}), **run.files}
+    return f"run directory: {run.run_dir}\n" + "".join(f"  {k}: {v}\n" for k, v in items.items())

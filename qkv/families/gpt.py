@@ -1,0 +1,191 @@
+"""The GPT family: a character- or BPE-level language model on text (Lecture 23's decoder-only
+Transformer). Corpus -> tokenizer -> :class:`qkv.models.gpt.GPT` -> validation loss, a sample,
+the loss curve and the last layer's attention over held-out text.
+
+Run directory: ``config.json`` (family ``"gpt"``, the corpus name and its sha256), the
+tokenizer (``tokenizer.json``), checkpoints, ``eval.json`` (validation loss on fixed windows),
+``loss.png``, ``attention.png``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+
+from qkv.families.base import FamilyBase, Loaded, files_lines, trained_line
+from qkv.models.gpt import GPT, GPTConfig
+from qkv.training import checkpoint as ckpt
+from qkv.training.run import Prepared, Run
+
+
+@dataclass
+class LMDataConfig:
+    """Where the text comes from and how it becomes tokens."""
+
+    data: str | None = None  # a UTF-8 text file; none = the 42 Shakespeare works
+    tokenizer: Literal["char", "bpe"] = "char"  # characters, or byte-level BPE trained on the text
+    bpe_vocab_size: int = 2048  # BPE vocabulary size (with --tokenizer bpe)
+    val_fraction: float = 0.1  # the last 10% of the tokens are held out
+
+    def __post_init__(self) -> None:
+        if self.tokenizer not in ("char", "bpe"):
+            raise ValueError(f"tokenizer must be 'char' or 'bpe', got {self.tokenizer!r}")
+        if not 0.0 < self.val_fraction < 0.5:
+            raise ValueError(f"val_fraction must be in (0, 0.5), got {self.val_fraction}")
+
+
+@dataclass
+class LMState:
+    corpus: Any  # qkv.data.corpora.Corpus
+    tokenizer: Any
+
+
+@dataclass
+class LoadedGPT(Loaded):
+    tokenizer: Any = None
+
+
+def build_tokenizer(data_cfg: LMDataConfig, text: str):
+    from qkv.tokenizers import BPETokenizer, CharTokenizer
+
+    if data_cfg.tokenizer == "char":
+        return CharTokenizer(text)
+    return BPETokenizer.train([text], vocab_size=data_cfg.bpe_vocab_size)
+
+
+def prepare_data(data_cfg: LMDataConfig, block_size: int, tokenizer=None):
+    """(corpus, tokenizer, TokenBatches); builds the tokenizer unless one is given (resume)."""
+    from qkv.data.corpora import TokenBatches, load_text, token_cache, train_val_split
+
+    corpus = load_text(Path(data_cfg.data) if data_cfg.data else None)
+    tok = tokenizer if tokenizer is not None else build_tokenizer(data_cfg, corpus.text)
+    train, val = train_val_split(token_cache(corpus, tok), data_cfg.val_fraction)
+    return corpus, tok, TokenBatches(train, val, block_size)
+
+
+def sample_text(model: GPT, tok, prompt: str, max_new_tokens: int, temperature: float = 0.8,
+                top_k: int | None = 200, top_p: float | None = None, seed: int = 0) -> str:
+    """Prompt -> prompt + continuation (the end-of-training sample)."""
+    from qkv.generation import generate
+
+    ids = torch.tensor([tok.encode(prompt)], dtype=torch.long, device=next(model.parameters()).device)
+    new = [int(t[0]) for t in generate(model, ids, max_new_tokens, temperature=temperature,
+                                       top_k=top_k, top_p=top_p, seed=seed)]
+    return prompt + tok.decode(new)
+
+
+def sample_prompt(tok) -> str:
+    """A newline if the tokenizer knows one (a new speech, in Shakespeare), else its first token."""
+    try:
+        return "\n" if tok.encode("\n") else tok.decode([0])
+    except ValueError:  # a character tokenizer of a text without newlines
+        return tok.decode([0])
+
+
+class GPTFamily(FamilyBase):
+    name = "gpt"
+    kind = "decoder"
+    unit = "tok"
+    help = "a character- or BPE-level GPT on text (default: Shakespeare)"
+    description = (
+        "Train a GPT. With no options: the `cpu` preset of a character-level GPT on the 42 "
+        "Shakespeare works (install them with `qkv assets install shakespeare`), then print a "
+        "sample and write the run directory, a loss plot and an attention heatmap.")
+    model_config = GPTConfig
+    data_config = LMDataConfig
+    from_data = ("vocab_size",)
+    default_preset = "cpu"
+
+    def add_options(self, parser: argparse.ArgumentParser) -> None:
+        parser.add_argument("--sample-tokens", type=int, default=300,
+                            help="length of the sample printed at the end")
+
+    def prepare(self, model_cfg: GPTConfig, data_cfg: LMDataConfig, resume_dir, on_note) -> Prepared:
+        from dataclasses import replace
+
+        from qkv.tokenizers import load_tokenizer, save_tokenizer
+
+        tok = load_tokenizer(resume_dir / "tokenizer.json") if resume_dir else None
+        corpus, tok, batches = prepare_data(data_cfg, model_cfg.max_seq_len, tok)
+        return Prepared(replace(model_cfg, vocab_size=tok.vocab_size), batches, LMState(corpus, tok),
+                        record={"tokenizer": "tokenizer.json"},
+                        data_record={"corpus": corpus.name, "sha256": corpus.sha256},
+                        save=lambda d: save_tokenizer(tok, d / "tokenizer.json"),
+                        items_per_row=model_cfg.max_seq_len)
+
+    def build(self, model_cfg: GPTConfig) -> GPT:
+        return GPT(model_cfg)
+
+    @torch.no_grad()
+    def evaluate(self, model: GPT, prepared: Prepared, n_windows: int = 64) -> dict[str, Any]:
+        """Mean next-token loss over ``n_windows`` fixed validation windows (same every run)."""
+        gen = torch.Generator().manual_seed(0)
+        x, y = prepared.batches.get_batch("val", n_windows, gen)
+        device = next(model.parameters()).device
+        losses = [float(model(x[i : i + 16].to(device), y[i : i + 16].to(device)).loss) * len(x[i : i + 16])
+                  for i in range(0, len(x), 16)]
+        loss = sum(losses) / len(x)
+        return {"val_loss": loss, "val_perplexity": math.exp(min(loss, 50.0)), "val_windows": len(x),
+                "tokens_per_window": x.shape[1]}
+
+    def report(self, run: Run) -> dict[str, Path]:
+        from qkv.families.base import loss_plot
+
+        tok = run.prepared.state.tokenizer
+        x, _ = run.prepared.batches.get_batch("val", 1, torch.Generator().manual_seed(0))
+        text = tok.decode(x[0, :32].tolist())
+        return {"loss plot": loss_plot(run.run_dir),
+                "attention map (last layer)": attention_map(run.model, tok, text,
+                                                            run.run_dir / "attention.png")}
+
+    def headline(self, model_cfg: GPTConfig, data_cfg: LMDataConfig) -> str:
+        return f"{model_cfg.n_layers} layers x {model_cfg.dim} wide, context {model_cfg.max_seq_len}"
+
+    def summary(self, run: Run, args: argparse.Namespace | None = None) -> str:
+        tok = run.prepared.state.tokenizer
+        n = getattr(args, "sample_tokens", 300)
+        sample = sample_text(run.model, tok, sample_prompt(tok), n)
+        return (f"\n{trained_line(run, 'tok')}\nvalidation loss {run.eval['val_loss']:.4f} on "
+                f"{run.eval['val_windows']} fixed windows\n"
+                f"\n--- sample (temperature 0.8, top-k 200) ---{sample}\n---\n"
+                + files_lines(run, {"weights": run.run_dir / "model.safetensors"})
+                + f"generate more: qkv generate {run.run_dir} --prompt 'ROMEO:'")
+
+    def load(self, run_dir: Path, device: str = "cpu") -> LoadedGPT:
+        from qkv.tokenizers import load_tokenizer
+
+        run_dir = Path(run_dir)
+        cfg = ckpt.read_run_config(run_dir, "gpt", "a GPT language model")
+        if not isinstance(cfg.get("model"), dict):
+            raise ckpt.CheckpointError(f"{run_dir}/config.json has no model config: the run directory "
+                                       "is damaged")
+        try:
+            model = GPT(GPTConfig(**cfg["model"]))
+        except (TypeError, ValueError) as e:
+            raise ckpt.CheckpointError(f"{run_dir}/config.json has an invalid model config: {e}") from None
+        ckpt.load_weights(model, run_dir / "model.safetensors")
+        try:
+            tok = load_tokenizer(run_dir / "tokenizer.json")
+        except (OSError, ValueError) as e:
+            raise ckpt.CheckpointError(f"cannot load {run_dir}/tokenizer.json: {e}") from None
+        return LoadedGPT(run_dir, model.to(device).eval(), cfg, tok)
+
+
+def attention_map(model: GPT, tok, text: str, out_path: Path, max_tokens: int = 32) -> Path:
+    """Heatmaps of the last layer's heads on the first ``max_tokens`` tokens of ``text``."""
+    from qkv.viz import plot_attention_heads
+
+    ids = tok.encode(text)[:max_tokens]
+    x = torch.tensor([ids], dtype=torch.long, device=next(model.parameters()).device)
+    model.eval()
+    with torch.no_grad():
+        out = model(x, backend="reference", return_weights=True)
+    labels = [tok.decode([i]) for i in ids]
+    return plot_attention_heads(out.weights[-1][0], labels, out_path,
+                                title=f"last layer attention ({len(ids)} tokens)")
+

@@ -1,0 +1,273 @@
+"""The seq2seq family: an encoder-decoder over characters, human-written dates -> ISO 8601
+(Lectures 20-23): a bidirectional GRU encoder with a Bahdanau-attention decoder (``rnn``), the
+same with one fixed context vector (``rnn-noattn``: the bottleneck attention removes), or a
+Transformer encoder-decoder with cross-attention (``transformer``). Pairs -> character
+vocabularies -> :func:`qkv.models.seq2seq.build_model` -> exact match per split and input length.
+
+Run directory: ``config.json`` of family ``"seq2seq"`` (model config and both vocabularies),
+``eval.json``, ``loss.png``, ``alignment.png``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import itertools
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from qkv.data.dates import DatePairs, load_pairs, make_date_pairs, normalize_source
+from qkv.families.base import FamilyBase, Loaded, files_lines, loss_plot, trained_line
+from qkv.models.seq2seq import Seq2SeqConfig, build_model
+from qkv.tokenizers.vocab import BOS, EOS, PAD, CharVocab
+from qkv.training import checkpoint as ckpt
+from qkv.training.run import Prepared, Run
+
+
+@dataclass
+class Seq2SeqDataConfig:
+    """Which pairs: generated dates (default) or a tab-separated file."""
+
+    data: str | None = None  # a UTF-8 file of source<TAB>target lines; none = generated dates
+    n_train: int = 50_000  # dates: training pairs
+    n_val: int = 2_000  # dates: validation pairs
+    n_test: int = 5_000  # dates: test pairs (seen locale/style combinations)
+    n_heldout: int = 5_000  # dates: pairs in the held-out locale/style combinations
+    data_seed: int = 0  # seed of the generated pairs and of every split
+
+    def __post_init__(self) -> None:
+        for name, least in (("n_train", 10), ("n_val", 1), ("n_test", 1), ("n_heldout", 0)):
+            if getattr(self, name) < least:
+                raise ValueError(f"{name} must be >= {least}, got {getattr(self, name)}")
+
+
+@dataclass
+class LoadedSeq2Seq(Loaded):
+    cfg: Seq2SeqConfig = dataclasses.field(default_factory=Seq2SeqConfig)
+    src: CharVocab = dataclasses.field(default_factory=lambda: CharVocab([]))
+    tgt: CharVocab = dataclasses.field(default_factory=lambda: CharVocab([]))
+
+
+@dataclass
+class PairState:
+    pairs: DatePairs
+    src: CharVocab
+    tgt: CharVocab
+
+
+def encode_split(pairs: Sequence[tuple[str, str]], src: CharVocab, tgt: CharVocab,
+                 max_src: int, max_tgt: int) -> tuple[Tensor, Tensor]:
+    """(N, max_src) source ids and (N, max_tgt + 1) [BOS, target, EOS] ids, PAD-padded; pairs
+    longer than the limits are cut (training data is measured first, so only user files can be)."""
+    x = torch.full((len(pairs), max_src), PAD, dtype=torch.long)
+    y = torch.full((len(pairs), max_tgt + 1), PAD, dtype=torch.long)
+    for i, (s, t) in enumerate(pairs):
+        ids = src.encode(s)[:max_src]
+        x[i, : len(ids)] = torch.tensor(ids, dtype=torch.long)
+        tids = [BOS, *tgt.encode(t)[: max_tgt - 1], EOS]
+        y[i, : len(tids)] = torch.tensor(tids, dtype=torch.long)
+    return x, y
+
+
+class PairBatches:
+    """Random batches of (source, target) ids for the Trainer, trimmed to their longest row."""
+
+    def __init__(self, splits: dict[str, tuple[Tensor, Tensor]]) -> None:
+        self.splits = splits
+
+    def get_batch(self, split: str, batch_size: int, generator: torch.Generator) -> tuple[Tensor, Tensor]:
+        x, y = self.splits[split]
+        idx = torch.randint(0, len(x), (batch_size,), generator=generator)
+        xb, yb = x[idx], y[idx]
+        S = int((xb != PAD).sum(1).max())
+        T = int((yb != PAD).sum(1).max())
+        return xb[:, : max(S, 1)], yb[:, : max(T, 2)]
+
+
+def load_pairs_for(data_cfg: Seq2SeqDataConfig) -> DatePairs:
+    if data_cfg.data:
+        return load_pairs(data_cfg.data, seed=data_cfg.data_seed)
+    return make_date_pairs(data_cfg.n_train, data_cfg.n_val, data_cfg.n_test, data_cfg.n_heldout,
+                           seed=data_cfg.data_seed)
+
+
+def decode_texts(model: nn.Module, cfg: Seq2SeqConfig, src_vocab: CharVocab, tgt_vocab: CharVocab,
+                 texts: Sequence[str], beam: int = 1, batch_size: int = 256,
+                 length_penalty: float = 1.0) -> tuple[list[str], list[Tensor | None]]:
+    """Translate already-normalised texts (no longer than ``cfg.max_src_len``); returns the
+    outputs and each output's attention over its source characters (out_len, in_len)."""
+    from qkv.generation.decode import beam_search, greedy_decode
+
+    model.eval()
+    device = next(model.parameters()).device
+    outs: list[str] = []
+    weights: list[Tensor | None] = []
+    for i in range(0, len(texts), batch_size):
+        chunk = texts[i : i + batch_size]
+        x, _ = encode_split([(t, "") for t in chunk], src_vocab, tgt_vocab, cfg.max_src_len, 2)
+        x = x[:, : max(1, max(len(t) for t in chunk))].to(device)
+        res = (greedy_decode(model, x, cfg.max_tgt_len) if beam == 1 else
+               beam_search(model, x, cfg.max_tgt_len, beam=beam, length_penalty=length_penalty))
+        outs += [tgt_vocab.decode(t) for t in res.tokens]
+        weights += [None if w is None else w[:, : len(t)] for w, t in zip(res.weights, chunk, strict=True)]
+    return outs, weights
+
+
+def length_buckets(lengths: Sequence[int]) -> list[tuple[int, int]]:
+    edges = [0, 10, 15, 20, 25, 30, 1000]
+    return [(a + 1, b) for a, b in itertools.pairwise(edges)
+            if any(a < n <= b for n in lengths)]
+
+
+def evaluate(model: nn.Module, cfg: Seq2SeqConfig, src_vocab: CharVocab, tgt_vocab: CharVocab,
+             pairs: DatePairs, beam: int = 1) -> dict[str, Any]:
+    """Exact match (the whole output equal to the target) per split and per input length."""
+    result: dict[str, Any] = {}
+    for name, split in pairs.splits().items():
+        if name == "train" or not split:
+            continue
+        preds, _ = decode_texts(model, cfg, src_vocab, tgt_vocab, [s for s, _ in split], beam=beam)
+        hits = [p == t for p, (_, t) in zip(preds, split, strict=True)]
+        lengths = [len(s) for s, _ in split]
+        buckets = {}
+        for lo, hi in length_buckets(lengths):
+            sel = [h for h, n in zip(hits, lengths, strict=True) if lo <= n <= hi]
+            buckets[f"{lo}-{hi if hi < 1000 else ''}"] = {"n": len(sel), "exact": sum(sel) / len(sel)}
+        errors = [(s, t, p) for (s, t), p, h in zip(split, preds, hits, strict=True) if not h][:10]
+        result[name] = {"n": len(split), "exact": sum(hits) / len(split), "by_length": buckets,
+                        "examples_wrong": errors}
+    return result
+
+
+class Seq2SeqFamily(FamilyBase):
+    name = "seq2seq"
+    kind = "seq2seq"
+    unit = "pair"
+    help = "an encoder-decoder on human-written dates -> ISO 8601 (RNN or Transformer)"
+    description = (
+        "Train a sequence-to-sequence model: --arch rnn (bidirectional GRU encoder, GRU decoder "
+        "with Bahdanau attention), rnn-noattn (the same with a fixed context: the bottleneck) or "
+        "transformer (encoder-decoder with cross-attention). With no options: dates generated "
+        "with Babel in 24 locales and 4 styles ('8 août 1977' -> 1977-08-08); --data FILE.tsv "
+        "takes source<TAB>target lines instead. At the end: exact-match accuracy on the test "
+        "split and on held-out locale/style combinations, by input length, and an alignment plot.")
+    model_config = Seq2SeqConfig
+    data_config = Seq2SeqDataConfig
+    from_data = ("max_src_len", "max_tgt_len", "src_vocab", "tgt_vocab")
+    default_preset = "dates-cpu"
+
+    def prepare(self, model_cfg: Seq2SeqConfig, data_cfg: Seq2SeqDataConfig, resume_dir, on_note) -> Prepared:
+        """Vocabularies and length limits from the training pairs."""
+        pairs = load_pairs_for(data_cfg)
+        src = CharVocab.build([s for s, _ in pairs.train])
+        tgt = CharVocab.build([t for _, t in pairs.train])
+        cfg = dataclasses.replace(model_cfg, src_vocab=len(src), tgt_vocab=len(tgt),
+                                  max_src_len=max(len(s) for s, _ in pairs.train),
+                                  max_tgt_len=max(len(t) for _, t in pairs.train) + 1)  # + EOS
+        splits = {name: encode_split(p, src, tgt, cfg.max_src_len, cfg.max_tgt_len)
+                  for name, p in pairs.splits().items()}
+        record = {"name": pairs.name, "sizes": {k: len(v) for k, v in pairs.splits().items()},
+                  "heldout_combos": [list(c) for c in pairs.unseen],
+                  "dropped_ambiguous": pairs.dropped_ambiguous}
+        return Prepared(cfg, PairBatches(splits), PairState(pairs, src, tgt), data_record=record,
+                        record={"src_chars": src.symbols(), "tgt_chars": tgt.symbols()})
+
+    def build(self, model_cfg: Seq2SeqConfig) -> nn.Module:
+        return build_model(model_cfg)
+
+    def check_resume(self, saved: dict[str, Any], prepared: Prepared) -> None:
+        st = prepared.state
+        if saved.get("src_chars") != st.src.symbols() or saved.get("tgt_chars") != st.tgt.symbols():
+            raise ValueError(f"the training pairs changed since {saved['train']['out_dir']} was started "
+                             "(other characters); start a new run instead of resuming")
+
+    def evaluate(self, model: nn.Module, prepared: Prepared) -> dict[str, Any]:
+        st = prepared.state
+        return evaluate(model, prepared.model_cfg, st.src, st.tgt, st.pairs)
+
+    def _example(self, run: Run) -> tuple[str, str, Tensor | None]:
+        st, cfg = run.prepared.state, run.prepared.model_cfg
+        example = st.pairs.test[0][0][: cfg.max_src_len]
+        [out], [w] = decode_texts(run.model, cfg, st.src, st.tgt, [example])
+        return example, out, w
+
+    def report(self, run: Run) -> dict[str, Path]:
+        from qkv.viz import plot_alignment
+
+        files = {"loss plot": loss_plot(run.run_dir)}
+        example, out, w = self._example(run)
+        if w is not None and len(out):
+            files["alignment of the example"] = plot_alignment(w, list(example), list(out),
+                                                               run.run_dir / "alignment.png")
+        return files
+
+    def headline(self, model_cfg: Seq2SeqConfig, data_cfg: Seq2SeqDataConfig) -> str:
+        return f"arch {model_cfg.arch}, {data_cfg.data or 'generated dates'}"
+
+    def summary(self, run: Run, args: argparse.Namespace | None = None) -> str:
+        lines = ["", trained_line(run, "pairs")]
+        for name in ("test", "heldout"):
+            if name in run.eval:
+                e = run.eval[name]
+                by_len = "  ".join(f"{k}: {v['exact']:.1%}" for k, v in e["by_length"].items())
+                what = "held-out locale/style" if name == "heldout" else "test"
+                lines.append(f"{what} exact match {e['exact']:.2%} of {e['n']:,}  (by input length {by_len})")
+        example, out, _ = self._example(run)
+        lines.append(f"example: {example!r} -> {out!r}")
+        return ("\n".join(lines) + "\n" + files_lines(run, {"weights": run.run_dir / "model.safetensors"})
+                + f"translate: qkv translate {run.run_dir} '8 août 1977' --plot alignment.png")
+
+    def load(self, run_dir: Path, device: str = "cpu") -> LoadedSeq2Seq:
+        run_dir = Path(run_dir)
+        saved = ckpt.read_run_config(run_dir, "seq2seq", "a sequence-to-sequence model")
+        try:
+            cfg = Seq2SeqConfig(**saved["model"])
+            src, tgt = CharVocab(saved["src_chars"]), CharVocab(saved["tgt_chars"])
+        except (TypeError, ValueError, KeyError) as e:
+            raise ckpt.damaged(run_dir, e) from None
+        model = build_model(cfg)
+        ckpt.load_weights(model, run_dir / "model.safetensors")
+        return LoadedSeq2Seq(run_dir, model.to(device).eval(), saved, cfg, src, tgt)
+
+    def shape(self, loaded: Loaded) -> tuple[int, int, int]:
+        return 1, 1, loaded.cfg.max_src_len  # one alignment: output x input
+
+    def attend(self, src, text: str, layer: int | None, head: int | None, out: Path) -> None:
+        """`qkv attend RUN TEXT`: the alignment matrix of the translation, as a PNG."""
+        from qkv.viz import plot_alignment
+        from qkv.viz.sources import alignment
+
+        if layer is not None or head is not None:
+            raise ValueError("a seq2seq run's picture is one alignment matrix (output x input); drop "
+                             "--layer/--head")
+        ali = alignment(src, text)
+        for n in ali.notes:
+            print(f"qkv: note: {n}", file=sys.stderr)
+        plot_alignment(ali.weights, ali.source, ali.output, out)
+        print(f"{''.join(ali.source)}  ->  {ali.text}")
+        print(f"wrote {out}")
+
+
+def prepare_inputs(texts: Sequence[str], cfg: Seq2SeqConfig, src: CharVocab) -> list[str]:
+    """Normalise user texts; ValueError for empty or over-long ones; a warning (stderr) for
+    characters never seen in training (they become <unk>)."""
+    out = []
+    for text in texts:
+        t = normalize_source(text)
+        if not t:
+            raise ValueError("empty input: give a date such as '8 août 1977'")
+        if len(t) > cfg.max_src_len:
+            raise ValueError(f"input is {len(t)} characters; this model was trained on at most "
+                             f"{cfg.max_src_len}: shorten it")
+        unknown = src.unknown(t)
+        if unknown:
+            print(f"qkv: warning: {t!r}: characters never seen in training, read as unknown: "
+                  f"{' '.join(repr(c) for c in unknown)}", file=sys.stderr)
+        out.append(t)
+    return out

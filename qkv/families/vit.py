@@ -1,0 +1,247 @@
+"""The ViT family: image classification with a Vision Transformer (Dosovitskiy et al. 2021;
+Lecture 23). Images -> :class:`qkv.models.vit.ViT` -> test accuracy, a confusion matrix, and
+the attention of the last layer and its rollout over a test image.
+
+Run directory: ``config.json`` of family ``"vit"`` (its ``data`` section holds the class names
+and the normalisation the model was trained with), ``eval.json`` (test accuracy, confusion
+matrix), ``confusion.png``, ``loss.png``, ``attention.png``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from qkv.data.images import ImageBatches, ImageData, load_image_dataset
+from qkv.families.base import FamilyBase, Loaded, files_lines, loss_plot, trained_line
+from qkv.models.vit import ViT, ViTConfig
+from qkv.training import checkpoint as ckpt
+from qkv.training.run import Prepared, Run
+
+
+@dataclass
+class ImageDataConfig:
+    """Which images, and how they are augmented."""
+
+    dataset: str = "fashion-mnist"  # fashion-mnist, mnist, digits, or a folder of class sub-folders
+    val_size: int = 5000  # Fashion-MNIST: training images held out for validation
+    shift: int = 0  # random shifts of up to this many pixels while training (0 = none)
+    flip: bool = False  # random horizontal flips while training (not for digits or text)
+    image_size: int = 28  # folder datasets: every image is resized to this square size
+    split_seed: int = 0  # seed of the deterministic train/validation/test split
+
+    def __post_init__(self) -> None:
+        if self.val_size < 1:
+            raise ValueError(f"val_size must be >= 1, got {self.val_size}")
+        if self.shift < 0:
+            raise ValueError(f"shift must be >= 0, got {self.shift}")
+        if self.image_size < 1:
+            raise ValueError(f"image_size must be >= 1, got {self.image_size}")
+
+
+@dataclass
+class LoadedViT(Loaded):
+    classes: list[str] = dataclasses.field(default_factory=list)
+    mean: float = 0.0
+    std: float = 1.0
+    dataset: str = "?"
+
+
+def load_data(data_cfg: ImageDataConfig, on_note: Callable[[str], None] | None = None) -> ImageData:
+    return load_image_dataset(data_cfg.dataset, val_size=data_cfg.val_size, seed=data_cfg.split_seed,
+                              image_size=data_cfg.image_size, on_note=on_note)
+
+
+def fit_model_config(model_cfg: ViTConfig, data: ImageData) -> ViTConfig:
+    """The model config with the data's image size, channels and classes; a clear error if the
+    patch size does not fit these images."""
+    C, H, W = data.shape
+    if H != W:
+        raise ValueError(f"{data.name} images are {H}x{W}; the ViT needs square images")
+    if H % model_cfg.patch_size:
+        fits = [p for p in range(2, H + 1) if H % p == 0]
+        raise ValueError(f"patch_size {model_cfg.patch_size} does not divide the {H}x{H} images of "
+                         f"{data.name}; use --patch_size {' or '.join(map(str, fits[:4]))}")
+    return dataclasses.replace(model_cfg, image_size=H, channels=C, n_classes=len(data.classes))
+
+
+@torch.no_grad()
+def predict(model: ViT, images: Tensor, mean: float, std: float, batch_size: int = 500) -> Tensor:
+    """uint8 images (N, C, H, W) -> class probabilities (N, n_classes), in eval mode."""
+    model.eval()
+    device = next(model.parameters()).device
+    out = []
+    for i in range(0, len(images), batch_size):
+        x = (images[i : i + batch_size].float() / 255 - mean) / std
+        out.append(model(x.to(device)).logits.float().softmax(-1).cpu())
+    return torch.cat(out) if out else torch.empty(0, model.cfg.n_classes)
+
+
+def confusion_matrix(labels: Tensor, preds: Tensor, n_classes: int) -> Tensor:
+    """(n_classes, n_classes) counts: row = true class, column = predicted class."""
+    return torch.bincount(labels * n_classes + preds, minlength=n_classes**2).reshape(n_classes, n_classes)
+
+
+def evaluate_split(model: ViT, data: ImageData, mean: float, std: float, split: str = "test") -> dict:
+    """Accuracy and confusion matrix on one split."""
+    x, y = {"train": (data.train_x, data.train_y), "val": (data.val_x, data.val_y),
+            "test": (data.test_x, data.test_y)}[split]
+    preds = predict(model, x, mean, std).argmax(-1)
+    cm = confusion_matrix(y, preds, len(data.classes))
+    return {"split": split, "n": len(y), "accuracy": float((preds == y).float().mean()) if len(y) else 0.0,
+            "classes": list(data.classes), "confusion": cm.tolist()}
+
+
+@torch.no_grad()
+def attention_maps(model: ViT, image: Tensor, mean: float, std: float,
+                   layer: int = -1) -> tuple[Tensor, Tensor, Tensor]:
+    """One uint8 image (C, H, W) -> (class probabilities (K,), read-out attention per head of
+    ``layer`` (H, g, g), attention rollout through all layers (g, g)); g = patches per side.
+
+    "Read-out attention" is the class token's row for ``read_out="cls"``, else the mean of all
+    rows (see :func:`qkv.attention.rollout.readout_attention`).
+    """
+    from qkv.attention.rollout import attention_rollout, readout_attention
+
+    model.eval()
+    cfg = model.cfg
+    x = ((image.float() / 255 - mean) / std)[None].to(next(model.parameters()).device)
+    out = model(x, backend="reference", return_weights=True)
+    assert out.weights is not None
+    g = cfg.grid
+    heads = readout_attention(out.weights[layer][0].float(), cfg.read_out).reshape(-1, g, g)
+    rollout = readout_attention(attention_rollout(out.weights)[0], cfg.read_out).reshape(g, g)
+    return out.logits[0].float().softmax(-1).cpu(), heads.cpu(), rollout.cpu()
+
+
+class ViTFamily(FamilyBase):
+    name = "vit"
+    kind = "image"
+    unit = "img"
+    help = "a Vision Transformer on images (default: Fashion-MNIST)"
+    description = (
+        "Train a Vision Transformer. With no options: the `fashion-cpu` preset on Fashion-MNIST "
+        "(`qkv assets install fashion-mnist`); --dataset mnist|digits|FOLDER picks other images "
+        "(a folder holds one sub-folder of images per class). At the end: test accuracy, a "
+        "confusion matrix, and the attention of the last layer and its rollout over a test image.")
+    model_config = ViTConfig
+    data_config = ImageDataConfig
+    from_data = ("image_size", "channels", "n_classes")
+    default_preset = "fashion-cpu"
+
+    def draft_model(self, model_args: dict[str, Any]) -> dict[str, Any]:
+        # until the data is loaded, a size the patch divides lets every other field be checked
+        return {**model_args, "image_size": model_args.get("patch_size", 4)}
+
+    def prepare(self, model_cfg: ViTConfig, data_cfg: ImageDataConfig, resume_dir, on_note) -> Prepared:
+        data = load_data(data_cfg, on_note)
+        batches = ImageBatches(data, shift=data_cfg.shift, flip=data_cfg.flip)
+        record = {"name": data.name, "classes": list(data.classes), "mean": batches.mean, "std": batches.std,
+                  "sizes": {"train": len(data.train_y), "val": len(data.val_y), "test": len(data.test_y)}}
+        return Prepared(fit_model_config(model_cfg, data), batches, data, data_record=record)
+
+    def build(self, model_cfg: ViTConfig) -> ViT:
+        return ViT(model_cfg)
+
+    def check_resume(self, saved: dict[str, Any], prepared: Prepared) -> None:
+        data, b = saved.get("data", {}), prepared.batches
+        if data.get("classes") != list(prepared.state.classes) or abs(data.get("mean", 0) - b.mean) > 1e-6:
+            raise ValueError(f"the images of {data.get('dataset')} changed since "
+                             f"{saved['train']['out_dir']} was started (other classes or statistics); "
+                             "start a new run instead of resuming")
+
+    def evaluate(self, model: ViT, prepared: Prepared) -> dict[str, Any]:
+        data, b = prepared.state, prepared.batches
+        ev = evaluate_split(model, data, b.mean, b.std, "test")
+        ev["val_accuracy"] = evaluate_split(model, data, b.mean, b.std, "val")["accuracy"]
+        return ev
+
+    def report(self, run: Run) -> dict[str, Path]:
+        from qkv.viz import plot_confusion, plot_image_attention
+
+        data, b, ev, d = run.prepared.state, run.prepared.batches, run.eval, run.run_dir
+        files = {"confusion matrix": plot_confusion(ev["confusion"], data.classes, d / "confusion.png",
+                                                    title=f"{data.name} test: accuracy {ev['accuracy']:.2%}"),
+                 "loss plot": loss_plot(d)}
+        image, label = data.test_x[0], int(data.test_y[0])
+        probs, heads, rollout = attention_maps(run.model, image, b.mean, b.std)
+        maps = [(f"head {h}", heads[h]) for h in range(len(heads))] + [("rollout", rollout)]
+        pred = int(probs.argmax())
+        files["attention on a test image"] = plot_image_attention(
+            image, maps, d / "attention.png",
+            title=f"true {data.classes[label]}, predicted {data.classes[pred]} ({probs[pred]:.0%})")
+        return files
+
+    def headline(self, model_cfg: ViTConfig, data_cfg: ImageDataConfig) -> str:
+        return (f"{model_cfg.n_layers} layers x {model_cfg.dim} wide, {model_cfg.patch_size}x"
+                f"{model_cfg.patch_size} patches, {data_cfg.dataset}")
+
+    def summary(self, run: Run, args: argparse.Namespace | None = None) -> str:
+        ev, d = run.eval, run.run_dir
+        return (f"\n{trained_line(run, 'images')}\n"
+                f"test accuracy {ev['accuracy']:.2%} on {ev['n']:,} {run.prepared.state.name} images "
+                f"(validation {ev['val_accuracy']:.2%})\n"
+                + files_lines(run, {"weights": d / "model.safetensors"})
+                + f"classify an image: qkv classify {d} IMAGE.png\n"
+                f"see where it looks: qkv attend {d} IMAGE.png")
+
+    def load(self, run_dir: Path, device: str = "cpu") -> LoadedViT:
+        run_dir = Path(run_dir)
+        cfg = ckpt.read_run_config(run_dir, "vit", "an image classifier")
+        data = cfg.get("data")
+        try:
+            model_cfg = ViTConfig(**cfg["model"])
+            classes, mean, std = list(data["classes"]), float(data["mean"]), float(data["std"])
+        except (TypeError, ValueError, KeyError) as e:
+            raise ckpt.damaged(run_dir, e) from None
+        if len(classes) != model_cfg.n_classes:
+            raise ckpt.CheckpointError(f"{run_dir}/config.json names {len(classes)} classes "
+                                       f"but the model has {model_cfg.n_classes}")
+        model = ViT(model_cfg)
+        ckpt.load_weights(model, run_dir / "model.safetensors")
+        return LoadedViT(run_dir, model.to(device).eval(), cfg, classes, mean, std, data.get("name", "?"))
+
+    def shape(self, loaded: Loaded) -> tuple[int, int, int]:
+        cfg = loaded.model.cfg
+        return cfg.n_layers, cfg.n_heads, cfg.grid ** 2
+
+    def image_attention(self, src, x: Tensor, layer: int | None, layer_name: str) -> tuple[list, str, dict]:
+        """(maps, title, details) of one uint8 image for :func:`qkv.viz.sources.image_attention`:
+        each head of ``layer`` (default: the last) and the rollout through all layers."""
+        from qkv.viz.sources import check_layer_head
+
+        layer, _ = check_layer_head(src, layer, None, (layer_name, "head"))
+        loaded = src.loaded
+        probs, heads, rollout = attention_maps(loaded.model, x, loaded.mean, loaded.std, layer=layer)
+        maps = [(f"layer {layer} head {h}", heads[h]) for h in range(len(heads))] + [("rollout", rollout)]
+        classes, pred = loaded.classes, int(probs.argmax())
+        top = torch.topk(probs, min(3, len(probs)))
+        details = {"layer": layer, "prediction": classes[pred], "probability": float(probs[pred]),
+                   "top": [(classes[int(i)], float(v)) for v, i in zip(top.values, top.indices, strict=True)],
+                   "rollout_peak": divmod(int(rollout.argmax()), loaded.model.cfg.grid),
+                   "patch_size": loaded.model.cfg.patch_size, "n_layers": loaded.model.cfg.n_layers}
+        return maps, f"{classes[pred]} ({probs[pred]:.0%})", details
+
+    def attend(self, src, image: str, layer: int | None, head: int | None, out: Path) -> None:
+        """`qkv attend RUN IMAGE`: every head of a layer and the rollout, as one PNG."""
+        from qkv.viz import plot_image_attention
+        from qkv.viz.sources import image_attention
+
+        if head is not None:
+            raise ValueError("a ViT run shows every head of --layer, over the image; drop --head")
+        att = image_attention(src, image, layer, layer_name="--layer")
+        for n in att.notes:
+            print(f"qkv: note: {image}: {n}", file=sys.stderr)
+        d = att.details
+        plot_image_attention(att.image, att.maps, out, title=f"{Path(image).name}: {att.title}")
+        print(f"predicted {d['prediction']} ({d['probability']:.1%}); wrote {out}")
+        (r, c), g, p = d["rollout_peak"], att.grid, d["patch_size"]
+        print(f"rollout peaks at patch row {r}, column {c} of the {g}x{g} grid ({p}x{p} pixels each)")

@@ -1,0 +1,162 @@
+"""One run's lifecycle, the same for every model family: prepare the data -> build the model ->
+(resume) -> fit -> load the best weights -> evaluate -> ``eval.json`` and the family's plots.
+
+``train_run(family, model_cfg, train_cfg, data_cfg)`` is what `qkv train FAMILY` calls, so a
+run started from Python leaves the same run directory as one started from the command line.
+What a family must provide is :class:`RunFamily`; the families themselves live in
+:mod:`qkv.families` (one file each), above this layer, and are passed in.
+
+Run directory (see :mod:`qkv.training.checkpoint` for the checkpoint files)::
+
+    config.json      {"family", "qkv_version", "model", "train", "data", ...family's own fields}
+    metrics.jsonl    one line per log / evaluation step
+    model.safetensors, last.safetensors, optimizer.pt
+    eval.json        the family's evaluation + steps, best_val_loss, train_seconds
+    *.png            loss curve and the family's attention plots
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol
+
+import torch
+from torch import nn
+
+from qkv import __version__
+from qkv.training import checkpoint as ckpt
+from qkv.training.distributed import DistInfo
+from qkv.training.trainer import BatchSource, TrainConfig, Trainer, TrainResult
+
+
+@dataclass
+class Prepared:
+    """A family's data, ready to train on.
+
+    model_cfg: the model config with the fields the data decides (vocabulary size, image size...).
+    batches: what the Trainer draws (inputs, targets) from, for "train" and "val".
+    state: the family's own pieces (tokenizer, vocabularies, splits), read by its evaluate/report.
+    record: extra top-level fields of ``config.json`` (e.g. vocabularies); data_record: fields
+    added to its ``data`` section (corpus hash, class names, normalisation).
+    save: writes files beside ``config.json`` (a tokenizer), or None.
+    items_per_row: what one batch row counts as, for the items/s rate (tokens of a GPT window).
+    """
+
+    model_cfg: Any
+    batches: BatchSource
+    state: Any = None
+    record: dict[str, Any] = field(default_factory=dict)
+    data_record: dict[str, Any] = field(default_factory=dict)
+    save: Callable[[Path], None] | None = None
+    items_per_row: int = 1
+
+
+class RunFamily(Protocol):
+    """What the lifecycle asks of a model family (:class:`qkv.families.base.Family` adds loading,
+    decoding and attention for everything after training)."""
+
+    name: str
+
+    def prepare(self, model_cfg: Any, data_cfg: Any, resume_dir: Path | None,
+                on_note: Callable[[str], None]) -> Prepared:
+        """Load/generate the data, fit ``model_cfg`` to it; ``resume_dir``: the run being resumed
+        (read its saved tokenizer, say)."""
+        ...
+
+    def build(self, model_cfg: Any) -> nn.Module:
+        """A freshly initialised model (``model(inputs, targets).loss`` trains it)."""
+        ...
+
+    def check_resume(self, saved: dict[str, Any], prepared: Prepared) -> None:
+        """ValueError if the data changed since the run in ``saved`` (its config.json) began."""
+        ...
+
+    def evaluate(self, model: nn.Module, prepared: Prepared) -> dict[str, Any]:
+        """The family's held-out scores, as JSON-ready values."""
+        ...
+
+    def report(self, run: Run) -> dict[str, Path]:
+        """Plots written into the run directory, by name."""
+        ...
+
+
+@dataclass
+class Run:
+    """A finished run: the model with its best weights (eval mode), what was prepared, the loop's
+    result, the evaluation (None on ranks other than the main one) and the files written."""
+
+    family: str
+    run_dir: Path
+    model: nn.Module
+    prepared: Prepared
+    result: TrainResult
+    eval: dict[str, Any] | None = None
+    files: dict[str, Path] = field(default_factory=dict)
+
+
+def run_config(family: RunFamily, prepared: Prepared, train_cfg: TrainConfig, data_cfg: Any) -> dict:
+    cfg = prepared.model_cfg
+    model = cfg.to_dict() if hasattr(cfg, "to_dict") else dataclasses.asdict(cfg)
+    return {"family": family.name, "qkv_version": __version__, "model": model,
+            "train": dataclasses.asdict(train_cfg),
+            "data": {**dataclasses.asdict(data_cfg), **prepared.data_record}, **prepared.record}
+
+
+def _stderr_note(text: str) -> None:
+    print(f"qkv: note: {text}", file=sys.stderr, flush=True)
+
+
+def train_run(
+    family: RunFamily,
+    model_cfg: Any,
+    train_cfg: TrainConfig,
+    data_cfg: Any,
+    *,
+    resume: bool = False,
+    dist: DistInfo | None = None,
+    on_log: Callable[[dict], None] | None = None,
+    on_note: Callable[[str], None] | None = None,
+    evaluate: bool = True,
+) -> Run:
+    """Train (or, with ``resume``, continue) a run of ``family`` into ``train_cfg.out_dir``.
+
+    On the main process the returned model holds the best weights; then (``evaluate``) the
+    family's evaluation is written to ``eval.json`` and its plots beside it.
+    """
+    dist = dist or DistInfo()
+    run_dir = Path(train_cfg.out_dir)
+    if not resume and (run_dir / "config.json").is_file():
+        raise ValueError(f"{run_dir} already holds a run; continue it with --resume {run_dir} "
+                         "or choose another --out_dir")
+    note = on_note or (_stderr_note if dist.is_main else (lambda _t: None))
+    prepared = family.prepare(model_cfg, data_cfg, run_dir if resume else None, note)
+    torch.manual_seed(train_cfg.seed)
+    model = family.build(prepared.model_cfg)
+    trainer = Trainer(model, train_cfg, prepared.batches, run_dir, dist, on_log,
+                      tokens_per_batch=prepared.items_per_row)
+    if resume:
+        family.check_resume(ckpt.read_json(run_dir / "config.json"), prepared)
+        trainer.load_resume_state()
+    elif dist.is_main:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        if prepared.save is not None:
+            prepared.save(run_dir)
+        ckpt.write_json(run_dir / "config.json", run_config(family, prepared, train_cfg, data_cfg))
+    result = trainer.fit()
+    run = Run(family.name, run_dir, model, prepared, result)
+    if not dist.is_main:
+        return run
+    ckpt.load_weights(model, run_dir / "model.safetensors")  # the best weights are what a user gets
+    model.eval()
+    if evaluate:
+        ev = family.evaluate(model, prepared)
+        ev.update(steps=result.step, best_val_loss=result.best_val_loss,
+                  train_seconds=round(result.seconds, 1))
+        ckpt.write_json(run_dir / "eval.json", ev)
+        run.eval = ev
+        run.files = family.report(run)
+    return run
