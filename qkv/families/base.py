@@ -11,6 +11,7 @@ A family ties a model of :mod:`qkv.models` to its data, its evaluation and its p
 from __future__ import annotations
 
 import argparse
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar, Literal, Protocol
@@ -102,6 +103,24 @@ class FamilyBase:
     def shape(self, loaded: Loaded) -> tuple[int, int, int]:
         cfg = loaded.model.cfg
         return cfg.n_layers, cfg.n_heads, cfg.max_seq_len
+
+    def read_run(self, run_dir: Path, what: str, parse: Callable[[dict], tuple[Any, Any]],
+                 device: str = "cpu") -> tuple[dict, nn.Module, Any]:
+        """(config.json, the model with the run's best weights on ``device`` in eval mode, the rest
+        ``parse`` read). ``parse(config) -> (model config, anything else: vocabularies...)``; its
+        TypeError/ValueError/KeyError, like the model's, mean a damaged config.json (one line).
+        ``what`` names the model for a folder of another kind ("an image classifier")."""
+        from qkv.training import checkpoint as ckpt
+
+        run_dir = Path(run_dir)
+        saved = ckpt.read_run_config(run_dir, self.name, what)
+        try:
+            model_cfg, rest = parse(saved)
+            model = self.build(model_cfg)
+        except (TypeError, ValueError, KeyError, AttributeError) as e:
+            raise ckpt.damaged(run_dir, e) from None
+        ckpt.load_weights(model, run_dir / "model.safetensors")
+        return saved, model.to(device).eval(), rest
 
 
 def loss_plot(run_dir: Path) -> Path:

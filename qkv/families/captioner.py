@@ -30,7 +30,6 @@ from qkv.families.base import FamilyBase, Loaded, files_lines, trained_line
 from qkv.generation.decode import beam_search, greedy_decode
 from qkv.models.captioner import Captioner, CaptionerConfig, CaptionerState
 from qkv.tokenizers.vocab import BOS, EOS, PAD, WordVocab
-from qkv.training import checkpoint as ckpt
 from qkv.training.run import Prepared, Run
 
 MEAN, STD = 0.25, 0.3  # pixel normalisation of the generated scenes (x / 255 - MEAN) / STD
@@ -281,15 +280,9 @@ class CaptionerFamily(FamilyBase):
         return "\n".join(lines) + "\n" + files_lines(run) + f"  evaluation: {run.run_dir / 'eval.json'}"
 
     def load(self, run_dir: Path, device: str = "cpu") -> LoadedCaptioner:
-        saved = ckpt.read_run_config(Path(run_dir), "captioner", "an image captioner")
-        try:
-            cfg = CaptionerConfig(**saved["model"])
-            vocab, max_len = WordVocab(saved["words"]), int(saved["max_len"])
-        except (TypeError, ValueError, KeyError) as e:
-            raise ckpt.damaged(run_dir, e) from None
-        model = Captioner(cfg)
-        ckpt.load_weights(model, Path(run_dir) / "model.safetensors")
-        return LoadedCaptioner(Path(run_dir), model.to(device).eval(), saved, vocab, max_len)
+        saved, model, (vocab, max_len) = self.read_run(run_dir, "an image captioner", lambda c: (
+            CaptionerConfig(**c["model"]), (WordVocab(c["words"]), int(c["max_len"]))), device)
+        return LoadedCaptioner(Path(run_dir), model, saved, vocab, max_len)
 
     def shape(self, loaded: Loaded) -> tuple[int, int, int]:
         return 1, 1, loaded.model.cfg.grid ** 2  # one attention per word, over the grid

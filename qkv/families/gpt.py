@@ -159,21 +159,13 @@ class GPTFamily(FamilyBase):
     def load(self, run_dir: Path, device: str = "cpu") -> LoadedGPT:
         from qkv.tokenizers import load_tokenizer
 
-        run_dir = Path(run_dir)
-        cfg = ckpt.read_run_config(run_dir, "gpt", "a GPT language model")
-        if not isinstance(cfg.get("model"), dict):
-            raise ckpt.CheckpointError(f"{run_dir}/config.json has no model config: the run directory "
-                                       "is damaged")
+        saved, model, _ = self.read_run(run_dir, "a GPT language model",
+                                        lambda c: (GPTConfig(**c["model"]), None), device)
         try:
-            model = GPT(GPTConfig(**cfg["model"]))
-        except (TypeError, ValueError) as e:
-            raise ckpt.CheckpointError(f"{run_dir}/config.json has an invalid model config: {e}") from None
-        ckpt.load_weights(model, run_dir / "model.safetensors")
-        try:
-            tok = load_tokenizer(run_dir / "tokenizer.json")
+            tok = load_tokenizer(Path(run_dir) / "tokenizer.json")
         except (OSError, ValueError) as e:
             raise ckpt.CheckpointError(f"cannot load {run_dir}/tokenizer.json: {e}") from None
-        return LoadedGPT(run_dir, model.to(device).eval(), cfg, tok)
+        return LoadedGPT(Path(run_dir), model, saved, tok)
 
 
 def attention_map(model: GPT, tok, text: str, out_path: Path, max_tokens: int = 32) -> Path:

@@ -26,7 +26,6 @@ from qkv.data.dates import DatePairs, load_pairs, make_date_pairs, normalize_sou
 from qkv.families.base import FamilyBase, Loaded, files_lines, loss_plot, trained_line
 from qkv.models.seq2seq import Seq2SeqConfig, build_model
 from qkv.tokenizers.vocab import BOS, EOS, PAD, CharVocab
-from qkv.training import checkpoint as ckpt
 from qkv.training.run import Prepared, Run
 
 
@@ -224,16 +223,12 @@ class Seq2SeqFamily(FamilyBase):
                 + f"translate: qkv translate {run.run_dir} '8 août 1977' --plot alignment.png")
 
     def load(self, run_dir: Path, device: str = "cpu") -> LoadedSeq2Seq:
-        run_dir = Path(run_dir)
-        saved = ckpt.read_run_config(run_dir, "seq2seq", "a sequence-to-sequence model")
-        try:
-            cfg = Seq2SeqConfig(**saved["model"])
-            src, tgt = CharVocab(saved["src_chars"]), CharVocab(saved["tgt_chars"])
-        except (TypeError, ValueError, KeyError) as e:
-            raise ckpt.damaged(run_dir, e) from None
-        model = build_model(cfg)
-        ckpt.load_weights(model, run_dir / "model.safetensors")
-        return LoadedSeq2Seq(run_dir, model.to(device).eval(), saved, cfg, src, tgt)
+        def parse(c: dict) -> tuple[Seq2SeqConfig, tuple]:
+            cfg = Seq2SeqConfig(**c["model"])
+            return cfg, (cfg, CharVocab(c["src_chars"]), CharVocab(c["tgt_chars"]))
+
+        saved, model, (cfg, src, tgt) = self.read_run(run_dir, "a sequence-to-sequence model", parse, device)
+        return LoadedSeq2Seq(Path(run_dir), model, saved, cfg, src, tgt)
 
     def shape(self, loaded: Loaded) -> tuple[int, int, int]:
         return 1, 1, loaded.cfg.max_src_len  # one alignment: output x input

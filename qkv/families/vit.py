@@ -23,7 +23,6 @@ from torch import Tensor
 from qkv.data.images import ImageBatches, ImageData, load_image_dataset
 from qkv.families.base import FamilyBase, Loaded, files_lines, loss_plot, trained_line
 from qkv.models.vit import ViT, ViTConfig
-from qkv.training import checkpoint as ckpt
 from qkv.training.run import Prepared, Run
 
 
@@ -194,20 +193,15 @@ class ViTFamily(FamilyBase):
                 f"see where it looks: qkv attend {d} IMAGE.png")
 
     def load(self, run_dir: Path, device: str = "cpu") -> LoadedViT:
-        run_dir = Path(run_dir)
-        cfg = ckpt.read_run_config(run_dir, "vit", "an image classifier")
-        data = cfg.get("data")
-        try:
-            model_cfg = ViTConfig(**cfg["model"])
-            classes, mean, std = list(data["classes"]), float(data["mean"]), float(data["std"])
-        except (TypeError, ValueError, KeyError) as e:
-            raise ckpt.damaged(run_dir, e) from None
-        if len(classes) != model_cfg.n_classes:
-            raise ckpt.CheckpointError(f"{run_dir}/config.json names {len(classes)} classes "
-                                       f"but the model has {model_cfg.n_classes}")
-        model = ViT(model_cfg)
-        ckpt.load_weights(model, run_dir / "model.safetensors")
-        return LoadedViT(run_dir, model.to(device).eval(), cfg, classes, mean, std, data.get("name", "?"))
+        def parse(c: dict) -> tuple[ViTConfig, tuple]:
+            cfg, data = ViTConfig(**c["model"]), c["data"]
+            classes = list(data["classes"])
+            if len(classes) != cfg.n_classes:
+                raise ValueError(f"it names {len(classes)} classes but the model has {cfg.n_classes}")
+            return cfg, (classes, float(data["mean"]), float(data["std"]), data.get("name", "?"))
+
+        saved, model, rest = self.read_run(run_dir, "an image classifier", parse, device)
+        return LoadedViT(Path(run_dir), model, saved, *rest)
 
     def shape(self, loaded: Loaded) -> tuple[int, int, int]:
         cfg = loaded.model.cfg

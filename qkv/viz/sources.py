@@ -27,7 +27,8 @@ from typing import Any, Literal
 import torch
 from torch import Tensor, nn
 
-Kind = Literal["encoder", "decoder", "image", "seq2seq"]
+from qkv.families.base import Kind
+
 PRETRAINED_KINDS: dict[str, Kind] = {"minilm": "encoder", "smollm2": "decoder"}
 MAX_TOKENS = 512  # attention maps over more tokens than this are unreadable (and (L,H,T,T) is big)
 

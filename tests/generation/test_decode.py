@@ -204,3 +204,55 @@ def test_negative_max_new_tokens_generates_nothing() -> None:
     m = GPT(GPTConfig(vocab_size=11, max_seq_len=8, dim=8, n_layers=1, n_heads=2))
     for n in (-5, -1, 0):
         assert list(generate(m, torch.tensor([[1, 2, 3]]), n)) == []
+
+
+@pytest.mark.parametrize("use_cache", [True, False])
+def test_returned_weights_are_the_full_forward_passes_last_row(use_cache: bool) -> None:
+    """return_weights: each step's (B, H, S) row per layer equals the last query's row of an
+    uncached forward pass over everything before that step (within the context)."""
+    m = model(ctx=16)
+    x = prompt(2, 3)
+    seen = x
+    for nxt, weights in generate(m, x, 6, temperature=0.0, use_cache=use_cache, return_weights=True):
+        with torch.no_grad():
+            ref = m(seen, backend="reference", return_weights=True)
+        assert torch.equal(nxt, ref.logits[:, -1].argmax(-1))
+        assert len(weights) == m.cfg.n_layers
+        for w, r in zip(weights, ref.weights, strict=True):
+            torch.testing.assert_close(w, r[:, :, -1], rtol=1e-5, atol=1e-6)
+        seen = torch.cat([seen, nxt[:, None]], 1)
+    with pytest.raises(ValueError, match="compiled step"):
+        next(generate(m, x, 2, return_weights=True, compile=True))
+
+
+def test_stop_ids_end_each_row_at_its_first_stop() -> None:
+    m = model(ctx=64)
+    x = prompt(2, 3)
+    full = run(m, x, 20, temperature=0.0)  # (2, 20), no stops
+    stop = int(full[0, 5])  # row 0 produces it at step 5 (or earlier)
+    firsts = [next((i for i, t in enumerate(row.tolist()) if t == stop), None) for row in full]
+    out = list(generate(m, x, 20, temperature=0.0, stop_ids=[stop]))
+    ends = max(f if f is not None else 20 for f in firsts)
+    assert len(out) == ends  # ends when the last row stops; that step is not yielded
+    got = torch.stack(out, 1)
+    for b, f in enumerate(firsts):
+        if f is None:
+            assert torch.equal(got[b], full[b, :ends])
+        else:  # its tokens, then its stop id repeated
+            assert got[b, :f].tolist() == full[b, :f].tolist() and set(got[b, f:].tolist()) <= {stop}
+    assert list(generate(m, x[:1], 20, temperature=0.0, stop_ids=[int(full[0, 0])])) == []
+
+
+def test_seed_is_a_seeded_generator_and_leaves_the_global_rng_alone() -> None:
+    from qkv.generation.sampling import make_generator
+
+    m = model(ctx=64)
+    x = prompt(1, 3)
+    a = run(m, x, 12, temperature=1.0, seed=7)
+    b = run(m, x, 12, temperature=1.0, generator=torch.Generator().manual_seed(7))
+    assert torch.equal(a, b) and not torch.equal(a, run(m, x, 12, temperature=1.0, seed=8))
+    state = torch.get_rng_state()
+    g1, g2 = make_generator("cpu"), make_generator("cpu")  # fresh entropy: two requests differ
+    assert g1.initial_seed() != g2.initial_seed()
+    assert make_generator("cpu", 5).initial_seed() == 5
+    assert torch.equal(torch.get_rng_state(), state)

@@ -1,0 +1,191 @@
+"""Every registered family, end to end, the same from Python as from the command line: train the
+tiny preset with ``train_run`` and with ``qkv train``, then load, decode/predict and attend each
+run both ways. Same seed and settings, so the two runs must agree bit for bit: weights,
+``eval.json``, outputs and attention pictures."""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from cli_helpers import call
+from PIL import Image
+from safetensors.torch import load_file
+
+from qkv.families import get_family
+from qkv.presets import get_preset, preset_train
+from qkv.training.run import train_run
+from qkv.training.trainer import TrainConfig
+from qkv.viz import sources
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+TEXT = "\n".join(["ROMEO: But soft, what light through yonder window breaks?",
+                  "JULIET: O Romeo, Romeo, wherefore art thou Romeo?"] * 30) + "\n"
+# Fixed choices (no measuring probe), so the two runs cannot choose differently.
+TRAIN = {"max_iters": 8, "eval_interval": 4, "eval_iters": 1, "dtype": "fp32", "compile": False,
+         "optimizer": "adamw", "device": "cpu"}
+STEPS = {"captioner": {"max_iters": 60, "eval_interval": 30}}  # enough to say a few words
+DATA = {"gpt": {"data": "{root}/text.txt"}, "vit": {},
+        "seq2seq": {"n_train": 200, "n_val": 20, "n_test": 30, "n_heldout": 20},
+        "captioner": {"n_train": 60, "n_val": 10, "n_test": 12, "n_heldout": 10}}
+
+
+def _flags(d: dict) -> list[str]:
+    return [x for k, v in d.items() for x in (f"--{k}", str(v).lower() if isinstance(v, bool) else str(v))]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """family -> (Python run dir, CLI run dir, the Python Run, CLI stdout)."""
+    import os
+
+    root = tmp_path_factory.mktemp("families")
+    (root / "text.txt").write_text(TEXT, encoding="utf-8")
+    old = os.environ.get("QKV_CACHE_DIR")
+    os.environ["QKV_CACHE_DIR"] = str(root / "cache")
+    made = {}
+    try:
+        for name in ("gpt", "vit", "seq2seq", "captioner"):
+            if name == "vit":
+                pytest.importorskip("sklearn", reason="the tiny ViT trains on scikit-learn's digits")
+            f = get_family(name)
+            preset = get_preset(name, "tiny")
+            data = {k: v.format(root=root) if isinstance(v, str) else v for k, v in DATA[name].items()}
+            py_dir, cli_dir = root / f"{name}-py", root / f"{name}-cli"
+            train = {**TRAIN, **STEPS.get(name, {})}
+            run = train_run(f, f.model_config(**f.draft_model(dict(preset["model"]))),
+                            TrainConfig(**{**preset_train(preset, "adamw"), **train, "out_dir": str(py_dir)}),
+                            f.data_config(**{**preset.get("data", {}), **data}))
+            rc, out, err = call(["train", name, "--preset", "tiny", "--no-progress",
+                                 "--out_dir", str(cli_dir), *_flags(train), *_flags(data)])
+            assert rc == 0, out + err
+            made[name] = (py_dir, cli_dir, run, out)
+    finally:
+        if old is None:
+            os.environ.pop("QKV_CACHE_DIR", None)
+        else:
+            os.environ["QKV_CACHE_DIR"] = old
+    return made
+
+
+def _eval(run_dir: Path) -> dict:
+    ev = json.loads((run_dir / "eval.json").read_text())
+    ev.pop("train_seconds")
+    return ev
+
+
+@pytest.mark.parametrize("name", ["gpt", "vit", "seq2seq", "captioner"])
+def test_python_and_cli_runs_are_the_same_run(runs, name: str) -> None:
+    py_dir, cli_dir, run, out = runs[name]
+    a, b = load_file(str(py_dir / "model.safetensors")), load_file(str(cli_dir / "model.safetensors"))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), "weights differ"
+    assert _eval(py_dir) == _eval(cli_dir)  # eval.json either way, with the same numbers
+    assert run.eval is not None  # what train_run returns is what it wrote
+    returned = {k: v for k, v in run.eval.items() if k != "train_seconds"}
+    assert json.loads(json.dumps(returned)) == _eval(py_dir)
+    assert _eval(py_dir)["steps"] == {**TRAIN, **STEPS.get(name, {})}["max_iters"]
+    files = {p.name for p in py_dir.iterdir()}
+    assert files == {p.name for p in cli_dir.iterdir()} and "loss.png" in files
+    for path in run.files.values():  # what the Python run says it wrote, the CLI printed too
+        assert path.is_file() and path.name in out
+    cfg_a, cfg_b = (json.loads((d / "config.json").read_text()) for d in (py_dir, cli_dir))
+    cfg_a["train"].pop("out_dir"), cfg_b["train"].pop("out_dir")
+    assert cfg_a == cfg_b
+
+
+def test_gpt_eval_is_the_cross_entropy_of_fixed_windows(runs) -> None:
+    """The GPT's eval.json val_loss, recomputed with F.cross_entropy on the windows it names."""
+    py_dir, _, run, _ = runs["gpt"]
+    x, y = run.prepared.batches.get_batch("val", 64, torch.Generator().manual_seed(0))
+    model = get_family("gpt").load(py_dir).model
+    with torch.no_grad():
+        logits = model(x).logits.double()
+    expected = F.cross_entropy(logits.flatten(0, 1), y.flatten()).item()
+    assert _eval(py_dir)["val_loss"] == pytest.approx(expected, rel=1e-5)
+
+
+def _image(run, path: Path) -> Path:
+    if run.family == "vit":
+        img = run.prepared.state.test_x[0]  # uint8 (C, H, W)
+    else:
+        from qkv.data.shapes import make_scene
+
+        img = torch.from_numpy(make_scene(random.Random(3)).image).permute(2, 0, 1)
+    arr = img.permute(1, 2, 0).numpy()
+    Image.fromarray(arr[..., 0] if arr.shape[-1] == 1 else arr).save(path)
+    return path
+
+
+@pytest.mark.parametrize("name", ["gpt", "vit", "seq2seq", "captioner"])
+def test_load_decode_attend_the_same_from_python_and_cli(runs, name: str, tmp_path: Path,
+                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    py_dir, cli_dir, run, _ = runs[name]
+    f = get_family(name)
+    loaded = f.load(py_dir)
+    if name == "gpt":
+        from qkv.generation import generate
+
+        tok = loaded.tokenizer
+        ids = torch.tensor([tok.encode("ROMEO")])
+        new = [int(t[0]) for t in generate(loaded.model, ids, 8, temperature=0.0)]
+        for d in (py_dir, cli_dir):
+            rc, out, err = call(["generate", str(d), "--prompt", "ROMEO", "--max-new-tokens", "8",
+                                 "--temperature", "0"])
+            assert rc == 0, err
+            assert out.rstrip("\n") == "ROMEO" + tok.decode(new)
+        what, reading = "ROMEO: But soft", sources.text_attention
+    elif name == "vit":
+        from qkv.families.vit import predict
+
+        image = _image(run, tmp_path / "x.png")
+        x = sources.read_model_image(sources.load_source(py_dir), image)[0]
+        probs = predict(loaded.model, x[None], loaded.mean, loaded.std)[0]
+        for d in (py_dir, cli_dir):
+            rc, out, err = call(["classify", str(d), str(image), "--json", "--top", "3"])
+            assert rc == 0, err
+            top = torch.topk(probs, 3)
+            got = json.loads(out)[0]["top"]
+            assert [t["class"] for t in got] == [loaded.classes[int(i)] for i in top.indices]
+            np.testing.assert_allclose([t["probability"] for t in got], top.values.numpy(), rtol=1e-5)
+        what, reading = str(image), sources.image_attention
+    elif name == "seq2seq":
+        from qkv.families.seq2seq import decode_texts
+
+        [expected], _ = decode_texts(loaded.model, loaded.cfg, loaded.src, loaded.tgt, ["8 août 1977"])
+        for d in (py_dir, cli_dir):
+            rc, out, err = call(["translate", str(d), "8 août 1977", "--json"])
+            assert rc == 0, err
+            assert json.loads(out) == [{"input": "8 août 1977", "output": expected}]
+        what, reading = "8 août 1977", sources.alignment
+    else:
+        from qkv.families.captioner import decode_captions
+
+        image = _image(run, tmp_path / "x.png")
+        x = sources.read_model_image(sources.load_source(py_dir), image)[0]
+        toks, _ = decode_captions(loaded.model, x[None], loaded.max_len)
+        for d in (py_dir, cli_dir):
+            rc, out, err = call(["caption", str(d), str(image)])
+            assert rc == 0, err
+            assert out.rstrip("\n") == f"{image}: {loaded.vocab.decode(toks[0])}"
+        what, reading = str(image), sources.image_attention
+    # attention: the same numbers from both runs (Python), the same picture (CLI)
+    a, b = (reading(sources.load_source(d), what) for d in (py_dir, cli_dir))
+    wa = [a.weights] if hasattr(a, "weights") else [m for _, m in a.maps]
+    wb = [b.weights] if hasattr(b, "weights") else [m for _, m in b.maps]
+    assert len(wa) == len(wb) > 0 and all(torch.equal(x, y) for x, y in zip(wa, wb, strict=True))
+    pngs, said = [], []
+    for d in (py_dir, cli_dir):  # under one name, as titles show it
+        (tmp_path / d.name).mkdir()
+        (tmp_path / d.name / "run").symlink_to(d)
+        monkeypatch.chdir(tmp_path / d.name)
+        rc, out, err = call(["attend", "run", what, "--out", "attention.png"])
+        assert rc == 0, err
+        pngs.append((tmp_path / d.name / "attention.png").read_bytes())
+        said.append(out)
+    assert pngs[0] == pngs[1] and said[0] == said[1]
