@@ -33,12 +33,28 @@ def test_the_reader_sees_imports_inside_functions(tmp_path) -> None:
     assert imported_modules(f) == [(1, "os"), (3, "qkv.viz"), (4, "qkv"), (4, "qkv.serve")]
 
 
-@pytest.mark.parametrize("layer", LOWER)
-def test_lower_layers_never_import_higher_ones(layer: str) -> None:
-    upward = [
+def upward_imports(layer: str, higher: tuple[str, ...]) -> list[str]:
+    return [
         f"{path.relative_to(ROOT.parent)}:{line} imports {mod}"
         for path in sorted((ROOT / layer).rglob("*.py"))
         for line, mod in imported_modules(path)
-        if any(mod == h or mod.startswith(h + ".") for h in HIGHER)
+        if any(mod == h or mod.startswith(h + ".") for h in higher)
     ]
+
+
+@pytest.mark.parametrize("layer", LOWER)
+def test_lower_layers_never_import_higher_ones(layer: str) -> None:
+    upward = upward_imports(layer, HIGHER)
+    assert not upward, "upward imports:\n" + "\n".join(upward)
+
+
+# Among the higher layers: families sit below what users see (they may draw with viz, inside
+# functions), and viz sits below serve and the command line.
+USER_FACING = ("qkv.serve", "qkv.commands", "qkv.cli")
+ABOVE = {"families": USER_FACING, "viz": USER_FACING}
+
+
+@pytest.mark.parametrize("layer", sorted(ABOVE))
+def test_families_and_viz_never_import_the_command_line_or_the_server(layer: str) -> None:
+    upward = upward_imports(layer, ABOVE[layer])
     assert not upward, "upward imports:\n" + "\n".join(upward)
