@@ -85,6 +85,14 @@ SEQ2SEQ_PRESETS: dict[str, dict[str, Any]] = {
                       eval_interval=500, eval_iters=8, weight_decay=0.0),
         "data": dict(),
     },
+    # `qkv train seq2seq --task copy --preset copy-cpu`: random strings of 5-60 letters, where the
+    # fixed context of --arch rnn-noattn cannot hold the source (benchmarks/seq2seq_copy.py).
+    "copy-cpu": {
+        "model": dict(),
+        "train": dict(batch_size=64, max_iters=1200, lr=2e-3, min_lr=2e-5, warmup_iters=100,
+                      eval_interval=400, eval_iters=4, weight_decay=0.0),
+        "data": dict(task="copy", n_train=40_000, n_val=500, n_test=2_000, n_heldout=1_000),
+    },
 }
 
 CAPTIONER_PRESETS: dict[str, dict[str, Any]] = {

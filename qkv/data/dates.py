@@ -136,6 +136,8 @@ class DatePairs:
     unseen: list[tuple[str, str]] = field(default_factory=list)  # held out
     dropped_ambiguous: int = 0
     name: str = "dates"
+    heldout_what: str = "held-out locale/style"  # what the held-out split holds, for reports
+    length_edges: tuple[int, ...] = (0, 10, 15, 20, 25, 30, 1000)  # per-length scores: (a, b] buckets
 
     def splits(self) -> dict[str, list[tuple[str, str]]]:
         out = {"train": self.train, "val": self.val, "test": self.test}

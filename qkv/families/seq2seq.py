@@ -13,11 +13,12 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import itertools
+import shlex
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from torch import Tensor, nn
@@ -31,19 +32,37 @@ from qkv.training.run import Prepared, Run
 
 @dataclass
 class Seq2SeqDataConfig:
-    """Which pairs: generated dates (default) or a tab-separated file."""
+    """Which pairs: generated dates (default), generated random strings to copy or to translate
+    symbol by symbol (where the fixed-context bottleneck bites), or a tab-separated file."""
 
-    data: str | None = None  # a UTF-8 file of source<TAB>target lines; none = generated dates
-    n_train: int = 50_000  # dates: training pairs
-    n_val: int = 2_000  # dates: validation pairs
-    n_test: int = 5_000  # dates: test pairs (seen locale/style combinations)
-    n_heldout: int = 5_000  # dates: pairs in the held-out locale/style combinations
+    task: Literal["dates", "copy", "substitute"] = "dates"  # what is generated (without --data)
+    data: str | None = None  # a UTF-8 file of source<TAB>target lines instead (task dates only)
+    n_train: int = 50_000  # training pairs
+    n_val: int = 2_000  # validation pairs
+    n_test: int = 5_000  # test pairs (dates: seen locale/style combinations; copy: lengths as training)
+    n_heldout: int = 5_000  # dates: held-out locale/style combinations; copy: strings longer than training
+    min_len: int = 5  # copy/substitute: shortest training string
+    max_len: int = 60  # copy/substitute: longest training string
+    long_len: int = 80  # copy/substitute: longest held-out string (max_len + 1 .. long_len)
     data_seed: int = 0  # seed of the generated pairs and of every split
 
     def __post_init__(self) -> None:
-        for name, least in (("n_train", 10), ("n_val", 1), ("n_test", 1), ("n_heldout", 0)):
+        from qkv.data.copy import TASKS
+
+        if self.task not in ("dates", *TASKS):
+            raise ValueError(f"task must be dates, copy or substitute, got {self.task!r}")
+        if self.task != "dates" and self.data:
+            raise ValueError(f"--task {self.task} generates its own strings; drop --data (or use "
+                             "--task dates with a file of pairs)")
+        for name, least in (("n_train", 10), ("n_val", 1), ("n_test", 1), ("n_heldout", 0), ("min_len", 1)):
             if getattr(self, name) < least:
                 raise ValueError(f"{name} must be >= {least}, got {getattr(self, name)}")
+        if not self.min_len <= self.max_len <= self.long_len or self.max_len > 500 or self.long_len > 1000:
+            raise ValueError(f"string lengths must satisfy min_len <= max_len <= long_len (max_len <= 500, "
+                             f"long_len <= 1000), got {self.min_len}, {self.max_len}, {self.long_len}")
+        if self.task != "dates" and self.n_heldout and self.long_len == self.max_len:
+            raise ValueError("held-out strings are longer than max_len: raise --long_len or set "
+                             "--n_heldout 0")
 
 
 @dataclass
@@ -92,6 +111,12 @@ class PairBatches:
 def load_pairs_for(data_cfg: Seq2SeqDataConfig) -> DatePairs:
     if data_cfg.data:
         return load_pairs(data_cfg.data, seed=data_cfg.data_seed)
+    if data_cfg.task != "dates":
+        from qkv.data.copy import make_copy_pairs
+
+        return make_copy_pairs(data_cfg.task, data_cfg.n_train, data_cfg.n_val, data_cfg.n_test,
+                               data_cfg.n_heldout, data_cfg.min_len, data_cfg.max_len, data_cfg.long_len,
+                               seed=data_cfg.data_seed)
     return make_date_pairs(data_cfg.n_train, data_cfg.n_val, data_cfg.n_test, data_cfg.n_heldout,
                            seed=data_cfg.data_seed)
 
@@ -118,15 +143,23 @@ def decode_texts(model: nn.Module, cfg: Seq2SeqConfig, src_vocab: CharVocab, tgt
     return outs, weights
 
 
-def length_buckets(lengths: Sequence[int]) -> list[tuple[int, int]]:
-    edges = [0, 10, 15, 20, 25, 30, 1000]
+def length_buckets(lengths: Sequence[int], edges: Sequence[int] = (0, 10, 15, 20, 25, 30, 1000)
+                   ) -> list[tuple[int, int]]:
+    """(first, last) length of each bucket (edge_i, edge_i+1] that holds any of ``lengths``."""
     return [(a + 1, b) for a, b in itertools.pairwise(edges)
             if any(a < n <= b for n in lengths)]
 
 
+def token_accuracy(pred: str, target: str) -> tuple[int, int]:
+    """(target positions predicted right, target length): position by position, so a dropped
+    or extra symbol early in the output costs every position after it."""
+    return sum(p == t for p, t in zip(pred, target, strict=False)), len(target)
+
+
 def evaluate(model: nn.Module, cfg: Seq2SeqConfig, src_vocab: CharVocab, tgt_vocab: CharVocab,
              pairs: DatePairs, beam: int = 1) -> dict[str, Any]:
-    """Exact match (the whole output equal to the target) per split and per input length."""
+    """Exact match (the whole output equal to the target) and per-position accuracy, per split
+    and per input length."""
     result: dict[str, Any] = {}
     for name, split in pairs.splits().items():
         if name == "train" or not split:
@@ -135,11 +168,16 @@ def evaluate(model: nn.Module, cfg: Seq2SeqConfig, src_vocab: CharVocab, tgt_voc
         hits = [p == t for p, (_, t) in zip(preds, split, strict=True)]
         lengths = [len(s) for s, _ in split]
         buckets = {}
-        for lo, hi in length_buckets(lengths):
-            sel = [h for h, n in zip(hits, lengths, strict=True) if lo <= n <= hi]
-            buckets[f"{lo}-{hi if hi < 1000 else ''}"] = {"n": len(sel), "exact": sum(sel) / len(sel)}
+        tokens = [token_accuracy(p, t) for p, (_, t) in zip(preds, split, strict=True)]
+        for lo, hi in length_buckets(lengths, pairs.length_edges):
+            sel = [i for i, n in enumerate(lengths) if lo <= n <= hi]
+            right, total = sum(tokens[i][0] for i in sel), sum(tokens[i][1] for i in sel)
+            buckets[f"{lo}-{hi if hi < 1000 else ''}"] = {
+                "n": len(sel), "exact": sum(hits[i] for i in sel) / len(sel),
+                "token_accuracy": right / max(total, 1)}
         errors = [(s, t, p) for (s, t), p, h in zip(split, preds, hits, strict=True) if not h][:10]
         result[name] = {"n": len(split), "exact": sum(hits) / len(split), "by_length": buckets,
+                        "token_accuracy": sum(r for r, _ in tokens) / max(sum(n for _, n in tokens), 1),
                         "examples_wrong": errors}
     return result
 
@@ -162,13 +200,16 @@ class Seq2SeqFamily(FamilyBase):
     default_preset = "dates-cpu"
 
     def prepare(self, model_cfg: Seq2SeqConfig, data_cfg: Seq2SeqDataConfig, resume_dir, on_note) -> Prepared:
-        """Vocabularies and length limits from the training pairs."""
+        """Vocabularies and length limits from the training pairs (generated strings: from every
+        split, so the model can be asked for the longer held-out ones)."""
         pairs = load_pairs_for(data_cfg)
         src = CharVocab.build([s for s, _ in pairs.train])
         tgt = CharVocab.build([t for _, t in pairs.train])
+        measured = (pairs.train if data_cfg.task == "dates" else
+                    [p for split in pairs.splits().values() for p in split])
         cfg = dataclasses.replace(model_cfg, src_vocab=len(src), tgt_vocab=len(tgt),
-                                  max_src_len=max(len(s) for s, _ in pairs.train),
-                                  max_tgt_len=max(len(t) for _, t in pairs.train) + 1)  # + EOS
+                                  max_src_len=max(len(s) for s, _ in measured),
+                                  max_tgt_len=max(len(t) for _, t in measured) + 1)  # + EOS
         splits = {name: encode_split(p, src, tgt, cfg.max_src_len, cfg.max_tgt_len)
                   for name, p in pairs.splits().items()}
         record = {"name": pairs.name, "sizes": {k: len(v) for k, v in pairs.splits().items()},
@@ -207,7 +248,10 @@ class Seq2SeqFamily(FamilyBase):
         return files
 
     def headline(self, model_cfg: Seq2SeqConfig, data_cfg: Seq2SeqDataConfig) -> str:
-        return f"arch {model_cfg.arch}, {data_cfg.data or 'generated dates'}"
+        d = data_cfg
+        what = d.data or ("generated dates" if d.task == "dates" else
+                          f"{d.task} of random strings, lengths {d.min_len}-{d.max_len}")
+        return f"arch {model_cfg.arch}, {what}"
 
     def summary(self, run: Run, args: argparse.Namespace | None = None) -> str:
         lines = ["", trained_line(run, "pairs")]
@@ -215,12 +259,12 @@ class Seq2SeqFamily(FamilyBase):
             if name in run.eval:
                 e = run.eval[name]
                 by_len = "  ".join(f"{k}: {v['exact']:.1%}" for k, v in e["by_length"].items())
-                what = "held-out locale/style" if name == "heldout" else "test"
+                what = run.prepared.state.pairs.heldout_what if name == "heldout" else "test"
                 lines.append(f"{what} exact match {e['exact']:.2%} of {e['n']:,}  (by input length {by_len})")
         example, out, _ = self._example(run)
         lines.append(f"example: {example!r} -> {out!r}")
         return ("\n".join(lines) + "\n" + files_lines(run, {"weights": run.run_dir / "model.safetensors"})
-                + f"translate: qkv translate {run.run_dir} '8 août 1977' --plot alignment.png")
+                + f"translate: qkv translate {run.run_dir} {shlex.quote(example)} --plot alignment.png")
 
     def load(self, run_dir: Path, device: str = "cpu") -> LoadedSeq2Seq:
         def parse(c: dict) -> tuple[Seq2SeqConfig, tuple]:

@@ -6,8 +6,9 @@ from qkv.viz.plots import (
     plot_attention_grid,
     plot_attention_head,
     plot_attention_heads,
+    plot_by_length,
     plot_loss_curve,
 )
 
 __all__ = ["plot_alignment", "plot_attention_grid", "plot_attention_head", "plot_attention_heads",
-           "plot_confusion", "plot_image_attention", "plot_loss_curve"]
+           "plot_by_length", "plot_confusion", "plot_image_attention", "plot_loss_curve"]

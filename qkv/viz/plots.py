@@ -220,3 +220,36 @@ def plot_alignment(weights: Tensor, source: Sequence[str], output: Sequence[str]
     fig.savefig(out_path)
     plt.close(fig)
     return Path(out_path)
+
+
+def plot_by_length(curves: dict[str, dict[str, dict[str, float]]], out_path: Path, *,
+                   metric: str = "exact", train_max: int | None = None,
+                   title: str = "exact match by source length") -> Path:
+    """Score against source length, one line per model, in the manner of Bahdanau et al. 2015,
+    Fig. 2 (BLEU against sentence length, with and without attention).
+
+    curves: label -> {"5-10": {"exact": .., "token_accuracy": ..}, ...} (bucket "lo-hi" names,
+    as ``eval.json``'s ``by_length``); plotted at each bucket's middle. ``train_max``: a dashed
+    line where the training lengths end."""
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(7, 4), dpi=120)
+    for label, buckets in curves.items():
+        pts = []
+        for name, v in buckets.items():
+            lo, _, hi = name.partition("-")
+            pts.append(((int(lo) + int(hi or lo)) / 2, 100 * v[metric]))
+        pts.sort()
+        ax.plot([x for x, _ in pts], [y for _, y in pts], "o-", ms=4, lw=1.5, label=label)
+    if train_max is not None:
+        ax.axvline(train_max + 0.5, color="grey", ls="--", lw=1)
+        ax.text(train_max + 1, 3, "longer than training", fontsize=8, color="grey")
+    ax.set_xlabel("source length (symbols)")
+    ax.set_ylabel(f"{metric.replace('_', ' ')} (%)")
+    ax.set_ylim(-2, 102)
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(out_path)
+    plt.close(fig)
+    return Path(out_path)
