@@ -41,9 +41,15 @@ NAME = "captioning"
 VARIANTS: dict[str, dict] = {
     "soft": {"attention": "soft"},
     "soft-ds": {"attention": "soft", "doubly_stochastic": 1.0},  # the paper's penalty, λ = 1
-    "hard": {"attention": "hard"},
+    "soft-location": {"attention": "soft", "addressing": "location"},  # one score per cell index
+    "hard": {"attention": "hard"},  # REINFORCE, per-word reward, the soft control variate
+    "hard-loo": {"attention": "hard", "hard_baseline": "loo"},  # leave-one-out over 4 samples
+    "hard-caption": {"attention": "hard", "hard_baseline": "average", "hard_samples": 1},  # the
+    # paper's estimator: the caption's log-likelihood against a moving average
+    "hard-exact": {"attention": "hard-exact"},  # the exact sum over locations (no sampling)
     "uniform": {"attention": "uniform"},
 }
+SEEDED = ("soft", "hard")  # variants trained with --seeds seeds
 
 
 def main() -> int:
@@ -52,7 +58,7 @@ def main() -> int:
     p.add_argument("--quick", action="store_true", help="200 steps, 2,000 scenes")
     p.add_argument("--variant", action="append", choices=VARIANTS, default=None,
                    help="(repeatable) soft-ds: soft with the doubly stochastic penalty, λ = 1")
-    p.add_argument("--seeds", type=int, default=2, help="training seeds of the soft variant (spread)")
+    p.add_argument("--seeds", type=int, default=2, help="training seeds of soft and hard (spread)")
     p.add_argument("--max-iters", type=int, default=None, help="steps (default: the preset's)")
     p.add_argument("--json", default=None, help="write results here (default benchmarks/results/)")
     args = p.parse_args()
@@ -76,8 +82,8 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as tmp:
         seed0 = TrainConfig().seed  # what `qkv train captioner` uses
         runs = [(v, seed0) for v in args.variant or VARIANTS]
-        if "soft" in (args.variant or VARIANTS):
-            runs += [("soft", seed0 + i) for i in range(1, args.seeds)]
+        runs += [(v, seed0 + i) for v in SEEDED if v in (args.variant or VARIANTS)
+                 for i in range(1, args.seeds)]
         for variant, seed in runs:
             attention = variant + (f" (seed {seed})" if seed != seed0 else "")
             model_cfg = CaptionerConfig(**{**preset["model"], **VARIANTS[variant]})
@@ -103,6 +109,13 @@ def main() -> int:
                   f"{ev['heldout']['exact']:.1%}, pointing {ev['test']['pointing']:.1%}; "
                   f"training {result.seconds:.0f} s (total {total:.0f} s)", flush=True)
 
+    def decodings(r: dict) -> list[tuple[str, dict]]:
+        """A hard model decoded both ways: reading the most attended cell, and Σ α_i a_i."""
+        if "expectation" not in r["eval"]:
+            return [(r["attention"], r["eval"])]
+        return [(r["attention"] + ", argmax cell", r["eval"]),
+                (r["attention"] + ", expected context", r["eval"]["expectation"])]
+
     def cells(e: dict) -> list[str]:
         return [f"{e['exact']:.1%}", f"{e['bleu4']:.3f}", f"{e['pointing']:.1%}"]
 
@@ -110,9 +123,9 @@ def main() -> int:
                   "a never-seen pair in every scene)",
                   ["variant", "params", "steps", "training", "total", "test exact", "test BLEU-4",
                    "test pointing", "held-out exact", "held-out BLEU-4", "held-out pointing"],
-                  [[r["attention"], f"{r['params'] / 1e6:.2f}M", str(r["steps"]), C.fmt_time(r["train_s"]),
-                    C.fmt_time(r["total_s"]), *cells(r["eval"]["test"]), *cells(r["eval"]["heldout"])]
-                   for r in rows])
+                  [[name, f"{r['params'] / 1e6:.2f}M", str(r["steps"]), C.fmt_time(r["train_s"]),
+                    C.fmt_time(r["total_s"]), *cells(ev["test"]), *cells(ev["heldout"])]
+                   for r in rows for name, ev in decodings(r)])
     first = rows[0]["eval"]
     print(f"uniform attention's expected pointing (a random cell) under the first model's captions: "
           f"test {first['test']['pointing_uniform']:.1%}, "

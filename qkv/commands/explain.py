@@ -310,6 +310,43 @@ def _run_cost(a: argparse.Namespace) -> Any:
     return r
 
 
+def _bottleneck_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--min-len", type=int, default=4, help="shortest string")
+    p.add_argument("--max-len", type=int, default=24, help="longest string (at most 60)")
+    p.add_argument("--steps", type=int, default=400, help="training steps of each model")
+    p.add_argument("--seed", type=int, default=0)
+
+
+def _run_bottleneck(a: argparse.Namespace) -> Any:
+    from qkv.explain import explain_bottleneck
+
+    return explain_bottleneck(a.min_len, a.max_len, a.steps, a.seed)
+
+
+def _addressing_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--cells", type=int, default=6, help="locations (2-16)")
+    p.add_argument("--seed", type=int, default=0)
+
+
+def _run_addressing(a: argparse.Namespace) -> Any:
+    from qkv.explain import explain_addressing
+
+    return explain_addressing(a.cells, seed=a.seed)
+
+
+def _hard_attention_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--cells", type=int, default=5, help="locations (2-32)")
+    p.add_argument("--samples", type=int, default=4, help="sampled locations per estimate (2-64)")
+    p.add_argument("--trials", type=int, default=2000, help="estimates averaged (10-100000)")
+    p.add_argument("--seed", type=int, default=0)
+
+
+def _run_hard_attention(a: argparse.Namespace) -> Any:
+    from qkv.explain import explain_hard_attention
+
+    return explain_hard_attention(a.cells, a.samples, a.trials, a.seed)
+
+
 # Each topic's options and the function that checks them and computes the topic's result.
 CLI: dict[str, tuple[Callable[[argparse.ArgumentParser], None], Callable[[argparse.Namespace], Any]]] = {
     "softmax": (_softmax_options, _run_softmax),
@@ -320,6 +357,9 @@ CLI: dict[str, tuple[Callable[[argparse.ArgumentParser], None], Callable[[argpar
     "equivariance": (_equivariance_options, _run_equivariance),
     "cost": (_cost_options, _run_cost),
     "context": (_context_options, _run_context),
+    "bottleneck": (_bottleneck_options, _run_bottleneck),
+    "addressing": (_addressing_options, _run_addressing),
+    "hard-attention": (_hard_attention_options, _run_hard_attention),
 }
 
 

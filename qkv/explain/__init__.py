@@ -12,6 +12,9 @@ tables, and, where a picture helps, a plot function (``--plot out.png``):
     equivariance    permuting tokens permutes outputs; positions break it
     cost            parameters, FLOPs and KV-cache bytes of attention
     context         MiniLM: "bank" by a river and at a bank; where "it" looks
+    bottleneck      copying strings with one fixed context vector vs with attention
+    addressing      location-based vs content-based addressing (Lecture 21's last slide)
+    hard-attention  REINFORCE for one sampled location: unbiased, and what a baseline buys
 
 Lectures: Berkeley CS189 Lec 21-22 and Discussion 10; Stanford CS231N Lec 8.
 """
@@ -22,6 +25,14 @@ from collections.abc import Callable
 from typing import Any, NamedTuple
 
 from qkv.explain import plots
+from qkv.explain.attention_claims import (
+    explain_addressing,
+    explain_bottleneck,
+    explain_hard_attention,
+    render_addressing,
+    render_bottleneck,
+    render_hard_attention,
+)
 from qkv.explain.context import explain_context, render_context
 from qkv.explain.cost import explain_cost, render_cost
 from qkv.explain.equivariance import explain_equivariance, render_equivariance
@@ -60,8 +71,26 @@ TOPICS: dict[str, Topic] = {
                   explain_cost, render_cost, plots.plot_cost),
     "context": Topic('MiniLM: "bank" by the river vs at the bank; which tokens "it" attends to',
                      explain_context, render_context, plots.plot_context, needs_minilm=True),
+    "bottleneck": Topic("copy random strings: one fixed context vector vs attention, exact by length",
+                        explain_bottleneck, render_bottleneck),
+    "addressing": Topic("location-based (softmax(W h)) vs content-based (softmax(qᵀa_i)) addressing",
+                        explain_addressing, render_addressing),
+    "hard-attention": Topic("REINFORCE for one sampled location: exact gradient vs estimates, baselines",
+                            explain_hard_attention, render_hard_attention),
 }
 
-__all__ = ["TOPICS", "Topic", "explain_context", "explain_cost", "explain_equivariance",
-           "explain_lookup", "explain_retrieval", "explain_scaling", "explain_softmax",
-           "explain_worked_example"]
+__all__ = [
+    "TOPICS",
+    "Topic",
+    "explain_addressing",
+    "explain_bottleneck",
+    "explain_context",
+    "explain_cost",
+    "explain_equivariance",
+    "explain_hard_attention",
+    "explain_lookup",
+    "explain_retrieval",
+    "explain_scaling",
+    "explain_softmax",
+    "explain_worked_example",
+]

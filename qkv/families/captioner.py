@@ -28,7 +28,7 @@ from qkv.data.captions import CaptionSplits, load_caption_folder, make_splits
 from qkv.data.shapes import COLOURS, SHAPES, Scene
 from qkv.families.base import FamilyBase, Loaded, files_lines, trained_line
 from qkv.generation.decode import beam_search, greedy_decode
-from qkv.models.captioner import Captioner, CaptionerConfig, CaptionerState
+from qkv.models.captioner import HARD, Captioner, CaptionerConfig, CaptionerState
 from qkv.tokenizers.vocab import BOS, EOS, PAD, WordVocab
 from qkv.training.run import Prepared, Run
 
@@ -176,10 +176,9 @@ def pointing(scene: Scene, words: Sequence[str], alphas: Tensor, grid: int) -> t
     return hits, named, uniform
 
 
-def evaluate(model: Captioner, vocab: WordVocab, splits: CaptionSplits, max_len: int,
-             beam: int = 1) -> dict:
-    """Per split but train: exact match, corpus BLEU-4, pointing accuracy (and uniform attention's
-    expected pointing), exact match by number of objects, and a few examples (wrong ones first)."""
+def _evaluate(model: Captioner, vocab: WordVocab, splits: CaptionSplits, max_len: int,
+              beam: int = 1) -> dict:
+    """:func:`evaluate` for the model's current way of decoding."""
     result = {}
     for name, scenes in splits.scenes.items():
         if name == "train" or not scenes:
@@ -209,6 +208,22 @@ def evaluate(model: Captioner, vocab: WordVocab, splits: CaptionSplits, max_len:
     return result
 
 
+def evaluate(model: Captioner, vocab: WordVocab, splits: CaptionSplits, max_len: int,
+             beam: int = 1) -> dict:
+    """Per split but train: exact match, corpus BLEU-4, pointing accuracy (and uniform attention's
+    expected pointing), exact match by number of objects, and a few examples (wrong ones first).
+    Hard attention decodes reading the most attended cell (truly hard); ``"expectation"`` holds
+    the same scores decoded reading Σ α_i a_i instead."""
+    result = _evaluate(model, vocab, splits, max_len, beam)
+    if model.cfg.attention in HARD:
+        old, model.hard_decode = model.hard_decode, "expectation"
+        try:
+            result["expectation"] = _evaluate(model, vocab, splits, max_len, beam)
+        finally:
+            model.hard_decode = old
+    return result
+
+
 @dataclass
 class LoadedCaptioner(Loaded):
     vocab: WordVocab = dataclasses.field(default_factory=lambda: WordVocab([]))
@@ -229,9 +244,11 @@ class CaptionerFamily(FamilyBase):
     help = "an image captioner with soft, hard or uniform attention (Show, Attend and Tell)"
     description = (
         "Train a captioner: a CNN grid encoder and an LSTM decoder that attends over the grid at "
-        "every word, --attention soft (weighted average, doubly stochastic penalty) or hard "
-        "(one sampled location, REINFORCE) or uniform (the plain average of the grid: the "
-        "baseline). Data: generated scenes of coloured shapes with "
+        "every word, --attention soft (weighted average, doubly stochastic penalty), hard "
+        "(one sampled location per word, REINFORCE), hard-exact (the exact sum over locations) or "
+        "uniform (the plain average of the grid: the baseline); --addressing content (score each "
+        "cell's features) or location (one score per cell index, never looking at the cells). "
+        "Data: generated scenes of coloured shapes with "
         "captions and boxes, some colour/shape pairs held out, or --data FOLDER with a captions.tsv "
         "(image<TAB>caption per line). At the end: exact match, BLEU-4 "
         "and pointing accuracy (is the most attended location inside the named object?) next "
@@ -270,13 +287,16 @@ class CaptionerFamily(FamilyBase):
 
     def summary(self, run: Run, args: argparse.Namespace | None = None) -> str:
         lines = ["", trained_line(run, None)]
-        for name in ("test", "heldout"):
-            if name in run.eval:
-                e = run.eval[name]
-                where = ("" if e["pointing"] is None else f", pointing {e['pointing']:.1%} (uniform "
-                         f"attention {e['pointing_uniform']:.1%})")
-                lines.append(f"{name}: exact match {e['exact']:.1%}, BLEU-4 {e['bleu4']:.3f}{where} "
-                             f"on {e['n']:,}")
+        hard = "expectation" in run.eval
+        for ev, how in ((run.eval, " (reading the most attended cell)" if hard else ""),
+                        (run.eval.get("expectation", {}), " (reading the expected context)")):
+            for name in ("test", "heldout"):
+                if name in ev:
+                    e = ev[name]
+                    where = ("" if e["pointing"] is None else f", pointing {e['pointing']:.1%} (uniform "
+                             f"attention {e['pointing_uniform']:.1%})")
+                    lines.append(f"{name}{how}: exact match {e['exact']:.1%}, BLEU-4 {e['bleu4']:.3f}"
+                                 f"{where} on {e['n']:,}")
         return "\n".join(lines) + "\n" + files_lines(run) + f"  evaluation: {run.run_dir / 'eval.json'}"
 
     def load(self, run_dir: Path, device: str = "cpu") -> LoadedCaptioner:

@@ -79,17 +79,124 @@ def test_uniform_attention_reads_the_mean_of_the_grid() -> None:
 
 def test_hard_attention_can_read_the_expected_value() -> None:
     """Xu et al. §4.1: a caption that reads the expected value Σ α_i a_i instead of a sampled
-    location is exactly soft attention; with hard_expectation=1 every caption does."""
-    hard = _model(attention="hard", hard_expectation=1.0).train()
-    soft = _model(attention="soft", doubly_stochastic=0.0).train()
-    soft.load_state_dict(hard.state_dict())
+    location; with hard_expectation=1 every caption does, and the training loss is the
+    cross-entropy of the words read that way, step by step."""
+    hard = _model(attention="hard", hard_expectation=1.0, entropy_bonus=0.0).train()
     images = torch.randn(4, 3, 32, 32)
     caps = torch.tensor([[BOS, 5, 6, 7, EOS]] * 4)
     torch.manual_seed(0)
-    want = soft(images, caps)
-    torch.manual_seed(0)
     got = hard(images, caps)
-    torch.testing.assert_close(got.logits, want.logits)
+    state = hard.start(images)  # training mode too: BatchNorm normalises this batch the same way
+    every = torch.ones(4, dtype=torch.bool)
+    logits = []
+    for t in range(caps.shape[1] - 1):
+        lg, state, _, _, _ = hard.step(state, caps[:, t], expect=every)
+        logits.append(lg)
+    want = torch.stack(logits, 1)
+    torch.testing.assert_close(got.logits, want)
+    ce = torch.nn.functional.cross_entropy(want.transpose(1, 2), caps[:, 1:])
+    torch.testing.assert_close(got.loss, ce)
+
+
+def _p_word_given_cell(m: Captioner, images: torch.Tensor, caps: torch.Tensor) -> tuple:
+    """The hard model written out from its docstring in float64: α_t (B, T, L) and
+    p(y_t | a_i) (B, T, L) for every cell i, from the model's own modules."""
+    m = m.double().eval()
+    with torch.no_grad():
+        feats = m.encode(images.double())
+        mean = feats.mean(1)
+        h, c = torch.tanh(m.init_h(mean)), torch.tanh(m.init_c(mean))
+        alphas, probs = [], []
+        for t in range(caps.shape[1] - 1):
+            alpha = m.attention_weights(h, feats, m.attn.project_keys(feats))
+            beta = torch.sigmoid(m.gate(h))  # (B, 1)
+            e = m.emb(caps[:, t])
+            h, c = m.lstm(torch.cat([e, beta * mean], -1), (h, c))
+            # (B, L, V): the word's logits had it read cell i
+            per_cell = m.out(e[:, None] + m.out_h(h)[:, None] + m.out_z(beta[:, :, None] * feats))
+            probs.append(per_cell.softmax(-1)[torch.arange(len(caps)), :, caps[:, t + 1]])
+            alphas.append(alpha)
+    return torch.stack(alphas, 1), torch.stack(probs, 1)
+
+
+def test_exact_marginal_equals_the_enumerated_expectation() -> None:
+    """hard-exact's loss is -log Σ_i α_ti p(y_t | a_i) per word; enumerating every sequence of
+    locations (L^T of them) and averaging Π_t p(y_t | a_{s_t}) under Π_t α_{t,s_t} gives the
+    same likelihood of the caption (float64, a 2x2 grid, 3 words)."""
+    import itertools
+
+    m = Captioner(CaptionerConfig(vocab_size=12, image_size=16, width=4, emb_dim=8, hidden=16,
+                                  attn_dim=8, attention="hard-exact"))
+    torch.manual_seed(0)
+    images = torch.randn(2, 3, 16, 16)
+    caps = torch.tensor([[BOS, 5, 6, 7, EOS], [BOS, 8, 4, 9, EOS]])[:, :4]  # 3 words each
+    alpha, p = _p_word_given_cell(m, images, caps)
+    B, T, L = alpha.shape
+    assert L == 4
+    enumerated = torch.zeros(B, dtype=torch.float64)
+    for path in itertools.product(range(L), repeat=T):
+        prob = torch.ones(B, dtype=torch.float64)
+        for t, i in enumerate(path):
+            prob = prob * alpha[:, t, i] * p[:, t, i]
+        enumerated += prob
+    m.eval()
+    with torch.no_grad():
+        loss = m(images.double(), caps).loss  # mean over the B*T words
+    torch.testing.assert_close(loss, -enumerated.log().sum() / (B * T))
+
+
+def test_hard_attention_reads_the_cell_or_the_expectation_when_decoding() -> None:
+    m = _model(attention="hard").eval()
+    state = m.start(torch.randn(2, 3, 32, 32))
+    prev = torch.full((2,), BOS)
+    m.hard_decode = "argmax"
+    lg_hard, _, alpha, beta, loc = m.step(state, prev)
+    assert torch.equal(loc, alpha.argmax(-1))
+    m.hard_decode = "expectation"
+    lg_soft, _, _, _, loc2 = m.step(state, prev)
+    assert loc2 is None
+    e = m.emb(prev)
+    h, _ = m.lstm(torch.cat([e, beta[:, None] * state.features.mean(1)], -1), (state.h, state.c))
+    for lg, z in ((lg_hard, state.features[torch.arange(2), loc]),
+                  (lg_soft, torch.einsum("bl,bld->bd", alpha, state.features))):
+        torch.testing.assert_close(lg, m.out(e + m.out_h(h) + m.out_z(beta[:, None] * z)))
+
+
+def test_location_addressing_never_looks_at_the_cells() -> None:
+    """Location-based: α = softmax(W h) over cell indices, so permuting the cells' content with
+    the state fixed leaves α unchanged; content-based α follows the content."""
+    g = torch.Generator().manual_seed(0)
+    perm = torch.randperm(16, generator=g)
+    for addressing in ("location", "content"):
+        m = _model(addressing=addressing).eval()
+        state = m.start(torch.randn(2, 3, 32, 32, generator=g))
+        with torch.no_grad():
+            a = m.attention_weights(state.h, state.features, state.keys)
+            f = state.features[:, perm]
+            keys = None if state.keys is None else state.keys[:, perm]
+            b = m.attention_weights(state.h, f, keys)
+        if addressing == "location":
+            torch.testing.assert_close(a, b)
+            torch.testing.assert_close(a, torch.softmax(m.locate(state.h), -1))
+        else:
+            torch.testing.assert_close(b, a[:, perm])  # the same scores, moved with the cells
+            assert not torch.allclose(a, b)
+
+
+def test_a_grid_of_another_size() -> None:
+    """Content addressing scores any number of cells (without learned cell positions); location
+    addressing, and learned positions, name why they cannot."""
+    big = torch.randn(1, 3, 64, 64)  # an 8x8 grid for models trained on 4x4
+    m = _model(positions=False).eval()
+    with torch.no_grad():
+        state = m.start(big)
+        assert m.attention_weights(state.h, state.features, state.keys).shape == (1, 64)
+    with pytest.raises(ValueError, match="location-based addressing outputs a distribution over the 16"):
+        m = _model(addressing="location", positions=False).eval()
+        state = m.start(big)
+        m.step(state, torch.full((1,), BOS))
+    with pytest.raises(ValueError, match="learned embedding to each of its 16 grid cells"):
+        _model().start(big)
 
 
 @pytest.mark.parametrize("baseline", [0.0, 2.5])
@@ -106,7 +213,24 @@ def test_reinforce_is_unbiased_on_a_known_gradient(baseline: float) -> None:
     torch.testing.assert_close(-grad, exact, atol=0.02, rtol=0)
 
 
-@pytest.mark.parametrize("attention", ["soft", "hard"])
+def test_leave_one_out_reinforce_is_unbiased_on_a_known_gradient() -> None:
+    """K samples per draw, each against the mean reward of the other K-1 (it does not depend on
+    that sample's action): the same exact gradient as above."""
+    theta = torch.tensor([0.2, -0.5, 1.0, 0.1], dtype=torch.float64, requires_grad=True)
+    f = torch.tensor([1.0, 3.0, -2.0, 0.5], dtype=torch.float64)
+    p = torch.softmax(theta.detach(), 0)
+    exact = p * (f - (p * f).sum())
+    K = 4
+    a = torch.multinomial(p, 100_000 * K, replacement=True,
+                          generator=torch.Generator().manual_seed(0)).view(-1, K)
+    r = f[a]
+    loo = (r.sum(1, keepdim=True) - r) / (K - 1)
+    loss = reinforce_surrogate(torch.log_softmax(theta, 0)[a], r, loo)
+    (grad,) = torch.autograd.grad(loss, theta)
+    torch.testing.assert_close(-grad, exact, atol=0.02, rtol=0)
+
+
+@pytest.mark.parametrize("attention", ["soft", "hard", "hard-exact"])
 def test_both_variants_learn_a_tiny_batch(attention: str) -> None:
     m = _model(attention=attention).train()
     g = torch.Generator().manual_seed(1)
@@ -123,5 +247,5 @@ def test_both_variants_learn_a_tiny_batch(attention: str) -> None:
         out.loss.backward()
         opt.step()
     # hard attention learns through sampled locations: noisier, so a looser bar
-    assert nll.item() < (0.3 if attention == "soft" else 0.5) * first
+    assert nll.item() < (0.5 if attention == "hard" else 0.3) * first
     assert out.alphas.shape == (6, 4, 16) and out.betas.shape == (6, 4)
