@@ -107,7 +107,9 @@ CAPTIONER_PRESETS: dict[str, dict[str, Any]] = {
     # ~6 minutes on 2 CPU cores (benchmarks/captioning.py). No doubly stochastic penalty: on
     # these short captions it spreads attention and costs pointing accuracy (measured there).
     "shapes-cpu": {
-        "model": dict(width=16, emb_dim=32, hidden=128, attn_dim=64, doubly_stochastic=0.0, dropout=0.3),
+        # hard attention: the expected-value share falls 1 -> 0 over the first 1,500 steps
+        "model": dict(width=16, emb_dim=32, hidden=128, attn_dim=64, doubly_stochastic=0.0, dropout=0.3,
+                      hard_anneal=1500),
         "train": dict(batch_size=64, max_iters=2500, lr=3e-3, min_lr=3e-5, warmup_iters=100,
                       eval_interval=500, eval_iters=8, weight_decay=0.0),
         "data": dict(),

@@ -198,6 +198,44 @@ def test_a_short_run_learns_to_name_the_colour() -> None:
     assert right >= 80, right
 
 
+def test_a_short_hard_attention_run_beats_uniform_attention_on_single_objects() -> None:
+    """Hard attention trained with REINFORCE (per-word reward, the soft path as control
+    variate, the expected-value share annealed 1 -> 0) for 300 steps on 800 one-object scenes:
+    more captions exactly right than uniform attention trained the same way, and its most
+    attended cell (what it reads when decoding) inside the object far more often than chance."""
+    import random
+
+    from qkv.data.captions import CaptionSplits
+    from qkv.data.shapes import make_scene
+    from qkv.families.captioner import evaluate, normalize, to_tensors
+    from qkv.models.captioner import Captioner, CaptionerConfig
+    from qkv.tokenizers.vocab import WordVocab
+
+    rng = random.Random(0)
+    train = [make_scene(rng, n_objects=1) for _ in range(800)]
+    test = [make_scene(rng, n_objects=1) for _ in range(150)]
+    vocab = WordVocab.build([s.caption for s in train])
+    x, y = to_tensors(train, vocab, 4)
+    scores = {}
+    for attention in ("hard", "uniform"):
+        torch.manual_seed(0)
+        m = Captioner(CaptionerConfig(vocab_size=len(vocab), width=16, emb_dim=16, hidden=64, attn_dim=32,
+                                      stage_convs=1, attention=attention, hard_anneal=200))
+        opt = torch.optim.Adam(m.parameters(), 3e-3)
+        g = torch.Generator().manual_seed(0)
+        m.train()
+        for _ in range(300):
+            idx = torch.randint(0, len(x), (32,), generator=g)
+            loss = m(normalize(x[idx]), y[idx]).loss
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+        scores[attention] = evaluate(m, vocab, CaptionSplits({"test": test}, [], []), 4)["test"]
+    hard, uniform = scores["hard"], scores["uniform"]
+    assert hard["exact"] > uniform["exact"] + 0.1, (hard["exact"], uniform["exact"])
+    assert hard["pointing"] > 3 * hard["pointing_uniform"], hard
+
+
 def test_beam_of_one_is_greedy_decoding(cap_run) -> None:
     """The captioner behind the shared decoders: beam search with one beam keeps exactly the
     greedy caption, its log-probability and its attention."""
