@@ -23,6 +23,10 @@ def add_caption_parser(sub) -> None:
                    help="beam width: 1 = greedy; K > 1 keeps the K most likely captions at every word")
     p.add_argument("--plot", metavar="OUT.png", default=None,
                    help="write the first image with one attention overlay per word")
+    p.add_argument("--keep-size", action="store_true",
+                   help="read each image at its own size (square, a multiple of 8 pixels) instead of "
+                   "resizing it: a larger grid of cells, which content-based addressing can score and "
+                   "location-based addressing (or learned cell positions) cannot")
     p.set_defaults(func=cmd_caption)
 
 
@@ -43,18 +47,39 @@ def cmd_caption(args: argparse.Namespace) -> int:
     cfg = model.cfg
     images = []
     for path in args.images:
-        x, notes = read_image(path, cfg.image_size, cfg.channels)
+        x, notes = read_image(path, _own_size(path) if args.keep_size else cfg.image_size, cfg.channels)
         for n in notes:
             print(f"qkv: note: {path}: {n}", file=sys.stderr)
         images.append(x)
-    toks, alphas = decode_captions(model, torch.stack(images), max_len, beam=args.beam)
+    if args.keep_size:  # sizes may differ: one image at a time
+        toks, alphas = [], []
+        for x in images:
+            t, a = decode_captions(model, x[None], max_len, beam=args.beam)
+            toks, alphas = toks + t, alphas + a
+    else:
+        toks, alphas = decode_captions(model, torch.stack(images), max_len, beam=args.beam)
     captions = [vocab.decode(t) for t in toks]
     for path, c in zip(args.images, captions, strict=True):
         print(f"{path}: {c}")
     if args.plot is not None:
         from qkv.viz import plot_image_attention
 
-        plot_image_attention(images[0], word_maps(captions[0], alphas[0], cfg.grid), Path(args.plot),
+        grid = images[0].shape[-1] // 8  # cfg.grid unless --keep-size read another size
+        plot_image_attention(images[0], word_maps(captions[0], alphas[0], grid), Path(args.plot),
                              title=captions[0])
         print(f"wrote {args.plot}")
     return 0
+
+
+def _own_size(path: str) -> int:
+    """The side of a square image whose side is a multiple of 8 (the CNN's three stride-2 stages)."""
+    from PIL import Image, UnidentifiedImageError
+
+    try:
+        with Image.open(path) as im:
+            w, h = im.size
+    except (OSError, UnidentifiedImageError) as e:
+        raise ValueError(f"cannot read image {path}: {e}") from None
+    if w != h or w % 8:
+        raise ValueError(f"--keep-size needs square images whose side is a multiple of 8; {path} is {w}x{h}")
+    return w

@@ -257,3 +257,38 @@ def test_beam_of_one_is_greedy_decoding(cap_run) -> None:
     torch.testing.assert_close(torch.tensor(g.scores), torch.tensor(b.scores))
     for wg, wb in zip(g.weights, b.weights, strict=True):
         torch.testing.assert_close(wg, wb)
+
+
+def test_addressing_on_a_larger_grid_from_the_cli(tmp_path) -> None:
+    """`qkv caption --keep-size`: a 128x128 scene gives a 16x16 grid. Content-based addressing
+    (without learned cell positions) scores all 256 cells; location-based addressing, trained on
+    64 cells, refuses in one line naming why."""
+    import random
+
+    from cli_helpers import assert_one_line_error, call
+    from PIL import Image
+
+    from qkv.data.shapes import make_scene
+
+    scene = make_scene(random.Random(5)).image  # (64, 64, 3) uint8
+    big = tmp_path / "big.png"
+    Image.fromarray(scene).resize((128, 128)).save(big)
+    runs = {}
+    for addressing in ("content", "location"):
+        run = tmp_path / addressing
+        rc, _, err = call(["train", "captioner", "--preset", "tiny", "--addressing", addressing,
+                             "--positions", "false", "--max_iters", "20", "--eval_iters", "1",
+                             "--n_train", "100", "--n_val", "10", "--n_test", "10", "--n_heldout", "10",
+                             "--out_dir", str(run), "--no-progress"])
+        assert rc == 0, err
+        runs[addressing] = run
+    rc, out, err = call(["caption", str(runs["content"]), str(big), "--keep-size",
+                         "--plot", str(tmp_path / "words.png")])
+    assert rc == 0, err
+    assert out.startswith(f"{big}: ") and (tmp_path / "words.png").is_file()
+    rc, _, err = call(["caption", str(runs["location"]), str(big), "--keep-size"])
+    line = assert_one_line_error(rc, err)
+    assert "location-based addressing outputs a distribution over the 64 cells" in line
+    Image.fromarray(scene).resize((100, 100)).save(tmp_path / "odd.png")
+    rc, _, err = call(["caption", str(runs["content"]), str(tmp_path / "odd.png"), "--keep-size"])
+    assert "multiple of 8" in assert_one_line_error(rc, err)
