@@ -25,6 +25,13 @@ def _pyplot():
     return plt
 
 
+def _save(plt, fig, out_path: Path) -> Path:
+    fig.tight_layout()
+    fig.savefig(out_path)
+    plt.close(fig)
+    return Path(out_path)
+
+
 def plot_loss_curve(metrics_path: Path, out_path: Path, title: str = "training loss") -> Path:
     """Train loss (every step, lightly smoothed) and validation loss (each evaluation)."""
     plt = _pyplot()
@@ -52,10 +59,7 @@ def plot_loss_curve(metrics_path: Path, out_path: Path, title: str = "training l
     ax.set_title(title)
     ax.grid(alpha=0.3)
     ax.legend()
-    fig.tight_layout()
-    fig.savefig(out_path)
-    plt.close(fig)
-    return Path(out_path)
+    return _save(plt, fig, out_path)
 
 
 def plot_attention_heads(
@@ -89,10 +93,7 @@ def plot_attention_heads(
         ax.set_xlabel("key", fontsize=8)
         ax.set_ylabel("query", fontsize=8)
     fig.suptitle(title)
-    fig.tight_layout()
-    fig.savefig(out_path)
-    plt.close(fig)
-    return Path(out_path)
+    return _save(plt, fig, out_path)
 
 
 def _label(token: str) -> str:
@@ -191,10 +192,7 @@ def plot_attention_head(weights: Tensor, tokens: Sequence[str], out_path: Path,
     ax.set_ylabel("query (attending)", fontsize=9)
     ax.set_title(title, fontsize=10)
     fig.colorbar(im, ax=ax, fraction=0.046, pad=0.03, label="attention weight")
-    fig.tight_layout()
-    fig.savefig(out_path)
-    plt.close(fig)
-    return Path(out_path)
+    return _save(plt, fig, out_path)
 
 
 def plot_alignment(weights: Tensor, source: Sequence[str], output: Sequence[str], out_path: Path,
@@ -216,10 +214,7 @@ def plot_alignment(weights: Tensor, source: Sequence[str], output: Sequence[str]
     ax.set_xlabel("input", fontsize=9)
     ax.set_ylabel("output", fontsize=9)
     ax.set_title(title, fontsize=9, pad=18)
-    fig.tight_layout()
-    fig.savefig(out_path)
-    plt.close(fig)
-    return Path(out_path)
+    return _save(plt, fig, out_path)
 
 
 def plot_by_length(curves: dict[str, dict[str, dict[str, float]]], out_path: Path, *,
@@ -249,7 +244,4 @@ def plot_by_length(curves: dict[str, dict[str, dict[str, float]]], out_path: Pat
     ax.set_title(title)
     ax.grid(alpha=0.3)
     ax.legend()
-    fig.tight_layout()
-    fig.savefig(out_path)
-    plt.close(fig)
-    return Path(out_path)
+    return _save(plt, fig, out_path)
