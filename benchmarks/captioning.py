@@ -7,8 +7,8 @@ runs) on the same generated scenes, then scored on the test split (seen colour/s
 and on the held-out split (every scene has an object of a colour/shape pair never seen in
 training): exact match (the whole caption right), corpus BLEU-4, and pointing accuracy: for
 every generated colour or shape word, is the most attended grid cell's centre inside an
-object of that colour/shape? Beside it: the expected pointing of uniform attention (a cell
-drawn at random), and a model trained with uniform attention (the plain average of the grid);
+object of that colour/shape? ("overlap": does that cell hold any of the object's pixels?)
+Beside it: the expected pointing of uniform attention (a cell drawn at random), and a model trained with uniform attention (the plain average of the grid);
 soft attention with the paper's doubly stochastic penalty (λ = 1); the soft model again with
 another training seed (held-out accuracy moves with the seed); beam-3 decoding of the soft
 model; and the wall time of every part.
@@ -117,12 +117,14 @@ def main() -> int:
                 (r["attention"] + ", expected context", r["eval"]["expectation"])]
 
     def cells(e: dict) -> list[str]:
-        return [f"{e['exact']:.1%}", f"{e['bleu4']:.3f}", f"{e['pointing']:.1%}"]
+        return [f"{e['exact']:.1%}", f"{e['bleu4']:.3f}", f"{e['pointing']:.1%}",
+                f"{e['pointing_overlap']:.1%}"]
 
     C.print_table("captions and pointing, greedy decoding (test: seen colour/shape pairs; held-out: "
                   "a never-seen pair in every scene)",
                   ["variant", "params", "steps", "training", "total", "test exact", "test BLEU-4",
-                   "test pointing", "held-out exact", "held-out BLEU-4", "held-out pointing"],
+                   "test pointing", "test overlap", "held-out exact", "held-out BLEU-4",
+                   "held-out pointing", "held-out overlap"],
                   [[name, f"{r['params'] / 1e6:.2f}M", str(r["steps"]), C.fmt_time(r["train_s"]),
                     C.fmt_time(r["total_s"]), *cells(ev["test"]), *cells(ev["heldout"])]
                    for r in rows for name, ev in decodings(r)])

@@ -176,6 +176,29 @@ def pointing(scene: Scene, words: Sequence[str], alphas: Tensor, grid: int) -> t
     return hits, named, uniform
 
 
+def pointing_overlap(scene: Scene, words: Sequence[str], alphas: Tensor, grid: int) -> tuple[int, int, float]:
+    """As :func:`pointing`, but a word hits if its most attended cell holds any pixel of an object
+    with that colour/shape (``scene.ids``), not only if the cell's centre is inside its box: a
+    small object can cover parts of two cells and neither centre. Uniform attention hits with the
+    share of such cells."""
+    g = grid
+    c = scene.image.shape[0] // g
+    cells = scene.ids[: g * c, : g * c].reshape(g, c, g, c).transpose(0, 2, 1, 3).reshape(g * g, -1)
+    hits = named = 0
+    uniform = 0.0
+    for w, a in zip(words, alphas, strict=False):
+        if w not in COLOURS and w not in SHAPES:
+            continue
+        ids = [k + 1 for k, o in enumerate(scene.objects) if w in (o.colour, o.shape)]
+        if not ids:
+            continue
+        named += 1
+        covered = np.isin(cells, ids).any(-1)  # (L,) cells holding part of such an object
+        hits += bool(covered[int(a.argmax())])
+        uniform += float(covered.mean())
+    return hits, named, uniform
+
+
 def _evaluate(model: Captioner, vocab: WordVocab, splits: CaptionSplits, max_len: int,
               beam: int = 1) -> dict:
     """:func:`evaluate` for the model's current way of decoding."""
@@ -188,20 +211,24 @@ def _evaluate(model: Captioner, vocab: WordVocab, splits: CaptionSplits, max_len
         hyps = [vocab.decode(t) for t in toks]
         right = [h == s.caption for h, s in zip(hyps, scenes, strict=True)]
         bleu = bleu4([s.caption.split() for s in scenes], [h.split() for h in hyps])
-        hits = uniform = 0.0
+        hits = uniform = o_hits = o_uniform = 0.0
         named = 0
         by_objects: dict[int, list[bool]] = {}
         for s, h, a, ok in zip(scenes, hyps, alphas, right, strict=True):
             hh, nn_, uu = pointing(s, h.split(), a, model.cfg.grid)
             hits, named, uniform = hits + hh, named + nn_, uniform + uu
+            oh, _, ou = pointing_overlap(s, h.split(), a, model.cfg.grid)
+            o_hits, o_uniform = o_hits + oh, o_uniform + ou
             if s.objects:
                 by_objects.setdefault(len(s.objects), []).append(ok)
         if model.cfg.attention == "uniform":  # every cell ties: the argmax means nothing, the
-            hits = uniform  # expected hit rate of a uniformly chosen cell is the fair score
+            hits, o_hits = uniform, o_uniform  # expected hit rate of a uniform cell is the fair score
         order = sorted(range(len(scenes)), key=lambda i: right[i])[:5]
         result[name] = {"n": len(scenes), "exact": sum(right) / len(scenes), "bleu4": bleu,
                         "pointing": hits / named if named else None,  # no boxes: no pointing
                         "pointing_uniform": uniform / named if named else None,
+                        "pointing_overlap": o_hits / named if named else None,  # cell holds object pixels
+                        "pointing_overlap_uniform": o_uniform / named if named else None,
                         "named_words": named,
                         "exact_by_objects": {k: sum(v) / len(v) for k, v in sorted(by_objects.items())},
                         "examples": [(scenes[i].caption, hyps[i]) for i in order]}

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from qkv.data.shapes import Scene, SceneObject
-from qkv.families.captioner import bleu4, pointing
+from qkv.families.captioner import bleu4, pointing, pointing_overlap
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -41,6 +41,23 @@ def test_pointing_by_hand() -> None:
     hits, named, uniform = pointing(scene, words, alphas, grid=8)
     assert (hits, named) == (1, 2)
     assert uniform == pytest.approx(2 * 4 / 64)  # each named word: 4 of 64 cell centres inside
+
+
+def test_pointing_by_overlap_by_hand() -> None:
+    """The same check by pixels: a red blob drawn over pixels (5..9, 5..9) touches the 4 cells
+    (0..1, 0..1) of an 8x8 grid; no cell centre (4, 12, ...) is inside its box (5..9)."""
+    red = SceneObject("small", "red", "circle", (5, 5, 9, 9))
+    ids = np.zeros((64, 64), np.int64)
+    ids[5:10, 5:10] = 1
+    scene = Scene(np.zeros((64, 64, 3), np.uint8), [red], ids, "a small red circle")
+    alphas = torch.zeros(4, 64)
+    alphas[2, 1 * 8 + 1] = 1.0  # "red": cell (1, 1) = pixels 8..15: holds pixels 8, 9 of the blob
+    alphas[3, 0 * 8 + 2] = 1.0  # "circle": cell (0, 2) = pixels 16..23 across: none of it
+    words = "a small red circle".split()
+    assert pointing(scene, words, alphas, grid=8)[:2] == (0, 2)  # neither centre is in the box
+    hits, named, uniform = pointing_overlap(scene, words, alphas, grid=8)
+    assert (hits, named) == (1, 2)
+    assert uniform == pytest.approx(2 * 4 / 64)
 
 
 @pytest.fixture(scope="module")
