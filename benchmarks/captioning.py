@@ -8,8 +8,8 @@ and on the held-out split (every scene has an object of a colour/shape pair neve
 training): exact match (the whole caption right), corpus BLEU-4, and pointing accuracy: for
 every generated colour or shape word, is the most attended grid cell's centre inside an
 object of that colour/shape? ("overlap": does that cell hold any of the object's pixels?)
-Beside it: the expected pointing of uniform attention (a cell drawn at random), and a model trained with uniform attention (the plain average of the grid);
-soft attention with the paper's doubly stochastic penalty (λ = 1); the soft model again with
+Beside it: the expected pointing of uniform attention (a cell drawn at random), and a model
+trained with uniform attention (the plain average of the grid); soft attention with the paper's doubly stochastic penalty (λ = 1); the soft model again with
 another training seed (held-out accuracy moves with the seed); beam-3 decoding of the soft
 model; and the wall time of every part.
 
