@@ -9,11 +9,14 @@ training): exact match (the whole caption right), corpus BLEU-4, and pointing ac
 every generated colour or shape word, is the most attended grid cell's centre inside an
 object of that colour/shape? ("overlap": does that cell hold any of the object's pixels?)
 Beside it: the expected pointing of uniform attention (a cell drawn at random), and a model
-trained with uniform attention (the plain average of the grid); soft attention with the paper's doubly stochastic penalty (λ = 1); the soft model again with
-another training seed (held-out accuracy moves with the seed); beam-3 decoding of the soft
-model; and the wall time of every part.
+trained with uniform attention (the plain average of the grid); soft attention with the
+paper's doubly stochastic penalty (λ = 1); soft with location-based addressing; hard attention
+trained with REINFORCE (per-word reward with the soft control variate, leave-one-out, and the
+paper's caption-level reward) and with the exact sum over cells, each hard model decoded both
+reading its most attended cell and reading the expected context; soft and hard again with
+another training seed; beam-3 decoding of the soft model; and the wall time of every part.
 
-    python benchmarks/captioning.py            # ~45 minutes on 2 cores
+    python benchmarks/captioning.py            # ~25 minutes on 2 cores (AMD EPYC Zen 5)
     python benchmarks/captioning.py --quick    # smoke run (~3 minutes)
 """
 
