@@ -75,18 +75,19 @@ class CaptionerConfig:
     emb_dim: int = 64  # word embedding width
     hidden: int = 256  # LSTM width
     attn_dim: int = 128  # additive attention's scoring width
-    attention: Literal["soft", "hard", "hard-exact", "uniform"] = "soft"  # weighted average, one
-    # sampled location (REINFORCE), the exact sum over locations, or the plain average of the grid
-    addressing: Literal["content", "location"] = "content"  # score each cell's content against the
-    # state, or map the state to L scores by cell index (a fixed number of locations)
+    # soft: weighted average; hard: one sampled location per word (REINFORCE); hard-exact: the exact
+    # sum over locations; uniform: the plain average of the grid (the baseline)
+    attention: Literal["soft", "hard", "hard-exact", "uniform"] = "soft"  # average/sampled cell/exact/mean
+    # content: score each cell's features against the state; location: one score per cell index
+    addressing: Literal["content", "location"] = "content"  # content (any grid) or location (fixed L)
     scoring: Literal["additive", "dot"] = "additive"  # Bahdanau MLP or scaled dot product
     doubly_stochastic: float = 1.0  # λ of Σ_i (1 - Σ_t α_ti)² (soft attention)
     entropy_bonus: float = 0.01  # hard attention: weight of the attention's entropy
     baseline_decay: float = 0.9  # hard attention, hard_baseline average: decay of the moving average
-    hard_baseline: Literal["soft", "loo", "average"] = "soft"  # REINFORCE's control variate (above)
+    hard_baseline: Literal["soft", "loo", "average"] = "soft"  # REINFORCE baseline: soft path, loo, caption
     hard_samples: int = 4  # hard attention: locations sampled per word (loo needs >= 2)
-    hard_expectation: float = 0.5  # hard attention, training: share of captions that read the
-    # expected value Σ α_i a_i instead of a sampled location (Xu et al. 2015, §4.1)
+    # Xu et al. 2015, §4.1: some captions read the expected value Σ α_i a_i instead of a location
+    hard_expectation: float = 0.5  # hard attention, training: share of captions reading Σ α_i a_i
     hard_anneal: int = 0  # hard attention: steps over which that share falls from 1 to 0 (0 = fixed)
     dropout: float = 0.0  # dropout on the deep output
     word_dropout: float = 0.0  # training: share of input words replaced by UNK (leans on the image)
