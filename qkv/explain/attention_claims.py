@@ -143,7 +143,7 @@ def explain_addressing(cells: int = 6, dim: int = 8, seed: int = 0) -> Addressin
     h = torch.randn(dim, generator=g, dtype=torch.float64)
     a = torch.randn(cells, dim, generator=g, dtype=torch.float64)
     W_q = torch.randn(dim, dim, generator=g, dtype=torch.float64) / math.sqrt(dim)  # content: q = W_q h
-    W_loc = torch.randn(cells, dim, generator=g, dtype=torch.float64)  # location: one row per cell
+    W_loc = torch.randn(cells, dim, generator=g, dtype=torch.float64) / math.sqrt(dim)  # one row per cell
 
     def content(feats: torch.Tensor) -> torch.Tensor:
         return torch.softmax(feats @ (W_q @ h) / math.sqrt(dim), 0)
