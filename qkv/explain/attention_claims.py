@@ -18,11 +18,13 @@ cells: only content-based addressing can score them.
 not differentiable, so the gradient of E_s[log p(y | a_s)] is estimated by REINFORCE,
 (r − b) ∇ log α_s (Williams 1992). On one attention step with a known answer, the exact
 gradient against the estimate's mean and spread: without a baseline, with the expected
-context's log-likelihood as the baseline (Deng et al. 2018), and leave-one-out over K samples.
+likelihood Σ_i α_i p(y | a_i) as a fixed baseline (the role the soft path's log-likelihood plays
+in training, Deng et al. 2018), and leave-one-out over K samples.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 from dataclasses import dataclass, field
@@ -55,7 +57,7 @@ def explain_bottleneck(min_len: int = 4, max_len: int = 24, steps: int = 400, se
     """Train both RNNs (same size, data, steps and seed) to copy strings of ``min_len``..``max_len``
     random letters and score them on 300 unseen strings."""
     from qkv.data.copy import length_edges, make_copy_pairs
-    from qkv.families.seq2seq import PairBatches, decode_texts, encode_split, length_buckets
+    from qkv.families.seq2seq import PairBatches, decode_texts, encode_split, evaluate
     from qkv.models.seq2seq import Seq2SeqConfig, build_model
     from qkv.tokenizers.vocab import CharVocab
 
@@ -65,10 +67,11 @@ def explain_bottleneck(min_len: int = 4, max_len: int = 24, steps: int = 400, se
         raise ValueError(f"steps must be in [10, 5000], got {steps}")
     t0 = time.perf_counter()
     pairs = make_copy_pairs("copy", 6000, 10, 300, 0, min_len, max_len, max_len, seed=seed)
+    pairs = dataclasses.replace(pairs, length_edges=length_edges(min_len, max_len, max_len, width=4))
     vocab = CharVocab.build([s for s, _ in pairs.train])
     splits = {k: encode_split(v, vocab, vocab, max_len, max_len + 1) for k, v in pairs.splits().items()}
     batches = PairBatches(splits)
-    edges = length_edges(min_len, max_len, max_len, width=4)
+    longest = max(pairs.test, key=lambda p: len(p[0]))[0]
     exact, params, examples = {}, {}, {}
     for arch in ("rnn-noattn", "rnn"):
         cfg = Seq2SeqConfig(arch=arch, emb_dim=32, hidden=64, dec_hidden=128, attn_dim=64,
@@ -87,15 +90,10 @@ def explain_bottleneck(min_len: int = 4, max_len: int = 24, steps: int = 400, se
                 loss.backward()
                 torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
                 opt.step()
-        preds, _ = decode_texts(model, cfg, vocab, vocab, [s for s, _ in pairs.test])
-        hits = [p == t for p, (_, t) in zip(preds, pairs.test, strict=True)]
-        lengths = [len(s) for s, _ in pairs.test]
-        exact[arch] = {f"{lo}-{hi}": sum(h for h, n in zip(hits, lengths, strict=True) if lo <= n <= hi)
-                       / max(1, sum(lo <= n <= hi for n in lengths))
-                       for lo, hi in length_buckets(lengths, edges)}
+        ev = evaluate(model, cfg, vocab, vocab, dataclasses.replace(pairs, val=[]))["test"]
+        exact[arch] = {b: v["exact"] for b, v in ev["by_length"].items()}
         params[arch] = sum(p.numel() for p in model.parameters())
-        longest = max(range(len(lengths)), key=lengths.__getitem__)
-        examples[arch] = (pairs.test[longest][0], preds[longest])
+        examples[arch] = (longest, decode_texts(model, cfg, vocab, vocab, [longest])[0][0])
     return BottleneckResult(min_len, max_len, steps, time.perf_counter() - t0, params, exact, examples)
 
 
@@ -212,13 +210,13 @@ def explain_hard_attention(cells: int = 5, samples: int = 4, trials: int = 2000,
     alpha = torch.softmax(e, 0)
     logp = -torch.rand(cells, generator=g, dtype=torch.float64) * 4 - 0.1  # log p(y | a_i) < 0
     exact = alpha * (logp - (alpha * logp).sum())  # ∇_e Σ α_i f_i
-    soft_lp = float(torch.log((alpha * logp.exp()).sum()))  # log p(y | expected context), a stand-in
+    marginal = float(torch.log((alpha * logp.exp()).sum()))  # log Σ_i α_i p(y | a_i): fixed per word
     s = torch.multinomial(alpha.expand(trials, -1), samples, replacement=True, generator=g)  # (N, K)
     r = logp[s]
     onehot = torch.nn.functional.one_hot(s, cells).double()  # ∇_e log α_s = onehot - α
     score = onehot - alpha
     baselines = {"no baseline": torch.zeros_like(r),
-                 "expected context's log p (Deng et al.)": torch.full_like(r, soft_lp),
+                 "expected likelihood log Σ α p (fixed, as the soft path's)": torch.full_like(r, marginal),
                  f"leave-one-out over {samples} samples": (r.sum(1, keepdim=True) - r) / (samples - 1)}
     out = {}
     for name, b in baselines.items():

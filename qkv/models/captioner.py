@@ -335,18 +335,17 @@ class Captioner(nn.Module):
                 lk = lk.gather(2, y[:, None, None].expand(-1, cfg.hard_samples, 1)).squeeze(2)  # (B, K)
                 la = log_alpha.gather(1, s)  # (B, K)
                 r = lk.detach()
-                if cfg.hard_baseline == "average":
+                if cfg.hard_baseline == "average":  # scored once the caption is complete
                     seq_r.append(r)
                     seq_logp.append(la)
-                    pg.append(torch.zeros_like(soft_lp))
                 else:
                     b = (soft_lp.detach()[:, None] if cfg.hard_baseline == "soft"
                          else (r.sum(1, keepdim=True) - r) / (cfg.hard_samples - 1))
-                    pg.append(-((r - b) * la).mean(1))
+                    term = -((r - b) * la).mean(1)
+                    pg.append(term if expect is None else torch.where(expect, torch.zeros_like(term), term))
                 nll = -lk.mean(1)
                 if expect is not None:
                     nll = torch.where(expect, -soft_lp, nll)
-                    pg[-1] = torch.where(expect, torch.zeros_like(pg[-1]), pg[-1])
                 ent.append(-(alpha.to(fp) * log_alpha).sum(-1))
             logits.append(soft)
             alphas.append(alpha)
