@@ -13,7 +13,8 @@ trained with uniform attention (the plain average of the grid); soft attention w
 paper's doubly stochastic penalty (λ = 1); soft with location-based addressing; hard attention
 trained with REINFORCE (per-word reward with the soft control variate, leave-one-out, and the
 paper's caption-level reward) and with the exact sum over cells, each hard model decoded both
-reading its most attended cell and reading the expected context; soft and hard again with
+reading its most attended cell and reading the expected context; soft attention over features
+centred on their cells (``--centred``), with the default and a smaller receptive field; soft and hard again with
 another training seed; beam-3 decoding of the soft model; and the wall time of every part.
 
     python benchmarks/captioning.py            # ~25 minutes on 2 cores (AMD EPYC Zen 5)
@@ -51,8 +52,12 @@ VARIANTS: dict[str, dict] = {
     # paper's estimator: the caption's log-likelihood against a moving average
     "hard-exact": {"attention": "hard-exact"},  # the exact sum over locations (no sampling)
     "uniform": {"attention": "uniform"},
+    # each feature centred on its cell (4x4 stride-2 convolutions), with the default receptive
+    # field (43 px) and with one convolution per stage (22 px)
+    "soft-centred": {"attention": "soft", "centred": True},
+    "soft-centred-rf22": {"attention": "soft", "centred": True, "stage_convs": 1},
 }
-SEEDED = ("soft", "hard")  # variants trained with --seeds seeds
+SEEDED = ("soft", "hard", "soft-centred", "soft-centred-rf22")  # variants trained with --seeds seeds
 
 
 def main() -> int:

@@ -25,12 +25,16 @@ class CaptionSplits:
 CAPTIONS_FILE = "captions.tsv"
 
 
-def load_caption_folder(root: str | Path, image_size: int, channels: int, seed: int = 0) -> CaptionSplits:
+def load_caption_folder(root: str | Path, image_size: int, channels: int, seed: int = 0,
+                        one_size: str | None = None) -> CaptionSplits:
     """Your own data: ``root/captions.tsv`` holds one ``image<TAB>caption`` per line (image paths
     relative to the folder; blank lines and lines starting with # are skipped). Images of another
     size or mode are converted (a note says how many). A shuffled tenth each (at least one) goes to
     validation and test. There are no boxes, so pointing accuracy is not measured.
-    Raises ValueError naming the line for a line without a caption or an unreadable image."""
+    ``one_size``: why every image must have the same size (location-based addressing: cell k must
+    be the same place in every image), or None to resize any size.
+    Raises ValueError naming the line for a line without a caption or an unreadable image, or for
+    an image whose size differs from the first one's when ``one_size`` is given."""
     from qkv.data.images import read_image
 
     root = Path(root)
@@ -46,6 +50,7 @@ def load_caption_folder(root: str | Path, image_size: int, channels: int, seed: 
         raise ValueError(f"{tsv} is not UTF-8 text ({e.reason} at byte {e.start})") from None
     scenes: list[Scene] = []
     converted: list[str] = []
+    first: tuple[int, int, str] | None = None  # width, height, name of the first image (one_size)
     for no, line in enumerate(lines, 1):
         if not line.strip() or line.lstrip().startswith("#"):
             continue
@@ -56,6 +61,12 @@ def load_caption_folder(root: str | Path, image_size: int, channels: int, seed: 
             x, notes = read_image(root / name.strip(), image_size, channels)
         except ValueError as e:
             raise ValueError(f"{tsv} line {no}: {e}") from None
+        if one_size is not None:
+            w, h = _size_of(root / name.strip())
+            first = first or (w, h, name.strip())
+            if (w, h) != first[:2]:
+                raise ValueError(f"{tsv} line {no}: {name.strip()} is {w}x{h} but {first[2]} is "
+                                 f"{first[0]}x{first[1]}; {one_size}")
         if notes:
             converted.append(f"{name.strip()}: {', '.join(notes)}")
         img = x.permute(1, 2, 0).numpy()
@@ -68,6 +79,14 @@ def load_caption_folder(root: str | Path, image_size: int, channels: int, seed: 
     notes = [f"converted {len(converted)} of {len(scenes)} images to {image_size}x{image_size} "
              f"{'RGB' if channels == 3 else 'grey'} (e.g. {converted[0]})"] if converted else []
     return CaptionSplits({"train": scenes[2 * k:], "val": scenes[:k], "test": scenes[k:2 * k]}, [], [], notes)
+
+
+def _size_of(path: Path) -> tuple[int, int]:
+    """(width, height) from the image's header (read_image has already opened it)."""
+    from PIL import Image
+
+    with Image.open(path) as im:
+        return im.size
 
 
 def make_splits(cfg) -> CaptionSplits:

@@ -290,8 +290,11 @@ class CaptionerFamily(FamilyBase):
         if data_cfg.data == "shapes":
             splits = make_splits(data_cfg)
         else:
+            fixed = ("--addressing location scores a fixed grid of cells, the same places in every "
+                     "image; resize the images to one size, or use --addressing content")
             splits = load_caption_folder(data_cfg.data, model_cfg.image_size, model_cfg.channels,
-                                         data_cfg.data_seed)
+                                         data_cfg.data_seed,
+                                         one_size=fixed if model_cfg.addressing == "location" else None)
         for note in splits.notes:
             on_note(note)
         vocab = WordVocab.build([s.caption for s in splits.scenes["train"]])

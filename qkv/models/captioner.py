@@ -93,6 +93,9 @@ class CaptionerConfig:
     word_dropout: float = 0.0  # training: share of input words replaced by UNK (leans on the image)
     stage_convs: int = 2  # 3x3 convolutions per CNN stage (fewer: smaller receptive field)
     positions: bool = True  # add a learned embedding of each grid cell to its features (where)
+    # 3x3 stride-2 convolutions centre cell (i, j)'s feature on pixel (8i, 8j), the cell's corner;
+    # 4x4 ones (padding 1) on its centre (8i + 3.5, 8j + 3.5), where attention maps draw it
+    centred: bool = False  # 4x4 stride-2 convolutions: each feature centred on its grid cell
 
     def __post_init__(self) -> None:
         if self.attention not in ("soft", "hard", "hard-exact", "uniform"):
@@ -162,7 +165,8 @@ class Captioner(nn.Module):
         def stage(cin: int, cout: int) -> list[nn.Module]:
             layers: list[nn.Module] = []
             for k in range(cfg.stage_convs):
-                layers += [nn.Conv2d(cin if k == 0 else cout, cout, 3, stride=2 if k == 0 else 1,
+                size = 4 if k == 0 and cfg.centred else 3  # 4: stride 2 centred on the cell
+                layers += [nn.Conv2d(cin if k == 0 else cout, cout, size, stride=2 if k == 0 else 1,
                                      padding=1, bias=False), nn.BatchNorm2d(cout), nn.ReLU()]
             return layers
 

@@ -249,3 +249,25 @@ def test_both_variants_learn_a_tiny_batch(attention: str) -> None:
     # hard attention learns through sampled locations: noisier, so a looser bar
     assert nll.item() < (0.5 if attention == "hard" else 0.3) * first
     assert out.alphas.shape == (6, 4, 16) and out.betas.shape == (6, 4)
+
+
+@pytest.mark.parametrize(("centred", "offset"), [(False, 0.0), (True, 3.5)])
+@pytest.mark.parametrize("stage_convs", [1, 2])
+def test_where_each_grid_feature_looks(centred: bool, offset: float, stage_convs: int) -> None:
+    """The centre of a cell's receptive field, by hand: with 3x3 stride-2 convolutions (padding 1)
+    output o reads inputs 2o-1..2o+1, so three stages centre cell (i, j) on pixel (8i, 8j), the
+    cell's top-left corner; 4x4 ones read 2o-1..2o+2, centre 2o + 0.5, and three stages give
+    8i + 3.5, the cell's centre. Measured as the centre of mass of |d feature / d pixel| of the
+    linear convolution stack (weights all equal, so the field is symmetric about its centre)."""
+    model = Captioner(CaptionerConfig(vocab_size=8, image_size=128, centred=centred, stage_convs=stage_convs))
+    convs = torch.nn.Sequential(*[m for m in model.cnn if isinstance(m, torch.nn.Conv2d)]).double()
+    for conv in convs:
+        torch.nn.init.constant_(conv.weight, 1.0)
+    x = torch.zeros(1, 3, 128, 128, dtype=torch.float64, requires_grad=True)
+    i, j = 7, 8  # away from the borders, whose zero padding would pull the centre inwards
+    convs(x)[0, :, i, j].sum().backward()
+    g = x.grad.abs().sum((0, 1))
+    rows, cols = torch.meshgrid(torch.arange(128.0, dtype=torch.float64),
+                                torch.arange(128.0, dtype=torch.float64), indexing="ij")
+    assert (g * rows).sum() / g.sum() == pytest.approx(8 * i + offset, abs=1e-9)
+    assert (g * cols).sum() / g.sum() == pytest.approx(8 * j + offset, abs=1e-9)

@@ -309,3 +309,25 @@ def test_addressing_on_a_larger_grid_from_the_cli(tmp_path) -> None:
     Image.fromarray(scene).resize((100, 100)).save(tmp_path / "odd.png")
     rc, _, err = call(["caption", str(runs["content"]), str(tmp_path / "odd.png"), "--keep-size"])
     assert "multiple of 8" in assert_one_line_error(rc, err)
+
+
+def test_location_addressing_refuses_a_folder_of_mixed_sizes(tmp_path) -> None:
+    """Image 0 of the folder is 80x80, the rest 64x64: resized to one grid, location k would be
+    another place in image 0, so location addressing refuses with one line naming both images."""
+    from test_train_cli import assert_one_line_error, call
+
+    (tmp_path / "d").mkdir()
+    root = _folder(tmp_path / "d", [f"{i}.png\ta shape" for i in range(5)])
+    rc, _, err = call(["train", "captioner", "--preset", "tiny", "--data", str(root), "--addressing",
+                       "location", "--out_dir", str(tmp_path / "run"), "--no-progress"])
+    line = assert_one_line_error(rc, err)
+    assert "1.png is 64x64 but 0.png is 80x80" in line and "--addressing content" in line
+    assert not (tmp_path / "run").exists()
+    same = tmp_path / "same"
+    same.mkdir()
+    for i in range(1, 5):
+        (same / f"{i}.png").write_bytes((root / f"{i}.png").read_bytes())
+    (same / "captions.tsv").write_text("".join(f"{i}.png\ta shape\n" for i in range(1, 5)), encoding="utf-8")
+    from qkv.data.captions import load_caption_folder
+
+    assert len(load_caption_folder(same, 64, 3, one_size="why").scenes["train"]) == 2  # one size: fine
