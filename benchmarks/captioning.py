@@ -14,10 +14,10 @@ paper's doubly stochastic penalty (λ = 1); soft with location-based addressing;
 trained with REINFORCE (per-word reward with the soft control variate, leave-one-out, and the
 paper's caption-level reward) and with the exact sum over cells, each hard model decoded both
 reading its most attended cell and reading the expected context; soft attention over features
-centred on their cells (``--centred``), with the default and a smaller receptive field; soft and hard again with
-another training seed; beam-3 decoding of the soft model; and the wall time of every part.
+centred on their cells (``--centred``), with the default and a smaller receptive field; soft
+and hard again with another training seed; beam-3 decoding of the soft model; and the wall time of every part.
 
-    python benchmarks/captioning.py            # ~25 minutes on 2 cores (AMD EPYC Zen 5)
+    python benchmarks/captioning.py            # ~33 minutes on 2 cores (AMD EPYC Zen 5)
     python benchmarks/captioning.py --quick    # smoke run (~3 minutes)
 """
 
