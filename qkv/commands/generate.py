@@ -48,23 +48,11 @@ def add_generate_parser(sub) -> None:
     p.set_defaults(func=cmd_generate)
 
 
-def check_device(device: str) -> None:
-    """ValueError naming the fix for a device this machine does not have."""
-    import torch
-
-    try:
-        dev = torch.device(device)
-    except RuntimeError:
-        raise ValueError(f"--device {device!r} is not a device; use cpu or cuda") from None
-    if dev.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError(f"--device {device}: this machine has no CUDA GPU (or torch is a CPU "
-                         "build); use --device cpu")
-
-
 def cmd_generate(args: argparse.Namespace) -> int:
     import torch
 
     from qkv.commands.pretrained import DECODERS
+    from qkv.device import check_device
     from qkv.families.gpt import GPTFamily
     from qkv.generation import generate, text_pieces
     from qkv.generation.decode import crop_prompt

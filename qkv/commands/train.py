@@ -107,8 +107,7 @@ def cmd_train(args: argparse.Namespace) -> int:
 
     f = get_family(args.family or "gpt")
     model_cfg, train_cfg, data_cfg = configs(f, args)
-    dist = init_distributed(train_cfg.device)
-    train_cfg = dataclasses.replace(train_cfg, device=dist.device)
+    dist = init_distributed(train_cfg.device)  # config.json keeps the preference, not cuda:0
     if dist.is_main:
         print(f"qkv train {f.name}: preset {args.preset if not args.resume else '(resumed)'}, "
               f"{f.headline(model_cfg, data_cfg)}, {train_cfg.max_iters} steps on {dist.device}"

@@ -109,10 +109,33 @@ def train_val_split(tokens: np.ndarray, val_fraction: float = 0.1) -> tuple[np.n
     return tokens[:n_train], tokens[n_train:]
 
 
-def default_cache_dir() -> Path:
-    """``$QKV_CACHE_DIR`` if set, else ``~/.cache/qkv/tokens``."""
-    env = os.environ.get("QKV_CACHE_DIR")
-    return Path(env) if env else Path.home() / ".cache" / "qkv" / "tokens"
+def default_cache_dir() -> Path | None:
+    """``tokens/`` in qkv's cache folder (:func:`qkv.paths.cache_root`: ``$QKV_CACHE_DIR``, else
+    ``~/.cache/qkv``); None when ``QKV_CACHE_DIR=off``."""
+    from qkv.paths import cache_root
+
+    root = cache_root()
+    return None if root is None else root / "tokens"
+
+
+TOKEN_CACHE_BYTES = 2 * 1024**3  # the token cache keeps its most recently used files up to this
+
+
+def prune_token_cache(cache_dir: Path, keep: Path, max_bytes: int | None = None) -> list[Path]:
+    """Delete the least recently used ``*.bin`` files of ``cache_dir`` until the rest fit in
+    ``max_bytes`` (default ``TOKEN_CACHE_BYTES``; ``keep``, the file in use, always stays).
+    Returns what was deleted."""
+    max_bytes = TOKEN_CACHE_BYTES if max_bytes is None else max_bytes
+    files = sorted((p for p in Path(cache_dir).glob("*.bin") if p != keep),
+                   key=lambda p: p.stat().st_mtime, reverse=True)  # newest first
+    total = keep.stat().st_size if keep.exists() else 0
+    gone = []
+    for p in files:
+        total += p.stat().st_size
+        if total > max_bytes:
+            p.unlink(missing_ok=True)
+            gone.append(p)
+    return gone
 
 
 def token_dtype(vocab_size: int) -> type[np.unsignedinteger]:
@@ -135,27 +158,39 @@ def token_cache(
     file, and the file is written atomically (temp file + ``os.replace``), so an interrupted
     run never leaves a truncated cache behind.
 
+    Using a file marks it recently used; the cache keeps the most recently used files up to
+    ``TOKEN_CACHE_BYTES`` (2 GiB) and deletes older ones when it writes a new file.
+
     Args:
-        cache_dir: default ``default_cache_dir()``.
+        cache_dir: default ``default_cache_dir()``; with ``QKV_CACHE_DIR=off`` nothing is
+            cached and the ids are returned as an in-memory array.
 
     Returns:
-        (N,) read-only ``np.memmap`` of dtype ``token_dtype(tokenizer.vocab_size)``.
+        (N,) read-only ``np.memmap`` (an ``np.ndarray`` without a cache) of dtype
+        ``token_dtype(tokenizer.vocab_size)``.
     """
     cache_dir = Path(cache_dir) if cache_dir is not None else default_cache_dir()
-    path = token_cache_path(corpus, tokenizer, cache_dir)
     dtype = token_dtype(tokenizer.vocab_size)
-    if not path.exists():
-        ids = np.asarray(tokenizer.encode(corpus.text), dtype=np.int64)
-        if ids.size == 0:
-            raise ValueError(f"corpus {corpus.name!r} encodes to no tokens; use a longer text")
-        if ids.min() < 0 or ids.max() >= tokenizer.vocab_size:
-            raise ValueError(f"tokenizer produced ids outside [0, {tokenizer.vocab_size})")
-        data = ids.astype(dtype).tobytes()
-        try:
-            atomic_write(path, lambda tmp: tmp.write_bytes(data))
-        except OSError as e:
-            raise ValueError(f"cannot write the token cache in {cache_dir} ({e.strerror}); "
-                             "set QKV_CACHE_DIR to a writable folder") from None
+    path = token_cache_path(corpus, tokenizer, cache_dir) if cache_dir is not None else None
+    if path is not None and path.exists():
+        os.utime(path)  # recently used: kept by the pruning
+        return np.memmap(path, dtype=dtype, mode="r")
+    ids = np.asarray(tokenizer.encode(corpus.text), dtype=np.int64)
+    if ids.size == 0:
+        raise ValueError(f"corpus {corpus.name!r} encodes to no tokens; use a longer text")
+    if ids.min() < 0 or ids.max() >= tokenizer.vocab_size:
+        raise ValueError(f"tokenizer produced ids outside [0, {tokenizer.vocab_size})")
+    if path is None:
+        ids = ids.astype(dtype)
+        ids.flags.writeable = False
+        return ids
+    data = ids.astype(dtype).tobytes()
+    try:
+        atomic_write(path, lambda tmp: tmp.write_bytes(data))
+    except OSError as e:
+        raise ValueError(f"cannot write the token cache in {cache_dir} ({e.strerror}); "
+                         "set QKV_CACHE_DIR to a writable folder, or QKV_CACHE_DIR=off") from None
+    prune_token_cache(cache_dir, path)
     return np.memmap(path, dtype=dtype, mode="r")
 
 

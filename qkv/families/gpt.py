@@ -121,6 +121,14 @@ class GPTFamily(FamilyBase):
     def build(self, model_cfg: GPTConfig) -> GPT:
         return GPT(model_cfg)
 
+    def check_resume(self, saved: dict[str, Any], prepared: Prepared) -> None:
+        """The text must be the one the run started on (its sha256 is in config.json)."""
+        data, now = saved.get("data", {}), prepared.data_record["sha256"]
+        if data.get("sha256") not in (None, now):
+            raise ValueError(f"the text changed since {saved['train']['out_dir']} was started: --data "
+                             f"{data.get('data') or 'shakespeare'} now has sha256 {now[:12]}…, the run "
+                             f"was trained on {data['sha256'][:12]}…; restore that text, or start a new run")
+
     @torch.no_grad()
     def evaluate(self, model: GPT, prepared: Prepared, n_windows: int = 64) -> dict[str, Any]:
         """Mean next-token loss over ``n_windows`` fixed validation windows (same every run)."""

@@ -35,11 +35,17 @@ class DistInfo:
 
 
 def pick_device(pref: str = "auto", local_rank: int = 0) -> str:
-    if pref != "auto":
-        return pref
-    if torch.cuda.is_available():
+    """The device this process trains on: ``auto`` is this rank's GPU if there is one, else the
+    CPU; ``cuda`` is this rank's GPU (torchrun: one per process). ValueError (one line) for a
+    device this machine does not have."""
+    from qkv.device import check_device
+
+    check_device(pref, allow_auto=True)
+    if pref == "auto":
+        return f"cuda:{local_rank}" if torch.cuda.is_available() else "cpu"
+    if pref == "cuda":
         return f"cuda:{local_rank}"
-    return "cpu"
+    return pref
 
 
 def init_distributed(device_pref: str = "auto") -> DistInfo:

@@ -29,7 +29,7 @@ from torch import nn
 
 from qkv import __version__
 from qkv.training import checkpoint as ckpt
-from qkv.training.distributed import DistInfo
+from qkv.training.distributed import DistInfo, pick_device
 from qkv.training.trainer import BatchSource, TrainConfig, Trainer, TrainResult
 
 
@@ -127,7 +127,7 @@ def train_run(
     On the main process the returned model holds the best weights; then (``evaluate``) the
     family's evaluation is written to ``eval.json`` and its plots beside it.
     """
-    dist = dist or DistInfo()
+    dist = dist or DistInfo(device=pick_device(train_cfg.device))
     run_dir = Path(train_cfg.out_dir)
     if not resume and (run_dir / "config.json").is_file():
         raise ValueError(f"{run_dir} already holds a run; continue it with --resume {run_dir} "
@@ -141,6 +141,13 @@ def train_run(
     if resume:
         family.check_resume(ckpt.read_json(run_dir / "config.json"), prepared)
         trainer.load_resume_state()
+        if trainer.step >= train_cfg.max_iters and (run_dir / "eval.json").is_file():
+            raise ValueError(f"{run_dir} has finished ({trainer.step} of {train_cfg.max_iters} steps, "
+                             f"evaluated): nothing to resume, nothing changed; to train on, resume with a "
+                             f"larger --max_iters (e.g. --max_iters {2 * trainer.step})")
+        if dist.is_main:
+            again = trainer.step < train_cfg.max_iters and trainer.step % train_cfg.eval_interval == 0
+            ckpt.rewind_metrics(run_dir / "metrics.jsonl", trainer.step, evaluates_first=again)
     elif dist.is_main:
         run_dir.mkdir(parents=True, exist_ok=True)
         if prepared.save is not None:

@@ -216,19 +216,26 @@ class Trainer:
             "data_rng": self.data_gen.get_state(),
         }
 
-    def save(self, is_best: bool) -> None:
-        """Write last.safetensors + optimizer.pt (resume) and, if best, model.safetensors."""
+    def save(self, is_best: bool, val: float | None = None) -> None:
+        """If best, model.safetensors first (the weights before the loss that names them), then
+        the resume set (checkpoint/, one transaction). A write that fails (a full disk) leaves
+        the previous files as they were and says so in one line."""
         if not self.dist.is_main:
             return
-        ckpt.save_weights(self.model, self.run_dir / "last.safetensors")
-        ckpt.save_state(self.run_dir / "optimizer.pt", self._state())
-        if is_best:
-            ckpt.save_weights(self.model, self.run_dir / "model.safetensors")
+        try:
+            if is_best:
+                ckpt.save_weights(self.model, self.run_dir / "model.safetensors",
+                                  {"step": str(self.step), "val_loss": repr(val)})
+            ckpt.save_resume(self.run_dir, self.model, self._state())
+        except OSError as e:
+            raise ckpt.CheckpointError(
+                f"cannot save step {self.step} in {self.run_dir} ({e.strerror or e}); the previous "
+                f"checkpoint is intact: free the space (or fix the folder), then --resume {self.run_dir}"
+            ) from None
 
     def load_resume_state(self) -> None:
         """Restore everything ``save`` wrote; the next step to run is the saved ``step``."""
-        ckpt.load_weights(self.model, self.run_dir / "last.safetensors")
-        state = ckpt.load_state(self.run_dir / "optimizer.pt")
+        state = ckpt.load_resume(self.run_dir, self.model)
         saved = state.get("optimizer")
         saved = [saved] if isinstance(saved, dict) else saved  # runs written before Muon: one AdamW
         kind = state.get("optimizer_kind", "adamw")
@@ -316,7 +323,7 @@ class Trainer:
         is_best = val < self.best_val
         self.best_val = min(self.best_val, val)
         self._log({"step": self.step, "val_loss": val, "train_loss": train_loss, "best": is_best})
-        self.save(is_best)
+        self.save(is_best, val)
 
     # ------------------------------------------------------------------ fit
 
@@ -332,6 +339,7 @@ class Trainer:
         self._note(f"speed: {self.speed.reason}")
         t0 = time.perf_counter()
         tokens, loss = 0, math.nan
+        done = self.step >= cfg.max_iters  # resumed after the last save: nothing to train or log
         try:
             while self.step < cfg.max_iters:
                 if self.step % cfg.eval_interval == 0:
@@ -352,7 +360,8 @@ class Trainer:
                 tokens += cfg.batch_size * cfg.grad_accum * self.dist.world_size * self.tokens_per_batch
                 elapsed = time.perf_counter() - t0
                 self._log_progress(loss, tokens / max(elapsed, 1e-9))
-            self._evaluate_and_save(loss)
+            if not done:
+                self._evaluate_and_save(loss)
         finally:
             if self.dist.is_main:
                 signal.signal(signal.SIGINT, prev_handler)

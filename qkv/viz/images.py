@@ -8,6 +8,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
+from qkv.fileio import save_figure
 from qkv.viz.plots import _pyplot
 
 
@@ -36,7 +37,7 @@ def plot_confusion(confusion: Tensor | Sequence[Sequence[int]], classes: Sequenc
     ax.set_title(title)
     fig.colorbar(im, ax=ax, fraction=0.046, pad=0.04, label="share of the true class")
     fig.tight_layout()
-    fig.savefig(out_path)
+    save_figure(fig, out_path)
     plt.close(fig)
     return Path(out_path)
 
@@ -79,6 +80,6 @@ def plot_image_attention(image: Tensor, maps: Sequence[tuple[str, Tensor]], out_
     if title:
         fig.suptitle(title, fontsize=10)
     fig.tight_layout()
-    fig.savefig(out_path)
+    save_figure(fig, out_path)
     plt.close(fig)
     return Path(out_path)

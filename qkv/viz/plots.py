@@ -13,6 +13,8 @@ from pathlib import Path
 
 from torch import Tensor
 
+from qkv.fileio import save_figure
+
 
 def _pyplot():
     try:
@@ -27,7 +29,7 @@ def _pyplot():
 
 def _save(plt, fig, out_path: Path) -> Path:
     fig.tight_layout()
-    fig.savefig(out_path)
+    save_figure(fig, out_path)
     plt.close(fig)
     return Path(out_path)
 
@@ -156,7 +158,7 @@ def plot_attention_grid(weights: Tensor, tokens: Sequence[str], out_path: Path,
     fig.suptitle(title, fontsize=10, y=1 - 0.12 / h_in, va="top")
     fig.subplots_adjust(left=GRID_MARGIN[0] / w_in, right=1 - 0.1 / w_in, top=1 - GRID_MARGIN[1] / h_in,
                         bottom=GRID_MARGIN[2] / h_in, wspace=0.08, hspace=0.08)
-    fig.savefig(out_path)
+    save_figure(fig, out_path)
     plt.close(fig)
     return Path(out_path)
 

@@ -166,9 +166,38 @@ def test_token_cache_default_dir_from_env(tmp_path, monkeypatch):
     monkeypatch.setenv("QKV_CACHE_DIR", str(tmp_path / "cache"))
     corpus, tok = Corpus.from_text("abcabc"), CharTokenizer("abc")
     token_cache(corpus, tok)
-    assert (tmp_path / "cache" / token_cache_path(corpus, tok, tmp_path).name).exists()
+    assert (tmp_path / "cache" / "tokens" / token_cache_path(corpus, tok, tmp_path).name).exists()
     monkeypatch.delenv("QKV_CACHE_DIR")
+    monkeypatch.delenv("XDG_CACHE_HOME", raising=False)
     assert corpora.default_cache_dir() == corpora.Path.home() / ".cache" / "qkv" / "tokens"
+
+
+@pytest.mark.parametrize("off", ["off", "OFF", "none", "0"])
+def test_token_cache_off_writes_nothing(tmp_path, monkeypatch, off: str):
+    """QKV_CACHE_DIR=off: the ids, computed in memory; no folder named 'off' (or anything)."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("QKV_CACHE_DIR", off)
+    corpus, tok = Corpus.from_text("abcab"), CharTokenizer("abc")
+    ids = token_cache(corpus, tok)
+    assert ids.tolist() == [0, 1, 2, 0, 1] and not ids.flags.writeable
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_token_cache_keeps_the_recently_used_files_within_its_budget(tmp_path, monkeypatch):
+    """Three 1,000-byte files and a budget of 2,500 bytes: writing a fourth deletes the two
+    least recently used; reading a file makes it recent."""
+
+    monkeypatch.setattr(corpora, "TOKEN_CACHE_BYTES", 2500)
+    tok = CharTokenizer("ab")
+    texts = ["a" * 500, "b" * 500, "ab" * 250, "ba" * 250]  # 500 ids each: 1,000 bytes of uint16
+    paths = [token_cache_path(Corpus.from_text(t), tok, tmp_path) for t in texts]
+    for i, t in enumerate(texts[:3]):
+        token_cache(Corpus.from_text(t), tok, tmp_path)
+        os.utime(paths[i], (1000 + i, 1000 + i))  # written in this order, long ago
+    token_cache(Corpus.from_text(texts[0]), tok, tmp_path)  # file 0: now the most recent
+    assert token_cache(Corpus.from_text(texts[3]), tok, tmp_path).nbytes == 1000
+    left = sorted(p.name for p in tmp_path.glob("*.bin"))
+    assert left == sorted([paths[0].name, paths[3].name])  # 0 (recent) + the new one: 2,000 bytes
 
 
 class BigVocab:

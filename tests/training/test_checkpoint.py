@@ -202,3 +202,120 @@ def test_load_state_damaged_or_missing(tmp_path: Path, content: bytes) -> None:
     path.write_bytes(content)
     with pytest.raises(CheckpointError, match="damaged"):
         ckpt.load_state(path)
+
+
+# --------------------------------------------------------------------------- the resume set
+
+
+def _state(step: int) -> dict:
+    return {"step": step, "best_val": 1.0 / (step + 1), "torch_rng": torch.get_rng_state()}
+
+
+def _files(folder: Path) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in sorted(folder.iterdir())}
+
+
+def test_the_resume_set_is_published_whole(tmp_path: Path) -> None:
+    """Two saves: checkpoint/ holds the second's weights and state, tagged with one save id,
+    no temporary folder stays, and loading gives back the second model's tensors exactly."""
+    a, b = gpt(0), gpt(1)
+    ckpt.save_resume(tmp_path, a, _state(2))
+    ckpt.save_resume(tmp_path, b, _state(4))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint"]
+    assert sorted(p.name for p in (tmp_path / "checkpoint").iterdir()) == ["last.safetensors", "optimizer.pt"]
+    c = gpt(2)
+    state = ckpt.load_resume(tmp_path, c)
+    assert state["step"] == 4 and state["best_val"] == 1.0 / 5
+    for (name, x), y in zip(b.state_dict().items(), c.state_dict().values(), strict=True):
+        assert torch.equal(x, y), name
+    meta = ckpt.weights_metadata(tmp_path / "checkpoint" / "last.safetensors")
+    assert meta["step"] == "4" and meta["save_id"] == state["save_id"] and len(meta["save_id"]) == 32
+
+
+@pytest.mark.parametrize("crash", ["writing the new set", "after the old set moved aside",
+                                   "before the old set was deleted"])
+def test_a_crash_at_any_instant_of_the_swap_leaves_one_complete_set(tmp_path: Path, crash: str) -> None:
+    """The folders a crash can leave, rebuilt by hand (the renames save_resume does, stopped
+    part-way); resume_dir finds a complete set every time: the new one once it was complete,
+    else the old one, never a mix."""
+    ckpt.save_resume(tmp_path, gpt(0), _state(2))
+    old = _files(tmp_path / "checkpoint")
+    side = tmp_path / "side"
+    ckpt.save_resume(side, gpt(1), _state(4))
+    new = _files(side / "checkpoint")
+    if crash == "writing the new set":  # half of .checkpoint.new written
+        (tmp_path / ".checkpoint.new").mkdir()
+        (tmp_path / ".checkpoint.new" / "last.safetensors").write_bytes(new["last.safetensors"][:100])
+        want = old
+    elif crash == "after the old set moved aside":  # checkpoint -> .old done, .ready -> checkpoint not
+        os.rename(tmp_path / "checkpoint", tmp_path / ".checkpoint.old")
+        os.rename(side / "checkpoint", tmp_path / ".checkpoint.ready")
+        want = new
+    else:  # the swap done, the old set still there
+        os.rename(tmp_path / "checkpoint", tmp_path / ".checkpoint.old")
+        os.rename(side / "checkpoint", tmp_path / "checkpoint")
+        want = new
+    folder = ckpt.resume_dir(tmp_path)
+    assert folder == tmp_path / "checkpoint" and _files(folder) == want
+    model = gpt(3)
+    assert ckpt.load_resume(tmp_path, model)["step"] == (2 if want is old else 4)
+    ckpt.save_resume(tmp_path, gpt(5), _state(6))  # the next save cleans up after the crash
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint", "side"]
+
+
+def test_a_run_that_never_saved_cannot_resume(tmp_path: Path) -> None:
+    (tmp_path / ".checkpoint.new").mkdir()  # the first save was cut short
+    with pytest.raises(CheckpointError, match="stopped before its first save") as e:
+        ckpt.load_resume(tmp_path, gpt(0))
+    assert "\n" not in str(e.value)
+
+
+def test_a_set_mixed_from_two_saves_is_refused(tmp_path: Path) -> None:
+    ckpt.save_resume(tmp_path, gpt(0), _state(2))
+    first = (tmp_path / "checkpoint" / "optimizer.pt").read_bytes()
+    ckpt.save_resume(tmp_path, gpt(1), _state(4))
+    (tmp_path / "checkpoint" / "optimizer.pt").write_bytes(first)  # step 2's state beside step 4's weights
+    with pytest.raises(CheckpointError, match=r"\(step 4\) and optimizer.pt \(step 2\) are not from the same"):
+        ckpt.load_resume(tmp_path, gpt(0))
+
+
+def test_runs_written_before_the_transaction_still_resume(tmp_path: Path) -> None:
+    """The old layout (last.safetensors + optimizer.pt on top, no save id) loads; the next
+    save moves it into checkpoint/."""
+    model = gpt(0)
+    ckpt.save_weights(model, tmp_path / "last.safetensors")
+    ckpt.save_state(tmp_path / "optimizer.pt", _state(3))
+    assert ckpt.load_resume(tmp_path, gpt(1))["step"] == 3
+    ckpt.save_resume(tmp_path, model, _state(5))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint"]
+
+
+@pytest.mark.parametrize("mask", [0o022, 0o027, 0o077])
+def test_files_honour_the_umask(tmp_path: Path, mask: int) -> None:
+    old = os.umask(mask)
+    try:
+        path = tmp_path / "m.safetensors"
+        ckpt.save_weights(gpt(0), path)
+        ckpt.write_json(tmp_path / "c.json", {"a": 1})
+    finally:
+        os.umask(old)
+    for p in (path, tmp_path / "c.json"):
+        assert p.stat().st_mode & 0o777 == 0o666 & ~mask, p
+
+
+def test_append_jsonl_writes_strict_json(tmp_path: Path) -> None:
+    path = tmp_path / "m.jsonl"
+    ckpt.append_jsonl(path, {"step": 1, "train_loss": float("nan"), "val_loss": float("inf"), "lr": 0.5})
+    assert json.loads(path.read_text(), parse_constant=lambda c: pytest.fail(c)) == {
+        "step": 1, "train_loss": None, "val_loss": None, "lr": 0.5}
+
+
+@pytest.mark.parametrize("evaluates_first", [True, False])
+def test_rewind_metrics_drops_what_the_resumed_run_writes_again(tmp_path: Path, evaluates_first: bool) -> None:
+    rows = [{"step": 0, "val_loss": 3.0}, {"step": 1, "train_loss": 2.9}, {"step": 2, "train_loss": 2.8},
+            {"step": 2, "val_loss": 2.7}, {"step": 3, "train_loss": 2.6}]
+    path = tmp_path / "metrics.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows) + '{"step": 4, "tra', encoding="utf-8")
+    ckpt.rewind_metrics(path, 2, evaluates_first)
+    back = [json.loads(x) for x in path.read_text(encoding="utf-8").splitlines()]
+    assert back == rows[:3] + ([] if evaluates_first else [rows[3]])

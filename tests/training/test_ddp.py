@@ -126,7 +126,7 @@ def test_ddp_weights_match_one_process_with_the_global_batch(runs) -> None:
         for name in ref:
             torch.testing.assert_close(w[name], ref[name], rtol=0, atol=1e-5, msg=f"{rank} {name}")
     # The final checkpoint rank 0 wrote holds the same weights (the tied matrix under either name).
-    saved = load_file(str(ddp / "rank0" / "last.safetensors"))
+    saved = load_file(str(ddp / "rank0" / "checkpoint" / "last.safetensors"))
     saved = {("tok_emb.weight" if k == "lm_head.weight" else k): t for k, t in saved.items()}
     assert saved.keys() == ref.keys()
     for name, t in saved.items():
@@ -167,7 +167,7 @@ def test_ddp_logged_train_loss_is_the_global_batch_loss(runs) -> None:
 def test_only_rank_0_writes_files(runs) -> None:
     ddp, _ = runs
     assert {p.name for p in (ddp / "rank0").iterdir()} == {
-        "last.safetensors", "model.safetensors", "optimizer.pt", "metrics.jsonl"}
+        "checkpoint", "model.safetensors", "metrics.jsonl"}
     assert not (ddp / "rank1").exists()
     steps = [r["step"] for r in metrics(ddp / "rank0") if "lr" in r]
     assert steps == list(range(1, STEPS + 1))  # each step logged once

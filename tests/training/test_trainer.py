@@ -5,6 +5,7 @@ equals a bigger batch, and the errors a user can cause are clear."""
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import math
 import os
@@ -41,7 +42,7 @@ LINES = [
     "All: We know't, we know't.",
 ]
 TEXT = "\n".join(LINES[i % len(LINES)] for i in range(60)) + "\n"  # ~2,700 characters
-RUN_FILES = {"config.json", "model.safetensors", "last.safetensors", "optimizer.pt",
+RUN_FILES = {"config.json", "model.safetensors", "checkpoint",
              "tokenizer.json", "metrics.jsonl", "eval.json", "loss.png", "attention.png"}
 
 
@@ -84,7 +85,8 @@ def val_losses(run_dir: Path) -> dict[int, float]:
 
 
 def snapshot(run_dir: Path) -> dict[str, bytes]:
-    return {p.name: p.read_bytes() for p in sorted(run_dir.iterdir())}
+    """Every file under the run folder (sub-folders too), by relative path."""
+    return {str(p.relative_to(run_dir)): p.read_bytes() for p in sorted(run_dir.rglob("*")) if p.is_file()}
 
 
 def random_batches(seed: int = 0, vocab: int = 20, n: int = 2000, block: int = 16) -> TokenBatches:
@@ -135,7 +137,7 @@ def test_loss_goes_down_and_the_run_dir_is_complete(trained) -> None:
     assert cfg["model"]["vocab_size"] == tok.vocab_size == len(set(TEXT))
     assert GPTConfig(**cfg["model"]) == model.cfg
     assert load_tokenizer(run_dir / "tokenizer.json") == CharTokenizer(TEXT)
-    assert ckpt.load_state(run_dir / "optimizer.pt")["step"] == 40
+    assert ckpt.load_state(run_dir / "checkpoint" / "optimizer.pt")["step"] == 40
     best = load_file(str(run_dir / "model.safetensors"))  # what train_lm hands back
     for name, t in model.state_dict().items():
         if name in best:
@@ -180,17 +182,79 @@ def test_resume_is_exact(text_file: Path, tmp_path: Path, optimizer: str) -> Non
 
     full, resumed = train_losses(full_dir), train_losses(part_dir)
     assert sorted(resumed) == list(range(1, 13))  # the resumed run appends steps 7..12
+    # ... and metrics.jsonl reads as the uninterrupted run's: the same rows in the same order
+    # (the final evaluation of the first part, at step 6, is not written twice)
+    def rows(d: Path) -> list[tuple]:
+        return [(r["step"], "val_loss" in r) for r in records(d)]
+    assert rows(part_dir) == rows(full_dir)
     for step in range(1, 13):
         assert resumed[step] == pytest.approx(full[step], rel=0, abs=1e-6), step
     assert val_losses(part_dir)[12] == pytest.approx(val_losses(full_dir)[12], rel=0, abs=1e-6)
-    a = load_file(str(full_dir / "last.safetensors"))
-    b = load_file(str(part_dir / "last.safetensors"))
+    a = load_file(str(full_dir / "checkpoint" / "last.safetensors"))
+    b = load_file(str(part_dir / "checkpoint" / "last.safetensors"))
     assert a.keys() == b.keys()
     for name in a:
         torch.testing.assert_close(a[name], b[name], rtol=0, atol=1e-6, msg=name)
     # And a run that only resumed matches one that never stopped, not a fresh one with
     # different data: the losses after step 6 differ from the first six.
     assert [full[s] for s in range(7, 13)] != [full[s] for s in range(1, 7)]
+
+
+def test_resuming_a_finished_run_changes_nothing(trained, text_file: Path) -> None:
+    run_dir = trained[0]
+    before = snapshot(run_dir)
+    with pytest.raises(ValueError, match=r"has finished \(40 of 40 steps, evaluated\).*--max_iters 80"):
+        train_lm(*configs(text_file, run_dir, max_iters=40, eval_interval=20), resume=True)
+    assert snapshot(run_dir) == before
+
+
+def test_resume_refuses_a_changed_text(trained, text_file: Path) -> None:
+    """Same characters, other order: the char tokenizer accepts it, the corpus hash does not."""
+    run_dir = trained[0]
+    before = snapshot(run_dir)
+    text_file.write_text("\n".join(reversed(TEXT.splitlines())) + "\n", encoding="utf-8")
+    want = hashlib.sha256(text_file.read_bytes()).hexdigest()[:12]
+    with pytest.raises(ValueError, match=rf"--data {text_file} now has sha256 {want}…, the run was trained"):
+        train_lm(*configs(text_file, run_dir, max_iters=60, eval_interval=20), resume=True)
+    assert snapshot(run_dir) == before
+
+
+def test_a_full_disk_keeps_the_previous_checkpoint(tmp_path: Path, monkeypatch) -> None:
+    """The third save (step 4) hits ENOSPC writing optimizer.pt: one line naming the fix,
+    checkpoint/ holds step 2's files byte for byte, no half-written folder stays; it resumes."""
+    import errno
+
+    real, calls = ckpt.save_state, []
+
+    def full_disk(path, state):
+        calls.append(path)
+        if len(calls) == 3:
+            Path(path).write_bytes(b"\0" * 10)  # part of the file got out before the disk filled
+            raise OSError(errno.ENOSPC, "No space left on device")
+        real(path, state)
+
+    t = SnapshotTrainer(small_gpt(), train_cfg(tmp_path, max_iters=6), random_batches(), tmp_path)
+    real_save = t.save
+    kept: dict[str, bytes] = {}
+
+    def save(is_best: bool, val: float | None = None) -> None:
+        kept.clear()
+        kept.update(snapshot(tmp_path / "checkpoint") if (tmp_path / "checkpoint").is_dir() else {})
+        real_save(is_best, val)
+
+    t.save = save
+    monkeypatch.setattr(ckpt, "save_state", full_disk)
+    with pytest.raises(ckpt.CheckpointError) as e:
+        t.fit()
+    msg = str(e.value)
+    assert "cannot save step 4" in msg and "No space left on device" in msg and "--resume" in msg
+    assert "\n" not in msg
+    assert kept and snapshot(tmp_path / "checkpoint") == kept  # step 2's set, untouched
+    monkeypatch.setattr(ckpt, "save_state", real)
+    again = Trainer(small_gpt(seed=5), train_cfg(tmp_path, max_iters=6), random_batches(), tmp_path)
+    again.load_resume_state()
+    assert again.step == 2
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".checkpoint")]  # cleaned up
 
 
 def test_ctrl_c_saves_a_resumable_checkpoint(tmp_path: Path) -> None:
@@ -207,7 +271,7 @@ def test_ctrl_c_saves_a_resumable_checkpoint(tmp_path: Path) -> None:
     with pytest.raises(TrainingInterruptedError, match="step 3"):
         cut.fit()
     assert signal.getsignal(signal.SIGINT) is handler  # restored
-    assert ckpt.load_state(tmp_path / "cut" / "optimizer.pt")["step"] == 3
+    assert ckpt.load_state(tmp_path / "cut" / "checkpoint" / "optimizer.pt")["step"] == 3
     again = Trainer(small_gpt(seed=9), train_cfg(tmp_path / "cut", max_iters=6), random_batches(),
                     tmp_path / "cut")
     again.load_resume_state()
@@ -263,8 +327,8 @@ class SnapshotTrainer(Trainer):
 
     saved: bytes = b""
 
-    def save(self, is_best: bool) -> None:
-        super().save(is_best)
+    def save(self, is_best: bool, val: float | None = None) -> None:
+        super().save(is_best, val)
         self.saved = (self.run_dir / "model.safetensors").read_bytes()
 
 
@@ -278,7 +342,7 @@ def test_nan_loss_raises_and_keeps_the_last_good_checkpoint(tmp_path: Path) -> N
     assert t.saved and (tmp_path / "model.safetensors").read_bytes() == t.saved
     weights = load_file(str(tmp_path / "model.safetensors"))
     assert all(torch.isfinite(w).all() for w in weights.values())
-    assert ckpt.load_state(tmp_path / "optimizer.pt")["step"] == 2  # the last save, not step 3
+    assert ckpt.load_state(tmp_path / "checkpoint" / "optimizer.pt")["step"] == 2  # the last save, not step 3
     logged = [r["train_loss"] for r in records(tmp_path) if "lr" in r]
     assert len(logged) == 3 and all(math.isfinite(x) for x in logged)
 

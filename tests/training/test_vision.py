@@ -59,7 +59,7 @@ def _test_split():
 
 def test_train_vit_end_to_end(vit_run) -> None:
     run_dir, out = vit_run
-    assert {"config.json", "model.safetensors", "last.safetensors", "optimizer.pt", "metrics.jsonl",
+    assert {"config.json", "model.safetensors", "checkpoint", "metrics.jsonl",
             "eval.json", "confusion.png", "loss.png", "attention.png"} <= {p.name for p in run_dir.iterdir()}
     cfg = json.loads((run_dir / "config.json").read_text())
     assert cfg["family"] == "vit" and cfg["data"]["classes"] == [str(i) for i in range(10)]
