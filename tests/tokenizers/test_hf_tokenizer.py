@@ -175,9 +175,27 @@ def test_encode_batch_truncation_without_special_tokens_keeps_a_prefix() -> None
     assert ids[0][: lengths[0]] == full[:4]
 
 
-def test_encode_batch_never_exceeds_max_length(bert: HFTokenizer) -> None:
-    try:
-        _, lengths = bert.encode_batch(TEXTS, max_length=0)
-    except ValueError:
-        return  # rejecting a limit that cannot hold [CLS] and [SEP] is fine too
-    assert max(lengths) <= 0
+@pytest.mark.parametrize("max_length", [3, 4, 6, 9])
+def test_encode_batch_never_exceeds_max_length(bert: HFTokenizer, max_length: int) -> None:
+    ids, lengths = bert.encode_batch(TEXTS, max_length=max_length, pad_id=PAD)
+    full = [bert.encode(t) for t in TEXTS]  # untruncated, one text at a time
+    # Each row keeps min(its length, max_length) ids; a truncated one keeps [CLS], the text's
+    # first max_length - 2 word pieces, then [SEP].
+    assert lengths == [min(len(f), max_length) for f in full]
+    assert max(lengths) <= max_length and all(len(row) == max(lengths) for row in ids)
+    for row, n, f in zip(ids, lengths, full, strict=True):
+        assert row[:n] == (f if len(f) <= max_length else [*f[: max_length - 1], SEP])
+        assert row[n:] == [PAD] * (len(row) - n)
+    assert max(len(f) for f in full) > max_length  # the limit did cut something
+
+
+@pytest.mark.parametrize("max_length", [0, 1, 2])
+def test_encode_batch_rejects_a_limit_without_room_for_text(bert: HFTokenizer, max_length: int) -> None:
+    # [CLS] and [SEP] take 2 of the ids: a limit of 2 or less leaves none for the text.
+    with pytest.raises(ValueError, match="max_length must be > 2"):
+        bert.encode_batch(TEXTS, max_length=max_length)
+    bpe = BPETokenizer.train(["the cat sat on the mat"] * 20, vocab_size=270)  # adds no special tokens
+    with pytest.raises(ValueError, match="max_length must be > 0"):
+        bpe.encode_batch(["the cat"], max_length=0)
+    ids, lengths = bpe.encode_batch(["the cat sat", "a"], max_length=1)
+    assert lengths == [1, 1] and ids[0] == bpe.encode("the cat sat")[:1]
