@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
@@ -64,8 +66,12 @@ def test_embed_takes_texts_after_options(monkeypatch, capsys) -> None:
             return torch.eye(len(texts), 4)
 
     monkeypatch.setattr(cmd, "_encoder", lambda name: FakeEncoder())
+    capsys.readouterr()
     assert main(["embed", "minilm", "--json", "--batch-size", "8", "a b", "c"]) == 0
     assert seen == {"texts": ["a b", "c"], "batch_size": 8}
+    # The JSON holds each text with its own row of the encoder's output (rows of eye(2, 4)).
+    assert json.loads(capsys.readouterr().out) == [{"text": "a b", "embedding": [1, 0, 0, 0]},
+                                                   {"text": "c", "embedding": [0, 1, 0, 0]}]
     with pytest.raises(SystemExit) as e:
         main(["embed", "minilm", "--bogus", "x"])
     assert e.value.code == 2

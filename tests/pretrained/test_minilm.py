@@ -172,3 +172,48 @@ def test_rank_scores_are_reference_cosines(minilm, st_minilm) -> None:
     ref = e[1:] @ e[0]
     for i, score in minilm.rank(QUERY, DOCS):
         assert abs(score - ref[i].item()) <= TOL
+
+
+# --------------------------------------------------------------------------- the command line
+
+
+@pytest.fixture
+def minilm_cli(minilm, monkeypatch):
+    """`qkv embed` / `qkv similarity` run on the session's MiniLM instead of loading it again."""
+    import qkv.pretrained
+
+    monkeypatch.setattr(qkv.pretrained, "load", lambda name, **kw: minilm)
+
+
+def test_cli_embed_json_values_are_sentence_transformers_embeddings(minilm_cli, st_minilm) -> None:
+    import json
+
+    from cli_helpers import call
+
+    texts = DOCS[:3]
+    rc, out, err = call(["embed", "minilm", "--json", *texts])
+    assert rc == 0, err
+    got = json.loads(out)
+    assert [g["text"] for g in got] == texts
+    ref = st_minilm.encode(texts, convert_to_tensor=True).cpu().double()
+    vecs = torch.tensor([g["embedding"] for g in got], dtype=torch.float64)
+    assert vecs.shape == (3, 384)
+    assert (vecs - ref).abs().max().item() <= TOL  # printed to 7 decimals: rounding adds 5e-8
+
+
+def test_cli_similarity_json_ranks_by_reference_cosine(minilm_cli, st_minilm) -> None:
+    import json
+
+    from cli_helpers import call
+
+    rc, out, err = call(["similarity", "minilm", QUERY, *DOCS, "--json", "--top", "3"])
+    assert rc == 0, err
+    got = json.loads(out)
+    # The reference: sentence-transformers' vectors, cosine in float64, sorted by hand.
+    e = st_minilm.encode([QUERY, *DOCS], convert_to_tensor=True).cpu().double()
+    cos = [float(torch.dot(e[0], d) / (e[0].norm() * d.norm())) for d in e[1:]]
+    order = sorted(range(len(DOCS)), key=lambda i: -cos[i])[:3]
+    assert [g["rank"] for g in got] == [1, 2, 3]
+    assert [g["index"] for g in got] == order and order[0] == 1  # the bread recipe first
+    assert [g["text"] for g in got] == [DOCS[i] for i in order]
+    assert [g["score"] for g in got] == pytest.approx([cos[i] for i in order], abs=TOL)
