@@ -2,7 +2,8 @@
 computation, float64 math, plain torch ops), one CLI run per topic, and one-line errors.
 
 Topics that need MiniLM (retrieval's embedding column, context) or SmolLM2 (cost --model smollm2)
-skip those checks, naming the install command, when the asset is absent; CI installs both.
+skip those checks when the asset is absent, with the reason every asset skip gives ("asset
+missing: NAME (qkv assets install NAME)", tests/pretrained/asset_skip.py); CI installs both.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 from cli_helpers import assert_one_line_error, call
+from pretrained.asset_skip import require_asset
 
 from qkv.explain import TOPICS
 from qkv.explain.context import explain_context
@@ -36,16 +38,24 @@ def softmax64(xs: list[float]) -> list[float]:
     return [v / sum(e) for v in e]
 
 
-def _installed(name: str) -> bool:
-    from qkv.assets import is_installed
-
-    return is_installed(name)
+def table_rows(out: str, title: str) -> dict[str, list[str]]:
+    """The rows of the rich table printed under the line that starts with ``title``: first
+    cell -> the other cells, stripped (a first cell cut to fit ends in "…")."""
+    lines = out.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith(title))
+    rows: dict[str, list[str]] = {}
+    for line in lines[start + 1:]:
+        if line.startswith("└"):
+            break
+        if line.startswith("│"):
+            cells = [c.strip() for c in line.strip("│").split("│")]
+            rows[cells[0]] = cells[1:]
+    return rows
 
 
 @pytest.fixture(scope="module")
 def minilm():
-    if not _installed("minilm"):
-        pytest.skip("asset minilm not installed: qkv assets install minilm")
+    require_asset("minilm")
     pytest.importorskip("safetensors", reason="safetensors not installed: pip install 'qkv[pretrained]'")
     pytest.importorskip("tokenizers", reason="tokenizers not installed: pip install 'qkv[pretrained]'")
     import qkv
@@ -90,7 +100,9 @@ def test_softmax_cli_prints_the_lectures_numbers_and_a_plot(tmp_path: Path) -> N
     out_png = tmp_path / "softmax.png"
     rc, out, err = call(["explain", "softmax", "--temperature", "0.5", "--plot", str(out_png)])
     assert rc == 0, err
-    for text in ("0.0900", "0.2447", "0.6652", "0.8668", "NaN"):  # 0.8668: softmax([1,2,3] / 0.5)[2]
+    expected = [f"{p:.4f}" for p in softmax64([1, 2, 3])]  # the lecture's 0.09, 0.24, 0.67
+    expected.append(f"{softmax64([2, 4, 6])[2]:.4f}")  # T = 0.5 sharpens the top weight
+    for text in [*expected, "NaN"]:  # NaN: the naive e^x / Σe^x of [1001, 1002, 1003]
         assert text in out
     assert out_png.read_bytes().startswith(PNG)
 
@@ -115,7 +127,9 @@ def test_lookup_numbers() -> None:
 def test_lookup_cli() -> None:
     rc, out, err = call(["explain", "lookup", "--query", "1", "1", "0", "--sharpness", "1"])
     assert rc == 0, err
-    assert "46.5000" in out and "44.0919" in out and "51" in out
+    p = softmax64([1, 1, 0])  # one-hot keys, query [1, 1, 0], sharpness 1
+    hard, soft = (51 + 42) / 2, 51 * p[0] + 42 * p[1] + 31 * p[2]  # hardmax splits the tie
+    assert f"{hard:.4f}" in out and f"{soft:.4f}" in out and "51" in out
 
 
 # --------------------------------------------------------------------------- retrieval
@@ -175,14 +189,29 @@ def test_retrieval_cli_without_minilm_says_how_to_install(no_assets) -> None:
     rc, out, err = call(["explain", "retrieval", "--doc", "the cat sat", "--doc", "a dog ran",
                          "--query", "cat"])
     assert rc == 0, err
-    assert "0.02408" in out and "1.20397" in out  # the hand example
+    idf = math.log(1000 / 300)  # the hand example: 2 times in 100 words, in 300 of 1,000 documents
+    assert f"idf = ln(1000/300) = {idf:.5f}" in out and f"tf-idf = {0.02 * idf:.5f}" in out
     assert "qkv assets install minilm" in out
 
 
 def test_retrieval_cli_with_minilm(minilm_cli) -> None:
     rc, out, err = call(["explain", "retrieval"])
     assert rc == 0, err
-    assert "MiniLM cos" in out and "0.451 (1)" in out  # the dog document ranks first
+    rows = table_rows(out, "query: ")
+    assert len(rows) == len(DOCUMENTS)
+    # The reference: cosines of the query's and documents' embeddings in float64, ranked by
+    # hand, and attention = softmax(10 · cosine) in float64.
+    e = minilm_cli.embed(["a puppy playing in the park", *DOCUMENTS]).double()
+    cos = [float(torch.dot(e[0], d) / (e[0].norm() * d.norm())) for d in e[1:]]
+    rank = {i: r + 1 for r, i in enumerate(sorted(range(len(cos)), key=lambda i: -cos[i]))}
+    attention = softmax64([10 * c for c in cos])
+    for i, (first, cells) in enumerate(rows.items()):
+        assert first.startswith(f"{i + 1}. {DOCUMENTS[i][:10]}")
+        printed, printed_rank = re.fullmatch(r"(-?[0-9.]+) \((\d+)\)", cells[2]).groups()
+        assert float(printed) == pytest.approx(cos[i], abs=5e-4 + 1e-6)  # printed to 3 decimals
+        assert int(printed_rank) == rank[i]
+        assert float(cells[3]) == pytest.approx(attention[i], abs=5e-4 + 1e-6)
+    assert rank[0] == 1  # "puppy" finds the dog document without a shared word
 
 
 # --------------------------------------------------------------------------- scaling
@@ -308,8 +337,7 @@ def test_cost_of_a_preset() -> None:
 
 
 def test_cost_of_smollm2() -> None:
-    if not _installed("smollm2"):
-        pytest.skip("asset smollm2 not installed: qkv assets install smollm2")
+    require_asset("smollm2")
     pytest.importorskip("gguf", reason="gguf not installed: pip install 'qkv[pretrained]'")
     m = model_cost("smollm2", context=8192)
     cfg = m.config
@@ -326,7 +354,11 @@ def test_cost_cli(tmp_path: Path) -> None:
     rc, out, err = call(["explain", "cost", "--n", "196", "--d", "768", "--model", "tiny",
                          "--plot", str(tmp_path / "c.png")])
     assert rc == 0, err
-    for text in ("1,769,472", "22,658,678,784", "45.32G", "(this model)", "8,192 (8.0 KiB)"):
+    n, d = 196, 768
+    kv_per_token = 2 * 2 * 4 * 8 * 2  # tiny preset: K and V, 2 layers, 4 heads of 8, bf16 (the default)
+    kv_bytes = kv_per_token * model_config("tiny").max_seq_len
+    for text in (f"{3 * d * d:,} (3D²)", f"{(n * d) ** 2:,} (N²D²)", f"{2 * (n * d) ** 2 / 1e9:.2f}G (2N²D²)",
+                 "(this model)", f"{kv_bytes:,} ({kv_bytes / 1024:.1f} KiB)", f"{kv_per_token} B"):
         assert text in out
     assert (tmp_path / "c.png").read_bytes().startswith(PNG)
 
@@ -376,11 +408,87 @@ def test_context_numbers(minilm) -> None:
         assert torch.allclose(sums, torch.ones(12, dtype=torch.float64), atol=1e-5)
 
 
+def _it_weights_by_hand(encoder, sentence: str) -> tuple[list[str], torch.Tensor]:
+    """(tokens, (layers, heads, T) float64): every head's softmax(q·k/√32) row of "it", from
+    each block's own input and its Q/K weights (hooks only read the inputs)."""
+    model, tok = encoder.model, encoder.tokenizer.tokenizer
+    enc = tok.encode(sentence)
+    inputs: list[torch.Tensor] = []
+    hooks = [b.register_forward_pre_hook(lambda m, args: inputs.append(args[0][0].detach().double()))
+             for b in model.stack.blocks]
+    try:
+        with torch.no_grad():
+            model(torch.tensor([enc.ids]))
+    finally:
+        for h in hooks:
+            h.remove()
+    j, rows = enc.tokens.index("it"), []
+    for x, block in zip(inputs, model.stack.blocks, strict=True):
+        w = block.attn.qkv
+        qkv = x @ w.weight.detach().double().T + w.bias.detach().double()  # (T, 3 · 384)
+        q, k = qkv[j, :384].view(12, 32), qkv[:, 384:768].view(-1, 12, 32)  # (H, D), (T, H, D)
+        rows.append(torch.softmax(torch.einsum("hd,thd->ht", q, k) / math.sqrt(32), dim=-1))
+    return list(enc.tokens), torch.stack(rows)
+
+
 def test_context_cli(minilm_cli, tmp_path: Path) -> None:
+    from qkv.explain.context import IT_SENTENCES
+
     rc, out, err = call(["explain", "context", "--plot", str(tmp_path / "ctx.png")])
     assert rc == 0, err
-    assert "same sense" in out and "layer 4 head 2" in out and "animal" in out
     assert (tmp_path / "ctx.png").read_bytes().startswith(PNG)
+    by_hand = [_it_weights_by_hand(minilm_cli, s) for s in IT_SENTENCES]  # "...tired", "...wide"
+    # The per-layer tables: the mean over the 12 heads of the weight on each candidate.
+    for sentence, (tokens, w) in zip(IT_SENTENCES, by_hand, strict=True):
+        rows = table_rows(out, repr(sentence))
+        assert list(rows) == [str(layer + 1) for layer in range(w.shape[0])]
+        for layer, cells in enumerate(rows.values()):
+            mean = w[layer].mean(0)
+            assert float(cells[0]) == pytest.approx(float(mean[tokens.index("animal")]), abs=5e-4 + 1e-6)
+            assert float(cells[1]) == pytest.approx(float(mean[tokens.index("street")]), abs=5e-4 + 1e-6)
+    # The single-head table: the head that puts the most weight on "animal" in "...tired" and
+    # the one on "street" in "...wide", found here by argmax over every (layer, head).
+    heads = table_rows(out, "single heads:")
+    expected = {}
+    for (tokens, w), target in zip(by_hand, ("animal", "street"), strict=True):
+        weight = w[:, :, tokens.index(target)]  # (layers, heads)
+        layer, head = divmod(int(weight.argmax()), weight.shape[1])
+        expected[f"layer {layer + 1} head {head + 1}"] = [
+            float(ww[layer, head, tt.index(n)]) for tt, ww in by_hand for n in ("animal", "street")]
+    assert list(heads) == list(expected)
+    for name, want in expected.items():
+        assert [float(c) for c in heads[name]] == pytest.approx(want, abs=5e-4 + 1e-6)
+    # The "bank" table: cosines of the word's vector after each layer, averaged by hand over
+    # the 6 pairs, the 2 same-sense pairs (river 1-2, money 3-4) and the 4 others.
+    model, tok = minilm_cli.model, minilm_cli.tokenizer.tokenizer
+    vecs = []  # per sentence: (layers + 1, dim), layer 0 = the embeddings
+    for text in ("I swam across the river to get to the other bank.",
+                 "We sat on the bank of the river and watched the water.",
+                 "I deposited my paycheck at the bank.", "The bank approved my loan application."):
+        enc, states = tok.encode(text), []
+
+        def keep(module, args, output, states=states) -> None:
+            states.append(output[0] if isinstance(output, tuple) else output)
+
+        hooks = [m.register_forward_hook(keep) for m in (model.emb_norm, *model.stack.blocks)]
+        try:
+            with torch.no_grad():
+                model(torch.tensor([enc.ids]))
+        finally:
+            for h in hooks:
+                h.remove()
+        vecs.append(torch.stack([st[0, enc.tokens.index("bank")].double() for st in states]))
+    rows = table_rows(out, "cosine between the 'bank' vectors")
+    assert list(rows) == ["0 (embeddings)", "1", "2", "3", "4", "5", "6"]
+    for layer, cells in enumerate(rows.values()):
+        def cos(i: int, j: int, layer: int = layer) -> float:
+            a, b = vecs[i][layer], vecs[j][layer]
+            return float(torch.dot(a, b) / (a.norm() * b.norm()))
+
+        pairs = [cos(i, j) for i in range(4) for j in range(i + 1, 4)]
+        same, other = (cos(0, 1) + cos(2, 3)) / 2, (cos(0, 2) + cos(0, 3) + cos(1, 2) + cos(1, 3)) / 4
+        want = [sum(pairs) / 6, same, other, same - other]
+        assert [float(c) for c in cells] == pytest.approx(want, abs=5e-4 + 1e-6)
 
 
 def test_context_rejects_sentences_without_the_word(minilm_cli) -> None:
