@@ -17,6 +17,7 @@ import os
 
 import pytest
 import torch
+from asset_skip import require_asset
 from pretrained_cases import GREEDY_TOKENS, PROMPT_TOKENS, SMOLLM2_PROMPTS, load_fixture
 
 # Before anything imports transformers (only the fixtures below do): never reach a model hub.
@@ -44,12 +45,7 @@ def _two_threads():
 
 
 def _asset(name: str):
-    from qkv.assets import AssetMissingError, asset_path
-
-    try:
-        return asset_path(name)
-    except AssetMissingError:
-        pytest.skip(f"asset {name} not installed: qkv assets install {name}")
+    return require_asset(name)  # skips with "asset missing: NAME (qkv assets install NAME)"
 
 
 def _reference(module: str):

@@ -141,7 +141,7 @@ def test_q4_answers_the_chat_question(formats) -> None:
 def test_q4_keeps_the_files_own_codes(smollm2, smollm2_file) -> None:
     """The Q4_1 blocks of one matrix, read raw from the GGUF: the 4-bit layer built from the
     dequantised weights holds exactly the file's codes, scales and minima."""
-    gguf = pytest.importorskip("gguf")
+    gguf = pytest.importorskip("gguf", reason="gguf not installed: pip install 'qkv[pretrained]'")
     reader = gguf.GGUFReader(str(smollm2_file))
     t = next(t for t in reader.tensors if t.name == "blk.3.ffn_down.weight")
     assert t.tensor_type.name == "Q4_1"

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 from cli_helpers import assert_one_line_error as one_line_error
 from cli_helpers import call
+from pretrained.asset_skip import require_asset
 
 from qkv.viz.plots import attention_grid_size, attention_head_size
 
@@ -29,12 +30,7 @@ def png(path: Path) -> np.ndarray:
 
 
 def _asset(name: str) -> None:
-    from qkv.assets import AssetMissingError, asset_path
-
-    try:
-        asset_path(name)
-    except AssetMissingError:
-        pytest.skip(f"asset {name} not installed: qkv assets install {name}")
+    require_asset(name)  # skips with "asset missing: NAME (qkv assets install NAME)"
 
 
 # --------------------------------------------------------------------------- text models
@@ -81,7 +77,7 @@ def test_minilm_grid_and_one_head(tmp_path: Path) -> None:
 
 def test_smollm2_one_head(tmp_path: Path) -> None:
     _asset("smollm2")
-    pytest.importorskip("gguf")
+    pytest.importorskip("gguf", reason="gguf not installed: pip install 'qkv[pretrained]'")
     out = tmp_path / "s.png"
     rc, stdout, err = call(["attend", "smollm2", "Once upon a time", "--layer", "-1", "--head", "8",
                             "-o", str(out)])
