@@ -106,7 +106,9 @@ def _user_error_kind(e: Exception) -> str | None:
     if isinstance(e, TrainingInterruptedError):
         return "interrupted"
     if isinstance(e, (ValueError, AssetMissingError, AssetInstallError, CheckpointError,
-                      TrainingDivergedError, FileNotFoundError, IsADirectoryError, PermissionError)):
+                      TrainingDivergedError)):
+        return "error"
+    if isinstance(e, OSError):  # a path given that is not a folder, a full disk, no permission...
         return "error"
     if isinstance(e, ImportError):
         return "missing dependency"

@@ -175,9 +175,25 @@ def resume_dir(run_dir: Path, required: bool = True) -> Path | None:
     if all((run_dir / name).is_file() for name in RESUME_FILES):
         return run_dir
     if required:
-        raise CheckpointError(f"{run_dir} has no resume checkpoint ({RESUME_DIR}/); it stopped before "
-                              "its first save: start it again instead of resuming")
+        raise CheckpointError(f"{run_dir} has no resume checkpoint ({RESUME_DIR}/): it stopped before "
+                              f"its first save; delete {run_dir} and start the run again")
     return None
+
+
+def remove_leftovers(run_dir: Path) -> list[str]:
+    """Delete what a killed process left half-written in the run folder (temporary files of
+    atomic writes, a resume set never completed); the names deleted."""
+    run_dir = Path(run_dir)
+    gone = []
+    for p in [*run_dir.glob(".*.tmp"), run_dir / _NEW]:
+        if p.is_dir():
+            shutil.rmtree(p, ignore_errors=True)
+        elif p.is_file():
+            p.unlink(missing_ok=True)
+        else:
+            continue
+        gone.append(p.name)
+    return gone
 
 
 def load_resume(run_dir: Path, model: nn.Module) -> dict[str, Any]:

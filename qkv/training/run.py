@@ -146,8 +146,8 @@ def train_run(
                              f"evaluated): nothing to resume, nothing changed; to train on, resume with a "
                              f"larger --max_iters (e.g. --max_iters {2 * trainer.step})")
         if dist.is_main:
-            again = trainer.step < train_cfg.max_iters and trainer.step % train_cfg.eval_interval == 0
-            ckpt.rewind_metrics(run_dir / "metrics.jsonl", trainer.step, evaluates_first=again)
+            ckpt.remove_leftovers(run_dir)
+            ckpt.rewind_metrics(run_dir / "metrics.jsonl", trainer.step, trainer.evaluates_first())
     elif dist.is_main:
         run_dir.mkdir(parents=True, exist_ok=True)
         if prepared.save is not None:

@@ -93,6 +93,7 @@ class Trainer:
         self.scaler = torch.amp.GradScaler(dev_type, enabled=self.dtype == torch.float16)
         self.step = 0
         self.best_val = math.inf
+        self.evaluated_at = -1  # the step of the last validation pass (logged and saved)
         self.data_gen = torch.Generator().manual_seed(cfg.seed)  # the data stream's position
         self.compiled = False
         self.train_model: nn.Module = wrap_model(self._maybe_compile(self.model), self.dist)
@@ -212,6 +213,7 @@ class Trainer:
             "scaler": self.scaler.state_dict(),
             "step": self.step,
             "best_val": self.best_val,
+            "evaluated_at": self.evaluated_at,
             "torch_rng": torch.get_rng_state(),
             "data_rng": self.data_gen.get_state(),
         }
@@ -252,6 +254,7 @@ class Trainer:
                 opt.load_state_dict(sd)
             self.scaler.load_state_dict(state["scaler"])
             self.step, self.best_val = int(state["step"]), float(state["best_val"])
+            self.evaluated_at = int(state.get("evaluated_at", -1))  # older runs: evaluate again
             torch.set_rng_state(state["torch_rng"])
             self.data_gen.set_state(state["data_rng"])
         except (KeyError, ValueError, RuntimeError) as e:
@@ -322,8 +325,15 @@ class Trainer:
         val = self.evaluate()
         is_best = val < self.best_val
         self.best_val = min(self.best_val, val)
+        self.evaluated_at = self.step
         self._log({"step": self.step, "val_loss": val, "train_loss": train_loss, "best": is_best})
         self.save(is_best, val)
+
+    def evaluates_first(self) -> bool:
+        """Whether :meth:`fit` starts with a validation pass (a fresh run, or a resume at an
+        evaluation step whose pass the checkpoint does not already hold)."""
+        return (self.step < self.cfg.max_iters and self.step % self.cfg.eval_interval == 0
+                and self.evaluated_at != self.step)
 
     # ------------------------------------------------------------------ fit
 
@@ -342,7 +352,7 @@ class Trainer:
         done = self.step >= cfg.max_iters  # resumed after the last save: nothing to train or log
         try:
             while self.step < cfg.max_iters:
-                if self.step % cfg.eval_interval == 0:
+                if self.step % cfg.eval_interval == 0 and self.evaluated_at != self.step:
                     self._evaluate_and_save(None if math.isnan(loss) else loss)
                 if broadcast_flag(self._stop_requested, self.dist):
                     self.save(is_best=False)

@@ -275,7 +275,7 @@ def test_a_set_mixed_from_two_saves_is_refused(tmp_path: Path) -> None:
     first = (tmp_path / "checkpoint" / "optimizer.pt").read_bytes()
     ckpt.save_resume(tmp_path, gpt(1), _state(4))
     (tmp_path / "checkpoint" / "optimizer.pt").write_bytes(first)  # step 2's state beside step 4's weights
-    with pytest.raises(CheckpointError, match=r"\(step 4\) and optimizer.pt \(step 2\) are not from the same"):
+    with pytest.raises(CheckpointError, match=r"\(step 4\) and optimizer.pt \(step 2\) are not from"):
         ckpt.load_resume(tmp_path, gpt(0))
 
 
@@ -311,7 +311,8 @@ def test_append_jsonl_writes_strict_json(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize("evaluates_first", [True, False])
-def test_rewind_metrics_drops_what_the_resumed_run_writes_again(tmp_path: Path, evaluates_first: bool) -> None:
+def test_rewind_metrics_drops_what_the_resumed_run_writes_again(tmp_path: Path,
+                                                                evaluates_first: bool) -> None:
     rows = [{"step": 0, "val_loss": 3.0}, {"step": 1, "train_loss": 2.9}, {"step": 2, "train_loss": 2.8},
             {"step": 2, "val_loss": 2.7}, {"step": 3, "train_loss": 2.6}]
     path = tmp_path / "metrics.jsonl"
