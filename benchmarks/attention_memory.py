@@ -246,7 +246,7 @@ def main(argv=None) -> int:
                                                                  ("chunked", "fwd+bwd"))
         },
     }
-    path = C.write_json(NAME, payload, args.json)
+    path = C.write_json(NAME + ("_quick" if args.quick else ""), payload, args.json)
     print_results(cells, args.T, machine, load)
     print(f"results: {path}")
     return 0

@@ -351,7 +351,7 @@ def main(argv=None) -> int:
         "cells": cells,
         "goals": goals(cells),
     }
-    path = C.write_json(NAME, payload, args.json)
+    path = C.write_json(NAME + ("_quick" if args.quick else ""), payload, args.json)
     print_results(cells, overhead, machine, load, args.backends)
     print(f"results: {path}")
     return 0

@@ -408,7 +408,7 @@ def main() -> int:
         result["embeddings"] = bench_embeddings(args)
     result["load_meter"] = meter.stop()
     print(C.load_line(result["load_meter"]))
-    print(f"results: {C.write_json(NAME, result, args.json)}")
+    print(f"results: {C.write_json(NAME + ('_quick' if args.quick else ''), result, args.json)}")
     return 0
 
 

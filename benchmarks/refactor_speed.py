@@ -141,8 +141,9 @@ def main() -> None:
     C.print_table(f"after (working tree) vs before ({args.before} = {rev[:10]}), {rounds} rounds",
                   ["metric", "before", "after", "after / before per round"], rows)
     print(C.load_line(load))
-    C.write_json("refactor_speed", {"machine": machine, "load": load, "before": rev, "rounds": rounds,
-                                    "summary": summary, "runs": runs}, args.json)
+    payload = {"machine": machine, "load": load, "before": rev, "rounds": rounds, "summary": summary,
+               "runs": runs}
+    C.write_json("refactor_speed" + ("_quick" if args.quick else ""), payload, args.json)
 
 
 if __name__ == "__main__":

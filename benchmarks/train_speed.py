@@ -40,7 +40,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from _common import LoadMeter, load_line, machine_info, machine_line
+from _common import RESULTS_DIR, LoadMeter, load_line, machine_info, machine_line
 from torch import nn
 
 from qkv.device import cpu_has_native_bf16
@@ -286,7 +286,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--quick", action="store_true", help="200 iterations, one seed, small evaluations")
     ap.add_argument("--seeds", type=int, default=3, help="seeds of each full run (baseline, same recipe, "
                     "default run); losses differ by ~0.01-0.03 between seeds")
-    ap.add_argument("--out", default="benchmarks/results/train_speed.json", help="JSON results file")
+    ap.add_argument("--out", default=None,
+                    help="JSON results file (default benchmarks/results/train_speed.json, "
+                    "train_speed_quick.json with --quick)")
     args = ap.parse_args(argv)
     # A fresh probe cache: the default run pays for its dtype/compile probe as a first run would.
     os.environ["QKV_CACHE_DIR"] = tempfile.mkdtemp(prefix="qkv-bench-cache-")
@@ -387,7 +389,7 @@ def main(argv: list[str] | None = None) -> int:
         "load": meter.stop(),
     }
     print(load_line(results["load"]))
-    out = Path(args.out)
+    out = Path(args.out or RESULTS_DIR / f"train_speed{'_quick' if args.quick else ''}.json")
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(results, indent=1) + "\n")
     print(f"results: {out}")
