@@ -1,23 +1,29 @@
 """The JSON API's handlers: requests in, :mod:`qkv.viz.sources` does the work, JSON out.
 
-One :class:`Explorer` per app holds the model registry and the cache of recent attention
-results; :func:`qkv.serve.app.create_app` routes the endpoints to its methods. FastAPI runs these
-(synchronous) methods in its thread pool, so requests run in parallel; models are shared.
+One :class:`Explorer` per app holds the model registry, the work queue and the cache of recent
+attention results; :func:`qkv.serve.app.create_app` routes the endpoints to its methods. FastAPI
+runs these (synchronous) methods in its thread pool, so requests run in parallel; models are
+shared, and the work queue bounds how many compute at once (see work.py). Messages never carry
+a filesystem path (see :class:`PathScrubber`).
 """
 
 from __future__ import annotations
 
 import contextlib
 import hashlib
+import re
+import threading
 import time
-from collections.abc import Iterator
+import weakref
+from collections.abc import Callable, Generator, Iterator
+from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any
 
 import torch
 from fastapi import File, Form, HTTPException, UploadFile
 from fastapi.responses import StreamingResponse
 
-from qkv.serve.registry import AttentionCache, Entry, InvalidNameError, Registry
+from qkv.serve.registry import RUN_PREFIX, AttentionCache, Entry, InvalidNameError, Registry
 from qkv.serve.schemas import (
     AttentionRequest,
     AttentionResponse,
@@ -29,6 +35,7 @@ from qkv.serve.schemas import (
     ModelInfo,
     ModelList,
 )
+from qkv.serve.work import BusyError, Ticket, WorkQueue
 from qkv.viz import sources
 from qkv.viz.sources import InputError, Source, UnknownModelError
 
@@ -44,15 +51,40 @@ def status_of(e: Exception) -> int | None:
 
     for cls, code in ((InvalidNameError, 400), (UnknownModelError, 404), (AssetMissingError, 404),
                       (ImageTooLargeError, 413), (InputError, 422), (CheckpointError, 422),
-                      (ImportError, 503)):
+                      (BusyError, 503), (ImportError, 503)):
         if isinstance(e, cls):
             return code
     return None
 
 
+# An absolute path (two segments or more) that is not one of this API's own URLs.
+_ABS_PATH = re.compile(r"(?<![\w.~:/-])/(?!api/|static/)[^\s'\"/,;()]+(?:/[^\s'\"/,;()]*)+")
+
+
+class PathScrubber:
+    """Takes absolute filesystem paths out of messages sent to the client: the runs directory
+    becomes ``runs`` (so ``<root>/gpt-tiny/config.json`` reads ``runs/gpt-tiny/config.json``, as
+    the model id does), any other absolute path becomes ``…/NAME``."""
+
+    def __init__(self, runs_dir: Path) -> None:
+        roots = {str(Path(runs_dir).resolve()), str(Path(runs_dir).absolute())}
+        self.roots = sorted(roots, key=len, reverse=True)  # the longest first
+
+    def __call__(self, text: str) -> str:
+        for root in self.roots:
+            text = re.sub(re.escape(root) + r"(?=[/\s'\",;:()]|$)", RUN_PREFIX.rstrip("/"), text)
+        return _ABS_PATH.sub(lambda m: "…/" + m.group().rstrip("/").rsplit("/", 1)[-1], text)
+
+
+def one_line(e: BaseException, scrub: Callable[[str], str] = str) -> str:
+    """The error's message on one line, without filesystem paths (or its type if it has none)."""
+    return scrub(" ".join(str(e).split())) or type(e).__name__
+
+
 @contextlib.contextmanager
-def http_errors() -> Iterator[None]:
-    """Turn the errors a user can cause into HTTP errors with a one-line message."""
+def http_errors(scrub: Callable[[str], str] = str) -> Iterator[None]:
+    """Turn the errors a user can cause into HTTP errors with a one-line message (503s with a
+    Retry-After header); ``scrub`` takes paths out of the message."""
     try:
         yield
     except HTTPException:
@@ -61,7 +93,8 @@ def http_errors() -> Iterator[None]:
         code = status_of(e)
         if code is None:
             raise
-        raise HTTPException(code, " ".join(str(e).split()) or type(e).__name__) from None
+        headers = {"Retry-After": str(e.retry_after)} if isinstance(e, BusyError) else None
+        raise HTTPException(code, one_line(e, scrub), headers=headers) from None
 
 
 def _info(e: Entry) -> ModelInfo:
@@ -79,17 +112,80 @@ def _event(**fields: Any) -> str:
     return GenerateEvent(**fields).model_dump_json(exclude_none=True) + "\n"
 
 
-class Explorer:
-    """The endpoints' handlers, sharing one model registry and one attention cache."""
+# What the upload's first bytes must look like (PNG, JPEG, GIF, BMP, WebP, TIFF): Pillow opens
+# many more formats, some through external programs (EPS: Ghostscript); the page needs these.
+_IMAGE_MAGIC = (b"\x89PNG\r\n\x1a\n", b"\xff\xd8\xff", b"GIF87a", b"GIF89a", b"BM", b"II*\x00",
+                b"MM\x00*")
 
-    def __init__(self, cfg: ServeConfig, registry: Registry) -> None:
+
+def _is_image(data: bytes) -> bool:
+    return data.startswith(_IMAGE_MAGIC) or (data[:4] == b"RIFF" and data[8:12] == b"WEBP")
+
+
+class _Stream:
+    """The events of one generation; ``release`` (the work slot and the model) is called when
+    they end or fail, or when the iterator is dropped unstarted."""
+
+    def __init__(self, events: Generator[str, None, None], release: Callable[[], None]) -> None:
+        self.events = events
+        self.release = release
+        weakref.finalize(self, release)
+
+    def __iter__(self) -> _Stream:
+        return self
+
+    def __next__(self) -> str:
+        try:
+            return next(self.events)
+        except BaseException:
+            self.release()
+            raise
+
+
+class _ReleasingResponse(StreamingResponse):
+    """A stream that gives its slot and model back as soon as the response is over, however it
+    ends: done, the client gone (the next send fails, or the disconnect is seen), cancelled."""
+
+    def __init__(self, stream: _Stream, media_type: str) -> None:
+        super().__init__(stream, media_type=media_type)
+        self.stream = stream
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.stream.release()
+            with contextlib.suppress(ValueError):  # still running a step in a worker thread
+                self.stream.events.close()
+
+
+class Explorer:
+    """The endpoints' handlers, sharing one model registry, one work queue and one attention
+    cache. Every handler that runs a model holds a slot of the work queue (503 when the queue
+    is full) and a lease on the model (so the registry never evicts a model in use)."""
+
+    def __init__(self, cfg: ServeConfig, registry: Registry, work: WorkQueue | None = None) -> None:
         self.cfg = cfg
         self.registry = registry
+        self.work = work or WorkQueue()
         self.cache = AttentionCache(cfg.cache_bytes)
+        self.scrub = PathScrubber(registry.runs_dir)
 
-    def _load(self, model_id: str) -> Source:
-        with http_errors():
-            return self.registry.get(model_id)
+    def _errors(self) -> contextlib.AbstractContextManager[None]:
+        return http_errors(self.scrub)
+
+    @contextlib.contextmanager
+    def _model(self, model_id: str) -> Iterator[Source]:
+        """The model, held with a work slot for the block: a bad name is answered (400/404)
+        before it queues, a full queue with 503."""
+        with self._errors():
+            self.registry.resolve(model_id)
+            ticket = self.work.acquire(model_id)
+        try:
+            with self._errors(), self.registry.use(model_id) as src:
+                yield src
+        finally:
+            ticket.release()
 
     def _check_text(self, text: str) -> None:
         if len(text) > self.cfg.max_chars:
@@ -99,9 +195,10 @@ class Explorer:
     def models(self) -> ModelList:
         """The models the page can choose: installed pretrained ones, then runs."""
         cfg = self.cfg
-        with http_errors():
+        with self._errors():
             entries = self.registry.entries()
-        return ModelList(models=[_info(e) for e in entries], runs_dir=str(self.registry.root),
+        # the folder's name only: the server's filesystem layout is none of the client's business
+        return ModelList(models=[_info(e) for e in entries], runs_dir=self.registry.root.name or "runs",
                          limits={"max_chars": cfg.max_chars, "max_tokens": cfg.max_tokens,
                                  "max_new_tokens": cfg.max_new_tokens,
                                  "max_upload_bytes": cfg.max_upload_bytes})
@@ -111,20 +208,27 @@ class Explorer:
         runs, the alignment of the translation with the input."""
         t0 = time.perf_counter()
         self._check_text(req.text)
-        src = self._load(req.model)
-        with http_errors():
-            if src.kind == "seq2seq":
-                return self._alignment(src, req, t0)
-            if src.input == "image":
-                raise InputError(f"{req.model} is a {src.family} run: it reads images; upload one "
-                                 "(POST /api/image-attention)")
+        text_id = hashlib.sha256(req.text.encode()).hexdigest()  # small keys
+        with self._errors():
+            src = self.registry.peek(req.model)  # a result already computed needs no slot
+            att = None
+            if src is not None and src.kind not in ("seq2seq", "image"):
+                att = self.cache.get((req.model, src.serial, text_id, self.cfg.max_tokens))
+        if src is None or att is None:
+            with self._model(req.model) as src:
+                if src.kind == "seq2seq":
+                    return self._alignment(src, req, t0)
+                if src.input == "image":
+                    raise InputError(f"{req.model} is a {src.family} run: it reads images; upload one "
+                                     "(POST /api/image-attention)")
+                sources.check_layer_head(src, req.layer, req.head)
+                key = (req.model, src.serial, text_id, self.cfg.max_tokens)
+                att = self.cache.get(key)
+                if att is None:
+                    att = sources.text_attention(src, req.text, self.cfg.max_tokens)
+                    self.cache.put(key, att)
+        with self._errors():
             layer, head = sources.check_layer_head(src, req.layer, req.head)
-            text_id = hashlib.sha256(req.text.encode()).hexdigest()  # keys stay small, whatever the text
-            key = (req.model, src.serial, text_id, self.cfg.max_tokens)
-            att = self.cache.get(key)
-            if att is None:
-                att = sources.text_attention(src, req.text, self.cfg.max_tokens)
-                self.cache.put(key, att)
         w = att.weights[layer]  # (H, T, T)
         w = w.mean(0) if head is None else w[head]
         return AttentionResponse(
@@ -141,23 +245,44 @@ class Explorer:
 
     def generate(self, req: GenerateRequest) -> StreamingResponse:
         """Continue ``prompt`` with a GPT model (SmolLM2 or a gpt run), streaming each new
-        token with the attention of the position that chose it, as newline-delimited JSON."""
+        token with the attention of the position that chose it, as newline-delimited JSON.
+
+        The work slot and the model are held until the stream ends (or the client leaves)."""
         t0 = time.perf_counter()
         self._check_text(req.prompt)
-        src = self._load(req.model)
-        with http_errors():
-            if src.kind != "decoder":
-                raise InputError(f"{req.model} is a {src.family} model: only GPT models (smollm2, gpt "
-                                 "runs) generate")
-            layer, head = sources.check_layer_head(src, req.layer, req.head)
-            total = min(self.cfg.max_tokens, src.context)
-            ids, notes = sources.encode_text(src, req.prompt, max(1, total - 1), keep="last")
+        with self._errors():
+            self.registry.resolve(req.model)
+            ticket = self.work.acquire(req.model)
+        held: list[Ticket] = [ticket]
+        lock = threading.Lock()
+
+        def release() -> None:
+            with lock:
+                tickets, held[:] = list(held), []
+            for t in reversed(tickets):
+                t.release()
+
+        try:
+            with self._errors():
+                lease = self.registry.acquire(req.model)
+                held.append(lease)
+                src = lease.src
+                if src.kind != "decoder":
+                    raise InputError(f"{req.model} is a {src.family} model: only GPT models (smollm2, "
+                                     "gpt runs) generate")
+                layer, head = sources.check_layer_head(src, req.layer, req.head)
+                total = min(self.cfg.max_tokens, src.context)
+                ids, notes = sources.encode_text(src, req.prompt, max(1, total - 1), keep="last")
+        except BaseException:
+            release()
+            raise
         n_new = min(req.max_new_tokens, self.cfg.max_new_tokens, total - len(ids))
         if n_new < req.max_new_tokens:
             notes.append(f"{n_new} new tokens at most: the prompt has {len(ids)} tokens and the "
                          f"limit is {total}")
+        scrub = self.scrub
 
-        def events() -> Iterator[str]:
+        def events() -> Generator[str, None, None]:
             yield _event(event="start", tokens=sources.token_labels(src, ids), layer=layer, head=head,
                          n_layers=src.n_layers, n_heads=src.n_heads, notes=notes)
             new: list[int] = []
@@ -169,11 +294,13 @@ class Explorer:
                     yield _event(event="token", token=step.token, id=step.id,
                                  weights=[round(float(v), 6) for v in step.weights])
             except Exception as e:  # the status line has gone out: report in the stream
-                yield _event(event="error", detail=" ".join(str(e).split()) or type(e).__name__)
+                yield _event(event="error", detail=one_line(e, scrub))
                 return
+            finally:
+                release()
             yield _event(event="done", text=src.tokenizer.decode(new), seconds=time.perf_counter() - t0)
 
-        return StreamingResponse(events(), media_type="application/x-ndjson")
+        return _ReleasingResponse(_Stream(events(), release), media_type="application/x-ndjson")
 
     def image_attention(self, model: Annotated[str, Form(max_length=256)],
                         image: Annotated[UploadFile, File()],
@@ -187,17 +314,19 @@ class Explorer:
             raise HTTPException(413, f"the upload is larger than {limit:,} bytes; send a smaller image")
         if not data:
             raise HTTPException(422, "the upload is empty; choose an image file")
-        src = self._load(model)
-        with http_errors():
+        not_image = HTTPException(415, f"{_shown(image.filename) or 'the upload'} is not an image this "
+                                  "server can read (PNG, JPEG, GIF, BMP, WebP, TIFF)")
+        with self._model(model) as src:
             if src.input != "image":
                 raise InputError(f"{model} is a {src.family} model: it reads text, not images")
+            if not _is_image(data):
+                raise not_image
             try:
                 x, notes = sources.read_model_image(src, data, self.cfg.max_pixels)
             except ValueError as e:
                 if status_of(e) is not None:
                     raise
-                raise HTTPException(415, f"{image.filename or 'the upload'} is not an image this "
-                                    "server can read (PNG, JPEG, GIF, BMP, WebP, TIFF)") from None
+                raise not_image from None
             att = sources.image_attention(src, x, layer)
         C, H, W = att.image.shape
         return ImageAttentionResponse(
@@ -206,3 +335,9 @@ class Explorer:
                               pixels=att.image.permute(1, 2, 0).reshape(-1).tolist()),
             grid=att.grid, maps=[ImageMap(label=label, weights=_rows(m)) for label, m in att.maps],
             notes=notes + att.notes, details=att.details, seconds=time.perf_counter() - t0)
+
+
+def _shown(filename: str | None) -> str:
+    """An uploaded file's name as the message shows it: one line, 80 characters at most, no folders."""
+    name = " ".join((filename or "").replace("\\", "/").rsplit("/", 1)[-1].split())
+    return name[:80]

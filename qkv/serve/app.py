@@ -7,14 +7,17 @@
     POST /api/image-attention   an image upload -> overlays (ViT heads + rollout, captioner words)
     GET  /openapi.json          the schema of all of the above
 
-Errors are JSON ``{"detail": "..."}`` with 400 (malformed model name), 404 (unknown model),
+Errors are JSON ``{"detail": "..."}`` with 400 (malformed model name, or a Host header this
+server does not answer to), 403 (a cross-site POST from a browser page), 404 (unknown model),
 413 (upload or image too large), 415 (not an image), 422 (input the model cannot take),
-503 (a missing optional dependency). Models are loaded once and shared (see registry.py).
+503 (the model is busy: ``Retry-After`` says when to retry; or a missing optional
+dependency). Models are loaded once and shared, at most ``max_loaded_models`` in memory (see
+registry.py); at most ``max_busy_per_model`` requests compute on one model at once and
+``max_busy`` on all, a few more wait (see work.py). No response names a filesystem path.
 """
 
 from __future__ import annotations
 
-import json
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -27,6 +30,7 @@ from fastapi.staticfiles import StaticFiles
 
 from qkv import __version__
 from qkv.serve.api import Explorer
+from qkv.serve.guards import BodyLimit, HostCheck, OriginCheck
 from qkv.serve.registry import Registry
 from qkv.serve.schemas import (
     MAX_CHARS,
@@ -36,6 +40,7 @@ from qkv.serve.schemas import (
     ImageAttentionResponse,
     ModelList,
 )
+from qkv.serve.work import WorkQueue
 
 STATIC = Path(__file__).resolve().parent / "static"
 # The page loads nothing from elsewhere: the browser enforces it.
@@ -54,9 +59,16 @@ class ServeConfig:
     max_new_tokens: int = 128  # most tokens one /api/generate request may ask for
     max_upload_bytes: int = 5_000_000  # largest image upload (413 beyond)
     max_pixels: int = 25_000_000  # largest image, width x height (413 beyond)
-    max_loaded_models: int = 4  # models kept in memory at once
+    max_loaded_models: int = 4  # models in memory at once, those being loaded included
     cache_bytes: int = 256 * 2**20  # recent attention results, so switching head is instant
-    allowed_hosts: Sequence[str] | None = field(default=None)  # Host headers accepted (None: any)
+    max_busy_per_model: int = 2  # requests computing on one model at once
+    max_busy: int = 4  # requests computing on all models at once
+    max_queued: int = 4  # requests waiting per model (max_busy x this in all); 503 beyond
+    max_wait_s: float = 30.0  # longest a request waits for a slot or for memory, then 503
+    host: str | None = None  # the address the server listens on (None: each connection's own)
+    # Host headers accepted ("*.example.com" for subdomains); None: on a loopback address
+    # loopback names only (DNS rebinding), on any other address any name
+    allowed_hosts: Sequence[str] | None = field(default=None)
 
     def __post_init__(self) -> None:
         self.runs_dir = Path(self.runs_dir)
@@ -64,90 +76,44 @@ class ServeConfig:
             raise ValueError(f"max_tokens must be >= 2, got {self.max_tokens}")
         if self.max_upload_bytes < 1:
             raise ValueError(f"max upload size must be positive, got {self.max_upload_bytes} bytes")
+        for name in ("max_loaded_models", "max_busy_per_model", "max_busy"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.max_queued < 0 or self.max_wait_s < 0:
+            raise ValueError(f"max_queued and max_wait_s must be >= 0, got {self.max_queued} and "
+                             f"{self.max_wait_s}")
 
 
 ERRORS: dict[int | str, dict[str, Any]] = {
     code: {"model": ErrorMessage, "description": text} for code, text in {
         400: "a malformed model name (e.g. a path that leaves the runs directory)",
+        403: "a cross-site request from a browser (Origin or Sec-Fetch-Site names another site)",
         404: "no such model or run",
         413: "the upload or the image is too large",
         415: "the upload is not an image",
         422: "input the model cannot take (empty text, an image for a text model, ...)",
-        503: "an optional dependency is missing",
+        503: "the model is busy (retry after the Retry-After header's seconds), or an optional "
+             "dependency is missing",
     }.items()
 }
-
-
-class _BodyLimit:
-    """Refuse request bodies over ``max_bytes`` with 413, counting what arrives (a missing or
-    false Content-Length cannot get around it), before anything is parsed or spooled."""
-
-    def __init__(self, app: Any, max_bytes: int) -> None:
-        self.app = app
-        self.max_bytes = max_bytes
-
-    async def _refuse(self, send: Any) -> None:
-        body = json.dumps({"detail": f"the request is larger than the {self.max_bytes:,} bytes "
-                           "allowed; send a smaller file"}).encode()
-        await send({"type": "http.response.start", "status": 413,
-                    "headers": [(b"content-type", b"application/json"),
-                                (b"content-length", str(len(body)).encode())]})
-        await send({"type": "http.response.body", "body": body})
-
-    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
-        length = dict(scope["headers"]).get(b"content-length", b"")
-        if length.isdigit() and int(length) > self.max_bytes:
-            await self._refuse(send)
-            return
-        seen, over, started = 0, False, False
-
-        async def limited_receive() -> dict:
-            nonlocal seen, over
-            if over:
-                return {"type": "http.disconnect"}
-            message = await receive()
-            if message["type"] == "http.request":
-                seen += len(message.get("body", b""))
-                if seen > self.max_bytes:
-                    over = True
-                    return {"type": "http.disconnect"}
-            return message
-
-        async def guarded_send(message: dict) -> None:
-            nonlocal started
-            if over:  # the app's answer to a cut-off body: ours goes out instead
-                return
-            started = started or message["type"] == "http.response.start"
-            await send(message)
-
-        try:
-            await self.app(scope, limited_receive, guarded_send)
-        except Exception:
-            if not over:
-                raise
-        if over and not started:
-            await self._refuse(send)
 
 
 def create_app(config: ServeConfig | None = None, **overrides: Any) -> FastAPI:
     """The app. ``create_app(runs_dir=...)`` is ``create_app(ServeConfig(runs_dir=...))``."""
     cfg = config or ServeConfig(**overrides)
-    registry = Registry(cfg.runs_dir, cfg.max_loaded_models)
+    registry = Registry(cfg.runs_dir, cfg.max_loaded_models, max_wait_s=cfg.max_wait_s)
+    work = WorkQueue(cfg.max_busy_per_model, cfg.max_busy, cfg.max_queued, cfg.max_wait_s)
     app = FastAPI(
         title="qkv attention explorer", version=__version__,
         description="See what attention does: per layer and head, as heatmaps and lines, for "
         "pretrained models (MiniLM, SmolLM2) and runs from `qkv train`.",
         docs_url=None, redoc_url=None,  # their pages load scripts from a CDN; the page must not
     )
-    app.state.config, app.state.registry = cfg, registry
-    app.add_middleware(_BodyLimit, max_bytes=cfg.max_upload_bytes + 256_000)
-    if cfg.allowed_hosts is not None:
-        from starlette.middleware.trustedhost import TrustedHostMiddleware
-
-        app.add_middleware(TrustedHostMiddleware, allowed_hosts=list(cfg.allowed_hosts))
+    app.state.config, app.state.registry, app.state.work = cfg, registry, work
+    # the last added runs first: Host, then Origin, then the body's size
+    app.add_middleware(BodyLimit, max_bytes=cfg.max_upload_bytes + 256_000)
+    app.add_middleware(OriginCheck)
+    app.add_middleware(HostCheck, allowed=cfg.allowed_hosts, bound=cfg.host)
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
@@ -155,7 +121,14 @@ def create_app(config: ServeConfig | None = None, **overrides: Any) -> FastAPI:
         for err in exc.errors():
             where = ".".join(str(x) for x in err.get("loc", ()) if x not in ("body", "query"))
             parts.append(f"{where}: {err.get('msg', 'invalid')}" if where else err.get("msg", "invalid"))
-        return JSONResponse({"detail": "; ".join(parts) or "invalid request"}, status_code=422)
+        return JSONResponse({"detail": " ".join("; ".join(parts).split()) or "invalid request"},
+                            status_code=422)
+
+    @app.exception_handler(Exception)
+    async def _bug(request: Request, exc: Exception) -> JSONResponse:
+        # a bug: the traceback goes to the server's log, the client gets one line without paths
+        return JSONResponse({"detail": f"internal error ({type(exc).__name__}) on {request.url.path}; "
+                             "the server's log has the details"}, status_code=500)
 
     @app.middleware("http")
     async def _headers(request: Request, call_next: Any) -> Any:
@@ -171,7 +144,7 @@ def create_app(config: ServeConfig | None = None, **overrides: Any) -> FastAPI:
 
     app.mount("/static", StaticFiles(directory=STATIC), name="static")
 
-    api = Explorer(cfg, registry)
+    api = Explorer(cfg, registry, work)
     json_errors = {"responses": ERRORS}
     app.add_api_route("/api/models", api.models, methods=["GET"], response_model=ModelList)
     app.add_api_route("/api/attention", api.attention, methods=["POST"],

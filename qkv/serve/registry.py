@@ -5,18 +5,25 @@ and ``runs/NAME`` for each run directory ``NAME`` directly inside the runs direc
 is a single folder name: no separators, no ``..``; the folder and the files the loaders read
 must resolve inside the runs directory (a symlink pointing out of it is refused), so no request
 can make the server read a file elsewhere.
+
+Memory is bounded before anything loads: at most ``max_loaded`` models are in memory, those
+being loaded included (see :class:`Registry`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import re
 import threading
+import time
 from collections import OrderedDict
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from qkv.serve.work import BusyError, Ticket
 from qkv.viz.sources import (
     Source,
     TextAttention,
@@ -56,23 +63,46 @@ def _inside(path: Path, root: Path) -> bool:
         return False
 
 
-class Registry:
-    """Lists the models and loads each one once (a lock per model, so two requests for the
-    same model wait for one load; different models load in parallel).
+@dataclass(eq=False)
+class _Model:
+    """One model in memory (``src`` None while it loads), and how many requests use it."""
 
-    At most ``max_loaded`` models stay in memory (least recently used goes first); a run whose
-    weights changed on disk since it was loaded is loaded again.
+    version: Any
+    src: Source | None = None
+    users: int = 0
+
+
+class Lease(Ticket):
+    """A model held in memory for one request; :meth:`release` (once, from any thread) lets the
+    registry evict it again."""
+
+    def __init__(self, src: Source, release: Callable[[], None]) -> None:
+        super().__init__(release)
+        self.src = src
+
+
+class Registry:
+    """Lists the models and loads each one once: two requests for the same model wait for one
+    load; different models load in parallel.
+
+    At most ``max_loaded`` models are in memory at once, counting those being loaded and those
+    still in use by a request after a newer version replaced them: before a load starts, the
+    least recently used model that no request is using is dropped; if every one is in use, the
+    load waits (at most ``max_wait_s`` seconds, then BusyError). A run whose weights
+    changed on disk since it was loaded is loaded again.
     """
 
-    def __init__(self, runs_dir: Path, max_loaded: int = 4) -> None:
+    def __init__(self, runs_dir: Path, max_loaded: int = 4, max_wait_s: float = 30.0) -> None:
+        if max_loaded < 1:
+            raise ValueError(f"max_loaded must be >= 1, got {max_loaded}")
         self.runs_dir = Path(runs_dir)
         self.root = self.runs_dir.resolve()
         self.max_loaded = max_loaded
-        self._lock = threading.Lock()
-        self._loading: dict[str, threading.Lock] = {}
-        self._loaded: OrderedDict[str, tuple[Any, Source]] = OrderedDict()
+        self.max_wait_s = max_wait_s
+        self._cond = threading.Condition()
+        self._models: OrderedDict[str, _Model] = OrderedDict()  # least recently used first
+        self._replaced: list[_Model] = []  # replaced by a newer version while still in use
         self._serial = itertools.count()
-
     # ----------------------------------------------------------------- listing
 
     def pretrained(self) -> list[Entry]:
@@ -136,42 +166,111 @@ class Registry:
         if bad and not model_id.startswith(RUN_PREFIX):
             raise InvalidNameError(f"invalid model name {model_id!r}: choose one from GET /api/models")
 
-    def get(self, model_id: str) -> Source:
-        """The loaded model (loading it on first use)."""
+    def resolve(self, model_id: str) -> tuple[str | Path, Any]:
+        """What to load for ``model_id`` (a run folder or a pretrained name) and its version (the
+        weights' mtime; None for pretrained models). InvalidNameError, UnknownModelError or
+        AssetMissingError, without loading anything."""
+        from qkv.assets import AssetMissingError
         from qkv.viz.sources import pretrained_names
 
         self.check_id(model_id)
-        is_run = model_id.startswith(RUN_PREFIX)
-        if is_run:
+        if model_id.startswith(RUN_PREFIX):
             path = self.run_dir(model_id)
             weights = path / "model.safetensors"
-            version: Any = weights.stat().st_mtime_ns if weights.exists() else None
-            target: str | Path = path
-        elif model_id in pretrained_names():
-            version, target = None, model_id
-        else:
+            return path, (weights.stat().st_mtime_ns if weights.exists() else None)
+        if model_id not in pretrained_names():
             raise UnknownModelError(f"unknown model {model_id!r}; choose one from GET /api/models")
-        with self._lock:
-            hit = self._loaded.get(model_id)
-            if hit is not None and hit[0] == version:
-                self._loaded.move_to_end(model_id)
-                return hit[1]
-            lock = self._loading.setdefault(model_id, threading.Lock())
-        if not is_run and model_id not in {e.id for e in self.pretrained()}:
-            raise UnknownModelError(f"{model_id} is not installed: qkv assets install {model_id}")
-        with lock:  # one load per model, however many requests ask at once
-            with self._lock:
-                hit = self._loaded.get(model_id)
-                if hit is not None and hit[0] == version:
-                    return hit[1]
-            # a pretrained name never resolves to a folder of that name in the working directory
-            src = load_source(target, display_name=model_id) if is_run else load_pretrained(model_id)
-            src.serial = next(self._serial)  # tells cached results of a reload apart
-            with self._lock:
-                self._loaded[model_id] = (version, src)
-                self._loaded.move_to_end(model_id)
-                while len(self._loaded) > self.max_loaded:
-                    self._loaded.popitem(last=False)
+        if model_id not in {e.id for e in self.pretrained()}:
+            raise AssetMissingError(f"{model_id} is not installed: qkv assets install {model_id}")
+        return model_id, None
+
+    def in_memory(self) -> int:
+        """Models in memory now: loaded, being loaded, or replaced but still in use."""
+        with self._cond:
+            return len(self._models) + len(self._replaced)
+
+    def peek(self, model_id: str) -> Source | None:
+        """The model if it is loaded and up to date (loading nothing, waiting for nothing)."""
+        _, version = self.resolve(model_id)
+        with self._cond:
+            m = self._models.get(model_id)
+            return m.src if m is not None and m.version == version else None
+
+    def _evict_one(self) -> bool:
+        for key, m in self._models.items():  # least recently used first
+            if m.users == 0 and m.src is not None:
+                del self._models[key]
+                return True
+        return False
+
+    def _claim(self, model_id: str, version: Any) -> tuple[_Model, bool]:
+        """The model's entry with one more user, and whether this caller must load it."""
+        deadline = time.monotonic() + self.max_wait_s
+        with self._cond:
+            while True:
+                m = self._models.get(model_id)
+                if m is not None and m.version == version and m.src is not None:
+                    m.users += 1
+                    self._models.move_to_end(model_id)
+                    return m, False
+                if m is not None and m.src is not None:  # an older version: replace it
+                    del self._models[model_id]
+                    if m.users:
+                        self._replaced.append(m)
+                    continue
+                if m is None and (len(self._models) + len(self._replaced) < self.max_loaded
+                                  or self._evict_one()):
+                    m = _Model(version, users=1)
+                    self._models[model_id] = m
+                    return m, True
+                # someone is loading it, or every model in memory is in use: wait for a change
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise BusyError(f"cannot load {model_id} now: the {self.max_loaded} models in memory "
+                                    "(the limit) are all in use; try again in a few seconds", 2)
+                self._cond.wait(left)
+
+    def _release(self, m: _Model) -> None:
+        with self._cond:
+            m.users -= 1
+            if m.users == 0 and m in self._replaced:
+                self._replaced.remove(m)
+            self._cond.notify_all()
+
+    def acquire(self, model_id: str) -> Lease:
+        """The model, loaded on first use and kept in memory until the lease is released."""
+        target, version = self.resolve(model_id)
+        m, load = self._claim(model_id, version)
+        if load:
+            try:
+                # a pretrained name never resolves to a folder of that name in the working directory
+                src = (load_source(target, display_name=model_id) if isinstance(target, Path)
+                       else load_pretrained(model_id))
+                src.serial = next(self._serial)  # tells cached results of a reload apart
+            except BaseException:
+                with self._cond:
+                    if self._models.get(model_id) is m:
+                        del self._models[model_id]
+                    self._cond.notify_all()
+                raise
+            with self._cond:
+                m.src = src
+                self._cond.notify_all()
+        assert m.src is not None
+        return Lease(m.src, lambda: self._release(m))
+
+    @contextlib.contextmanager
+    def use(self, model_id: str) -> Iterator[Source]:
+        """``with registry.use(model_id) as src: ...``: the model, held for the block."""
+        lease = self.acquire(model_id)
+        try:
+            yield lease.src
+        finally:
+            lease.release()
+
+    def get(self, model_id: str) -> Source:
+        """The loaded model (loading it on first use), not held: it may be evicted later."""
+        with self.use(model_id) as src:
             return src
 
 

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, field_validator
 
 MAX_CHARS = 20_000  # the hard limit on a text field; tokens beyond the context are truncated
+MIN_TEMPERATURE = 1e-6  # below it (but above 0) logits / T overflow to inf: 0 is greedy
 
 
 class ErrorMessage(BaseModel):
@@ -29,7 +30,7 @@ class ModelInfo(BaseModel):
 
 class ModelList(BaseModel):
     models: list[ModelInfo]
-    runs_dir: str = Field(description="the folder runs are listed from")
+    runs_dir: str = Field(description="the name of the folder runs are listed from (never a full path)")
     limits: dict[str, int] = Field(description="max_chars, max_tokens, max_new_tokens, max_upload_bytes")
 
 
@@ -60,11 +61,19 @@ class GenerateRequest(BaseModel):
     model: str = Field(min_length=1, max_length=256, examples=["smollm2"])
     prompt: str = Field(max_length=MAX_CHARS, examples=["Once upon a time"])
     max_new_tokens: int = Field(20, ge=1, le=512)
-    temperature: float = Field(0.0, ge=0.0, le=5.0, description="0 = greedy")
+    temperature: float = Field(0.0, ge=0.0, le=5.0, description="0 = greedy, else at least 1e-6")
     top_k: int | None = Field(None, ge=1)
-    seed: int | None = None
+    seed: int | None = Field(None, ge=-2**63, le=2**64 - 1, description="a 64-bit seed (null: random)")
     layer: int | None = Field(None, description="default: the last layer")
     head: int | None = Field(None, description="default (null): the mean over heads")
+
+    @field_validator("temperature")
+    @classmethod
+    def _temperature(cls, value: float) -> float:
+        # logits / 1e-300 overflow to inf and sampling would fail after the status line went out
+        if 0 < value < MIN_TEMPERATURE:
+            raise ValueError(f"temperature must be 0 (greedy) or at least {MIN_TEMPERATURE:g}, got {value:g}")
+        return value
 
 
 class GenerateEvent(BaseModel):

@@ -3,12 +3,10 @@ must never be listed or read), and the app served by uvicorn on a free loopback 
 
 from __future__ import annotations
 
-import threading
-import time
 from pathlib import Path
 
 import pytest
-from serve_helpers import free_port
+from serve_helpers import serving
 
 
 @pytest.fixture(scope="session")
@@ -31,19 +29,8 @@ def runs_dir(tiny_run, tmp_path_factory) -> Path:
 def server(runs_dir):
     """The app on http://127.0.0.1:PORT (uvicorn in a thread); yields the base URL."""
     pytest.importorskip("fastapi", reason="qkv serve needs FastAPI: pip install 'qkv[serve]'")
-    uvicorn = pytest.importorskip("uvicorn", reason="qkv serve needs uvicorn: pip install 'qkv[serve]'")
+    pytest.importorskip("uvicorn", reason="qkv serve needs uvicorn: pip install 'qkv[serve]'")
     from qkv.serve import create_app
 
-    app = create_app(runs_dir=runs_dir, max_upload_bytes=200_000)
-    port = free_port()
-    srv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=srv.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not srv.started:
-        if time.monotonic() > deadline or not thread.is_alive():
-            pytest.fail("uvicorn did not start")
-        time.sleep(0.05)
-    yield f"http://127.0.0.1:{port}"
-    srv.should_exit = True
-    thread.join(timeout=10)
+    with serving(create_app(runs_dir=runs_dir, max_upload_bytes=200_000)) as url:
+        yield url

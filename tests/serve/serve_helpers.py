@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import socket
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
 
 
 def asset_installed(name: str) -> bool:
@@ -21,3 +26,28 @@ def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def serving(app: Any, host: str = "127.0.0.1") -> Iterator[str]:
+    """``with serving(app) as url:`` the app on ``http://HOST:PORT`` (uvicorn in a thread, a free
+    port) for the block."""
+    import uvicorn
+
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        port = s.getsockname()[1]
+    srv = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning"))
+    thread = threading.Thread(target=srv.run, daemon=True)
+    thread.start()
+    try:
+        deadline = time.monotonic() + 30
+        while not srv.started:
+            if time.monotonic() > deadline or not thread.is_alive():
+                raise RuntimeError("uvicorn did not start")
+            time.sleep(0.05)
+        yield f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+    finally:
+        srv.should_exit = True
+        thread.join(timeout=10)

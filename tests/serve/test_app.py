@@ -1,9 +1,12 @@
 """The JSON API of `qkv serve` through FastAPI's TestClient: valid requests checked against the
 models' own forward passes, every kind of bad request answered with a 4xx JSON message,
-limits, path traversal, concurrency, and the `qkv serve` command itself."""
+limits, path traversal (no file outside the runs directory is ever read, no path is ever sent
+back), and the `qkv serve` command itself. Concurrency: test_concurrency.py; the Host and Origin
+checks: test_guards.py; the fuzz of the whole schema: test_schema_fuzz.py."""
 
 from __future__ import annotations
 
+import contextlib
 import io
 import json
 import os
@@ -11,7 +14,7 @@ import socket
 import subprocess
 import sys
 import time
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -74,7 +77,7 @@ def test_models_lists_runs_and_installed_models_only(client, runs_dir: Path) -> 
     assert ids["runs/seq2seq-tiny"]["kind"] == "seq2seq"
     assert ("minilm" in ids) == asset_installed("minilm")
     assert ("smollm2" in ids) == asset_installed("smollm2")
-    assert body["runs_dir"] == str(runs_dir.resolve())
+    assert body["runs_dir"] == "runs"  # the folder's name: no absolute path leaves the server
     assert body["limits"] == {"max_chars": 2000, "max_tokens": 64, "max_new_tokens": 128,
                               "max_upload_bytes": 20_000}
 
@@ -208,24 +211,113 @@ def test_bad_attention_requests(client, body, status, message) -> None:
     assert message in detail(client.post("/api/attention", json=body), status)
 
 
-def test_requests_never_read_outside_the_runs_directory(app, client, monkeypatch) -> None:
-    """Whatever the name, the loader is only ever handed folders inside the runs directory."""
+# Every file a request opens is seen here: Python's audit events ("open" is raised by open(),
+# io.open, os.open and the import system; "os.listdir"/"os.scandir" by directory listings; the
+# process-spawning events by subprocess and os), plus safetensors' own reader, which opens files
+# in Rust without an event. The hook is added once and costs nothing while no watch is on.
+_WATCH: list[tuple[str, str]] | None = None
+_HOOKED = False
+_SPAWN_EVENTS = ("subprocess.Popen", "os.system", "os.exec", "os.posix_spawn", "os.spawn", "os.fork")
+
+
+def _audit(event: str, args: tuple) -> None:
+    seen = _WATCH
+    if seen is None:
+        return
+    path = args[0] if args else None
+    if event in ("open", "os.listdir", "os.scandir") and isinstance(path, str | bytes | os.PathLike):
+        seen.append((event, os.path.abspath(os.fsdecode(path))))
+    elif event in ("os.listdir", "os.scandir") and path is None:
+        seen.append((event, os.path.abspath(".")))
+    elif event in _SPAWN_EVENTS:
+        seen.append((event, repr(args)[:200]))
+
+
+@contextlib.contextmanager
+def watch_files(monkeypatch) -> Iterator[list[tuple[str, str]]]:
+    """``with watch_files(monkeypatch) as seen:`` -> every (event, absolute path) of the block."""
+    global _WATCH, _HOOKED
+    import safetensors
+    import safetensors.torch
+
+    if not _HOOKED:
+        sys.addaudithook(_audit)
+        _HOOKED = True
+    seen: list[tuple[str, str]] = []
+    real = safetensors.safe_open
+
+    def spy(filename, *args, **kwargs):
+        seen.append(("safetensors", os.path.abspath(os.fspath(filename))))
+        return real(filename, *args, **kwargs)
+
+    monkeypatch.setattr(safetensors, "safe_open", spy)
+    monkeypatch.setattr(safetensors.torch, "safe_open", spy)  # load_file and load_model use this name
+    _WATCH = seen
+    try:
+        yield seen
+    finally:
+        _WATCH = None
+
+
+def _every_kind_of_request(c, names: list[str]) -> None:
+    png = png_bytes((16, 16))
+    for path in ["/", "/static/app.js", "/static/../app.py", "/static/%2e%2e/app.py", "/static/..%2fapi.py",
+                 "/static//etc/passwd", "/api/models"]:
+        c.get(path)
+    for name in names:
+        c.post("/api/attention", json={"model": name, "text": "ROMEO 8 août 1977"})
+        c.post("/api/generate", json={"model": name, "prompt": "ROMEO", "max_new_tokens": 2})
+        c.post("/api/image-attention", data={"model": name}, files={"image": ("d.png", png, "image/png")})
+
+
+def test_requests_never_read_outside_the_runs_directory(runs_dir, monkeypatch) -> None:
+    """Whatever the name, a request reads files only inside the runs directory (and the page's
+    own static folder, and the installed files of a pretrained model it names): no loader, no
+    listing, no image reader, nothing else; and it starts no program."""
+    from fastapi.testclient import TestClient
+
     import qkv.serve.registry as registry
+    from qkv.serve import create_app
+    from qkv.serve.app import STATIC
 
-    seen: list[str] = []
-    real = registry.load_source
+    handed: list[tuple[str, str]] = []
+    for loader in ("load_source", "load_pretrained", "run_family"):
+        real = getattr(registry, loader)
 
-    def spy(target, display_name=None):
-        seen.append(str(target))
-        return real(target, display_name)
+        def spy(target, *args, _real=real, _name=loader, **kwargs):
+            handed.append((_name, str(target)))
+            return _real(target, *args, **kwargs)
 
-    monkeypatch.setattr(registry, "load_source", spy)
-    app.state.registry._loaded.clear()
-    for name in ["../../etc/passwd", "runs/../../etc/passwd", "runs/escape", "runs/%2e%2e", "runs/~root",
-                 "runs/gpt-tiny\x00", "runs/a/b", "runs/gpt-tiny"]:
-        client.post("/api/attention", json={"model": name, "text": "ROMEO"})
-    root = app.state.registry.root
-    assert seen == [str(root / "gpt-tiny")]
+        monkeypatch.setattr(registry, loader, spy)
+    names = ["../../etc/passwd", "runs/../../etc/passwd", "runs/escape", "runs/%2e%2e", "runs/~root",
+             "runs/gpt-tiny\x00", "runs/a/b", "/etc/passwd", "~/.ssh/id_rsa", "..", "runs/notes",
+             "runs/notes/readme.txt", "gpt-tiny", "runs/gpt-tiny", "runs/vit-tiny", "runs/seq2seq-tiny",
+             "runs/captioner-tiny"]
+    allowed = [runs_dir.resolve(), STATIC]
+    if asset_installed("minilm"):
+        from qkv.assets import asset_path
+
+        names.append("minilm")
+        allowed.append(asset_path("minilm").resolve())
+    _every_kind_of_request(TestClient(create_app(runs_dir=runs_dir)), names)  # imports happen here
+    handed.clear()
+    with watch_files(monkeypatch) as seen:  # a fresh app: nothing loaded, nothing cached
+        _every_kind_of_request(TestClient(create_app(runs_dir=runs_dir)), names)
+    root = runs_dir.resolve()
+    # qkv.assets finds installed asset packages with importlib, which lists the sys.path folders
+    search = {os.path.abspath(p or ".") for p in sys.path}
+    outside = [(e, p) for e, p in seen if e in _SPAWN_EVENTS or not (
+        any(Path(p).resolve().is_relative_to(a) for a in allowed) or (e == "os.listdir" and p in search))]
+    assert outside == []
+    read = {Path(p).resolve() for e, p in seen}
+    for family in ("gpt", "vit", "seq2seq", "captioner"):  # the watch saw the real reads
+        assert root / f"{family}-tiny" / "model.safetensors" in read, family
+        assert root / f"{family}-tiny" / "config.json" in read, family
+    assert any(p.is_relative_to(STATIC) for p in read)
+    loads = sorted({t for name, t in handed if name == "load_source"})
+    assert loads == sorted(str(root / f"{f}-tiny") for f in ("captioner", "gpt", "seq2seq", "vit"))
+    assert {t for name, t in handed if name == "load_pretrained"} <= {"minilm"}
+    assert all(Path(t).resolve().is_relative_to(root) for name, t in handed if name == "run_family")
 
 
 @pytest.mark.skipif(not asset_installed("smollm2"),
@@ -380,72 +472,6 @@ def test_bodies_over_the_limit_are_refused_before_parsing(client) -> None:
     r = client.post("/api/image-attention", data={"model": "runs/vit-tiny", "layer": "9"},
                     files={"image": ("d.png", png_bytes(), "image/png")})
     assert "layer must be in" in detail(r, 422)
-
-
-# --------------------------------------------------------------------------- concurrency
-
-
-def test_twenty_concurrent_requests_succeed_and_load_each_model_once(runs_dir, monkeypatch) -> None:
-    from fastapi.testclient import TestClient
-
-    import qkv.serve.registry as registry
-    from qkv.serve import create_app
-
-    loads: list[str] = []
-    real_run, real_pretrained = registry.load_source, registry.load_pretrained
-
-    def counting_run(target, display_name=None):
-        loads.append(str(display_name))
-        time.sleep(0.2)  # widen the window in which a second load could start
-        return real_run(target, display_name)
-
-    def counting_pretrained(name):
-        loads.append(name)
-        time.sleep(0.2)
-        return real_pretrained(name)
-
-    monkeypatch.setattr(registry, "load_source", counting_run)
-    monkeypatch.setattr(registry, "load_pretrained", counting_pretrained)
-    model = "minilm" if asset_installed("minilm") else "runs/gpt-tiny"
-    client = TestClient(create_app(runs_dir=runs_dir))
-    words = "But soft what light through yonder window".split()
-    texts = [f"ROMEO: {' '.join(words[: 1 + i % 7])}{'?' * (i // 7)}" for i in range(20)]  # 20 texts
-
-    def ask(i: int):
-        m = model if i % 2 == 0 else "runs/gpt-tiny"
-        return m, client.post("/api/attention", json={"model": m, "text": texts[i], "head": i % 4})
-
-    with ThreadPoolExecutor(max_workers=20) as pool:
-        results = list(pool.map(ask, range(20)))
-    assert [r.status_code for _, r in results] == [200] * 20
-    assert sorted(loads) == sorted({model, "runs/gpt-tiny"})  # each model loaded once
-    for i, (m, r) in enumerate(results):
-        if m == "runs/gpt-tiny":
-            assert r.json()["query_tokens"] == list(texts[i][:32])  # the context: 32 characters
-
-
-def test_twenty_concurrent_requests_over_http(server, capsys) -> None:
-    """The same through uvicorn and real sockets: 20 clients at once, all answered."""
-    import httpx
-
-    model = "minilm" if asset_installed("minilm") else "runs/gpt-tiny"
-    with httpx.Client(base_url=server, timeout=120) as warm:  # load the model first
-        assert warm.post("/api/attention", json={"model": model, "text": "ROMEO"}).status_code == 200
-
-    def ask(i: int) -> tuple[int, float]:
-        t0 = time.perf_counter()
-        with httpx.Client(base_url=server, timeout=120) as c:
-            r = c.post("/api/attention", json={"model": model, "text": f"ROMEO: But soft{'!' * i}"})
-        return r.status_code, time.perf_counter() - t0
-
-    t0 = time.perf_counter()
-    with ThreadPoolExecutor(max_workers=20) as pool:
-        results = list(pool.map(ask, range(20)))
-    wall = time.perf_counter() - t0
-    assert [code for code, _ in results] == [200] * 20
-    with capsys.disabled():
-        print(f"\n20 concurrent /api/attention requests ({model}) over HTTP: all 200 in {wall:.2f} s "
-              f"(slowest {max(t for _, t in results):.2f} s)")
 
 
 # --------------------------------------------------------------------------- the command

@@ -1,0 +1,220 @@
+"""`qkv serve` under concurrent requests: each model loaded once and shared, at most N requests
+computing per model with a few waiting and 503 + Retry-After beyond (never a pile of threads),
+the slot and the model held for a whole generation stream and given back when it ends or the
+client leaves; and a small load test over real sockets (statuses only: no timing is asserted)."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+from serve_helpers import asset_installed, serving
+
+pytestmark = pytest.mark.usefixtures("one_thread")  # see tests/conftest.py
+for _module, _why in (("fastapi", "qkv serve needs FastAPI"), ("multipart", "uploads need python-multipart"),
+                      ("httpx", "FastAPI's TestClient needs httpx")):
+    pytest.importorskip(_module, reason=f"{_why}: pip install 'qkv[dev]'")
+
+
+def wait_until(condition, what: str, timeout: float = 20.0) -> None:
+    """Block until ``condition()`` holds (a synchronisation point, not a timing assertion)."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.005)
+
+
+def busy_detail(r) -> str:
+    assert r.status_code == 503, r.text
+    body = r.json()
+    assert set(body) == {"detail"} and "\n" not in body["detail"]
+    assert 1 <= int(r.headers["retry-after"]) <= 60
+    return body["detail"]
+
+
+def test_twenty_concurrent_requests_succeed_and_load_each_model_once(runs_dir, monkeypatch) -> None:
+    from fastapi.testclient import TestClient
+
+    import qkv.serve.registry as registry
+    from qkv.serve import create_app
+
+    loads: list[str] = []
+    real_run, real_pretrained = registry.load_source, registry.load_pretrained
+
+    def counting_run(target, display_name=None):
+        loads.append(str(display_name))
+        time.sleep(0.2)  # widen the window in which a second load could start
+        return real_run(target, display_name)
+
+    def counting_pretrained(name):
+        loads.append(name)
+        time.sleep(0.2)
+        return real_pretrained(name)
+
+    monkeypatch.setattr(registry, "load_source", counting_run)
+    monkeypatch.setattr(registry, "load_pretrained", counting_pretrained)
+    model = "minilm" if asset_installed("minilm") else "runs/gpt-tiny"
+    app = create_app(runs_dir=runs_dir, max_queued=20)  # room for all 20 to wait
+    client = TestClient(app)
+    words = "But soft what light through yonder window".split()
+    texts = [f"ROMEO: {' '.join(words[: 1 + i % 7])}{'?' * (i // 7)}" for i in range(20)]  # 20 texts
+
+    def ask(i: int):
+        m = model if i % 2 == 0 else "runs/gpt-tiny"
+        return m, client.post("/api/attention", json={"model": m, "text": texts[i], "head": i % 4})
+
+    with ThreadPoolExecutor(max_workers=20) as pool:
+        results = list(pool.map(ask, range(20)))
+    assert [r.status_code for _, r in results] == [200] * 20
+    assert sorted(loads) == sorted({model, "runs/gpt-tiny"})  # each model loaded once
+    for i, (m, r) in enumerate(results):
+        if m == "runs/gpt-tiny":
+            assert r.json()["query_tokens"] == list(texts[i][:32])  # the context: 32 characters
+    assert (app.state.work.running(), app.state.work.waiting()) == (0, 0)
+
+
+class Gate:
+    """Stands for the model's work: each call blocks until the test opens the gate."""
+
+    def __init__(self, real) -> None:
+        self.real, self.open, self.lock = real, threading.Event(), threading.Lock()
+        self.calls = 0
+
+    def __call__(self, *args, **kwargs):
+        with self.lock:
+            self.calls += 1
+        assert self.open.wait(30), "the gate was never opened"
+        return self.real(*args, **kwargs)
+
+
+def test_a_full_queue_answers_503_with_retry_after(runs_dir, monkeypatch) -> None:
+    from fastapi.testclient import TestClient
+
+    from qkv.serve import create_app
+    from qkv.viz import sources
+
+    gate = Gate(sources.text_attention)
+    monkeypatch.setattr(sources, "text_attention", gate)
+    app = create_app(runs_dir=runs_dir, max_busy_per_model=1, max_queued=1)
+    work, client = app.state.work, TestClient(app)
+
+    def ask(text: str):
+        return client.post("/api/attention", json={"model": "runs/gpt-tiny", "text": text})
+
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        first = pool.submit(ask, "ROMEO")
+        wait_until(lambda: gate.calls == 1, "the first request at work")
+        second = pool.submit(ask, "JULIET")
+        wait_until(lambda: work.waiting("runs/gpt-tiny") == 1, "the second request waiting")
+        message = busy_detail(ask("ROMEO: But"))
+        assert message.startswith("runs/gpt-tiny is busy (1 requests running and 1 waiting); try again in")
+        r = client.post("/api/generate", json={"model": "runs/gpt-tiny", "prompt": "R"})
+        assert "runs/gpt-tiny is busy" in busy_detail(r)  # generation shares the model's queue
+        assert client.post("/api/attention", json={"model": "runs/seq2seq-tiny", "text": "8 août 1977"}
+                           ).status_code == 200  # another model is not held up
+        assert client.get("/api/models").status_code == 200  # nor is the rest of the API
+        assert client.post("/api/attention", json={"model": "runs/nope", "text": "R"}).status_code == 404
+        gate.open.set()
+        assert first.result().status_code == 200 and second.result().status_code == 200
+    assert gate.calls == 2  # the refused ones never reached the model
+    # a result already computed needs no slot: switching head while the model is busy
+    monkeypatch.setattr(sources, "text_attention", Gate(sources.text_attention))  # closed again
+    with ThreadPoolExecutor(max_workers=1) as pool:
+        blocked = pool.submit(ask, "ROMEO: But soft")
+        wait_until(lambda: work.running("runs/gpt-tiny") == 1, "a request at work")
+        r = client.post("/api/attention", json={"model": "runs/gpt-tiny", "text": "ROMEO", "head": 2})
+        assert r.status_code == 200 and r.json()["head"] == 2
+        sources.text_attention.open.set()
+        assert blocked.result().status_code == 200
+
+
+def test_a_generation_holds_its_slot_until_the_stream_ends(runs_dir) -> None:
+    from fastapi.testclient import TestClient
+
+    from qkv.serve import create_app
+
+    app = create_app(runs_dir=runs_dir, max_busy_per_model=1, max_queued=0)
+    client = TestClient(app)
+    for _ in range(3):  # one at a time, each after the last one's stream ended
+        r = client.post("/api/generate", json={"model": "runs/gpt-tiny", "prompt": "ROMEO",
+                                               "max_new_tokens": 3})
+        events = [json.loads(x)["event"] for x in r.text.splitlines()]
+        assert events == ["start", "token", "token", "token", "done"]
+        assert (app.state.work.running(), app.state.registry._models["runs/gpt-tiny"].users) == (0, 0)
+    r = client.post("/api/generate", json={"model": "runs/vit-tiny", "prompt": "R"})
+    assert r.status_code == 422 and app.state.work.running() == 0  # refused before the stream: freed
+
+
+def test_a_client_that_leaves_mid_stream_frees_the_slot(runs_dir, monkeypatch) -> None:
+    import httpx
+
+    from qkv.serve import create_app
+    from qkv.viz import sources
+
+    real = sources.generate_steps
+
+    def slow(*args, **kwargs):
+        for step in real(*args, **kwargs):
+            time.sleep(0.05)  # long enough that the client leaves before the end
+            yield step
+
+    monkeypatch.setattr(sources, "generate_steps", slow)
+    app = create_app(runs_dir=runs_dir, max_busy_per_model=1, max_queued=0)
+    body = {"model": "runs/gpt-tiny", "prompt": "ROMEO", "max_new_tokens": 20}
+    with serving(app) as url, httpx.Client(base_url=url, timeout=30) as c:
+        with c.stream("POST", "/api/generate", json=body) as r:
+            lines = r.iter_lines()
+            assert json.loads(next(lines))["event"] == "start"
+            assert app.state.work.running("runs/gpt-tiny") == 1
+            assert "busy" in busy_detail(c.post("/api/generate", json=body))
+        # the connection is closed with the stream unfinished
+        wait_until(lambda: app.state.work.running() == 0, "the slot given back")
+        wait_until(lambda: app.state.registry._models["runs/gpt-tiny"].users == 0, "the model let go")
+        assert c.post("/api/attention", json={"model": "runs/gpt-tiny", "text": "R"}).status_code == 200
+
+
+def test_a_small_load_over_http_gets_only_2xx_4xx_and_503(server, capsys) -> None:
+    """20 clients at once, 100 mixed requests through uvicorn and real sockets; with the default
+    queue (2 at work per model, 4 waiting) some may be told to retry, none may fail."""
+    import io
+
+    import httpx
+    from PIL import Image
+
+    buf = io.BytesIO()
+    Image.new("L", (16, 16), 200).save(buf, format="PNG")
+    png = buf.getvalue()
+    model = "minilm" if asset_installed("minilm") else "runs/gpt-tiny"
+
+    def ask(i: int) -> tuple[str, int, str]:
+        with httpx.Client(base_url=server, timeout=120) as c:
+            kind = ("models", "attention", "attention", "generate", "image", "bad")[i % 6]
+            if kind == "models":
+                r = c.get("/api/models")
+            elif kind == "attention":
+                r = c.post("/api/attention", json={"model": model, "text": f"ROMEO: But soft{'!' * i}"})
+            elif kind == "generate":
+                r = c.post("/api/generate", json={"model": "runs/gpt-tiny", "prompt": "ROMEO",
+                                                  "max_new_tokens": 4})
+            elif kind == "image":
+                r = c.post("/api/image-attention", data={"model": "runs/vit-tiny"},
+                           files={"image": ("d.png", png, "image/png")})
+            else:
+                r = c.post("/api/attention", json={"model": "runs/../../etc", "text": "R"})
+            return kind, r.status_code, r.headers.get("retry-after", "")
+
+    with ThreadPoolExecutor(max_workers=20) as pool:
+        results = list(pool.map(ask, range(100)))
+    statuses = Counter(code for _, code, _ in results)
+    with capsys.disabled():
+        print(f"\n100 mixed requests, 20 at once, over HTTP: {dict(sorted(statuses.items()))}")
+    assert set(statuses) <= {200, 400, 503}
+    assert all(code == 400 for kind, code, _ in results if kind == "bad")
+    assert all(code == 200 for kind, code, _ in results if kind == "models")
+    assert all(after.isdigit() for _, code, after in results if code == 503)
+    # at least the first 6 of each model's requests (2 at work + 4 waiting) are served
+    assert sum(code == 200 for kind, code, _ in results if kind in ("attention", "generate", "image")) >= 18
