@@ -68,11 +68,11 @@ class PathScrubber:
 
     def __init__(self, runs_dir: Path) -> None:
         roots = {str(Path(runs_dir).resolve()), str(Path(runs_dir).absolute())}
-        self.roots = sorted(roots, key=len, reverse=True)  # the longest first
+        alternatives = "|".join(re.escape(r) for r in sorted(roots, key=len, reverse=True))  # longest first
+        self.root = re.compile(rf"(?<![\w.~-])(?:{alternatives})(?=[/\s'\",;:()]|$)")
 
     def __call__(self, text: str) -> str:
-        for root in self.roots:
-            text = re.sub(re.escape(root) + r"(?=[/\s'\",;:()]|$)", RUN_PREFIX.rstrip("/"), text)
+        text = self.root.sub(RUN_PREFIX.rstrip("/"), text)
         return _ABS_PATH.sub(lambda m: "…/" + m.group().rstrip("/").rsplit("/", 1)[-1], text)
 
 

@@ -56,6 +56,17 @@ class Entry:
         return kind_of(self.family)
 
 
+def _echo(name: str) -> str:
+    """A name the client sent, as a message shows it: quoted, 100 characters at most, and not at
+    all if it holds an absolute path. Messages have their paths rewritten (see api.py); echoing
+    one would tell a client whether it guessed where the runs directory is. A relative name
+    (``../../etc/passwd``: each '/' after a name character) can never hold one."""
+    rest = name[len(RUN_PREFIX):] if name.startswith(RUN_PREFIX) else name
+    if re.search(r"(?:^|[^\w.~-])/", rest) or "\\" in rest:
+        return "(not shown: it has an absolute path in it)"
+    return repr(name[:100]) + ("…" if len(name) > 100 else "")
+
+
 def _inside(path: Path, root: Path) -> bool:
     try:
         return path.resolve().is_relative_to(root)
@@ -148,7 +159,7 @@ class Registry:
         directory, UnknownModelError for runs that do not exist."""
         name = model_id[len(RUN_PREFIX):]
         if not _RUN_NAME.fullmatch(name):
-            raise InvalidNameError(f"invalid run name {name!r}: a run is named by its folder inside "
+            raise InvalidNameError(f"invalid run name {_echo(name)}: a run is named by its folder inside "
                                    "the runs directory (letters, digits, '.', '_', '-')")
         path = self.root / name
         if not path.is_dir() and not path.is_symlink():
@@ -164,7 +175,7 @@ class Registry:
         bad = (".." in model_id or model_id.startswith(("/", "~")) or "\\" in model_id
                or any(ord(c) < 32 for c in model_id))
         if bad and not model_id.startswith(RUN_PREFIX):
-            raise InvalidNameError(f"invalid model name {model_id!r}: choose one from GET /api/models")
+            raise InvalidNameError(f"invalid model name {_echo(model_id)}: choose one from GET /api/models")
 
     def resolve(self, model_id: str) -> tuple[str | Path, Any]:
         """What to load for ``model_id`` (a run folder or a pretrained name) and its version (the
@@ -179,7 +190,7 @@ class Registry:
             weights = path / "model.safetensors"
             return path, (weights.stat().st_mtime_ns if weights.exists() else None)
         if model_id not in pretrained_names():
-            raise UnknownModelError(f"unknown model {model_id!r}; choose one from GET /api/models")
+            raise UnknownModelError(f"unknown model {_echo(model_id)}; choose one from GET /api/models")
         if model_id not in {e.id for e in self.pretrained()}:
             raise AssetMissingError(f"{model_id} is not installed: qkv assets install {model_id}")
         return model_id, None

@@ -47,10 +47,14 @@ def client(app):
 
 
 def png_bytes(size: tuple[int, int] = (16, 16), mode: str = "L", colour=200) -> bytes:
+    return image_bytes("PNG", size, mode, colour)
+
+
+def image_bytes(fmt: str, size: tuple[int, int] = (16, 16), mode: str = "L", colour=200) -> bytes:
     from PIL import Image
 
     buf = io.BytesIO()
-    Image.new(mode, size, colour).save(buf, format="PNG")
+    Image.new(mode, size, colour).save(buf, format=fmt)
     return buf.getvalue()
 
 
@@ -351,6 +355,75 @@ def test_a_run_retrained_on_disk_is_loaded_again(app, client, runs_dir) -> None:
         os.utime(weights, ns=(st.st_atime_ns, st.st_mtime_ns))
 
 
+def test_no_response_names_a_filesystem_path(tiny_run, tmp_path, monkeypatch) -> None:
+    """Damaged runs, missing files, traversal, a bug deep in the model code, an error in the
+    middle of a stream: every message names runs by their id (runs/NAME), never by where they
+    are on the server's disk. Each response is scanned for the runs directory's path."""
+    import shutil
+
+    from fastapi.testclient import TestClient
+
+    from qkv.serve import create_app
+
+    root = tmp_path / "srv" / "runs"
+    root.mkdir(parents=True)
+    for family in ("gpt", "vit"):
+        shutil.copytree(tiny_run(family), root / f"{family}-ok")
+        shutil.copytree(tiny_run(family), root / f"{family}-broken")
+        (root / f"{family}-broken" / "model.safetensors").write_bytes(b"\x00" * 10)
+    shutil.copytree(tiny_run("gpt"), root / "gpt-noweights")
+    (root / "gpt-noweights" / "model.safetensors").unlink()
+    (root / "gpt-badjson").mkdir()
+    (root / "gpt-badjson" / "config.json").write_text("{not json")
+    (root / "escape").symlink_to(tiny_run("gpt"), target_is_directory=True)
+    c = TestClient(create_app(runs_dir=root), raise_server_exceptions=False)
+    png = png_bytes((16, 16))
+    got = {"models": c.get("/api/models"), "static": c.get("/static/nope.js"), "page": c.get("/nope"),
+           "not an image": c.post("/api/image-attention", data={"model": "runs/vit-ok"},
+                                  files={"image": (str(root / "d.png"), b"text", "image/png")})}
+    for name in ["runs/gpt-ok", "runs/gpt-broken", "runs/vit-broken", "runs/gpt-noweights",
+                 "runs/gpt-badjson", "runs/escape", "runs/../../x", "runs/nope", str(root / "gpt-ok"),
+                 "../" + str(root)]:
+        got["attention", name] = c.post("/api/attention", json={"model": name, "text": "ROMEO"})
+        got["generate", name] = c.post("/api/generate", json={"model": name, "prompt": "ROMEO",
+                                                              "max_new_tokens": 2})
+        got["image", name] = c.post("/api/image-attention", data={"model": name},
+                                    files={"image": (str(root / "d.png"), png, "image/png")})
+    from qkv.viz import sources
+
+    def bug(*args, **kwargs):
+        raise RuntimeError(f"an unexpected failure reading {root}/gpt-ok/model.safetensors")
+
+    def failing_steps(*args, **kwargs):
+        raise ValueError(f"{root.resolve()}/gpt-ok/model.safetensors went away")
+        yield
+
+    monkeypatch.setattr(sources, "text_attention", bug)
+    monkeypatch.setattr(sources, "generate_steps", failing_steps)
+    got["bug"] = c.post("/api/attention", json={"model": "runs/gpt-ok", "text": "JULIET"})
+    got["stream"] = c.post("/api/generate", json={"model": "runs/gpt-ok", "prompt": "ROMEO"})
+    for key, r in got.items():
+        for path in {str(tmp_path), str(tmp_path.resolve()), "/tmp/", str(Path.home())}:
+            assert path not in r.text, (key, r.status_code, r.text)
+    assert got["models"].json()["runs_dir"] == "runs"
+    assert "cannot load runs/gpt-broken/model.safetensors" in detail(got["attention", "runs/gpt-broken"], 422)
+    assert "cannot load runs/vit-broken/model.safetensors" in detail(got["image", "runs/vit-broken"], 422)
+    assert detail(got["generate", "runs/gpt-noweights"], 422).startswith(
+        "runs/gpt-noweights/model.safetensors is missing: is runs/gpt-noweights a qkv run directory?")
+    assert detail(got["not an image"], 415).startswith("d.png is not an image")  # the name, not the path
+    assert detail(got["attention", "../" + str(root)], 400) == (
+        "invalid model name (not shown: it has an absolute path in it): choose one from GET /api/models")
+    assert detail(got["bug"], 500) == ("internal error (RuntimeError) on /api/attention; the server's log "
+                                       "has the details")
+    assert json.loads(got["stream"].text.splitlines()[-1]) == {
+        "event": "error", "detail": "runs/gpt-ok/model.safetensors went away"}
+    # no oracle: a name holding the right guess of the runs directory reads like any other guess
+    for template in ("{}/gpt-ok", "..//{}", "runs/x {}", "a {}", "runs/{}"):
+        answers = {c.post("/api/attention", json={"model": template.format(guess), "text": "R"}).text
+                   for guess in (str(root), str(root.resolve()), "/nowhere/runs")}
+        assert len(answers) == 1, answers
+
+
 def test_a_pretrained_model_that_is_not_installed(runs_dir, monkeypatch) -> None:
     from fastapi.testclient import TestClient
 
@@ -405,6 +478,10 @@ def test_generate_stops_at_the_context_with_a_note(client) -> None:
     ({"model": "runs/gpt-tiny", "prompt": "  "}, 422, "the text is empty"),
     ({"model": "runs/gpt-tiny", "prompt": "R", "max_new_tokens": 0}, 422, "max_new_tokens"),
     ({"model": "runs/gpt-tiny", "prompt": "R", "temperature": -1}, 422, "temperature"),
+    ({"model": "runs/gpt-tiny", "prompt": "R", "temperature": 1e-300}, 422,
+     "temperature must be 0 (greedy) or at least 1e-06, got 1e-300"),
+    ({"model": "runs/gpt-tiny", "prompt": "R", "seed": 2**64}, 422, "seed: Input should be less than or"),
+    ({"model": "runs/gpt-tiny", "prompt": "R", "seed": -2**63 - 1}, 422, "seed: Input should be greater"),
     ({"model": "runs/gpt-tiny", "prompt": "R", "layer": 7}, 422, "layer must be in"),
     ({"model": "nope", "prompt": "R"}, 404, "unknown model"),
     ({"model": "runs/../x", "prompt": "R"}, 400, "invalid run name"),
@@ -445,6 +522,10 @@ def test_captioner_image_attention(client) -> None:
 @pytest.mark.parametrize("model, upload, status, message", [
     ("runs/vit-tiny", ("notes.txt", b"just some text, not pixels", "text/plain"), 415, "is not an image"),
     ("runs/vit-tiny", ("fake.png", b"\x89PNG\r\n\x1a\n broken", "image/png"), 415, "is not an image"),
+    ("runs/vit-tiny", ("x.eps", b"%!PS-Adobe-3.0 EPSF-3.0\n%%BoundingBox: 0 0 8 8\n", "image/png"), 415,
+     "x.eps is not an image this server can read (PNG, JPEG, GIF, BMP, WebP, TIFF)"),
+    ("runs/vit-tiny", ("d.ppm", image_bytes("PPM"), "image/x-portable-pixmap"), 415, "is not an image"),
+    ("runs/vit-tiny", ("../../secret  dir/a.png", b"not", "image/png"), 415, "a.png is not an image"),
     ("runs/vit-tiny", ("big.bin", os.urandom(20_001), "image/png"), 413, "larger than 20,000 bytes"),
     ("runs/vit-tiny", ("huge.png", png_bytes((400, 400)), "image/png"), 413, "400x400 pixels"),
     ("runs/vit-tiny", ("empty.png", b"", "image/png"), 422, "the upload is empty"),
