@@ -104,7 +104,11 @@ def _info(e: Entry) -> ModelInfo:
 
 
 def _rows(w: torch.Tensor) -> list[list[float]]:
-    """A weight matrix as JSON-friendly rows, 6 decimals (rows still sum to 1 within 1e-5)."""
+    """A weight matrix as JSON-friendly rows, 6 decimals (rows still sum to 1 within 1e-5); 422
+    for NaN or inf (JSON has no such numbers: they would go out as null, against the schema)."""
+    if not bool(torch.isfinite(w).all()):
+        raise HTTPException(422, "the attention weights are not all finite (NaN or inf): the model's "
+                            "weights are damaged; retrain the run")
     return (torch.round(w.float() * 1e6) / 1e6).tolist()
 
 

@@ -424,6 +424,26 @@ def test_no_response_names_a_filesystem_path(tiny_run, tmp_path, monkeypatch) ->
         assert len(answers) == 1, answers
 
 
+def test_a_model_whose_attention_is_nan_gets_a_422(runs_dir, monkeypatch) -> None:
+    """A run trained into NaN: JSON cannot carry NaN (it would go out as null, which the schema
+    does not allow and the page cannot draw), so the answer is a message."""
+    from fastapi.testclient import TestClient
+
+    from qkv.serve import create_app
+
+    real = sources.text_attention
+
+    def nan(*args, **kwargs):
+        att = real(*args, **kwargs)
+        att.weights = torch.full_like(att.weights, float("nan"))
+        return att
+
+    monkeypatch.setattr(sources, "text_attention", nan)
+    c = TestClient(create_app(runs_dir=runs_dir))
+    r = c.post("/api/attention", json={"model": "runs/gpt-tiny", "text": "ROMEO"})
+    assert detail(r, 422).startswith("the attention weights are not all finite (NaN or inf)")
+
+
 def test_a_pretrained_model_that_is_not_installed(runs_dir, monkeypatch) -> None:
     from fastapi.testclient import TestClient
 

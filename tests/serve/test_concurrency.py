@@ -179,7 +179,8 @@ def test_a_client_that_leaves_mid_stream_frees_the_slot(runs_dir, monkeypatch) -
 
 def test_a_small_load_over_http_gets_only_2xx_4xx_and_503(server, capsys) -> None:
     """20 clients at once, 100 mixed requests through uvicorn and real sockets; with the default
-    queue (2 at work per model, 4 waiting) some may be told to retry, none may fail."""
+    queue (2 at work per model, 4 in all, 4 waiting per model) some may be told to retry (503),
+    none may fail."""
     import io
 
     import httpx
@@ -216,5 +217,6 @@ def test_a_small_load_over_http_gets_only_2xx_4xx_and_503(server, capsys) -> Non
     assert all(code == 400 for kind, code, _ in results if kind == "bad")
     assert all(code == 200 for kind, code, _ in results if kind == "models")
     assert all(after.isdigit() for _, code, after in results if code == 503)
-    # at least the first 6 of each model's requests (2 at work + 4 waiting) are served
-    assert sum(code == 200 for kind, code, _ in results if kind in ("attention", "generate", "image")) >= 18
+    # the first 4 requests for each model always find room in its queue (4 may wait), so are served
+    served = sum(code == 200 for kind, code, _ in results if kind in ("attention", "generate", "image"))
+    assert served >= 4 * len({model, "runs/gpt-tiny", "runs/vit-tiny"})
