@@ -21,7 +21,9 @@ def add_generate_parser(sub) -> None:
     p.add_argument("run", metavar="RUN_OR_MODEL",
                    help="a run directory from `qkv train`, a pretrained model (smollm2), or a "
                    "llama-architecture .gguf file")
-    p.add_argument("--prompt", default="\n", help="text to continue (default: %(default)r)")
+    p.add_argument("--prompt", default=None,
+                   help="text to continue (a trained run's default: a newline, or its first character "
+                   "if its text has no newline; a pretrained model needs one)")
     p.add_argument("--max-new-tokens", type=int, default=300, help="tokens to generate")
     p.add_argument("--temperature", type=float, default=0.8, help="0 = greedy; <1 sharper, >1 more random")
     p.add_argument("--top-k", type=int, default=200, help="sample among the k most likely tokens (0 = off)")
@@ -56,9 +58,10 @@ def cmd_generate(args: argparse.Namespace) -> int:
     from qkv.families.gpt import GPTFamily
     from qkv.generation import generate, text_pieces
     from qkv.generation.decode import crop_prompt
-    from qkv.generation.sampling import make_generator
+    from qkv.generation.sampling import check_sampling, make_generator
 
     check_device(args.device)
+    check_sampling(args.temperature, args.top_k, args.top_p, ("--temperature", "--top-k", "--top-p"))
     if (args.run in DECODERS and not Path(args.run).is_dir()) or args.run.lower().endswith(".gguf"):
         return cmd_generate_pretrained(args)
     if args.chat or args.system:
@@ -79,6 +82,10 @@ def cmd_generate(args: argparse.Namespace) -> int:
         from qkv.layers.quant import quantize_linears
 
         quantize_linears(model, "int8")
+    if args.prompt is None:  # a newline (a new speech, in Shakespeare), or a character of its text
+        from qkv.families.gpt import sample_prompt
+
+        args.prompt = sample_prompt(tok)
     ids = tok.encode(args.prompt)
     if not ids:
         raise ValueError("the prompt encodes to no tokens; give a non-empty --prompt")
@@ -118,6 +125,8 @@ def cmd_generate_pretrained(args: argparse.Namespace) -> int:
 
     if args.max_new_tokens < 0:
         raise ValueError(f"--max-new-tokens must be >= 0, got {args.max_new_tokens}")
+    if args.prompt is None:
+        raise ValueError(f"{args.run} continues a prompt: give --prompt TEXT (with --chat: your message)")
     if not args.prompt.strip() and not args.chat:
         raise ValueError("the prompt is empty; give --prompt TEXT")
     if args.system is not None and not args.chat:

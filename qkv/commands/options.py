@@ -93,6 +93,8 @@ def check_png_out(path: str, flag: str):
     out = Path(path)
     if out.suffix.lower() != ".png":
         raise ValueError(f"{flag} must name a .png file, got {out}")
+    if out.parent.exists() and not out.parent.is_dir():
+        raise ValueError(f"{out.parent} is a file, not a folder: choose another {flag}")
     if not out.parent.is_dir():
         raise ValueError(f"folder {out.parent} does not exist; create it or choose another {flag}")
     return out

@@ -65,6 +65,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         raise ValueError(f"--port must be in 1..65535, got {args.port}")
     if args.max_upload_mb <= 0:
         raise ValueError(f"--max-upload-mb must be positive, got {args.max_upload_mb}")
+    if Path(args.runs).exists() and not Path(args.runs).is_dir():
+        raise ValueError(f"--runs {args.runs} is a file, not a folder of run directories")
     # A page on loopback answers only to loopback names: a web page elsewhere cannot reach it
     # through a DNS name it controls (DNS rebinding).
     hosts = None

@@ -61,6 +61,10 @@ def default_run_dir(family: str, preset: str) -> str:
 def _resumed_configs(f: Family, args: argparse.Namespace, train_over: dict) -> tuple[Any, TrainConfig, Any]:
     from qkv.training import checkpoint as ckpt
 
+    if not Path(args.resume).is_dir():
+        what = "not a directory" if Path(args.resume).exists() else "no such folder"
+        raise ckpt.CheckpointError(f"--resume {args.resume}: {what}; give the run directory that "
+                                   "`qkv train` wrote")
     saved = ckpt.read_json(Path(args.resume) / "config.json")
     if not isinstance(saved, dict) or not all(k in saved for k in ("model", "train", "data")):
         raise ckpt.CheckpointError(f"{args.resume}/config.json is not a qkv run configuration")

@@ -56,6 +56,9 @@ class EquivarianceResult:
 TOL = 1e-10  # float64 rounding of a few matrix products is ~1e-15
 
 
+MAX_TOKENS = MAX_DIM = 4096  # a few hundred MB at most: a worked example, not a stress test
+
+
 def explain_equivariance(tokens: int = 6, dim: int = 16, heads: int = 2, seed: int = 0) -> EquivarianceResult:
     """Permute ``tokens`` random tokens of width ``dim`` through one attention layer.
 
@@ -69,6 +72,12 @@ def explain_equivariance(tokens: int = 6, dim: int = 16, heads: int = 2, seed: i
         raise ValueError(f"dim must be even and >= 2 (sinusoidal positions pair channels), got {dim}")
     if heads < 1 or dim % heads:
         raise ValueError(f"heads must divide dim ({dim}), got {heads}")
+    scores = heads * tokens * tokens * 8  # one float64 score per head and pair of tokens
+    if tokens > MAX_TOKENS or dim > MAX_DIM:
+        raise ValueError(f"tokens and dim must be at most {MAX_TOKENS} and {MAX_DIM} (a live example; "
+                         f"{tokens} tokens x {heads} heads need {scores / 1e9:,.1f} GB of float64 scores, "
+                         f"a width of {dim} {dim * dim * 4 * 8 / 1e9:,.1f} GB of weights), got {tokens} "
+                         f"and {dim}")
     g = torch.Generator().manual_seed(seed)
     with torch.random.fork_rng(devices=[]):  # seed the layer's initial weights, leave the global RNG
         torch.manual_seed(seed)

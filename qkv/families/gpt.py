@@ -87,6 +87,14 @@ def sample_prompt(tok) -> str:
         return tok.decode([0])
 
 
+def _prompt_hint(run: Run) -> str:
+    """A prompt for the hint after training: the first word of the run's own text, quoted."""
+    import shlex
+
+    words = run.prepared.state.corpus.text.split()
+    return shlex.quote(words[0][:24] if words else "a")
+
+
 class GPTFamily(FamilyBase):
     name = "gpt"
     kind = "decoder"
@@ -162,7 +170,7 @@ class GPTFamily(FamilyBase):
                 f"{run.eval['val_windows']} fixed windows\n"
                 f"\n--- sample (temperature 0.8, top-k 200) ---{sample}\n---\n"
                 + files_lines(run, {"weights": run.run_dir / "model.safetensors"})
-                + f"generate more: qkv generate {run.run_dir} --prompt 'ROMEO:'")
+                + f"generate more: qkv generate {run.run_dir} --prompt {_prompt_hint(run)}")
 
     def load(self, run_dir: Path, device: str = "cpu") -> LoadedGPT:
         from qkv.tokenizers import load_tokenizer

@@ -10,6 +10,8 @@ Shapes: B batch, V vocabulary.
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import Tensor
 
@@ -40,6 +42,23 @@ def make_generator(device: str | torch.device, seed: int | None = None) -> torch
     return gen
 
 
+MIN_TEMPERATURE = 1e-6  # below this (but above 0) logits / T overflow to inf: use 0 for greedy
+
+
+def check_sampling(temperature: float, top_k: int | None = None, top_p: float | None = None,
+                   flags: tuple[str, str, str] = ("temperature", "top_k", "top_p")) -> None:
+    """ValueError (one line) for sampling settings that cannot draw a token: a temperature that
+    is not 0 (greedy) or a finite number >= 1e-6, a negative top-k, a top-p outside (0, 1]."""
+    t, k, p = flags
+    if not math.isfinite(temperature) or temperature < 0 or 0 < temperature < MIN_TEMPERATURE:
+        raise ValueError(f"{t} must be 0 (greedy) or a finite number >= {MIN_TEMPERATURE:g}, "
+                         f"got {temperature}")
+    if top_k is not None and top_k < 0:
+        raise ValueError(f"{k} must be >= 0 (0 = off), got {top_k}")
+    if top_p is not None and not 0.0 < top_p <= 1.0:
+        raise ValueError(f"{p} must be in (0, 1], got {top_p}")
+
+
 def sample_next(
     logits: Tensor,
     temperature: float = 1.0,
@@ -48,10 +67,7 @@ def sample_next(
     generator: torch.Generator | None = None,
 ) -> Tensor:
     """(B, V) logits of the last position -> (B,) next token ids."""
-    if temperature < 0:
-        raise ValueError(f"temperature must be >= 0, got {temperature}")
-    if top_p is not None and not 0.0 < top_p <= 1.0:
-        raise ValueError(f"top_p must be in (0, 1], got {top_p}")
+    check_sampling(temperature, top_k, top_p)
     if temperature == 0:
         return logits.argmax(dim=-1)
     logits = filter_logits(logits.float() / temperature, top_k, top_p)

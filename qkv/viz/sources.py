@@ -31,6 +31,7 @@ from qkv.families.base import Kind
 
 PRETRAINED_KINDS: dict[str, Kind] = {"minilm": "encoder", "smollm2": "decoder"}
 MAX_TOKENS = 512  # attention maps over more tokens than this are unreadable (and (L,H,T,T) is big)
+ATTENTION_BYTES = 2 * 1024**3  # the most memory the (L, H, T, T) float32 maps of one text may take
 
 
 def kind_of(family: str) -> Kind:
@@ -220,10 +221,23 @@ def token_labels(src: Source, ids: list[int]) -> list[str]:
     return [src.tokenizer.decode([i]) for i in ids]
 
 
+def check_attention_size(src: Source, n_tokens: int) -> None:
+    """InputError, naming the memory, when the (L, H, T, T) float32 attention maps of
+    ``n_tokens`` tokens would take more than ``ATTENTION_BYTES``."""
+    L, H, T = src.n_layers, src.n_heads, n_tokens
+    need = L * H * T * T * 4
+    if need > ATTENTION_BYTES:
+        fits = int((ATTENTION_BYTES / (L * H * 4)) ** 0.5)
+        raise InputError(f"the attention maps of {T} tokens would need {need / 1e9:.1f} GB ({L} layers x "
+                         f"{H} heads x {T}x{T} weights x 4 bytes), more than the "
+                         f"{ATTENTION_BYTES / 2**30:.0f} GiB allowed: use --max-tokens {fits} or fewer")
+
+
 @torch.inference_mode()
 def text_attention(src: Source, text: str, max_tokens: int = MAX_TOKENS) -> TextAttention:
     """Every layer's and head's attention over ``text`` (MiniLM, SmolLM2, GPT runs)."""
     ids, notes = encode_text(src, text, max_tokens)
+    check_attention_size(src, len(ids))
     device = next(src.model.parameters()).device
     x = torch.tensor([ids], dtype=torch.long, device=device)
     out = src.model(x, backend="reference", return_weights=True)
