@@ -247,3 +247,21 @@ def write_json(name: str, payload: dict, path: str | None = None) -> Path:
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(payload, indent=2) + "\n")
     return out
+
+
+def have_reference(name: str, assets: Sequence[str] = ("minilm", "smollm2")) -> bool:
+    """Whether the reference packages (transformers, sentence-transformers) and ``assets`` are
+    installed; if not, say which is missing and how to install it (the caller exits 2)."""
+    try:
+        import sentence_transformers  # noqa: F401
+        import transformers  # noqa: F401
+
+        from qkv.assets import asset_path
+
+        for a in assets:
+            asset_path(a)
+    except Exception as e:  # a missing reference package or asset: say which
+        print(f"{name}: needs the reference packages and assets: pip install -e '.[reference]' "
+              f"&& qkv assets install {' '.join(assets)} ({e})", file=sys.stderr)
+        return False
+    return True

@@ -357,16 +357,7 @@ def main() -> int:
         args.rounds, args.new_tokens, args.sentences = 1, 32, 200
     if args.threads:
         torch.set_num_threads(args.threads)
-    try:
-        import sentence_transformers  # noqa: F401
-        import transformers  # noqa: F401
-
-        from qkv.assets import asset_path
-
-        asset_path("minilm"), asset_path("smollm2")
-    except Exception as e:  # missing reference package or asset: say which, exit 2
-        print(f"{NAME}: needs the reference packages and assets: pip install -e '.[reference]' "
-              f"&& qkv assets install minilm smollm2 ({e})", file=sys.stderr)
+    if not C.have_reference(NAME):
         return 2
     machine = C.machine_info()
     print(C.machine_line(machine), flush=True)
