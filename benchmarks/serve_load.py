@@ -11,15 +11,21 @@ malformed JSON, a cross-site upload, an empty upload). Recorded: status counts (
 server's peak RSS (VmHWM) and peak thread count, the machine, and the CPU time other processes
 took meanwhile.
 
-``--text-model smollm2`` sends the attention and generation requests to SmolLM2 instead (if its
-asset is installed): each attention request then builds 30 x 9 x T x T weights (~70 MB at 256
-tokens), which is what the work queue bounds. ``--server-path DIR`` runs the server from another
-checkout of qkv (its directory goes first on PYTHONPATH), e.g. the commit before the queue, to
-compare the two under the same load.
+Clients are impatient (a 503 is their answer) or, for each server that answered 503, also
+patient in a second run: they wait the Retry-After seconds and ask again (at most 30 times), so
+every request is served in the end; their latency includes the waits.
 
-    python benchmarks/serve_load.py                          # 200 requests, 20 at once (~1 min)
-    python benchmarks/serve_load.py --quick                  # 40 requests, 10 at once
-    python benchmarks/serve_load.py --text-model smollm2     # the work queue under real weight
+``--text-model smollm2`` sends the attention and generation requests to SmolLM2 instead (if its
+asset is installed), with texts longer than the server's 256 tokens: each attention request
+then builds 30 x 9 x 256 x 256 float32 weights (~70 MB), which is what the work queue bounds.
+``--server-path DIR`` also runs every scenario with the server from another checkout of qkv
+(run in that directory, so its qkv is the one imported), e.g. a worktree of the commit before
+the queue: the two under the same load.
+
+    python benchmarks/serve_load.py                        # 200 requests, 20 at once (~30 s)
+    python benchmarks/serve_load.py --quick                # 40 requests, 10 at once
+    git worktree add /tmp/before COMMIT && python benchmarks/serve_load.py \
+        --text-model runs/gpt-tiny --text-model smollm2 --server-path /tmp/before   # ~4 minutes
 """
 
 from __future__ import annotations
@@ -133,8 +139,8 @@ def make_request(kind: str, i: int, text_model: str, image: bytes) -> dict:
     rng = random.Random(i)
     if text_model.startswith("runs/"):  # a character model: only the characters it was trained on
         text = " ".join(rng.choice(ROMEO_WORDS) for _ in range(8 + i % 10))
-    else:
-        text = " ".join(rng.choice(WORDS) for _ in range(40 + i % 60))
+    else:  # past the server's 256 tokens: each request builds the largest maps it allows
+        text = " ".join(rng.choice(WORDS) for _ in range(300 + i % 60))
     if kind == "models":
         return {"method": "GET", "url": "/api/models"}
     if kind == "attention":
