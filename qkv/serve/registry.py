@@ -99,8 +99,9 @@ class Registry:
     At most ``max_loaded`` models are in memory at once, counting those being loaded and those
     still in use by a request after a newer version replaced them: before a load starts, the
     least recently used model that no request is using is dropped; if every one is in use, the
-    load waits (at most ``max_wait_s`` seconds, then BusyError). A run whose weights
-    changed on disk since it was loaded is loaded again.
+    load waits (at most ``max_wait_s`` seconds, then BusyError: a 503). A run whose weights
+    changed on disk since it was loaded is loaded again. Requests hold a model with
+    :meth:`use` or :meth:`acquire`; :meth:`get` loads one without holding it.
     """
 
     def __init__(self, runs_dir: Path, max_loaded: int = 4, max_wait_s: float = 30.0) -> None:
@@ -114,6 +115,7 @@ class Registry:
         self._models: OrderedDict[str, _Model] = OrderedDict()  # least recently used first
         self._replaced: list[_Model] = []  # replaced by a newer version while still in use
         self._serial = itertools.count()
+
     # ----------------------------------------------------------------- listing
 
     def pretrained(self) -> list[Entry]:
