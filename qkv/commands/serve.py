@@ -18,8 +18,10 @@ def add_serve_parser(sub) -> None:
         "token-to-token lines; generate with a GPT model and watch each new token's attention; "
         "upload an image for ViT and captioner runs. A JSON API backs the page (its schema: "
         "/openapi.json). Listens on the loopback interface only, unless --host says otherwise; "
-        "on an IPv4 loopback address, requests naming another host are refused (DNS rebinding). Needs "
-        "`pip install 'qkv[serve]'`.",
+        "on a loopback address, requests naming another host are refused (DNS rebinding); "
+        "uploads and other POSTs from another web site are refused (Origin, Sec-Fetch-Site); at "
+        "most --max-busy requests compute at once, a few wait, the rest get 503 + Retry-After. "
+        "Needs `pip install 'qkv[serve]'`.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     p.add_argument("--host", default="127.0.0.1",
@@ -31,6 +33,13 @@ def add_serve_parser(sub) -> None:
     p.add_argument("--max-tokens", type=int, default=256,
                    help="longest text (in tokens) a request may show; longer text is truncated, with a note")
     p.add_argument("--max-upload-mb", type=float, default=5.0, help="largest image upload, in MB")
+    p.add_argument("--max-busy-per-model", type=int, default=2,
+                   help="requests computing on one model at once")
+    p.add_argument("--max-busy", type=int, default=4, help="requests computing on all models at once")
+    p.add_argument("--max-queued", type=int, default=4,
+                   help="requests waiting per model; beyond that a 503 with Retry-After")
+    p.add_argument("--max-wait", type=float, default=30.0,
+                   help="seconds a request waits for a slot before a 503")
     p.set_defaults(func=cmd_serve)
 
 
@@ -67,13 +76,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
         raise ValueError(f"--max-upload-mb must be positive, got {args.max_upload_mb}")
     if Path(args.runs).exists() and not Path(args.runs).is_dir():
         raise ValueError(f"--runs {args.runs} is a file, not a folder of run directories")
-    # A page on loopback answers only to loopback names: a web page elsewhere cannot reach it
-    # through a DNS name it controls (DNS rebinding).
-    hosts = None
-    if _is_loopback(args.host) and ":" not in args.host:
-        hosts = sorted({args.host, "127.0.0.1", "localhost"})
+    # On a loopback address (IPv4 or IPv6) the app answers only to loopback names: a web page
+    # elsewhere cannot reach it through a DNS name it controls (DNS rebinding).
     cfg = ServeConfig(runs_dir=Path(args.runs), max_tokens=args.max_tokens,
-                      max_upload_bytes=int(args.max_upload_mb * 1_000_000), allowed_hosts=hosts)
+                      max_upload_bytes=int(args.max_upload_mb * 1_000_000), host=args.host,
+                      max_busy_per_model=args.max_busy_per_model, max_busy=args.max_busy,
+                      max_queued=args.max_queued, max_wait_s=args.max_wait)
     app = create_app(cfg)
     _check_port_free(args.host, args.port)
     if not _is_loopback(args.host):

@@ -6,8 +6,9 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, Field, field_validator
 
+from qkv.generation.sampling import MIN_TEMPERATURE
+
 MAX_CHARS = 20_000  # the hard limit on a text field; tokens beyond the context are truncated
-MIN_TEMPERATURE = 1e-6  # below it (but above 0) logits / T overflow to inf: 0 is greedy
 
 
 class ErrorMessage(BaseModel):

@@ -598,6 +598,29 @@ def test_serve_command_errors(tmp_path: Path, capsys) -> None:
                                                               str(tmp_path)])
 
 
+@pytest.mark.parametrize("host", ["127.0.0.1", "::1"])
+def test_serve_command_passes_its_options_to_the_app(tmp_path: Path, monkeypatch, host: str) -> None:
+    """The bound host (IPv6 too) and the queue limits reach the app's config; the Host check
+    then refuses another name and accepts the loopback ones."""
+    import uvicorn
+    from fastapi.testclient import TestClient
+
+    from qkv import cli
+    from qkv.commands import serve as serve_cmd
+
+    seen = {}
+    monkeypatch.setattr(serve_cmd, "_check_port_free", lambda h, p: None)
+    monkeypatch.setattr(uvicorn, "run", lambda app, **kw: seen.update(app=app, **kw))
+    assert cli.main(["serve", "--host", host, "--runs", str(tmp_path), "--max-busy", "3",
+                     "--max-busy-per-model", "1", "--max-queued", "2", "--max-wait", "5"]) == 0
+    cfg = seen["app"].state.config
+    got = (cfg.host, cfg.max_busy, cfg.max_busy_per_model, cfg.max_queued, cfg.max_wait_s)
+    assert got == (host, 3, 1, 2, 5.0)
+    c = TestClient(seen["app"])
+    assert c.get("/api/models", headers={"host": "evil.example"}).status_code == 400
+    assert c.get("/api/models", headers={"host": "localhost:8000"}).status_code == 200
+
+
 def test_serve_command_serves_the_page(runs_dir) -> None:
     import httpx
 
