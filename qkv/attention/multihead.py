@@ -28,7 +28,9 @@ class MultiHeadAttention(nn.Module):
         head_dim: Dh (default dim // n_heads).
         cross: cross-attention: queries from ``x``, keys/values from ``context``.
         kv_dim: width of ``context`` (default dim); only with ``cross``.
-        bias: biases on the projections. dropout: on the attention weights, in training.
+        bias: biases on the projections. qkv_bias: biases on the q/k/v projections only
+            (default ``bias``; True with ``bias=False`` is Qwen2's layout, Bai et al. 2023).
+        dropout: on the attention weights, in training.
         backend: default backend, overridable per call.
 
     Self-attention uses one fused projection ``qkv`` (one matmul instead of three); cross
@@ -45,6 +47,7 @@ class MultiHeadAttention(nn.Module):
         cross: bool = False,
         kv_dim: int | None = None,
         bias: bool = True,
+        qkv_bias: bool | None = None,
         dropout: float = 0.0,
         backend: Backend = "sdpa",
     ) -> None:
@@ -69,11 +72,12 @@ class MultiHeadAttention(nn.Module):
         self.head_dim = dim // n_heads if head_dim is None else head_dim
         self.cross, self.dropout, self.backend = cross, dropout, backend
         q_width, kv_width = n_heads * self.head_dim, n_kv_heads * self.head_dim
+        in_bias = bias if qkv_bias is None else qkv_bias
         if cross:
-            self.q_proj = Linear(dim, q_width, bias=bias)
-            self.kv_proj = Linear(dim if kv_dim is None else kv_dim, 2 * kv_width, bias=bias)
+            self.q_proj = Linear(dim, q_width, bias=in_bias)
+            self.kv_proj = Linear(dim if kv_dim is None else kv_dim, 2 * kv_width, bias=in_bias)
         else:
-            self.qkv = Linear(dim, q_width + 2 * kv_width, bias=bias)
+            self.qkv = Linear(dim, q_width + 2 * kv_width, bias=in_bias)
         self.out_proj = Linear(q_width, dim, bias=bias)
 
     def _project(

@@ -43,6 +43,7 @@ class BlockConfig:
     norm_position: Literal["pre", "post"] = "pre"
     norm_eps: float = 1e-5
     bias: bool = True
+    qkv_bias: bool | None = None  # biases on the q/k/v projections only (default: bias)
     dropout: float = 0.0
     attn_dropout: float = 0.0
     backend: Backend = "sdpa"
@@ -74,8 +75,8 @@ class TransformerBlock(nn.Module):
     def __init__(self, cfg: BlockConfig) -> None:
         super().__init__()
         self.cfg = cfg
-        attn_kw = dict(head_dim=cfg.head_dim, bias=cfg.bias, dropout=cfg.attn_dropout,
-                       backend=cfg.backend)
+        attn_kw = dict(head_dim=cfg.head_dim, bias=cfg.bias, qkv_bias=cfg.qkv_bias,
+                       dropout=cfg.attn_dropout, backend=cfg.backend)
         self.norm1 = make_norm(cfg.norm, cfg.dim, cfg.norm_eps, cfg.bias)
         self.attn = MultiHeadAttention(cfg.dim, cfg.n_heads, cfg.n_kv_heads, **attn_kw)
         if cfg.cross_attention:

@@ -58,6 +58,7 @@ class GPTConfig:
     tie_embeddings: bool = True  # share the token embedding with the output layer
     dropout: float = 0.0  # dropout on embeddings, attention weights and residual branches
     bias: bool = True  # biases in linear layers and LayerNorm
+    qkv_bias: bool | None = None  # biases on the q/k/v projections only (Qwen2); none = bias
     backend: Backend = "sdpa"  # attention implementation: sdpa (fast), chunked, reference
 
     def __post_init__(self) -> None:
@@ -91,7 +92,8 @@ class GPTConfig:
         return BlockConfig(
             dim=self.dim, n_heads=self.n_heads, n_kv_heads=self.n_kv_heads,
             head_dim=self.head_dim, mlp_hidden=self.mlp_hidden, mlp=self.mlp, norm=self.norm,
-            norm_position="pre", norm_eps=self.norm_eps, bias=self.bias, dropout=self.dropout,
+            norm_position="pre", norm_eps=self.norm_eps, bias=self.bias, qkv_bias=self.qkv_bias,
+            dropout=self.dropout,
             attn_dropout=self.dropout, backend=self.backend, causal=True,
         )
 
