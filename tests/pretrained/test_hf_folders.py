@@ -1,0 +1,201 @@
+"""qkv.load(FOLDER) on Hugging Face checkpoint folders, against transformers itself.
+
+Every checkpoint is built here: a tiny random transformers model (seeded, float32, 2 layers,
+width 64) saved with ``save_pretrained`` beside a tiny word-level ``tokenizer.json``. qkv's
+logits (or hidden states) must equal the reference's to 1e-5 and its greedy tokens must be
+the same; damaged folders must give one-line PretrainedFormatErrors.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+import qkv
+from qkv.generation import generate
+from qkv.pretrained import CausalLM, PretrainedFormatError, SentenceEncoder
+
+transformers = pytest.importorskip("transformers", reason="reference package transformers not "
+                                   "installed: pip install 'qkv[reference]'")
+pytest.importorskip("safetensors")
+tokenizers = pytest.importorskip("tokenizers")
+
+V = 96  # vocabulary of the tiny models (ids 0..V-1 are the words "w0".."w95")
+SIZES = dict(vocab_size=V, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+             num_attention_heads=4, max_position_embeddings=64, initializer_range=0.1)
+
+DECODERS = {
+    "llama": lambda: transformers.LlamaConfig(**SIZES),
+    "llama_tied_gqa": lambda: transformers.LlamaConfig(
+        **SIZES, num_key_value_heads=2, tie_word_embeddings=True,
+        rope_parameters={"rope_type": "default", "rope_theta": 100000.0}),
+    "qwen2": lambda: transformers.Qwen2Config(**SIZES, num_key_value_heads=2),
+    "mistral": lambda: transformers.MistralConfig(**SIZES, num_key_value_heads=1, sliding_window=32),
+    "gpt2": lambda: transformers.GPT2Config(vocab_size=V, n_embd=64, n_layer=2, n_head=4, n_positions=64,
+                                            initializer_range=0.1, bos_token_id=1, eos_token_id=2),
+}
+
+
+def _save_tokenizer(folder: Path) -> None:
+    """A word-level tokenizer.json: "w7" <-> id 7, split on whitespace."""
+    vocab = {f"w{i}": i for i in range(V)}
+    tok = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="w0"))
+    tok.pre_tokenizer = tokenizers.pre_tokenizers.WhitespaceSplit()
+    tok.save(str(folder / "tokenizer.json"))
+
+
+def _save(model, folder: Path, **kwargs) -> Path:
+    model.save_pretrained(folder, **kwargs)
+    _save_tokenizer(folder)
+    return folder
+
+
+def _decoder(kind: str, folder: Path, **save_kwargs):
+    torch.manual_seed(0)
+    ref = transformers.AutoModelForCausalLM.from_config(DECODERS[kind]()).float().eval()
+    _save(ref, folder, **save_kwargs)
+    return ref
+
+
+PROMPT = torch.tensor([[3, 17, 42, 5, 88, 9, 1, 60]])
+
+
+def _check_decoder(ref, lm: CausalLM) -> None:
+    with torch.no_grad():
+        want = ref(PROMPT).logits
+        got = lm.model(PROMPT).logits
+    assert got.shape == want.shape
+    assert (got - want).abs().max().item() <= 1e-5
+    with torch.no_grad():
+        ref_ids = ref.generate(PROMPT, max_new_tokens=10, do_sample=False, eos_token_id=None,
+                               pad_token_id=0, min_new_tokens=0)[0, PROMPT.shape[1]:].tolist()
+    ids = [int(t[0]) for t in generate(lm.model, PROMPT, 10, temperature=0.0)]
+    assert ids == ref_ids
+
+
+@pytest.mark.parametrize("kind", sorted(DECODERS))
+def test_decoder_folder_matches_transformers(kind, tmp_path):
+    ref = _decoder(kind, tmp_path / kind)
+    lm = qkv.load(str(tmp_path / kind))
+    assert isinstance(lm, CausalLM)
+    assert lm.info["architecture"] == DECODERS[kind]().model_type
+    _check_decoder(ref, lm)
+
+
+def test_decoder_options_are_read_from_the_config(tmp_path):
+    """The config's choices reach qkv's GPTConfig (a wrong one would also fail the parity)."""
+    _decoder("llama_tied_gqa", tmp_path / "l")
+    _decoder("mistral", tmp_path / "m")
+    _decoder("qwen2", tmp_path / "q")
+    llama = qkv.load(str(tmp_path / "l")).model
+    assert (llama.cfg.n_kv_heads, llama.cfg.tie_embeddings, llama.cfg.rope_theta) == (2, True, 100000.0)
+    assert llama.lm_head.weight is llama.tok_emb.weight
+    assert qkv.load(str(tmp_path / "m")).model.cfg.max_seq_len == 32  # the sliding window
+    qwen = qkv.load(str(tmp_path / "q")).model.stack.blocks[0].attn
+    assert qwen.qkv.bias is not None and qwen.out_proj.bias is None
+
+
+def test_sharded_folder(tmp_path):
+    ref = _decoder("llama", tmp_path / "s", max_shard_size="40KB")
+    shards = sorted(p.name for p in (tmp_path / "s").glob("*.safetensors"))
+    assert len(shards) > 2 and (tmp_path / "s" / "model.safetensors.index.json").is_file()
+    _check_decoder(ref, qkv.load(str(tmp_path / "s")))
+
+
+def test_tokenizer_stops_and_text_generation(tmp_path):
+    ref = _decoder("llama", tmp_path / "t")
+    (tmp_path / "t" / "tokenizer_config.json").write_text(json.dumps(
+        {"eos_token": "w5", "chat_template": "{% for m in messages %}{{ m['content'] }} {% endfor %}"}))
+    lm = qkv.load(str(tmp_path / "t"))
+    assert lm.stop_ids == (2, 5)  # config.json's eos id 2, tokenizer_config's "w5"
+    assert lm.format_chat("w1 w2") == "w1 w2 "
+    prompt = " ".join(f"w{i}" for i in PROMPT[0].tolist())
+    assert lm.tokenizer.encode(prompt) == PROMPT[0].tolist()
+    with torch.no_grad():
+        ref_ids = ref.generate(PROMPT, max_new_tokens=6, do_sample=False, eos_token_id=None,
+                               pad_token_id=0)[0, PROMPT.shape[1]:].tolist()
+    text = lm.generate(prompt, 6, stop_at_eos=False)
+    assert text.split() == [f"w{i}" for i in ref_ids]
+
+
+def test_bert_folder_matches_transformers(tmp_path):
+    torch.manual_seed(0)
+    cfg = transformers.BertConfig(vocab_size=V, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                  intermediate_size=96, max_position_embeddings=64, initializer_range=0.1)
+    ref = transformers.BertModel(cfg).float().eval()
+    _save(ref, tmp_path / "b")
+    enc = qkv.load(str(tmp_path / "b"))
+    assert isinstance(enc, SentenceEncoder)
+    ids = torch.tensor([[2, 40, 41, 7, 3, 0], [2, 11, 12, 13, 14, 3]])
+    mask = torch.tensor([[1, 1, 1, 1, 1, 0], [1, 1, 1, 1, 1, 1]])
+    with torch.no_grad():
+        want = ref(input_ids=ids, attention_mask=mask).last_hidden_state
+        got = enc.model(ids, mask).hidden
+    real = mask.bool()
+    assert (got[real] - want[real]).abs().max().item() <= 1e-5
+    # embed(): the mean of the real tokens' states, unit length, from text through the tokenizer.
+    e = enc.embed(["w40 w41 w7"], normalize=False)
+    with torch.no_grad():
+        ref_mean = ref(input_ids=torch.tensor([[40, 41, 7]])).last_hidden_state.mean(dim=1)
+    assert (e - ref_mean).abs().max().item() <= 1e-5
+
+
+# --------------------------------------------------------------------------- bad folders
+
+
+def _one_line_error(folder: Path, *needles: str) -> str:
+    with pytest.raises(PretrainedFormatError) as e:
+        qkv.load(str(folder))
+    msg = str(e.value)
+    assert "\n" not in msg
+    for n in needles:
+        assert n in msg, msg
+    return msg
+
+
+def test_folder_without_config(tmp_path):
+    (tmp_path / "empty").mkdir()
+    _one_line_error(tmp_path / "empty", "no config.json")
+    _one_line_error(tmp_path / "absent", "is not a folder")
+
+
+def test_truncated_shard(tmp_path):
+    _decoder("llama", tmp_path / "s", max_shard_size="40KB")
+    shard = sorted((tmp_path / "s").glob("*.safetensors"))[1]
+    data = shard.read_bytes()
+    shard.write_bytes(data[: len(data) // 2])
+    _one_line_error(tmp_path / "s", shard.name, "truncated")
+
+
+def test_config_that_disagrees_with_the_tensors(tmp_path):
+    _decoder("qwen2", tmp_path / "q")
+    path = tmp_path / "q" / "config.json"
+    path.write_text(json.dumps({**json.loads(path.read_text()), "intermediate_size": 128}))
+    _one_line_error(tmp_path / "q", "mlp.w_gate.weight", "(96, 64)", "(128, 64)")
+
+
+def test_unknown_and_refused_architectures(tmp_path):
+    for arch in ("t5", "gemma"):
+        (tmp_path / arch).mkdir()
+        (tmp_path / arch / "config.json").write_text(json.dumps({"model_type": arch}))
+        msg = _one_line_error(tmp_path / arch, f"architecture {arch!r}", "supported: llama, mistral")
+    assert "GeGLU" in msg  # the refusal says why
+
+
+def test_unsupported_config_option_and_tensor_type(tmp_path):
+    _decoder("llama", tmp_path / "l")
+    path = tmp_path / "l" / "config.json"
+    config = json.loads(path.read_text())
+    path.write_text(json.dumps({**config, "rope_parameters": {"rope_type": "llama3", "rope_theta": 1e4}}))
+    _one_line_error(tmp_path / "l", "rope_type 'llama3'")
+    path.write_text(json.dumps(config))
+    from safetensors.torch import load_file, save_file
+
+    weights = tmp_path / "l" / "model.safetensors"
+    tensors = load_file(str(weights))
+    tensors["model.norm.weight"] = tensors["model.norm.weight"].to(torch.int8)
+    save_file(tensors, str(weights))
+    _one_line_error(tmp_path / "l", "model.norm.weight is int8", "float32, float16, bfloat16")
