@@ -6,6 +6,7 @@ import contextlib
 from collections.abc import Callable, Iterator, Mapping
 from typing import TypeVar
 
+import torch
 from torch import Tensor, nn
 
 M = TypeVar("M", bound=nn.Module)
@@ -26,6 +27,12 @@ def skip_init() -> Iterator[None]:
     finally:
         for name, fn in saved.items():
             setattr(nn.init, name, fn)
+
+
+def parameter_names(factory: Callable[[], nn.Module]) -> list[str]:
+    """The state-dict names of ``factory()``'s model, built on the meta device (no memory)."""
+    with skip_init(), torch.device("meta"):
+        return list(factory().state_dict())
 
 
 def build_with_weights(factory: Callable[[], M], state_dict: Mapping[str, Tensor], source: str) -> M:

@@ -23,7 +23,7 @@ from torch import Tensor
 
 from qkv.models.encoder import Encoder
 from qkv.models.gpt import GPT
-from qkv.pretrained._build import build_with_weights, skip_init
+from qkv.pretrained._build import build_with_weights, parameter_names
 from qkv.pretrained.architectures import (
     DECODERS,
     ENCODERS,
@@ -185,9 +185,7 @@ def load_decoder(folder: Path, config: dict[str, Any], arch: str) -> GPT:
         # GPT-2's Conv1D stores W as (in, out); qkv's Linear, like nn.Linear, as (out, in).
         return t.t().contiguous() if conv1d and t.ndim == 2 and ".h." in name else t
 
-    with skip_init():
-        expected = list(GPT(cfg).state_dict())
-    sd = map_names(expected, names, get, cfg.tie_embeddings)
+    sd = map_names(parameter_names(lambda: GPT(cfg)), names, get, cfg.tie_embeddings)
     unread = {k: v for k, v in tensors.items() if k not in used and not k.endswith(IGNORED_SUFFIXES)}
     if unread and not (cfg.tie_embeddings and set(unread) == {"lm_head.weight"}):
         first = sorted(unread)[0]

@@ -26,7 +26,8 @@ import torch
 from torch import Tensor
 
 from qkv.models.gpt import GPT, GPTConfig
-from qkv.pretrained._build import build_with_weights
+from qkv.pretrained._build import build_with_weights, parameter_names
+from qkv.pretrained.architectures import LLAMA_GGUF, map_names
 from qkv.pretrained.cache import entry_dir, load_gpt_entry, save_gpt_entry
 from qkv.pretrained.gguf_file import GGUFFile, PretrainedFormatError, read_gguf
 from qkv.tokenizers.hf import HFTokenizer, hf_tokenizers
@@ -87,29 +88,17 @@ def unpermute_rope_rows(w: np.ndarray, n_heads: int) -> np.ndarray:
 
 
 def gpt_state_dict_from_gguf(tensors: dict[str, np.ndarray], cfg: GPTConfig) -> dict[str, Tensor]:
-    """llama.cpp tensor names -> GPT parameter names (fused QKV, Q/K rows unpermuted)."""
-    def get(name: str) -> np.ndarray:
+    """llama.cpp tensor names -> GPT parameter names, by the llama table's GGUF column
+    (:data:`~qkv.pretrained.architectures.LLAMA_GGUF`), with the Q/K rows unpermuted."""
+    def get(name: str) -> Tensor:
         if name not in tensors:
             raise PretrainedFormatError(f"tensor {name!r} missing from the GGUF file; {INSTALL_HINT}")
-        return tensors[name]
+        w = tensors[name]
+        if name.endswith(("attn_q.weight", "attn_k.weight")):
+            w = unpermute_rope_rows(w, cfg.n_heads if "attn_q" in name else cfg.resolved_kv_heads)
+        return torch.from_numpy(w)
 
-    sd: dict[str, Tensor] = {"tok_emb.weight": torch.from_numpy(get("token_embd.weight"))}
-    for i in range(cfg.n_layers):
-        b, p = f"blk.{i}.", f"stack.blocks.{i}."
-        q = unpermute_rope_rows(get(b + "attn_q.weight"), cfg.n_heads)
-        k = unpermute_rope_rows(get(b + "attn_k.weight"), cfg.resolved_kv_heads)
-        v = get(b + "attn_v.weight")
-        sd[p + "attn.qkv.weight"] = torch.from_numpy(np.concatenate([q, k, v], axis=0))
-        sd[p + "attn.out_proj.weight"] = torch.from_numpy(get(b + "attn_output.weight"))
-        sd[p + "norm1.weight"] = torch.from_numpy(get(b + "attn_norm.weight"))
-        sd[p + "norm2.weight"] = torch.from_numpy(get(b + "ffn_norm.weight"))
-        sd[p + "mlp.w_gate.weight"] = torch.from_numpy(get(b + "ffn_gate.weight"))
-        sd[p + "mlp.w_up.weight"] = torch.from_numpy(get(b + "ffn_up.weight"))
-        sd[p + "mlp.w_down.weight"] = torch.from_numpy(get(b + "ffn_down.weight"))
-    sd["stack.norm.weight"] = torch.from_numpy(get("output_norm.weight"))
-    sd["lm_head.weight"] = (sd["tok_emb.weight"] if cfg.tie_embeddings
-                            else torch.from_numpy(get("output.weight")))
-    return sd
+    return map_names(parameter_names(lambda: GPT(cfg)), LLAMA_GGUF, get, cfg.tie_embeddings)
 
 
 def tokenizer_from_gguf(g: GGUFFile) -> HFTokenizer:
