@@ -3,7 +3,7 @@
 MLP: fc_out(act(fc_in(x))), with ReLU (Vaswani et al. 2017) or GELU (GPT-2, BERT, ViT;
 Hendrycks & Gimpel 2016; "gelu_tanh" is GPT-2's tanh approximation).
 SwiGLU (Shazeer 2020, "GLU Variants Improve Transformer"; Llama):
-w_down(silu(w_gate(x)) ⊙ w_up(x)).
+w_down(silu(w_gate(x)) ⊙ w_up(x)). GeGLU, the same with a GELU gate (tanh form: Gemma).
 Lecture: CS189 Lec 22 (attention mixes tokens, the MLP transforms each token on its own).
 
 Shapes: (B, T, dim) -> (B, T, dim) through a hidden width F.
@@ -18,7 +18,7 @@ from torch import Tensor, nn
 
 from qkv.nn.linear import Linear
 
-MLPKind = Literal["gelu", "gelu_tanh", "relu", "swiglu"]
+MLPKind = Literal["gelu", "gelu_tanh", "relu", "swiglu", "geglu_tanh"]
 
 _ACTIVATIONS = {
     "gelu": F.gelu,
@@ -63,11 +63,30 @@ class SwiGLU(nn.Module):
         return self.w_down(F.silu(self.w_gate(x)) * self.w_up(x))
 
 
+class GeGLU(nn.Module):
+    """Gated MLP with a GELU gate (tanh approximation, as Gemma): w_down(gelu(w_gate x) * w_up x).
+
+    Its own class, not a SwiGLU with another activation: code that fuses SwiGLU's gate
+    (``qkv.layers.quant.Int4SwiGLU``) hard-codes SiLU.
+    """
+
+    def __init__(self, dim: int, hidden_dim: int, bias: bool = False) -> None:
+        super().__init__()
+        self.w_gate = Linear(dim, hidden_dim, bias=bias)
+        self.w_up = Linear(dim, hidden_dim, bias=bias)
+        self.w_down = Linear(hidden_dim, dim, bias=bias)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.w_down(F.gelu(self.w_gate(x), approximate="tanh") * self.w_up(x))
+
+
 def make_mlp(kind: MLPKind, dim: int, hidden_dim: int, bias: bool = True) -> nn.Module:
     """Build the feed-forward network named ``kind`` (dropout, if any, is the block's, on the
     residual branch)."""
     if kind == "swiglu":
         return SwiGLU(dim, hidden_dim, bias)
+    if kind == "geglu_tanh":
+        return GeGLU(dim, hidden_dim, bias)
     if kind not in _ACTIVATIONS:
-        raise ValueError(f"mlp must be one of {[*_ACTIVATIONS, 'swiglu']}, got {kind!r}")
+        raise ValueError(f"mlp must be one of {[*_ACTIVATIONS, 'swiglu', 'geglu_tanh']}, got {kind!r}")
     return MLP(dim, hidden_dim, kind, bias)

@@ -56,6 +56,7 @@ class GPTConfig:
     positions: PositionKind = "learned"  # how the model knows token order
     rope_theta: float = 10000.0  # RoPE base (with --positions rope)
     tie_embeddings: bool = True  # share the token embedding with the output layer
+    embed_scale: bool = False  # multiply the token embeddings by √dim (Gemma)
     dropout: float = 0.0  # dropout on embeddings, attention weights and residual branches
     bias: bool = True  # biases in linear layers and LayerNorm
     qkv_bias: bool | None = None  # biases on the q/k/v projections only (Qwen2); none = bias
@@ -199,6 +200,8 @@ class GPT(nn.Module):
                 f"max_seq_len={self.cfg.max_seq_len}; crop the input"
             )
         x = self.tok_emb(idx)  # (B, T, dim)
+        if self.cfg.embed_scale:
+            x = x * self.cfg.dim**0.5  # Gemma: embeddings on the scale of the residual stream
         if self.pos_emb is not None:
             x = x + self.pos_emb(T, offset)  # (T, dim) broadcast over B
         bias = self.alibi(T, offset + T) if self.alibi is not None else None

@@ -3,7 +3,7 @@
     minilm   all-MiniLM-L6-v2 -> :class:`~qkv.models.encoder.Encoder` (sentence embeddings)
     smollm2  SmolLM2-135M-Instruct (GGUF) -> :class:`~qkv.models.gpt.GPT` (text generation)
     FOLDER   a Hugging Face checkpoint folder (config.json, *.safetensors, tokenizer.json):
-             built by its architecture, llama / mistral / qwen2 / gpt2 -> GPT, bert -> Encoder
+             built by its architecture, llama / mistral / qwen2 / gemma / gpt2 -> GPT, bert -> Encoder
              (``hf.py``; the name tables are in ``architectures.py``)
 
 Converters (``minilm.py``, ``smollm2.py``) map the checkpoints' names and layouts onto qkv's;

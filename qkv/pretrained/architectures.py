@@ -9,11 +9,13 @@ and the biases a config turns on (Qwen2's on q/k/v) need no extra rows.
     llama          GPT         RMSNorm, SwiGLU, RoPE, GQA, no biases (SmolLM2, TinyLlama)
     mistral        GPT         llama + a sliding window (the context is capped at the window)
     qwen2          GPT         llama + biases on the q/k/v projections
+    gemma          GPT         llama + GeGLU (tanh), embeddings × √dim, RMSNorm weights stored as w − 1
     gpt2           GPT         LayerNorm, GELU (tanh), learned positions, biases, fused c_attn
     bert           Encoder     post-LN, GELU, learned positions + token types (MiniLM)
 
-Refused, with the reason in the message (:data:`REFUSED`): gemma's blocks need an embedding
-scaled by √dim and a GeGLU MLP, gemma2/3 also soft-capped logits and extra norms.
+Refused, with the reason in the message (:data:`REFUSED`): gemma2 and gemma3, whose blocks
+add what qkv's do not have (soft-capped logits and attention scores, a norm after each
+sublayer as well as before, local sliding-window layers; gemma3 also q/k norms).
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ from qkv.pretrained.minilm import encoder_config_from_bert
 
 Names = dict[str, str | tuple[str, ...]]
 
-LLAMA: Names = {  # also Mistral and Qwen2 (their q/k/v biases come through the same rows)
+LLAMA: Names = {  # also Mistral, Qwen2 (its q/k/v biases come through the same rows) and Gemma
     "tok_emb": "model.embed_tokens",
     "stack.blocks.{i}.norm1": "model.layers.{i}.input_layernorm",
     "stack.blocks.{i}.attn.qkv": ("model.layers.{i}.self_attn.q_proj", "model.layers.{i}.self_attn.k_proj",
@@ -79,9 +81,10 @@ GPT2: Names = {  # every 2-D weight under transformer.h is a Conv1D: stored (in,
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq", "attn.bias", "attn.masked_bias")
 
 REFUSED = {
-    "gemma": "its blocks scale the embedding by √dim and use a GeGLU MLP, which qkv's GPT lacks",
-    "gemma2": "it adds soft-capped logits and attention, sandwich norms and a GeGLU MLP",
-    "gemma3": "it adds soft-capped logits, q/k norms, sandwich norms and a GeGLU MLP",
+    "gemma2": "its blocks soft-cap logits and attention scores, norm after each sublayer too and "
+              "alternate sliding-window layers, which qkv's blocks do not",
+    "gemma3": "its blocks add q/k norms, norms after each sublayer and sliding-window layers, "
+              "which qkv's blocks do not",
 }
 
 
@@ -105,9 +108,14 @@ def _rope_theta(c: dict[str, Any], arch: str) -> float:
     return float(rope.get("rope_theta", c.get("rope_theta", 10000.0)))
 
 
+GEMMA_ACTIVATIONS = ("gelu_pytorch_tanh", "gelu_new")  # both the tanh form of GELU
+
+
 def llama_config(c: dict[str, Any], arch: str = "llama") -> GPTConfig:
-    """GPTConfig of a llama / mistral / qwen2 ``config.json``."""
-    _refuse_unless(c.get("hidden_act", "silu") == "silu", arch, f"hidden_act {c.get('hidden_act')!r}")
+    """GPTConfig of a llama / mistral / qwen2 / gemma ``config.json``."""
+    gemma = arch == "gemma"
+    act = (c.get("hidden_activation") or c.get("hidden_act")) if gemma else c.get("hidden_act", "silu")
+    _refuse_unless(act in (GEMMA_ACTIVATIONS if gemma else ("silu",)), arch, f"hidden_act {act!r}")
     attn_bias, mlp_bias = bool(c.get("attention_bias", False)), bool(c.get("mlp_bias", False))
     _refuse_unless(attn_bias == mlp_bias, arch, "attention_bias without mlp_bias (or the reverse)")
     n_heads = int(_need(c, "num_attention_heads"))
@@ -127,9 +135,10 @@ def llama_config(c: dict[str, Any], arch: str = "llama") -> GPTConfig:
         n_layers=int(_need(c, "num_hidden_layers")), n_heads=n_heads,
         n_kv_heads=int(c.get("num_key_value_heads") or n_heads),
         head_dim=int(c.get("head_dim") or dim // n_heads),
-        mlp_hidden=int(_need(c, "intermediate_size")), mlp="swiglu", norm="rmsnorm",
-        norm_eps=float(c.get("rms_norm_eps", 1e-6)), positions="rope", rope_theta=_rope_theta(c, arch),
-        tie_embeddings=bool(c.get("tie_word_embeddings", False)), bias=attn_bias, qkv_bias=qkv_bias,
+        mlp_hidden=int(_need(c, "intermediate_size")), mlp="geglu_tanh" if gemma else "swiglu",
+        norm="rmsnorm", norm_eps=float(c.get("rms_norm_eps", 1e-6)), positions="rope",
+        rope_theta=_rope_theta(c, arch), tie_embeddings=bool(c.get("tie_word_embeddings", gemma)),
+        embed_scale=gemma, bias=attn_bias, qkv_bias=qkv_bias,
     )
 
 
@@ -163,12 +172,25 @@ def bert_config(c: dict[str, Any], pooling: str = "mean") -> EncoderConfig:
         raise PretrainedFormatError(f"bert: {e}") from None
 
 
-# model_type -> (config reader, name table, Conv1D weights stored transposed)
-DECODERS: dict[str, tuple[Callable[[dict[str, Any], str], GPTConfig], Names, bool]] = {
-    "llama": (llama_config, LLAMA, False),
-    "mistral": (llama_config, LLAMA, False),
-    "qwen2": (llama_config, LLAMA, False),
-    "gpt2": (gpt2_config, GPT2, True),
+def conv1d_transposed(name: str, t: Tensor) -> Tensor:
+    """GPT-2's Conv1D stores W as (in, out); qkv's Linear, like nn.Linear, as (out, in)."""
+    return t.t().contiguous() if t.ndim == 2 and ".h." in name else t
+
+
+def gemma_norm_weight(name: str, t: Tensor) -> Tensor:
+    """Gemma's RMSNorm multiplies by (1 + w) and stores w: qkv's multiplies by its weight."""
+    return t + 1.0 if name.endswith("norm.weight") else t
+
+
+Fix = Callable[[str, Tensor], Tensor]
+
+# model_type -> (config reader, name table, layout fix of a checkpoint tensor or None)
+DECODERS: dict[str, tuple[Callable[[dict[str, Any], str], GPTConfig], Names, Fix | None]] = {
+    "llama": (llama_config, LLAMA, None),
+    "mistral": (llama_config, LLAMA, None),
+    "qwen2": (llama_config, LLAMA, None),
+    "gemma": (llama_config, LLAMA, gemma_norm_weight),
+    "gpt2": (gpt2_config, GPT2, conv1d_transposed),
 }
 ENCODERS = ("bert",)
 SUPPORTED = (*DECODERS, *ENCODERS)

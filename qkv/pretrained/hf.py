@@ -154,16 +154,18 @@ def model_type(config: dict[str, Any], folder: Path) -> str:
                                 f"supported: {', '.join(SUPPORTED)}")
 
 
-def _fit(fn: Any, folder: Path) -> Any:
+def _fit(fn: Any, folder: Path, hint: str = "") -> Any:
     """``fn()``, its ValueErrors (a config qkv's dataclasses refuse, shapes that do not fit
-    the tensors) as one PretrainedFormatError line naming the folder."""
+    the tensors) as one PretrainedFormatError line naming the folder, ``hint`` appended."""
     try:
         return fn()
-    except PretrainedFormatError:
-        raise
     except ValueError as e:
         msg = str(e)
-        raise PretrainedFormatError(msg if msg.startswith(str(folder)) else f"{folder}: {msg}") from None
+        msg = msg if msg.startswith(str(folder)) else f"{folder}: {msg}"
+        raise PretrainedFormatError(msg + hint) from None
+
+
+SIZES_HINT = "; config.json's sizes do not fit the weights"
 
 
 def load_decoder(folder: Path, config: dict[str, Any], arch: str) -> GPT:
@@ -171,7 +173,7 @@ def load_decoder(folder: Path, config: dict[str, Any], arch: str) -> GPT:
     if config.get("quantization_config"):
         raise PretrainedFormatError(f"{folder}: quantized checkpoints are not supported "
                                     f"({config['quantization_config'].get('quant_method', '?')})")
-    make_config, names, conv1d = DECODERS[arch]
+    make_config, names, fix = DECODERS[arch]
     cfg = _fit(lambda: make_config(config, arch), folder)
     tensors = read_weights(folder)
     _check_types(tensors, folder)
@@ -182,8 +184,7 @@ def load_decoder(folder: Path, config: dict[str, Any], arch: str) -> GPT:
             raise PretrainedFormatError(f"{folder}: tensor {name} missing (the config asks for it)")
         used.add(name)
         t = tensors[name].float()
-        # GPT-2's Conv1D stores W as (in, out); qkv's Linear, like nn.Linear, as (out, in).
-        return t.t().contiguous() if conv1d and t.ndim == 2 and ".h." in name else t
+        return t if fix is None else fix(name, t)
 
     sd = map_names(parameter_names(lambda: GPT(cfg)), names, get, cfg.tie_embeddings)
     unread = {k: v for k, v in tensors.items() if k not in used and not k.endswith(IGNORED_SUFFIXES)}
@@ -191,7 +192,7 @@ def load_decoder(folder: Path, config: dict[str, Any], arch: str) -> GPT:
         first = sorted(unread)[0]
         raise PretrainedFormatError(f"{folder}: tensor {first} is not used by a {arch} model of this "
                                     "config.json (a feature qkv does not build, or a mismatched config)")
-    return _fit(lambda: build_with_weights(lambda: GPT(cfg), sd, str(folder)), folder)
+    return _fit(lambda: build_with_weights(lambda: GPT(cfg), sd, str(folder)), folder, SIZES_HINT)
 
 
 def load_encoder(folder: Path, config: dict[str, Any]) -> tuple[Encoder, int]:
@@ -205,7 +206,7 @@ def load_encoder(folder: Path, config: dict[str, Any]) -> tuple[Encoder, int]:
         sd = encoder_state_dict_from_bert(bare, cfg)
     except PretrainedFormatError as e:
         raise PretrainedFormatError(f"{folder}: {str(e).split(';')[0]}") from None
-    model = _fit(lambda: build_with_weights(lambda: Encoder(cfg), sd, str(folder)), folder)
+    model = _fit(lambda: build_with_weights(lambda: Encoder(cfg), sd, str(folder)), folder, SIZES_HINT)
     return model, min(max_tokens or cfg.max_seq_len, cfg.max_seq_len)
 
 

@@ -34,6 +34,7 @@ DECODERS = {
         rope_parameters={"rope_type": "default", "rope_theta": 100000.0}),
     "qwen2": lambda: transformers.Qwen2Config(**SIZES, num_key_value_heads=2),
     "mistral": lambda: transformers.MistralConfig(**SIZES, num_key_value_heads=1, sliding_window=32),
+    "gemma": lambda: transformers.GemmaConfig(**SIZES, num_key_value_heads=1, head_dim=32),
     "gpt2": lambda: transformers.GPT2Config(vocab_size=V, n_embd=64, n_layer=2, n_head=4, n_positions=64,
                                             initializer_range=0.1, bos_token_id=1, eos_token_id=2),
 }
@@ -96,6 +97,16 @@ def test_decoder_options_are_read_from_the_config(tmp_path):
     assert qkv.load(str(tmp_path / "m")).model.cfg.max_seq_len == 32  # the sliding window
     qwen = qkv.load(str(tmp_path / "q")).model.stack.blocks[0].attn
     assert qwen.qkv.bias is not None and qwen.out_proj.bias is None
+
+
+def test_gemma_options(tmp_path):
+    """Gemma's options are qkv's: GeGLU, embeddings × √dim, head_dim apart from dim / n_heads."""
+    ref = _decoder("gemma", tmp_path / "g")
+    gpt = qkv.load(str(tmp_path / "g")).model
+    assert (gpt.cfg.mlp, gpt.cfg.embed_scale, gpt.cfg.resolved_head_dim) == ("geglu_tanh", True, 32)
+    # the stored norm weights are w - 1 (Gemma's RMSNorm multiplies by 1 + w)
+    want = ref.model.layers[0].input_layernorm.weight + 1
+    assert torch.equal(gpt.stack.blocks[0].norm1.weight.detach(), want.detach())
 
 
 def test_sharded_folder(tmp_path):
@@ -170,6 +181,17 @@ def test_truncated_shard(tmp_path):
     _one_line_error(tmp_path / "s", shard.name, "truncated")
 
 
+def test_missing_weights(tmp_path):
+    _decoder("llama", tmp_path / "s", max_shard_size="40KB")
+    shard = sorted((tmp_path / "s").glob("*.safetensors"))[0]
+    shard.unlink()
+    _one_line_error(tmp_path / "s", "weights file not found", shard.name)
+    (tmp_path / "p").mkdir()
+    (tmp_path / "p" / "config.json").write_text((tmp_path / "s" / "config.json").read_text())
+    (tmp_path / "p" / "pytorch_model.bin").write_bytes(b"pickle")
+    _one_line_error(tmp_path / "p", "no model.safetensors", "pytorch_model.bin")
+
+
 def test_config_that_disagrees_with_the_tensors(tmp_path):
     _decoder("qwen2", tmp_path / "q")
     path = tmp_path / "q" / "config.json"
@@ -178,11 +200,11 @@ def test_config_that_disagrees_with_the_tensors(tmp_path):
 
 
 def test_unknown_and_refused_architectures(tmp_path):
-    for arch in ("t5", "gemma"):
+    for arch in ("t5", "gemma2"):
         (tmp_path / arch).mkdir()
         (tmp_path / arch / "config.json").write_text(json.dumps({"model_type": arch}))
         msg = _one_line_error(tmp_path / arch, f"architecture {arch!r}", "supported: llama, mistral")
-    assert "GeGLU" in msg  # the refusal says why
+    assert "soft-cap" in msg  # the refusal says why
 
 
 def test_unsupported_config_option_and_tensor_type(tmp_path):
