@@ -132,11 +132,25 @@ def test_tokenizer_stops_and_text_generation(tmp_path):
     assert text.split() == [f"w{i}" for i in ref_ids]
 
 
+def _bert_config():
+    return transformers.BertConfig(vocab_size=V, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                   intermediate_size=96, max_position_embeddings=64, initializer_range=0.1)
+
+
+def test_bert_with_a_head_reads_the_bert_prefixed_names(tmp_path):
+    torch.manual_seed(1)
+    ref = transformers.BertForMaskedLM(_bert_config()).float().eval()  # bert.* and cls.* names
+    _save(ref, tmp_path / "mlm")
+    enc = qkv.load(str(tmp_path / "mlm"))
+    ids = torch.tensor([[2, 40, 41, 7, 3]])
+    with torch.no_grad():
+        want = ref.bert(input_ids=ids).last_hidden_state
+        assert (enc.model(ids).hidden - want).abs().max().item() <= 1e-5
+
+
 def test_bert_folder_matches_transformers(tmp_path):
     torch.manual_seed(0)
-    cfg = transformers.BertConfig(vocab_size=V, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
-                                  intermediate_size=96, max_position_embeddings=64, initializer_range=0.1)
-    ref = transformers.BertModel(cfg).float().eval()
+    ref = transformers.BertModel(_bert_config()).float().eval()
     _save(ref, tmp_path / "b")
     enc = qkv.load(str(tmp_path / "b"))
     assert isinstance(enc, SentenceEncoder)
