@@ -51,6 +51,8 @@ CASES: list[tuple[str, str]] = [
     ("generate|{file}", "not a directory"),
     ("generate|{gpt}|--prompt|日本", "never saw"),
     ("generate|smollm2|--max-new-tokens|5", "give --prompt TEXT"),
+    ("generate|{t5}|--prompt|hi", "t5"),  # a Hugging Face folder of an architecture qkv lacks
+    ("attend|{t5}|hi", "t5"),
     # embed / similarity
     ("embed|minilm|--file|{file}/x", "Not a directory"),
     ("embed|minilm|--file|{root}/nope.txt", "nope.txt"),
@@ -99,8 +101,11 @@ def places(tiny_run, tmp_path_factory) -> dict[str, str]:
     (root / "afile.txt").write_text("hello\n", encoding="utf-8")
     (root / "notimage.png").write_bytes(b"\x89PNG\r\n\x1a\n not really")
     Image.new("RGB", (28, 28), (200, 40, 40)).save(root / "image.png")
+    (root / "t5").mkdir()
+    (root / "t5" / "config.json").write_text('{"model_type": "t5", "d_model": 8}', encoding="utf-8")
     runs = {f: str(tiny_run(f)) for f in ("gpt", "vit", "seq2seq", "captioner")}
     return {**runs, "file": str(root / "afile.txt"), "root": str(root), "image": str(root / "image.png"),
+            "t5": str(root / "t5"),
             "notimage": str(root / "notimage.png")}
 
 

@@ -15,12 +15,14 @@ def add_generate_parser(sub) -> None:
         help="sample text from a trained run or from SmolLM2, with a KV cache",
         description="Sample a continuation of --prompt from a run directory written by `qkv train`, "
         "or from the pretrained SmolLM2-135M-Instruct (`qkv generate smollm2 --prompt ... [--chat]`; "
-        "needs `qkv assets install smollm2`). Tokens stream to the terminal as they are generated.",
+        "needs `qkv assets install smollm2`), a llama-architecture .gguf file, or a Hugging Face "
+        "checkpoint folder (llama, mistral, qwen2, gemma, gpt2: config.json + *.safetensors + "
+        "tokenizer.json). Tokens stream to the terminal as they are generated.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     p.add_argument("run", metavar="RUN_OR_MODEL",
-                   help="a run directory from `qkv train`, a pretrained model (smollm2), or a "
-                   "llama-architecture .gguf file")
+                   help="a run directory from `qkv train`, a pretrained model (smollm2), a "
+                   "llama-architecture .gguf file, or a Hugging Face checkpoint folder")
     p.add_argument("--prompt", default=None,
                    help="text to continue (a trained run's default: a newline, or its first character "
                    "if its text has no newline; a pretrained model needs one)")
@@ -50,6 +52,18 @@ def add_generate_parser(sub) -> None:
     p.set_defaults(func=cmd_generate)
 
 
+def _hf_folder(path: str) -> bool:
+    """A Hugging Face checkpoint folder: config.json with a model_type (a qkv run has a family)."""
+    import json
+
+    cfg = Path(path) / "config.json"
+    try:
+        saved = json.loads(cfg.read_text(encoding="utf-8")) if cfg.is_file() else None
+    except (OSError, ValueError):
+        return False
+    return isinstance(saved, dict) and "model_type" in saved and "family" not in saved
+
+
 def cmd_generate(args: argparse.Namespace) -> int:
     import torch
 
@@ -62,7 +76,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
     check_device(args.device)
     check_sampling(args.temperature, args.top_k, args.top_p, ("--temperature", "--top-k", "--top-p"))
-    if (args.run in DECODERS and not Path(args.run).is_dir()) or args.run.lower().endswith(".gguf"):
+    if ((args.run in DECODERS and not Path(args.run).is_dir()) or args.run.lower().endswith(".gguf")
+            or _hf_folder(args.run)):
         return cmd_generate_pretrained(args)
     if args.chat or args.system:
         raise ValueError("--chat and --system need a chat model (smollm2), not a trained run")
@@ -131,10 +146,6 @@ def cmd_generate_pretrained(args: argparse.Namespace) -> int:
         raise ValueError("the prompt is empty; give --prompt TEXT")
     if args.system is not None and not args.chat:
         raise ValueError("--system is a chat message: add --chat")
-    if args.temperature < 0:
-        raise ValueError(f"--temperature must be >= 0, got {args.temperature}")
-    if args.top_p is not None and not 0.0 < args.top_p <= 1.0:
-        raise ValueError(f"--top-p must be in (0, 1], got {args.top_p}")
     check_compile(args)
     t0 = time.perf_counter()
     weights = args.weights or {"float32": "fp32", "bfloat16": "bf16", None: DEFAULT_WEIGHTS}[args.dtype]

@@ -29,7 +29,9 @@ from torch import Tensor, nn
 
 from qkv.families.base import Kind
 
-PRETRAINED_KINDS: dict[str, Kind] = {"minilm": "encoder", "smollm2": "decoder"}
+PRETRAINED_KINDS: dict[str, Kind] = {"minilm": "encoder", "smollm2": "decoder",
+                                     # a Hugging Face checkpoint folder, by what it builds
+                                     "hf-encoder": "encoder", "hf-decoder": "decoder"}
 MAX_TOKENS = 512  # attention maps over more tokens than this are unreadable (and (L,H,T,T) is big)
 ATTENTION_BYTES = 2 * 1024**3  # the most memory the (L, H, T, T) float32 maps of one text may take
 
@@ -137,6 +139,8 @@ def load_source(name_or_path: str | os.PathLike[str], display_name: str | None =
         raise UnknownModelError(f"{text!r} is neither a pretrained model ({', '.join(pretrained_names())}) "
                                 "nor a run directory from `qkv train`")
     family = run_family(path)
+    if family is None and (path / "config.json").is_file() and "model_type" in _json_keys(path):
+        return load_hf_folder_source(path, name)
     if family is None:
         from qkv.training import checkpoint as ckpt
 
@@ -146,6 +150,27 @@ def load_source(name_or_path: str | os.PathLike[str], display_name: str | None =
         raise UnknownModelError(f"{path} is not a run of {', '.join(family_names())}; pass a run "
                                 "directory from `qkv train`")
     return _load_run(path, family, name)
+
+
+def _json_keys(folder: Path) -> set[str]:
+    import json
+
+    try:
+        cfg = json.loads((folder / "config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return set()
+    return set(cfg) if isinstance(cfg, dict) else set()
+
+
+def load_hf_folder_source(folder: Path, name: str) -> Source:
+    """A Hugging Face checkpoint folder (``config.json`` with a ``model_type``), built by
+    :func:`qkv.load` into qkv's own GPT or Encoder."""
+    import qkv
+
+    pipe = qkv.load(str(folder))
+    family = "hf-decoder" if hasattr(pipe, "stop_ids") else "hf-encoder"
+    return Source(name, family, pipe.model.eval(), pipe.tokenizer,
+                  stop_ids=tuple(getattr(pipe, "stop_ids", ())))
 
 
 def load_pretrained(name: str) -> Source:

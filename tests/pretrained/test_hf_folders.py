@@ -235,3 +235,30 @@ def test_unsupported_config_option_and_tensor_type(tmp_path):
     tensors["model.norm.weight"] = tensors["model.norm.weight"].to(torch.int8)
     save_file(tensors, str(weights))
     _one_line_error(tmp_path / "l", "model.norm.weight is int8", "float32, float16, bfloat16")
+
+
+def test_qkv_generate_and_attend_read_a_folder(tmp_path):
+    """`qkv generate FOLDER` (greedy) prints transformers' greedy tokens; `qkv attend FOLDER`
+    draws a grid, from attention weights equal to transformers' own (eager attention)."""
+    from cli_helpers import call
+
+    from qkv.viz.sources import load_source, text_attention
+
+    ref = _decoder("qwen2", tmp_path / "q")
+    ref.config._attn_implementation = "eager"
+    prompt = " ".join(f"w{i}" for i in PROMPT[0].tolist())
+    with torch.no_grad():
+        ref_ids = ref.generate(PROMPT, max_new_tokens=5, do_sample=False, eos_token_id=None,
+                               pad_token_id=0)[0, PROMPT.shape[1]:].tolist()
+        ref_att = torch.stack(ref(PROMPT, output_attentions=True).attentions)[:, 0]  # (L, H, T, T)
+    rc, out, err = call(["generate", str(tmp_path / "q"), "--prompt", prompt, "--max-new-tokens", "5",
+                         "--temperature", "0", "--weights", "fp32"])
+    assert rc == 0, err
+    assert out.startswith(prompt)
+    assert out[len(prompt):].split() == [f"w{i}" for i in ref_ids]
+    src = load_source(str(tmp_path / "q"))
+    assert src.kind == "decoder" and (src.n_layers, src.n_heads) == (2, 4)
+    torch.testing.assert_close(text_attention(src, prompt).weights, ref_att.float(), rtol=0, atol=1e-5)
+    png = tmp_path / "a.png"
+    rc, out, err = call(["attend", str(tmp_path / "q"), prompt, "-o", str(png)])
+    assert rc == 0 and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", err
