@@ -8,7 +8,8 @@ __version__ = "0.1.0"
 
 
 def load(name: str, **kwargs):
-    """A pretrained model by name ("minilm", "smollm2"): see :func:`qkv.pretrained.load`."""
+    """A pretrained model by name ("minilm", "smollm2") or a Hugging Face checkpoint folder by
+    its path (llama, mistral, qwen2, gemma, gpt2, bert): see :func:`qkv.pretrained.load`."""
     from qkv.pretrained import load as _load
 
     return _load(name, **kwargs)
