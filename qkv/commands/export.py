@@ -1,0 +1,54 @@
+"""`qkv export`: a GPT run from `qkv train` as a Hugging Face checkpoint folder or a GGUF file
+(:mod:`qkv.pretrained.export`)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+DTYPES = ("f32", "f16", "bf16", "q8_0")
+
+
+def add_export_parser(sub) -> None:
+    p = sub.add_parser(
+        "export",
+        help="write a trained GPT run as a Hugging Face folder or a GGUF file",
+        description="Export the best weights and the tokenizer of a GPT run directory from `qkv train`. "
+        "A GPT with learned positions, LayerNorm and a GELU/ReLU MLP becomes Hugging Face's gpt2; one "
+        "with RoPE, RMSNorm and SwiGLU (grouped-query heads allowed) becomes llama. Any other "
+        "combination (sinusoidal/ALiBi/no positions, RMSNorm with learned positions, LayerNorm with "
+        "RoPE, GeGLU, --embed_scale, GQA or a custom head_dim with learned positions) is refused, "
+        "naming the option. Missing biases are written as zeros (exact). qkv's tokenizers have no "
+        "special tokens, so the export has no bos/eos token; the optimizer state and metrics are "
+        "not exported.",
+        epilog="formats:\n"
+        "  hf    OUT/ holds config.json, model.safetensors (float32, HF names and layouts), "
+        "tokenizer.json,\n"
+        "        tokenizer_config.json: transformers' AutoModelForCausalLM.from_pretrained(OUT) "
+        "and qkv.load(OUT) read it\n"
+        "  gguf  OUT/model.gguf (llama.cpp tensor names and metadata, tokenizer metadata); a BPE run "
+        "only:\n"
+        "        GGUF's gpt2 tokenizer is byte-level, which a character tokenizer is not (refused)\n"
+        "dtypes (--format gguf): f32, f16, bf16, q8_0 (8-bit blocks of 32; 1-D tensors and tensors\n"
+        "  whose rows are not a multiple of 32 stay f32)\n"
+        "OUT must not exist (or be an empty folder): nothing is overwritten; the files are written "
+        "into\na temporary folder beside OUT and renamed when complete.",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("run", metavar="RUN_DIR", help="a GPT run directory from `qkv train`")
+    p.add_argument("--format", default="hf", choices=("hf", "gguf"), help="output format (default hf)")
+    p.add_argument("-o", "--out", required=True, metavar="OUT", help="the folder to create")
+    p.add_argument("--dtype", default="f32", choices=DTYPES,
+                   help="GGUF tensor type (default f32; hf is always f32)")
+    p.set_defaults(func=run_export)
+
+
+def run_export(args: argparse.Namespace) -> int:
+    from qkv.pretrained.export import export_run
+
+    out, arch = export_run(args.run, args.out, args.format, args.dtype)
+    what = "Hugging Face folder" if args.format == "hf" else f"GGUF ({args.dtype})"
+    print(f"exported {args.run} as {arch} ({what}): {out}")
+    files = sorted(p.name for p in out.iterdir())
+    print("  " + ", ".join(files), file=sys.stdout)
+    return 0
