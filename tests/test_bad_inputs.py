@@ -48,6 +48,7 @@ CASES: list[tuple[str, str]] = [
     ("generate|{gpt}|--max-new-tokens|-1", "--max-new-tokens must be >= 0"),
     ("generate|{root}/nope", "nope"),
     ("generate|{vit}", "vit run"),
+    ("export|{vit}|--format|hf|-o|{root}/out", "vit run"),
     ("generate|{file}", "not a directory"),
     ("generate|{gpt}|--prompt|日本", "never saw"),
     ("generate|smollm2|--max-new-tokens|5", "give --prompt TEXT"),
