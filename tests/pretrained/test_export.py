@@ -1,0 +1,214 @@
+"""qkv export: runs trained here (the tiny preset, a few steps) exported and read back by
+transformers itself, which shares no code with qkv's writer.
+
+The logits of transformers' model on the export must equal qkv's on the run to 1e-5 (fp32),
+greedy tokens must be the same, transformers' tokenizer must give qkv's ids on held text, and
+qkv.load(OUT) must give back the run's logits. Bad inputs are one line, exit 2.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import os
+from pathlib import Path
+
+import pytest
+import torch
+from cli_helpers import assert_one_line_error, call
+
+import qkv
+from qkv.families import get_family
+from qkv.generation import generate
+from qkv.models.gpt import GPTConfig
+from qkv.pretrained.export import hf_architecture
+
+transformers = pytest.importorskip("transformers", reason="reference package transformers not "
+                                   "installed: pip install 'qkv[reference]'")
+pytest.importorskip("safetensors")
+pytest.importorskip("tokenizers")
+
+HELD = "JULIET: what light? O Romeo"  # in the tiny text's alphabet, not a line of it
+# Runs beside tiny_run("gpt") (learned positions, LayerNorm, exact GELU, no biases, tied, char):
+# (extra `qkv train gpt --preset tiny` options, the architecture they export as)
+VARIANTS = {
+    "llama_gqa_bpe": (["--positions", "rope", "--norm", "rmsnorm", "--mlp", "swiglu", "--n_kv_heads", "2",
+                       "--rope_theta", "500", "--tokenizer", "bpe", "--bpe_vocab_size", "300"], "llama"),
+    "gpt2_bias_tanh_untied_bpe": (["--bias", "true", "--mlp", "gelu_tanh", "--tie_embeddings", "false",
+                                   "--norm_eps", "1e-6", "--tokenizer", "bpe", "--bpe_vocab_size", "300"],
+                                  "gpt2"),
+    "llama_qkv_bias_char": (["--positions", "rope", "--norm", "rmsnorm", "--mlp", "swiglu",
+                             "--qkv_bias", "true", "--tie_embeddings", "false"], "llama"),
+}
+
+
+def _train(root: Path, name: str, extra: list[str]) -> Path:
+    run = root / name
+    argv = ["train", "gpt", "--preset", "tiny", "--max_iters", "4", "--eval_iters", "1",
+            "--data", str(root / "text.txt"), "--compile", "false", "--out_dir", str(run), "--no-progress",
+            "--sample-tokens", "1", *extra]
+    threads, cache = torch.get_num_threads(), os.environ.get("QKV_CACHE_DIR")
+    torch.set_num_threads(1)
+    os.environ["QKV_CACHE_DIR"] = str(root / "cache")
+    try:
+        rc, out, err = call(argv)
+    finally:
+        torch.set_num_threads(threads)
+        if cache is None:
+            os.environ.pop("QKV_CACHE_DIR", None)
+        else:
+            os.environ["QKV_CACHE_DIR"] = cache
+    assert rc == 0, out + err
+    return run
+
+
+@pytest.fixture(scope="module")
+def runs(tiny_run, tmp_path_factory) -> dict[str, Path]:
+    gpt = tiny_run("gpt")
+    root = tmp_path_factory.mktemp("export-runs")
+    import shutil
+
+    shutil.copy(gpt.parent.parent / "text.txt", root / "text.txt")  # the tiny run's own text
+    out = {"gpt2_char": gpt}
+    out.update({name: _train(root, name, extra) for name, (extra, _) in VARIANTS.items()})
+    return out
+
+
+def _export(run: Path, out: Path, *extra: str) -> Path:
+    rc, _, err = call(["export", str(run), "-o", str(out), *extra])
+    assert rc == 0, err
+    return out
+
+
+def _silent(fn, *args, **kwargs):
+    with contextlib.redirect_stderr(io.StringIO()):  # transformers' loading progress bars
+        return fn(*args, **kwargs)
+
+
+@pytest.mark.parametrize("name", ["gpt2_char", *VARIANTS])
+def test_export_hf_equals_transformers(runs, tmp_path: Path, name: str) -> None:
+    run = runs[name]
+    loaded = get_family("gpt").load(run)
+    model, tok = loaded.model.eval(), loaded.tokenizer
+    arch = VARIANTS[name][1] if name in VARIANTS else "gpt2"
+    assert hf_architecture(model.cfg) == arch
+    out = _export(run, tmp_path / "hf")
+    assert sorted(p.name for p in out.iterdir()) == ["config.json", "model.safetensors", "tokenizer.json",
+                                                    "tokenizer_config.json"]
+    assert not list(tmp_path.glob(".*tmp"))  # the temporary folder was renamed, none left
+    config = json.loads((out / "config.json").read_text())
+    assert config["model_type"] == arch and config["tie_word_embeddings"] == model.cfg.tie_embeddings
+
+    hf = _silent(transformers.AutoModelForCausalLM.from_pretrained, out).eval()
+    assert type(hf).__name__ == {"gpt2": "GPT2LMHeadModel", "llama": "LlamaForCausalLM"}[arch]
+    assert hf.dtype == torch.float32
+
+    # the tokenizer: transformers' on held text gives qkv's ids, and decodes them back
+    ids = tok.encode(HELD)
+    fast = transformers.PreTrainedTokenizerFast(tokenizer_file=str(out / "tokenizer.json"))
+    assert fast(HELD)["input_ids"] == ids
+    assert fast.decode(ids) == HELD
+    assert _silent(transformers.AutoTokenizer.from_pretrained, out)(HELD)["input_ids"] == ids
+
+    x = torch.tensor([ids[:20]])
+    with torch.no_grad():
+        ours, theirs = model(x).logits, hf(x).logits
+    assert (ours - theirs).abs().max().item() <= 1e-5
+    assert ours.abs().max().item() > 0.1  # logits that say something
+
+    n_new = model.cfg.max_seq_len - x.shape[1]
+    qkv_tokens = [int(t[0]) for t in generate(model, x, n_new, temperature=0.0)]
+    hf_tokens = hf.generate(x, max_new_tokens=n_new, do_sample=False, eos_token_id=None,
+                            pad_token_id=0)[0, x.shape[1]:].tolist()
+    assert qkv_tokens == hf_tokens
+
+    # read back by qkv itself: the run's logits again, the same tokenizer ids
+    back = _silent(qkv.load, str(out))
+    assert back.tokenizer.encode(HELD) == ids
+    with torch.no_grad():
+        again = back.model(x).logits
+    assert (again - ours).abs().max().item() <= 1e-5
+
+
+def test_zero_biases_are_written_where_qkv_has_none(runs, tmp_path: Path) -> None:
+    from safetensors.torch import load_file
+
+    out = _export(runs["gpt2_char"], tmp_path / "hf")  # bias=false: gpt2 still has biases
+    tensors = load_file(str(out / "model.safetensors"))
+    assert tensors["transformer.h.0.attn.c_attn.bias"].abs().max() == 0
+    assert tensors["transformer.h.0.attn.c_attn.weight"].shape == (32, 96)  # Conv1D: (in, out)
+    assert "lm_head.weight" not in tensors  # tied: transformers ties it back
+    out = _export(runs["llama_qkv_bias_char"], tmp_path / "llama")
+    tensors = load_file(str(out / "model.safetensors"))
+    assert tensors["model.layers.0.self_attn.q_proj.bias"].abs().max() > 0  # trained
+    assert tensors["model.layers.0.self_attn.o_proj.bias"].abs().max() == 0  # qkv has none there
+    assert tensors["model.layers.0.mlp.gate_proj.bias"].abs().max() == 0
+
+
+@pytest.mark.parametrize(("options", "names"), [
+    (dict(positions="sinusoidal"), "--positions sinusoidal"),
+    (dict(positions="alibi"), "--positions alibi"),
+    (dict(positions="none"), "--positions none"),
+    (dict(norm="rmsnorm"), "--norm rmsnorm with --positions learned"),
+    (dict(mlp="swiglu"), "--mlp swiglu with --positions learned"),
+    (dict(n_kv_heads=2), "--n_kv_heads 2"),
+    (dict(head_dim=16), "--head_dim 16"),
+    (dict(embed_scale=True), "--embed_scale"),
+    (dict(positions="rope", norm="layernorm", mlp="swiglu"), "--norm layernorm with --positions rope"),
+    (dict(positions="rope", norm="rmsnorm", mlp="gelu"), "--mlp gelu with --positions rope"),
+    (dict(positions="rope", norm="rmsnorm", mlp="geglu_tanh"), "--mlp geglu_tanh"),
+])
+def test_options_without_a_counterpart_are_named(options: dict, names: str) -> None:
+    cfg = GPTConfig(vocab_size=10, max_seq_len=8, dim=32, n_layers=1, n_heads=4, **options)
+    with pytest.raises(ValueError, match="cannot export") as e:
+        hf_architecture(cfg)
+    assert names in str(e.value) and "\n" not in str(e.value)
+
+
+def _variant_of(run: Path, root: Path, **model: object) -> Path:
+    """A copy of ``run`` whose config.json asks for other GPTConfig options (fresh weights)."""
+    import shutil
+
+    from qkv.models.gpt import GPT
+    from qkv.training import checkpoint as ckpt
+
+    dst = root / "variant"
+    shutil.copytree(run, dst)
+    saved = json.loads((dst / "config.json").read_text())
+    saved["model"].update(model)
+    (dst / "config.json").write_text(json.dumps(saved))
+    ckpt.save_weights(GPT(GPTConfig(**saved["model"])), dst / "model.safetensors")
+    return dst
+
+
+def test_bad_inputs_are_one_line(runs, tiny_run, tmp_path: Path) -> None:
+    vit = tiny_run("vit")
+    rc, _, err = call(["export", str(vit), "-o", str(tmp_path / "a")])
+    assert "vit run" in assert_one_line_error(rc, err)
+    alibi = _variant_of(runs["gpt2_char"], tmp_path, positions="alibi")
+    rc, _, err = call(["export", str(alibi), "-o", str(tmp_path / "b")])
+    assert "--positions alibi" in assert_one_line_error(rc, err)
+    (tmp_path / "full").mkdir()
+    (tmp_path / "full" / "keep.txt").write_text("mine")
+    rc, _, err = call(["export", str(runs["gpt2_char"]), "-o", str(tmp_path / "full")])
+    assert "already exists" in assert_one_line_error(rc, err)
+    assert [p.name for p in (tmp_path / "full").iterdir()] == ["keep.txt"]
+    rc, _, err = call(["export", str(runs["gpt2_char"]), "--dtype", "q8_0", "-o", str(tmp_path / "c")])
+    assert "--dtype q8_0 is for --format gguf" in assert_one_line_error(rc, err)
+    rc, _, err = call(["export", str(tmp_path / "nope"), "-o", str(tmp_path / "d")])
+    assert "nope" in assert_one_line_error(rc, err)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["full", "variant"]  # nothing else written
+
+
+def test_an_empty_out_folder_is_filled(runs, tmp_path: Path) -> None:
+    (tmp_path / "empty").mkdir()
+    out = _export(runs["gpt2_char"], tmp_path / "empty")
+    assert (out / "model.safetensors").is_file()
+
+
+def test_help_names_formats_dtypes_and_refusals() -> None:
+    rc, out, _ = call(["export", "--help"])
+    assert rc == 0
+    for word in ("gpt2", "llama", "gguf", "q8_0", "bf16", "refused", "overwritten"):
+        assert word in out, word
