@@ -295,6 +295,10 @@ class Explorer:
                                                    temperature=req.temperature, top_k=req.top_k,
                                                    seed=req.seed):
                     new.append(step.id)
+                    if not bool(torch.isfinite(torch.as_tensor(step.weights)).all()):
+                        yield _event(event="error", detail="the attention weights are not all finite "
+                                     "(NaN or inf): the model's weights are damaged; retrain the run")
+                        return
                     yield _event(event="token", token=step.token, id=step.id,
                                  weights=[round(float(v), 6) for v in step.weights])
             except Exception as e:  # the status line has gone out: report in the stream

@@ -444,6 +444,29 @@ def test_a_model_whose_attention_is_nan_gets_a_422(runs_dir, monkeypatch) -> Non
     assert detail(r, 422).startswith("the attention weights are not all finite (NaN or inf)")
 
 
+def test_a_generation_whose_attention_turns_nan_ends_with_an_error_event(runs_dir, monkeypatch) -> None:
+    """The stream's status line has gone out, so a NaN row becomes an error event, never a
+    token event with nulls in its weights."""
+    from dataclasses import replace
+
+    from fastapi.testclient import TestClient
+
+    from qkv.serve import create_app
+
+    real = sources.generate_steps
+
+    def nan_after_one(*args, **kwargs):
+        for i, step in enumerate(real(*args, **kwargs)):
+            yield step if i == 0 else replace(step, weights=torch.full_like(step.weights, float("nan")))
+
+    monkeypatch.setattr(sources, "generate_steps", nan_after_one)
+    c = TestClient(create_app(runs_dir=runs_dir))
+    events = _events(c.post("/api/generate", json={"model": "runs/gpt-tiny", "prompt": "ROMEO",
+                                                   "max_new_tokens": 4}))
+    assert [e["event"] for e in events] == ["start", "token", "error"]
+    assert events[-1]["detail"].startswith("the attention weights are not all finite")
+
+
 def test_a_pretrained_model_that_is_not_installed(runs_dir, monkeypatch) -> None:
     from fastapi.testclient import TestClient
 
