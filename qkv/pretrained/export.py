@@ -42,6 +42,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from qkv.fileio import _umask
 from qkv.models.gpt import GPT, GPTConfig
 from qkv.pretrained.architectures import GPT2, GPT2_ACTIVATIONS, LLAMA, Names, conv1d_transposed
 
@@ -126,7 +127,7 @@ def _with_zero_biases(sd: dict[str, Tensor], cfg: GPTConfig, arch: str) -> dict[
     return out
 
 
-def _row_split(cfg: GPTConfig) -> list[int]:
+def row_split(cfg: GPTConfig) -> list[int]:
     """Rows of qkv's fused qkv projection that are Q, K, V (H·D, K·D, K·D)."""
     d = cfg.resolved_head_dim
     return [cfg.n_heads * d, cfg.resolved_kv_heads * d, cfg.resolved_kv_heads * d]
@@ -158,7 +159,7 @@ def hf_state_dict(model: GPT, arch: str) -> dict[str, Tensor]:
     cfg = model.cfg
     sd = {k: v.detach().float().cpu() for k, v in model.state_dict().items()}
     sd = _with_zero_biases(sd, cfg, arch)
-    out = unmap_names(sd, TABLES[arch], _row_split(cfg), cfg.tie_embeddings)
+    out = unmap_names(sd, TABLES[arch], row_split(cfg), cfg.tie_embeddings)
     if arch == "gpt2":  # Conv1D is its own inverse: (out, in) -> (in, out)
         out = {k: conv1d_transposed(k, v) for k, v in out.items()}
     return out
@@ -191,7 +192,9 @@ def new_output_dir(out: str | os.PathLike[str]) -> tuple[Path, Path]:
         raise ValueError(f"{out} already exists and is not an empty folder; an export does not "
                          "overwrite: remove it or choose another -o")
     out.parent.mkdir(parents=True, exist_ok=True)
-    return out, Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".tmp", dir=out.parent))
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".tmp", dir=out.parent))
+    os.chmod(tmp, 0o777 & ~_umask())  # a folder's usual permissions, not mkdtemp's 0700
+    return out, tmp
 
 
 def publish(tmp: Path, out: Path) -> Path:

@@ -1,0 +1,134 @@
+"""qkv's own llama-style GPT runs -> a GGUF file (llama.cpp's format), with the ``gguf`` package's
+GGUFWriter: the write direction of :mod:`qkv.pretrained.smollm2`.
+
+Tensor names come from the llama table's GGUF column
+(:data:`~qkv.pretrained.architectures.LLAMA_GGUF`); W_Q and W_K rows are permuted per head into
+llama.cpp's order (:func:`permute_rope_rows`, the inverse of smollm2's ``unpermute_rope_rows``).
+Metadata: ``llama.*`` sizes, heads, RoPE base, RMSNorm epsilon, and the tokenizer
+(``tokenizer.ggml.model = "gpt2"``: the byte-level BPE vocabulary, merges, GPT-2's
+pre-tokenizer regex, no bos/eos token).
+
+Refused (one line each), because a GGUF reader would compute something else or not read it:
+- a gpt2-style run: only ``llama`` is written (gpt2's GGUF readers assume GPT-2's tanh GELU and
+  a 1024-position table; use ``--format hf`` for those runs);
+- biases (llama.cpp's llama has none), a ``head_dim`` other than dim / n_heads;
+- a character tokenizer: GGUF's ``gpt2`` tokenizer model is byte-level (each token spelled in
+  GPT-2's byte-to-unicode alphabet), which a character vocabulary is not, and GGUF has no
+  character-level model.
+
+``dtype``: f32, f16, bf16 or q8_0 (blocks of 32 weights with one f16 scale, llama.cpp's Q8_0)
+for 2-D tensors; 1-D tensors (the norms) stay f32, as llama.cpp writes them, and a 2-D tensor
+whose rows are not a multiple of 32 stays f16 under q8_0.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from qkv.models.gpt import GPT
+from qkv.pretrained.architectures import LLAMA_GGUF
+from qkv.pretrained.export import has_bias, hf_architecture, row_split, unmap_names
+
+GGUF_TOKEN_NORMAL = 1
+
+
+def permute_rope_rows(w: np.ndarray, n_heads: int) -> np.ndarray:
+    """llama.cpp's per-head row order of W_Q / W_K, (n_heads·Dh, dim): each head's rows viewed as
+    (2, D/2) -> (D/2, 2), so that the two halves of every rotated pair sit side by side."""
+    rows, cols = w.shape
+    dh = rows // n_heads
+    return w.reshape(n_heads, 2, dh // 2, cols).swapaxes(1, 2).reshape(rows, cols)
+
+
+def check_gguf(model: GPT, tok: Any) -> None:
+    """ValueError (one line) unless ``model`` and ``tok`` can be written as a llama GGUF."""
+    from qkv.tokenizers import BPETokenizer
+
+    cfg = model.cfg
+    arch = hf_architecture(cfg)
+    if arch != "llama":
+        raise ValueError(f"--format gguf writes llama-style runs only (--positions rope --norm rmsnorm "
+                         f"--mlp swiglu); this run is {arch}-style: use --format hf")
+    if has_bias(cfg):
+        raise ValueError("--format gguf: --bias/--qkv_bias true has no counterpart in llama.cpp's llama "
+                         "(no bias tensors); use --format hf")
+    if cfg.resolved_head_dim * cfg.n_heads != cfg.dim:
+        raise ValueError(f"--format gguf: --head_dim {cfg.head_dim} (not dim / n_heads) is not written; "
+                         "use --format hf")
+    if not isinstance(tok, BPETokenizer):
+        raise ValueError("--format gguf: a character tokenizer cannot be carried (GGUF's gpt2 tokenizer is "
+                         "byte-level BPE); train with --tokenizer bpe, or use --format hf")
+
+
+def _tensor(gguf: Any, name: str, w: np.ndarray, dtype: str) -> tuple[np.ndarray, Any]:
+    """(data, raw type) of one tensor in ``dtype`` (1-D tensors stay f32)."""
+    q = gguf.GGMLQuantizationType
+    if w.ndim == 1 or dtype == "f32":
+        return w.astype(np.float32), q.F32
+    if dtype == "f16" or (dtype == "q8_0" and w.shape[-1] % 32):
+        return w.astype(np.float16), q.F16
+    kind = q.BF16 if dtype == "bf16" else q.Q8_0
+    return gguf.quants.quantize(w.astype(np.float32), kind), kind
+
+
+FILE_TYPES = {"f32": 0, "f16": 1, "q8_0": 7, "bf16": 32}  # llama.cpp's LLAMA_FTYPE_* numbers
+
+
+def write_gguf(model: GPT, tok: Any, path: Path, dtype: str = "f32") -> str:
+    """Write ``model`` and its BPE ``tok`` as a llama GGUF at ``path``; returns "llama"."""
+    import gguf
+
+    check_gguf(model, tok)
+    if dtype not in FILE_TYPES:
+        raise ValueError(f"--dtype must be one of {', '.join(FILE_TYPES)}, got {dtype!r}")
+    cfg = model.cfg
+    sd = {k: v.detach().float().cpu() for k, v in model.state_dict().items()}
+    named = unmap_names(sd, LLAMA_GGUF, row_split(cfg), cfg.tie_embeddings)
+    tensors = {k: v.numpy() for k, v in named.items()}
+    for name in tensors:
+        if name.endswith(("attn_q.weight", "attn_k.weight")):
+            heads = cfg.n_heads if "attn_q" in name else cfg.resolved_kv_heads
+            tensors[name] = permute_rope_rows(tensors[name], heads)
+
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_name("qkv GPT")
+    w.add_context_length(cfg.max_seq_len)
+    w.add_embedding_length(cfg.dim)
+    w.add_block_count(cfg.n_layers)
+    w.add_feed_forward_length(cfg.mlp_hidden or 4 * cfg.dim)
+    w.add_head_count(cfg.n_heads)
+    w.add_head_count_kv(cfg.resolved_kv_heads)
+    w.add_layer_norm_rms_eps(cfg.norm_eps)
+    w.add_rope_freq_base(cfg.rope_theta)
+    w.add_rope_dimension_count(cfg.resolved_head_dim)
+    w.add_vocab_size(cfg.vocab_size)
+    w.add_file_type(FILE_TYPES[dtype])
+    _add_tokenizer(w, tok)
+    for name, t in tensors.items():
+        data, kind = _tensor(gguf, name, t, dtype)
+        w.add_tensor(name, data, raw_dtype=kind)  # quantized bytes: the writer infers the shape
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return "llama"
+
+
+def _add_tokenizer(w: Any, tok: Any) -> None:
+    """A qkv byte-level BPE tokenizer as GGUF tokenizer metadata (tokens by id, merges)."""
+    model = json.loads(tok.tokenizer.to_str())["model"]
+    vocab: dict[str, int] = model["vocab"]
+    tokens = sorted(vocab, key=vocab.__getitem__)
+    if [vocab[t] for t in tokens] != list(range(len(tokens))):
+        raise ValueError("--format gguf: the BPE vocabulary's ids are not 0..V-1")
+    merges = [m if isinstance(m, str) else " ".join(m) for m in model["merges"]]
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("gpt2")
+    w.add_token_list(tokens)
+    w.add_token_types([GGUF_TOKEN_NORMAL] * len(tokens))
+    w.add_token_merges(merges)
+    w.add_add_bos_token(False)
