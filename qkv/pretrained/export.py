@@ -246,6 +246,10 @@ def export_run(run_dir: str | os.PathLike[str], out: str | os.PathLike[str], fmt
     hf_architecture(model.cfg)  # refuse before anything is written
     if fmt == "hf" and dtype != "f32":
         raise ValueError(f"--dtype {dtype} is for --format gguf; a Hugging Face export is float32")
+    if fmt == "gguf":
+        from qkv.pretrained.export_gguf import check_gguf
+
+        check_gguf(model, tok)
     final, tmp = new_output_dir(out)
     try:
         if fmt == "hf":

@@ -166,14 +166,14 @@ def test_options_without_a_counterpart_are_named(options: dict, names: str) -> N
     assert names in str(e.value) and "\n" not in str(e.value)
 
 
-def _variant_of(run: Path, root: Path, **model: object) -> Path:
+def _variant_of(run: Path, root: Path, name: str = "variant", **model: object) -> Path:
     """A copy of ``run`` whose config.json asks for other GPTConfig options (fresh weights)."""
     import shutil
 
     from qkv.models.gpt import GPT
     from qkv.training import checkpoint as ckpt
 
-    dst = root / "variant"
+    dst = root / name
     shutil.copytree(run, dst)
     saved = json.loads((dst / "config.json").read_text())
     saved["model"].update(model)
@@ -212,3 +212,70 @@ def test_help_names_formats_dtypes_and_refusals() -> None:
     assert rc == 0
     for word in ("gpt2", "llama", "gguf", "q8_0", "bf16", "refused", "overwritten"):
         assert word in out, word
+
+
+# --------------------------------------------------------------------------- GGUF
+
+# dtype -> tolerance of transformers' logits on the GGUF against the run's (fp32) logits
+GGUF_TOLERANCE = {"f32": 1e-5, "f16": 3e-3, "bf16": 3e-2, "q8_0": 3e-2}
+
+
+@pytest.mark.parametrize("dtype", GGUF_TOLERANCE)
+def test_export_gguf_equals_transformers(runs, tmp_path: Path, dtype: str) -> None:
+    gguf = pytest.importorskip("gguf")
+    loaded = get_family("gpt").load(runs["llama_gqa_bpe"])
+    model, tok = loaded.model.eval(), loaded.tokenizer
+    out = _export(runs["llama_gqa_bpe"], tmp_path / "g", "--format", "gguf", "--dtype", dtype)
+    assert [p.name for p in out.iterdir()] == ["model.gguf"]
+    types = {t.name: t.tensor_type.name for t in gguf.GGUFReader(out / "model.gguf").tensors}
+    assert types["blk.0.attn_norm.weight"] == "F32"  # norms stay f32, as llama.cpp writes them
+    assert types["blk.0.attn_q.weight"] == {"f32": "F32", "f16": "F16", "bf16": "BF16", "q8_0": "Q8_0"}[dtype]
+
+    hf = _silent(transformers.AutoModelForCausalLM.from_pretrained, out, gguf_file="model.gguf").eval()
+    hf_tok = _silent(transformers.AutoTokenizer.from_pretrained, out, gguf_file="model.gguf")
+    ids = tok.encode(HELD)
+    assert hf_tok(HELD)["input_ids"] == ids
+    x = torch.tensor([ids[:20]])
+    with torch.no_grad():
+        ours, theirs = model(x).logits, hf(x).logits
+    assert (ours - theirs).abs().max().item() <= GGUF_TOLERANCE[dtype]
+    # qkv reads the file back (the llama GGUF reader of smollm2) as transformers does
+    back = _silent(qkv.load, "smollm2", path=str(out / "model.gguf"), cache=False, weights="fp32")
+    assert back.tokenizer.encode(HELD) == ids
+    with torch.no_grad():
+        again = back.model(x).logits
+    assert (again - theirs).abs().max().item() <= 1e-5
+    if dtype == "f32":
+        n_new = model.cfg.max_seq_len - x.shape[1]
+        qkv_tokens = [int(t[0]) for t in generate(model, x, n_new, temperature=0.0)]
+        hf_tokens = hf.generate(x, max_new_tokens=n_new, do_sample=False, eos_token_id=None,
+                                pad_token_id=0)[0, x.shape[1]:].tolist()
+        assert qkv_tokens == hf_tokens
+
+
+def test_permute_rope_rows_is_undone_by_the_reader() -> None:
+    import numpy as np
+
+    from qkv.pretrained.export_gguf import permute_rope_rows
+    from qkv.pretrained.smollm2 import unpermute_rope_rows
+
+    w = np.arange(4 * 8 * 3, dtype=np.float32).reshape(32, 3)
+    p = permute_rope_rows(w, 4)
+    assert not np.array_equal(p, w)
+    assert np.array_equal(unpermute_rope_rows(p, 4), w)
+    # head 0, D = 8: rows (0, 4, 1, 5, 2, 6, 3, 7), the pairs (x_i, x_{i+D/2}) side by side
+    assert p[:8, 0].tolist() == [w[i, 0] for i in (0, 4, 1, 5, 2, 6, 3, 7)]
+
+
+def test_gguf_refusals_are_one_line(runs, tmp_path: Path) -> None:
+    pytest.importorskip("gguf")
+    cases = [
+        (runs["gpt2_char"], "llama-style runs only"),
+        (runs["llama_qkv_bias_char"], "--bias/--qkv_bias"),
+        (_variant_of(runs["gpt2_char"], tmp_path, "char_llama", positions="rope", norm="rmsnorm",
+                     mlp="swiglu"), "a character tokenizer cannot be carried"),
+    ]
+    for i, (run, names) in enumerate(cases):
+        rc, _, err = call(["export", str(run), "--format", "gguf", "-o", str(tmp_path / f"g{i}")])
+        assert names in assert_one_line_error(rc, err)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["char_llama"]  # nothing written
