@@ -28,6 +28,7 @@ from qkv.viz.sources import (
     Source,
     TextAttention,
     UnknownModelError,
+    hf_family,
     kind_of,
     load_pretrained,
     load_source,
@@ -143,6 +144,8 @@ class Registry:
             family = run_family(child)
             if family is not None:
                 out.append(Entry(RUN_PREFIX + child.name, family, f"{family} run {child.name}"))
+            elif (hf := hf_family(child)) is not None:
+                out.append(Entry(RUN_PREFIX + child.name, hf, f"Hugging Face checkpoint {child.name}"))
         return out
 
     def entries(self) -> list[Entry]:
@@ -151,8 +154,10 @@ class Registry:
     def _safe_run_dir(self, path: Path) -> bool:
         if not (_inside(path, self.root) and path.resolve() != self.root and path.is_dir()):
             return False
-        return all(_inside(path / f, self.root) for f in _RUN_FILES if (path / f).exists()
-                   or (path / f).is_symlink())
+        files = [path / f for f in _RUN_FILES if (path / f).exists() or (path / f).is_symlink()]
+        if hf_family(path) is not None:  # a Hugging Face folder: every shard and file it may read
+            files += list(path.iterdir())
+        return all(_inside(f, self.root) for f in files)
 
     # ----------------------------------------------------------------- resolving
 
@@ -168,8 +173,9 @@ class Registry:
             raise UnknownModelError(f"no run {name!r} in the runs directory; GET /api/models lists them")
         if not self._safe_run_dir(path):
             raise InvalidNameError(f"run {name!r} points outside the runs directory; refused")
-        if run_family(path) is None:
-            raise UnknownModelError(f"{name!r} is not a run of gpt, vit, captioner or seq2seq")
+        if run_family(path) is None and hf_family(path) is None:
+            raise UnknownModelError(f"{name!r} is not a run of gpt, vit, captioner or seq2seq, nor a "
+                                    "Hugging Face checkpoint folder")
         return path
 
     def check_id(self, model_id: str) -> None:

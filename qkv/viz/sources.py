@@ -139,7 +139,7 @@ def load_source(name_or_path: str | os.PathLike[str], display_name: str | None =
         raise UnknownModelError(f"{text!r} is neither a pretrained model ({', '.join(pretrained_names())}) "
                                 "nor a run directory from `qkv train`")
     family = run_family(path)
-    if family is None and (path / "config.json").is_file() and "model_type" in _json_keys(path):
+    if family is None and hf_family(path) is not None:
         return load_hf_folder_source(path, name)
     if family is None:
         from qkv.training import checkpoint as ckpt
@@ -152,14 +152,19 @@ def load_source(name_or_path: str | os.PathLike[str], display_name: str | None =
     return _load_run(path, family, name)
 
 
-def _json_keys(folder: Path) -> set[str]:
+def hf_family(folder: Path) -> str | None:
+    """``hf-encoder`` (bert) or ``hf-decoder`` for a Hugging Face checkpoint folder (a
+    config.json with a ``model_type`` and no qkv ``family``); None for anything else. Whether
+    qkv supports the architecture is said when it loads."""
     import json
 
     try:
-        cfg = json.loads((folder / "config.json").read_text(encoding="utf-8"))
+        cfg = json.loads((Path(folder) / "config.json").read_text(encoding="utf-8"))
     except (OSError, ValueError):
-        return set()
-    return set(cfg) if isinstance(cfg, dict) else set()
+        return None
+    if not isinstance(cfg, dict) or "family" in cfg or not isinstance(cfg.get("model_type"), str):
+        return None
+    return "hf-encoder" if cfg["model_type"] == "bert" else "hf-decoder"
 
 
 def load_hf_folder_source(folder: Path, name: str) -> Source:

@@ -1,0 +1,72 @@
+"""A Hugging Face checkpoint folder inside the runs directory is served like a run: listed,
+its attention equal to `transformers`' own, and a shard linked from outside refused."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+HINT = "package missing: {} (pip install -e '.[dev]')"
+transformers = pytest.importorskip("transformers", reason=HINT.format("transformers"))
+tokenizers = pytest.importorskip("tokenizers", reason=HINT.format("tokenizers"))
+
+V = 64
+
+
+def _qwen2_folder(folder: Path):
+    torch.manual_seed(0)
+    cfg = transformers.Qwen2Config(vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    ref = transformers.AutoModelForCausalLM.from_config(cfg).float().eval()
+    ref.config._attn_implementation = "eager"
+    ref.save_pretrained(folder)
+    tok = tokenizers.Tokenizer(tokenizers.models.WordLevel({f"w{i}": i for i in range(V)}, unk_token="w0"))
+    tok.pre_tokenizer = tokenizers.pre_tokenizers.WhitespaceSplit()
+    tok.save(str(folder / "tokenizer.json"))
+    return ref
+
+
+def test_a_hugging_face_folder_is_served(tmp_path: Path) -> None:
+    from fastapi.testclient import TestClient
+
+    from qkv.serve import create_app
+
+    runs = tmp_path / "runs"
+    ref = _qwen2_folder(runs / "tiny-qwen2")
+    c = TestClient(create_app(runs_dir=runs))
+    listed = {m["id"]: m for m in c.get("/api/models").json()["models"]}
+    assert listed["runs/tiny-qwen2"]["kind"] == "decoder"
+    r = c.post("/api/attention", json={"model": "runs/tiny-qwen2", "text": "w3 w17 w42 w5 w9", "layer": 1,
+                                       "head": 2})
+    assert r.status_code == 200, r.text
+    with torch.no_grad():
+        want = ref(torch.tensor([[3, 17, 42, 5, 9]]), output_attentions=True).attentions[1][0, 2]
+    torch.testing.assert_close(torch.tensor(r.json()["weights"]), want, rtol=0, atol=1e-5)
+    r = c.post("/api/generate", json={"model": "runs/tiny-qwen2", "prompt": "w3 w17", "max_new_tokens": 3})
+    events = [json.loads(line) for line in r.text.splitlines()]
+    assert r.status_code == 200
+    assert [e["event"] for e in events] == ["start", "token", "token", "token", "done"]
+
+
+def test_a_shard_linked_from_outside_the_runs_directory_is_refused(tmp_path: Path) -> None:
+    from fastapi.testclient import TestClient
+
+    from qkv.serve import create_app
+
+    outside = tmp_path / "outside"
+    _qwen2_folder(outside)
+    runs = tmp_path / "runs"
+    (runs / "linked").mkdir(parents=True)
+    for f in outside.iterdir():  # config.json a real file, the weights a link out of the runs dir
+        target = runs / "linked" / f.name
+        if f.name == "model.safetensors":
+            target.symlink_to(f)
+        else:
+            target.write_bytes(f.read_bytes())
+    c = TestClient(create_app(runs_dir=runs))
+    assert "runs/linked" not in {m["id"] for m in c.get("/api/models").json()["models"]}
+    r = c.post("/api/attention", json={"model": "runs/linked", "text": "w1 w2"})
+    assert r.status_code == 400 and "points outside the runs directory" in r.json()["detail"]
