@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
 DTYPES = ("f32", "f16", "bf16", "q8_0")
 
@@ -26,9 +27,10 @@ def add_export_parser(sub) -> None:
         "tokenizer.json,\n"
         "        tokenizer_config.json: transformers' AutoModelForCausalLM.from_pretrained(OUT) "
         "and qkv.load(OUT) read it\n"
-        "  gguf  OUT/model.gguf (llama.cpp tensor names and metadata, tokenizer metadata); a BPE run "
-        "only:\n"
-        "        GGUF's gpt2 tokenizer is byte-level, which a character tokenizer is not (refused)\n"
+        "  gguf  OUT/model.gguf: llama-style runs with a BPE tokenizer and no biases only (llama.cpp\n"
+        "        tensor names, Q/K rows in its order, tokenizer metadata). Refused: gpt2-style runs\n"
+        "        (GGUF readers disagree on its GELU and position table), biases, a character tokenizer\n"
+        "        (GGUF's gpt2 tokenizer is byte-level, which a character vocabulary is not)\n"
         "dtypes (--format gguf): f32, f16, bf16, q8_0 (8-bit blocks of 32; 1-D tensors and tensors\n"
         "  whose rows are not a multiple of 32 stay f32)\n"
         "OUT must not exist (or be an empty folder): nothing is overwritten; the files are written "
@@ -44,9 +46,11 @@ def add_export_parser(sub) -> None:
 
 
 def run_export(args: argparse.Namespace) -> int:
-    from qkv.pretrained.export import export_run
+    from qkv.families import get_family
+    from qkv.pretrained.export import export_model
 
-    out, arch = export_run(args.run, args.out, args.format, args.dtype)
+    loaded = get_family("gpt").load(Path(args.run))  # one line for a run of another family
+    out, arch = export_model(loaded.model, loaded.tokenizer, args.out, args.format, args.dtype)
     what = "Hugging Face folder" if args.format == "hf" else f"GGUF ({args.dtype})"
     print(f"exported {args.run} as {arch} ({what}): {out}")
     files = sorted(p.name for p in out.iterdir())

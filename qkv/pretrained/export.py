@@ -222,9 +222,9 @@ def write_hf_folder(model: GPT, tok: Any, folder: Path) -> str:
     return arch
 
 
-def export_run(run_dir: str | os.PathLike[str], out: str | os.PathLike[str], fmt: str = "hf",
-               dtype: str = "f32") -> tuple[Path, str]:
-    """Export the GPT run ``run_dir`` (its best weights and tokenizer) to ``out``.
+def export_model(model: GPT, tok: Any, out: str | os.PathLike[str], fmt: str = "hf",
+                 dtype: str = "f32") -> tuple[Path, str]:
+    """Export a GPT and its qkv tokenizer (a run's, as ``qkv export`` loads it) to ``out``.
 
     Args:
         fmt: ``"hf"`` (a checkpoint folder) or ``"gguf"`` (``out``/model.gguf).
@@ -234,15 +234,12 @@ def export_run(run_dir: str | os.PathLike[str], out: str | os.PathLike[str], fmt
         (``out``, the architecture: gpt2 or llama).
 
     Raises:
-        ValueError / CheckpointError: one line (not a GPT run, an option with no counterpart,
-        ``out`` not empty).
+        ValueError: one line (an option with no counterpart, ``out`` not empty), raised before
+            anything is written.
     """
-    from qkv.families import get_family
-
     if fmt not in ("hf", "gguf"):
         raise ValueError(f"--format must be hf or gguf, got {fmt!r}")
-    loaded = get_family("gpt").load(Path(run_dir))
-    model, tok = loaded.model.float().eval(), loaded.tokenizer
+    model = model.float().eval()
     hf_architecture(model.cfg)  # refuse before anything is written
     if fmt == "hf" and dtype != "f32":
         raise ValueError(f"--dtype {dtype} is for --format gguf; a Hugging Face export is float32")

@@ -9,8 +9,11 @@ Metadata: ``llama.*`` sizes, heads, RoPE base, RMSNorm epsilon, and the tokenize
 pre-tokenizer regex, no bos/eos token).
 
 Refused (one line each), because a GGUF reader would compute something else or not read it:
-- a gpt2-style run: only ``llama`` is written (gpt2's GGUF readers assume GPT-2's tanh GELU and
-  a 1024-position table; use ``--format hf`` for those runs);
+- a gpt2-style run: only ``llama`` is written. GGUF's gpt2 has no activation key (llama.cpp
+  applies its tanh GELU, so qkv's exact ``gelu`` has no counterpart), and transformers' GGUF
+  reader builds gpt2 with 1024 positions whatever ``gpt2.context_length`` says (tried: a
+  32-position ``position_embd`` fails its size check), while llama.cpp requires
+  ``context_length`` rows: no file satisfies both unless max_seq_len is 1024. Use ``--format hf``;
 - biases (llama.cpp's llama has none), a ``head_dim`` other than dim / n_heads;
 - a character tokenizer: GGUF's ``gpt2`` tokenizer model is byte-level (each token spelled in
   GPT-2's byte-to-unicode alphabet), which a character vocabulary is not, and GGUF has no
@@ -52,7 +55,8 @@ def check_gguf(model: GPT, tok: Any) -> None:
     arch = hf_architecture(cfg)
     if arch != "llama":
         raise ValueError(f"--format gguf writes llama-style runs only (--positions rope --norm rmsnorm "
-                         f"--mlp swiglu); this run is {arch}-style: use --format hf")
+                         f"--mlp swiglu); this run is {arch}-style, which GGUF readers do not agree on "
+                         "(activation, position table size): use --format hf")
     if has_bias(cfg):
         raise ValueError("--format gguf: --bias/--qkv_bias true has no counterpart in llama.cpp's llama "
                          "(no bias tensors); use --format hf")
