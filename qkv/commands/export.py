@@ -25,14 +25,14 @@ def add_export_parser(sub) -> None:
         epilog="formats:\n"
         "  hf    OUT/ holds config.json, model.safetensors (float32, HF names and layouts), "
         "tokenizer.json,\n"
-        "        tokenizer_config.json: transformers' AutoModelForCausalLM.from_pretrained(OUT) "
+        "        tokenizer_config.json;\n        transformers' AutoModelForCausalLM.from_pretrained(OUT) "
         "and qkv.load(OUT) read it\n"
         "  gguf  OUT/model.gguf: llama-style runs with a BPE tokenizer and no biases only (llama.cpp\n"
         "        tensor names, Q/K rows in its order, tokenizer metadata). Refused: gpt2-style runs\n"
         "        (GGUF readers disagree on its GELU and position table), biases, a character tokenizer\n"
         "        (GGUF's gpt2 tokenizer is byte-level, which a character vocabulary is not)\n"
-        "dtypes (--format gguf): f32, f16, bf16, q8_0 (8-bit blocks of 32; 1-D tensors and tensors\n"
-        "  whose rows are not a multiple of 32 stay f32)\n"
+        "dtypes (--format gguf): f32, f16, bf16, q8_0 (8-bit blocks of 32 with an f16 scale); 1-D\n"
+        "  tensors (norms) stay f32, and under q8_0 a matrix whose rows are not a multiple of 32 is f16\n"
         "OUT must not exist (or be an empty folder): nothing is overwritten; the files are written "
         "into\na temporary folder beside OUT and renamed when complete.",
         formatter_class=argparse.RawDescriptionHelpFormatter,
