@@ -44,6 +44,10 @@ def load(name: str, *, dtype: str | torch.dtype | None = None, path: str | None 
         PretrainedFormatError: the file is damaged, or the folder's architecture is not supported.
     """
     dt = weights_dtype("float32" if dtype is None else dtype)
+    if name not in PRETRAINED and str(name).lower().endswith(".gguf"):  # a GGUF file, by architecture
+        if path is not None:
+            raise ValueError("path= is for the named models; give the file itself: qkv.load(file)")
+        return _load_gguf(str(name), dt, dtype is not None, device, cache, weights)
     if name not in PRETRAINED and is_hf_folder(name):
         if path is not None:
             raise ValueError("path= is for the named models; give the folder itself: qkv.load(folder)")
@@ -56,17 +60,25 @@ def load(name: str, *, dtype: str | torch.dtype | None = None, path: str | None 
         enc, tok, max_tokens = load_minilm(path)
         return SentenceEncoder("minilm", enc.to(device=device, dtype=dt), tok, max_tokens)
     if name == "smollm2":
-        from qkv.pretrained.smollm2 import load_smollm2
-
-        gpt, tok, info = load_smollm2(path, cache=cache)
-        stops = {info.get("eos_id"), tok.token_to_id("<|im_end|>")} - {None}
-        lm = CausalLM("smollm2", gpt.to(device), tok, info.get("chat_template"),
-                      tuple(sorted(stops)), dict(info))
-        if weights is None:
-            return lm.to(dt) if dtype is not None else lm.quantize("auto")
-        return lm.quantize(weights)
+        return _load_gguf(path, dt, dtype is not None, device, cache, weights, "smollm2")
     raise ValueError(f"unknown pretrained model {name!r}; choose from: {', '.join(PRETRAINED)}, "
                      "or give the path of a Hugging Face checkpoint folder")
+
+
+def _load_gguf(path: str | None, dt: torch.dtype, dtype_given: bool, device: str, cache: bool,
+               weights: str | None, name: str | None = None) -> CausalLM:
+    """``load`` for a GGUF file (llama or qwen2 architecture; None: the smollm2 asset)."""
+    import os
+
+    from qkv.pretrained.smollm2 import load_smollm2
+
+    gpt, tok, info = load_smollm2(path, cache=cache)
+    stops = {info.get("eos_id"), tok.token_to_id("<|im_end|>")} - {None}
+    lm = CausalLM(name or os.path.basename(str(path)), gpt.to(device), tok, info.get("chat_template"),
+                  tuple(sorted(stops)), dict(info))
+    if weights is None:
+        return lm.to(dt) if dtype_given else lm.quantize("auto")
+    return lm.quantize(weights)
 
 
 def _load_folder(folder: str, dt: torch.dtype, dtype_given: bool, device: str,

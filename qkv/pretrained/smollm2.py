@@ -46,15 +46,21 @@ def _meta(g: GGUFFile, key: str) -> Any:
     return g.metadata[full]
 
 
+GGUF_ARCHITECTURES = ("llama", "qwen2")  # llama also covers Mistral-style files (same names)
+
+
 def gpt_config_from_gguf(g: GGUFFile) -> GPTConfig:
-    """The GPTConfig of a llama-architecture GGUF (sizes, heads, RoPE base, norm epsilon)."""
+    """The GPTConfig of a llama- or qwen2-architecture GGUF (sizes, heads, RoPE base, norm
+    epsilon; qwen2: biases on q/k/v)."""
     arch = g.metadata.get("general.architecture")
-    if arch != "llama":
-        raise PretrainedFormatError(f"{g.path}: architecture {arch!r} is not supported (only llama)")
+    if arch not in GGUF_ARCHITECTURES:
+        raise PretrainedFormatError(f"{g.path}: GGUF architecture {arch!r} is not supported (supported: "
+                                    f"{', '.join(GGUF_ARCHITECTURES)}; gpt2, bert and the rest: load "
+                                    "their Hugging Face folder)")
     dim = int(_meta(g, "{arch}.embedding_length"))
     n_heads = int(_meta(g, "{arch}.attention.head_count"))
     head_dim = dim // n_heads
-    rope_dims = int(g.metadata.get("llama.rope.dimension_count", head_dim))
+    rope_dims = int(g.metadata.get(f"{arch}.rope.dimension_count", head_dim))
     if rope_dims != head_dim:
         raise PretrainedFormatError(f"{g.path}: partial RoPE ({rope_dims} of {head_dim}) unsupported")
     tied = "output.weight" not in g.tensor_names()
@@ -73,6 +79,7 @@ def gpt_config_from_gguf(g: GGUFFile) -> GPTConfig:
         rope_theta=float(_meta(g, "{arch}.rope.freq_base")),
         tie_embeddings=tied,
         bias=False,
+        qkv_bias=arch == "qwen2",
     )
 
 
@@ -87,14 +94,17 @@ def unpermute_rope_rows(w: np.ndarray, n_heads: int) -> np.ndarray:
     return w.reshape(n_heads, dh // 2, 2, cols).swapaxes(1, 2).reshape(rows, cols)
 
 
-def gpt_state_dict_from_gguf(tensors: dict[str, np.ndarray], cfg: GPTConfig) -> dict[str, Tensor]:
+def gpt_state_dict_from_gguf(tensors: dict[str, np.ndarray], cfg: GPTConfig,
+                             permuted: bool = True) -> dict[str, Tensor]:
     """llama.cpp tensor names -> GPT parameter names, by the llama table's GGUF column
-    (:data:`~qkv.pretrained.architectures.LLAMA_GGUF`), with the Q/K rows unpermuted."""
+    (:data:`~qkv.pretrained.architectures.LLAMA_GGUF`), with the Q/K rows unpermuted where
+    llama.cpp permuted them (``permuted``: its llama converter does; its qwen2 one, whose
+    RoPE rotates halves as qkv's does, stores them as they were)."""
     def get(name: str) -> Tensor:
         if name not in tensors:
             raise PretrainedFormatError(f"tensor {name!r} missing from the GGUF file; {INSTALL_HINT}")
         w = tensors[name]
-        if name.endswith(("attn_q.weight", "attn_k.weight")):
+        if permuted and name.endswith(("attn_q.weight", "attn_k.weight")):
             w = unpermute_rope_rows(w, cfg.n_heads if "attn_q" in name else cfg.resolved_kv_heads)
         return torch.from_numpy(w)
 
@@ -115,7 +125,10 @@ def tokenizer_from_gguf(g: GGUFFile) -> HFTokenizer:
         raise PretrainedFormatError(f"{g.path}: {len(tokens)} tokens but {len(types)} token types")
     merges = [tuple(m.split(" ", 1)) for m in _meta(g, "tokenizer.ggml.merges")]
     vocab = {t: i for i, t in enumerate(tokens)}
-    tok = tk.Tokenizer(tk.models.BPE(vocab=vocab, merges=merges, fuse_unk=False))
+    try:
+        tok = tk.Tokenizer(tk.models.BPE(vocab=vocab, merges=merges, fuse_unk=False))
+    except Exception as e:  # the tokenizers library's own error: a merge of unknown tokens, ...
+        raise PretrainedFormatError(f"{g.path}: its BPE tokenizer does not build ({e})") from None
     tok.pre_tokenizer = tk.pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
     tok.decoder = tk.decoders.ByteLevel()
     kinds = (GGUF_TOKEN_CONTROL, GGUF_TOKEN_USER_DEFINED)
@@ -152,7 +165,8 @@ def load_smollm2(
     try:
         cfg = gpt_config_from_gguf(g)
         tok = tokenizer_from_gguf(g)
-        sd = gpt_state_dict_from_gguf(g.tensors(), cfg)
+        llama = g.metadata.get("general.architecture") == "llama"
+        sd = gpt_state_dict_from_gguf(g.tensors(), cfg, permuted=llama)
         model = build_with_weights(lambda: GPT(cfg), sd, str(path))
     except ValueError as e:  # sizes in the metadata that do not fit the tensors, ...
         if isinstance(e, PretrainedFormatError):

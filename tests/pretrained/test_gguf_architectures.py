@@ -1,0 +1,109 @@
+"""GGUF files by architecture: a tiny random Llama and Qwen2 from `transformers`, written as
+GGUF the way llama.cpp's converter writes them (the `gguf` package's own tensor-name map and
+metadata keys; llama's Q/K rows permuted, qwen2's not), loaded by `transformers`
+(``gguf_file=``) and by ``qkv.load(path)``: logits equal (1e-5), greedy tokens identical."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from cli_helpers import assert_one_line_error, call
+
+HINT = "package missing: {} (pip install -e '.[dev]')"
+transformers = pytest.importorskip("transformers", reason=HINT.format("transformers"))
+gguf = pytest.importorskip("gguf", reason=HINT.format("gguf"))
+
+import qkv  # noqa: E402
+
+V = 96
+PROMPT = torch.tensor([[3, 17, 42, 5, 88, 9, 1, 60]])
+
+
+def llama_cpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
+    """convert_hf_to_gguf.py's LlamaModel.permute, from its definition."""
+    rows, cols = w.shape
+    return w.reshape(n_head, 2, rows // n_head // 2, cols).swapaxes(1, 2).reshape(rows, cols)
+
+
+def write_gguf(ref, arch: str, path: Path) -> None:
+    """``ref``'s weights and config as llama.cpp would store them (F32), with a tokenizer of
+    V tokens (byte-level BPE metadata, one merge)."""
+    c = ref.config
+    kind = {"llama": gguf.MODEL_ARCH.LLAMA, "qwen2": gguf.MODEL_ARCH.QWEN2}[arch]
+    names = gguf.get_tensor_name_map(kind, c.num_hidden_layers)
+    w = gguf.GGUFWriter(str(path), arch)
+    w.add_context_length(c.max_position_embeddings)
+    w.add_embedding_length(c.hidden_size)
+    w.add_block_count(c.num_hidden_layers)
+    w.add_feed_forward_length(c.intermediate_size)
+    w.add_head_count(c.num_attention_heads)
+    w.add_head_count_kv(c.num_key_value_heads)
+    w.add_rope_freq_base(float(c.rope_parameters["rope_theta"]))
+    w.add_layer_norm_rms_eps(c.rms_norm_eps)
+    w.add_tokenizer_model("gpt2")
+    w.add_token_list(["w", "0", "w0", *(f"w{i}" for i in range(3, V))])  # the merge: w + 0 -> w0
+    w.add_token_types([1] * V)
+    w.add_token_merges(["w 0"])
+    w.add_bos_token_id(1)
+    w.add_eos_token_id(2)
+    for hf_name, t in ref.state_dict().items():
+        if hf_name.endswith("rotary_emb.inv_freq"):
+            continue
+        if hf_name == "lm_head.weight" and c.tie_word_embeddings:
+            continue
+        a = t.detach().float().numpy().copy()
+        if arch == "llama" and hf_name.endswith(("q_proj.weight", "k_proj.weight")):
+            heads = c.num_attention_heads if "q_proj" in hf_name else c.num_key_value_heads
+            a = llama_cpp_permute(a, heads)
+        w.add_tensor(names.get_name(hf_name, try_suffixes=(".weight", ".bias")), a)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+def tiny(arch: str):
+    torch.manual_seed(0)
+    sizes = dict(vocab_size=V, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                 num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                 initializer_range=0.1)
+    cfg = (transformers.LlamaConfig if arch == "llama" else transformers.Qwen2Config)(**sizes)
+    return transformers.AutoModelForCausalLM.from_config(cfg).float().eval()
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_a_gguf_of_each_architecture_loads_as_transformers_reads_it(tmp_path: Path, arch: str) -> None:
+    ref = tiny(arch)
+    path = tmp_path / f"tiny-{arch}.gguf"
+    write_gguf(ref, arch, path)
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, gguf_file=path.name,
+                                                              dtype=torch.float32).eval()
+    lm = qkv.load(str(path), weights="fp32", cache=False)
+    with torch.no_grad():
+        want = ref(PROMPT).logits
+        torch.testing.assert_close(theirs(PROMPT).logits, want, rtol=0, atol=1e-5)  # the file is right
+        torch.testing.assert_close(lm.model(PROMPT).logits, want, rtol=0, atol=1e-5)
+        ref_ids = ref.generate(PROMPT, max_new_tokens=10, do_sample=False, eos_token_id=None,
+                               pad_token_id=0)[0, PROMPT.shape[1]:]
+    from qkv.generation import generate
+
+    ours = [int(t[0]) for t in generate(lm.model, PROMPT, 10, temperature=0.0)]
+    assert ours == ref_ids.tolist()
+    assert lm.name == path.name and lm.model.cfg.qkv_bias == (arch == "qwen2")
+
+
+def test_a_gguf_of_another_architecture_is_one_line(tmp_path: Path) -> None:
+    path = tmp_path / "phi.gguf"
+    w = gguf.GGUFWriter(str(path), "phi2")
+    w.add_token_list(["a", "b"])
+    w.add_tensor("token_embd.weight", np.zeros((2, 4), np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    rc, _, err = call(["generate", str(path), "--prompt", "a"])
+    line = assert_one_line_error(rc, err)
+    assert "GGUF architecture 'phi2' is not supported (supported: llama, qwen2" in line
