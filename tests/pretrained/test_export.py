@@ -29,7 +29,7 @@ transformers = pytest.importorskip("transformers", reason="reference package tra
 pytest.importorskip("safetensors")
 pytest.importorskip("tokenizers")
 
-HELD = "JULIET: what light? O Romeo"  # in the tiny text's alphabet, not a line of it
+HELD = "JULIET: what light?  O Romeo\nROMEO: \n\n"  # in the tiny text's alphabet, not a line of it
 # Runs beside tiny_run("gpt") (learned positions, LayerNorm, exact GELU, no biases, tied, char):
 # (extra `qkv train gpt --preset tiny` options, the architecture they export as)
 VARIANTS = {
@@ -205,6 +205,19 @@ def test_an_empty_out_folder_is_filled(runs, tmp_path: Path) -> None:
     (tmp_path / "empty").mkdir()
     out = _export(runs["gpt2_char"], tmp_path / "empty")
     assert (out / "model.safetensors").is_file()
+
+
+def test_a_failed_export_leaves_nothing(runs, tmp_path: Path, monkeypatch) -> None:
+    from qkv.pretrained import export
+
+    def broken(model, tok, folder: Path) -> str:
+        (folder / "config.json").write_text("{}")
+        raise OSError("disk full")
+
+    monkeypatch.setattr(export, "write_hf_folder", broken)
+    rc, _, err = call(["export", str(runs["gpt2_char"]), "-o", str(tmp_path / "out")])
+    assert "disk full" in assert_one_line_error(rc, err)
+    assert list(tmp_path.iterdir()) == []  # neither OUT nor the temporary folder
 
 
 def test_help_names_formats_dtypes_and_refusals() -> None:
