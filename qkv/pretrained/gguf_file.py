@@ -49,6 +49,11 @@ class GGUFFile:
         for t in self.reader.tensors:
             try:
                 arr = gguf.quants.dequantize(t.data, t.tensor_type)
+            except NotImplementedError:
+                raise PretrainedFormatError(
+                    f"{self.path}: tensor {t.name} is stored as {t.tensor_type.name}, a type the gguf "
+                    "package cannot dequantise (pip install -U gguf, or convert the file to Q8_0/F16)"
+                ) from None
             except Exception as e:
                 raise PretrainedFormatError(
                     f"{self.path}: tensor {t.name} cannot be dequantised ({e}); the file is "

@@ -107,3 +107,16 @@ def test_a_gguf_of_another_architecture_is_one_line(tmp_path: Path) -> None:
     rc, _, err = call(["generate", str(path), "--prompt", "a"])
     line = assert_one_line_error(rc, err)
     assert "GGUF architecture 'phi2' is not supported (supported: llama, qwen2" in line
+
+
+def test_a_tensor_type_the_gguf_package_cannot_read_is_named(tmp_path: Path, monkeypatch) -> None:
+    ref = tiny("qwen2")
+    path = tmp_path / "q.gguf"
+    write_gguf(ref, "qwen2", path)
+
+    def cannot(data, qtype):
+        raise NotImplementedError(qtype)
+
+    monkeypatch.setattr(gguf.quants, "dequantize", cannot)
+    rc, _, err = call(["generate", str(path), "--prompt", "w3"])
+    assert "is stored as F32, a type the gguf package cannot dequantise" in assert_one_line_error(rc, err)
