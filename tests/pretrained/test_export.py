@@ -207,6 +207,17 @@ def test_an_empty_out_folder_is_filled(runs, tmp_path: Path) -> None:
     assert (out / "model.safetensors").is_file()
 
 
+def test_qkv_generate_reads_the_export_as_it_reads_the_run(runs, tmp_path: Path) -> None:
+    out = _export(runs["llama_gqa_bpe"], tmp_path / "hf")
+    texts = []
+    for source in (runs["llama_gqa_bpe"], out):
+        rc, stdout, err = call(["generate", str(source), "--prompt", "JULIET: O", "--temperature", "0",
+                                "--max-new-tokens", "12"])
+        assert rc == 0, err
+        texts.append([line for line in stdout.splitlines() if line.startswith("JULIET: O")])
+    assert texts[0] == texts[1] and len(texts[0]) == 1
+
+
 def test_a_failed_export_leaves_nothing(runs, tmp_path: Path, monkeypatch) -> None:
     from qkv.pretrained import export
 
