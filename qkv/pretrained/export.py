@@ -1,5 +1,6 @@
-"""qkv's own GPT runs -> Hugging Face checkpoint folders: the read direction of
-:mod:`qkv.pretrained.hf`, through the same name tables (:mod:`qkv.pretrained.architectures`).
+"""qkv's own GPT runs -> Hugging Face checkpoint folders: the inverse of :mod:`qkv.pretrained.hf`
+(which reads them), through the same name tables (:mod:`qkv.pretrained.architectures`) read
+backwards. :func:`export_model` also dispatches to :mod:`qkv.pretrained.export_gguf`.
 
     GPTConfig of the run                                   HF model_type
     positions learned, LayerNorm, MLP gelu/gelu_tanh/relu  gpt2   (fused c_attn, Conv1D (in, out))
