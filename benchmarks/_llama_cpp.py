@@ -56,7 +56,13 @@ def cmake_flags() -> list[str]:
 
 def llama_bench(build: bool = True, log=print) -> tuple[Path | None, str]:
     """(path of llama-bench, how it was found), or (None, why it is not available)."""
-    binary = _root() / "llama-bench"
+    return llama_tool("llama-bench", build, log)
+
+
+def llama_tool(target: str, build: bool = True, log=print) -> tuple[Path | None, str]:
+    """(path of llama.cpp's ``target`` binary, e.g. ``llama-bench`` or ``llama-simple`` (greedy
+    decoding of a prompt), how it was found), or (None, why it is not available)."""
+    binary = _root() / target
     if binary.is_file():
         return binary, f"cached build in {binary.parent}"
     if not build:
@@ -77,15 +83,15 @@ def llama_bench(build: bool = True, log=print) -> tuple[Path | None, str]:
         if src is None:
             return None, "the sdist has no vendor/llama.cpp"
         build_dir = tmp_path / "build"
-        log("llama.cpp: configuring (cmake) and building llama-bench (~10 minutes on 2 cores) ...")
+        log(f"llama.cpp: configuring (cmake) and building {target} (~10 minutes on 2 cores) ...")
         for cmd in (["cmake", "-S", str(src), "-B", str(build_dir), *cmake_flags()],
-                    ["cmake", "--build", str(build_dir), "--target", "llama-bench", "-j", "2"]):
+                    ["cmake", "--build", str(build_dir), "--target", target, "-j", "2"]):
             r = subprocess.run(cmd, capture_output=True, text=True)
             if r.returncode != 0:
                 return None, f"{' '.join(cmd[:3])} failed: {(r.stderr or r.stdout).strip()[-500:]}"
-        built = next((p for p in build_dir.rglob("llama-bench") if p.is_file()), None)
+        built = next((p for p in build_dir.rglob(target) if p.is_file()), None)
         if built is None:
-            return None, "the build produced no llama-bench binary"
+            return None, f"the build produced no {target} binary"
         binary.parent.mkdir(parents=True, exist_ok=True)
         shutil.copy2(built, binary)
         (binary.parent / "build.json").write_text(json.dumps(

@@ -1,0 +1,94 @@
+"""Train here, run anywhere: a qkv-trained GPT exported with `qkv export`, its file sizes per
+format and dtype, and llama.cpp decoding the exported GGUF against qkv decoding the run.
+
+A llama-style GPT (RoPE, RMSNorm, SwiGLU, GQA 4/2 heads, no biases, a byte-level BPE of 512
+tokens) is trained on the Shakespeare asset (or ``--data``), exported to Hugging Face format
+and to GGUF in every ``--dtype``; each file's size is recorded. Then llama.cpp's
+``llama-simple`` (greedy decoding; built from the llama-cpp-python sdist once, see
+benchmarks/_llama_cpp.py) continues prompts from the f32 GGUF, and ``qkv generate RUN
+--temperature 0`` continues the same prompts from the run itself: the texts are compared.
+
+    python benchmarks/export_parity.py                # ~3 minutes (+ ~10 for a first llama.cpp build)
+    python benchmarks/export_parity.py --quick
+"""
+
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import _common as C
+import _llama_cpp
+
+NAME = "export_parity"
+PROMPTS = ["ROMEO:", "The king", "JULIET:\nO", "What light"]
+LLAMA_STYLE = ["--positions", "rope", "--norm", "rmsnorm", "--mlp", "swiglu", "--n_kv_heads", "2",
+               "--bias", "false", "--tokenizer", "bpe", "--bpe_vocab_size", "512"]
+
+
+def qkv_cli(*args: str) -> str:
+    r = subprocess.run([sys.executable, "-m", "qkv", *args], capture_output=True, text=True)
+    if r.returncode:
+        raise SystemExit(f"qkv {' '.join(args[:3])} failed: {r.stderr.strip()[-800:]}")
+    return r.stdout
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--quick", action="store_true", help="100 steps, 2 prompts")
+    p.add_argument("--data", default=None, help="a text file (default: the Shakespeare asset)")
+    p.add_argument("--steps", type=int, default=600, help="training steps")
+    p.add_argument("--new-tokens", type=int, default=40, help="tokens each decoder adds")
+    p.add_argument("--no-build", action="store_true", help="do not build llama.cpp if it is missing")
+    p.add_argument("--json", default=None, help="write results here (default benchmarks/results/)")
+    args = p.parse_args()
+    steps, prompts = (100, PROMPTS[:2]) if args.quick else (args.steps, PROMPTS)
+    machine = C.machine_info()
+    print(C.machine_line(machine), flush=True)
+    simple, how = _llama_cpp.llama_tool("llama-simple", build=not args.no_build)
+    print(f"llama.cpp llama-simple: {how}", flush=True)
+    meter = C.LoadMeter()
+    with tempfile.TemporaryDirectory() as tmp:
+        run = Path(tmp) / "run"
+        data = ["--data", args.data] if args.data else []
+        qkv_cli("train", "--preset", "cpu", *LLAMA_STYLE, *data, "--max_iters", str(steps),
+                "--dim", "128", "--n_layers", "4", "--n_heads", "4", "--max_seq_len", "128",
+                "--out_dir", str(run), "--no-progress", "--compile", "false", "--optimizer", "adamw")
+        sizes = {"qkv run (model.safetensors)": (run / "model.safetensors").stat().st_size}
+        qkv_cli("export", str(run), "--format", "hf", "-o", str(Path(tmp) / "hf"))
+        sizes["hf (model.safetensors, f32)"] = (Path(tmp) / "hf" / "model.safetensors").stat().st_size
+        for dtype in ("f32", "f16", "bf16", "q8_0"):
+            out = Path(tmp) / f"gguf-{dtype}"
+            qkv_cli("export", str(run), "--format", "gguf", "--dtype", dtype, "-o", str(out))
+            sizes[f"gguf {dtype}"] = (out / "model.gguf").stat().st_size
+        rows = []
+        for prompt in prompts:
+            ours = qkv_cli("generate", str(run), "--prompt", prompt, "--temperature", "0",
+                           "--max-new-tokens", str(args.new_tokens)).rstrip("\n")
+            theirs = None
+            if simple is not None:
+                r = subprocess.run([str(simple), "-m", str(Path(tmp) / "gguf-f32" / "model.gguf"),
+                                    "-n", str(args.new_tokens), prompt], capture_output=True, text=True,
+                                   timeout=300)
+                theirs = r.stdout.rstrip("\n") if r.returncode == 0 else f"(failed: {r.stderr[-300:]})"
+            rows.append({"prompt": prompt, "qkv": ours, "llama_cpp": theirs, "same": theirs == ours})
+    load = meter.stop()
+    C.print_table("exported file sizes", ["file", "bytes", "size"],
+                  [[k, f"{v:,}", C.fmt_bytes(v)] for k, v in sizes.items()])
+    C.print_table("greedy continuations: qkv (the run) vs llama.cpp (the f32 GGUF export)",
+                  ["prompt", "same", "qkv", "llama.cpp"],
+                  [[r["prompt"], str(r["same"]), repr(r["qkv"][-60:]), repr((r["llama_cpp"] or "")[-60:])]
+                   for r in rows])
+    result = {"machine": machine, "steps": steps, "llama_simple": how, "sizes": sizes, "rows": rows,
+              "load": load, "train_args": LLAMA_STYLE}
+    print(C.load_line(load))
+    print(f"wrote {C.write_json(NAME + ('_quick' if args.quick else ''), result, args.json)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
