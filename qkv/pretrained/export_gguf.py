@@ -131,7 +131,7 @@ def _add_tokenizer(w: Any, tok: Any) -> None:
         raise ValueError("--format gguf: the BPE vocabulary's ids are not 0..V-1")
     merges = [m if isinstance(m, str) else " ".join(m) for m in model["merges"]]
     w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre("gpt2")
+    w.add_tokenizer_pre("gpt-2")  # llama.cpp's name for the GPT-2 pre-tokenizer regex
     w.add_token_list(tokens)
     w.add_token_types([GGUF_TOKEN_NORMAL] * len(tokens))
     w.add_token_merges(merges)
