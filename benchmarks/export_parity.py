@@ -75,13 +75,26 @@ def main() -> int:
                                     "-n", str(args.new_tokens), prompt], capture_output=True, text=True,
                                    timeout=300)
                 theirs = r.stdout.rstrip("\n") if r.returncode == 0 else f"(failed: {r.stderr[-300:]})"
-            rows.append({"prompt": prompt, "qkv": ours, "llama_cpp": theirs, "same": theirs == ours})
+            # qkv's tokenizers have no end-of-text token, so the GGUF has none, and llama.cpp falls
+            # back to id 11 (its default for a BPE vocabulary) as one: it stops where the model
+            # picks token 11. "agrees": its text is qkv's up to that stop.
+            stop = None
+            if theirs is not None and theirs != ours and ours.startswith(theirs):
+                from qkv.tokenizers import load_tokenizer
+
+                tok = load_tokenizer(run / "tokenizer.json")
+                stop = tok.encode(ours)[len(tok.encode(theirs))]
+            rows.append({"prompt": prompt, "qkv": ours, "llama_cpp": theirs, "same": theirs == ours,
+                         "agrees_until_llama_cpp_stops": theirs is not None and ours.startswith(theirs),
+                         "llama_cpp_stopped_before_token": stop})
     load = meter.stop()
     C.print_table("exported file sizes", ["file", "bytes", "size"],
                   [[k, f"{v:,}", C.fmt_bytes(v)] for k, v in sizes.items()])
     C.print_table("greedy continuations: qkv (the run) vs llama.cpp (the f32 GGUF export)",
-                  ["prompt", "same", "qkv", "llama.cpp"],
-                  [[r["prompt"], str(r["same"]), repr(r["qkv"][-60:]), repr((r["llama_cpp"] or "")[-60:])]
+                  ["prompt", "same", "agrees up to llama.cpp's stop", "stopped before id", "llama.cpp",
+                   "qkv"],
+                  [[r["prompt"], str(r["same"]), str(r["agrees_until_llama_cpp_stops"]),
+                    str(r["llama_cpp_stopped_before_token"]), repr(r["llama_cpp"] or ""), repr(r["qkv"][:60])]
                    for r in rows])
     result = {"machine": machine, "steps": steps, "llama_simple": how, "sizes": sizes, "rows": rows,
               "load": load, "train_args": LLAMA_STYLE}
