@@ -47,11 +47,17 @@ def _texts(items: list[str], files: bool) -> list[str]:
 
 
 def _encoder(name: str):
-    if name not in ENCODERS:
-        raise ValueError(f"{name!r} is not a sentence encoder; choose from: {', '.join(ENCODERS)}")
-    from qkv.pretrained import load
+    """minilm, or a Hugging Face BERT checkpoint folder (qkv.load builds its Encoder)."""
+    from qkv.pretrained import SentenceEncoder, load
 
-    return load(name)
+    if name not in ENCODERS and not Path(name).is_dir():
+        raise ValueError(f"{name!r} is not a sentence encoder; choose from: {', '.join(ENCODERS)}, or "
+                         "give a Hugging Face BERT checkpoint folder")
+    enc = load(name)
+    if not isinstance(enc, SentenceEncoder):
+        raise ValueError(f"{name} is a decoder (a language model), not a sentence encoder: give "
+                         f"{', '.join(ENCODERS)} or a BERT folder")
+    return enc
 
 
 def add_embed_parser(sub) -> None:
@@ -64,7 +70,8 @@ def add_embed_parser(sub) -> None:
         "Needs `qkv assets install minilm`.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
-    p.add_argument("model", choices=ENCODERS, help="pretrained encoder")
+    p.add_argument("model", metavar="MODEL",
+                   help=f"pretrained encoder ({', '.join(ENCODERS)}) or a Hugging Face BERT folder")
     p.add_argument("texts", nargs="*", metavar="TEXT", help="sentences to embed ('-' reads stdin)")
     p.add_argument("--file", type=Path, help="also embed every non-empty line of this UTF-8 file")
     p.add_argument("--json", action="store_true", help="print JSON: [{text, embedding}, ...]")
@@ -114,7 +121,8 @@ def add_similarity_parser(sub) -> None:
         "file whose non-empty lines are the documents.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
-    p.add_argument("model", choices=ENCODERS, help="pretrained encoder")
+    p.add_argument("model", metavar="MODEL",
+                   help=f"pretrained encoder ({', '.join(ENCODERS)}) or a Hugging Face BERT folder")
     p.add_argument("query", help="the query sentence")
     p.add_argument("docs", nargs="+", metavar="FILE_OR_SENTENCE", help="documents ('-' reads stdin)")
     p.add_argument("--top", type=int, default=10, help="show the best N (0 = all)")

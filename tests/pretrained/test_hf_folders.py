@@ -168,6 +168,31 @@ def test_bert_folder_matches_transformers(tmp_path):
     assert (e - ref_mean).abs().max().item() <= 1e-5
 
 
+def test_qkv_embed_and_similarity_read_a_bert_folder(tmp_path):
+    """`qkv embed FOLDER --json`: each text's vector is the unit-length mean of transformers'
+    last hidden states; a decoder folder is refused in one line."""
+    import json
+
+    from cli_helpers import assert_one_line_error, call
+
+    torch.manual_seed(0)
+    ref = transformers.BertModel(_bert_config()).float().eval()
+    _save(ref, tmp_path / "b")
+    rc, out, err = call(["embed", str(tmp_path / "b"), "w40 w41 w7", "w11 w12", "--json"])
+    assert rc == 0, err
+    got = json.loads(out)
+    for row, ids in zip(got, ([40, 41, 7], [11, 12]), strict=True):
+        with torch.no_grad():
+            mean = ref(input_ids=torch.tensor([ids])).last_hidden_state.mean(dim=1)[0].double()
+        torch.testing.assert_close(torch.tensor(row["embedding"], dtype=torch.float64),
+                                   mean / mean.norm(), rtol=0, atol=1e-5)
+    rc, out, err = call(["similarity", str(tmp_path / "b"), "w40 w41", "w40 w41", "w90 w91", "--json"])
+    assert rc == 0 and json.loads(out)[0]["text"] == "w40 w41", err
+    _decoder("llama", tmp_path / "l")
+    rc, _, err = call(["embed", str(tmp_path / "l"), "w1"])
+    assert "is a decoder (a language model), not a sentence encoder" in assert_one_line_error(rc, err)
+
+
 # --------------------------------------------------------------------------- bad folders
 
 
