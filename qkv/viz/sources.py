@@ -31,7 +31,8 @@ from qkv.families.base import Kind
 
 PRETRAINED_KINDS: dict[str, Kind] = {"minilm": "encoder", "smollm2": "decoder",
                                      # a Hugging Face checkpoint folder, by what it builds
-                                     "hf-encoder": "encoder", "hf-decoder": "decoder"}
+                                     "hf-encoder": "encoder", "hf-decoder": "decoder",
+                                     "gguf": "decoder"}  # a GGUF file (llama, qwen2)
 MAX_TOKENS = 512  # attention maps over more tokens than this are unreadable (and (L,H,T,T) is big)
 ATTENTION_BYTES = 2 * 1024**3  # the most memory the (L, H, T, T) float32 maps of one text may take
 
@@ -135,9 +136,15 @@ def load_source(name_or_path: str | os.PathLike[str], display_name: str | None =
     name = display_name or text
     if text in pretrained_names() and not path.is_dir():
         return load_pretrained(text)
+    if text.lower().endswith(".gguf") and path.is_file():
+        import qkv
+
+        pipe = qkv.load(text, weights="fp32")
+        return Source(name, "gguf", pipe.model.eval(), pipe.tokenizer, stop_ids=tuple(pipe.stop_ids))
     if not path.is_dir():
         raise UnknownModelError(f"{text!r} is neither a pretrained model ({', '.join(pretrained_names())}) "
-                                "nor a run directory from `qkv train`")
+                                "nor a run directory from `qkv train`, a Hugging Face checkpoint folder "
+                                "or a .gguf file")
     family = run_family(path)
     if family is None and hf_family(path) is not None:
         return load_hf_folder_source(path, name)

@@ -120,3 +120,25 @@ def test_a_tensor_type_the_gguf_package_cannot_read_is_named(tmp_path: Path, mon
     monkeypatch.setattr(gguf.quants, "dequantize", cannot)
     rc, _, err = call(["generate", str(path), "--prompt", "w3"])
     assert "is stored as F32, a type the gguf package cannot dequantise" in assert_one_line_error(rc, err)
+
+
+def test_qkv_attend_reads_a_gguf_file(tmp_path: Path) -> None:
+    """`qkv attend FILE.gguf`: the weights it draws equal transformers' eager attentions of the
+    model the file was written from."""
+    from qkv.viz.sources import load_source, text_attention
+
+    ref = tiny("qwen2")
+    ref.config._attn_implementation = "eager"
+    path = tmp_path / "q.gguf"
+    write_gguf(ref, "qwen2", path)
+    src = load_source(str(path))
+    assert src.kind == "decoder"
+    ids = [3, 17, 42, 5]
+    with torch.no_grad():
+        want = torch.stack(ref(torch.tensor([ids]), output_attentions=True).attentions)[:, 0]
+    with torch.no_grad():  # the ids themselves: this file's one-merge BPE cannot spell "w17"
+        out = src.model(torch.tensor([ids]), backend="reference", return_weights=True)
+    torch.testing.assert_close(torch.stack([w[0] for w in out.weights]), want, rtol=0, atol=1e-5)
+    assert text_attention(src, "w0w0").weights.shape[:2] == (2, 4)  # the text path reads it too
+    rc, _, err = call(["attend", str(path), "w3 w17 w42", "-o", str(tmp_path / "a.png")])
+    assert rc == 0 and (tmp_path / "a.png").read_bytes()[:4] == b"\x89PNG", err
