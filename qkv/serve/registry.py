@@ -68,6 +68,10 @@ def _echo(name: str) -> str:
     return repr(name[:100]) + ("…" if len(name) > 100 else "")
 
 
+def _is_gguf(path: Path) -> bool:
+    return path.name.lower().endswith(".gguf") and path.is_file()
+
+
 def _inside(path: Path, root: Path) -> bool:
     try:
         return path.resolve().is_relative_to(root)
@@ -139,6 +143,9 @@ class Registry:
             return []
         out = []
         for child in sorted(self.root.iterdir(), key=lambda p: p.name):
+            if _is_gguf(child) and _RUN_NAME.fullmatch(child.name) and _inside(child, self.root):
+                out.append(Entry(RUN_PREFIX + child.name, "gguf", f"GGUF file {child.name}"))
+                continue
             if not _RUN_NAME.fullmatch(child.name) or not self._safe_run_dir(child):
                 continue
             family = run_family(child)
@@ -169,6 +176,10 @@ class Registry:
             raise InvalidNameError(f"invalid run name {_echo(name)}: a run is named by its folder inside "
                                    "the runs directory (letters, digits, '.', '_', '-')")
         path = self.root / name
+        if _is_gguf(path):  # a GGUF file of a supported architecture (llama, qwen2)
+            if not _inside(path, self.root):
+                raise InvalidNameError(f"run {name!r} points outside the runs directory; refused")
+            return path
         if not path.is_dir() and not path.is_symlink():
             raise UnknownModelError(f"no run {name!r} in the runs directory; GET /api/models lists them")
         if not self._safe_run_dir(path):
@@ -195,7 +206,7 @@ class Registry:
         self.check_id(model_id)
         if model_id.startswith(RUN_PREFIX):
             path = self.run_dir(model_id)
-            weights = path / "model.safetensors"
+            weights = path if _is_gguf(path) else path / "model.safetensors"
             return path, (weights.stat().st_mtime_ns if weights.exists() else None)
         if model_id not in pretrained_names():
             raise UnknownModelError(f"unknown model {_echo(model_id)}; choose one from GET /api/models")

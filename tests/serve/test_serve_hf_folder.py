@@ -70,3 +70,33 @@ def test_a_shard_linked_from_outside_the_runs_directory_is_refused(tmp_path: Pat
     assert "runs/linked" not in {m["id"] for m in c.get("/api/models").json()["models"]}
     r = c.post("/api/attention", json={"model": "runs/linked", "text": "w1 w2"})
     assert r.status_code == 400 and "points outside the runs directory" in r.json()["detail"]
+
+
+def test_a_gguf_file_in_the_runs_directory_is_served(tmp_path: Path) -> None:
+    """A .gguf (written as llama.cpp does) beside the runs: listed, and its attention equals
+    transformers' of the model it was written from; one linked from outside is refused."""
+    from fastapi.testclient import TestClient
+    from pretrained.test_gguf_architectures import tiny, write_gguf
+
+    from qkv.serve import create_app
+
+    runs = tmp_path / "runs"
+    runs.mkdir()
+    ref = tiny("qwen2")
+    ref.config._attn_implementation = "eager"
+    write_gguf(ref, "qwen2", runs / "tiny.gguf")
+    write_gguf(ref, "qwen2", tmp_path / "outside.gguf")
+    (runs / "linked.gguf").symlink_to(tmp_path / "outside.gguf")
+    c = TestClient(create_app(runs_dir=runs))
+    ids = {m["id"]: m["kind"] for m in c.get("/api/models").json()["models"]}
+    assert ids.get("runs/tiny.gguf") == "decoder" and "runs/linked.gguf" not in ids
+    r = c.post("/api/attention", json={"model": "runs/tiny.gguf", "text": "w0w0 w0", "layer": 0, "head": 1})
+    assert r.status_code == 200, r.text
+    import qkv
+
+    ids = qkv.load(str(runs / "tiny.gguf"), weights="fp32").tokenizer.encode("w0w0 w0")
+    with torch.no_grad():
+        want = ref(torch.tensor([ids]), output_attentions=True).attentions[0][0, 1]
+    torch.testing.assert_close(torch.tensor(r.json()["weights"]), want, rtol=0, atol=1e-5)
+    r = c.post("/api/attention", json={"model": "runs/linked.gguf", "text": "w0"})
+    assert r.status_code == 400 and "points outside the runs directory" in r.json()["detail"]
