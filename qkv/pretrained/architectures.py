@@ -76,6 +76,20 @@ GPT2: Names = {  # every 2-D weight under transformer.h is a Conv1D: stored (in,
     "lm_head": "lm_head",
 }
 
+# llama.cpp's gpt2 names; its converter stores the Conv1D weights transposed, as (out, in) rows.
+GPT2_GGUF: Names = {
+    "tok_emb": "token_embd",
+    "pos_emb": "position_embd",
+    "stack.blocks.{i}.norm1": "blk.{i}.attn_norm",
+    "stack.blocks.{i}.attn.qkv": "blk.{i}.attn_qkv",
+    "stack.blocks.{i}.attn.out_proj": "blk.{i}.attn_output",
+    "stack.blocks.{i}.norm2": "blk.{i}.ffn_norm",
+    "stack.blocks.{i}.mlp.fc_in": "blk.{i}.ffn_up",
+    "stack.blocks.{i}.mlp.fc_out": "blk.{i}.ffn_down",
+    "stack.norm": "output_norm",
+    "lm_head": "output",
+}
+
 # Checkpoint tensors that hold nothing to load: precomputed RoPE frequencies and causal masks
 # stored by older transformers versions.
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq", "attn.bias", "attn.masked_bias")

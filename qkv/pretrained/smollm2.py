@@ -27,7 +27,7 @@ from torch import Tensor
 
 from qkv.models.gpt import GPT, GPTConfig
 from qkv.pretrained._build import build_with_weights, parameter_names
-from qkv.pretrained.architectures import LLAMA_GGUF, map_names
+from qkv.pretrained.architectures import GPT2_GGUF, LLAMA_GGUF, Names, map_names
 from qkv.pretrained.cache import entry_dir, load_gpt_entry, save_gpt_entry
 from qkv.pretrained.gguf_file import GGUFFile, PretrainedFormatError, read_gguf
 from qkv.tokenizers.hf import HFTokenizer, hf_tokenizers
@@ -46,7 +46,7 @@ def _meta(g: GGUFFile, key: str) -> Any:
     return g.metadata[full]
 
 
-GGUF_ARCHITECTURES = ("llama", "qwen2")  # llama also covers Mistral-style files (same names)
+GGUF_ARCHITECTURES = ("llama", "qwen2", "gpt2")  # llama also covers Mistral-style files (same names)
 
 
 def gpt_config_from_gguf(g: GGUFFile) -> GPTConfig:
@@ -55,10 +55,18 @@ def gpt_config_from_gguf(g: GGUFFile) -> GPTConfig:
     arch = g.metadata.get("general.architecture")
     if arch not in GGUF_ARCHITECTURES:
         raise PretrainedFormatError(f"{g.path}: GGUF architecture {arch!r} is not supported (supported: "
-                                    f"{', '.join(GGUF_ARCHITECTURES)}; gpt2, bert and the rest: load "
+                                    f"{', '.join(GGUF_ARCHITECTURES)}; bert and the rest: load "
                                     "their Hugging Face folder)")
     dim = int(_meta(g, "{arch}.embedding_length"))
     n_heads = int(_meta(g, "{arch}.attention.head_count"))
+    if arch == "gpt2":  # LayerNorm, tanh GELU (llama.cpp's), learned positions, biases
+        return GPTConfig(
+            vocab_size=len(_meta(g, "tokenizer.ggml.tokens")),
+            max_seq_len=int(_meta(g, "{arch}.context_length")), dim=dim,
+            n_layers=int(_meta(g, "{arch}.block_count")), n_heads=n_heads,
+            mlp_hidden=int(_meta(g, "{arch}.feed_forward_length")), mlp="gelu_tanh", norm="layernorm",
+            norm_eps=float(_meta(g, "{arch}.attention.layer_norm_epsilon")), positions="learned",
+            tie_embeddings="output.weight" not in g.tensor_names(), bias=True)
     head_dim = dim // n_heads
     rope_dims = int(g.metadata.get(f"{arch}.rope.dimension_count", head_dim))
     if rope_dims != head_dim:
@@ -95,7 +103,7 @@ def unpermute_rope_rows(w: np.ndarray, n_heads: int) -> np.ndarray:
 
 
 def gpt_state_dict_from_gguf(tensors: dict[str, np.ndarray], cfg: GPTConfig,
-                             permuted: bool = True) -> dict[str, Tensor]:
+                             permuted: bool = True, names: Names = LLAMA_GGUF) -> dict[str, Tensor]:
     """llama.cpp tensor names -> GPT parameter names, by the llama table's GGUF column
     (:data:`~qkv.pretrained.architectures.LLAMA_GGUF`), with the Q/K rows unpermuted where
     llama.cpp permuted them (``permuted``: its llama converter does; its qwen2 one, whose
@@ -108,7 +116,7 @@ def gpt_state_dict_from_gguf(tensors: dict[str, np.ndarray], cfg: GPTConfig,
             w = unpermute_rope_rows(w, cfg.n_heads if "attn_q" in name else cfg.resolved_kv_heads)
         return torch.from_numpy(w)
 
-    return map_names(parameter_names(lambda: GPT(cfg)), LLAMA_GGUF, get, cfg.tie_embeddings)
+    return map_names(parameter_names(lambda: GPT(cfg)), names, get, cfg.tie_embeddings)
 
 
 def tokenizer_from_gguf(g: GGUFFile) -> HFTokenizer:
@@ -165,8 +173,9 @@ def load_smollm2(
     try:
         cfg = gpt_config_from_gguf(g)
         tok = tokenizer_from_gguf(g)
-        llama = g.metadata.get("general.architecture") == "llama"
-        sd = gpt_state_dict_from_gguf(g.tensors(), cfg, permuted=llama)
+        arch = g.metadata.get("general.architecture")
+        sd = gpt_state_dict_from_gguf(g.tensors(), cfg, permuted=arch == "llama",
+                                      names=GPT2_GGUF if arch == "gpt2" else LLAMA_GGUF)
         model = build_with_weights(lambda: GPT(cfg), sd, str(path))
     except ValueError as e:  # sizes in the metadata that do not fit the tensors, ...
         if isinstance(e, PretrainedFormatError):

@@ -65,6 +65,52 @@ def write_gguf(ref, arch: str, path: Path) -> None:
     w.close()
 
 
+def write_gpt2_gguf(ref, path: Path) -> None:
+    """A GPT-2 as llama.cpp's converter writes it: its Conv1D weights transposed to (out, in),
+    the attention masks dropped, tanh GELU implied by the architecture."""
+    c = ref.config
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.GPT2, c.n_layer)
+    w = gguf.GGUFWriter(str(path), "gpt2")
+    w.add_context_length(c.n_positions)
+    w.add_embedding_length(c.n_embd)
+    w.add_block_count(c.n_layer)
+    w.add_feed_forward_length(4 * c.n_embd)
+    w.add_head_count(c.n_head)
+    w.add_layer_norm_eps(c.layer_norm_epsilon)
+    w.add_tokenizer_model("gpt2")
+    w.add_token_list(["w", "0", "w0", *(f"w{i}" for i in range(3, V))])
+    w.add_token_types([1] * V)
+    w.add_token_merges(["w 0"])
+    for hf_name, t in ref.state_dict().items():
+        if hf_name.endswith((".attn.bias", ".attn.masked_bias")) or hf_name == "lm_head.weight":
+            continue
+        a = t.detach().float().numpy()
+        if hf_name.endswith(("c_attn.weight", "c_proj.weight", "c_fc.weight")):
+            a = a.T
+        w.add_tensor(names.get_name(hf_name, try_suffixes=(".weight", ".bias")), a.copy())
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+def test_a_gpt2_gguf_loads_as_transformers_reads_it(tmp_path: Path) -> None:
+    torch.manual_seed(0)  # 1,024 positions: transformers' GGUF reader builds gpt2 with that many
+    cfg = transformers.GPT2Config(vocab_size=V, n_embd=64, n_layer=2, n_head=4, n_positions=1024,
+                                  initializer_range=0.1, activation_function="gelu_new")
+    ref = transformers.AutoModelForCausalLM.from_config(cfg).float().eval()
+    path = tmp_path / "tiny-gpt2.gguf"
+    write_gpt2_gguf(ref, path)
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, gguf_file=path.name,
+                                                              dtype=torch.float32).eval()
+    lm = qkv.load(str(path), weights="fp32", cache=False)
+    with torch.no_grad():
+        want = ref(PROMPT).logits
+        torch.testing.assert_close(theirs(PROMPT).logits, want, rtol=0, atol=1e-5)
+        torch.testing.assert_close(lm.model(PROMPT).logits, want, rtol=0, atol=1e-5)
+    assert lm.model.cfg.positions == "learned" and lm.model.cfg.norm == "layernorm"
+
+
 def tiny(arch: str):
     torch.manual_seed(0)
     sizes = dict(vocab_size=V, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
@@ -106,7 +152,7 @@ def test_a_gguf_of_another_architecture_is_one_line(tmp_path: Path) -> None:
     w.close()
     rc, _, err = call(["generate", str(path), "--prompt", "a"])
     line = assert_one_line_error(rc, err)
-    assert "GGUF architecture 'phi2' is not supported (supported: llama, qwen2" in line
+    assert "GGUF architecture 'phi2' is not supported (supported: llama, qwen2, gpt2" in line
 
 
 def test_a_tensor_type_the_gguf_package_cannot_read_is_named(tmp_path: Path, monkeypatch) -> None:
