@@ -8,7 +8,7 @@ and to GGUF in every ``--dtype``; each file's size is recorded. Then llama.cpp's
 benchmarks/_llama_cpp.py) continues prompts from the f32 GGUF, and ``qkv generate RUN
 --temperature 0`` continues the same prompts from the run itself: the texts are compared.
 
-    python benchmarks/export_parity.py                # ~3 minutes (+ ~10 for a first llama.cpp build)
+    python benchmarks/export_parity.py                # ~1 minute (+ ~10 for a first llama.cpp build)
     python benchmarks/export_parity.py --quick
 """
 

@@ -9,7 +9,7 @@ calls alone (model and tokenizer: `qkv.load` returns both, so `transformers` loa
 `AutoTokenizer` too), in round-robin order over ``--rounds``; the files are read once beforehand, so
 the OS file cache is warm for everyone. Reported: the median seconds and qkv's speed-up.
 
-    python benchmarks/load_speed.py              # ~3 minutes on 2 cores
+    python benchmarks/load_speed.py              # ~2 minutes on 2 cores (AMD EPYC Zen 5)
     python benchmarks/load_speed.py --rounds 1   # a smoke run
 """
 

@@ -19,7 +19,7 @@ from typing import Any
 _umask_lock = threading.Lock()
 
 
-def _umask() -> int:
+def current_umask() -> int:
     """The process's umask (reading it means setting it: a lock keeps threads from racing)."""
     with _umask_lock:
         mask = os.umask(0o022)
@@ -54,7 +54,7 @@ def atomic_write(path: str | os.PathLike[str], write: Callable[[Path], None]) ->
         write(Path(tmp))
         with open(tmp, "rb+") as f:
             os.fsync(f.fileno())
-        os.chmod(tmp, 0o666 & ~_umask())
+        os.chmod(tmp, 0o666 & ~current_umask())
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)

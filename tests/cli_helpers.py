@@ -5,6 +5,10 @@ from __future__ import annotations
 
 import contextlib
 import io
+import os
+from pathlib import Path
+
+import torch
 
 from qkv import cli
 
@@ -20,6 +24,22 @@ def call(argv: list[str]) -> tuple[int, str, str]:
         except SystemExit as e:
             rc = e.code if isinstance(e.code, int) else 1
     return rc, out.getvalue(), err.getvalue()
+
+
+def call_one_thread(argv: list[str], cache_dir: Path) -> tuple[int, str, str]:
+    """:func:`call` on one thread with ``QKV_CACHE_DIR=cache_dir`` (both restored after): how
+    the session's tiny runs are trained, so that they come out the same whoever trains them."""
+    threads, cache = torch.get_num_threads(), os.environ.get("QKV_CACHE_DIR")
+    torch.set_num_threads(1)
+    os.environ["QKV_CACHE_DIR"] = str(cache_dir)
+    try:
+        return call(argv)
+    finally:
+        torch.set_num_threads(threads)
+        if cache is None:
+            os.environ.pop("QKV_CACHE_DIR", None)
+        else:
+            os.environ["QKV_CACHE_DIR"] = cache
 
 
 def assert_one_line_error(rc: int, err: str) -> str:

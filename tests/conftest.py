@@ -131,11 +131,7 @@ def tiny_run(tmp_path_factory):
     """``tiny_run(family) -> Path``: ``ROOT/runs/FAMILY-tiny``, a run of ``qkv train FAMILY
     --preset tiny`` cut to 10 steps (a few seconds, one thread), trained once per session on
     first use. ``ROOT/runs`` holds only such runs (a runs directory for ``qkv serve``)."""
-    import contextlib
-    import io
-    import os
-
-    from qkv import cli
+    from cli_helpers import call_one_thread
 
     root = tmp_path_factory.mktemp("tiny-runs")
     (root / "text.txt").write_text(_TINY_TEXT, encoding="utf-8")
@@ -148,20 +144,8 @@ def tiny_run(tmp_path_factory):
             run = root / "runs" / f"{family}-tiny"
             argv = ["train", family, "--preset", "tiny", "--out_dir", str(run), "--no-progress",
                     *(a.format(root=root) for a in _TINY_ARGS[family])]
-            out, err = io.StringIO(), io.StringIO()
-            threads, cache = torch.get_num_threads(), os.environ.get("QKV_CACHE_DIR")
-            torch.set_num_threads(1)
-            os.environ["QKV_CACHE_DIR"] = str(root / "cache")
-            try:
-                with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-                    rc = cli.main(argv)
-            finally:
-                torch.set_num_threads(threads)
-                if cache is None:
-                    os.environ.pop("QKV_CACHE_DIR", None)
-                else:
-                    os.environ["QKV_CACHE_DIR"] = cache
-            assert rc == 0, out.getvalue() + err.getvalue()
+            rc, out, err = call_one_thread(argv, root / "cache")
+            assert rc == 0, out + err
             made[family] = run
         return made[family]
 

@@ -52,18 +52,6 @@ def add_generate_parser(sub) -> None:
     p.set_defaults(func=cmd_generate)
 
 
-def _hf_folder(path: str) -> bool:
-    """A Hugging Face checkpoint folder: config.json with a model_type (a qkv run has a family)."""
-    import json
-
-    cfg = Path(path) / "config.json"
-    try:
-        saved = json.loads(cfg.read_text(encoding="utf-8")) if cfg.is_file() else None
-    except (OSError, ValueError):
-        return False
-    return isinstance(saved, dict) and "model_type" in saved and "family" not in saved
-
-
 def cmd_generate(args: argparse.Namespace) -> int:
     import torch
 
@@ -73,11 +61,12 @@ def cmd_generate(args: argparse.Namespace) -> int:
     from qkv.generation import generate, text_pieces
     from qkv.generation.decode import crop_prompt
     from qkv.generation.sampling import check_sampling, make_generator
+    from qkv.pretrained.hf import hf_model_type
 
     check_device(args.device)
     check_sampling(args.temperature, args.top_k, args.top_p, ("--temperature", "--top-k", "--top-p"))
     if ((args.run in DECODERS and not Path(args.run).is_dir()) or args.run.lower().endswith(".gguf")
-            or _hf_folder(args.run)):
+            or hf_model_type(args.run) is not None):
         return cmd_generate_pretrained(args)
     if args.chat or args.system:
         raise ValueError("--chat and --system need a chat model (smollm2), not a trained run")

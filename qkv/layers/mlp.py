@@ -50,34 +50,38 @@ class MLP(nn.Module):
         return self.fc_out(self.act(self.fc_in(x)))
 
 
-class SwiGLU(nn.Module):
+class _GatedMLP(nn.Module):
+    """w_down(gate(w_gate x) * w_up x); subclasses name the gate."""
+
+    def __init__(self, dim: int, hidden_dim: int, bias: bool = False) -> None:
+        super().__init__()
+        self.w_gate = Linear(dim, hidden_dim, bias=bias)
+        self.w_up = Linear(dim, hidden_dim, bias=bias)
+        self.w_down = Linear(hidden_dim, dim, bias=bias)
+
+    def gate(self, x: Tensor) -> Tensor:
+        raise NotImplementedError
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.w_down(self.gate(self.w_gate(x)) * self.w_up(x))
+
+
+class SwiGLU(_GatedMLP):
     """Gated MLP: w_down(silu(w_gate x) * w_up x)."""
 
-    def __init__(self, dim: int, hidden_dim: int, bias: bool = False) -> None:
-        super().__init__()
-        self.w_gate = Linear(dim, hidden_dim, bias=bias)
-        self.w_up = Linear(dim, hidden_dim, bias=bias)
-        self.w_down = Linear(hidden_dim, dim, bias=bias)
-
-    def forward(self, x: Tensor) -> Tensor:
-        return self.w_down(F.silu(self.w_gate(x)) * self.w_up(x))
+    def gate(self, x: Tensor) -> Tensor:
+        return F.silu(x)
 
 
-class GeGLU(nn.Module):
+class GeGLU(_GatedMLP):
     """Gated MLP with a GELU gate (tanh approximation, as Gemma): w_down(gelu(w_gate x) * w_up x).
 
-    Its own class, not a SwiGLU with another activation: code that fuses SwiGLU's gate
-    (``qkv.layers.quant.Int4SwiGLU``) hard-codes SiLU.
+    A sibling of SwiGLU, not a subclass: code that fuses SwiGLU's gate
+    (``qkv.layers.quant.Int4SwiGLU``) hard-codes SiLU and selects it by ``isinstance``.
     """
 
-    def __init__(self, dim: int, hidden_dim: int, bias: bool = False) -> None:
-        super().__init__()
-        self.w_gate = Linear(dim, hidden_dim, bias=bias)
-        self.w_up = Linear(dim, hidden_dim, bias=bias)
-        self.w_down = Linear(hidden_dim, dim, bias=bias)
-
-    def forward(self, x: Tensor) -> Tensor:
-        return self.w_down(F.gelu(self.w_gate(x), approximate="tanh") * self.w_up(x))
+    def gate(self, x: Tensor) -> Tensor:
+        return F.gelu(x, approximate="tanh")
 
 
 def make_mlp(kind: MLPKind, dim: int, hidden_dim: int, bias: bool = True) -> nn.Module:

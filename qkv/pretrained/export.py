@@ -43,7 +43,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from qkv.fileio import _umask
+from qkv.fileio import current_umask
 from qkv.models.gpt import GPT, GPTConfig
 from qkv.pretrained.architectures import GPT2, GPT2_ACTIVATIONS, LLAMA, Names, conv1d_transposed
 
@@ -194,7 +194,7 @@ def new_output_dir(out: str | os.PathLike[str]) -> tuple[Path, Path]:
                          "overwrite: remove it or choose another -o")
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".tmp", dir=out.parent))
-    os.chmod(tmp, 0o777 & ~_umask())  # a folder's usual permissions, not mkdtemp's 0700
+    os.chmod(tmp, 0o777 & ~current_umask())  # a folder's usual permissions, not mkdtemp's 0700
     return out, tmp
 
 

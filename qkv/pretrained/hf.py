@@ -34,10 +34,27 @@ from qkv.pretrained.architectures import (
     map_names,
 )
 from qkv.pretrained.gguf_file import PretrainedFormatError
-from qkv.pretrained.minilm import encoder_state_dict_from_bert, sentence_transformers_settings
+from qkv.pretrained.minilm import (
+    encoder_state_dict_from_bert,
+    read_safetensors,
+    sentence_transformers_settings,
+)
+from qkv.pretrained.minilm import read_json as _read_json
 from qkv.tokenizers.hf import HFTokenizer
 
 FLOAT_TYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def hf_model_type(folder: str | os.PathLike[str]) -> str | None:
+    """The ``model_type`` of a Hugging Face checkpoint folder (a config.json that has one and
+    no qkv ``family``), read without loading anything; None for any other path."""
+    try:
+        cfg = json.loads((Path(folder) / "config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    if not isinstance(cfg, dict) or "family" in cfg or not isinstance(cfg.get("model_type"), str):
+        return None
+    return cfg["model_type"]
 
 
 def is_hf_folder(name: str) -> bool:
@@ -45,13 +62,11 @@ def is_hf_folder(name: str) -> bool:
     return os.path.isdir(name) or os.sep in name or name.startswith(".")
 
 
+FIX = "copy the checkpoint folder again"
+
+
 def read_json(path: Path) -> Any:
-    try:
-        return json.loads(path.read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        raise PretrainedFormatError(f"{path} not found") from None
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise PretrainedFormatError(f"{path} is not valid JSON ({e})") from None
+    return _read_json(path, FIX)
 
 
 def read_config(folder: Path) -> dict[str, Any]:
@@ -68,16 +83,7 @@ def read_config(folder: Path) -> dict[str, Any]:
 
 
 def _read_shard(path: Path) -> dict[str, Tensor]:
-    from safetensors import SafetensorError
-    from safetensors.torch import load_file
-
-    if not path.is_file():
-        raise PretrainedFormatError(f"weights file not found: {path}")
-    try:
-        return load_file(str(path))
-    except (SafetensorError, OSError, ValueError, RuntimeError) as e:
-        raise PretrainedFormatError(f"{path} is not a readable safetensors file ({e}); "
-                                    "it may be truncated: copy it again") from None
+    return read_safetensors(path, "it may be truncated: copy it again")
 
 
 def read_weights(folder: Path) -> dict[str, Tensor]:

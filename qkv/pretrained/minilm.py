@@ -80,27 +80,28 @@ def encoder_state_dict_from_bert(sd: dict[str, Tensor], cfg: EncoderConfig) -> d
     return out
 
 
-def _read_safetensors(path: Path) -> dict[str, Tensor]:
+def read_safetensors(path: Path, fix: str) -> dict[str, Tensor]:
+    """Every tensor of a safetensors file; PretrainedFormatError (ending in ``fix``) if it is
+    missing or unreadable (truncated, not safetensors)."""
     from safetensors import SafetensorError
     from safetensors.torch import load_file
 
     if not path.is_file():
-        raise PretrainedFormatError(f"weights file not found: {path}; {INSTALL_HINT}")
+        raise PretrainedFormatError(f"weights file not found: {path}; {fix}")
     try:
         return load_file(str(path))
-    except (SafetensorError, OSError, ValueError) as e:
-        raise PretrainedFormatError(
-            f"{path} is not a readable safetensors file ({e}); {INSTALL_HINT}"
-        ) from None
+    except (SafetensorError, OSError, ValueError, RuntimeError) as e:
+        raise PretrainedFormatError(f"{path} is not a readable safetensors file ({e}); {fix}") from None
 
 
-def _read_json(path: Path) -> Any:
+def read_json(path: Path, fix: str) -> Any:
+    """A JSON file; PretrainedFormatError (ending in ``fix``) if it is missing or not JSON."""
     try:
         return json.loads(path.read_text(encoding="utf-8"))
     except FileNotFoundError:
-        raise PretrainedFormatError(f"{path} not found; {INSTALL_HINT}") from None
+        raise PretrainedFormatError(f"{path} not found; {fix}") from None
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise PretrainedFormatError(f"{path} is not valid JSON ({e}); {INSTALL_HINT}") from None
+        raise PretrainedFormatError(f"{path} is not valid JSON ({e}); {fix}") from None
 
 
 def load_minilm(folder: str | os.PathLike[str] | None = None) -> tuple[Encoder, HFTokenizer, int]:
@@ -122,14 +123,14 @@ def load_minilm(folder: str | os.PathLike[str] | None = None) -> tuple[Encoder, 
 
 
 def _load(folder: Path) -> tuple[Encoder, HFTokenizer, int]:
-    config = _read_json(folder / "config.json")
+    config = read_json(folder / "config.json", INSTALL_HINT)
     pooling, max_len = sentence_transformers_settings(folder)
     cfg = encoder_config_from_bert(config, pooling)
     tok = HFTokenizer.from_file(str(folder / "tokenizer.json"), add_special_tokens=True)
     # The file pads and truncates everything to 128; qkv pads per batch and truncates itself.
     tok.tokenizer.no_padding()
     tok.tokenizer.no_truncation()
-    sd = encoder_state_dict_from_bert(_read_safetensors(folder / "model.safetensors"), cfg)
+    sd = encoder_state_dict_from_bert(read_safetensors(folder / "model.safetensors", INSTALL_HINT), cfg)
     model = build_with_weights(lambda: Encoder(cfg), sd, str(folder / "model.safetensors"))
     return model, tok, min(max_len or 256, cfg.max_seq_len)
 
@@ -138,7 +139,8 @@ def sentence_transformers_settings(folder: Path) -> tuple[str, int | None]:
     """(pooling, max tokens) from a sentence-transformers folder's own files: "cls" when
     1_Pooling/config.json says so, else "mean"; None when sentence_bert_config.json is absent."""
     st_config = folder / "sentence_bert_config.json"
-    max_len = int(_read_json(st_config).get("max_seq_length", 256)) if st_config.exists() else None
+    max_len = (int(read_json(st_config, INSTALL_HINT).get("max_seq_length", 256))
+               if st_config.exists() else None)
     pool_cfg = folder / "1_Pooling" / "config.json"
-    cls = pool_cfg.exists() and _read_json(pool_cfg).get("pooling_mode_cls_token")
+    cls = pool_cfg.exists() and read_json(pool_cfg, INSTALL_HINT).get("pooling_mode_cls_token")
     return ("cls" if cls else "mean"), max_len

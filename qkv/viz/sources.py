@@ -163,24 +163,20 @@ def hf_family(folder: Path) -> str | None:
     """``hf-encoder`` (bert) or ``hf-decoder`` for a Hugging Face checkpoint folder (a
     config.json with a ``model_type`` and no qkv ``family``); None for anything else. Whether
     qkv supports the architecture is said when it loads."""
-    import json
+    from qkv.pretrained.hf import hf_model_type
 
-    try:
-        cfg = json.loads((Path(folder) / "config.json").read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return None
-    if not isinstance(cfg, dict) or "family" in cfg or not isinstance(cfg.get("model_type"), str):
-        return None
-    return "hf-encoder" if cfg["model_type"] == "bert" else "hf-decoder"
+    kind = hf_model_type(folder)
+    return None if kind is None else "hf-encoder" if kind == "bert" else "hf-decoder"
 
 
 def load_hf_folder_source(folder: Path, name: str) -> Source:
     """A Hugging Face checkpoint folder (``config.json`` with a ``model_type``), built by
     :func:`qkv.load` into qkv's own GPT or Encoder."""
     import qkv
+    from qkv.pretrained import CausalLM
 
     pipe = qkv.load(str(folder))
-    family = "hf-decoder" if hasattr(pipe, "stop_ids") else "hf-encoder"
+    family = "hf-decoder" if isinstance(pipe, CausalLM) else "hf-encoder"
     return Source(name, family, pipe.model.eval(), pipe.tokenizer,
                   stop_ids=tuple(getattr(pipe, "stop_ids", ())))
 

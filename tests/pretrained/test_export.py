@@ -11,12 +11,11 @@ from __future__ import annotations
 import contextlib
 import io
 import json
-import os
 from pathlib import Path
 
 import pytest
 import torch
-from cli_helpers import assert_one_line_error, call
+from cli_helpers import assert_one_line_error, call, call_one_thread
 
 import qkv
 from qkv.families import get_family
@@ -48,17 +47,7 @@ def _train(root: Path, name: str, extra: list[str]) -> Path:
     argv = ["train", "gpt", "--preset", "tiny", "--max_iters", "4", "--eval_iters", "1",
             "--data", str(root / "text.txt"), "--compile", "false", "--out_dir", str(run), "--no-progress",
             "--sample-tokens", "1", *extra]
-    threads, cache = torch.get_num_threads(), os.environ.get("QKV_CACHE_DIR")
-    torch.set_num_threads(1)
-    os.environ["QKV_CACHE_DIR"] = str(root / "cache")
-    try:
-        rc, out, err = call(argv)
-    finally:
-        torch.set_num_threads(threads)
-        if cache is None:
-            os.environ.pop("QKV_CACHE_DIR", None)
-        else:
-            os.environ["QKV_CACHE_DIR"] = cache
+    rc, out, err = call_one_thread(argv, root / "cache")
     assert rc == 0, out + err
     return run
 

@@ -14,7 +14,6 @@ from __future__ import annotations
 import json
 import os
 import random
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -125,4 +124,3 @@ def test_the_best_checkpoint_survives_a_kill_while_it_is_replaced(reference, tmp
     assert killed(p), p.stderr
     weights = load_file(str(run_dir / "model.safetensors"))  # the step-0 best, complete
     assert weights and all(torch.isfinite(w).all() for w in weights.values())
-    shutil.rmtree(run_dir)

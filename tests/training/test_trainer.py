@@ -233,7 +233,7 @@ def test_a_full_disk_keeps_the_previous_checkpoint(tmp_path: Path, monkeypatch) 
             raise OSError(errno.ENOSPC, "No space left on device")
         real(path, state)
 
-    t = SnapshotTrainer(small_gpt(), train_cfg(tmp_path, max_iters=6), random_batches(), tmp_path)
+    t = Trainer(small_gpt(), train_cfg(tmp_path, max_iters=6), random_batches(), tmp_path)
     real_save = t.save
     kept: dict[str, bytes] = {}
 
