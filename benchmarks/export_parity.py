@@ -2,11 +2,13 @@
 format and dtype, and llama.cpp decoding the exported GGUF against qkv decoding the run.
 
 A llama-style GPT (RoPE, RMSNorm, SwiGLU, GQA 4/2 heads, no biases, a byte-level BPE of 512
-tokens) is trained on the Shakespeare asset (or ``--data``), exported to Hugging Face format
-and to GGUF in every ``--dtype``; each file's size is recorded. Then llama.cpp's
-``llama-simple`` (greedy decoding; built from the llama-cpp-python sdist once, see
-benchmarks/_llama_cpp.py) continues prompts from the f32 GGUF, and ``qkv generate RUN
---temperature 0`` continues the same prompts from the run itself: the texts are compared.
+tokens) is trained on the Shakespeare asset cut into documents (every block between blank lines,
+a speech, ends with ``<|endoftext|>``, so the model learns to end a speech), or on ``--data``;
+it is exported to Hugging Face format and to GGUF in every ``--dtype``; each file's size is
+recorded. Then llama.cpp's ``llama-simple`` (greedy decoding; built from the llama-cpp-python
+sdist once, see benchmarks/_llama_cpp.py) continues prompts from the f32 GGUF, and ``qkv
+generate RUN --temperature 0`` continues the same prompts from the run itself: the texts are
+compared, and whether each stopped at the end of text before ``--new-tokens``.
 
     python benchmarks/export_parity.py                # ~1 minute (+ ~10 for a first llama.cpp build)
     python benchmarks/export_parity.py --quick
@@ -29,11 +31,22 @@ LLAMA_STYLE = ["--positions", "rope", "--norm", "rmsnorm", "--mlp", "swiglu", "-
                "--bias", "false", "--tokenizer", "bpe", "--bpe_vocab_size", "512"]
 
 
-def qkv_cli(*args: str) -> str:
+def qkv_cli(*args: str) -> tuple[str, str]:
+    """(stdout, stderr) of one qkv command; exits on failure."""
     r = subprocess.run([sys.executable, "-m", "qkv", *args], capture_output=True, text=True)
     if r.returncode:
         raise SystemExit(f"qkv {' '.join(args[:3])} failed: {r.stderr.strip()[-800:]}")
-    return r.stdout
+    return r.stdout, r.stderr
+
+
+def documents_text(path: Path) -> Path:
+    """The Shakespeare asset with ``<|endoftext|>`` after every block between blank lines."""
+    from qkv.data.corpora import load_text
+    from qkv.tokenizers import END_OF_TEXT
+
+    blocks = [b.strip("\n") for b in load_text(None).text.split("\n\n")]
+    path.write_text("".join(b + "\n" + END_OF_TEXT for b in blocks if b), encoding="utf-8")
+    return path
 
 
 def main() -> int:
@@ -54,7 +67,7 @@ def main() -> int:
     meter = C.LoadMeter()
     with tempfile.TemporaryDirectory() as tmp:
         run = Path(tmp) / "run"
-        data = ["--data", args.data] if args.data else []
+        data = ["--data", args.data or str(documents_text(Path(tmp) / "documents.txt"))]
         qkv_cli("train", "--preset", "cpu", *LLAMA_STYLE, *data, "--max_iters", str(steps),
                 "--dim", "128", "--n_layers", "4", "--n_heads", "4", "--max_seq_len", "128",
                 "--out_dir", str(run), "--no-progress", "--compile", "false", "--optimizer", "adamw")
@@ -67,35 +80,27 @@ def main() -> int:
             sizes[f"gguf {dtype}"] = (out / "model.gguf").stat().st_size
         rows = []
         for prompt in prompts:
-            ours = qkv_cli("generate", str(run), "--prompt", prompt, "--temperature", "0",
-                           "--max-new-tokens", str(args.new_tokens)).rstrip("\n")
+            ours, err = qkv_cli("generate", str(run), "--prompt", prompt, "--temperature", "0",
+                                "--max-new-tokens", str(args.new_tokens))
+            ours = ours.rstrip("\n")
+            n_ours = int(err.rsplit("[", 1)[1].split()[0])  # "[N tokens in ...]"
             theirs = None
             if simple is not None:
                 r = subprocess.run([str(simple), "-m", str(Path(tmp) / "gguf-f32" / "model.gguf"),
                                     "-n", str(args.new_tokens), prompt], capture_output=True, text=True,
                                    timeout=300)
                 theirs = r.stdout.rstrip("\n") if r.returncode == 0 else f"(failed: {r.stderr[-300:]})"
-            # qkv's tokenizers have no end-of-text token, so the GGUF has none, and llama.cpp falls
-            # back to id 11 (its default for a BPE vocabulary) as one: it stops where the model
-            # picks token 11. "agrees": its text is qkv's up to that stop.
-            stop = None
-            if theirs is not None and theirs != ours and ours.startswith(theirs):
-                from qkv.tokenizers import load_tokenizer
-
-                tok = load_tokenizer(run / "tokenizer.json")
-                stop = tok.encode(ours)[len(tok.encode(theirs))]
+            # Both stop at <|endoftext|> (the GGUF names it as eos), without printing it.
             rows.append({"prompt": prompt, "qkv": ours, "llama_cpp": theirs, "same": theirs == ours,
-                         "agrees_until_llama_cpp_stops": theirs is not None and ours.startswith(theirs),
-                         "llama_cpp_stopped_before_token": stop})
+                         "qkv_new_tokens": n_ours, "qkv_stopped_at_end_of_text": n_ours < args.new_tokens})
     load = meter.stop()
     C.print_table("exported file sizes", ["file", "bytes", "size"],
                   [[k, f"{v:,}", C.fmt_bytes(v)] for k, v in sizes.items()])
     C.print_table("greedy continuations: qkv (the run) vs llama.cpp (the f32 GGUF export)",
-                  ["prompt", "same", "agrees up to llama.cpp's stop", "stopped before id", "llama.cpp",
-                   "qkv"],
-                  [[r["prompt"], str(r["same"]), str(r["agrees_until_llama_cpp_stops"]),
-                    str(r["llama_cpp_stopped_before_token"]), repr(r["llama_cpp"] or ""), repr(r["qkv"][:60])]
-                   for r in rows])
+                  ["prompt", "same text", "qkv tokens", "ended at <|endoftext|>", "llama.cpp", "qkv"],
+                  [[r["prompt"], str(r["same"]), str(r["qkv_new_tokens"]),
+                    str(r["qkv_stopped_at_end_of_text"]), repr((r["llama_cpp"] or "")[:60]),
+                    repr(r["qkv"][:60])] for r in rows])
     result = {"machine": machine, "steps": steps, "llama_simple": how, "sizes": sizes, "rows": rows,
               "load": load, "train_args": LLAMA_STYLE}
     print(C.load_line(load))

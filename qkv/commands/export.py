@@ -19,13 +19,15 @@ def add_export_parser(sub) -> None:
         "with RoPE, RMSNorm and SwiGLU (grouped-query heads allowed) becomes llama. Any other "
         "combination (sinusoidal/ALiBi/no positions, RMSNorm with learned positions, LayerNorm with "
         "RoPE, GeGLU, --embed_scale, GQA or a custom head_dim with learned positions) is refused, "
-        "naming the option. Missing biases are written as zeros (exact). qkv's tokenizers have no "
-        "special tokens, so the export has no bos/eos token; the optimizer state and metrics are "
-        "not exported.",
+        "naming the option. Missing biases are written as zeros (exact). A BPE run's <|endoftext|> "
+        "becomes the bos/eos token, so transformers and llama.cpp stop where `qkv generate` does (a "
+        "character run, or a BPE run trained before qkv reserved that token, has none: generation runs "
+        "to its length limit, and llama.cpp takes id 11 as its end of text). The optimizer state and "
+        "metrics are not exported.",
         epilog="formats:\n"
-        "  hf    OUT/ holds config.json, model.safetensors (float32, HF names and layouts), "
-        "tokenizer.json,\n"
-        "        tokenizer_config.json;\n        transformers' AutoModelForCausalLM.from_pretrained(OUT) "
+        "  hf    OUT/ holds config.json, generation_config.json (qkv generate's sampling defaults),\n"
+        "        model.safetensors (float32, HF names and layouts), tokenizer.json, tokenizer_config.json;\n"
+        "        transformers' AutoModelForCausalLM.from_pretrained(OUT) "
         "and qkv.load(OUT) read it\n"
         "  gguf  OUT/model.gguf: llama-style runs with a BPE tokenizer and no biases only (llama.cpp\n"
         "        tensor names, Q/K rows in its order, tokenizer metadata). Refused: gpt2-style runs\n"
@@ -48,6 +50,7 @@ def add_export_parser(sub) -> None:
 def run_export(args: argparse.Namespace) -> int:
     from qkv.families import get_family
     from qkv.pretrained.export import export_model
+    from qkv.tokenizers import end_of_text_id
 
     loaded = get_family("gpt").load(Path(args.run))  # one line for a run of another family
     out, arch = export_model(loaded.model, loaded.tokenizer, args.out, args.format, args.dtype)
@@ -55,4 +58,10 @@ def run_export(args: argparse.Namespace) -> int:
     print(f"exported {args.run} as {arch} ({what}): {out}")
     files = sorted(p.name for p in out.iterdir())
     print("  " + ", ".join(files), file=sys.stdout)
+    if end_of_text_id(loaded.tokenizer) is None:
+        why = ("a BPE run trained before qkv reserved <|endoftext|>" if hasattr(loaded.tokenizer, "tokenizer")
+               else "a character tokenizer")
+        stop = "; llama.cpp takes id 11 as its end of text" if args.format == "gguf" else ""
+        print(f"  note: no end-of-text token ({why}): generation runs to its length limit{stop}; "
+              "retrain with --tokenizer bpe to get one", file=sys.stderr)
     return 0

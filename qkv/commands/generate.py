@@ -62,6 +62,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     from qkv.generation.decode import crop_prompt
     from qkv.generation.sampling import check_sampling, make_generator
     from qkv.pretrained.hf import hf_model_type
+    from qkv.tokenizers import end_of_text_id
 
     check_device(args.device)
     check_sampling(args.temperature, args.top_k, args.top_p, ("--temperature", "--top-k", "--top-p"))
@@ -99,13 +100,14 @@ def cmd_generate(args: argparse.Namespace) -> int:
         print(f"qkv: warning: prompt has {len(ids)} tokens, more than the context; "
               f"keeping the last {x.shape[1]}", file=sys.stderr)
     gen = make_generator(args.device, args.seed)
+    stops = [i for i in (end_of_text_id(tok),) if i is not None]  # a BPE run's <|endoftext|>
     sys.stdout.write(args.prompt)
     out: list[int] = []
 
     def new_ids():
         for t in generate(model, x, args.max_new_tokens, temperature=args.temperature,
                           top_k=args.top_k or None, top_p=args.top_p, use_cache=not args.no_cache,
-                          generator=gen, compile=args.compile):
+                          generator=gen, compile=args.compile, stop_ids=stops):
             out.append(int(t[0]))
             yield out[-1]
 

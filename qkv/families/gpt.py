@@ -28,8 +28,8 @@ class LMDataConfig:
     """Where the text comes from and how it becomes tokens."""
 
     data: str | None = None  # a UTF-8 text file; none = the 42 Shakespeare works
-    tokenizer: Literal["char", "bpe"] = "char"  # characters, or byte-level BPE trained on the text
-    bpe_vocab_size: int = 2048  # BPE vocabulary size (with --tokenizer bpe)
+    tokenizer: Literal["char", "bpe"] = "char"  # characters, or byte-level BPE (<|endoftext|> ends a doc)
+    bpe_vocab_size: int = 2048  # BPE vocabulary size, <|endoftext|> included (with --tokenizer bpe)
     val_fraction: float = 0.1  # the last 10% of the tokens are held out
 
     def __post_init__(self) -> None:
@@ -72,10 +72,12 @@ def sample_text(model: GPT, tok, prompt: str, max_new_tokens: int, temperature: 
                 top_k: int | None = 200, top_p: float | None = None, seed: int = 0) -> str:
     """Prompt -> prompt + continuation (the end-of-training sample)."""
     from qkv.generation import generate
+    from qkv.tokenizers import end_of_text_id
 
     ids = torch.tensor([tok.encode(prompt)], dtype=torch.long, device=next(model.parameters()).device)
+    stops = [i for i in (end_of_text_id(tok),) if i is not None]
     new = [int(t[0]) for t in generate(model, ids, max_new_tokens, temperature=temperature,
-                                       top_k=top_k, top_p=top_p, seed=seed)]
+                                       top_k=top_k, top_p=top_p, seed=seed, stop_ids=stops)]
     return prompt + tok.decode(new)
 
 

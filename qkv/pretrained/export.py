@@ -23,11 +23,15 @@ grouped-query heads or a custom ``head_dim`` in gpt2 (one head count, width dim 
 
 What cannot be carried: the training state (optimizer, step, metrics: only the best weights
 go); ``dropout`` is written but only matters for training; ``backend`` (an attention
-implementation, not a weight). qkv's tokenizers have no special tokens, so the export has no
-bos/eos/pad token: ``eos_token_id`` is null and generation runs to ``max_new_tokens``. A
-character tokenizer becomes a ``tokenizers`` BPE model with the characters as its vocabulary
-and no merges, no pre-tokenizer (the whole text is split into characters) and a Fuse decoder;
-a character qkv never saw is an error in qkv but is dropped by ``tokenizers``.
+implementation, not a weight). A BPE run's ``<|endoftext|>`` (the last id of every vocabulary
+qkv trains) becomes ``bos_token_id`` and ``eos_token_id``, as in GPT-2, so ``generate`` stops
+where ``qkv generate`` does; a character run, or a BPE run trained before the marker existed,
+has no such token: ``eos_token_id`` is null and generation runs to its length limit.
+``generation_config.json`` carries ``qkv generate``'s defaults (sampling at temperature 0.8
+among the top 200 tokens) and the context as ``max_length``. A character tokenizer becomes a
+``tokenizers`` BPE model with the characters as its vocabulary and no merges, no pre-tokenizer
+(the whole text is split into characters) and a Fuse decoder; a character qkv never saw is an
+error in qkv but is dropped by ``tokenizers``.
 """
 
 from __future__ import annotations
@@ -91,10 +95,11 @@ def has_bias(cfg: GPTConfig) -> bool:
     return cfg.bias or bool(cfg.qkv_bias)
 
 
-def hf_config(cfg: GPTConfig, arch: str) -> dict[str, Any]:
-    """The ``config.json`` of ``cfg`` as Hugging Face architecture ``arch``."""
+def hf_config(cfg: GPTConfig, arch: str, eos: int | None = None) -> dict[str, Any]:
+    """The ``config.json`` of ``cfg`` as Hugging Face architecture ``arch``; ``eos``: the id of
+    the end-of-text token (also the bos token, as in GPT-2), or None."""
     common = {"vocab_size": cfg.vocab_size, "tie_word_embeddings": cfg.tie_embeddings,
-              "bos_token_id": None, "eos_token_id": None, "torch_dtype": "float32"}
+              "bos_token_id": eos, "eos_token_id": eos, "torch_dtype": "float32"}
     if arch == "gpt2":
         return {"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"], **common,
                 "n_positions": cfg.max_seq_len, "n_embd": cfg.dim, "n_layer": cfg.n_layers,
@@ -206,20 +211,37 @@ def publish(tmp: Path, out: Path) -> Path:
     return out
 
 
+def generation_config(cfg: GPTConfig, eos: int | None) -> dict[str, Any]:
+    """``generation_config.json``: ``qkv generate``'s defaults (temperature 0.8, top-k 200), the
+    end-of-text id where there is one, and the context as the longest sequence."""
+    return {"bos_token_id": eos, "eos_token_id": eos, "do_sample": True, "temperature": 0.8,
+            "top_k": 200, "max_length": cfg.max_seq_len}
+
+
+def _write_json(path: Path, data: Any) -> None:
+    path.write_text(json.dumps(data, indent=2) + "\n", encoding="utf-8")
+
+
 def write_hf_folder(model: GPT, tok: Any, folder: Path) -> str:
-    """config.json, model.safetensors, tokenizer.json and tokenizer_config.json of ``model`` and
-    ``tok`` into ``folder``; returns the architecture."""
+    """config.json, generation_config.json, model.safetensors, tokenizer.json and
+    tokenizer_config.json of ``model`` and ``tok`` into ``folder``; returns the architecture."""
     from safetensors.torch import save_file
+
+    from qkv.tokenizers import END_OF_TEXT, end_of_text_id
 
     arch = hf_architecture(model.cfg)
     hf_tok = hf_tokenizer(tok)
-    (folder / "config.json").write_text(json.dumps(hf_config(model.cfg, arch), indent=2) + "\n",
-                                        encoding="utf-8")
+    eos = end_of_text_id(tok)
+    _write_json(folder / "config.json", hf_config(model.cfg, arch, eos))
+    _write_json(folder / "generation_config.json", generation_config(model.cfg, eos))
     save_file(hf_state_dict(model, arch), str(folder / "model.safetensors"), metadata={"format": "pt"})
     hf_tok.save(str(folder / "tokenizer.json"))
-    tok_config = {"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": model.cfg.max_seq_len,
-                  "clean_up_tokenization_spaces": False}
-    (folder / "tokenizer_config.json").write_text(json.dumps(tok_config, indent=2) + "\n", encoding="utf-8")
+    tok_config: dict[str, Any] = {"tokenizer_class": "PreTrainedTokenizerFast",
+                                  "model_max_length": model.cfg.max_seq_len,
+                                  "clean_up_tokenization_spaces": False}
+    if eos is not None:
+        tok_config |= {"bos_token": END_OF_TEXT, "eos_token": END_OF_TEXT}
+    _write_json(folder / "tokenizer_config.json", tok_config)
     return arch
 
 

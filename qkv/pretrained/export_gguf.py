@@ -6,7 +6,7 @@ Tensor names come from the llama table's GGUF column
 llama.cpp's order (:func:`permute_rope_rows`, the inverse of smollm2's ``unpermute_rope_rows``).
 Metadata: ``llama.*`` sizes, heads, RoPE base, RMSNorm epsilon, and the tokenizer
 (``tokenizer.ggml.model = "gpt2"``: the byte-level BPE vocabulary, merges, GPT-2's
-pre-tokenizer regex, no bos/eos token).
+pre-tokenizer regex, ``<|endoftext|>`` as bos and eos token where the run has it).
 
 Refused (one line each), because a GGUF reader would compute something else or not read it:
 - a gpt2-style run: only ``llama`` is written. GGUF's gpt2 has no activation key (llama.cpp
@@ -37,6 +37,7 @@ from qkv.pretrained.architectures import LLAMA_GGUF
 from qkv.pretrained.export import has_bias, hf_architecture, row_split, unmap_names
 
 GGUF_TOKEN_NORMAL = 1
+GGUF_TOKEN_CONTROL = 3  # llama.cpp's type of a special token
 
 
 def permute_rope_rows(w: np.ndarray, n_heads: int) -> np.ndarray:
@@ -123,16 +124,27 @@ def write_gguf(model: GPT, tok: Any, path: Path, dtype: str = "f32") -> str:
 
 
 def _add_tokenizer(w: Any, tok: Any) -> None:
-    """A qkv byte-level BPE tokenizer as GGUF tokenizer metadata (tokens by id, merges)."""
-    model = json.loads(tok.tokenizer.to_str())["model"]
-    vocab: dict[str, int] = model["vocab"]
+    """A qkv byte-level BPE tokenizer as GGUF tokenizer metadata (tokens by id, merges; the
+    special tokens, ``<|endoftext|>``, as control tokens, which llama.cpp never splits)."""
+    from qkv.tokenizers import end_of_text_id
+
+    data = json.loads(tok.tokenizer.to_str())
+    vocab: dict[str, int] = dict(data["model"]["vocab"])
+    special = {t["id"] for t in data.get("added_tokens", []) if t.get("special")}
+    vocab |= {t["content"]: t["id"] for t in data.get("added_tokens", [])}
     tokens = sorted(vocab, key=vocab.__getitem__)
     if [vocab[t] for t in tokens] != list(range(len(tokens))):
         raise ValueError("--format gguf: the BPE vocabulary's ids are not 0..V-1")
-    merges = [m if isinstance(m, str) else " ".join(m) for m in model["merges"]]
+    merges = [m if isinstance(m, str) else " ".join(m) for m in data["model"]["merges"]]
     w.add_tokenizer_model("gpt2")
     w.add_tokenizer_pre("gpt-2")  # llama.cpp's name for the GPT-2 pre-tokenizer regex
     w.add_token_list(tokens)
-    w.add_token_types([GGUF_TOKEN_NORMAL] * len(tokens))
+    w.add_token_types([GGUF_TOKEN_CONTROL if i in special else GGUF_TOKEN_NORMAL
+                       for i in range(len(tokens))])
     w.add_token_merges(merges)
-    w.add_add_bos_token(False)
+    eos = end_of_text_id(tok)
+    if eos is not None:  # GPT-2's convention: one token begins and ends a text
+        w.add_bos_token_id(eos)
+        w.add_eos_token_id(eos)
+    w.add_add_bos_token(False)  # qkv prepends nothing to a prompt
+    w.add_add_eos_token(False)

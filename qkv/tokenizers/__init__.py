@@ -13,15 +13,17 @@ from qkv.tokenizers.base import (
     tokenizer_from_dict,
     tokenizer_json,
 )
-from qkv.tokenizers.bpe import BPETokenizer
+from qkv.tokenizers.bpe import END_OF_TEXT, BPETokenizer, end_of_text_id
 from qkv.tokenizers.char import CharTokenizer
 from qkv.tokenizers.hf import HFTokenizer
 
 __all__ = [
+    "END_OF_TEXT",
     "BPETokenizer",
     "CharTokenizer",
     "HFTokenizer",
     "Tokenizer",
+    "end_of_text_id",
     "load_tokenizer",
     "save_tokenizer",
     "tokenizer_from_dict",

@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 from cli_helpers import assert_one_line_error, call, call_one_thread
+from torch import Tensor
 
 import qkv
 from qkv.families import get_family
@@ -83,7 +84,8 @@ def test_export_hf_equals_transformers(runs, tmp_path: Path, name: str) -> None:
     arch = VARIANTS[name][1] if name in VARIANTS else "gpt2"
     assert hf_architecture(model.cfg) == arch
     out = _export(run, tmp_path / "hf")
-    assert sorted(p.name for p in out.iterdir()) == ["config.json", "model.safetensors", "tokenizer.json",
+    assert sorted(p.name for p in out.iterdir()) == ["config.json", "generation_config.json",
+                                                    "model.safetensors", "tokenizer.json",
                                                     "tokenizer_config.json"]
     assert not list(tmp_path.glob(".*tmp"))  # the temporary folder was renamed, none left
     config = json.loads((out / "config.json").read_text())
@@ -205,6 +207,97 @@ def test_qkv_generate_reads_the_export_as_it_reads_the_run(runs, tmp_path: Path)
         assert rc == 0, err
         texts.append([line for line in stdout.splitlines() if line.startswith("JULIET: O")])
     assert texts[0] == texts[1] and len(texts[0]) == 1
+
+
+def _run_that_ends(run: Path, root: Path) -> tuple[Path, list[int], list[int], int]:
+    """A copy of the BPE ``run`` whose model chooses <|endoftext|> at the 5th greedy step after
+    HELD: its output row w is solved (least squares over the final hidden states h_j of steps
+    0..4) so that w·h_j is the step's best logit - 0.05 before step 4 and + 0.05 at it.
+    Returns (copy, prompt ids, the greedy tokens before the stop, eos)."""
+    import shutil
+
+    from safetensors.torch import save_model
+
+    from qkv.tokenizers import end_of_text_id
+
+    copy = root / "ends"
+    shutil.copytree(run, copy)
+    loaded = get_family("gpt").load(copy)
+    model, tok = loaded.model.eval(), loaded.tokenizer
+    eos = end_of_text_id(tok)
+    assert eos == tok.vocab_size - 1 == model.cfg.vocab_size - 1  # every BPE run qkv trains has one
+    ids = tok.encode(HELD)[:10]
+    x = torch.tensor([ids])
+    before = [int(t[0]) for t in generate(model, x, 8, temperature=0.0)]
+    assert eos not in before  # a run trained on a text without the marker never ends by itself
+    k = 4
+    seen: list[Tensor] = []
+    hook = model.lm_head.register_forward_hook(lambda _m, inp, _o: seen.append(inp[0][0]))
+    with torch.no_grad():
+        best = model(torch.tensor([ids + before[:k]])).logits[0, len(ids) - 1:].amax(-1)
+        hook.remove()
+        h = seen[0][len(ids) - 1:].double()  # (k+1, dim): the states that choose steps 0..k
+        target = best.double() + torch.tensor([-0.05] * k + [0.05], dtype=torch.float64)
+        model.lm_head.weight[eos] = (torch.linalg.pinv(h) @ target).float()
+    save_model(model, str(copy / "model.safetensors"))
+    tokens = []
+    for t in generate(model, x, 30, temperature=0.0):
+        if int(t[0]) == eos:
+            break
+        tokens.append(int(t[0]))
+    assert tokens == before[:k]  # it ends now, where it was made to
+    return copy, ids, tokens, eos
+
+
+def test_end_of_text_ends_generation_in_qkv_transformers_and_gguf(runs, tmp_path: Path) -> None:
+    """<|endoftext|> travels: qkv generate stops at it; the HF export names it (config,
+    generation_config, tokenizer_config) and transformers' generate stops at the same token; the
+    GGUF names it as bos/eos (a control token) and both readers take it as the end."""
+    run, ids, tokens, eos = _run_that_ends(runs["llama_gqa_bpe"], tmp_path)
+    tok = get_family("gpt").load(run).tokenizer
+    prompt = tok.decode(ids)
+    rc, stdout, err = call(["generate", str(run), "--prompt", prompt, "--temperature", "0",
+                            "--max-new-tokens", "30"])
+    assert rc == 0, err
+    assert stdout == prompt + tok.decode(tokens) + "\n"  # stopped at the end of text, not printed
+    assert f"[{len(tokens)} tokens" in err
+
+    out = _export(run, tmp_path / "hf")
+    config = json.loads((out / "config.json").read_text())
+    gen_config = json.loads((out / "generation_config.json").read_text())
+    assert config["eos_token_id"] == config["bos_token_id"] == gen_config["eos_token_id"] == eos
+    assert gen_config["max_length"] == 32 and gen_config["temperature"] == 0.8  # the tiny preset's context
+    hf = _silent(transformers.AutoModelForCausalLM.from_pretrained, out).eval()
+    assert hf.generation_config.eos_token_id == eos and hf.generation_config.top_k == 200
+    hf_tok = _silent(transformers.AutoTokenizer.from_pretrained, out)
+    assert hf_tok.eos_token == "<|endoftext|>" and hf_tok.eos_token_id == eos
+    x = torch.tensor([ids])
+    hf_tokens = hf.generate(x, do_sample=False, max_new_tokens=30, pad_token_id=eos)[0, len(ids):].tolist()
+    assert hf_tokens == [*tokens, eos]  # transformers keeps the stop token; qkv does not print it
+    assert _silent(qkv.load, str(out)).stop_ids == (eos,)
+
+    out = _export(run, tmp_path / "gguf", "--format", "gguf")
+    import gguf
+
+    reader = gguf.GGUFReader(out / "model.gguf")
+    field = reader.fields["tokenizer.ggml.eos_token_id"]
+    assert int(field.parts[field.data[0]][0]) == eos
+    types = reader.fields["tokenizer.ggml.token_type"]
+    assert int(types.parts[types.data[eos]][0]) == 3  # a control token: never split, not printed
+    hf = _silent(transformers.AutoModelForCausalLM.from_pretrained, out, gguf_file="model.gguf").eval()
+    assert hf.generation_config.eos_token_id == eos
+    hf_tokens = hf.generate(x, do_sample=False, max_new_tokens=30, pad_token_id=eos)[0, len(ids):].tolist()
+    assert hf_tokens == [*tokens, eos]
+    back = _silent(qkv.load, str(out / "model.gguf"), weights="fp32")
+    assert back.stop_ids == (eos,) and back.tokenizer.encode("a<|endoftext|>") == [*tok.encode("a"), eos]
+
+
+def test_a_run_without_an_end_of_text_says_so(runs, tmp_path: Path) -> None:
+    rc, _, err = call(["export", str(runs["gpt2_char"]), "-o", str(tmp_path / "hf")])
+    assert rc == 0 and "no end-of-text token (a character tokenizer)" in err
+    config = json.loads((tmp_path / "hf" / "config.json").read_text())
+    assert config["eos_token_id"] is None
+    assert json.loads((tmp_path / "hf" / "generation_config.json").read_text())["eos_token_id"] is None
 
 
 def test_a_failed_export_leaves_nothing(runs, tmp_path: Path, monkeypatch) -> None:

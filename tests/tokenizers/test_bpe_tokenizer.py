@@ -9,8 +9,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from qkv.tokenizers import (
+    END_OF_TEXT,
     BPETokenizer,
+    CharTokenizer,
     Tokenizer,
+    end_of_text_id,
     load_tokenizer,
     save_tokenizer,
     tokenizer_from_dict,
@@ -96,8 +99,8 @@ def test_corrupt_bpe_dict():
 
 
 def test_bad_arguments(bpe):
-    with pytest.raises(ValueError, match="vocab_size must be > 256"):
-        BPETokenizer.train(["abc"], vocab_size=256)
+    with pytest.raises(ValueError, match="vocab_size must be > 257"):
+        BPETokenizer.train(["abc"], vocab_size=257)
     with pytest.raises(ValueError, match="min_frequency"):
         BPETokenizer.train(["abc"], vocab_size=300, min_frequency=0)
     with pytest.raises(ValueError, match=r"range \[0, 1000\)"):
@@ -106,6 +109,21 @@ def test_bad_arguments(bpe):
         bpe.decode([-1])
     with pytest.raises(TypeError, match="takes a str"):
         bpe.encode(b"bytes")
+
+
+def test_end_of_text_is_the_last_id(bpe):
+    """GPT-2's convention: <|endoftext|> is one special token with the last id; a marker in the
+    text encodes to it and no merge spans it (the pieces are counted as separate documents)."""
+    eot = end_of_text_id(bpe)
+    assert eot == bpe.vocab_size - 1 == 999
+    assert bpe.encode(END_OF_TEXT) == [eot]
+    tok = BPETokenizer.train(["xyxyxy" + END_OF_TEXT + "xyxyxy"] * 50, vocab_size=300)
+    ids = tok.encode("xyxyxy" + END_OF_TEXT + "xy")
+    assert ids.count(end_of_text_id(tok)) == 1
+    assert tok.decode(ids) == "xyxyxy" + END_OF_TEXT + "xy"
+    vocab = json.loads(tok.tokenizer.to_str())["model"]["vocab"]
+    assert not any("<|" in t or "|>" in t for t in vocab)  # no piece of the marker was merged
+    assert end_of_text_id(CharTokenizer("abc")) is None
 
 
 def test_follows_the_protocol(bpe):
