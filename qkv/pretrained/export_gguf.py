@@ -1,20 +1,24 @@
 """qkv's own llama-style GPT runs -> a GGUF file (llama.cpp's format), with the ``gguf`` package's
 GGUFWriter: the write direction of :mod:`qkv.pretrained.smollm2`.
 
-Tensor names come from the llama table's GGUF column
-(:data:`~qkv.pretrained.architectures.LLAMA_GGUF`); W_Q and W_K rows are permuted per head into
-llama.cpp's order (:func:`permute_rope_rows`, the inverse of smollm2's ``unpermute_rope_rows``).
-Metadata: ``llama.*`` sizes, heads, RoPE base, RMSNorm epsilon, and the tokenizer
+A llama-style run (RoPE, RMSNorm, SwiGLU, GQA allowed) is written as llama.cpp's ``llama``; one
+with biases on q/k/v only (``--qkv_bias true``) as its ``qwen2`` (the same blocks with those
+biases). Tensor names come from the llama table's GGUF column
+(:data:`~qkv.pretrained.architectures.LLAMA_GGUF`); for ``llama`` the W_Q and W_K rows are
+permuted per head into llama.cpp's order (:func:`permute_rope_rows`, the inverse of smollm2's
+``unpermute_rope_rows``); its ``qwen2`` rotates halves as qkv does, so they stay in order.
+Metadata: ``llama.*`` / ``qwen2.*`` sizes, heads, RoPE base, RMSNorm epsilon, and the tokenizer
 (``tokenizer.ggml.model = "gpt2"``: the byte-level BPE vocabulary, merges, GPT-2's
 pre-tokenizer regex, ``<|endoftext|>`` as bos and eos token where the run has it).
 
 Refused (one line each), because a GGUF reader would compute something else or not read it:
-- a gpt2-style run: only ``llama`` is written. GGUF's gpt2 has no activation key (llama.cpp
+- a gpt2-style run: only ``llama`` and ``qwen2`` are written. GGUF's gpt2 has no activation key (llama.cpp
   applies its tanh GELU, so qkv's exact ``gelu`` has no counterpart), and transformers' GGUF
   reader builds gpt2 with 1024 positions whatever ``gpt2.context_length`` says (tried: a
   32-position ``position_embd`` fails its size check), while llama.cpp requires
   ``context_length`` rows: no file satisfies both unless max_seq_len is 1024. Use ``--format hf``;
-- biases (llama.cpp's llama has none), a ``head_dim`` other than dim / n_heads;
+- ``--bias true`` (biases in every linear layer: neither GGUF reader's llama nor qwen2 takes
+  them all), a ``head_dim`` other than dim / n_heads;
 - a character tokenizer: GGUF's ``gpt2`` tokenizer model is byte-level (each token spelled in
   GPT-2's byte-to-unicode alphabet), which a character vocabulary is not, and GGUF has no
   character-level model.
@@ -34,7 +38,7 @@ import numpy as np
 
 from qkv.models.gpt import GPT
 from qkv.pretrained.architectures import LLAMA_GGUF
-from qkv.pretrained.export import has_bias, hf_architecture, row_split, unmap_names
+from qkv.pretrained.export import hf_architecture, row_split, unmap_names
 
 GGUF_TOKEN_NORMAL = 1
 GGUF_TOKEN_CONTROL = 3  # llama.cpp's type of a special token
@@ -58,9 +62,10 @@ def check_gguf(model: GPT, tok: Any) -> None:
         raise ValueError(f"--format gguf writes llama-style runs only (--positions rope --norm rmsnorm "
                          f"--mlp swiglu); this run is {arch}-style, which GGUF readers do not agree on "
                          "(activation, position table size): use --format hf")
-    if has_bias(cfg):
-        raise ValueError("--format gguf: --bias/--qkv_bias true has no counterpart in llama.cpp's llama "
-                         "(no bias tensors); use --format hf")
+    if cfg.bias:
+        raise ValueError("--format gguf: --bias true (biases in every linear layer) has no counterpart in "
+                         "the GGUF readers' llama or qwen2 (qwen2 has them on q/k/v only: --qkv_bias true); "
+                         "use --format hf")
     if cfg.resolved_head_dim * cfg.n_heads != cfg.dim:
         raise ValueError(f"--format gguf: --head_dim {cfg.head_dim} (not dim / n_heads) is not written; "
                          "use --format hf")
@@ -83,8 +88,14 @@ def _tensor(gguf: Any, name: str, w: np.ndarray, dtype: str) -> tuple[np.ndarray
 FILE_TYPES = {"f32": 0, "f16": 1, "q8_0": 7, "bf16": 32}  # llama.cpp's LLAMA_FTYPE_* numbers
 
 
+def gguf_architecture(cfg: Any) -> str:
+    """``"qwen2"`` for a llama-style run with biases on q/k/v (``--qkv_bias true``), else ``"llama"``."""
+    return "qwen2" if cfg.qkv_bias else "llama"
+
+
 def write_gguf(model: GPT, tok: Any, path: Path, dtype: str = "f32") -> str:
-    """Write ``model`` and its BPE ``tok`` as a llama GGUF at ``path``; returns "llama"."""
+    """Write ``model`` and its BPE ``tok`` as a llama (or, with q/k/v biases, qwen2) GGUF at
+    ``path``; returns the architecture."""
     import gguf
 
     check_gguf(model, tok)
@@ -94,12 +105,13 @@ def write_gguf(model: GPT, tok: Any, path: Path, dtype: str = "f32") -> str:
     sd = {k: v.detach().float().cpu() for k, v in model.state_dict().items()}
     named = unmap_names(sd, LLAMA_GGUF, row_split(cfg), cfg.tie_embeddings)
     tensors = {k: v.numpy() for k, v in named.items()}
-    for name in tensors:
-        if name.endswith(("attn_q.weight", "attn_k.weight")):
+    arch = gguf_architecture(cfg)
+    for name in tensors:  # llama.cpp's qwen2 rotates halves, as qkv does: its rows stay in order
+        if arch == "llama" and name.endswith(("attn_q.weight", "attn_k.weight")):
             heads = cfg.n_heads if "attn_q" in name else cfg.resolved_kv_heads
             tensors[name] = permute_rope_rows(tensors[name], heads)
 
-    w = gguf.GGUFWriter(str(path), "llama")
+    w = gguf.GGUFWriter(str(path), arch)
     w.add_name("qkv GPT")
     w.add_context_length(cfg.max_seq_len)
     w.add_embedding_length(cfg.dim)
@@ -120,7 +132,7 @@ def write_gguf(model: GPT, tok: Any, path: Path, dtype: str = "f32") -> str:
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
-    return "llama"
+    return arch
 
 
 def _add_tokenizer(w: Any, tok: Any) -> None:

@@ -359,6 +359,44 @@ def test_export_gguf_equals_transformers(runs, tmp_path: Path, dtype: str) -> No
         assert qkv_tokens == hf_tokens
 
 
+def test_qkv_bias_exports_as_qwen2_gguf(runs, tmp_path: Path) -> None:
+    """--qkv_bias true: llama.cpp's qwen2 (q/k/v biases, rows not permuted); transformers reads
+    it as Qwen2 with the same logits and greedy tokens, and so does qkv.load."""
+    from qkv.training import checkpoint as ckpt
+
+    run = _variant_of(runs["llama_gqa_bpe"], tmp_path, "qwen2", qkv_bias=True)
+    loaded = get_family("gpt").load(run)
+    model, tok = loaded.model.eval(), loaded.tokenizer
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("attn.qkv.bias"):
+                p.copy_(0.5 * torch.randn_like(p))  # biases that matter (they start at zero)
+    ckpt.save_weights(model, run / "model.safetensors")
+    out = _export(run, tmp_path / "g", "--format", "gguf")
+    import gguf
+
+    reader = gguf.GGUFReader(out / "model.gguf")
+    arch = reader.fields["general.architecture"]
+    assert bytes(arch.parts[arch.data[0]]).decode() == "qwen2"
+    assert "blk.0.attn_q.bias" in {t.name for t in reader.tensors}
+    hf = _silent(transformers.AutoModelForCausalLM.from_pretrained, out, gguf_file="model.gguf").eval()
+    assert type(hf).__name__ == "Qwen2ForCausalLM"
+    x = torch.tensor([tok.encode(HELD)[:20]])
+    with torch.no_grad():
+        ours, theirs = model(x).logits, hf(x).logits
+        no_bias = hf.model.layers[0].self_attn.q_proj.bias.abs().max().item()
+    assert no_bias > 0.1 and (ours - theirs).abs().max().item() <= 1e-5
+    n_new = model.cfg.max_seq_len - x.shape[1]
+    qkv_tokens = [int(t[0]) for t in generate(model, x, n_new, temperature=0.0)]
+    hf_tokens = hf.generate(x, max_new_tokens=n_new, do_sample=False, eos_token_id=None,
+                            pad_token_id=0)[0, x.shape[1]:].tolist()
+    assert qkv_tokens == hf_tokens
+    back = _silent(qkv.load, str(out / "model.gguf"), weights="fp32")
+    with torch.no_grad():
+        assert (back.model(x).logits - ours).abs().max().item() <= 1e-5
+
+
 def test_permute_rope_rows_is_undone_by_the_reader() -> None:
     import numpy as np
 
@@ -377,11 +415,11 @@ def test_gguf_refusals_are_one_line(runs, tmp_path: Path) -> None:
     pytest.importorskip("gguf")
     cases = [
         (runs["gpt2_char"], "llama-style runs only"),
-        (runs["llama_qkv_bias_char"], "--bias/--qkv_bias"),
+        (_variant_of(runs["llama_gqa_bpe"], tmp_path, "biased", bias=True), "--bias true"),
         (_variant_of(runs["gpt2_char"], tmp_path, "char_llama", positions="rope", norm="rmsnorm",
                      mlp="swiglu"), "a character tokenizer cannot be carried"),
     ]
     for i, (run, names) in enumerate(cases):
         rc, _, err = call(["export", str(run), "--format", "gguf", "-o", str(tmp_path / f"g{i}")])
         assert names in assert_one_line_error(rc, err)
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["char_llama"]  # nothing written
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["biased", "char_llama"]  # nothing written
