@@ -8,7 +8,8 @@ it is exported to Hugging Face format and to GGUF in every ``--dtype``; each fil
 recorded. Then llama.cpp's ``llama-simple`` (greedy decoding; built from the llama-cpp-python
 sdist once, see benchmarks/_llama_cpp.py) continues prompts from the f32 GGUF, and ``qkv
 generate RUN --temperature 0`` continues the same prompts from the run itself: the texts are
-compared, and whether each stopped at the end of text before ``--new-tokens``.
+compared, and whether each stopped at the end of text before ``--new-tokens``. A second run with
+biases on q/k/v (``--qkv_bias true``, exported as llama.cpp's ``qwen2``) is compared the same way.
 
     python benchmarks/export_parity.py                # ~1 minute (+ ~10 for a first llama.cpp build)
     python benchmarks/export_parity.py --quick
@@ -29,6 +30,8 @@ NAME = "export_parity"
 PROMPTS = ["ROMEO:", "The king", "JULIET:\nO", "What light"]
 LLAMA_STYLE = ["--positions", "rope", "--norm", "rmsnorm", "--mlp", "swiglu", "--n_kv_heads", "2",
                "--bias", "false", "--tokenizer", "bpe", "--bpe_vocab_size", "512"]
+# (GGUF architecture, extra options): the same run, and one with biases on q/k/v (qwen2)
+ARCHITECTURES = [("llama", []), ("qwen2", ["--qkv_bias", "true"])]
 
 
 def qkv_cli(*args: str) -> tuple[str, str]:
@@ -65,44 +68,52 @@ def main() -> int:
     simple, how = _llama_cpp.llama_tool("llama-simple", build=not args.no_build)
     print(f"llama.cpp llama-simple: {how}", flush=True)
     meter = C.LoadMeter()
+    rows: list[dict] = []
+    sizes: dict[str, int] = {}
     with tempfile.TemporaryDirectory() as tmp:
-        run = Path(tmp) / "run"
         data = ["--data", args.data or str(documents_text(Path(tmp) / "documents.txt"))]
-        qkv_cli("train", "--preset", "cpu", *LLAMA_STYLE, *data, "--max_iters", str(steps),
-                "--dim", "128", "--n_layers", "4", "--n_heads", "4", "--max_seq_len", "128",
-                "--out_dir", str(run), "--no-progress", "--compile", "false", "--optimizer", "adamw")
-        sizes = {"qkv run (model.safetensors)": (run / "model.safetensors").stat().st_size}
-        qkv_cli("export", str(run), "--format", "hf", "-o", str(Path(tmp) / "hf"))
-        sizes["hf (model.safetensors, f32)"] = (Path(tmp) / "hf" / "model.safetensors").stat().st_size
-        for dtype in ("f32", "f16", "bf16", "q8_0"):
-            out = Path(tmp) / f"gguf-{dtype}"
-            qkv_cli("export", str(run), "--format", "gguf", "--dtype", dtype, "-o", str(out))
-            sizes[f"gguf {dtype}"] = (out / "model.gguf").stat().st_size
-        rows = []
-        for prompt in prompts:
-            ours, err = qkv_cli("generate", str(run), "--prompt", prompt, "--temperature", "0",
-                                "--max-new-tokens", str(args.new_tokens))
-            ours = ours.rstrip("\n")
-            n_ours = int(err.rsplit("[", 1)[1].split()[0])  # "[N tokens in ...]"
-            theirs = None
-            if simple is not None:
-                r = subprocess.run([str(simple), "-m", str(Path(tmp) / "gguf-f32" / "model.gguf"),
-                                    "-n", str(args.new_tokens), prompt], capture_output=True, text=True,
-                                   timeout=300)
-                theirs = r.stdout.rstrip("\n") if r.returncode == 0 else f"(failed: {r.stderr[-300:]})"
-            # Both stop at <|endoftext|> (the GGUF names it as eos), without printing it.
-            rows.append({"prompt": prompt, "qkv": ours, "llama_cpp": theirs, "same": theirs == ours,
-                         "qkv_new_tokens": n_ours, "qkv_stopped_at_end_of_text": n_ours < args.new_tokens})
+        for arch, extra in ARCHITECTURES:
+            run = Path(tmp) / arch
+            qkv_cli("train", "--preset", "cpu", *LLAMA_STYLE, *extra, *data, "--max_iters", str(steps),
+                    "--dim", "128", "--n_layers", "4", "--n_heads", "4", "--max_seq_len", "128",
+                    "--out_dir", str(run), "--no-progress", "--compile", "false", "--optimizer", "adamw")
+            dtypes = ("f32", "f16", "bf16", "q8_0") if arch == "llama" else ("f32",)
+            if arch == "llama":  # sizes of one run in every format
+                sizes["qkv run (model.safetensors)"] = (run / "model.safetensors").stat().st_size
+                qkv_cli("export", str(run), "--format", "hf", "-o", str(Path(tmp) / "hf"))
+                sizes["hf (model.safetensors, f32)"] = (Path(tmp) / "hf" / "model.safetensors").stat().st_size
+            for dtype in dtypes:
+                out = Path(tmp) / f"{arch}-gguf-{dtype}"
+                qkv_cli("export", str(run), "--format", "gguf", "--dtype", dtype, "-o", str(out))
+                if arch == "llama":
+                    sizes[f"gguf {dtype}"] = (out / "model.gguf").stat().st_size
+            for prompt in prompts:
+                ours, err = qkv_cli("generate", str(run), "--prompt", prompt, "--temperature", "0",
+                                    "--max-new-tokens", str(args.new_tokens))
+                ours = ours.rstrip("\n")
+                n_ours = int(err.rsplit("[", 1)[1].split()[0])  # "[N tokens in ...]"
+                theirs = None
+                if simple is not None:
+                    r = subprocess.run([str(simple), "-m", str(Path(tmp) / f"{arch}-gguf-f32" / "model.gguf"),
+                                        "-n", str(args.new_tokens), prompt], capture_output=True, text=True,
+                                       timeout=300)
+                    theirs = r.stdout.rstrip("\n") if r.returncode == 0 else f"(failed: {r.stderr[-300:]})"
+                # Both stop at <|endoftext|> (the GGUF names it as eos), without printing it.
+                rows.append({"architecture": arch, "prompt": prompt, "qkv": ours, "llama_cpp": theirs,
+                             "same": theirs == ours, "qkv_new_tokens": n_ours,
+                             "qkv_stopped_at_end_of_text": n_ours < args.new_tokens})
     load = meter.stop()
     C.print_table("exported file sizes", ["file", "bytes", "size"],
                   [[k, f"{v:,}", C.fmt_bytes(v)] for k, v in sizes.items()])
     C.print_table("greedy continuations: qkv (the run) vs llama.cpp (the f32 GGUF export)",
-                  ["prompt", "same text", "qkv tokens", "ended at <|endoftext|>", "llama.cpp", "qkv"],
-                  [[r["prompt"], str(r["same"]), str(r["qkv_new_tokens"]),
+                  ["GGUF", "prompt", "same text", "qkv tokens", "ended at <|endoftext|>", "llama.cpp",
+                   "qkv"],
+                  [[r["architecture"], r["prompt"], str(r["same"]), str(r["qkv_new_tokens"]),
                     str(r["qkv_stopped_at_end_of_text"]), repr((r["llama_cpp"] or "")[:60]),
                     repr(r["qkv"][:60])] for r in rows])
     result = {"machine": machine, "steps": steps, "llama_simple": how, "sizes": sizes, "rows": rows,
-              "load": load, "train_args": LLAMA_STYLE}
+              "load": load, "train_args": LLAMA_STYLE,
+              "architectures": ARCHITECTURES}
     print(C.load_line(load))
     print(f"wrote {C.write_json(NAME + ('_quick' if args.quick else ''), result, args.json)}")
     return 0
