@@ -57,9 +57,7 @@ def child(tool: str, what: str, target: str) -> None:
         elif what == "gguf-cached":
             qkv.load("smollm2", path=target, weights="fp32", cache=True)
         elif what == "run":
-            from qkv.families.gpt import GPTFamily
-
-            GPTFamily().load(Path(target))
+            qkv.load(target)  # a GPT run directory -> CausalLM
         else:
             qkv.load(target, weights="fp32")
     print(json.dumps({"seconds": time.perf_counter() - t0}))

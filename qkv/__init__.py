@@ -4,12 +4,85 @@ Layout (data flows one way): attention/ (all attention math) -> layers/ (norms, 
 Transformer blocks) -> models -> training -> generation / visualisation. See DESIGN.md.
 """
 
+from __future__ import annotations
+
+import os
+from typing import Any
+
 __version__ = "0.1.0"
 
 
-def load(name: str, **kwargs):
-    """A pretrained model by name ("minilm", "smollm2") or a Hugging Face checkpoint folder by
-    its path (llama, mistral, qwen2, gemma, gpt2, bert): see :func:`qkv.pretrained.load`."""
-    from qkv.pretrained import load as _load
+def load(name: str | os.PathLike[str], **kwargs: Any) -> Any:
+    """Load a model by name or path, built by its architecture:
 
-    return _load(name, **kwargs)
+    - ``"minilm"``, ``"smollm2"``: the bundled pretrained models;
+    - a ``.gguf`` file (llama.cpp) or a Hugging Face checkpoint folder: see
+      :func:`qkv.pretrained.load` (decoders -> ``CausalLM``, bert -> ``SentenceEncoder``);
+    - a run directory from ``qkv train``: the model ``qkv generate`` / ``qkv attend`` load from
+      it. A GPT run gives a ``CausalLM`` (``generate``/``stream``/``quantize``, stopping at the
+      run's ``<|endoftext|>``); a run of another family (vit, seq2seq, captioner, ...) gives
+      that family's loaded run (``.model`` and what it needs: vocabularies, classes).
+
+    Keyword arguments are :func:`qkv.pretrained.load`'s (``dtype``, ``weights``, ``device``,
+    ...); a run of another family than GPT takes ``device`` only.
+    """
+    from pathlib import Path
+
+    from qkv.viz.sources import run_family
+
+    path = Path(os.fspath(name))
+    family = run_family(path) if path.is_dir() else None
+    if family is None and path.is_dir():
+        _check_folder(path)
+    if family is None:
+        from qkv.pretrained import load as _load
+
+        return _load(os.fspath(name), **kwargs)
+    return _load_run(path, family, **kwargs)
+
+
+def _check_folder(path: Any) -> None:
+    """A folder that is neither a qkv run (a known ``family``) nor a Hugging Face checkpoint
+    (a ``model_type``): one line saying which of the two its config.json fails to be."""
+    import json
+
+    from qkv.families import family_names
+    from qkv.pretrained import PretrainedFormatError
+
+    try:
+        config = json.loads((path / "config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return  # no or unreadable config.json: the Hugging Face reader says which
+    if not isinstance(config, dict) or "model_type" in config:
+        return
+    if "family" in config:
+        raise PretrainedFormatError(f"{path} is a run of family {config['family']!r}, which this qkv does "
+                                    f"not know (known: {', '.join(family_names())})")
+    raise PretrainedFormatError(f"{path}/config.json names neither a qkv family nor a Hugging Face "
+                                "model_type: give a run directory from `qkv train`, a Hugging Face "
+                                "checkpoint folder or a .gguf file")
+
+
+def _load_run(path: Any, family: str, *, device: str = "cpu", dtype: Any = None,
+              weights: str | None = None) -> Any:
+    """``load`` for a qkv run directory of ``family``."""
+    from qkv.device import check_device
+    from qkv.families import get_family
+
+    check_device(device)
+    loaded = get_family(family).load(path, device)
+    if family != "gpt":
+        if dtype is not None or weights is not None:
+            raise ValueError(f"dtype= and weights= are for GPT runs and decoders; {path} is a {family} run: "
+                             "cast its .model instead")
+        return loaded
+    from qkv.pretrained.pipelines import CausalLM
+    from qkv.tokenizers import end_of_text_id
+
+    tok = loaded.tokenizer
+    stops = tuple(i for i in (end_of_text_id(tok),) if i is not None)
+    lm = CausalLM(path.name, loaded.model.eval(), tok, None, stops,
+                  {"name": path.name, "run_dir": str(path), "family": family})
+    if weights is not None:
+        return lm.quantize(weights)
+    return lm.to(dtype) if dtype is not None else lm
