@@ -9,7 +9,10 @@ recorded. Then llama.cpp's ``llama-simple`` (greedy decoding; built from the lla
 sdist once, see benchmarks/_llama_cpp.py) continues prompts from the f32 GGUF, and ``qkv
 generate RUN --temperature 0`` continues the same prompts from the run itself: the texts are
 compared, and whether each stopped at the end of text before ``--new-tokens``. A second run with
-biases on q/k/v (``--qkv_bias true``, exported as llama.cpp's ``qwen2``) is compared the same way.
+biases on q/k/v (``--qkv_bias true``, exported as llama.cpp's ``qwen2``) and a third of qkv's
+default GPT (learned positions, LayerNorm, exact GELU, exported as ``gpt2``, whose file computes
+GELU's tanh form) are compared the same way; for each, the largest logit difference between
+the run and its f32 GGUF read back by qkv is recorded.
 
     python benchmarks/export_parity.py                # ~1 minute (+ ~10 for a first llama.cpp build)
     python benchmarks/export_parity.py --quick
@@ -28,10 +31,24 @@ import _llama_cpp
 
 NAME = "export_parity"
 PROMPTS = ["ROMEO:", "The king", "JULIET:\nO", "What light"]
+BPE = ["--tokenizer", "bpe", "--bpe_vocab_size", "512"]
 LLAMA_STYLE = ["--positions", "rope", "--norm", "rmsnorm", "--mlp", "swiglu", "--n_kv_heads", "2",
-               "--bias", "false", "--tokenizer", "bpe", "--bpe_vocab_size", "512"]
-# (GGUF architecture, extra options): the same run, and one with biases on q/k/v (qwen2)
-ARCHITECTURES = [("llama", []), ("qwen2", ["--qkv_bias", "true"])]
+               "--bias", "false", *BPE]
+# (GGUF architecture, training options): llama-style, the same with biases on q/k/v (qwen2), and
+# qkv's default GPT (learned positions, LayerNorm, exact GELU: the file computes the tanh form)
+ARCHITECTURES = [("llama", LLAMA_STYLE), ("qwen2", [*LLAMA_STYLE, "--qkv_bias", "true"]), ("gpt2", BPE)]
+
+
+def logit_gap(run: Path, gguf: Path, text: str) -> float:
+    """Largest |logit| difference between the run and its GGUF read back by qkv (fp32)."""
+    import torch
+
+    import qkv
+
+    ours, back = qkv.load(run), qkv.load(str(gguf), weights="fp32")
+    x = torch.tensor([ours.tokenizer.encode(text)])
+    with torch.no_grad():
+        return (ours.model(x).logits - back.model(x).logits).abs().max().item()
 
 
 def qkv_cli(*args: str) -> tuple[str, str]:
@@ -72,9 +89,10 @@ def main() -> int:
     sizes: dict[str, int] = {}
     with tempfile.TemporaryDirectory() as tmp:
         data = ["--data", args.data or str(documents_text(Path(tmp) / "documents.txt"))]
-        for arch, extra in ARCHITECTURES:
+        gaps = {}
+        for arch, options in ARCHITECTURES:
             run = Path(tmp) / arch
-            qkv_cli("train", "--preset", "cpu", *LLAMA_STYLE, *extra, *data, "--max_iters", str(steps),
+            qkv_cli("train", "--preset", "cpu", *options, *data, "--max_iters", str(steps),
                     "--dim", "128", "--n_layers", "4", "--n_heads", "4", "--max_seq_len", "128",
                     "--out_dir", str(run), "--no-progress", "--compile", "false", "--optimizer", "adamw")
             dtypes = ("f32", "f16", "bf16", "q8_0") if arch == "llama" else ("f32",)
@@ -87,6 +105,8 @@ def main() -> int:
                 qkv_cli("export", str(run), "--format", "gguf", "--dtype", dtype, "-o", str(out))
                 if arch == "llama":
                     sizes[f"gguf {dtype}"] = (out / "model.gguf").stat().st_size
+            gaps[arch] = logit_gap(run, Path(tmp) / f"{arch}-gguf-f32" / "model.gguf",
+                                   "ROMEO:\nBut soft, what light through yonder window breaks?")
             for prompt in prompts:
                 ours, err = qkv_cli("generate", str(run), "--prompt", prompt, "--temperature", "0",
                                     "--max-new-tokens", str(args.new_tokens))
@@ -112,8 +132,10 @@ def main() -> int:
                     str(r["qkv_stopped_at_end_of_text"]), repr((r["llama_cpp"] or "")[:60]),
                     repr(r["qkv"][:60])] for r in rows])
     result = {"machine": machine, "steps": steps, "llama_simple": how, "sizes": sizes, "rows": rows,
-              "load": load, "train_args": LLAMA_STYLE,
-              "architectures": ARCHITECTURES}
+              "load": load,
+              "architectures": ARCHITECTURES, "logit_gap_run_vs_gguf_f32": gaps}
+    print("largest |logit| gap, run vs its f32 GGUF (read by qkv): "
+          + ", ".join(f"{a} {g:.2e}" for a, g in gaps.items()))
     print(C.load_line(load))
     print(f"wrote {C.write_json(NAME + ('_quick' if args.quick else ''), result, args.json)}")
     return 0

@@ -29,10 +29,12 @@ def add_export_parser(sub) -> None:
         "        model.safetensors (float32, HF names and layouts), tokenizer.json, tokenizer_config.json;\n"
         "        transformers' AutoModelForCausalLM.from_pretrained(OUT) "
         "and qkv.load(OUT) read it\n"
-        "  gguf  OUT/model.gguf: llama-style runs with a BPE tokenizer, as llama (or, with --qkv_bias true,\n"
-        "        qwen2): llama.cpp tensor names, Q/K rows in its order, tokenizer metadata. Refused:\n"
-        "        gpt2-style runs (GGUF readers disagree on its GELU and position table), --bias true\n"
-        "        (biases in every layer: neither llama nor qwen2 takes them), a character tokenizer\n"
+        "  gguf  OUT/model.gguf: runs with a BPE tokenizer, as llama.cpp's gpt2, llama or (a llama-style\n"
+        "        run with --qkv_bias true) qwen2: its tensor names and layouts, tokenizer metadata.\n"
+        "        A gpt2 file computes GELU's tanh form (llama.cpp's); an exact-GELU run is written with\n"
+        "        a note (logits ~1e-3 apart). transformers reads gpt2 GGUFs of 1024-token runs only.\n"
+        "        Refused: --mlp relu with learned positions, --bias true on a llama-style run (neither\n"
+        "        llama nor qwen2 takes biases everywhere), a character tokenizer\n"
         "        (GGUF's gpt2 tokenizer is byte-level, which a character vocabulary is not)\n"
         "dtypes (--format gguf): f32, f16, bf16, q8_0 (8-bit blocks of 32 with an f16 scale); 1-D\n"
         "  tensors (norms) stay f32, and under q8_0 a matrix whose rows are not a multiple of 32 is f16\n"
@@ -59,6 +61,11 @@ def run_export(args: argparse.Namespace) -> int:
     print(f"exported {args.run} as {arch} ({what}): {out}")
     files = sorted(p.name for p in out.iterdir())
     print("  " + ", ".join(files), file=sys.stdout)
+    if args.format == "gguf":
+        from qkv.pretrained.export_gguf import gguf_notes
+
+        for note in gguf_notes(loaded.model.cfg):
+            print(f"  note: {note}", file=sys.stderr)
     if end_of_text_id(loaded.tokenizer) is None:
         why = ("a BPE run trained before qkv reserved <|endoftext|>" if hasattr(loaded.tokenizer, "tokenizer")
                else "a character tokenizer")

@@ -118,7 +118,7 @@ def hf_config(cfg: GPTConfig, arch: str, eos: int | None = None) -> dict[str, An
             "attention_dropout": cfg.dropout}
 
 
-def _with_zero_biases(sd: dict[str, Tensor], cfg: GPTConfig, arch: str) -> dict[str, Tensor]:
+def with_zero_biases(sd: dict[str, Tensor], cfg: GPTConfig, arch: str) -> dict[str, Tensor]:
     """``sd`` plus a zero bias for every linear/norm module the HF model gives one and qkv did not."""
     if arch == "llama" and not has_bias(cfg):
         return sd
@@ -164,7 +164,7 @@ def hf_state_dict(model: GPT, arch: str) -> dict[str, Tensor]:
     """The model's weights under ``arch``'s Hugging Face names and layouts (float32)."""
     cfg = model.cfg
     sd = {k: v.detach().float().cpu() for k, v in model.state_dict().items()}
-    sd = _with_zero_biases(sd, cfg, arch)
+    sd = with_zero_biases(sd, cfg, arch)
     out = unmap_names(sd, TABLES[arch], row_split(cfg), cfg.tie_embeddings)
     if arch == "gpt2":  # Conv1D is its own inverse: (out, in) -> (in, out)
         out = {k: conv1d_transposed(k, v) for k, v in out.items()}

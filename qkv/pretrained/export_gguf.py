@@ -1,4 +1,4 @@
-"""qkv's own llama-style GPT runs -> a GGUF file (llama.cpp's format), with the ``gguf`` package's
+"""qkv's own GPT runs -> a GGUF file (llama.cpp's format), with the ``gguf`` package's
 GGUFWriter: the write direction of :mod:`qkv.pretrained.smollm2`.
 
 A llama-style run (RoPE, RMSNorm, SwiGLU, GQA allowed) is written as llama.cpp's ``llama``; one
@@ -7,18 +7,23 @@ biases). Tensor names come from the llama table's GGUF column
 (:data:`~qkv.pretrained.architectures.LLAMA_GGUF`); for ``llama`` the W_Q and W_K rows are
 permuted per head into llama.cpp's order (:func:`permute_rope_rows`, the inverse of smollm2's
 ``unpermute_rope_rows``); its ``qwen2`` rotates halves as qkv does, so they stay in order.
-Metadata: ``llama.*`` / ``qwen2.*`` sizes, heads, RoPE base, RMSNorm epsilon, and the tokenizer
+A gpt2-style run (learned positions, LayerNorm, GELU) is written as llama.cpp's ``gpt2``: the
+fused ``attn_qkv``, (out, in) matrices as qkv stores them, zero biases where qkv has none, and
+the output head always present (llama.cpp's own converter writes GPT-2's tied head so).
+Metadata: ``{arch}.*`` sizes, heads, norm epsilon (RoPE base for llama/qwen2), and the tokenizer
 (``tokenizer.ggml.model = "gpt2"``: the byte-level BPE vocabulary, merges, GPT-2's
 pre-tokenizer regex, ``<|endoftext|>`` as bos and eos token where the run has it).
 
+Written, with a note (:func:`gguf_notes`): a gpt2-style run with exact ``gelu``: GGUF's gpt2 has
+no activation key and llama.cpp applies the tanh form, so the file computes ``gelu_tanh``.
+Known limit of a reader, not of the file: transformers' GGUF reader sizes gpt2's position table
+at 1024 whatever ``gpt2.context_length`` says (it maps that key to ``n_ctx``, not
+``n_positions``), so it reads a gpt2 GGUF only of a 1024-token run; llama.cpp and qkv read any.
+
 Refused (one line each), because a GGUF reader would compute something else or not read it:
-- a gpt2-style run: only ``llama`` and ``qwen2`` are written. GGUF's gpt2 has no activation key (llama.cpp
-  applies its tanh GELU, so qkv's exact ``gelu`` has no counterpart), and transformers' GGUF
-  reader builds gpt2 with 1024 positions whatever ``gpt2.context_length`` says (tried: a
-  32-position ``position_embd`` fails its size check), while llama.cpp requires
-  ``context_length`` rows: no file satisfies both unless max_seq_len is 1024. Use ``--format hf``;
-- ``--bias true`` (biases in every linear layer: neither GGUF reader's llama nor qwen2 takes
-  them all), a ``head_dim`` other than dim / n_heads;
+- ``--mlp relu`` with learned positions (llama.cpp's gpt2 applies GELU);
+- ``--bias true`` on a llama-style run (biases in every linear layer: neither reader's llama
+  nor qwen2 takes them all), a ``head_dim`` other than dim / n_heads;
 - a character tokenizer: GGUF's ``gpt2`` tokenizer model is byte-level (each token spelled in
   GPT-2's byte-to-unicode alphabet), which a character vocabulary is not, and GGUF has no
   character-level model.
@@ -37,8 +42,8 @@ from typing import Any
 import numpy as np
 
 from qkv.models.gpt import GPT
-from qkv.pretrained.architectures import LLAMA_GGUF
-from qkv.pretrained.export import hf_architecture, row_split, unmap_names
+from qkv.pretrained.architectures import GPT2_GGUF, LLAMA_GGUF
+from qkv.pretrained.export import hf_architecture, row_split, unmap_names, with_zero_biases
 
 GGUF_TOKEN_NORMAL = 1
 GGUF_TOKEN_CONTROL = 3  # llama.cpp's type of a special token
@@ -52,17 +57,35 @@ def permute_rope_rows(w: np.ndarray, n_heads: int) -> np.ndarray:
     return w.reshape(n_heads, 2, dh // 2, cols).swapaxes(1, 2).reshape(rows, cols)
 
 
+def gguf_architecture(cfg: Any) -> str:
+    """The llama.cpp architecture a run is written as: ``gpt2`` (learned positions, LayerNorm,
+    GELU), ``qwen2`` (llama-style with biases on q/k/v, ``--qkv_bias true``) or ``llama``.
+    ValueError (one line) for a run no Hugging Face architecture represents either."""
+    arch = hf_architecture(cfg)
+    if arch == "gpt2":
+        return "gpt2"
+    return "qwen2" if cfg.qkv_bias else "llama"
+
+
+def gguf_notes(cfg: Any) -> list[str]:
+    """What a GGUF reader computes differently from the run (written anyway, said aloud)."""
+    if gguf_architecture(cfg) == "gpt2" and cfg.mlp == "gelu":
+        return ["llama.cpp's gpt2 computes GELU in its tanh form and this run was trained with exact "
+                "GELU, so the file's logits differ from the run's by about 1e-3 (train with --mlp "
+                "gelu_tanh for an exact file)"]
+    return []
+
+
 def check_gguf(model: GPT, tok: Any) -> None:
-    """ValueError (one line) unless ``model`` and ``tok`` can be written as a llama GGUF."""
+    """ValueError (one line) unless ``model`` and ``tok`` can be written as a GGUF."""
     from qkv.tokenizers import BPETokenizer
 
     cfg = model.cfg
-    arch = hf_architecture(cfg)
-    if arch != "llama":
-        raise ValueError(f"--format gguf writes llama-style runs only (--positions rope --norm rmsnorm "
-                         f"--mlp swiglu); this run is {arch}-style, which GGUF readers do not agree on "
-                         "(activation, position table size): use --format hf")
-    if cfg.bias:
+    arch = gguf_architecture(cfg)
+    if arch == "gpt2" and cfg.mlp not in ("gelu", "gelu_tanh"):
+        raise ValueError(f"--format gguf: --mlp {cfg.mlp} with --positions learned has no counterpart in "
+                         "llama.cpp's gpt2 (it applies GELU); use --format hf")
+    if arch != "gpt2" and cfg.bias:
         raise ValueError("--format gguf: --bias true (biases in every linear layer) has no counterpart in "
                          "the GGUF readers' llama or qwen2 (qwen2 has them on q/k/v only: --qkv_bias true); "
                          "use --format hf")
@@ -88,24 +111,23 @@ def _tensor(gguf: Any, name: str, w: np.ndarray, dtype: str) -> tuple[np.ndarray
 FILE_TYPES = {"f32": 0, "f16": 1, "q8_0": 7, "bf16": 32}  # llama.cpp's LLAMA_FTYPE_* numbers
 
 
-def gguf_architecture(cfg: Any) -> str:
-    """``"qwen2"`` for a llama-style run with biases on q/k/v (``--qkv_bias true``), else ``"llama"``."""
-    return "qwen2" if cfg.qkv_bias else "llama"
-
-
 def write_gguf(model: GPT, tok: Any, path: Path, dtype: str = "f32") -> str:
-    """Write ``model`` and its BPE ``tok`` as a llama (or, with q/k/v biases, qwen2) GGUF at
-    ``path``; returns the architecture."""
+    """Write ``model`` and its BPE ``tok`` as a GGUF at ``path`` (architecture:
+    :func:`gguf_architecture`); returns the architecture."""
     import gguf
 
     check_gguf(model, tok)
     if dtype not in FILE_TYPES:
         raise ValueError(f"--dtype must be one of {', '.join(FILE_TYPES)}, got {dtype!r}")
     cfg = model.cfg
-    sd = {k: v.detach().float().cpu() for k, v in model.state_dict().items()}
-    named = unmap_names(sd, LLAMA_GGUF, row_split(cfg), cfg.tie_embeddings)
-    tensors = {k: v.numpy() for k, v in named.items()}
     arch = gguf_architecture(cfg)
+    sd = {k: v.detach().float().cpu() for k, v in model.state_dict().items()}
+    if arch == "gpt2":  # biases everywhere (zeros where qkv has none); the output head always
+        # written, as llama.cpp's own converter writes GPT-2's tied one
+        named = unmap_names(with_zero_biases(sd, cfg, "gpt2"), GPT2_GGUF, row_split(cfg), tied=False)
+    else:
+        named = unmap_names(sd, LLAMA_GGUF, row_split(cfg), cfg.tie_embeddings)
+    tensors = {k: v.numpy() for k, v in named.items()}
     for name in tensors:  # llama.cpp's qwen2 rotates halves, as qkv does: its rows stay in order
         if arch == "llama" and name.endswith(("attn_q.weight", "attn_k.weight")):
             heads = cfg.n_heads if "attn_q" in name else cfg.resolved_kv_heads
@@ -118,10 +140,13 @@ def write_gguf(model: GPT, tok: Any, path: Path, dtype: str = "f32") -> str:
     w.add_block_count(cfg.n_layers)
     w.add_feed_forward_length(cfg.mlp_hidden or 4 * cfg.dim)
     w.add_head_count(cfg.n_heads)
-    w.add_head_count_kv(cfg.resolved_kv_heads)
-    w.add_layer_norm_rms_eps(cfg.norm_eps)
-    w.add_rope_freq_base(cfg.rope_theta)
-    w.add_rope_dimension_count(cfg.resolved_head_dim)
+    if arch == "gpt2":
+        w.add_layer_norm_eps(cfg.norm_eps)
+    else:
+        w.add_head_count_kv(cfg.resolved_kv_heads)
+        w.add_layer_norm_rms_eps(cfg.norm_eps)
+        w.add_rope_freq_base(cfg.rope_theta)
+        w.add_rope_dimension_count(cfg.resolved_head_dim)
     w.add_vocab_size(cfg.vocab_size)
     w.add_file_type(FILE_TYPES[dtype])
     _add_tokenizer(w, tok)

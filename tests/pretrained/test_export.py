@@ -397,6 +397,53 @@ def test_qkv_bias_exports_as_qwen2_gguf(runs, tmp_path: Path) -> None:
         assert (back.model(x).logits - ours).abs().max().item() <= 1e-5
 
 
+def test_gpt2_style_exports_as_gpt2_gguf(runs, tmp_path: Path) -> None:
+    """Learned positions + LayerNorm + tanh GELU: llama.cpp's gpt2 (fused attn_qkv, biases, the
+    output head written). transformers reads it when the context is 1024 (its reader's limit):
+    a 1024-token variant gives transformers' logits 1e-5 from qkv's and the same greedy tokens;
+    the trained 32-token run reads back in qkv exactly."""
+    import gguf
+
+    run = runs["gpt2_bias_tanh_untied_bpe"]
+    loaded = get_family("gpt").load(run)
+    model, tok = loaded.model.eval(), loaded.tokenizer
+    x = torch.tensor([tok.encode(HELD)[:20]])
+    rc, _, err = call(["export", str(run), "--format", "gguf", "-o", str(tmp_path / "g")])
+    assert rc == 0 and "note" not in err, err  # tanh GELU: nothing differs
+    names = {t.name for t in gguf.GGUFReader(tmp_path / "g" / "model.gguf").tensors}
+    assert {"blk.0.attn_qkv.weight", "blk.0.attn_qkv.bias", "position_embd.weight", "output.weight"} <= names
+    back = _silent(qkv.load, str(tmp_path / "g" / "model.gguf"), weights="fp32")
+    with torch.no_grad():
+        assert (back.model(x).logits - model(x).logits).abs().max().item() <= 1e-5
+
+    long = _variant_of(run, tmp_path, "long", max_seq_len=1024)  # random weights, transformers' size
+    model = get_family("gpt").load(long).model.eval()
+    out = _export(long, tmp_path / "g1024", "--format", "gguf")
+    hf = _silent(transformers.AutoModelForCausalLM.from_pretrained, out, gguf_file="model.gguf").eval()
+    assert type(hf).__name__ == "GPT2LMHeadModel"
+    with torch.no_grad():
+        ours, theirs = model(x).logits, hf(x).logits
+    assert ours.abs().max().item() > 0.1 and (ours - theirs).abs().max().item() <= 1e-5
+    qkv_tokens = [int(t[0]) for t in generate(model, x, 12, temperature=0.0)]
+    hf_tokens = hf.generate(x, max_new_tokens=12, do_sample=False, eos_token_id=None,
+                            pad_token_id=0)[0, x.shape[1]:].tolist()
+    assert qkv_tokens == hf_tokens
+
+
+def test_exact_gelu_is_written_with_a_note(runs, tmp_path: Path) -> None:
+    """An exact-GELU gpt2-style run: the GGUF computes the tanh form (llama.cpp's gpt2), so its
+    logits move a little, and the export says so."""
+    run = _variant_of(runs["gpt2_bias_tanh_untied_bpe"], tmp_path, "exact", mlp="gelu")
+    rc, _, err = call(["export", str(run), "--format", "gguf", "-o", str(tmp_path / "g")])
+    assert rc == 0 and "note: llama.cpp's gpt2 computes GELU in its tanh form" in err
+    loaded = get_family("gpt").load(run)
+    x = torch.tensor([loaded.tokenizer.encode(HELD)[:20]])
+    back = _silent(qkv.load, str(tmp_path / "g" / "model.gguf"), weights="fp32")
+    with torch.no_grad():
+        gap = (back.model(x).logits - loaded.model.eval()(x).logits).abs().max().item()
+    assert 0 < gap < 1e-2
+
+
 def test_permute_rope_rows_is_undone_by_the_reader() -> None:
     import numpy as np
 
@@ -414,7 +461,8 @@ def test_permute_rope_rows_is_undone_by_the_reader() -> None:
 def test_gguf_refusals_are_one_line(runs, tmp_path: Path) -> None:
     pytest.importorskip("gguf")
     cases = [
-        (runs["gpt2_char"], "llama-style runs only"),
+        (runs["gpt2_char"], "a character tokenizer cannot be carried"),
+        (_variant_of(runs["gpt2_bias_tanh_untied_bpe"], tmp_path, "relu", mlp="relu"), "--mlp relu"),
         (_variant_of(runs["llama_gqa_bpe"], tmp_path, "biased", bias=True), "--bias true"),
         (_variant_of(runs["gpt2_char"], tmp_path, "char_llama", positions="rope", norm="rmsnorm",
                      mlp="swiglu"), "a character tokenizer cannot be carried"),
@@ -422,4 +470,4 @@ def test_gguf_refusals_are_one_line(runs, tmp_path: Path) -> None:
     for i, (run, names) in enumerate(cases):
         rc, _, err = call(["export", str(run), "--format", "gguf", "-o", str(tmp_path / f"g{i}")])
         assert names in assert_one_line_error(rc, err)
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["biased", "char_llama"]  # nothing written
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["biased", "char_llama", "relu"]  # nothing written
