@@ -3,7 +3,9 @@
 Formats: SmolLM2-135M's GGUF (the installed asset, Q4_1; qkv converting it, qkv from its
 conversion cache, and `transformers` with ``gguf_file=``), the same weights as a Hugging Face
 folder (written once by `transformers` from the GGUF, float32 safetensors), a random 4-layer
-Llama as a Hugging Face folder, and a qkv run directory (the `tiny` preset). Every load runs
+Llama as a Hugging Face folder, a qkv run directory (the `tiny` preset), and a 4-layer Llama of
+the same widths trained by qkv (1 step, its own 2,048-token BPE) in all three formats: its run
+directory, and its `qkv export` to a Hugging Face folder and to an f32 GGUF. Every load runs
 in a fresh process (so no tool gets a warm import or allocator) and is timed around the load
 calls alone (model and tokenizer: `qkv.load` returns both, so `transformers` loads its
 `AutoTokenizer` too), in round-robin order over ``--rounds``; the files are read once beforehand, so
@@ -58,6 +60,8 @@ def child(tool: str, what: str, target: str) -> None:
             qkv.load("smollm2", path=target, weights="fp32", cache=True)
         elif what == "run":
             qkv.load(target)  # a GPT run directory -> CausalLM
+        elif what == "gguf-file":  # any GGUF by its architecture, converted afresh
+            qkv.load(target, weights="fp32", cache=False)
         else:
             qkv.load(target, weights="fp32")
     print(json.dumps({"seconds": time.perf_counter() - t0}))
@@ -97,11 +101,25 @@ def prepare(tmp: Path) -> dict[str, str]:
         shutil.copy(tmp / "smollm2-hf" / f, tmp / "llama4-hf")
     (tmp / "text.txt").write_text("the quick brown fox jumps over the lazy dog\n" * 200, encoding="utf-8")
     run = tmp / "run"
-    subprocess.run([sys.executable, "-m", "qkv", "train", "--preset", "tiny", "--data", str(tmp / "text.txt"),
-                    "--max_iters", "2", "--out_dir", str(run), "--no-progress", "--compile", "false"],
-                   check=True, capture_output=True)
+    qkv_cli("train", "--preset", "tiny", "--data", str(tmp / "text.txt"), "--max_iters", "2",
+            "--out_dir", str(run), "--no-progress", "--compile", "false")
+    # the same 4-layer Llama shape as a qkv run (1 step), exported by qkv to HF and to GGUF f32
+    qkv_cli("train", "--preset", "tiny", "--max_iters", "1",  # on Shakespeare, for a full 2,048 BPE
+            "--positions", "rope", "--norm", "rmsnorm", "--mlp", "swiglu", "--dim", "512", "--n_layers", "4",
+            "--n_heads", "8", "--n_kv_heads", "4", "--mlp_hidden", "1536", "--max_seq_len", "256",
+            "--tokenizer", "bpe", "--out_dir", str(tmp / "llama4-run"), "--no-progress", "--compile", "false")
+    qkv_cli("export", str(tmp / "llama4-run"), "--format", "hf", "-o", str(tmp / "llama4-export-hf"))
+    qkv_cli("export", str(tmp / "llama4-run"), "--format", "gguf", "-o", str(tmp / "llama4-export-gguf"))
     return {"gguf": str(gguf), "smollm2-hf": str(tmp / "smollm2-hf"), "llama4-hf": str(tmp / "llama4-hf"),
-            "run": str(run)}
+            "run": str(run), "llama4-run": str(tmp / "llama4-run"),
+            "llama4-export-hf": str(tmp / "llama4-export-hf"),
+            "llama4-export-gguf": str(tmp / "llama4-export-gguf" / "model.gguf")}
+
+
+def qkv_cli(*args: str) -> None:
+    out = subprocess.run([sys.executable, "-m", "qkv", *args], capture_output=True, text=True, check=False)
+    if out.returncode:
+        raise SystemExit(f"qkv {' '.join(args[:2])} failed:\n{out.stderr[-2000:]}")
 
 
 def main() -> int:
@@ -131,6 +149,13 @@ def main() -> int:
             ("random 4-layer Llama HF folder", "qkv", "hf", files["llama4-hf"]),
             ("random 4-layer Llama HF folder", "transformers", "hf", files["llama4-hf"]),
             ("qkv run directory (tiny preset)", "qkv", "run", files["run"]),
+            ("4-layer Llama (qkv-trained, 2,048 BPE): qkv run", "qkv", "run", files["llama4-run"]),
+            ("4-layer Llama (qkv-trained): its HF export", "qkv", "hf", files["llama4-export-hf"]),
+            ("4-layer Llama (qkv-trained): its HF export", "transformers", "hf", files["llama4-export-hf"]),
+            ("4-layer Llama (qkv-trained): its GGUF f32 export", "qkv", "gguf-file",
+             files["llama4-export-gguf"]),
+            ("4-layer Llama (qkv-trained): its GGUF f32 export", "transformers", "gguf",
+             files["llama4-export-gguf"]),
         ]
         timed("qkv", "gguf-cached", files["gguf"], env)  # fills the conversion cache
         for _, tool, what, target in cases:  # warm the OS file cache and the imports' .pyc files
