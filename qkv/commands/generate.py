@@ -1,5 +1,5 @@
 """`qkv generate`: stream text from a trained GPT run or from a pretrained decoder (SmolLM2, a
-llama-architecture GGUF), eagerly or through the compiled decoding step."""
+GGUF file of a decoder architecture), eagerly or through the compiled decoding step."""
 
 from __future__ import annotations
 
@@ -15,14 +15,14 @@ def add_generate_parser(sub) -> None:
         help="sample text from a trained run or from SmolLM2, with a KV cache",
         description="Sample a continuation of --prompt from a run directory written by `qkv train`, "
         "or from the pretrained SmolLM2-135M-Instruct (`qkv generate smollm2 --prompt ... [--chat]`; "
-        "needs `qkv assets install smollm2`), a llama-architecture .gguf file, or a Hugging Face "
+        "needs `qkv assets install smollm2`), a .gguf file (llama, qwen2, gpt2, gemma), or a Hugging Face "
         "checkpoint folder (llama, mistral, qwen2, gemma, gpt2: config.json + *.safetensors + "
         "tokenizer.json). Tokens stream to the terminal as they are generated.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     p.add_argument("run", metavar="RUN_OR_MODEL",
                    help="a run directory from `qkv train`, a pretrained model (smollm2), a "
-                   "llama-architecture .gguf file, or a Hugging Face checkpoint folder")
+                   ".gguf file (llama, qwen2, gpt2, gemma), or a Hugging Face checkpoint folder")
     p.add_argument("--prompt", default=None,
                    help="text to continue (a trained run's default: a newline, or its first character "
                    "if its text has no newline; a pretrained model needs one)")
@@ -140,7 +140,7 @@ def cmd_generate_pretrained(args: argparse.Namespace) -> int:
     check_compile(args)
     t0 = time.perf_counter()
     weights = args.weights or {"float32": "fp32", "bfloat16": "bf16", None: DEFAULT_WEIGHTS}[args.dtype]
-    path = args.run if args.run.lower().endswith(".gguf") else None  # any llama-architecture GGUF
+    path = args.run if args.run.lower().endswith(".gguf") else None  # a GGUF of any decoder architecture
     lm = load("smollm2" if path else args.run, path=path, device=args.device, weights=weights)
     used = lm.info.get("weights", weights)
     print(f"[{args.run}: loaded in {time.perf_counter() - t0:.1f} s, weights {used}]", file=sys.stderr)

@@ -47,16 +47,18 @@ def _texts(items: list[str], files: bool) -> list[str]:
 
 
 def _encoder(name: str):
-    """minilm, or a Hugging Face BERT checkpoint folder (qkv.load builds its Encoder)."""
+    """minilm, a Hugging Face BERT checkpoint folder or a bert-architecture .gguf file
+    (qkv.load builds its Encoder)."""
     from qkv.pretrained import SentenceEncoder, load
 
-    if name not in ENCODERS and not Path(name).is_dir():
+    gguf = name.lower().endswith(".gguf") and Path(name).is_file()
+    if name not in ENCODERS and not Path(name).is_dir() and not gguf:
         raise ValueError(f"{name!r} is not a sentence encoder; choose from: {', '.join(ENCODERS)}, or "
-                         "give a Hugging Face BERT checkpoint folder")
+                         "give a Hugging Face BERT checkpoint folder or a bert .gguf file")
     enc = load(name)
     if not isinstance(enc, SentenceEncoder):
         raise ValueError(f"{name} is a decoder (a language model), not a sentence encoder: give "
-                         f"{', '.join(ENCODERS)} or a BERT folder")
+                         f"{', '.join(ENCODERS)}, a BERT folder or a bert .gguf file")
     return enc
 
 
@@ -71,7 +73,8 @@ def add_embed_parser(sub) -> None:
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     p.add_argument("model", metavar="MODEL",
-                   help=f"pretrained encoder ({', '.join(ENCODERS)}) or a Hugging Face BERT folder")
+                   help=f"pretrained encoder ({', '.join(ENCODERS)}), a Hugging Face BERT folder or a "
+                   "bert .gguf file (llama.cpp's, e.g. all-MiniLM-L6-v2)")
     p.add_argument("texts", nargs="*", metavar="TEXT", help="sentences to embed ('-' reads stdin)")
     p.add_argument("--file", type=Path, help="also embed every non-empty line of this UTF-8 file")
     p.add_argument("--json", action="store_true", help="print JSON: [{text, embedding}, ...]")
@@ -122,7 +125,8 @@ def add_similarity_parser(sub) -> None:
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     p.add_argument("model", metavar="MODEL",
-                   help=f"pretrained encoder ({', '.join(ENCODERS)}) or a Hugging Face BERT folder")
+                   help=f"pretrained encoder ({', '.join(ENCODERS)}), a Hugging Face BERT folder or a "
+                   "bert .gguf file (llama.cpp's, e.g. all-MiniLM-L6-v2)")
     p.add_argument("query", help="the query sentence")
     p.add_argument("docs", nargs="+", metavar="FILE_OR_SENTENCE", help="documents ('-' reads stdin)")
     p.add_argument("--top", type=int, default=10, help="show the best N (0 = all)")

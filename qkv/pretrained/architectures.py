@@ -13,6 +13,9 @@ and the biases a config turns on (Qwen2's on q/k/v) need no extra rows.
     gpt2           GPT         LayerNorm, GELU (tanh), learned positions, biases, fused c_attn
     bert           Encoder     post-LN, GELU, learned positions + token types (MiniLM)
 
+llama.cpp's names for the same tensors, for GGUF files (``LLAMA_GGUF``, ``GEMMA_GGUF``,
+``GPT2_GGUF``, ``BERT_GGUF``), are read by :mod:`~qkv.pretrained.smollm2`.
+
 Refused, with the reason in the message (:data:`REFUSED`): gemma2 and gemma3, whose blocks
 add what qkv's do not have (soft-capped logits and attention scores, a norm after each
 sublayer as well as before, local sliding-window layers; gemma3 also q/k norms).
@@ -63,6 +66,10 @@ LLAMA_GGUF: Names = {
     "lm_head": "output",
 }
 
+# llama.cpp's gemma files use the llama names, unpermuted, with the norm weights stored as 1 + w
+# (its converter adds the 1 that gemma_norm_weight adds to a Hugging Face folder's).
+GEMMA_GGUF: Names = LLAMA_GGUF
+
 GPT2: Names = {  # every 2-D weight under transformer.h is a Conv1D: stored (in, out)
     "tok_emb": "transformer.wte",
     "pos_emb": "transformer.wpe",
@@ -88,6 +95,21 @@ GPT2_GGUF: Names = {
     "stack.blocks.{i}.mlp.fc_out": "blk.{i}.ffn_down",
     "stack.norm": "output_norm",
     "lm_head": "output",
+}
+
+# llama.cpp's bert names (embedding models such as all-MiniLM-L6-v2 in GGUF), onto qkv's
+# Encoder; its converter keeps BERT's (out, in) rows and drops the pooler and the MLM head.
+BERT_GGUF: Names = {
+    "tok_emb": "token_embd",
+    "pos_emb": "position_embd",
+    "type_emb": "token_types",
+    "emb_norm": "token_embd_norm",
+    "stack.blocks.{i}.attn.qkv": ("blk.{i}.attn_q", "blk.{i}.attn_k", "blk.{i}.attn_v"),
+    "stack.blocks.{i}.attn.out_proj": "blk.{i}.attn_output",
+    "stack.blocks.{i}.norm1": "blk.{i}.attn_output_norm",
+    "stack.blocks.{i}.mlp.fc_in": "blk.{i}.ffn_up",
+    "stack.blocks.{i}.mlp.fc_out": "blk.{i}.ffn_down",
+    "stack.blocks.{i}.norm2": "blk.{i}.layer_output_norm",
 }
 
 # Checkpoint tensors that hold nothing to load: precomputed RoPE frequencies and causal masks

@@ -152,7 +152,7 @@ def test_a_gguf_of_another_architecture_is_one_line(tmp_path: Path) -> None:
     w.close()
     rc, _, err = call(["generate", str(path), "--prompt", "a"])
     line = assert_one_line_error(rc, err)
-    assert "GGUF architecture 'phi2' is not supported (supported: llama, qwen2, gpt2" in line
+    assert "GGUF architecture 'phi2' is not supported (supported: llama, qwen2, gpt2, gemma, bert)" in line
 
 
 def test_a_tensor_type_the_gguf_package_cannot_read_is_named(tmp_path: Path, monkeypatch) -> None:
