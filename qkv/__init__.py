@@ -28,11 +28,13 @@ def load(name: str | os.PathLike[str], **kwargs: Any) -> Any:
     """
     from pathlib import Path
 
+    from qkv.pretrained import PRETRAINED
     from qkv.viz.sources import run_family
 
     path = Path(os.fspath(name))
-    family = run_family(path) if path.is_dir() else None
-    if family is None and path.is_dir():
+    # a pretrained name is never a folder of that name (a folder ./minilm is "./minilm")
+    family = run_family(path) if path.is_dir() and os.fspath(name) not in PRETRAINED else None
+    if family is None and path.is_dir() and os.fspath(name) not in PRETRAINED:
         _check_folder(path)
     if family is None:
         from qkv.pretrained import load as _load

@@ -28,6 +28,7 @@ from qkv.viz.sources import (
     Source,
     TextAttention,
     UnknownModelError,
+    gguf_family,
     hf_family,
     kind_of,
     load_pretrained,
@@ -144,7 +145,7 @@ class Registry:
         out = []
         for child in sorted(self.root.iterdir(), key=lambda p: p.name):
             if _is_gguf(child) and _RUN_NAME.fullmatch(child.name) and _inside(child, self.root):
-                out.append(Entry(RUN_PREFIX + child.name, "gguf", f"GGUF file {child.name}"))
+                out.append(Entry(RUN_PREFIX + child.name, gguf_family(child), f"GGUF file {child.name}"))
                 continue
             if not _RUN_NAME.fullmatch(child.name) or not self._safe_run_dir(child):
                 continue
@@ -176,7 +177,7 @@ class Registry:
             raise InvalidNameError(f"invalid run name {_echo(name)}: a run is named by its folder inside "
                                    "the runs directory (letters, digits, '.', '_', '-')")
         path = self.root / name
-        if _is_gguf(path):  # a GGUF file of a supported architecture (llama, qwen2)
+        if _is_gguf(path):  # a GGUF file of a supported architecture (see qkv.load)
             if not _inside(path, self.root):
                 raise InvalidNameError(f"run {name!r} points outside the runs directory; refused")
             return path

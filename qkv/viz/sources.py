@@ -32,7 +32,8 @@ from qkv.families.base import Kind
 PRETRAINED_KINDS: dict[str, Kind] = {"minilm": "encoder", "smollm2": "decoder",
                                      # a Hugging Face checkpoint folder, by what it builds
                                      "hf-encoder": "encoder", "hf-decoder": "decoder",
-                                     "gguf": "decoder"}  # a GGUF file (llama, qwen2)
+                                     # a GGUF file: a decoder (llama, qwen2, gpt2, gemma), bert
+                                     "gguf": "decoder", "gguf-encoder": "encoder"}
 MAX_TOKENS = 512  # attention maps over more tokens than this are unreadable (and (L,H,T,T) is big)
 ATTENTION_BYTES = 2 * 1024**3  # the most memory the (L, H, T, T) float32 maps of one text may take
 
@@ -139,8 +140,10 @@ def load_source(name_or_path: str | os.PathLike[str], display_name: str | None =
     if text.lower().endswith(".gguf") and path.is_file():
         import qkv
 
-        pipe = qkv.load(text, weights="fp32")
-        return Source(name, "gguf", pipe.model.eval(), pipe.tokenizer, stop_ids=tuple(pipe.stop_ids))
+        family = gguf_family(path)
+        pipe = qkv.load(text) if family == "gguf-encoder" else qkv.load(text, weights="fp32")
+        return Source(name, family, pipe.model.eval(), pipe.tokenizer,
+                      stop_ids=tuple(getattr(pipe, "stop_ids", ())))
     if not path.is_dir():
         raise UnknownModelError(f"{text!r} is neither a pretrained model ({', '.join(pretrained_names())}) "
                                 "nor a run directory from `qkv train`, a Hugging Face checkpoint folder "
@@ -157,6 +160,19 @@ def load_source(name_or_path: str | os.PathLike[str], display_name: str | None =
         raise UnknownModelError(f"{path} is not a run of {', '.join(family_names())}; pass a run "
                                 "directory from `qkv train`")
     return _load_run(path, family, name)
+
+
+def gguf_family(path: Path) -> str:
+    """``gguf-encoder`` for a GGUF of an encoder architecture (bert), else ``gguf`` (a decoder;
+    a damaged file or an unsupported architecture is said when it loads)."""
+    from qkv.pretrained.gguf_file import PretrainedFormatError, read_gguf
+    from qkv.pretrained.smollm2 import GGUF_ENCODERS
+
+    try:
+        arch = read_gguf(path).metadata.get("general.architecture")
+    except PretrainedFormatError:
+        return "gguf"
+    return "gguf-encoder" if arch in GGUF_ENCODERS else "gguf"
 
 
 def hf_family(folder: Path) -> str | None:

@@ -100,3 +100,32 @@ def test_a_gguf_file_in_the_runs_directory_is_served(tmp_path: Path) -> None:
     torch.testing.assert_close(torch.tensor(r.json()["weights"]), want, rtol=0, atol=1e-5)
     r = c.post("/api/attention", json={"model": "runs/linked.gguf", "text": "w0"})
     assert r.status_code == 400 and "points outside the runs directory" in r.json()["detail"]
+
+
+def test_a_bert_gguf_is_served_and_attended_as_an_encoder(tmp_path: Path) -> None:
+    """A bert .gguf (llama.cpp's converter's layout) is an encoder wherever a model is named:
+    `qkv serve` lists it as one and its attention equals transformers' BertModel's eager
+    attentions of the same weights; `qkv attend FILE.gguf` draws it."""
+    from cli_helpers import call
+    from fastapi.testclient import TestClient
+    from pretrained.test_gguf_bert_gemma import bert_reference, write_bert_gguf
+
+    from qkv.serve import create_app
+
+    ref, tok, folder = bert_reference(tmp_path)
+    runs = tmp_path / "runs"
+    runs.mkdir()
+    write_bert_gguf(ref, tok, folder, runs / "bert.gguf")
+    c = TestClient(create_app(runs_dir=runs))
+    kinds = {m["id"]: m["kind"] for m in c.get("/api/models").json()["models"]}
+    assert kinds["runs/bert.gguf"] == "encoder"
+    text = "the cat sat on the mat"
+    r = c.post("/api/attention", json={"model": "runs/bert.gguf", "text": text, "layer": 1, "head": 3})
+    assert r.status_code == 200, r.text
+    ref.config._attn_implementation = "eager"
+    with torch.no_grad():
+        want = ref(**tok(text, return_tensors="pt"), output_attentions=True).attentions[1][0, 3]
+    torch.testing.assert_close(torch.tensor(r.json()["weights"]), want, rtol=0, atol=1e-5)
+    rc, out, err = call(["attend", str(runs / "bert.gguf"), text, "-o", str(tmp_path / "a.png")])
+    assert rc == 0, err
+    assert (tmp_path / "a.png").stat().st_size > 0 and "8 tokens" in out  # [CLS] 6 words [SEP]
