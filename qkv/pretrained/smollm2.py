@@ -20,11 +20,11 @@ Other files load by their ``general.architecture`` (:data:`GGUF_ARCHITECTURES`):
                      rows as they were, RMSNorm weights stored with Gemma's +1 already added
     bert    Encoder  post-LN BERT (all-MiniLM-L6-v2 and other embedding models)
 
-The tokenizer comes from the same file's metadata: byte-level BPE (``tokenizer.ggml.model``
-"gpt2": vocabulary, merges, control tokens), Gemma's SentencePiece BPE ("llama": pieces with
-"▁" for a space, merges rebuilt from the vocabulary, byte fallback), or BERT's WordPiece
-("bert", in llama.cpp's "phantom space" spelling, turned back into ``##`` pieces); and the
-chat template.
+The tokenizer comes from the same file's metadata (:mod:`~qkv.pretrained.gguf_tokenizers`):
+byte-level BPE (``tokenizer.ggml.model`` "gpt2": vocabulary, merges, control tokens),
+SentencePiece BPE ("llama": Llama-2, TinyLlama, Mistral and Gemma files; pieces with "▁" for a
+space, merges rebuilt from the scores, byte fallback), or BERT's WordPiece ("bert", in
+llama.cpp's "phantom space" spelling, turned back into ``##`` pieces); and the chat template.
 """
 
 from __future__ import annotations
@@ -52,15 +52,10 @@ from qkv.pretrained.architectures import (
 )
 from qkv.pretrained.cache import entry_dir, load_gpt_entry, save_gpt_entry
 from qkv.pretrained.gguf_file import GGUFFile, PretrainedFormatError, read_gguf
-from qkv.tokenizers.hf import HFTokenizer, hf_tokenizers
+from qkv.pretrained.gguf_tokenizers import tokenizer_from_gguf
+from qkv.tokenizers.hf import HFTokenizer
 
 INSTALL_HINT = "reinstall it with `qkv assets install smollm2`"
-
-# llama.cpp's token types (its SentencePiece converter's numbering, used by every vocabulary)
-GGUF_TOKEN_NORMAL = 1
-GGUF_TOKEN_UNKNOWN = 2
-GGUF_TOKEN_CONTROL = 3  # special tokens (<|im_start|>, <bos>, [CLS], ...)
-GGUF_TOKEN_USER_DEFINED = 4
 
 
 def _meta(g: GGUFFile, key: str) -> Any:
@@ -172,153 +167,6 @@ def gpt_state_dict_from_gguf(tensors: dict[str, np.ndarray], cfg: GPTConfig,
         return torch.from_numpy(w)
 
     return map_names(parameter_names(lambda: GPT(cfg)), names, get, cfg.tie_embeddings)
-
-
-def _token_types(g: GGUFFile, tokens: list[str]) -> list[int]:
-    types: list[int] = g.metadata.get("tokenizer.ggml.token_type", [GGUF_TOKEN_NORMAL] * len(tokens))
-    if len(types) != len(tokens):
-        raise PretrainedFormatError(f"{g.path}: {len(tokens)} tokens but {len(types)} token types")
-    return types
-
-
-def tokenizer_from_gguf(g: GGUFFile) -> HFTokenizer:
-    """The tokenizer stored in GGUF metadata (``tokenizer.ggml.model``): "gpt2" byte-level BPE,
-    "llama" SentencePiece BPE (Gemma's files), "bert" WordPiece (:func:`wordpiece_from_gguf`)."""
-    model = g.metadata.get("tokenizer.ggml.model")
-    if model == "bert":
-        return wordpiece_from_gguf(g)
-    if model == "llama" and g.metadata.get("general.architecture") == "gemma":
-        return sentencepiece_from_gguf(g)
-    if model != "gpt2":
-        raise PretrainedFormatError(f"{g.path}: tokenizer model {model!r} unsupported (read: gpt2 "
-                                    "BPE, bert WordPiece, and llama SentencePiece in gemma files)")
-    return byte_bpe_from_gguf(g)
-
-
-def byte_bpe_from_gguf(g: GGUFFile) -> HFTokenizer:
-    """Byte-level BPE as a ``tokenizers.Tokenizer``: GPT-2 byte-level pre-tokenisation (no
-    prefix space), the stored merges, and the control tokens (<|im_start|>, <|im_end|>, ...)
-    matched whole in the text."""
-    tk = hf_tokenizers()
-    tokens: list[str] = _meta(g, "tokenizer.ggml.tokens")
-    types = _token_types(g, tokens)
-    merges = [tuple(m.split(" ", 1)) for m in _meta(g, "tokenizer.ggml.merges")]
-    vocab = {t: i for i, t in enumerate(tokens)}
-    try:
-        tok = tk.Tokenizer(tk.models.BPE(vocab=vocab, merges=merges, fuse_unk=False))
-    except Exception as e:  # the tokenizers library's own error: a merge of unknown tokens, ...
-        raise PretrainedFormatError(f"{g.path}: its BPE tokenizer does not build ({e})") from None
-    tok.pre_tokenizer = tk.pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
-    tok.decoder = tk.decoders.ByteLevel()
-    kinds = (GGUF_TOKEN_CONTROL, GGUF_TOKEN_USER_DEFINED)
-    special = [tk.AddedToken(t, special=True, normalized=False)
-               for t, ty in zip(tokens, types, strict=True) if ty in kinds]
-    tok.add_special_tokens(special)
-    return HFTokenizer(tok)
-
-
-def _special(g: GGUFFile, tokens: list[str], keys: tuple[str, ...], default: str) -> str:
-    """The token the first ``tokenizer.ggml.<key>`` present names, else ``default`` if the
-    vocabulary has it."""
-    for key in keys:
-        i = g.metadata.get(f"tokenizer.ggml.{key}")
-        if isinstance(i, int) and 0 <= i < len(tokens):
-            return tokens[i]
-    if default not in tokens:
-        raise PretrainedFormatError(f"{g.path}: no tokenizer.ggml.{keys[0]} and no {default} token")
-    return default
-
-
-def sentencepiece_from_gguf(g: GGUFFile) -> HFTokenizer:
-    """Gemma's SentencePiece BPE from GGUF metadata (``tokenizer.ggml.model`` "llama").
-
-    A space is "▁" inside pieces; characters no piece spells fall back to <0xNN> byte tokens.
-    The file lists no merges: every piece that is two pieces joined is their merge, ranked by
-    the piece's place in the file (as transformers' GGUF reader does for Gemma, whose scores
-    do not follow its merge order). llama.cpp's converter stores Gemma's runs of spaces (user-
-    defined pieces "▁▁", ...) with real spaces: they are spelled with "▁" again. <bos> is added
-    in front of the text (``tokenizer.ggml.add_bos_token``, default true, as llama.cpp does).
-    """
-    tk = hf_tokenizers()
-    if g.metadata.get("tokenizer.ggml.add_space_prefix", False):
-        raise PretrainedFormatError(f"{g.path}: a SentencePiece vocabulary with add_space_prefix "
-                                    "(Llama-style) is not read; only Gemma's")
-    stored: list[str] = _meta(g, "tokenizer.ggml.tokens")
-    types = _token_types(g, stored)
-    tokens = ["▁" * len(t) if t and not t.strip(" ") else t for t in stored]
-    vocab = {t: i for i, t in reversed(list(enumerate(tokens)))}  # a repeated piece: its first id
-    pieces = {t for t, ty in zip(tokens, types, strict=True)
-              if ty in (GGUF_TOKEN_NORMAL, GGUF_TOKEN_USER_DEFINED)}
-    merges = []  # (rank of the joined piece, -len(left), left, right)
-    for t in pieces:
-        merges += [(vocab[t], -k, t[:k], t[k:]) for k in range(1, len(t))
-                   if t[:k] in pieces and t[k:] in pieces]
-    merges.sort()
-    unk = _special(g, tokens, ("unknown_token_id",), "<unk>")
-    try:
-        tok = tk.Tokenizer(tk.models.BPE(vocab=vocab, merges=[(a, b) for *_, a, b in merges],
-                                         unk_token=unk, fuse_unk=True, byte_fallback=True))
-    except Exception as e:  # the tokenizers library's own error
-        raise PretrainedFormatError(f"{g.path}: its SentencePiece tokenizer does not build ({e})") from None
-    tok.normalizer = tk.normalizers.Replace(" ", "▁")
-    tok.decoder = tk.decoders.Sequence([tk.decoders.Replace("▁", " "), tk.decoders.ByteFallback(),
-                                        tk.decoders.Fuse()])
-    tok.add_special_tokens([tk.AddedToken(t, special=True, normalized=False)
-                            for t, ty in zip(tokens, types, strict=True)
-                            if ty in (GGUF_TOKEN_CONTROL, GGUF_TOKEN_UNKNOWN)])
-    tok.add_tokens([tk.AddedToken(t, special=False, normalized=False)  # <start_of_turn>, "\n\n", ...
-                    for t, ty in zip(tokens, types, strict=True)
-                    if ty == GGUF_TOKEN_USER_DEFINED and t.strip("▁")])
-    template = []
-    if g.metadata.get("tokenizer.ggml.add_bos_token", True):
-        template.append(_special(g, tokens, ("bos_token_id",), "<bos>"))
-    template.append("$A")
-    if g.metadata.get("tokenizer.ggml.add_eos_token", False):
-        template.append(_special(g, tokens, ("eos_token_id",), "<eos>"))
-    tok.post_processor = tk.processors.TemplateProcessing(
-        single=" ".join(template), special_tokens=[(t, vocab[t]) for t in template if t != "$A"])
-    return HFTokenizer(tok, add_special_tokens=True)
-
-
-def _wordpiece_spelling(token: str, kind: int) -> str:
-    """llama.cpp's "phantom space" spelling of a BERT token back to BERT's own: "▁word" begins
-    a word ("word"), a bare "piece" continues one ("##piece"). "[...]" tokens are stored as they
-    are by older converters, control tokens ([CLS], <extra>) by newer ones."""
-    if token.startswith("[") and token.endswith("]"):
-        return token
-    if token.startswith("▁"):
-        return token[1:]
-    return token if kind == GGUF_TOKEN_CONTROL else "##" + token
-
-
-def wordpiece_from_gguf(g: GGUFFile) -> HFTokenizer:
-    """BERT's WordPiece from GGUF metadata (``tokenizer.ggml.model`` "bert"), as Hugging Face's
-    BertTokenizerFast builds it: lower-cased and accent-stripped text (llama.cpp's default for
-    a bert vocabulary), split at spaces and punctuation, greedy longest-match pieces
-    ("##" continues a word), "[CLS] … [SEP]" around each text; [UNK] for a word no piece spells.
-    Newer converters store a cased vocabulary's ``tokenizer.ggml.normalizer.lowercase`` false."""
-    tk = hf_tokenizers()
-    stored: list[str] = _meta(g, "tokenizer.ggml.tokens")
-    types = _token_types(g, stored)
-    tokens = [_wordpiece_spelling(t, ty) for t, ty in zip(stored, types, strict=True)]
-    vocab = {t: i for i, t in reversed(list(enumerate(tokens)))}
-    unk = _special(g, tokens, ("unknown_token_id",), "[UNK]")
-    # Older files name [CLS] cls_token_id; llama.cpp's converter now stores it as bos ([SEP]: eos).
-    cls = _special(g, tokens, ("cls_token_id", "bos_token_id"), "[CLS]")
-    sep = _special(g, tokens, ("seperator_token_id", "eos_token_id"), "[SEP]")  # sic: llama.cpp's key
-    tok = tk.Tokenizer(tk.models.WordPiece(vocab, unk_token=unk, max_input_chars_per_word=100))
-    lowercase = bool(g.metadata.get("tokenizer.ggml.normalizer.lowercase", True))
-    strip_accents = bool(g.metadata.get("tokenizer.ggml.normalizer.strip_accents", lowercase))
-    tok.normalizer = tk.normalizers.BertNormalizer(clean_text=True, handle_chinese_chars=True,
-                                                   strip_accents=strip_accents, lowercase=lowercase)
-    tok.pre_tokenizer = tk.pre_tokenizers.BertPreTokenizer()
-    tok.post_processor = tk.processors.TemplateProcessing(
-        single=f"{cls} $A {sep}", pair=f"{cls} $A {sep} $B:1 {sep}:1",
-        special_tokens=[(cls, vocab[cls]), (sep, vocab[sep])])
-    tok.decoder = tk.decoders.WordPiece(prefix="##")
-    tok.add_special_tokens([tk.AddedToken(t, special=True, normalized=False)
-                            for t, ty in zip(tokens, types, strict=True) if ty == GGUF_TOKEN_CONTROL])
-    return HFTokenizer(tok, add_special_tokens=True)
 
 
 # llama.cpp's bert.pooling_type: 0 none (per-token states), 1 mean, 2 cls, 3 last, 4 rank.
