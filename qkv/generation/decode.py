@@ -33,22 +33,42 @@ def crop_prompt(ids: Tensor, max_seq_len: int) -> tuple[Tensor, bool]:
     return ids[:, -limit:], True
 
 
-def text_pieces(decode: Callable[[Sequence[int]], str], ids: Iterable[int]) -> Iterator[str]:
+CONTEXT_IDS = 8  # ids decoded before new ones: more than any UTF-8 character's bytes (4)
+
+
+def decode_after(decode: Callable[[Sequence[int]], str], context: Sequence[int], ids: Sequence[int]) -> str:
+    """The text ``ids`` add after ``context``: ``decode(context + ids)`` less ``decode(context)``.
+
+    Decoding new ids on their own is not enough: a SentencePiece decoder drops the space that
+    begins a text ("▁the" alone is "the"), so the first word of a reply would stick to the
+    prompt. The last :data:`CONTEXT_IDS` ids of ``context`` are decoded with them; where the
+    context ends mid-character (its text is not a prefix of the joint text), ``ids`` alone.
+    """
+    ctx = list(context)[-CONTEXT_IDS:]
+    if not ctx:
+        return decode(ids)
+    base, text = decode(ctx), decode([*ctx, *ids])
+    return text[len(base):] if text.startswith(base) else decode(ids)
+
+
+def text_pieces(decode: Callable[[Sequence[int]], str], ids: Iterable[int],
+                context: Sequence[int] = ()) -> Iterator[str]:
     """Turn a stream of token ids into a stream of text, whole characters only.
 
     A byte-level BPE token can end in the middle of a UTF-8 character; text that decodes to a
     trailing U+FFFD is held back until a later token completes it (and flushed as it is at the
-    end of the stream).
+    end of the stream). ``context``: the prompt's ids, so that the first piece reads as it does
+    after the prompt (:func:`decode_after`).
     """
     out: list[int] = []
     shown = ""
     for i in ids:
         out.append(i)
-        text = decode(out)
+        text = decode_after(decode, context, out)
         if not text.endswith("\ufffd"):
             yield text[len(shown):]
             shown = text
-    rest = decode(out)[len(shown):]
+    rest = decode_after(decode, context, out)[len(shown):]
     if rest:
         yield rest
 

@@ -254,7 +254,7 @@ class CausalLM:
                 stats.update(new_tokens=stats["new_tokens"] + 1, seconds=time.perf_counter() - t0)
                 yield tid
 
-        yield from text_pieces(self.tokenizer.decode, new_ids())
+        yield from text_pieces(self.tokenizer.decode, new_ids(), context=ids)
 
     def generate(self, prompt: str, max_new_tokens: int = 128, **kwargs: Any) -> str:
         """The continuation of ``prompt`` as one string (greedy by default); see :meth:`stream`."""

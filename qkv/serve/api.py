@@ -23,6 +23,7 @@ import torch
 from fastapi import File, Form, HTTPException, UploadFile
 from fastapi.responses import StreamingResponse
 
+from qkv.generation.decode import decode_after
 from qkv.serve.registry import RUN_PREFIX, AttentionCache, Entry, InvalidNameError, Registry
 from qkv.serve.schemas import (
     AttentionRequest,
@@ -306,7 +307,8 @@ class Explorer:
                 return
             finally:
                 release()
-            yield _event(event="done", text=src.tokenizer.decode(new), seconds=time.perf_counter() - t0)
+            yield _event(event="done", text=decode_after(src.tokenizer.decode, ids, new),
+                         seconds=time.perf_counter() - t0)
 
         return _ReleasingResponse(_Stream(events(), release), media_type="application/x-ndjson")
 

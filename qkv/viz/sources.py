@@ -316,6 +316,7 @@ def generate_steps(src: Source, prompt_ids: list[int], max_new_tokens: int, *, l
     each token with its attention row; stops at the context's end (and at SmolLM2's end of
     turn). Use :func:`encode_text` for the prompt."""
     from qkv.generation import generate
+    from qkv.generation.decode import decode_after
     from qkv.generation.sampling import make_generator
 
     _require(src, ("decoder",), "a prompt to continue")
@@ -323,13 +324,16 @@ def generate_steps(src: Source, prompt_ids: list[int], max_new_tokens: int, *, l
     device = next(src.model.parameters()).device
     n_new = min(max_new_tokens, src.context - len(prompt_ids))  # never past the context's end
     x = torch.tensor([prompt_ids], dtype=torch.long, device=device)
+    seen = list(prompt_ids)
     for nxt, weights in generate(src.model, x, max(n_new, 0), temperature=temperature, top_k=top_k,
                                  generator=make_generator(device, seed), stop_ids=src.stop_ids,
                                  return_weights=True):
         w = weights[layer][0].float()  # (H, S): the last position's row
         row = w.mean(0) if head is None else w[head]
         tid = int(nxt[0])
-        yield GenerationStep(tid, src.tokenizer.decode([tid]), row.cpu())
+        # the token as it reads after what came before (a SentencePiece "▁the" keeps its space)
+        yield GenerationStep(tid, decode_after(src.tokenizer.decode, seen, [tid]), row.cpu())
+        seen.append(tid)
 
 
 def check_layer_head(src: Source, layer: int | None, head: int | None,
