@@ -35,7 +35,9 @@ def add_attend_parser(sub) -> None:
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     p.add_argument("model", metavar="MODEL_OR_RUN",
-                   help="minilm, smollm2, or a run directory from `qkv train` (gpt, vit, captioner, seq2seq)")
+                   help="minilm, smollm2, a run directory from `qkv train` (gpt, vit, captioner, seq2seq), "
+                   "a Hugging Face checkpoint folder or a .gguf file "
+                   "(llama, mistral, qwen2, gemma, gpt2, bert)")
     p.add_argument("texts", nargs="+", metavar="TEXT_OR_IMAGE",
                    help="the text to read (several words need no quotes), or an image file for "
                    "ViT and captioner runs")

@@ -28,8 +28,8 @@ def add_serve_parser(sub) -> None:
                    help="interface to listen on; anything but loopback exposes the page to the network")
     p.add_argument("--port", type=int, default=8000, help="TCP port")
     p.add_argument("--runs", default="runs", metavar="DIR",
-                   help="where to look for run directories from `qkv train` (one level deep); "
-                   "nothing outside it is ever read")
+                   help="where to look for run directories from `qkv train`, Hugging Face checkpoint "
+                   "folders and .gguf files (one level deep); nothing outside it is ever read")
     p.add_argument("--max-tokens", type=int, default=256,
                    help="longest text (in tokens) a request may show; longer text is truncated, with a note")
     p.add_argument("--max-upload-mb", type=float, default=5.0, help="largest image upload, in MB")
