@@ -59,6 +59,48 @@ def llama_bench(build: bool = True, log=print) -> tuple[Path | None, str]:
     return llama_tool("llama-bench", build, log)
 
 
+def llama_cpp_source(log=print) -> tuple[Path | None, str]:
+    """(llama.cpp's source folder, how it was found): the ``vendor/llama.cpp`` of the
+    llama-cpp-python sdist, downloaded with pip once and kept in the cache; or (None, why not)."""
+    keep = _root() / "src"
+    src = next(keep.glob("llama_cpp_python-*/vendor/llama.cpp"), None)
+    if src is not None:
+        return src, f"cached source in {keep}"
+    with tempfile.TemporaryDirectory(prefix="qkv-llama-") as tmp:
+        tmp_path = Path(tmp)
+        log(f"llama.cpp: downloading the {LLAMA_CPP_PYTHON} sdist ...")
+        r = subprocess.run([sys.executable, "-m", "pip", "download", "--no-binary", ":all:", "--no-deps",
+                            "-d", tmp, LLAMA_CPP_PYTHON], capture_output=True, text=True)
+        sdists = list(tmp_path.glob("llama_cpp_python-*.tar.gz"))
+        if r.returncode != 0 or not sdists:
+            return None, f"pip could not download {LLAMA_CPP_PYTHON}: {(r.stderr or r.stdout).strip()[-300:]}"
+        unpacked = tmp_path / "src"
+        with tarfile.open(sdists[0]) as tar:
+            tar.extractall(unpacked, filter="data")
+        if next(unpacked.glob("llama_cpp_python-*/vendor/llama.cpp"), None) is None:
+            return None, "the sdist has no vendor/llama.cpp"
+        keep.parent.mkdir(parents=True, exist_ok=True)
+        shutil.rmtree(keep, ignore_errors=True)
+        shutil.move(str(unpacked), keep)
+    src = next(keep.glob("llama_cpp_python-*/vendor/llama.cpp"))
+    return src, f"downloaded {LLAMA_CPP_PYTHON} into {keep}"
+
+
+def convert_hf_to_gguf(folder: Path, out: Path, outtype: str = "f32", log=print) -> str | None:
+    """Convert a Hugging Face checkpoint folder to ``out`` with llama.cpp's own converter
+    (``convert_hf_to_gguf.py`` of the same source; needs ``sentencepiece``); None when it
+    worked, else why not (one line)."""
+    src, how = llama_cpp_source(log)
+    if src is None:
+        return how
+    r = subprocess.run([sys.executable, str(src / "convert_hf_to_gguf.py"), str(folder),
+                        "--outfile", str(out), "--outtype", outtype], capture_output=True, text=True)
+    if r.returncode != 0 or not out.is_file():
+        lines = [ln for ln in (r.stderr or r.stdout).strip().splitlines() if ln.strip()]
+        return f"llama.cpp's converter failed: {(lines or ['no output'])[-1][:300]}"
+    return None
+
+
 def llama_tool(target: str, build: bool = True, log=print) -> tuple[Path | None, str]:
     """(path of llama.cpp's ``target`` binary, e.g. ``llama-bench`` or ``llama-simple`` (greedy
     decoding of a prompt), how it was found), or (None, why it is not available)."""
@@ -69,19 +111,11 @@ def llama_tool(target: str, build: bool = True, log=print) -> tuple[Path | None,
         return None, f"not built (run with --build-llama-cpp to build it into {binary.parent})"
     if not shutil.which("cmake") or not (shutil.which("c++") or shutil.which("g++")):
         return None, "cmake or a C++ compiler is missing (apt-get install cmake g++)"
+    src, how = llama_cpp_source(log)
+    if src is None:
+        return None, how
     with tempfile.TemporaryDirectory(prefix="qkv-llama-") as tmp:
         tmp_path = Path(tmp)
-        log(f"llama.cpp: downloading the {LLAMA_CPP_PYTHON} sdist ...")
-        r = subprocess.run([sys.executable, "-m", "pip", "download", "--no-binary", ":all:", "--no-deps",
-                            "-d", tmp, LLAMA_CPP_PYTHON], capture_output=True, text=True)
-        sdists = list(tmp_path.glob("llama_cpp_python-*.tar.gz"))
-        if r.returncode != 0 or not sdists:
-            return None, f"pip could not download {LLAMA_CPP_PYTHON}: {(r.stderr or r.stdout).strip()[-300:]}"
-        with tarfile.open(sdists[0]) as tar:
-            tar.extractall(tmp_path, filter="data")
-        src = next(tmp_path.glob("llama_cpp_python-*/vendor/llama.cpp"), None)
-        if src is None:
-            return None, "the sdist has no vendor/llama.cpp"
         build_dir = tmp_path / "build"
         log(f"llama.cpp: configuring (cmake) and building {target} (~10 minutes on 2 cores) ...")
         for cmd in (["cmake", "-S", str(src), "-B", str(build_dir), *cmake_flags()],
