@@ -25,7 +25,8 @@ from qkv.paths import cache_root
 from qkv.tokenizers.base import load_tokenizer, save_tokenizer
 from qkv.tokenizers.hf import HFTokenizer
 
-CONVERTER_VERSION = 2  # bump when a converter's output changes (2: info records weight types)
+CONVERTER_VERSION = 3  # bump when a converter's output changes (2: info records weight types;
+# 3: byte-level GGUF tokenizers split by tokenizer.ggml.pre)
 
 
 def entry_dir(name: str, source: Path) -> Path | None:
