@@ -79,6 +79,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command is None:
         parser.print_help()
         return 0
+    _one_line_warnings()
     try:
         return args.func(args)
     except KeyboardInterrupt:
@@ -90,6 +91,23 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise
         print(f"qkv: {kind}: {_one_line(e)}", file=sys.stderr)
         return 130 if kind == "interrupted" else 2
+
+
+def _one_line_warnings() -> None:
+    """qkv's own warnings (a GGUF split qkv does not know, ...) as one line, ``qkv: warning: ...``;
+    other libraries' keep Python's usual form."""
+    import warnings
+
+    package = os.path.dirname(os.path.abspath(__file__))
+    default = warnings.showwarning
+
+    def show(message, category, filename, lineno, file=None, line=None):
+        if os.path.abspath(filename).startswith(package + os.sep):
+            print(f"qkv: warning: {_one_line(Warning(str(message)))}", file=file or sys.stderr)
+        else:
+            default(message, category, filename, lineno, file, line)
+
+    warnings.showwarning = show
 
 
 def _one_line(e: BaseException) -> str:

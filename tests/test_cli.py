@@ -126,3 +126,24 @@ def test_python_dash_m_qkv() -> None:
                          capture_output=True, text=True, timeout=60)
     assert bad.returncode == 2
     assert_one_line_error(bad.stderr)
+
+
+def test_qkv_warnings_are_one_line_others_as_python_shows_them(capsys) -> None:
+    """A warning raised in qkv's code prints as `qkv: warning: ...` on one line; a warning from
+    another library keeps Python's own form (file:line: Category: message)."""
+    import warnings
+
+    from qkv import cli
+    from qkv.pretrained import gguf_tokenizers
+
+    shown = []  # what Python's own showwarning was handed
+    with warnings.catch_warnings():
+        warnings.simplefilter("always")
+        warnings.showwarning = lambda message, category, filename, lineno, *_: shown.append(
+            warnings.formatwarning(message, category, filename, lineno))
+        cli._one_line_warnings()
+        warnings.warn_explicit("split qkv does not know;\n  using GPT-2's", UserWarning,
+                               gguf_tokenizers.__file__, 1)
+        warnings.warn_explicit("not ours", UserWarning, "/elsewhere/lib.py", 7)
+    assert capsys.readouterr().err == "qkv: warning: split qkv does not know; using GPT-2's\n"
+    assert len(shown) == 1 and shown[0].startswith("/elsewhere/lib.py:7: UserWarning: not ours")
