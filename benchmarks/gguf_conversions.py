@@ -65,6 +65,7 @@ def make_folders(tmp: Path) -> dict[str, Path | str]:
     plain.save_pretrained(tmp / "llama")
     tok = _quiet(transformers.AutoTokenizer.from_pretrained, folder, gguf_file=name)
     tok.save_pretrained(tmp / "llama")
+    tok = _with_smollm2_split(tmp / "llama")
     folders["llama"] = tmp / "llama"
     small = dict(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                  num_attention_heads=4, max_position_embeddings=256)
@@ -85,6 +86,23 @@ def make_folders(tmp: Path) -> dict[str, Path | str]:
         folders[arch] = tmp / arch
     folders["gemma"] = _gemma_folder(tmp / "gemma")
     return folders
+
+
+def _with_smollm2_split(folder: Path):
+    """The folder's tokenizer with SmolLM2's own pre-tokenizer (its tokenizer.json on the Hub:
+    single digits, then GPT-2's byte-level split): transformers' GGUF reader, which wrote the
+    folder, does not know the file's ``smollm`` split and uses GPT-2's alone. Returns it loaded."""
+    import json
+
+    import transformers
+
+    path = folder / "tokenizer.json"
+    data = json.loads(path.read_text(encoding="utf-8"))
+    data["pre_tokenizer"] = {"type": "Sequence", "pretokenizers": [
+        {"type": "Digits", "individual_digits": True},
+        {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": True}]}
+    path.write_text(json.dumps(data), encoding="utf-8")
+    return _quiet(transformers.AutoTokenizer.from_pretrained, folder)
 
 
 def _gemma_folder(folder: Path) -> Path | str:

@@ -32,7 +32,7 @@ def add_export_parser(sub) -> None:
         "  gguf  OUT/model.gguf: runs with a BPE tokenizer, as llama.cpp's gpt2, llama or (a llama-style\n"
         "        run with --qkv_bias true) qwen2: its tensor names and layouts, tokenizer metadata.\n"
         "        A gpt2 file computes GELU's tanh form (llama.cpp's); an exact-GELU run is written with\n"
-        "        a note (logits ~1e-3 apart). transformers reads gpt2 GGUFs of 1024-token runs only.\n"
+        "        a note (logits a few 1e-3 apart). transformers reads gpt2 GGUFs of 1024-token runs only.\n"
         "        Refused: --mlp relu with learned positions, --bias true on a llama-style run (neither\n"
         "        llama nor qwen2 takes biases everywhere), a character tokenizer\n"
         "        (GGUF's gpt2 tokenizer is byte-level, which a character vocabulary is not)\n"

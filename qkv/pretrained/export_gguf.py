@@ -71,7 +71,7 @@ def gguf_notes(cfg: Any) -> list[str]:
     """What a GGUF reader computes differently from the run (written anyway, said aloud)."""
     if gguf_architecture(cfg) == "gpt2" and cfg.mlp == "gelu":
         return ["llama.cpp's gpt2 computes GELU in its tanh form and this run was trained with exact "
-                "GELU, so the file's logits differ from the run's by about 1e-3 (train with --mlp "
+                "GELU, so the file's logits differ from the run's by a few 1e-3 (train with --mlp "
                 "gelu_tanh for an exact file)"]
     return []
 
