@@ -133,6 +133,19 @@ def llama_tool(target: str, build: bool = True, log=print) -> tuple[Path | None,
     return binary, f"built now from {LLAMA_CPP_PYTHON} into {binary.parent}"
 
 
+def simple_text(binary: Path, gguf: Path, prompt: str, n_new: int) -> str:
+    """llama-simple's greedy text for ``prompt`` (the prompt, then up to ``n_new`` tokens; a
+    leading bos token's text dropped), or "(failed: ...)"."""
+    r = subprocess.run([str(binary), "-m", str(gguf), "-n", str(n_new), prompt], capture_output=True,
+                       text=True, timeout=300)
+    if r.returncode != 0:
+        return f"(failed: {r.stderr.strip()[-300:]})"
+    text = r.stdout.rstrip("\n")
+    for marker in ("<bos>", "<s>"):  # it prints the prompt's tokens, bos included
+        text = text.removeprefix(marker)
+    return text
+
+
 def run_llama_bench(binary: Path, gguf: Path, threads: int = 2, prompt: int = 32, new: int = 128,
                     reps: int = 3) -> dict:
     """Prefill and decode tokens/s of ``gguf`` (llama-bench's own averages over ``reps``)."""

@@ -114,10 +114,8 @@ def main() -> int:
                 n_ours = int(err.rsplit("[", 1)[1].split()[0])  # "[N tokens in ...]"
                 theirs = None
                 if simple is not None:
-                    r = subprocess.run([str(simple), "-m", str(Path(tmp) / f"{arch}-gguf-f32" / "model.gguf"),
-                                        "-n", str(args.new_tokens), prompt], capture_output=True, text=True,
-                                       timeout=300)
-                    theirs = r.stdout.rstrip("\n") if r.returncode == 0 else f"(failed: {r.stderr[-300:]})"
+                    theirs = _llama_cpp.simple_text(simple, Path(tmp) / f"{arch}-gguf-f32" / "model.gguf",
+                                                    prompt, args.new_tokens)
                 # Both stop at <|endoftext|> (the GGUF names it as eos), without printing it.
                 rows.append({"architecture": arch, "prompt": prompt, "qkv": ours, "llama_cpp": theirs,
                              "same": theirs == ours, "qkv_new_tokens": n_ours,

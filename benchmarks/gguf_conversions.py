@@ -183,11 +183,7 @@ def compare(arch: str, folder: Path, gguf: Path, simple: Path | None) -> dict:
                             "--temperature", "0", "--max-new-tokens", str(N_GREEDY), "--weights", "fp32"],
                            capture_output=True, text=True)
         mine = r.stdout.rstrip("\n") if r.returncode == 0 else f"(failed: {r.stderr.strip()[-200:]})"
-        r = subprocess.run([str(simple), "-m", str(gguf), "-n", str(N_GREEDY), PROMPT], capture_output=True,
-                           text=True, timeout=300)
-        theirs = r.stdout.rstrip("\n") if r.returncode == 0 else f"(failed: {r.stderr.strip()[-200:]})"
-        for marker in ("<bos>", "<s>"):  # llama-simple prints the prompt's tokens, bos included
-            theirs = theirs.removeprefix(marker)
+        theirs = _llama_cpp.simple_text(simple, gguf, PROMPT, N_GREEDY)
         row.update(qkv_text=mine, llama_cpp_text=theirs, llama_cpp_same=mine == theirs)
     return row
 
