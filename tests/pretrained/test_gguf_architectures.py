@@ -7,7 +7,6 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
 from cli_helpers import assert_one_line_error, call
@@ -16,16 +15,19 @@ HINT = "package missing: {} (pip install -e '.[dev]')"
 transformers = pytest.importorskip("transformers", reason=HINT.format("transformers"))
 gguf = pytest.importorskip("gguf", reason=HINT.format("gguf"))
 
+from pretrained.gguf_writing import (  # noqa: E402
+    add_hf_tensor,
+    add_sizes,
+    finish,
+    open_gguf,
+    permute_qk,
+    write_stub_gguf,
+)
+
 import qkv  # noqa: E402
 
 V = 96
 PROMPT = torch.tensor([[3, 17, 42, 5, 88, 9, 1, 60]])
-
-
-def llama_cpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
-    """convert_hf_to_gguf.py's LlamaModel.permute, from its definition."""
-    rows, cols = w.shape
-    return w.reshape(n_head, 2, rows // n_head // 2, cols).swapaxes(1, 2).reshape(rows, cols)
 
 
 def write_gguf(ref, arch: str, path: Path) -> None:
@@ -33,14 +35,9 @@ def write_gguf(ref, arch: str, path: Path) -> None:
     V tokens (byte-level BPE metadata, one merge)."""
     c = ref.config
     kind = {"llama": gguf.MODEL_ARCH.LLAMA, "qwen2": gguf.MODEL_ARCH.QWEN2}[arch]
-    names = gguf.get_tensor_name_map(kind, c.num_hidden_layers)
-    w = gguf.GGUFWriter(str(path), arch)
-    w.add_context_length(c.max_position_embeddings)
-    w.add_embedding_length(c.hidden_size)
-    w.add_block_count(c.num_hidden_layers)
-    w.add_feed_forward_length(c.intermediate_size)
-    w.add_head_count(c.num_attention_heads)
-    w.add_head_count_kv(c.num_key_value_heads)
+    w, names = open_gguf(path, kind, c.num_hidden_layers)
+    add_sizes(w, context=c.max_position_embeddings, embedding=c.hidden_size, blocks=c.num_hidden_layers,
+              feed_forward=c.intermediate_size, heads=c.num_attention_heads, kv_heads=c.num_key_value_heads)
     w.add_rope_freq_base(float(c.rope_parameters["rope_theta"]))
     w.add_layer_norm_rms_eps(c.rms_norm_eps)
     w.add_tokenizer_model("gpt2")
@@ -55,27 +52,19 @@ def write_gguf(ref, arch: str, path: Path) -> None:
         if hf_name == "lm_head.weight" and c.tie_word_embeddings:
             continue
         a = t.detach().float().numpy().copy()
-        if arch == "llama" and hf_name.endswith(("q_proj.weight", "k_proj.weight")):
-            heads = c.num_attention_heads if "q_proj" in hf_name else c.num_key_value_heads
-            a = llama_cpp_permute(a, heads)
-        w.add_tensor(names.get_name(hf_name, try_suffixes=(".weight", ".bias")), a)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+        if arch == "llama":
+            a = permute_qk(hf_name, a, c.num_attention_heads, c.num_key_value_heads)
+        add_hf_tensor(w, names, hf_name, a)
+    finish(w)
 
 
 def write_gpt2_gguf(ref, path: Path) -> None:
     """A GPT-2 as llama.cpp's converter writes it: its Conv1D weights transposed to (out, in),
     the attention masks dropped, tanh GELU implied by the architecture."""
     c = ref.config
-    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.GPT2, c.n_layer)
-    w = gguf.GGUFWriter(str(path), "gpt2")
-    w.add_context_length(c.n_positions)
-    w.add_embedding_length(c.n_embd)
-    w.add_block_count(c.n_layer)
-    w.add_feed_forward_length(4 * c.n_embd)
-    w.add_head_count(c.n_head)
+    w, names = open_gguf(path, gguf.MODEL_ARCH.GPT2, c.n_layer)
+    add_sizes(w, context=c.n_positions, embedding=c.n_embd, blocks=c.n_layer, feed_forward=4 * c.n_embd,
+              heads=c.n_head)
     w.add_layer_norm_eps(c.layer_norm_epsilon)
     w.add_tokenizer_model("gpt2")
     w.add_token_list(["w", "0", "w0", *(f"w{i}" for i in range(3, V))])
@@ -87,11 +76,8 @@ def write_gpt2_gguf(ref, path: Path) -> None:
         a = t.detach().float().numpy()
         if hf_name.endswith(("c_attn.weight", "c_proj.weight", "c_fc.weight")):
             a = a.T
-        w.add_tensor(names.get_name(hf_name, try_suffixes=(".weight", ".bias")), a.copy())
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+        add_hf_tensor(w, names, hf_name, a.copy())
+    finish(w)
 
 
 def test_a_gpt2_gguf_loads_as_transformers_reads_it(tmp_path: Path) -> None:
@@ -142,14 +128,7 @@ def test_a_gguf_of_each_architecture_loads_as_transformers_reads_it(tmp_path: Pa
 
 
 def test_a_gguf_of_another_architecture_is_one_line(tmp_path: Path) -> None:
-    path = tmp_path / "phi.gguf"
-    w = gguf.GGUFWriter(str(path), "phi2")
-    w.add_token_list(["a", "b"])
-    w.add_tensor("token_embd.weight", np.zeros((2, 4), np.float32))
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    path = write_stub_gguf(tmp_path / "phi.gguf", "phi2")
     rc, _, err = call(["generate", str(path), "--prompt", "a"])
     line = assert_one_line_error(rc, err)
     assert "GGUF architecture 'phi2' is not supported (supported: llama, qwen2, gpt2, gemma, bert)" in line

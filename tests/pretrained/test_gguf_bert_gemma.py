@@ -15,7 +15,6 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
 from cli_helpers import assert_one_line_error, call
@@ -25,18 +24,13 @@ transformers = pytest.importorskip("transformers", reason=HINT.format("transform
 gguf = pytest.importorskip("gguf", reason=HINT.format("gguf"))
 pytest.importorskip("tokenizers", reason=HINT.format("tokenizers"))
 
+from pretrained.gguf_writing import add_hf_tensor, add_sizes, finish, open_gguf, write_stub_gguf  # noqa: E402
+
 import qkv  # noqa: E402
 from qkv.generation import generate  # noqa: E402
 from qkv.pretrained import CausalLM, PretrainedFormatError, SentenceEncoder  # noqa: E402
 
 NORMAL, UNKNOWN, CONTROL, USER_DEFINED, BYTE = 1, 2, 3, 4, 6  # llama.cpp's token types
-
-
-def _finish(w) -> None:
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
 
 
 # --------------------------------------------------------------------------- gemma
@@ -93,14 +87,9 @@ def write_gemma_gguf(ref, path: Path) -> None:
     as they are; the vocabulary as its SentencePiece reader lists it (pieces, scores, types;
     its user-defined runs of "▁" written with spaces), with Gemma's special ids."""
     c = ref.config
-    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.GEMMA, c.num_hidden_layers)
-    w = gguf.GGUFWriter(str(path), "gemma")
-    w.add_context_length(c.max_position_embeddings)
-    w.add_embedding_length(c.hidden_size)
-    w.add_block_count(c.num_hidden_layers)
-    w.add_feed_forward_length(c.intermediate_size)
-    w.add_head_count(c.num_attention_heads)
-    w.add_head_count_kv(c.num_key_value_heads)
+    w, names = open_gguf(path, gguf.MODEL_ARCH.GEMMA, c.num_hidden_layers)
+    add_sizes(w, context=c.max_position_embeddings, embedding=c.hidden_size, blocks=c.num_hidden_layers,
+              feed_forward=c.intermediate_size, heads=c.num_attention_heads, kv_heads=c.num_key_value_heads)
     w.add_layer_norm_rms_eps(c.rms_norm_eps)
     w.add_key_length(c.head_dim)
     w.add_value_length(c.head_dim)
@@ -128,8 +117,8 @@ def write_gemma_gguf(ref, path: Path) -> None:
         a = t.detach().float().numpy().copy()
         if hf_name.endswith("norm.weight"):
             a = a + 1.0
-        w.add_tensor(names.get_name(hf_name, try_suffixes=(".weight", ".bias")), a)
-    _finish(w)
+        add_hf_tensor(w, names, hf_name, a)
+    finish(w)
 
 
 PROMPT = torch.tensor([[2, 302, 43, 19, 292, 303, 11, 312]])  # <bos>, pieces, a byte token
@@ -231,13 +220,9 @@ def write_bert_gguf(ref, tok, folder: Path, path: Path, pooling=None, newer: boo
     ``newer``: as its 2026 converter does, control tokens (not "[...]" ones) kept as they are,
     and the normalizer's lower-casing stored."""
     c = ref.config
-    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.BERT, c.num_hidden_layers)
-    w = gguf.GGUFWriter(str(path), "bert")
-    w.add_block_count(c.num_hidden_layers)
-    w.add_context_length(c.max_position_embeddings)
-    w.add_embedding_length(c.hidden_size)
-    w.add_feed_forward_length(c.intermediate_size)
-    w.add_head_count(c.num_attention_heads)
+    w, names = open_gguf(path, gguf.MODEL_ARCH.BERT, c.num_hidden_layers)
+    add_sizes(w, context=c.max_position_embeddings, embedding=c.hidden_size, blocks=c.num_hidden_layers,
+              feed_forward=c.intermediate_size, heads=c.num_attention_heads, blocks_first=True)
     w.add_layer_norm_eps(c.layer_norm_eps)
     w.add_file_type(gguf.LlamaFileType.ALL_F32)
     w.add_causal_attention(False)
@@ -263,9 +248,8 @@ def write_bert_gguf(ref, tok, folder: Path, path: Path, pooling=None, newer: boo
     for hf_name, t in ref.state_dict().items():
         if hf_name.startswith("pooler.") or hf_name == "embeddings.position_ids":
             continue
-        w.add_tensor(names.get_name(hf_name, try_suffixes=(".weight", ".bias")),
-                     t.detach().float().numpy().copy())
-    _finish(w)
+        add_hf_tensor(w, names, hf_name, t.detach().float().numpy().copy())
+    finish(w)
 
 
 def _bert_file(tmp_path: Path, pooling=None):
@@ -358,17 +342,9 @@ def test_a_decoder_gguf_is_not_an_encoder_and_an_encoder_takes_no_weights(tmp_pa
         qkv.load(str(path), weights="int8", cache=False)
 
 
-def _gguf_of(path: Path, arch: str) -> Path:
-    w = gguf.GGUFWriter(str(path), arch)
-    w.add_token_list(["a", "b"])
-    w.add_tensor("token_embd.weight", np.zeros((2, 4), np.float32))
-    _finish(w)
-    return path
-
-
 @pytest.mark.parametrize("arch", ["phi2", "gemma2", "nomic-bert"])
 def test_unsupported_gguf_architectures_are_one_line(tmp_path: Path, arch: str) -> None:
-    path = _gguf_of(tmp_path / f"{arch}.gguf", arch)
+    path = write_stub_gguf(tmp_path / f"{arch}.gguf", arch)
     for argv in (["generate", str(path), "--prompt", "a"], ["embed", str(path), "a"]):
         rc, _, err = call(argv)
         line = assert_one_line_error(rc, err)

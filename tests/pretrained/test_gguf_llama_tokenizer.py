@@ -14,7 +14,6 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
 from cli_helpers import assert_one_line_error, call
@@ -23,6 +22,8 @@ HINT = "package missing: {} (pip install -e '.[dev]')"
 transformers = pytest.importorskip("transformers", reason=HINT.format("transformers"))
 gguf = pytest.importorskip("gguf", reason=HINT.format("gguf"))
 pytest.importorskip("tokenizers", reason=HINT.format("tokenizers"))
+
+from pretrained.gguf_writing import add_hf_tensor, add_sizes, finish, open_gguf, permute_qk  # noqa: E402
 
 import qkv  # noqa: E402
 from qkv.generation import generate  # noqa: E402
@@ -53,12 +54,6 @@ def llama_vocab() -> tuple[list[str], list[float], list[int]]:
     return [*tokens, ADDED], [*scores, -1000.0], [*types, USER_DEFINED]
 
 
-def llama_cpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
-    """convert_hf_to_gguf.py's LlamaModel.permute, from its definition."""
-    rows, cols = w.shape
-    return w.reshape(n_head, 2, rows // n_head // 2, cols).swapaxes(1, 2).reshape(rows, cols)
-
-
 def tiny_llama():
     torch.manual_seed(0)
     cfg = transformers.LlamaConfig(vocab_size=len(llama_vocab()[0]), hidden_size=64, intermediate_size=96,
@@ -74,14 +69,9 @@ def write_llama_gguf(ref, path: Path, space_prefix: bool | None = True, scores: 
     lm_head kept.
     ``space_prefix`` None: no add_space_prefix key (llama.cpp's default for llama is true)."""
     c = ref.config
-    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA, c.num_hidden_layers)
-    w = gguf.GGUFWriter(str(path), "llama")
-    w.add_context_length(c.max_position_embeddings)
-    w.add_embedding_length(c.hidden_size)
-    w.add_block_count(c.num_hidden_layers)
-    w.add_feed_forward_length(c.intermediate_size)
-    w.add_head_count(c.num_attention_heads)
-    w.add_head_count_kv(c.num_key_value_heads)
+    w, names = open_gguf(path, gguf.MODEL_ARCH.LLAMA, c.num_hidden_layers)
+    add_sizes(w, context=c.max_position_embeddings, embedding=c.hidden_size, blocks=c.num_hidden_layers,
+              feed_forward=c.intermediate_size, heads=c.num_attention_heads, kv_heads=c.num_key_value_heads)
     w.add_rope_freq_base(float(c.rope_parameters["rope_theta"]))
     w.add_layer_norm_rms_eps(c.rms_norm_eps)
     w.add_rope_dimension_count(c.hidden_size // c.num_attention_heads)
@@ -102,13 +92,8 @@ def write_llama_gguf(ref, path: Path, space_prefix: bool | None = True, scores: 
         w.add_add_space_prefix(space_prefix)
     for hf_name, t in ref.state_dict().items():
         a = t.detach().float().numpy().copy()
-        if hf_name.endswith(("q_proj.weight", "k_proj.weight")):
-            a = llama_cpp_permute(a, c.num_attention_heads if "q_proj" in hf_name else c.num_key_value_heads)
-        w.add_tensor(names.get_name(hf_name, try_suffixes=(".weight", ".bias")), a)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+        add_hf_tensor(w, names, hf_name, permute_qk(hf_name, a, c.num_attention_heads, c.num_key_value_heads))
+    finish(w)
 
 
 @pytest.fixture(scope="module")

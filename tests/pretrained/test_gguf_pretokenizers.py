@@ -38,6 +38,7 @@ transformers = pytest.importorskip("transformers", reason=HINT.format("transform
 gguf = pytest.importorskip("gguf", reason=HINT.format("gguf"))
 tk = pytest.importorskip("tokenizers", reason=HINT.format("tokenizers"))
 
+from pretrained.gguf_writing import finish  # noqa: E402
 from transformers.integrations.gguf.gguf_tokenizer_mapping import GGUF_PRE_TOKENIZER_SPLITS  # noqa: E402
 
 from qkv.pretrained.gguf_file import read_gguf  # noqa: E402
@@ -140,10 +141,7 @@ def write_gguf(path: Path, tokens: list[str], merges: list[str], pre: str | None
     w.add_token_merges(merges)
     w.add_bos_token_id(0)
     w.add_eos_token_id(0)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    finish(w)
     return path
 
 
