@@ -25,8 +25,9 @@ from qkv.paths import cache_root
 from qkv.tokenizers.base import load_tokenizer, save_tokenizer
 from qkv.tokenizers.hf import HFTokenizer
 
-CONVERTER_VERSION = 3  # bump when a converter's output changes (2: info records weight types;
-# 3: byte-level GGUF tokenizers split by tokenizer.ggml.pre)
+CONVERTER_VERSION = 4  # bump when a converter's output changes (2: info records weight types;
+# 3: byte-level GGUF tokenizers split by tokenizer.ggml.pre; 4: SentencePiece's dummy prefix
+# before every run of text)
 
 
 def entry_dir(name: str, source: Path) -> Path | None:

@@ -24,10 +24,12 @@ Who reads what: llama.cpp tokenizes with its own code from these keys; transform
 gpt2 and llama vocabularies (``AutoTokenizer.from_pretrained(folder, gguf_file=...)``) much as
 this module does, and qkv's builders are checked against it (``tests/pretrained/
 test_gguf_llama_tokenizer.py``) or against the tokenizer the test wrote into the file
-(``test_gguf_bert_gemma.py``: transformers reads no bert GGUF). Where llama.cpp and transformers
-split a Llama-style text differently, qkv follows transformers: a text that begins with a space
-gets no second "▁" ("▁the", llama.cpp "▁", "▁the"), and text right after a control token
-written in the prompt gets no "▁" (llama.cpp adds one). A byte-level file is split into words as
+(``test_gguf_bert_gemma.py``: transformers reads no bert GGUF). A Llama-style text tokenizes as
+SentencePiece itself does (checked against sentencepiece on a vocabulary it trained, and 46/46
+on llama.cpp's Llama-2 and Phi-3 vocabulary tests): the dummy prefix goes before every run of
+text, one that begins with a space too (" the" is "▁", "▁the") and the text after a control
+token written in the prompt, as llama.cpp puts it; transformers' GGUF reader puts it only where
+the text does not begin with a space, and there qkv parts from it. A byte-level file is split into words as
 its model's own tokenizer.json splits them (``test_gguf_pretokenizers.py``): transformers' reader
 for the names it knows (Llama-3, Qwen2, ...), the original pre-tokenizer for those it reads with
 GPT-2's split instead (SmolLM, StarCoder, Falcon, DeepSeek); Llama-3's tokenizer keeps a word
@@ -273,8 +275,10 @@ def sentencepiece_from_gguf(g: GGUFFile) -> HFTokenizer:
     The merges are rebuilt from the vocabulary: each split of a piece into two pieces is a
     merge, ranked by the joined piece's score (higher first; for equal scores the longer left
     half first, then the piece met first in the file), as transformers' GGUF reader ranks them.
-    With ``add_space_prefix`` (default true) a "▁" goes in front of the text unless it begins
-    with a space already, and the decoder drops it again; <s> goes in front
+    With ``add_space_prefix`` (default true) a "▁" goes in front of the text (and of the text
+    after a special token), as SentencePiece's add_dummy_prefix puts it, and the decoder drops it
+    again: ids equal the original tokenizer's (llama.cpp's vocabulary tests, 46/46 for Llama-2
+    and Phi-3; transformers' GGUF reader differs on a text that begins with a space); <s> goes in front
     (``add_bos_token``, default true), </s> at the end only with ``add_eos_token``.
     """
     tokens: list[str] = _required(g, "tokenizer.ggml.tokens")
@@ -327,8 +331,8 @@ def _byte_fallback_bpe(g: GGUFFile, tokens: list[str], types: list[int], vocab: 
     """The SentencePiece BPE both spellings share; ``ends``: the (bos, eos) tokens a file without
     their ids is taken to mean.
 
-    Spaces become "▁" (``prefix``: one more in front, as Hugging Face's Metaspace with its
-    "first" scheme puts it: not after a leading space, not after a control token); characters
+    Spaces become "▁" (``prefix``: one more in front of every run of text, as SentencePiece's
+    add_dummy_prefix does; no split at spaces: the merges run over the whole text); characters
     no piece spells, <0xNN> byte tokens; control and unknown tokens, and those the file names
     bos/eos/unk/padding, are special tokens matched whole in the text, user-defined ones plain
     added tokens. Decoding turns "▁" back into spaces, bytes into characters, and drops the
@@ -342,8 +346,11 @@ def _byte_fallback_bpe(g: GGUFFile, tokens: list[str], types: list[int], vocab: 
     except Exception as e:  # the tokenizers library's own error
         raise PretrainedFormatError(f"{g.path}: its SentencePiece tokenizer does not build ({e})") from None
     decoders = [tk.decoders.Replace("▁", " "), tk.decoders.ByteFallback(), tk.decoders.Fuse()]
-    if prefix:
-        tok.pre_tokenizer = tk.pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="first", split=False)
+    if prefix:  # SentencePiece's add_dummy_prefix: one "▁" before every run of text, even one
+        # that begins with a space (" Hello" is "▁▁Hello": "▁" + "▁Hello"), and after a special
+        # token, as the original tokenizer, its Hugging Face tokenizer.json and llama.cpp do
+        tok.normalizer = tk.normalizers.Sequence([tk.normalizers.Prepend("▁"),
+                                                  tk.normalizers.Replace(" ", "▁")])
         decoders.append(tk.decoders.Strip(" ", 1, 0))
     else:
         tok.normalizer = tk.normalizers.Replace(" ", "▁")

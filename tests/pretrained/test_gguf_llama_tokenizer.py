@@ -3,7 +3,9 @@ LlamaForCausalLM and a small SentencePiece BPE vocabulary, written here as llama
 writes a Llama-2 model (``tokenizer.ggml.model`` "llama": pieces with "▁" for a space and their
 scores, <unk> <s> </s>, the 256 <0xNN> byte tokens, token types, bos/eos/unk ids, add_bos_token,
 add_space_prefix; Q/K rows permuted). The reference is transformers reading the same file:
-``AutoTokenizer.from_pretrained(folder, gguf_file=...)`` and ``AutoModelForCausalLM`` likewise.
+``AutoTokenizer.from_pretrained(folder, gguf_file=...)`` and ``AutoModelForCausalLM`` likewise,
+except where its tokenizer parts from the original SentencePiece one (DISPUTED: worked out by
+hand), and a vocabulary trained with sentencepiece itself, whose own ids are the reference.
 
 The vocabulary's merged pieces are written in the reverse of their score order (llama.cpp's
 converter writes sentencepiece's order, which is by score): only the scores can then rank the
@@ -108,19 +110,33 @@ def reference_tokenizer(path: Path):
     return transformers.AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
 
 
-TEXTS = ["the cat and the hat", " the cat sat on the mat", "the  cat   sat    ", "Hello\nthe hat\n\n",
-         "her hat, the cat! Who?", "héllo wörld", "the cat 😀", "the cat</s><s> on the mat<|user|>Who",
-         "", "<unk>at"]
+TEXTS = ["the cat and the hat", "the  cat   sat    ", "Hello\nthe hat\n\n", "her hat, the cat! Who?",
+         "héllo wörld", "the cat 😀", "the cat</s>", ""]
+# Where transformers' GGUF reader parts from the original tokenizer: SentencePiece's dummy prefix
+# goes in front of every run of text, one that begins with a space too (" the" is "▁▁the"), and
+# after a special token written in the text, as SentencePiece, Llama-2's tokenizer.json and
+# llama.cpp put it (transformers' reader puts it only where the text does not begin with a
+# space). The merges then run over the whole text by score, as llama.cpp's do: worked out by
+# hand from MERGES ("▁▁" outranks "on", "▁a" outranks "at").
+DISPUTED = {
+    " the cat sat on the mat": ["<s>", "▁", "▁the", "▁cat", "▁sat", "▁on", "▁the", "▁mat"],
+    "the cat</s><s> on the mat<|user|>Who": ["<s>", "▁the", "▁cat", "</s>", "<s>", "▁▁", "on", "▁the",
+                                             "▁mat", "<|user|>", "▁Who"],
+    "<unk>at": ["<s>", "<unk>", "▁a", "t"],
+}
 
 
 def test_a_llama_gguf_tokenizer_matches_transformers(llama_file) -> None:
-    """Ids equal transformers' on leading, trailing and repeated spaces, newlines (bytes: the
-    vocabulary has no "\\n" piece), punctuation, characters outside the vocabulary and an emoji
-    (UTF-8 bytes), control, unknown and added tokens written in the text; <s> in front. Decoding
-    (with and without <s>, with special tokens skipped) gives transformers' text."""
+    """Ids equal transformers' on trailing and repeated spaces, newlines (bytes: the vocabulary
+    has no "\\n" piece), punctuation, characters outside the vocabulary and an emoji (UTF-8
+    bytes), control tokens written in the text; <s> in front. Decoding (with and without <s>,
+    with special tokens skipped) gives transformers' text. Where transformers' reader parts from
+    the original tokenizer (DISPUTED), the original's pieces."""
     _, path = llama_file
     lm = qkv.load(str(path), weights="fp32", cache=False)
     want = reference_tokenizer(path)
+    for text, pieces in DISPUTED.items():
+        assert want.convert_ids_to_tokens(lm.tokenizer.encode(text)) == pieces, text
     for text in TEXTS:
         ids = lm.tokenizer.encode(text)
         assert ids == want(text).input_ids, (text, want.convert_ids_to_tokens(want(text).input_ids))
@@ -169,6 +185,46 @@ def test_qkv_generate_reads_a_llama_gguf(llama_file) -> None:
     assert out == want.decode(ids[0].tolist() + new, skip_special_tokens=True) + "\n"
     lm = qkv.load(str(path))  # the conversion `qkv generate` cached, read back
     assert [lm.tokenizer.encode(t) for t in TEXTS] == [want(t).input_ids for t in TEXTS]
+
+
+def test_a_trained_sentencepiece_vocabulary_tokenizes_as_sentencepiece(tmp_path: Path) -> None:
+    """The original tokenizer as the reference: a SentencePiece BPE trained here with Llama-2's
+    settings (byte fallback, dummy prefix, spaces kept, whitespace-only pieces, digits split),
+    written as llama.cpp's converter writes its vocabulary (each id's piece, score and type),
+    read back by qkv: ids equal <s> + sentencepiece's own on spaces at either end, runs of
+    spaces, newlines, digits, accents and an emoji (byte fallback); decoding gives the text."""
+    spm = pytest.importorskip("sentencepiece", reason=HINT.format("sentencepiece"))
+    from qkv.pretrained.gguf_file import read_gguf
+    from qkv.pretrained.gguf_tokenizers import tokenizer_from_gguf
+
+    lines = [f"the {w} sat on the mat, {n} times over." for n, w in enumerate(["cat", "dog", "hat"] * 30)]
+    lines += ["Hello  world\n  indented line", "    four spaces", "ROMEO: But soft, what light?"] * 20
+    spm.SentencePieceTrainer.train(
+        sentence_iterator=iter(lines), model_prefix=str(tmp_path / "sp"), vocab_size=300, model_type="bpe",
+        byte_fallback=True, add_dummy_prefix=True, remove_extra_whitespaces=False,
+        normalization_rule_name="identity", allow_whitespace_only_pieces=True, split_digits=True,
+        unk_id=0, bos_id=1, eos_id=2, pad_id=-1, minloglevel=2)
+    sp = spm.SentencePieceProcessor(model_file=str(tmp_path / "sp.model"))
+    n = sp.get_piece_size()
+    kinds = [UNKNOWN if sp.is_unknown(i) else CONTROL if sp.is_control(i) else BYTE if sp.is_byte(i)
+             else 5 if sp.is_unused(i) else NORMAL for i in range(n)]  # the converter's order of tests
+    w = gguf.GGUFWriter(str(tmp_path / "vocab.gguf"), "llama")
+    w.add_tokenizer_model("llama")
+    w.add_tokenizer_pre("default")
+    w.add_token_list([sp.id_to_piece(i) for i in range(n)])
+    w.add_token_scores([sp.get_score(i) for i in range(n)])
+    w.add_token_types(kinds)
+    w.add_bos_token_id(1)
+    w.add_eos_token_id(2)
+    w.add_unk_token_id(0)
+    w.add_add_bos_token(True)
+    w.add_add_space_prefix(True)
+    finish(w)
+    tok = tokenizer_from_gguf(read_gguf(tmp_path / "vocab.gguf"))
+    for text in [" Hello world", "  two spaces first", "the cat sat on the mat, 12 times over.",
+                 "    four spaces", "trailing  ", "Hello\n\n  indented", "héllo 😀 wörld 4567", "", " "]:
+        assert tok.encode(text) == [1, *sp.encode(text)], (text, [sp.id_to_piece(i) for i in sp.encode(text)])
+        assert tok.decode(tok.encode(text), skip_special_tokens=True) == sp.decode(sp.encode(text)), text
 
 
 @pytest.mark.parametrize("space_prefix", [None, False], ids=["no-key", "false"])
