@@ -137,7 +137,7 @@ def simple_text(binary: Path, gguf: Path, prompt: str, n_new: int) -> str:
     """llama-simple's greedy text for ``prompt`` (the prompt, then up to ``n_new`` tokens; a
     leading bos token's text dropped), or "(failed: ...)"."""
     r = subprocess.run([str(binary), "-m", str(gguf), "-n", str(n_new), prompt], capture_output=True,
-                       text=True, timeout=300)
+                       text=True, errors="replace", timeout=300)  # it prints byte tokens one by one
     if r.returncode != 0:
         return f"(failed: {r.stderr.strip()[-300:]})"
     text = r.stdout.rstrip("\n")

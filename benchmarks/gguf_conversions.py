@@ -10,12 +10,14 @@ loaded with ``qkv.load(FILE)``; the reference is ``transformers`` on the folder 
 - qwen2, mistral, gpt2: tiny random models made here with SmolLM2's tokenizer (the converter
   recognises its pre-tokenizer); gemma: a tiny random Gemma with a SentencePiece vocabulary
   trained here on Shakespeare (the converter reads ``tokenizer.model``; the reference
-  tokenizer is ``sentencepiece`` itself). qwen2 cannot be made offline (see make_folders).
+  tokenizer is ``sentencepiece`` itself); llama-spm: a tiny random Llama with a Llama-2-style
+  SentencePiece vocabulary trained here (TinyLlama's layout). qwen2 cannot be made offline (see
+  make_folders).
 
 For each: the tokenizer's ids on ``TEXTS`` (equal or not), the largest logit (or embedding)
 difference, the first 20 greedy tokens of qkv on the GGUF against transformers on the folder,
 and, where llama.cpp's ``llama-simple`` is built (see benchmarks/_llama_cpp.py), its greedy
-text on the GGUF against ``qkv generate FILE --temperature 0``.
+text on the GGUF against ``qkv generate FILE --temperature 0`` (what each adds after the prompt).
 
     python benchmarks/gguf_conversions.py        # ~3 minutes on 2 cores
 """
@@ -85,7 +87,43 @@ def make_folders(tmp: Path) -> dict[str, Path | str]:
         tok.save_pretrained(tmp / arch)
         folders[arch] = tmp / arch
     folders["gemma"] = _gemma_folder(tmp / "gemma")
+    folders["llama-spm"] = _sentencepiece_llama_folder(tmp / "llama-spm")
     return folders
+
+
+def _train_sentencepiece(folder: Path, **settings) -> None:
+    """A 1,000-piece SentencePiece BPE trained on Shakespeare into ``folder``/tokenizer.model."""
+    import sentencepiece as spm
+
+    from qkv.data.corpora import load_text
+
+    folder.mkdir(parents=True)
+    (folder / "text.txt").write_text(load_text(None).text[:400_000], encoding="utf-8")
+    _quiet(spm.SentencePieceTrainer.train, input=str(folder / "text.txt"),
+           model_prefix=str(folder / "tokenizer"), vocab_size=1000, model_type="bpe", byte_fallback=True,
+           minloglevel=2, **settings)
+    (folder / "text.txt").unlink()
+
+
+def _sentencepiece_llama_folder(folder: Path) -> Path | str:
+    """A tiny random Llama with a Llama-2-style SentencePiece vocabulary (dummy prefix, spaces
+    kept, whitespace-only pieces, digits split; <unk> 0, <s> 1, </s> 2), as TinyLlama ships."""
+    try:
+        import sentencepiece  # noqa: F401
+    except ImportError:
+        return "needs `pip install sentencepiece`"
+    import torch
+    import transformers
+
+    _train_sentencepiece(folder, add_dummy_prefix=True, remove_extra_whitespaces=False,
+                         normalization_rule_name="identity", allow_whitespace_only_pieces=True,
+                         split_digits=True, unk_id=0, bos_id=1, eos_id=2, pad_id=-1)
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(vocab_size=1000, hidden_size=64, intermediate_size=128,
+                                   num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                   max_position_embeddings=256, bos_token_id=1, eos_token_id=2)
+    transformers.AutoModelForCausalLM.from_config(cfg).float().save_pretrained(folder)
+    return folder
 
 
 def _with_smollm2_split(folder: Path):
@@ -109,23 +147,17 @@ def _gemma_folder(folder: Path) -> Path | str:
     """A tiny random Gemma with a 1,000-piece SentencePiece BPE trained on Shakespeare with
     Gemma's tokenizer settings and special ids (pad 0, eos 1, bos 2, unk 3)."""
     try:
-        import sentencepiece as spm
+        import sentencepiece  # noqa: F401
     except ImportError:
         return "needs `pip install sentencepiece`"
     import torch
     import transformers
 
-    from qkv.data.corpora import load_text
-
-    folder.mkdir(parents=True)
-    (folder / "text.txt").write_text(load_text(None).text[:400_000], encoding="utf-8")
-    _quiet(spm.SentencePieceTrainer.train, input=str(folder / "text.txt"),
-           model_prefix=str(folder / "tokenizer"), vocab_size=1000, model_type="bpe", byte_fallback=True,
-           pad_id=0, eos_id=1, bos_id=2, unk_id=3, pad_piece="<pad>", eos_piece="<eos>", bos_piece="<bos>",
-           unk_piece="<unk>", minloglevel=2,
-           # Gemma's settings: no prefix space, spaces kept as they are, no NFKC
-           add_dummy_prefix=False, remove_extra_whitespaces=False, normalization_rule_name="identity")
-    (folder / "text.txt").unlink()
+    _train_sentencepiece(folder, pad_id=0, eos_id=1, bos_id=2, unk_id=3, pad_piece="<pad>", eos_piece="<eos>",
+                         bos_piece="<bos>", unk_piece="<unk>",
+                         # Gemma's settings: no prefix space, spaces kept as they are, no NFKC
+                         add_dummy_prefix=False, remove_extra_whitespaces=False,
+                         normalization_rule_name="identity")
     tok = transformers.GemmaTokenizer(vocab_file=str(folder / "tokenizer.model"))
     tok.save_pretrained(folder)
     torch.manual_seed(0)
@@ -144,17 +176,19 @@ def compare(arch: str, folder: Path, gguf: Path, simple: Path | None) -> dict:
 
     import qkv
 
-    hf_tok = _quiet(transformers.AutoTokenizer.from_pretrained, folder)
-    encode = (lambda t: hf_tok(t).input_ids)  # noqa: E731
-    if arch == "gemma":  # the original tokenizer itself (transformers 5 builds none from a .model alone)
+    if arch in ("gemma", "llama-spm"):  # the original tokenizer itself (transformers 5 builds none
+        # from a .model alone)
         import sentencepiece as spm
 
         sp = spm.SentencePieceProcessor(model_file=str(folder / "tokenizer.model"))
         encode = (lambda t: [sp.bos_id(), *sp.encode(t)])  # noqa: E731
+    else:
+        hf_tok = _quiet(transformers.AutoTokenizer.from_pretrained, folder)
+        encode = (lambda t: hf_tok(t).input_ids)  # noqa: E731
     if arch == "bert":
         ours = _quiet(qkv.load, str(gguf))
         ref = _quiet(transformers.AutoModel.from_pretrained, folder).float().eval()
-        ids_equal = [ours.tokenizer.encode(t) == hf_tok(t).input_ids for t in TEXTS]
+        ids_equal = [ours.tokenizer.encode(t) == encode(t) for t in TEXTS]
         enc = hf_tok(TEXTS, padding=True, return_tensors="pt")
         with torch.no_grad():
             states = ref(**enc).last_hidden_state
@@ -184,7 +218,11 @@ def compare(arch: str, folder: Path, gguf: Path, simple: Path | None) -> dict:
                            capture_output=True, text=True)
         mine = r.stdout.rstrip("\n") if r.returncode == 0 else f"(failed: {r.stderr.strip()[-200:]})"
         theirs = _llama_cpp.simple_text(simple, gguf, PROMPT, N_GREEDY)
-        row.update(qkv_text=mine, llama_cpp_text=theirs, llama_cpp_same=mine == theirs)
+        # the continuations after the prompt: llama-simple echoes the prompt's pieces (a
+        # SentencePiece prompt with its dummy-prefix space in front)
+        row.update(qkv_text=mine, llama_cpp_text=theirs,
+                   llama_cpp_same=PROMPT in theirs and mine.startswith(PROMPT)
+                   and theirs.split(PROMPT, 1)[1] == mine[len(PROMPT):])
     return row
 
 
