@@ -13,6 +13,7 @@ import copy
 import numpy as np
 import pytest
 import torch
+from pretrained.gguf_writing import llama_cpp_permute
 from pretrained_cases import (
     GREEDY_TOKENS,
     PROMPT_TOKENS,
@@ -174,12 +175,6 @@ def test_bfloat16_still_answers_paris(smollm2) -> None:
 
 
 # --------------------------------------------------------------------------- Q/K row layout
-
-
-def llama_cpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
-    """llama.cpp's convert_hf_to_gguf.py permutation of W_Q / W_K rows, from its definition."""
-    rows, cols = w.shape
-    return w.reshape(n_head, 2, rows // n_head // 2, cols).swapaxes(1, 2).reshape(rows, cols)
 
 
 @pytest.mark.parametrize(("n_heads", "head_dim", "cols"), [(9, 64, 576), (3, 64, 576), (1, 2, 3), (4, 6, 5)])
