@@ -39,12 +39,26 @@ def int4_kernels_available() -> bool:
     return hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu")
 
 
+def _float_bias(bias: Tensor | None, n: int) -> Tensor | None:
+    """A linear layer's bias as a float32 buffer (None stays None); ValueError unless (n,)."""
+    if bias is None:
+        return None
+    if bias.shape != (n,):
+        raise ValueError(f"bias of shape {tuple(bias.shape)} for {n} outputs")
+    return bias.detach().float().clone()
+
+
+def _plus_bias(y: Tensor, bias: Tensor | None) -> Tensor:
+    return y if bias is None else y + bias.to(y.dtype)
+
+
 class Int4Linear(nn.Module):
     """``x Wᵀ`` with W in 4-bit groups: ``w = (q − 8)·scale + zero`` per group (see module doc)."""
 
     def __init__(self, q: Tensor, scale: Tensor, zero: Tensor, group_size: int,
-                 act_dtype: torch.dtype = torch.bfloat16) -> None:
-        """q (N, K) integers in 0..15; scale, zero (N, G) floats; K divisible by group_size."""
+                 act_dtype: torch.dtype = torch.bfloat16, bias: Tensor | None = None) -> None:
+        """q (N, K) integers in 0..15; scale, zero (N, G) floats; K divisible by group_size;
+        ``bias`` (N,), kept in float32 and added after the product (Qwen2's q/k/v)."""
         super().__init__()
         N, K = q.shape
         if K % 2 or K % group_size or scale.shape != (N, K // group_size) or zero.shape != scale.shape:
@@ -66,17 +80,27 @@ class Int4Linear(nn.Module):
         # is the kernel's own business).
         q8 = q.to(torch.uint8)
         self.register_buffer("codes", q8[:, 0::2] | (q8[:, 1::2] << 4), persistent=False)
+        self.register_buffer("bias", _float_bias(bias, N))
 
     @classmethod
-    def from_float(cls, weight: Tensor, group_size: int = 32,
-                   act_dtype: torch.dtype = torch.bfloat16) -> Int4Linear:
-        """Quantise a float (N, K) matrix: each group's [min, max] spread over 16 levels."""
+    def from_float(cls, weight: Tensor, group_size: int = 32, act_dtype: torch.dtype = torch.bfloat16,
+                   bias: Tensor | None = None, symmetric: bool = False) -> Int4Linear:
+        """Quantise a float (N, K) matrix: each group's [min, max] spread over 16 levels (the
+        grid of GGUF's Q4_1, whose codes this recovers from its dequantised weights); with
+        ``symmetric``, llama.cpp's Q4_0 grid instead: w = d·(q − 8), the group's largest |w|
+        at code 0 (d = −that w / 8), no offset, so a Q4_0 file's codes are recovered too."""
         N, K = weight.shape
         w = weight.detach().float().view(N, K // group_size, group_size)
+        if symmetric:
+            extreme = w.gather(-1, w.abs().argmax(dim=-1, keepdim=True))[..., 0]  # signed
+            scale = -extreme / 8
+            scale = torch.where(scale == 0, torch.full_like(scale, 1e-10), scale)
+            q = (w / scale[..., None] + 8).round().clamp(0, 15).view(N, K)
+            return cls(q, scale, torch.zeros_like(scale), group_size, act_dtype, bias)
         lo, hi = w.amin(dim=-1), w.amax(dim=-1)
         scale = ((hi - lo) / 15).clamp(min=1e-10)
         q = ((w - lo[..., None]) / scale[..., None]).round().clamp(0, 15).view(N, K)
-        return cls(q, scale, lo + 8 * scale, group_size, act_dtype)
+        return cls(q, scale, lo + 8 * scale, group_size, act_dtype, bias)
 
     def dequantize(self) -> Tensor:
         """The (N, K) float32 matrix this layer multiplies by, with the scales and zeros as
@@ -94,7 +118,7 @@ class Int4Linear(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         shape = x.shape
         y = self.matmul(x.reshape(-1, self.in_features).to(self.act_dtype))  # (M, N)
-        return y.view(*shape[:-1], self.out_features).to(x.dtype)
+        return _plus_bias(y.view(*shape[:-1], self.out_features).to(x.dtype), self.bias)
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
@@ -104,8 +128,9 @@ class Int4Linear(nn.Module):
 class Int8Linear(nn.Module):
     """``x Wᵀ`` with W as int8 rows: ``w = q·scale``, one scale per output row."""
 
-    def __init__(self, q: Tensor, scale: Tensor, act_dtype: torch.dtype = torch.bfloat16) -> None:
-        """q (N, K) int8; scale (N,) float."""
+    def __init__(self, q: Tensor, scale: Tensor, act_dtype: torch.dtype = torch.bfloat16,
+                 bias: Tensor | None = None) -> None:
+        """q (N, K) int8; scale (N,) float; ``bias`` (N,), kept in float32."""
         super().__init__()
         if q.dtype != torch.int8 or q.dim() != 2 or scale.shape != (q.shape[0],):
             raise ValueError("Int8Linear takes int8 codes (N, K) and one scale per row (N,)")
@@ -113,13 +138,15 @@ class Int8Linear(nn.Module):
         self.out_features, self.in_features = q.shape
         self.register_buffer("weight_int8", q.contiguous())
         self.register_buffer("scale", scale.to(act_dtype).contiguous())  # as the kernel reads it
+        self.register_buffer("bias", _float_bias(bias, q.shape[0]))
 
     @classmethod
-    def from_float(cls, weight: Tensor, act_dtype: torch.dtype = torch.bfloat16) -> Int8Linear:
+    def from_float(cls, weight: Tensor, act_dtype: torch.dtype = torch.bfloat16,
+                   bias: Tensor | None = None) -> Int8Linear:
         """Symmetric per-row quantisation: scale = max|w| / 127."""
         w = weight.detach().float()
         scale = (w.abs().amax(dim=1) / 127).clamp(min=1e-10).to(act_dtype).float()
-        return cls((w / scale[:, None]).round().clamp(-127, 127).to(torch.int8), scale, act_dtype)
+        return cls((w / scale[:, None]).round().clamp(-127, 127).to(torch.int8), scale, act_dtype, bias)
 
     def dequantize(self) -> Tensor:
         """The (N, K) float32 matrix this layer multiplies by (scales as the kernel reads them)."""
@@ -129,7 +156,7 @@ class Int8Linear(nn.Module):
         shape = x.shape
         x2 = x.reshape(-1, self.in_features).to(self.act_dtype)
         y = torch.ops.aten._weight_int8pack_mm(x2, self.weight_int8, self.scale)
-        return y.view(*shape[:-1], self.out_features).to(x.dtype)
+        return _plus_bias(y.view(*shape[:-1], self.out_features).to(x.dtype), self.bias)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, act_dtype={self.act_dtype}"
@@ -147,10 +174,12 @@ class Int4SwiGLU(nn.Module):
         self.hidden = gate_up.out_features // 2
 
     @classmethod
-    def from_swiglu(cls, mlp: SwiGLU, group_size: int = 32) -> Int4SwiGLU:
-        """From a float :class:`~qkv.layers.mlp.SwiGLU` without biases."""
+    def from_swiglu(cls, mlp: SwiGLU, group_size: int = 32, symmetric: bool = False) -> Int4SwiGLU:
+        """From a float :class:`~qkv.layers.mlp.SwiGLU` without biases (``symmetric``: see
+        :meth:`Int4Linear.from_float`)."""
         w = torch.cat([mlp.w_gate.weight, mlp.w_up.weight], dim=0)  # (2F, dim): [gate | up]
-        return cls(Int4Linear.from_float(w, group_size), Int4Linear.from_float(mlp.w_down.weight, group_size))
+        return cls(Int4Linear.from_float(w, group_size, symmetric=symmetric),
+                   Int4Linear.from_float(mlp.w_down.weight, group_size, symmetric=symmetric))
 
     def forward(self, x: Tensor) -> Tensor:
         shape = x.shape
@@ -199,12 +228,13 @@ class TopKRefinedLinear(nn.Module):
 
 
 def quantize_linears(model: nn.Module, weights: str, skip: tuple[str, ...] = (),
-                     group_size: int = 32) -> nn.Module:
+                     group_size: int = 32, symmetric: bool = False) -> nn.Module:
     """Replace every ``nn.Linear`` of ``model`` (but those whose name ends in ``skip``) by its
     int8 (``weights="int8"``) or 4-bit (``"q4"``) form, in place (4-bit: each bias-free
     SwiGLU as one :class:`Int4SwiGLU`); returns the model.
 
-    Biases are not supported (the decoders that use this have none).
+    A layer's bias stays float32 and is added after the quantised product. ``symmetric``: the
+    4-bit groups on Q4_0's grid rather than Q4_1's (:meth:`Int4Linear.from_float`).
     """
     if weights not in ("int8", "q4"):
         raise ValueError(f"weights must be int8 or q4 here, got {weights!r}")
@@ -212,14 +242,13 @@ def quantize_linears(model: nn.Module, weights: str, skip: tuple[str, ...] = (),
         for name, module in list(model.named_modules()):
             if (isinstance(module, SwiGLU) and not name.endswith(skip)
                     and all(m.bias is None for m in (module.w_gate, module.w_up, module.w_down))):
-                set_submodule(model, name, Int4SwiGLU.from_swiglu(module, group_size))
+                set_submodule(model, name, Int4SwiGLU.from_swiglu(module, group_size, symmetric))
     for name, module in list(model.named_modules()):
         if not isinstance(module, nn.Linear) or name.endswith(skip):
             continue
-        if module.bias is not None:
-            raise ValueError(f"{name} has a bias; weight-only quantisation here needs bias-free layers")
-        w = module.weight
-        q = Int8Linear.from_float(w) if weights == "int8" else Int4Linear.from_float(w, group_size)
+        w, b = module.weight, module.bias
+        q = (Int8Linear.from_float(w, bias=b) if weights == "int8"
+             else Int4Linear.from_float(w, group_size, bias=b, symmetric=symmetric))
         set_submodule(model, name, q)
     return model
 

@@ -31,9 +31,12 @@ DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "bfloat16": torch.bf
 WeightsName = Literal["auto", "fp32", "bf16", "int8", "q4"]
 WEIGHTS = ("auto", "fp32", "bf16", "int8", "q4")
 # GGUF block formats whose groups of 32 are exactly torch's 4-bit groups: Q4_1 (w = d·q + m)
-# and Q4_0 (w = d·(q − 8)). Re-grouping their dequantised weights by each group's min and max
-# gives back the file's own codes and scales (llama.cpp sets d and m from the group's min and
-# max), so weights="q4" decodes from the file's 4 bits, not from a second rounding.
+# and Q4_0 (w = d·(q − 8)). Re-grouping their dequantised weights gives back the file's own
+# codes and scales, so weights="q4" decodes from the file's 4 bits, not from a second rounding:
+# for Q4_1 by each group's min and max (llama.cpp sets d and m from them), for Q4_0 by the
+# group's largest |w|, which llama.cpp puts at code 0 (the symmetric grid; a Q4_0 file
+# regrouped by min and max, as before, moved its logits by 0.5 in 2.3). A file mixing the two
+# is not decoded in 4 bits.
 Q4_SOURCES = ("Q4_0", "Q4_1")
 
 
@@ -155,12 +158,12 @@ class CausalLM:
             raise ValueError(f"weights must be one of {', '.join(WEIGHTS)}, got {weights!r}")
         self._check_not_quantized(f"re-stored as {weights}")
         types = self.info.get("weight_types") or []
-        in_4_bits = bool(types) and all(t in Q4_SOURCES for t in types)
+        in_4_bits = len(types) == 1 and types[0] in Q4_SOURCES  # one 4-bit grid: its codes kept
         if weights == "auto":
             weights = "q4" if in_4_bits and int4_kernels_available() else "fp32"
         if weights == "q4" and not in_4_bits:
             raise ValueError(
-                f"weights='q4' decodes from a file's own 4-bit groups ({', '.join(Q4_SOURCES)}); "
+                f"weights='q4' decodes from a file's own 4-bit groups (all {' or all '.join(Q4_SOURCES)}); "
                 f"{self.name}'s blocks are stored as {', '.join(types) or 'unknown'}: use "
                 "weights='int8', 'bf16' or 'fp32'")
         if weights == "q4" and not int4_kernels_available():
@@ -171,7 +174,7 @@ class CausalLM:
             return self.to("float32" if weights == "fp32" else "bfloat16")
         self.model.to(torch.float32)
         if weights == "q4":
-            quantize_linears(self.model, "q4", skip=("lm_head",))
+            quantize_linears(self.model, "q4", skip=("lm_head",), symmetric=types == ["Q4_0"])
         head = self.model.lm_head.weight.detach()  # (V, dim) float32, the tied embedding
         quantize_linears(self.model, "int8")
         # bf16 logits from the int8 kernel would round near-ties: recompute the top 64 in fp32.

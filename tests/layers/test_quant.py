@@ -120,8 +120,25 @@ def test_quantize_linears_replaces_every_linear_but_the_skipped() -> None:
     assert isinstance(model[0], Int4Linear) and isinstance(model[2], nn.Linear)
     quantize_linears(model, "int8")
     assert isinstance(model[2], Int8Linear)
-    with pytest.raises(ValueError, match="bias"):
-        quantize_linears(nn.Sequential(nn.Linear(64, 32)), "int8")
+
+
+@pytest.mark.parametrize("weights", ["int8", "q4"])
+def test_a_linear_with_a_bias_keeps_it_in_float32(weights: str) -> None:
+    """Qwen2's q/k/v and `--bias true` runs: the quantised product of the dequantised matrix
+    plus the layer's own bias, in float64 (the bias exact, the product to bf16 precision)."""
+    torch.manual_seed(0)
+    lin = nn.Linear(64, 32)
+    with torch.no_grad():
+        lin.bias.mul_(20)  # a bias large beside the product, so that dropping it shows
+    model = quantize_linears(nn.Sequential(lin), weights)
+    layer = model[0]
+    assert isinstance(layer, Int8Linear if weights == "int8" else Int4Linear)
+    assert layer.bias.dtype == torch.float32 and torch.equal(layer.bias, lin.bias.detach())
+    x = torch.randn(5, 64, generator=gen(12))
+    product = x.bfloat16().double() @ layer.dequantize().double().T
+    y = layer(x).double()
+    torch.testing.assert_close(y - lin.bias.double(), product, rtol=0, atol=8e-3 * product.abs().max().item())
+    assert (y - product).abs().min().item() > 0  # the bias is there
 
 
 def test_int4_swiglu_equals_swiglu_of_its_dequantised_weights() -> None:
@@ -141,3 +158,21 @@ def test_int4_swiglu_equals_swiglu_of_its_dequantised_weights() -> None:
     assert (fused(x).double() - dense).abs().max().item() <= 0.15 * dense.abs().max().item()
     # the fused matrix is [gate | up]: its first half is the gate's own 4-bit form
     torch.testing.assert_close(wgu[:96].float(), Int4Linear.from_float(mlp.w_gate.weight).dequantize())
+
+
+def test_a_q4_0_matrix_is_regrouped_on_its_own_grid() -> None:
+    """llama.cpp's Q4_0 (the gguf package's own quantiser and dequantiser as the reference):
+    the symmetric regrouping gives back its matrix up to the bf16 rounding of each group's
+    scale; the min/max (Q4_1) grid would round a second time, ~25x further off."""
+    gguf = pytest.importorskip("gguf")
+    import numpy as np
+
+    kind = gguf.GGMLQuantizationType.Q4_0
+    a = np.random.default_rng(0).standard_normal((64, 128)).astype(np.float32)
+    w = gguf.quants.dequantize(gguf.quants.quantize(a, kind), kind).astype(np.float64)
+    scale = np.abs(w.reshape(64, 4, 32)).max(-1) / 8  # llama.cpp's d, up to sign
+    bound = (8 * scale * 2.0**-8).repeat(32, axis=1)  # |q − 8| ≤ 8 steps of a bf16-rounded d
+    sym = Int4Linear.from_float(torch.from_numpy(w).float(), symmetric=True).dequantize().double().numpy()
+    assert (np.abs(sym - w) <= bound + 1e-7).all()
+    asym = Int4Linear.from_float(torch.from_numpy(w).float()).dequantize().double().numpy()
+    assert np.abs(asym - w).max() > 10 * np.abs(sym - w).max()

@@ -30,8 +30,9 @@ V = 96
 PROMPT = torch.tensor([[3, 17, 42, 5, 88, 9, 1, 60]])
 
 
-def write_gguf(ref, arch: str, path: Path) -> None:
-    """``ref``'s weights and config as llama.cpp would store them (F32), with a tokenizer of
+def write_gguf(ref, arch: str, path: Path, q4_0: bool = False) -> None:
+    """``ref``'s weights and config as llama.cpp would store them (F32; ``q4_0``: the blocks'
+    matrices in llama.cpp's Q4_0, by the gguf package's own quantiser), with a tokenizer of
     V tokens (byte-level BPE metadata, one merge)."""
     c = ref.config
     kind = {"llama": gguf.MODEL_ARCH.LLAMA, "qwen2": gguf.MODEL_ARCH.QWEN2}[arch]
@@ -54,6 +55,11 @@ def write_gguf(ref, arch: str, path: Path) -> None:
         a = t.detach().float().numpy().copy()
         if arch == "llama":
             a = permute_qk(hf_name, a, c.num_attention_heads, c.num_key_value_heads)
+        if q4_0 and a.ndim == 2 and hf_name.startswith("model.layers."):
+            kind = gguf.GGMLQuantizationType.Q4_0
+            w.add_tensor(names.get_name(hf_name, try_suffixes=(".weight",)), gguf.quants.quantize(a, kind),
+                         raw_dtype=kind)
+            continue
         add_hf_tensor(w, names, hf_name, a)
     finish(w)
 
@@ -167,3 +173,29 @@ def test_qkv_attend_reads_a_gguf_file(tmp_path: Path) -> None:
     assert text_attention(src, "w0w0").weights.shape[:2] == (2, 4)  # the text path reads it too
     rc, _, err = call(["attend", str(path), "w3 w17 w42", "-o", str(tmp_path / "a.png")])
     assert rc == 0 and (tmp_path / "a.png").read_bytes()[:4] == b"\x89PNG", err
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_a_4_bit_gguf_decodes_in_4_bits_biases_and_all(tmp_path: Path, arch: str) -> None:
+    """A Q4_0 file (Qwen2's q/k/v biases included) loads by default in qkv's 4-bit path: its
+    logits near transformers' reading of the same file (which dequantises to float32), to the
+    bf16 activations' precision, and the biases kept exactly."""
+    ref = tiny(arch)
+    with torch.no_grad():
+        for name, p in ref.named_parameters():
+            if name.endswith("proj.bias"):
+                p.normal_(0.0, 0.5)  # biases that matter
+    path = tmp_path / f"q4-{arch}.gguf"
+    write_gguf(ref, arch, path, q4_0=True)
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, gguf_file=path.name,
+                                                              dtype=torch.float32).eval()
+    lm = qkv.load(str(path), cache=False)
+    assert lm.info["weights"] == "q4" and lm.info["weight_types"] == ["Q4_0"]
+    x = torch.tensor([[3, 17, 42, 5, 9, 11]])
+    with torch.no_grad():
+        want, got = theirs(x).logits, lm.model(x).logits.float()
+    assert (got - want).abs().max().item() <= 0.03 * want.abs().max().item()
+    if arch == "qwen2":
+        bias = lm.model.stack.blocks[0].attn.qkv.bias
+        q_bias = theirs.model.layers[0].self_attn.q_proj.bias
+        assert torch.equal(bias[: q_bias.shape[0]], q_bias.detach().float())
