@@ -224,6 +224,13 @@ BYTE_LEVEL_SPLITS: dict[str, ByteLevelSplit] = {
 }
 
 
+# The splits whose models begin every text with their bos token when the file does not say
+# (tokenizer.ggml.add_bos_token absent), as llama.cpp's vocabulary loader sets them: Llama-3 and
+# its kin, tekken (Mistral-Nemo), chameleon. A file's own add_bos_token always wins.
+BOS_BY_DEFAULT = frozenset(("llama-bpe", "llama3", "llama-v3", "falcon3", "falcon-h1", "pixtral", "lfm2",
+                            "tekken", "chameleon"))
+
+
 def byte_level_split(g: GGUFFile) -> ByteLevelSplit:
     """The split ``tokenizer.ggml.pre`` names (:data:`BYTE_LEVEL_SPLITS`).
 
@@ -244,8 +251,9 @@ def byte_level_split(g: GGUFFile) -> ByteLevelSplit:
 
 def byte_bpe_from_gguf(g: GGUFFile) -> HFTokenizer:
     """Byte-level BPE as a ``tokenizers.Tokenizer``: the words of :func:`byte_level_split` (no
-    prefix space), the stored merges, and the control tokens (<|im_start|>, <|im_end|>, ...)
-    matched whole in the text."""
+    prefix space), the stored merges, the control tokens (<|im_start|>, <|im_end|>, ...)
+    matched whole in the text, and the bos token in front where ``add_bos_token`` says so (or,
+    without the key, where llama.cpp puts it by default: :data:`BOS_BY_DEFAULT`)."""
     tk = hf_tokenizers()
     tokens: list[str] = _required(g, "tokenizer.ggml.tokens")
     types = _token_types(g, tokens)
@@ -263,6 +271,13 @@ def byte_bpe_from_gguf(g: GGUFFile) -> HFTokenizer:
     special = [tk.AddedToken(t, special=True, normalized=False)
                for t, ty in zip(tokens, types, strict=True) if ty in kinds]
     tok.add_special_tokens(special)
+    bos = g.metadata.get("tokenizer.ggml.bos_token_id")
+    add_bos = g.metadata.get("tokenizer.ggml.add_bos_token",
+                             (g.metadata.get("tokenizer.ggml.pre") or "default") in BOS_BY_DEFAULT)
+    if add_bos and isinstance(bos, int) and 0 <= bos < len(tokens):  # <|begin_of_text|> in front
+        tok.post_processor = tk.processors.TemplateProcessing(
+            single=f"{tokens[bos]} $A", special_tokens=[(tokens[bos], bos)])
+        return HFTokenizer(tok, add_special_tokens=True)
     return HFTokenizer(tok)
 
 

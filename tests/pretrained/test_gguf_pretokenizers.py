@@ -130,9 +130,13 @@ def trained() -> tuple[dict, list[str], list[str]]:
     return data, tokens, [" ".join(m) for m in merges]
 
 
-def write_gguf(path: Path, tokens: list[str], merges: list[str], pre: str | None) -> Path:
-    """A vocabulary-only GGUF, as llama.cpp's converter writes a byte-level BPE vocabulary."""
+def write_gguf(path: Path, tokens: list[str], merges: list[str], pre: str | None,
+               add_bos: bool | None = None) -> Path:
+    """A vocabulary-only GGUF, as llama.cpp's converter writes a byte-level BPE vocabulary
+    (``add_bos``: its tokenizer.ggml.add_bos_token, None: no such key)."""
     w = gguf.GGUFWriter(str(path), "llama")
+    if add_bos is not None:
+        w.add_add_bos_token(add_bos)
     w.add_tokenizer_model("gpt2")
     if pre is not None:
         w.add_tokenizer_pre(pre)
@@ -159,7 +163,7 @@ def gguf_for(trained, tmp_path_factory):
 
 def qkv_ids(path: Path) -> list[list[int]]:
     tok = byte_bpe_from_gguf(read_gguf(path))
-    ids = [tok.encode(t) for t in TEXTS]
+    ids = [tok.encode(t, add_special_tokens=False) for t in TEXTS]  # the split alone (no BOS)
     assert [tok.decode(i) for i in ids] == TEXTS  # byte level: every text comes back exactly
     return ids
 
@@ -210,7 +214,7 @@ def test_llama3_keeps_a_word_that_is_a_token_whole(gguf_for) -> None:
         path = gguf_for(pre)
         tok = byte_bpe_from_gguf(read_gguf(path))
         want = transformers_reader(path)
-        pieces = want.convert_ids_to_tokens(tok.encode("zqz"))
+        pieces = want.convert_ids_to_tokens(tok.encode("zqz", add_special_tokens=False))
         assert pieces == (["zqz"] if whole else ["z", "qz"]), pre
         assert want.convert_ids_to_tokens(want.encode("zqz", add_special_tokens=False)) == ["z", "qz"]
 
@@ -254,3 +258,17 @@ def test_an_unknown_name_warns_and_splits_as_gpt2(gguf_for) -> None:
         warnings.simplefilter("error")
         ids = qkv_ids(path)
     assert ids == reference_ids(transformers_reader(path)) == qkv_ids(gguf_for("gpt-2"))
+
+
+@pytest.mark.parametrize(("pre", "add_bos", "bos"), [
+    ("llama-bpe", None, True), ("tekken", None, True), ("gpt-2", None, False), ("smollm", None, False),
+    ("llama-bpe", False, False), ("gpt-2", True, True), ("qwen2", True, True)])
+def test_bos_goes_in_front_as_llama_cpp_puts_it(trained, tmp_path: Path, pre: str, add_bos: bool | None,
+                                                bos: bool) -> None:
+    """The file's tokenizer.ggml.add_bos_token decides; without it, llama.cpp's defaults by
+    split (llama-vocab.cpp: add_bos for llama-bpe and its kin, tekken, chameleon; not for
+    gpt-2, smollm, ...). The rest of the ids are the split's own."""
+    _, tokens, merges = trained
+    tok = byte_bpe_from_gguf(read_gguf(write_gguf(tmp_path / "v.gguf", tokens, merges, pre, add_bos)))
+    plain = tok.encode("Hello world", add_special_tokens=False)
+    assert tok.encode("Hello world") == ([0] if bos else []) + plain
