@@ -65,26 +65,31 @@ def _check_folder(path: Any) -> None:
                                 "checkpoint folder or a .gguf file")
 
 
-def _load_run(path: Any, family: str, *, device: str = "cpu", dtype: Any = None,
-              weights: str | None = None) -> Any:
-    """``load`` for a qkv run directory of ``family``."""
+def _load_run(run_dir: Any, family: str, /, *, device: str = "cpu", dtype: Any = None,
+              weights: str | None = None, cache: bool = True, **rest: Any) -> Any:
+    """``load`` for a qkv run directory of ``family`` (``cache`` has nothing to do: a run is
+    read as it is; ``path=`` is for the named models)."""
     from qkv.device import check_device
     from qkv.families import get_family
 
+    if "path" in rest:
+        raise ValueError("path= is for the named models; give the run directory itself: qkv.load(run_dir)")
+    if rest:
+        raise ValueError(f"qkv.load of a run takes device, dtype and weights; not {', '.join(rest)}")
     check_device(device)
-    loaded = get_family(family).load(path, device)
+    loaded = get_family(family).load(run_dir, device)
     if family != "gpt":
         if dtype is not None or weights is not None:
-            raise ValueError(f"dtype= and weights= are for GPT runs and decoders; {path} is a {family} run: "
-                             "cast its .model instead")
+            raise ValueError(f"dtype= and weights= are for GPT runs and decoders; {run_dir} is a "
+                             f"{family} run: cast its .model instead")
         return loaded
     from qkv.pretrained.pipelines import CausalLM
     from qkv.tokenizers import end_of_text_id
 
     tok = loaded.tokenizer
     stops = tuple(i for i in (end_of_text_id(tok),) if i is not None)
-    lm = CausalLM(path.name, loaded.model.eval(), tok, None, stops,
-                  {"name": path.name, "run_dir": str(path), "family": family})
+    lm = CausalLM(run_dir.name, loaded.model.eval(), tok, None, stops,
+                  {"name": run_dir.name, "run_dir": str(run_dir), "family": family})
     if weights is not None:
         return lm.quantize(weights)
     return lm.to(dtype) if dtype is not None else lm

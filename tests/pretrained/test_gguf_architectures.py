@@ -30,7 +30,7 @@ V = 96
 PROMPT = torch.tensor([[3, 17, 42, 5, 88, 9, 1, 60]])
 
 
-def write_gguf(ref, arch: str, path: Path, q4_0: bool = False) -> None:
+def write_gguf(ref, arch: str, path: Path, q4_0: bool = False, rope_base: bool = True) -> None:
     """``ref``'s weights and config as llama.cpp would store them (F32; ``q4_0``: the blocks'
     matrices in llama.cpp's Q4_0, by the gguf package's own quantiser), with a tokenizer of
     V tokens (byte-level BPE metadata, one merge)."""
@@ -39,7 +39,8 @@ def write_gguf(ref, arch: str, path: Path, q4_0: bool = False) -> None:
     w, names = open_gguf(path, kind, c.num_hidden_layers)
     add_sizes(w, context=c.max_position_embeddings, embedding=c.hidden_size, blocks=c.num_hidden_layers,
               feed_forward=c.intermediate_size, heads=c.num_attention_heads, kv_heads=c.num_key_value_heads)
-    w.add_rope_freq_base(float(c.rope_parameters["rope_theta"]))
+    if rope_base:  # the converter writes it only where config.json has a rope_theta
+        w.add_rope_freq_base(float(c.rope_parameters["rope_theta"]))
     w.add_layer_norm_rms_eps(c.rms_norm_eps)
     w.add_tokenizer_model("gpt2")
     w.add_token_list(["w", "0", "w0", *(f"w{i}" for i in range(3, V))])  # the merge: w + 0 -> w0
@@ -199,3 +200,16 @@ def test_a_4_bit_gguf_decodes_in_4_bits_biases_and_all(tmp_path: Path, arch: str
         bias = lm.model.stack.blocks[0].attn.qkv.bias
         q_bias = theirs.model.layers[0].self_attn.q_proj.bias
         assert torch.equal(bias[: q_bias.shape[0]], q_bias.detach().float())
+
+
+def test_a_gguf_without_a_rope_base_takes_llama_cpp_s_default(tmp_path: Path) -> None:
+    """No {arch}.rope.freq_base: 10000, as llama.cpp reads it (the original RoPE's base, and
+    transformers' default for the model written here), not a refusal."""
+    ref = tiny("qwen2")
+    assert float(ref.config.rope_parameters["rope_theta"]) == 10000.0
+    write_gguf(ref, "qwen2", tmp_path / "norope.gguf", rope_base=False)
+    lm = qkv.load(str(tmp_path / "norope.gguf"), weights="fp32", cache=False)
+    assert lm.model.cfg.rope_theta == 10000.0
+    x = torch.tensor([[3, 17, 42, 5]])
+    with torch.no_grad():
+        assert (lm.model(x).logits - ref(x).logits).abs().max().item() <= 1e-5

@@ -36,6 +36,9 @@ def test_a_gpt_run_is_a_causal_lm(tiny_run) -> None:
     assert rc == 0, err
     assert out == "ROMEO: O" + lm.generate("ROMEO: O", 12) + "\n"  # greedy, as the command
     assert qkv.load(str(run), weights="int8").info["weights"] == "int8"
+    assert qkv.load(run, cache=False).name == "gpt-tiny"  # qkv.pretrained.load's keywords too
+    with pytest.raises(ValueError, match="path= is for the named models"):
+        qkv.load(run, path="elsewhere")
     assert lm.to("bfloat16").model.lm_head.weight.dtype == torch.bfloat16
 
 
