@@ -44,7 +44,7 @@ def decode_after(decode: Callable[[Sequence[int]], str], context: Sequence[int],
     prompt. The last :data:`CONTEXT_IDS` ids of ``context`` are decoded with them; where the
     context ends mid-character (its text is not a prefix of the joint text), ``ids`` alone.
     """
-    ctx = list(context)[-CONTEXT_IDS:]
+    ctx = list(context[-CONTEXT_IDS:])
     if not ctx:
         return decode(ids)
     base, text = decode(ctx), decode([*ctx, *ids])
@@ -58,19 +58,23 @@ def text_pieces(decode: Callable[[Sequence[int]], str], ids: Iterable[int],
     A byte-level BPE token can end in the middle of a UTF-8 character; text that decodes to a
     trailing U+FFFD is held back until a later token completes it (and flushed as it is at the
     end of the stream). ``context``: the prompt's ids, so that the first piece reads as it does
-    after the prompt (:func:`decode_after`).
+    after the prompt (:func:`decode_after`). Each step decodes only the ids not yet shown, after
+    the last few shown ones: constant work per token, however long the reply.
     """
-    out: list[int] = []
-    shown = ""
+    before = list(context[-CONTEXT_IDS:])  # what the pending ids are read after
+    pending: list[int] = []  # ids whose text is not out yet (an unfinished character)
     for i in ids:
-        out.append(i)
-        text = decode_after(decode, context, out)
+        pending.append(i)
+        text = decode_after(decode, before, pending)
         if not text.endswith("\ufffd"):
-            yield text[len(shown):]
-            shown = text
-    rest = decode_after(decode, context, out)[len(shown):]
-    if rest:
-        yield rest
+            if text:
+                yield text
+            before = [*before, *pending][-CONTEXT_IDS:]
+            pending = []
+    if pending:
+        rest = decode_after(decode, before, pending)
+        if rest:
+            yield rest
 
 
 @torch.inference_mode()

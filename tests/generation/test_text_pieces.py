@@ -43,3 +43,20 @@ def test_a_character_split_over_tokens_is_held_back() -> None:
     pieces = list(text_pieces(bpe.decode, iter(new), context=prompt))
     assert "".join(pieces) == "café"[len(bpe.decode(prompt)):]
     assert all("\ufffd" not in p for p in pieces)
+
+
+def test_each_step_decodes_a_bounded_number_of_ids() -> None:
+    """Streaming 2,000 tokens after a 5,000-token prompt decodes a few ids per token, not the
+    whole reply (or prompt) again each step; the text is the whole decode's."""
+    tok, ids = _sentencepiece()
+    seen = []
+
+    def decode(part):
+        seen.append(len(part))
+        return tok.decode(list(part))
+
+    prompt = [ids["▁the"]] * 5000
+    new = [ids["▁cat"], ids["▁sat"]] * 1000
+    text = "".join(text_pieces(decode, iter(new), context=prompt))
+    assert text == tok.decode(prompt + new)[len(tok.decode(prompt)):]
+    assert sum(seen) <= 2 * 20 * len(new)  # two decodes of at most 8 + a few ids per token
