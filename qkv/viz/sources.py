@@ -18,6 +18,7 @@ Shapes: L layers, H heads, T tokens (queries), S keys, g grid cells per side.
 
 from __future__ import annotations
 
+import functools
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -164,7 +165,18 @@ def load_source(name_or_path: str | os.PathLike[str], display_name: str | None =
 
 def gguf_family(path: Path) -> str:
     """``gguf-encoder`` for a GGUF of an encoder architecture (bert), else ``gguf`` (a decoder;
-    a damaged file or an unsupported architecture is said when it loads)."""
+    a damaged file or an unsupported architecture is said when it loads). Remembered per file
+    version: reading a file's metadata takes seconds for a large vocabulary, and the server
+    asks on every model list."""
+    try:
+        st = Path(path).stat()
+    except OSError:
+        return "gguf"
+    return _gguf_family(str(Path(path).resolve()), st.st_size, st.st_mtime_ns)
+
+
+@functools.lru_cache(maxsize=256)
+def _gguf_family(path: str, size: int, mtime_ns: int) -> str:
     from qkv.pretrained.gguf_file import PretrainedFormatError, read_gguf
     from qkv.pretrained.smollm2 import GGUF_ENCODERS
 
