@@ -48,6 +48,32 @@ def _float_bias(bias: Tensor | None, n: int) -> Tensor | None:
     return bias.detach().float().clone()
 
 
+# Where a Q4_0 group's largest |w| may sit, as q − 8: llama.cpp's reference quantiser puts it at
+# code 0 (−8); with an importance matrix its scale search may leave it at code 15 (+7), 1 (−7), ...
+_Q4_0_STEPS = (-8, 7, -7, 6, -6, 5, -5, 4, -4, 3, -3, 2, -2, 1, -1)
+
+
+def _q4_0_scales(w: Tensor) -> Tensor:
+    """The scale d of each Q4_0 group of dequantised weights ``w`` (..., group): the d, among
+    those that put the group's largest |w| on a code, that puts every weight on a whole code in
+    0..15 (w = d·(q − 8) exactly); a group no d fits keeps the reference quantiser's."""
+    extreme = w.gather(-1, w.abs().argmax(dim=-1, keepdim=True))[..., 0]  # signed
+    nonzero = extreme != 0
+    scale = torch.where(nonzero, extreme / -8, torch.full_like(extreme, 1e-10))
+    todo = nonzero.clone()
+    for step in _Q4_0_STEPS:
+        if not bool(todo.any()):
+            break
+        d = extreme[todo] / step
+        codes = w[todo] / d[:, None] + 8
+        fits = ((codes - codes.round()).abs() <= 1e-3).all(-1) & (codes.round() >= 0).all(-1) \
+            & (codes.round() <= 15).all(-1)
+        index = todo.nonzero(as_tuple=True)
+        scale[tuple(i[fits] for i in index)] = d[fits]
+        todo[tuple(i[fits] for i in index)] = False
+    return scale
+
+
 def _plus_bias(y: Tensor, bias: Tensor | None) -> Tensor:
     return y if bias is None else y + bias.to(y.dtype)
 
@@ -87,14 +113,13 @@ class Int4Linear(nn.Module):
                    bias: Tensor | None = None, symmetric: bool = False) -> Int4Linear:
         """Quantise a float (N, K) matrix: each group's [min, max] spread over 16 levels (the
         grid of GGUF's Q4_1, whose codes this recovers from its dequantised weights); with
-        ``symmetric``, llama.cpp's Q4_0 grid instead: w = d·(q − 8), the group's largest |w|
-        at code 0 (d = −that w / 8), no offset, so a Q4_0 file's codes are recovered too."""
+        ``symmetric``, llama.cpp's Q4_0 grid instead: w = d·(q − 8), no offset, d the scale
+        that puts every weight of the group on a whole code (:func:`_q4_0_scales`), so a Q4_0
+        file's codes are recovered too."""
         N, K = weight.shape
         w = weight.detach().float().view(N, K // group_size, group_size)
         if symmetric:
-            extreme = w.gather(-1, w.abs().argmax(dim=-1, keepdim=True))[..., 0]  # signed
-            scale = -extreme / 8
-            scale = torch.where(scale == 0, torch.full_like(scale, 1e-10), scale)
+            scale = _q4_0_scales(w)
             q = (w / scale[..., None] + 8).round().clamp(0, 15).view(N, K)
             return cls(q, scale, torch.zeros_like(scale), group_size, act_dtype, bias)
         lo, hi = w.amin(dim=-1), w.amax(dim=-1)

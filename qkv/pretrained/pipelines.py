@@ -34,7 +34,8 @@ WEIGHTS = ("auto", "fp32", "bf16", "int8", "q4")
 # and Q4_0 (w = d·(q − 8)). Re-grouping their dequantised weights gives back the file's own
 # codes and scales, so weights="q4" decodes from the file's 4 bits, not from a second rounding:
 # for Q4_1 by each group's min and max (llama.cpp sets d and m from them), for Q4_0 by the
-# group's largest |w|, which llama.cpp puts at code 0 (the symmetric grid; a Q4_0 file
+# symmetric scale that puts every weight of a group on a whole code (llama.cpp's reference
+# quantiser puts the largest |w| at code 0, its importance-matrix one may not; a Q4_0 file
 # regrouped by min and max, as before, moved its logits by 0.5 in 2.3). A file mixing the two
 # is not decoded in 4 bits.
 Q4_SOURCES = ("Q4_0", "Q4_1")

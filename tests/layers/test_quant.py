@@ -176,3 +176,11 @@ def test_a_q4_0_matrix_is_regrouped_on_its_own_grid() -> None:
     assert (np.abs(sym - w) <= bound + 1e-7).all()
     asym = Int4Linear.from_float(torch.from_numpy(w).float()).dequantize().double().numpy()
     assert np.abs(asym - w).max() > 10 * np.abs(sym - w).max()
+    # An importance-matrix quantiser (llama.cpp's make_qx_quants scale search) may leave no
+    # weight at code 0: groups w = d·(q − 8) with q in 1..15 come back as they are too.
+    g = torch.Generator().manual_seed(1)
+    d = torch.rand(64, 4, generator=g).double() * 0.05 + 0.01
+    q = torch.randint(1, 16, (64, 4, 32), generator=g)
+    w2 = ((q - 8).double() * d[..., None]).view(64, 128)
+    back = Int4Linear.from_float(w2.float(), symmetric=True).dequantize().double()
+    assert ((back - w2).abs().view(64, 4, 32) <= 8 * d[..., None] * 2.0**-8 + 1e-7).all()
