@@ -84,10 +84,10 @@ def _load_run(run_dir: Any, family: str, /, *, device: str = "cpu", dtype: Any =
                              f"{family} run: cast its .model instead")
         return loaded
     from qkv.pretrained.pipelines import CausalLM
-    from qkv.tokenizers import end_of_text_id
+    from qkv.tokenizers import stop_ids
 
     tok = loaded.tokenizer
-    stops = tuple(i for i in (end_of_text_id(tok),) if i is not None)
+    stops = stop_ids(tok)
     lm = CausalLM(run_dir.name, loaded.model.eval(), tok, None, stops,
                   {"name": run_dir.name, "run_dir": str(run_dir), "family": family})
     if weights is not None:

@@ -100,6 +100,8 @@ def _one_line_warnings() -> None:
 
     package = os.path.dirname(os.path.abspath(__file__))
     default = warnings.showwarning
+    if getattr(default, "qkv_one_line", False):  # main() called again in this process
+        return
 
     def show(message, category, filename, lineno, file=None, line=None):
         if os.path.abspath(filename).startswith(package + os.sep):
@@ -107,6 +109,7 @@ def _one_line_warnings() -> None:
         else:
             default(message, category, filename, lineno, file, line)
 
+    show.qkv_one_line = True  # type: ignore[attr-defined]
     warnings.showwarning = show
 
 

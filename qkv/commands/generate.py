@@ -62,7 +62,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     from qkv.generation.decode import crop_prompt
     from qkv.generation.sampling import check_sampling, make_generator
     from qkv.pretrained.hf import hf_model_type
-    from qkv.tokenizers import end_of_text_id
+    from qkv.tokenizers import stop_ids
 
     check_device(args.device)
     check_sampling(args.temperature, args.top_k, args.top_p, ("--temperature", "--top-k", "--top-p"))
@@ -100,7 +100,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         print(f"qkv: warning: prompt has {len(ids)} tokens, more than the context; "
               f"keeping the last {x.shape[1]}", file=sys.stderr)
     gen = make_generator(args.device, args.seed)
-    stops = [i for i in (end_of_text_id(tok),) if i is not None]  # a BPE run's <|endoftext|>
+    stops = stop_ids(tok)  # a BPE run's <|endoftext|>
     sys.stdout.write(args.prompt)
     out: list[int] = []
 

@@ -72,10 +72,10 @@ def sample_text(model: GPT, tok, prompt: str, max_new_tokens: int, temperature: 
                 top_k: int | None = 200, top_p: float | None = None, seed: int = 0) -> str:
     """Prompt -> prompt + continuation (the end-of-training sample)."""
     from qkv.generation import generate
-    from qkv.tokenizers import end_of_text_id
+    from qkv.tokenizers import stop_ids
 
     ids = torch.tensor([tok.encode(prompt)], dtype=torch.long, device=next(model.parameters()).device)
-    stops = [i for i in (end_of_text_id(tok),) if i is not None]
+    stops = stop_ids(tok)
     new = [int(t[0]) for t in generate(model, ids, max_new_tokens, temperature=temperature,
                                        top_k=top_k, top_p=top_p, seed=seed, stop_ids=stops)]
     return prompt + tok.decode(new)

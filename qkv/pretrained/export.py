@@ -254,7 +254,7 @@ def export_model(model: GPT, tok: Any, out: str | os.PathLike[str], fmt: str = "
         dtype: GGUF tensor type (f32, f16, bf16, q8_0); HF folders are always float32.
 
     Returns:
-        (``out``, the architecture: gpt2 or llama).
+        (``out``, the architecture: gpt2 or llama; a GGUF also qwen2).
 
     Raises:
         ValueError: one line (an option with no counterpart, ``out`` not empty), raised before

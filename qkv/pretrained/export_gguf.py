@@ -41,7 +41,7 @@ from typing import Any
 
 import numpy as np
 
-from qkv.models.gpt import GPT
+from qkv.models.gpt import GPT, GPTConfig
 from qkv.pretrained.architectures import GPT2_GGUF, LLAMA_GGUF
 from qkv.pretrained.export import hf_architecture, row_split, unmap_names, with_zero_biases
 
@@ -57,7 +57,7 @@ def permute_rope_rows(w: np.ndarray, n_heads: int) -> np.ndarray:
     return w.reshape(n_heads, 2, dh // 2, cols).swapaxes(1, 2).reshape(rows, cols)
 
 
-def gguf_architecture(cfg: Any) -> str:
+def gguf_architecture(cfg: GPTConfig) -> str:
     """The llama.cpp architecture a run is written as: ``gpt2`` (learned positions, LayerNorm,
     GELU), ``qwen2`` (llama-style with biases on q/k/v, ``--qkv_bias true``) or ``llama``.
     ValueError (one line) for a run no Hugging Face architecture represents either."""
@@ -67,7 +67,7 @@ def gguf_architecture(cfg: Any) -> str:
     return "qwen2" if cfg.qkv_bias else "llama"
 
 
-def gguf_notes(cfg: Any) -> list[str]:
+def gguf_notes(cfg: GPTConfig) -> list[str]:
     """What a GGUF reader computes differently from the run (written anyway, said aloud)."""
     if gguf_architecture(cfg) == "gpt2" and cfg.mlp == "gelu":
         return ["llama.cpp's gpt2 computes GELU in its tanh form and this run was trained with exact "

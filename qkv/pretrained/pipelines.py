@@ -165,7 +165,7 @@ class CausalLM:
         if weights == "q4" and not in_4_bits:
             raise ValueError(
                 f"weights='q4' decodes from a file's own 4-bit groups (all {' or all '.join(Q4_SOURCES)}); "
-                f"{self.name}'s blocks are stored as {', '.join(types) or 'unknown'}: use "
+                f"{self.name}'s blocks are stored as {', '.join(types) or 'floats (not a GGUF)'}: use "
                 "weights='int8', 'bf16' or 'fp32'")
         if weights == "q4" and not int4_kernels_available():
             raise ValueError(f"weights='q4' needs PyTorch's CPU int4 kernels (torch >= 2.5; this is "

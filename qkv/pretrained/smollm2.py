@@ -271,7 +271,7 @@ def load_gguf(
             raise
         raise PretrainedFormatError(f"{e}; {fix}") from None
     info = {
-        "name": g.metadata.get("general.name", "SmolLM2"),
+        "name": g.metadata.get("general.name", path.stem),
         "architecture": arch,
         "chat_template": g.metadata.get("tokenizer.chat_template"),
         "bos_id": g.metadata.get("tokenizer.ggml.bos_token_id"),

@@ -13,7 +13,7 @@ from qkv.tokenizers.base import (
     tokenizer_from_dict,
     tokenizer_json,
 )
-from qkv.tokenizers.bpe import END_OF_TEXT, BPETokenizer, end_of_text_id
+from qkv.tokenizers.bpe import END_OF_TEXT, BPETokenizer, end_of_text_id, stop_ids
 from qkv.tokenizers.char import CharTokenizer
 from qkv.tokenizers.hf import HFTokenizer
 
@@ -26,6 +26,7 @@ __all__ = [
     "end_of_text_id",
     "load_tokenizer",
     "save_tokenizer",
+    "stop_ids",
     "tokenizer_from_dict",
     "tokenizer_json",
 ]

@@ -33,6 +33,12 @@ def end_of_text_id(tok: Any) -> int | None:
     return tok.token_to_id(END_OF_TEXT) if isinstance(tok, HFTokenizer) else None
 
 
+def stop_ids(tok: Any) -> tuple[int, ...]:
+    """The ids that end a trained run's generation: its ``<|endoftext|>``, if it has one."""
+    eot = end_of_text_id(tok)
+    return () if eot is None else (eot,)
+
+
 class BPETokenizer(HFTokenizer):
     """Byte-level BPE: exact round trip on any Unicode text.
 

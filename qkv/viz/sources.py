@@ -220,11 +220,11 @@ def load_pretrained(name: str) -> Source:
 
 def _load_run(path: Path, family: str, name: str) -> Source:
     from qkv.families import get_family
-    from qkv.tokenizers import end_of_text_id
+    from qkv.tokenizers import stop_ids
 
     loaded = get_family(family).load(path)
     tok = getattr(loaded, "tokenizer", None)
-    stops = tuple(i for i in (end_of_text_id(tok),) if i is not None)  # a BPE run's <|endoftext|>
+    stops = stop_ids(tok)  # a BPE run's <|endoftext|>
     return Source(name, family, loaded.model, tok, loaded, stop_ids=stops)
 
 
