@@ -24,7 +24,8 @@ def load(name: str | os.PathLike[str], **kwargs: Any) -> Any:
       that family's loaded run (``.model`` and what it needs: vocabularies, classes).
 
     Keyword arguments are :func:`qkv.pretrained.load`'s (``dtype``, ``weights``, ``device``,
-    ...); a run of another family than GPT takes ``device`` only.
+    ...); a run of another family than GPT takes ``device`` only. A pretrained name always means
+    the pretrained model, never a folder of that name: give ``"./smollm2"`` for the folder.
     """
     from pathlib import Path
 

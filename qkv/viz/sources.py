@@ -178,7 +178,7 @@ def gguf_family(path: Path) -> str:
 @functools.lru_cache(maxsize=256)
 def _gguf_family(path: str, size: int, mtime_ns: int) -> str:
     from qkv.pretrained.gguf_file import PretrainedFormatError, read_gguf
-    from qkv.pretrained.smollm2 import GGUF_ENCODERS
+    from qkv.pretrained.gguf_models import GGUF_ENCODERS
 
     try:
         arch = read_gguf(path).metadata.get("general.architecture")

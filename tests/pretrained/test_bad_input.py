@@ -19,8 +19,8 @@ from qkv import assets
 from qkv.assets import AssetMissingError, asset_path
 from qkv.models.gpt import GPT, GPTConfig
 from qkv.pretrained import CausalLM, PretrainedFormatError
+from qkv.pretrained.gguf_models import load_smollm2
 from qkv.pretrained.minilm import load_minilm
-from qkv.pretrained.smollm2 import load_smollm2
 from qkv.tokenizers.hf import HFTokenizer
 
 MB = 1 << 20

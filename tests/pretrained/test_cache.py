@@ -8,7 +8,7 @@ import time
 import torch
 
 from qkv.pretrained import cache as cache_mod
-from qkv.pretrained import smollm2 as smollm2_mod
+from qkv.pretrained import gguf_models as smollm2_mod
 
 
 def test_second_load_comes_from_the_cache_and_is_identical(smollm2, smollm2_file, monkeypatch):

@@ -448,7 +448,7 @@ def test_permute_rope_rows_is_undone_by_the_reader() -> None:
     import numpy as np
 
     from qkv.pretrained.export_gguf import permute_rope_rows
-    from qkv.pretrained.smollm2 import unpermute_rope_rows
+    from qkv.pretrained.gguf_models import unpermute_rope_rows
 
     w = np.arange(4 * 8 * 3, dtype=np.float32).reshape(32, 3)
     p = permute_rope_rows(w, 4)

@@ -23,7 +23,7 @@ from pretrained_cases import (
     chat_ids,
 )
 
-from qkv.pretrained.smollm2 import unpermute_rope_rows
+from qkv.pretrained.gguf_models import unpermute_rope_rows
 
 LOGIT_TOL = 1e-4
 # use_cache for batched decoding; CausalLM.generate, one prompt at a time, runs with the cache.
