@@ -44,9 +44,7 @@ import numpy as np
 from qkv.models.gpt import GPT, GPTConfig
 from qkv.pretrained.architectures import GPT2_GGUF, LLAMA_GGUF
 from qkv.pretrained.export import hf_architecture, row_split, unmap_names, with_zero_biases
-
-GGUF_TOKEN_NORMAL = 1
-GGUF_TOKEN_CONTROL = 3  # llama.cpp's type of a special token
+from qkv.pretrained.gguf_tokenizers import GGUF_TOKEN_CONTROL, GGUF_TOKEN_NORMAL
 
 
 def permute_rope_rows(w: np.ndarray, n_heads: int) -> np.ndarray:

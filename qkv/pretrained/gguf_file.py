@@ -42,6 +42,12 @@ class GGUFFile:
     def tensor_names(self) -> list[str]:
         return [t.name for t in self.reader.tensors]
 
+    def require(self, key: str, fix: str) -> Any:
+        """The value of metadata ``key``; PretrainedFormatError naming it and ``fix`` if missing."""
+        if key not in self.metadata:
+            raise PretrainedFormatError(f"{self.path}: metadata key {key!r} missing; {fix}")
+        return self.metadata[key]
+
     def tensors(self) -> dict[str, np.ndarray]:
         """Every tensor dequantised to float32, in PyTorch's (out, in) row layout."""
         gguf = _gguf()

@@ -70,11 +70,8 @@ def _fix(path: Any) -> str:
 
 
 def _meta(g: GGUFFile, key: str) -> Any:
-    arch = g.metadata.get("general.architecture", "llama")
-    full = key.replace("{arch}", arch)
-    if full not in g.metadata:
-        raise PretrainedFormatError(f"{g.path}: metadata key {full!r} missing; {_fix(g.path)}")
-    return g.metadata[full]
+    full = key.replace("{arch}", g.metadata.get("general.architecture", "llama"))
+    return g.metadata[full] if full in g.metadata else g.require(full, _fix(g.path))
 
 
 GGUF_DECODERS = ("llama", "qwen2", "gpt2", "gemma")  # llama also covers Mistral-style files (same names)
@@ -169,16 +166,13 @@ def gpt_state_dict_from_gguf(tensors: dict[str, np.ndarray], cfg: GPTConfig,
     (:data:`~qkv.pretrained.architectures.LLAMA_GGUF`), with the Q/K rows unpermuted where
     llama.cpp permuted them (``permuted``: its llama converter does; its qwen2 one, whose
     RoPE rotates halves as qkv's does, stores them as they were)."""
-    def get(name: str) -> Tensor:
-        if name not in tensors:
-            raise PretrainedFormatError(f"tensor {name!r} missing from the GGUF file; the file is "
-                                        "incomplete, or its architecture's tensors are named otherwise")
-        w = tensors[name]
+    def unpermute(name: str, w: np.ndarray) -> np.ndarray:
         if permuted and name.endswith(("attn_q.weight", "attn_k.weight")):
-            w = unpermute_rope_rows(w, cfg.n_heads if "attn_q" in name else cfg.resolved_kv_heads)
-        return torch.from_numpy(w)
+            return unpermute_rope_rows(w, cfg.n_heads if "attn_q" in name else cfg.resolved_kv_heads)
+        return w
 
-    return map_names(parameter_names(lambda: GPT(cfg)), names, get, cfg.tie_embeddings)
+    return map_names(parameter_names(lambda: GPT(cfg)), names, _tensor_getter(tensors, unpermute),
+                     cfg.tie_embeddings)
 
 
 # llama.cpp's bert.pooling_type: 0 none (per-token states), 1 mean, 2 cls, 3 last, 4 rank.
@@ -209,11 +203,15 @@ def encoder_config_from_gguf(g: GGUFFile) -> EncoderConfig:
     )
 
 
-def _tensor_getter(tensors: dict[str, np.ndarray]):
+def _tensor_getter(tensors: dict[str, np.ndarray], layout: Any = None):
+    """``get(name) -> Tensor`` over a GGUF's tensors for :func:`map_names`, through ``layout(name,
+    array)`` (a row order to undo) where given; one line for a missing tensor."""
     def get(name: str) -> Tensor:
         if name not in tensors:
-            raise PretrainedFormatError(f"tensor {name!r} missing from the GGUF file")
-        return torch.from_numpy(tensors[name])
+            raise PretrainedFormatError(f"tensor {name!r} missing from the GGUF file; the file is "
+                                        "incomplete, or its architecture's tensors are named otherwise")
+        w = tensors[name]
+        return torch.from_numpy(w if layout is None else layout(name, w))
 
     return get
 

@@ -53,10 +53,7 @@ GGUF_TOKEN_USER_DEFINED = 4
 
 
 def _required(g: GGUFFile, key: str) -> Any:
-    if key not in g.metadata:
-        raise PretrainedFormatError(f"{g.path}: metadata key {key!r} missing: the file's tokenizer is "
-                                    "incomplete")
-    return g.metadata[key]
+    return g.require(key, "the file's tokenizer is incomplete")
 
 
 def _token_types(g: GGUFFile, tokens: list[str]) -> list[int]:
