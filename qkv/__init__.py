@@ -9,7 +9,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
-__version__ = "0.1.0"
+from qkv.version import __version__ as __version__
 
 
 def load(name: str | os.PathLike[str], **kwargs: Any) -> Any:

@@ -11,7 +11,7 @@ import os
 import sys
 from collections.abc import Sequence
 
-from qkv import __version__
+from qkv.version import __version__
 
 
 class _Parser(argparse.ArgumentParser):

@@ -28,7 +28,6 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import FileResponse, JSONResponse
 from fastapi.staticfiles import StaticFiles
 
-from qkv import __version__
 from qkv.serve.api import Explorer
 from qkv.serve.guards import BodyLimit, HostCheck, OriginCheck
 from qkv.serve.registry import Registry
@@ -41,6 +40,7 @@ from qkv.serve.schemas import (
     ModelList,
 )
 from qkv.serve.work import WorkQueue
+from qkv.version import __version__
 
 STATIC = Path(__file__).resolve().parent / "static"
 # The page loads nothing from elsewhere: the browser enforces it.

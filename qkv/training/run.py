@@ -27,10 +27,10 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 
-from qkv import __version__
 from qkv.training import checkpoint as ckpt
 from qkv.training.distributed import DistInfo, pick_device
 from qkv.training.trainer import BatchSource, TrainConfig, Trainer, TrainResult
+from qkv.version import __version__
 
 
 @dataclass
