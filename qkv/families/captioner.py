@@ -28,7 +28,7 @@ from qkv.data.captions import CaptionSplits, load_caption_folder, make_splits
 from qkv.data.shapes import COLOURS, SHAPES, Scene
 from qkv.families.base import FamilyBase, Loaded, files_lines, trained_line
 from qkv.generation.decode import beam_search, greedy_decode
-from qkv.models.captioner import HARD, Captioner, CaptionerConfig, CaptionerState
+from qkv.models.captioner import HARD, Captioner, CaptionerConfig, CaptionerState, HardDecode
 from qkv.tokenizers.vocab import BOS, EOS, PAD, WordVocab
 from qkv.training.run import Prepared, Run
 
@@ -91,27 +91,32 @@ class _DecodeState:
 
 class _Decoding:
     """The captioner behind the encoder-decoder decoding interface of qkv.generation.decode:
-    ``start(images)`` and ``step(state, prev) -> (logits, attention over the grid)``."""
+    ``start(images)`` and ``step(state, prev) -> (logits, attention over the grid)``, a hard
+    model reading the grid as ``hard_decode`` says (see :meth:`Captioner.step`)."""
 
-    def __init__(self, model: Captioner) -> None:
+    def __init__(self, model: Captioner, hard_decode: HardDecode = "argmax") -> None:
         self.model = model
+        self.hard_decode = hard_decode
 
     def start(self, images: Tensor) -> _DecodeState:
         return _DecodeState(self.model.start(images))
 
     def step(self, state: _DecodeState, prev: Tensor) -> tuple[Tensor, Tensor]:
-        logits, state.state, alpha, _, _ = self.model.step(state.state, prev)
-        return logits, alpha
+        out = self.model.step(state.state, prev, hard_decode=self.hard_decode)
+        state.state = out.state
+        return out.logits, out.alpha
 
 
 @torch.no_grad()
 def decode_captions(model: Captioner, images: Tensor, max_len: int, beam: int = 1,
-                    batch_size: int = 256) -> tuple[list[list[int]], list[Tensor]]:
+                    batch_size: int = 256, *, hard_decode: HardDecode = "argmax"
+                    ) -> tuple[list[list[int]], list[Tensor]]:
     """uint8 images (N, C, H, W) -> token ids (EOS excluded) and the attention over the grid of
-    every emitted word (len, L), per image: greedy decoding, or beam search with ``beam`` > 1
-    (hard attention decodes with the most likely location)."""
+    every emitted word (len, L), per image: greedy decoding, or beam search with ``beam`` > 1.
+    Hard attention reads, at every word, the most attended location (``hard_decode="argmax"``)
+    or the expected value Σ α_i a_i (``"expectation"``); other attention ignores it."""
     model.eval()
-    dec = _Decoding(model)
+    dec = _Decoding(model, hard_decode)
     toks: list[list[int]] = []
     alphas: list[Tensor] = []
     device = next(model.parameters()).device
@@ -200,14 +205,14 @@ def pointing_overlap(scene: Scene, words: Sequence[str], alphas: Tensor, grid: i
 
 
 def _evaluate(model: Captioner, vocab: WordVocab, splits: CaptionSplits, max_len: int,
-              beam: int = 1) -> dict:
-    """:func:`evaluate` for the model's current way of decoding."""
+              beam: int = 1, hard_decode: HardDecode = "argmax") -> dict:
+    """:func:`evaluate` for one way of decoding (``hard_decode``: what hard attention reads)."""
     result = {}
     for name, scenes in splits.scenes.items():
         if name == "train" or not scenes:
             continue
         x, _ = to_tensors(scenes, vocab, max_len)
-        toks, alphas = decode_captions(model, x, max_len, beam=beam)
+        toks, alphas = decode_captions(model, x, max_len, beam=beam, hard_decode=hard_decode)
         hyps = [vocab.decode(t) for t in toks]
         right = [h == s.caption for h, s in zip(hyps, scenes, strict=True)]
         bleu = bleu4([s.caption.split() for s in scenes], [h.split() for h in hyps])
@@ -241,13 +246,9 @@ def evaluate(model: Captioner, vocab: WordVocab, splits: CaptionSplits, max_len:
     expected pointing), exact match by number of objects, and a few examples (wrong ones first).
     Hard attention decodes reading the most attended cell (truly hard); ``"expectation"`` holds
     the same scores decoded reading Σ α_i a_i instead."""
-    result = _evaluate(model, vocab, splits, max_len, beam)
+    result = _evaluate(model, vocab, splits, max_len, beam, "argmax")
     if model.cfg.attention in HARD:
-        old, model.hard_decode = model.hard_decode, "expectation"
-        try:
-            result["expectation"] = _evaluate(model, vocab, splits, max_len, beam)
-        finally:
-            model.hard_decode = old
+        result["expectation"] = _evaluate(model, vocab, splits, max_len, beam, "expectation")
     return result
 
 

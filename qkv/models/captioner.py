@@ -33,35 +33,46 @@ early; a share of the captions reads the expected value Σ_i α_ti a_i instead o
 (Xu et al. §4.1: ``hard_expectation``), annealed from 1 to 0 over ``hard_anneal`` steps when
 that is set (a warm start from soft attention).
 
+The model is composition: a CNN, a scorer (additive, dot, location or uniform:
+:mod:`qkv.models.captioner_attention`) and a read-out (soft, hard-exact, hard by REINFORCE:
+:mod:`qkv.models.captioner_readout`), chosen by the config in :func:`make_scorer` and
+:func:`make_read`. What a hard model reads when decoding is an argument of
+:meth:`Captioner.step` (``hard_decode``), not a toggled attribute.
+
 Lectures: CS189 Lec 21 (image captioning with soft attention), CS231N Lec 8.
-Shapes: B batch, T caption length, L = g·g locations, D feature width, V vocabulary.
+Shapes: B batch, T caption length, L = g·g locations, D feature width, H LSTM width, E word
+embedding width, V vocabulary.
 """
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Literal, NamedTuple
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
-from qkv.attention.additive import AdditiveAttention
-from qkv.attention.functional import softmax
+from qkv.models.captioner_attention import AdditiveScorer, DotScorer, LocationScorer, Scorer, UniformScorer
+from qkv.models.captioner_readout import (
+    CaptionReinforce,
+    DeepOutput,
+    Grid,
+    HardDecode,
+    HardExact,
+    ReadLoss,
+    ReadOut,
+    SoftRead,
+    Word,
+    WordReinforce,
+    leave_one_out_baseline,
+    reinforce_surrogate,
+    soft_path_baseline,
+)
+from qkv.models.config_checks import check_choices, check_range
 from qkv.tokenizers.vocab import EOS, PAD, UNK
 
-
-def reinforce_surrogate(log_prob: Tensor, reward: Tensor, baseline: float | Tensor = 0.0) -> Tensor:
-    """A loss whose gradient is the REINFORCE estimate of -∇ E[reward]:
-
-        -(reward - baseline) · ∇ log p(action)        (Williams 1992)
-
-    log_prob: log-probabilities of the sampled actions (any shape, summed over the last dims by
-    the caller); reward: same leading shape, treated as a constant. A baseline that does not
-    depend on the action leaves the estimate unbiased and lowers its variance.
-    """
-    return -((reward - baseline).detach() * log_prob).mean()
+__all__ = ["HARD", "Captioner", "CaptionerConfig", "CaptionerOutput", "CaptionerState", "CaptionerStep",
+           "HardDecode", "make_read", "make_scorer", "reinforce_surrogate"]
 
 
 @dataclass
@@ -98,25 +109,15 @@ class CaptionerConfig:
     centred: bool = False  # 4x4 stride-2 convolutions: each feature centred on its grid cell
 
     def __post_init__(self) -> None:
-        if self.attention not in ("soft", "hard", "hard-exact", "uniform"):
-            raise ValueError(f"attention must be soft, hard, hard-exact or uniform, got {self.attention!r}")
-        if self.addressing not in ("content", "location"):
-            raise ValueError(f"addressing must be content or location, got {self.addressing!r}")
-        if self.hard_baseline not in ("soft", "loo", "average"):
-            raise ValueError(f"hard_baseline must be soft, loo or average, got {self.hard_baseline!r}")
-        if self.hard_samples < (2 if self.hard_baseline == "loo" else 1):
-            raise ValueError(f"hard_samples must be >= {2 if self.hard_baseline == 'loo' else 1} with "
-                             f"hard_baseline {self.hard_baseline}, got {self.hard_samples}")
-        if self.hard_anneal < 0:
-            raise ValueError(f"hard_anneal must be >= 0, got {self.hard_anneal}")
-        if self.scoring not in ("additive", "dot"):
-            raise ValueError(f"scoring must be additive or dot, got {self.scoring!r}")
-        if not 0 <= self.hard_expectation <= 1:
-            raise ValueError(f"hard_expectation must be in [0, 1], got {self.hard_expectation}")
-        if not 0 <= self.word_dropout < 1:
-            raise ValueError(f"word_dropout must be in [0, 1), got {self.word_dropout}")
-        if self.stage_convs not in (1, 2, 3):
-            raise ValueError(f"stage_convs must be 1, 2 or 3, got {self.stage_convs}")
+        check_choices(self)  # attention, addressing, scoring, hard_baseline: their Literal choices
+        least = 2 if self.hard_baseline == "loo" else 1
+        if self.hard_samples < least:
+            raise ValueError(f"hard_samples must be >= {least} with hard_baseline {self.hard_baseline}, "
+                             f"got {self.hard_samples}")
+        check_range(self, "hard_anneal", 0)
+        check_range(self, "hard_expectation", 0, 1)
+        check_range(self, "word_dropout", 0, 1, high_open=True)
+        check_range(self, "stage_convs", 1, 3)
         if self.image_size % 8:
             raise ValueError(f"image_size must be a multiple of 8 (three stride-2 stages), got "
                              f"{self.image_size}")
@@ -130,6 +131,33 @@ class CaptionerConfig:
         return 4 * self.width
 
 
+HARD = ("hard", "hard-exact")
+
+
+def make_scorer(cfg: CaptionerConfig) -> Scorer:
+    """The scorer the config names: uniform attention has none that learns; location-based
+    addressing scores cell indices; content-based, each cell's features (additive or dot)."""
+    if cfg.attention == "uniform":
+        return UniformScorer()
+    if cfg.addressing == "location":
+        return LocationScorer(cfg.hidden, cfg.grid * cfg.grid, cfg.image_size)
+    if cfg.scoring == "additive":
+        return AdditiveScorer(cfg.hidden, cfg.feature_dim, cfg.attn_dim)
+    return DotScorer(cfg.hidden, cfg.feature_dim)
+
+
+def make_read(cfg: CaptionerConfig) -> ReadOut:
+    """The read-out the config names (uniform attention reads as soft, without the penalty)."""
+    if cfg.attention in ("soft", "uniform"):
+        return SoftRead(cfg.doubly_stochastic if cfg.attention == "soft" else 0.0)
+    if cfg.attention == "hard-exact":
+        return HardExact()
+    if cfg.hard_baseline == "average":
+        return CaptionReinforce(cfg.hard_samples, cfg.entropy_bonus)
+    baseline = soft_path_baseline if cfg.hard_baseline == "soft" else leave_one_out_baseline
+    return WordReinforce(cfg.hard_samples, cfg.entropy_bonus, baseline)
+
+
 class CaptionerOutput(NamedTuple):
     """logits (B, T, V); loss; attention α (B, T, L); gates β (B, T)."""
 
@@ -140,48 +168,67 @@ class CaptionerOutput(NamedTuple):
 
 
 class CaptionerState(NamedTuple):
+    """The decoder's state between words: LSTM h, c (B, H), the features (B, L, D) and what
+    the scorer computed from them once (additive: W_k a (B, L, A); else None)."""
+
     h: Tensor
     c: Tensor
     features: Tensor
     keys: Tensor | None
 
 
-HARD = ("hard", "hard-exact")
+class CaptionerStep(NamedTuple):
+    """One decoded word: logits (B, V), the new state, α (B, L), β (B,), and the location read
+    (B,), or None where the word read Σ α_i a_i."""
+
+    logits: Tensor
+    state: CaptionerState
+    alpha: Tensor
+    beta: Tensor
+    loc: Tensor | None
+
+
+def _cnn(cfg: CaptionerConfig) -> nn.Sequential:
+    """Three stride-2 stages of ``stage_convs`` convolutions + BatchNorm + ReLU: (B, C, H, W) ->
+    (B, D, H/8, W/8)."""
+    def stage(cin: int, cout: int) -> list[nn.Module]:
+        layers: list[nn.Module] = []
+        for k in range(cfg.stage_convs):
+            size = 4 if k == 0 and cfg.centred else 3  # 4: stride 2 centred on the cell
+            layers += [nn.Conv2d(cin if k == 0 else cout, cout, size, stride=2 if k == 0 else 1,
+                                 padding=1, bias=False), nn.BatchNorm2d(cout), nn.ReLU()]
+        return layers
+
+    w = cfg.width
+    return nn.Sequential(*stage(cfg.channels, w), *stage(w, 2 * w), *stage(2 * w, cfg.feature_dim))
 
 
 class Captioner(nn.Module):
     """CNN encoder + LSTM decoder with soft, hard or uniform attention over the CNN's grid.
 
-    ``hard_decode`` (an attribute, not saved): how a hard model reads the grid when it is not
-    sampling: ``"argmax"``, the most attended cell (truly hard), or ``"expectation"``, Σ α_i a_i.
+    Composition: ``cnn``; a scorer (:func:`make_scorer`), registered under the name its
+    parameters have always had in checkpoints (``attn``, ``locate``, ``query``; ``uniform`` has
+    none); ``read``, the read-out (:func:`make_read`); the LSTM and the deep output layer.
+
+    Buffers, updated in ``forward`` in training only, like BatchNorm's running statistics:
+    ``baseline``, the moving average of the caption reward (hard attention, ``hard_baseline``
+    average; decay ``baseline_decay``), and with ``hard_anneal``, ``steps``, the number of
+    training forwards of a hard model (like BatchNorm's ``num_batches_tracked``), which sets the
+    annealed expected-value share. Both are saved, so a resumed run continues exactly.
     """
 
     def __init__(self, cfg: CaptionerConfig) -> None:
         super().__init__()
         self.cfg = cfg
-        w, D = cfg.width, cfg.feature_dim
-        self.hard_decode: Literal["argmax", "expectation"] = "argmax"
-
-        def stage(cin: int, cout: int) -> list[nn.Module]:
-            layers: list[nn.Module] = []
-            for k in range(cfg.stage_convs):
-                size = 4 if k == 0 and cfg.centred else 3  # 4: stride 2 centred on the cell
-                layers += [nn.Conv2d(cin if k == 0 else cout, cout, size, stride=2 if k == 0 else 1,
-                                     padding=1, bias=False), nn.BatchNorm2d(cout), nn.ReLU()]
-            return layers
-
-        self.cnn = nn.Sequential(*stage(cfg.channels, w), *stage(w, 2 * w), *stage(2 * w, D))
+        D = cfg.feature_dim
+        # parameters are created in this order (the seed's draws), with these names (checkpoints)
+        self.cnn = _cnn(cfg)
         self.pos = nn.Parameter(torch.zeros(cfg.grid * cfg.grid, D)) if cfg.positions else None
         self.init_h = nn.Linear(D, cfg.hidden)
         self.init_c = nn.Linear(D, cfg.hidden)
-        if cfg.attention == "uniform":
-            pass  # nothing scores the cells (and DDP wants no unused parameters)
-        elif cfg.addressing == "location":
-            self.locate = nn.Linear(cfg.hidden, cfg.grid * cfg.grid)  # one score per cell index
-        elif cfg.scoring == "additive":
-            self.attn = AdditiveAttention(cfg.hidden, D, cfg.attn_dim)
-        else:
-            self.query = nn.Linear(cfg.hidden, D, bias=False)
+        scorer = make_scorer(cfg)
+        self.add_module(scorer.state_name, scorer)
+        self._scorer_name = scorer.state_name
         self.gate = nn.Linear(cfg.hidden, 1)
         self.emb = nn.Embedding(cfg.vocab_size, cfg.emb_dim, padding_idx=PAD)
         self.lstm = nn.LSTMCell(cfg.emb_dim + D, cfg.hidden)
@@ -189,9 +236,15 @@ class Captioner(nn.Module):
         self.out_z = nn.Linear(D, cfg.emb_dim, bias=False)
         self.out = nn.Linear(cfg.emb_dim, cfg.vocab_size)
         self.drop = nn.Dropout(cfg.dropout)
+        self.read = make_read(cfg)
         self.register_buffer("baseline", torch.zeros(()))
         if cfg.hard_anneal:
-            self.register_buffer("steps", torch.zeros((), dtype=torch.long))  # training forwards
+            self.register_buffer("steps", torch.zeros((), dtype=torch.long))
+
+    @property
+    def scorer(self) -> Scorer:
+        """The module that turns the LSTM state into α over the grid."""
+        return getattr(self, self._scorer_name)
 
     # ------------------------------------------------------------------ pieces
 
@@ -208,64 +261,58 @@ class Captioner(nn.Module):
         return f + self.pos
 
     def start(self, images: Tensor) -> CaptionerState:
+        """The state before the first word: h_0, c_0 = tanh(W_h mean(a)), tanh(W_c mean(a))."""
         feats = self.encode(images)
         mean = feats.mean(1)
-        scored = (self.cfg.attention != "uniform" and self.cfg.addressing == "content"
-                  and self.cfg.scoring == "additive")
-        keys = self.attn.project_keys(feats) if scored else None
+        keys = self.scorer.keys(feats)
         return CaptionerState(torch.tanh(self.init_h(mean)), torch.tanh(self.init_c(mean)), feats, keys)
 
     def attention_weights(self, h: Tensor, feats: Tensor, keys: Tensor | None) -> Tensor:
-        """α (B, L): softmax over locations of the scores of h against every feature vector
-        (content-based), or of h mapped to one score per cell index (location-based)."""
-        if self.cfg.attention == "uniform":
-            return feats.new_full(feats.shape[:2], 1.0 / feats.shape[1])
-        if self.cfg.addressing == "location":
-            L = self.locate.out_features
-            if feats.shape[1] != L:
-                raise ValueError(f"location-based addressing outputs a distribution over the {L} cells "
-                                 f"it was trained on and cannot address {feats.shape[1]}; give "
-                                 f"{self.cfg.image_size}x{self.cfg.image_size} images (content-based "
-                                 "addressing scores any number of cells)")
-            return softmax(self.locate(h), dim=-1)
-        if self.cfg.scoring == "additive":
-            return self.attn(h, feats, projected_keys=keys).weights
-        q = self.query(h)  # (B, D)
-        scores = (feats @ q.unsqueeze(-1)).squeeze(-1) / math.sqrt(feats.shape[-1])
-        return softmax(scores, dim=-1)
+        """α (B, L): the scorer's distribution over the locations, from h (B, H), the features
+        (B, L, D) and ``keys`` (:attr:`CaptionerState.keys`)."""
+        return self.scorer.weights(h, feats, keys)
 
-    def step(self, state: CaptionerState, prev: Tensor, sample: bool = False,
-             generator: torch.Generator | None = None, expect: Tensor | None = None):
-        """One word: (state, previous tokens (B,)) -> (logits (B, V), new state, α (B, L), β (B,),
-        the location read (B,), or None where the word read Σ α_i a_i). Hard attention:
-        ``sample`` draws the location from α (else :attr:`hard_decode`); ``expect`` (B,) bool
-        marks rows that read the expected value Σ α_i a_i instead."""
+    def _logits(self, x: Tensor) -> Tensor:
+        """The deep output's last layer: (..., E) -> (..., V), linear, as in the paper."""
+        return self.out(self.drop(x))
+
+    def _word(self, state: CaptionerState, prev: Tensor, grid: Grid) -> tuple[Word, CaptionerState]:
+        """One LSTM step: α and β from h_{t-1}; the LSTM reads the word and the read-out's memory."""
         h, c, feats, keys = state
         alpha = self.attention_weights(h, feats, keys)
         beta = torch.sigmoid(self.gate(h)).squeeze(-1)
         e = self.emb(prev)
-        expected = (alpha.unsqueeze(1) @ feats).squeeze(1)  # Σ_i α_i a_i
-        loc = None
-        if self.cfg.attention in HARD:
-            h, c = self.lstm(torch.cat([e, beta.unsqueeze(-1) * feats.mean(1)], dim=-1), (h, c))
-            if sample:
-                loc = torch.multinomial(alpha, 1, generator=generator).squeeze(-1)
-            elif self.hard_decode == "argmax":
-                loc = alpha.argmax(-1)
-            z = expected if loc is None else feats[torch.arange(len(feats)), loc]
-            if expect is not None:
-                z = torch.where(expect[:, None], expected, z)
-            z = beta.unsqueeze(-1) * z
-        else:
-            z = beta.unsqueeze(-1) * expected
-            h, c = self.lstm(torch.cat([e, z], dim=-1), (h, c))
-        logits = self.out(self.drop(e + self.out_h(h) + self.out_z(z)))  # linear, as in the paper
-        return logits, CaptionerState(h, c, feats, keys), alpha, beta, loc
+        memory = self.read.memory(alpha, beta, grid)
+        h, c = self.lstm(torch.cat([e, memory], dim=-1), (h, c))
+        return Word(alpha, beta, memory, e + self.out_h(h)), CaptionerState(h, c, feats, keys)
+
+    def step(self, state: CaptionerState, prev: Tensor, sample: bool = False,
+             generator: torch.Generator | None = None, expect: Tensor | None = None,
+             hard_decode: HardDecode = "argmax") -> CaptionerStep:
+        """One word from the previous tokens (B,). Hard attention: ``sample`` draws the location
+        from α (with ``generator``); otherwise ``hard_decode`` says what it reads: ``"argmax"``,
+        the most attended cell (truly hard), or ``"expectation"``, Σ α_i a_i. ``expect`` (B,)
+        bool marks rows that read Σ α_i a_i anyway. Soft and uniform attention ignore all three."""
+        word, state = self._word(state, prev, self.read.grid(state.features))
+        z, loc = self.read.context(word, state.features, sample=sample, generator=generator,
+                                   expect=expect, decode=hard_decode)
+        logits = self._logits(word.base + self.out_z(z))
+        return CaptionerStep(logits, state, word.alpha, word.beta, loc)
 
     # ------------------------------------------------------------------ training
 
+    def _teacher_inputs(self, captions: Tensor) -> tuple[Tensor, Tensor]:
+        """(inputs, targets) (B, T) from captions (B, T+1); in training with ``word_dropout``,
+        a share of the input words becomes UNK (BOS and PAD stay)."""
+        inp, tgt = captions[:, :-1], captions[:, 1:]
+        if self.training and self.cfg.word_dropout > 0:
+            drop = (torch.rand(inp.shape, device=inp.device) < self.cfg.word_dropout) & (inp > EOS)
+            inp = inp.masked_fill(drop, UNK)
+        return inp, tgt
+
     def _expectation_rows(self, n: int, device: torch.device) -> Tensor | None:
-        """Hard attention, training: which captions read Σ α_i a_i (the share, annealed)."""
+        """Hard attention, training: which captions read Σ α_i a_i (the share, annealed by
+        ``steps``, which this advances)."""
         cfg = self.cfg
         share = cfg.hard_expectation
         if cfg.hard_anneal:
@@ -274,101 +321,28 @@ class Captioner(nn.Module):
         return torch.rand(n, device=device) < share if share > 0 else None
 
     def forward(self, images: Tensor, captions: Tensor) -> CaptionerOutput:
-        """Teacher forcing. captions (B, T+1) = [BOS, words..., EOS, PAD...]."""
-        cfg = self.cfg
-        inp, tgt = captions[:, :-1], captions[:, 1:]
-        if self.training and cfg.word_dropout > 0:  # BOS and PAD stay; other words become UNK
-            drop = (torch.rand(inp.shape, device=inp.device) < cfg.word_dropout) & (inp > EOS)
-            inp = inp.masked_fill(drop, UNK)
-        if cfg.attention in HARD:
-            return self._forward_hard(images, inp, tgt)
+        """Teacher forcing. captions (B, T+1) = [BOS, words..., EOS, PAD...]. The loss is the
+        read-out's: soft/uniform NLL (+ penalty); hard-exact, and hard in eval mode, the exact
+        NLL; hard in training, REINFORCE (which updates the running statistics, see the class)."""
+        inp, tgt = self._teacher_inputs(captions)
         state = self.start(images)
-        logits, alphas, betas = [], [], []
+        grid = self.read.grid(state.features, self.out_z)
+        words = []
         for t in range(inp.shape[1]):
-            lg, state, a, b, _ = self.step(state, inp[:, t])
-            logits.append(lg)
-            alphas.append(a)
-            betas.append(b)
-        out = torch.stack(logits, 1)
-        A = torch.stack(alphas, 1)  # (B, T, L)
-        valid = (tgt != PAD).float()  # (B, T)
-        nll = F.cross_entropy(out.float().transpose(1, 2), tgt, ignore_index=PAD, reduction="none")
-        loss = (nll * valid).sum() / valid.sum().clamp_min(1)
-        if cfg.attention == "soft" and cfg.doubly_stochastic > 0:
-            coverage = (A * valid.unsqueeze(-1)).sum(1)  # (B, L): Σ_t α_ti over real words
-            loss = loss + cfg.doubly_stochastic * ((1 - coverage) ** 2).sum(-1).mean() / A.shape[-1]
-        return CaptionerOutput(out, loss, A, torch.stack(betas, 1))
+            word, state = self._word(state, inp[:, t], grid)
+            words.append(word)
+        out = self._loss(words, grid, tgt)
+        return CaptionerOutput(out.logits, out.loss, torch.stack([w.alpha for w in words], 1),
+                               torch.stack([w.beta for w in words], 1))
 
-    def _forward_hard(self, images: Tensor, inp: Tensor, tgt: Tensor) -> CaptionerOutput:
-        """Hard attention's loss (see the module docstring). In eval mode, and always for
-        hard-exact: the exact negative log-likelihood -log Σ_i α_ti p(y_t | a_i). Training with
-        REINFORCE: each word's ``hard_samples`` sampled locations are scored by
-        log p(y_t | a_s) (the decoder learns from them), and α by REINFORCE against the
-        chosen baseline; rows in the expected-value share learn through Σ α_i a_i instead.
-        ``logits`` are the expected-context path's."""
-        cfg = self.cfg
-        state = self.start(images)
-        feats = state.features
-        fp = torch.promote_types(feats.dtype, torch.float32)  # fp32 under bf16 autocast; float64 stays
-        B, L, _ = feats.shape
-        Z = self.out_z(feats)  # (B, L, E): the output's view of each cell (linear: β factors out)
-        mean = feats.mean(1)
-        reinforce = self.training and cfg.attention == "hard"
-        expect = self._expectation_rows(B, images.device) if reinforce else None
-        h, c = state.h, state.c
-        rows = torch.arange(B, device=images.device)
-        logits, alphas, betas, nlls, pg, ent, seq_r, seq_logp = [], [], [], [], [], [], [], []
-        for t in range(inp.shape[1]):
-            alpha = self.attention_weights(h, feats, state.keys)
-            beta = torch.sigmoid(self.gate(h)).squeeze(-1)
-            e = self.emb(inp[:, t])
-            h, c = self.lstm(torch.cat([e, beta.unsqueeze(-1) * mean], dim=-1), (h, c))
-            base = e + self.out_h(h)  # (B, E)
-            soft = self.out(self.drop(base + beta.unsqueeze(-1) * (alpha.unsqueeze(1) @ Z).squeeze(1)))
-            y = tgt[:, t]
-            soft_lp = soft.to(fp).log_softmax(-1).gather(1, y[:, None]).squeeze(1)  # log p(y | Σ α a)
-            log_alpha = torch.log(alpha.to(fp).clamp_min(1e-12))
-            if not reinforce:  # exact marginal over the L cells
-                every = self.out(self.drop(base.unsqueeze(1) + beta[:, None, None] * Z))  # (B, L, V)
-                lp = every.to(fp).log_softmax(-1).gather(2, y[:, None, None].expand(B, L, 1)).squeeze(2)
-                nll = -torch.logsumexp(log_alpha + lp, dim=-1)
-            else:
-                s = torch.multinomial(alpha.detach().to(fp), cfg.hard_samples, replacement=True)  # (B, K)
-                zk = beta[:, None, None] * Z[rows[:, None], s]  # (B, K, E)
-                lk = self.out(self.drop(base.unsqueeze(1) + zk)).to(fp).log_softmax(-1)
-                lk = lk.gather(2, y[:, None, None].expand(-1, cfg.hard_samples, 1)).squeeze(2)  # (B, K)
-                la = log_alpha.gather(1, s)  # (B, K)
-                r = lk.detach()
-                if cfg.hard_baseline == "average":  # scored once the caption is complete
-                    seq_r.append(r)
-                    seq_logp.append(la)
-                else:
-                    b = (soft_lp.detach()[:, None] if cfg.hard_baseline == "soft"
-                         else (r.sum(1, keepdim=True) - r) / (cfg.hard_samples - 1))
-                    term = -((r - b) * la).mean(1)
-                    pg.append(term if expect is None else torch.where(expect, torch.zeros_like(term), term))
-                nll = -lk.mean(1)
-                if expect is not None:
-                    nll = torch.where(expect, -soft_lp, nll)
-                ent.append(-(alpha.to(fp) * log_alpha).sum(-1))
-            logits.append(soft)
-            alphas.append(alpha)
-            betas.append(beta)
-            nlls.append(nll)
-        valid = (tgt != PAD).to(fp)
-        n = valid.sum().clamp_min(1)
-        loss = (torch.stack(nlls, 1) * valid).sum() / n
-        if reinforce:
-            if cfg.hard_baseline == "average":  # the caption's reward for all its locations
-                R = (torch.stack(seq_r, 1) * valid[..., None]).sum(1)  # (B, K)
-                logp = (torch.stack(seq_logp, 1) * valid[..., None]).sum(1)
-                keep = torch.ones(B, device=R.device) if expect is None else (~expect).to(fp)
-                loss = loss + (-((R - self.baseline) * logp).mean(1) * keep).sum() / n
-                with torch.no_grad():
-                    if keep.any():
-                        mean_r = (R.mean(1) * keep).sum() / keep.sum()
-                        self.baseline.mul_(cfg.baseline_decay).add_((1 - cfg.baseline_decay) * mean_r)
-            else:
-                loss = loss + (torch.stack(pg, 1) * valid).sum() / n
-            loss = loss - cfg.entropy_bonus * (torch.stack(ent, 1) * valid).sum() / n
-        return CaptionerOutput(torch.stack(logits, 1), loss, torch.stack(alphas, 1), torch.stack(betas, 1))
+    def _loss(self, words: list[Word], grid: Grid, tgt: Tensor) -> ReadLoss:
+        output = DeepOutput(self.out_z, self._logits)
+        if not (self.training and self.read.samples):
+            return self.read.loss(words, grid, tgt, output)
+        expect = self._expectation_rows(len(tgt), grid.feats.device)
+        out = self.read.sampled_loss(words, grid, tgt, output, expect, self.baseline)
+        if out.reward is not None:  # the running statistic: a moving average of the reward
+            with torch.no_grad():
+                decay = self.cfg.baseline_decay
+                self.baseline.mul_(decay).add_((1 - decay) * out.reward)
+        return out

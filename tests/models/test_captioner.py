@@ -149,11 +149,9 @@ def test_hard_attention_reads_the_cell_or_the_expectation_when_decoding() -> Non
     m = _model(attention="hard").eval()
     state = m.start(torch.randn(2, 3, 32, 32))
     prev = torch.full((2,), BOS)
-    m.hard_decode = "argmax"
-    lg_hard, _, alpha, beta, loc = m.step(state, prev)
+    lg_hard, _, alpha, beta, loc = m.step(state, prev, hard_decode="argmax")
     assert torch.equal(loc, alpha.argmax(-1))
-    m.hard_decode = "expectation"
-    lg_soft, _, _, _, loc2 = m.step(state, prev)
+    lg_soft, _, _, _, loc2 = m.step(state, prev, hard_decode="expectation")
     assert loc2 is None
     e = m.emb(prev)
     h, _ = m.lstm(torch.cat([e, beta[:, None] * state.features.mean(1)], -1), (state.h, state.c))
