@@ -7,8 +7,10 @@ kind, chosen by the config (:func:`qkv.models.captioner.make_scorer`):
     location   e_t  = W h_{t-1}, one score per cell index   (never looks at the cells)
     uniform    α_ti = 1/L                                   (the baseline; nothing learned)
 
-Each is saved under the model attribute its parameters have always had (``state_name``), so
-that runs from before this module existed load as they are.
+Each has ``keys(feats)``, what to compute once per image from the features (B, L, D) (or None),
+and ``weights(h, feats, keys)``, α (B, L) from the LSTM state h (B, H); and ``state_name``, the
+model attribute it is registered under: the name its parameters have always had in checkpoints,
+so runs from before this module existed load as they are.
 
 Shapes: B batch, L = g·g locations, D feature width, H LSTM width, A additive scoring width.
 """
@@ -16,27 +18,11 @@ Shapes: B batch, L = g·g locations, D feature width, H LSTM width, A additive s
 from __future__ import annotations
 
 import math
-from typing import Protocol
 
 from torch import Tensor, nn
 
 from qkv.attention.additive import AdditiveAttention
 from qkv.attention.functional import softmax
-
-
-class Scorer(Protocol):
-    """α over the grid from the LSTM state. ``state_name``: the model attribute it is saved
-    under (its state-dict prefix)."""
-
-    state_name: str
-
-    def keys(self, feats: Tensor) -> Tensor | None:
-        """What to compute once per image from the features (B, L, D), or None."""
-        ...
-
-    def weights(self, h: Tensor, feats: Tensor, keys: Tensor | None) -> Tensor:
-        """α (B, L) from h (B, H), the features (B, L, D) and :meth:`keys`."""
-        ...
 
 
 class AdditiveScorer(AdditiveAttention):
@@ -99,3 +85,6 @@ class UniformScorer(nn.Module):
 
     def weights(self, h: Tensor, feats: Tensor, keys: Tensor | None) -> Tensor:
         return feats.new_full(feats.shape[:2], 1.0 / feats.shape[1])
+
+
+Scorer = AdditiveScorer | DotScorer | LocationScorer | UniformScorer

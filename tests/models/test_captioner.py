@@ -1,15 +1,17 @@
 """Show, Attend and Tell pieces: soft attention is a distribution over locations and the
 context is the weighted sum of the features; the REINFORCE estimator is unbiased on a
-problem with a known gradient; hard attention reads exactly one location; both variants
-train on a tiny batch."""
+problem with a known gradient, and it is the one the model's gradient is made of; hard
+attention reads exactly one location; each read-out's loss equals the formula written out in
+float64; checkpoints keep their names; both variants train on a tiny batch."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
+from qkv.models import captioner_readout
 from qkv.models.captioner import Captioner, CaptionerConfig, reinforce_surrogate
-from qkv.tokenizers.vocab import BOS, EOS
+from qkv.tokenizers.vocab import BOS, EOS, PAD
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -269,3 +271,261 @@ def test_where_each_grid_feature_looks(centred: bool, offset: float, stage_convs
                                 torch.arange(128.0, dtype=torch.float64), indexing="ij")
     assert (g * rows).sum() / g.sum() == pytest.approx(8 * i + offset, abs=1e-9)
     assert (g * cols).sum() / g.sum() == pytest.approx(8 * j + offset, abs=1e-9)
+
+
+# ---------------------------------------------------------------------------- composition
+
+_CAPS = torch.tensor([[BOS, 5, 6, 7, EOS], [BOS, 8, 4, EOS, PAD], [BOS, 9, EOS, PAD, PAD]])  # PAD ignored
+
+
+def _additive_alpha(m: Captioner, h: torch.Tensor, feats: torch.Tensor) -> torch.Tensor:
+    """Bahdanau's α from the scorer's three matrices: softmax_i(w_vᵀ tanh(W_q h + W_k a_i))."""
+    a = m.attn
+    return torch.softmax(a.w_v(torch.tanh(a.w_q(h)[:, None] + a.w_k(feats))).squeeze(-1), -1)
+
+
+@pytest.mark.parametrize(("kw", "names"), [
+    ({}, ["pos", "baseline", "attn.w_q.weight", "attn.w_k.weight", "attn.w_k.bias", "attn.w_v.weight"]),
+    ({"scoring": "dot"}, ["pos", "baseline", "query.weight"]),
+    ({"addressing": "location", "hard_anneal": 5},
+     ["pos", "baseline", "steps", "locate.weight", "locate.bias"]),
+    ({"attention": "uniform", "positions": False}, ["baseline"]),
+    ({"attention": "hard", "hard_baseline": "average"},
+     ["pos", "baseline", "attn.w_q.weight", "attn.w_k.weight", "attn.w_k.bias", "attn.w_v.weight"]),
+])
+def test_checkpoint_names_stay_what_runs_saved(kw: dict, names: list[str]) -> None:
+    """Runs saved before the scorers and read-outs became modules load as they are: the same
+    state-dict keys in the same order (the read-out holds none)."""
+    tail = ["gate.weight", "gate.bias", "emb.weight", "lstm.weight_ih", "lstm.weight_hh", "lstm.bias_ih",
+            "lstm.bias_hh", "out_h.weight", "out_h.bias", "out_z.weight", "out.weight", "out.bias"]
+    keys = [k for k in _model(**kw).state_dict() if not k.startswith("cnn.")]
+    init = ["init_h.weight", "init_h.bias", "init_c.weight", "init_c.bias"]
+    own = [n for n in names if "." not in n]  # the model's own parameter and buffers come first
+    assert keys == own + init + [n for n in names if "." in n] + tail
+
+
+def test_soft_loss_is_the_formula_in_float64() -> None:
+    """The soft read-out's loss: the mean NLL of the real words with z_t = β_t Σ_i α_ti a_i, plus
+    λ/L Σ_i (1 - Σ_t α_ti)² averaged over the captions (padding counts in neither)."""
+    m = _model(doubly_stochastic=0.7).double().eval()
+    images = torch.randn(3, 3, 32, 32, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        m.pos.normal_()
+        got = m(images, _CAPS).loss
+        feats = m.encode(images)
+        mean = feats.mean(1)
+        h, c = torch.tanh(m.init_h(mean)), torch.tanh(m.init_c(mean))
+        nll, coverage = [], torch.zeros(3, 16, dtype=torch.float64)
+        for t in range(_CAPS.shape[1] - 1):
+            alpha = _additive_alpha(m, h, feats)
+            z = torch.sigmoid(m.gate(h)) * torch.einsum("bl,bld->bd", alpha, feats)
+            e = m.emb(_CAPS[:, t])
+            h, c = m.lstm(torch.cat([e, z], -1), (h, c))
+            logp = torch.log_softmax(m.out(e + m.out_h(h) + m.out_z(z)), -1)
+            real = _CAPS[:, t + 1] != PAD
+            nll += [-logp[b, _CAPS[b, t + 1]] for b in range(3) if real[b]]
+            coverage += alpha * real[:, None]
+        want = torch.stack(nll).mean() + 0.7 * ((1 - coverage) ** 2).sum(-1).mean() / 16
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=0)  # the soft NLL is taken in float32
+
+
+def test_uniform_attention_has_no_penalty() -> None:
+    """Uniform attention reads as soft attention with α = 1/L, which no penalty could move: its
+    loss is the plain NLL, even with doubly_stochastic set."""
+    m = _model(attention="uniform", doubly_stochastic=1.0).eval()
+    with torch.no_grad():
+        out = m(torch.randn(3, 3, 32, 32), _CAPS)
+    torch.testing.assert_close(out.alphas, torch.full((3, 4, 16), 1 / 16))
+    nll = torch.nn.functional.cross_entropy(out.logits.transpose(1, 2), _CAPS[:, 1:], ignore_index=PAD)
+    torch.testing.assert_close(out.loss, nll)
+
+
+def test_hard_attention_evaluates_with_the_exact_likelihood() -> None:
+    """Out of training a hard model's loss is hard-exact's: the same parameters (the same seed
+    draws them in the same order) give the same loss, and no sample is drawn."""
+    images = torch.randn(3, 3, 32, 32)
+    hard, exact = _model(attention="hard").eval(), _model(attention="hard-exact").eval()
+    with torch.no_grad():
+        torch.manual_seed(5)
+        a = hard(images, _CAPS)
+        after = torch.rand(1)
+        torch.manual_seed(5)
+        b = exact(images, _CAPS)
+        assert torch.equal(torch.rand(1), after)
+    assert torch.equal(a.loss, b.loss) and torch.equal(a.logits, b.logits)
+
+
+@pytest.mark.parametrize("baseline", ["soft", "loo", "average"])
+def test_reinforce_gradient_is_the_estimator_by_hand(baseline: str, monkeypatch) -> None:
+    """Hard attention in training, every caption sampling (hard_expectation 0): α gets gradient
+    only from REINFORCE and the entropy bonus. Written out in float64 from the locations the
+    model drew: ∇ of -1/n Σ_bt (1/K) Σ_k (r_btk - b) log α_bt(s_btk) - λ/n Σ_bt H(α_bt), with
+    r = log p(y_t | a_s) and b the soft path's log p(y_t | Σ α a), the mean of the other K-1
+    rewards, or, per caption, R_bk = Σ_t r_btk against the moving average (which then moves)."""
+    m = _model(attention="hard", hard_baseline=baseline, hard_expectation=0.0, entropy_bonus=0.05)
+    m = m.double().train()
+    with torch.no_grad():
+        m.baseline.fill_(-4.0)
+    images = torch.randn(3, 3, 32, 32, dtype=torch.float64, generator=torch.Generator().manual_seed(2))
+    drawn, multinomial = [], torch.multinomial
+
+    def spy(*args, **kwargs):
+        drawn.append(multinomial(*args, **kwargs))
+        return drawn[-1]
+
+    monkeypatch.setattr(torch, "multinomial", spy)
+    torch.manual_seed(0)
+    m(images, _CAPS).loss.backward()
+    got = [p.grad for p in m.attn.parameters()]
+    assert len(drawn) == 4 and drawn[0].shape == (3, 4)
+
+    feats = m.encode(images).detach()
+    mean, rows, K = feats.mean(1), torch.arange(3), 4
+    h, c = torch.tanh(m.init_h(mean)), torch.tanh(m.init_c(mean))
+    valid = (_CAPS[:, 1:] != PAD).double()
+    pg = entropy = R = log_p = 0.0
+    for t, s in enumerate(drawn):
+        alpha = _additive_alpha(m, h, feats)
+        beta, e, y = torch.sigmoid(m.gate(h)), m.emb(_CAPS[:, t]), _CAPS[:, t + 1]
+        h, c = m.lstm(torch.cat([e, beta * mean], -1), (h, c))
+
+        def log_p_reading(z: torch.Tensor) -> torch.Tensor:  # log p(y | the word reads z (B, D))
+            return torch.log_softmax(m.out(e + m.out_h(h) + m.out_z(beta * z)), -1)[rows, y]  # noqa: B023
+
+        r = torch.stack([log_p_reading(feats[rows, s[:, k]]) for k in range(K)], 1).detach()  # (B, K)
+        log_alpha_s = torch.log(alpha.gather(1, s))
+        if baseline == "soft":
+            b = log_p_reading(torch.einsum("bl,bld->bd", alpha, feats)).detach()[:, None]
+        else:
+            b = (r.sum(1, keepdim=True) - r) / (K - 1)
+        if baseline == "average":
+            R, log_p = R + valid[:, t, None] * r, log_p + valid[:, t, None] * log_alpha_s
+        else:
+            pg = pg + (valid[:, t] * ((r - b) * log_alpha_s).mean(1)).sum()
+        entropy = entropy + (valid[:, t] * -(alpha * alpha.log()).sum(-1)).sum()
+    if baseline == "average":
+        pg = ((R - (-4.0)) * log_p).mean(1).sum()
+    n = valid.sum()
+    want = torch.autograd.grad(-pg / n - 0.05 * entropy / n, list(m.attn.parameters()))
+    for g, w in zip(got, want, strict=True):
+        torch.testing.assert_close(g, w, rtol=1e-9, atol=1e-12)
+    moved = 0.9 * -4.0 + 0.1 * R.mean() if baseline == "average" else -4.0
+    assert float(m.baseline) == pytest.approx(float(moved), rel=1e-12)
+
+
+@pytest.mark.parametrize("baseline", ["soft", "loo", "average"])
+def test_the_model_learns_alpha_through_reinforce_surrogate(baseline: str, monkeypatch) -> None:
+    """The surrogate the tests above prove unbiased is the one the model calls: scaling what it
+    returns scales the REINFORCE part of the gradient that reaches the scorer (the rest comes
+    from the captions that read Σ α a); it is called once per word, or once per caption."""
+    images = torch.randn(3, 3, 32, 32, generator=torch.Generator().manual_seed(3))
+    grads = []
+    calls = []
+    original = captioner_readout.reinforce_surrogate
+    for scale in (0.0, 1.0, 3.0):
+        def scaled(*args, scale=scale, **kwargs):
+            calls.append(kwargs)
+            return scale * original(*args, **kwargs)
+
+        monkeypatch.setattr(captioner_readout, "reinforce_surrogate", scaled)
+        m = _model(attention="hard", hard_baseline=baseline, hard_expectation=0.5, entropy_bonus=0.0).train()
+        torch.manual_seed(0)
+        m(images, _CAPS).loss.backward()
+        grads.append(torch.cat([p.grad.flatten() for p in m.attn.parameters()]))
+    assert len(calls) == 3 * (1 if baseline == "average" else 4)
+    assert all(c["dim"] == 1 and c["mask"] is not None for c in calls)  # the expected-value rows out
+    reinforce = grads[1] - grads[0]
+    assert reinforce.abs().max() > 1e-4
+    torch.testing.assert_close(grads[2] - grads[0], 3 * reinforce, rtol=1e-4, atol=1e-7)
+
+
+def test_reinforce_surrogate_per_row_with_a_mask() -> None:
+    """``dim``: one term -mean_k (r - b) log p per row; ``mask``: rows left out give 0 and no
+    gradient; without either, the mean over everything (the rows' mean when none is masked)."""
+    logp = torch.randn(3, 4, dtype=torch.float64, requires_grad=True)
+    r, b = torch.randn(3, 4, dtype=torch.float64), torch.randn(3, 1, dtype=torch.float64)
+    rows = reinforce_surrogate(logp, r, b, dim=1)
+    torch.testing.assert_close(rows, -((r - b) * logp).mean(1))
+    torch.testing.assert_close(rows.mean(), reinforce_surrogate(logp, r, b))
+    keep = torch.tensor([True, False, True])
+    masked = reinforce_surrogate(logp, r, b, dim=1, mask=keep)
+    assert masked[1] == 0 and torch.equal(masked[keep], rows[keep])
+    (grad,) = torch.autograd.grad(masked.sum(), logp)
+    assert (grad[1] == 0).all()
+    torch.testing.assert_close(grad[keep], -(r - b)[keep] / 4)
+
+
+def test_forward_changes_only_the_running_statistics() -> None:
+    """Evaluation changes no buffer. Training changes BatchNorm's statistics and, for a hard
+    model, ``steps`` (one per forward: the annealed expected-value share) and, with the
+    average baseline, ``baseline`` (the moving average of the reward); a soft model neither.
+    With hard_anneal 1 the first training forward reads Σ α a everywhere, the second samples."""
+    images = torch.randn(3, 3, 32, 32)
+    for kw, moves in (({}, set()), ({"attention": "hard", "hard_baseline": "soft"}, {"steps"}),
+                      ({"attention": "hard", "hard_baseline": "average"}, {"steps", "baseline"})):
+        m = _model(hard_anneal=1, **kw)
+        before = {k: v.clone() for k, v in m.named_buffers()}
+        with torch.no_grad():
+            m.eval()(images, _CAPS)
+        assert all(torch.equal(v, before[k]) for k, v in m.named_buffers())
+        m.train()(images, _CAPS)
+        m(images, _CAPS)
+        changed = {k for k, v in m.named_buffers()
+                   if not torch.equal(v, before[k]) and not k.startswith("cnn.")}
+        assert changed == moves, kw
+        assert int(m.steps) == (2 if "steps" in moves else 0)
+
+
+def test_hard_decoding_mode_is_an_argument() -> None:
+    """How a hard model reads the grid when decoding is an argument of every call, never model
+    state: decode_captions with each mode gives the greedy loop over ``step(hard_decode=...)``
+    (the most likely word that may appear, up to EOS) with its attention, the two modes differ,
+    and a mode that does not exist says so."""
+    from qkv.families.captioner import decode_captions, normalize
+
+    m = _model(attention="hard").eval()
+    with torch.no_grad():  # untrained, it would say EOS at once: make what it reads count
+        m.out_z.weight.normal_(0, 2)
+        m.out.bias[EOS] = -1.0
+    images = torch.randint(0, 256, (4, 3, 32, 32), dtype=torch.uint8,
+                           generator=torch.Generator().manual_seed(4))
+    logits, captions = {}, {}
+    for mode in ("argmax", "expectation"):
+        toks, alphas = decode_captions(m, images, 5, hard_decode=mode)
+        with torch.no_grad():
+            state, prev = m.start(normalize(images)), torch.full((4,), BOS)
+            want, seen, first = [[] for _ in range(4)], [[] for _ in range(4)], None
+            for _ in range(6):
+                step = m.step(state, prev, hard_decode=mode)
+                first = step.logits if first is None else first
+                prev = step.logits.index_fill(1, torch.tensor([PAD, BOS, 3]), float("-inf")).argmax(-1)
+                for b in range(4):
+                    if EOS not in want[b]:
+                        want[b].append(int(prev[b]))
+                        seen[b].append(step.alpha[b])
+                state = step.state
+        assert toks == [w[: w.index(EOS)] if EOS in w else w for w in want]
+        for b in range(4):
+            torch.testing.assert_close(alphas[b], torch.stack(seen[b])[: len(toks[b])])
+        logits[mode], captions[mode] = first, toks
+    assert not torch.allclose(logits["argmax"], logits["expectation"])
+    assert captions["argmax"] != captions["expectation"] and min(map(len, captions["argmax"])) >= 3
+    assert not hasattr(m, "hard_decode")
+    with pytest.raises(ValueError, match="argmax or expectation, got 'mean'"):
+        m.step(m.start(normalize(images)), torch.full((4,), BOS), hard_decode="mean")
+
+
+def test_config_names_the_choices() -> None:
+    """A Literal field is checked against its own choices; ranges name the bound."""
+    with pytest.raises(ValueError, match="attention must be soft, hard, hard-exact or uniform, got 'sofft'"):
+        CaptionerConfig(attention="sofft")
+    with pytest.raises(ValueError, match="hard_baseline must be soft, loo or average, got 'mean'"):
+        CaptionerConfig(hard_baseline="mean")
+    with pytest.raises(ValueError, match="hard_samples must be >= 2 with hard_baseline loo, got 1"):
+        CaptionerConfig(hard_baseline="loo", hard_samples=1)
+    with pytest.raises(ValueError, match=r"word_dropout must be in \[0, 1\), got 1"):
+        CaptionerConfig(word_dropout=1)
+    with pytest.raises(ValueError, match=r"stage_convs must be in \[1, 3\], got 4"):
+        CaptionerConfig(stage_convs=4)
+    with pytest.raises(ValueError, match="hard_anneal must be >= 0, got -1"):
+        CaptionerConfig(hard_anneal=-1)
