@@ -12,8 +12,10 @@ the next run of the same shape starts at once.
 Compilation is judged by its cost: a cold ``torch.compile`` of a small GPT takes ~40 s on two
 CPU cores and saves ~10% of a step (BENCHMARKS.md). Auto compiles on a CPU only when the run
 is long enough that a 10% saving of the measured step time could repay that compile time.
-(A cache entry may hold ``compile_s`` / ``compile_saving`` measured on this machine, which
-then replace the two assumptions; the trainer does not record them itself yet.)
+Those two numbers are only the first guess: a compiled run measures what compiling cost it and
+what a compiled step saves (:class:`qkv.training.speed.CompileMeter`) and writes them into the
+same cache entry as ``compile_s`` / ``compile_saving``, which then replace the assumptions for
+the next run of that shape on this machine.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from pathlib import Path
 
 import torch
 
+from qkv.device import cpu_has_native_bf16
 from qkv.paths import cache_root
 
 # Below this speed-up bf16 is not worth its rounding: fp32 is the exact choice, so a tie
@@ -41,12 +44,24 @@ COLD_COMPILE_S = 40.0  # assumed cold compile time on a CPU before it has been m
 
 @dataclass
 class SpeedChoice:
-    """What auto picked and why, in the words the run prints first."""
+    """What --dtype / --compile came to and why, in the words the run prints first.
+
+    ``step_ms``: the eager time of one optimiser step as measured (None: not measured), which
+    the compile meter compares compiled steps with.
+    """
 
     dtype: str  # "fp32", "bf16" or "fp16"
     compile: bool
-    reason: str
-    cached: bool = False
+    dtype_why: str
+    compile_why: str = ""
+    cached: bool = False  # the dtype came from the probe cache
+    step_ms: float | None = None
+    recorded: bool = False  # a resumed run's own record (config.json), not measured again
+
+    @property
+    def reason(self) -> str:
+        why = "; ".join(x for x in (self.dtype_why, self.compile_why) if x)
+        return f"as recorded at the run's start ({why})" if self.recorded else why
 
 
 def cache_path() -> Path | None:
@@ -55,18 +70,30 @@ def cache_path() -> Path | None:
     return None if root is None else root / "speed_probe.json"
 
 
-def machine_id() -> str:
-    """CPU model + ISA + threads + torch version: what the probe's answer depends on."""
-    name = platform.processor()
+def cpu_model() -> str:
+    """The CPU's marketing name (``/proc/cpuinfo``), else what ``platform`` knows."""
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith("model name"):
-                name = line.split(":", 1)[1].strip()
-                break
+                return line.split(":", 1)[1].strip()
     except OSError:
         pass
-    isa = torch.backends.cpu.get_cpu_capability()
-    return f"{name}|{isa}|{torch.get_num_threads()} threads|torch {torch.__version__}"
+    return platform.processor() or platform.machine()
+
+
+def machine(native_bf16: bool | None = None) -> dict[str, str | bool | int]:
+    """The CPU a run computes with: model, the kernels torch picked for it (ISA), whether it
+    multiplies bf16 natively (``native_bf16``: as the caller decided it; default: asked of
+    oneDNN), threads and torch version; recorded in every run's config.json."""
+    native = cpu_has_native_bf16() if native_bf16 is None else native_bf16
+    return {"model": cpu_model(), "isa": torch.backends.cpu.get_cpu_capability(),
+            "native_bf16": native, "threads": torch.get_num_threads(), "torch": torch.__version__}
+
+
+def machine_id() -> str:
+    """CPU model + ISA + threads + torch version: what the probe's answer depends on."""
+    m = machine()
+    return f"{m['model']}|{m['isa']}|{m['threads']} threads|torch {m['torch']}"
 
 
 def probe_key(**shape) -> str:
@@ -137,17 +164,25 @@ def choose_dtype(ms: dict[str, float]) -> tuple[str, str]:
 
 
 def compile_worth_trying(ms_per_step: float, max_iters: int, entry: dict | None) -> tuple[bool, str]:
-    """Whether a CPU run of ``max_iters`` steps could repay a cold compile, and why.
+    """Whether a CPU run of ``max_iters`` steps could repay compiling, and why.
 
-    Uses this machine's measured compile time and saving when an earlier run recorded them.
+    Uses what an earlier compiled run of this shape measured here (``compile_s``: the compile
+    time it paid, recompiles included; ``compile_saving``: the fraction of a step saved) when
+    the cache holds it, else the typical 40 s and 10%.
     """
-    cost = float((entry or {}).get("compile_s", COLD_COMPILE_S))
-    saving = float((entry or {}).get("compile_saving", COMPILE_SAVING))
+    entry = entry or {}
+    cost = float(entry.get("compile_s", COLD_COMPILE_S))
+    saving = float(entry.get("compile_saving", COMPILE_SAVING))
     gain_s = max(saving, 0.0) * ms_per_step / 1000 * max_iters
-    measured = "measured" if entry and "compile_s" in entry else "typical"
     worth = gain_s > cost
+    if "compile_s" in entry:
+        paid = f"{cost:.0f} s of compiling measured here"
+        if "compile_saving" in entry:
+            paid += f" (steps {100 * saving:.0f}% faster)"
+    else:
+        paid = f"a typical {cost:.0f} s cold compile"
     return worth, (f"compile {'on' if worth else 'off'}: it could save ~{gain_s:.0f} s of this "
-                   f"run against a {measured} {cost:.0f} s cold compile")
+                   f"run against {paid}")
 
 
 def emulated_bf16_cost(n: int = 256) -> str:

@@ -5,7 +5,9 @@ Per step: learning rate from the schedule -> ``grad_accum`` micro-batches forwar
 clipping -> optimiser step (AdamW, or Muon + AdamW). Every ``eval_interval`` steps:
 validation loss on fixed batches, ``metrics.jsonl``, and a checkpoint (the latest for
 ``--resume``, the best for use). ``--dtype auto`` and ``--compile auto`` are measured first
-(:mod:`qkv.training.probe`).
+(:mod:`qkv.training.probe`), or taken from a resumed run's record; what the run trains with is
+:meth:`Trainer.chosen` (config.json's ``chosen``), and a compiled run stops compiling when it
+costs more than it can still save (:mod:`qkv.training.speed`).
 
 Anything a model needs to train here: ``model(inputs, targets)`` returns an object with a
 ``.loss`` scalar, and a :class:`BatchSource` yields (inputs, targets) for "train" and "val".
@@ -15,8 +17,6 @@ killed and resumed follows the uninterrupted run exactly (in deterministic setti
 
 from __future__ import annotations
 
-import contextlib
-import copy
 import math
 import signal
 import time
@@ -30,10 +30,9 @@ from torch import Tensor, nn
 
 from qkv.device import cpu_has_native_bf16
 from qkv.training import checkpoint as ckpt
-from qkv.training import probe
+from qkv.training import probe, speed
 from qkv.training.config import (
     BatchSource,
-    DType,
     TrainConfig,
     TrainingDivergedError,
     TrainingInterruptedError,
@@ -41,19 +40,7 @@ from qkv.training.config import (
 )
 from qkv.training.distributed import DistInfo, broadcast_flag, mean_across, no_sync, wrap_model
 from qkv.training.optim import lr_at, make_optimizers, muon_ns_dtype, resolve_optimizer
-
-_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-
-
-def default_autocast_dtype(dtype: DType, device: str) -> torch.dtype:
-    """The autocast dtype without measuring: explicit choices as given; auto = bf16 (or fp16 on
-    GPUs without bf16) on a GPU, fp32 on a CPU. The Trainer measures auto on CPUs that have
-    bf16 instructions instead (:mod:`qkv.training.probe`)."""
-    if dtype != "auto":
-        return _DTYPES[dtype]
-    if device.startswith("cuda"):
-        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
-    return torch.float32
+from qkv.training.speed import Chosen
 
 
 class Trainer:
@@ -67,6 +54,10 @@ class Trainer:
         dist: process-group information from ``init_distributed``.
         on_log: called on rank 0 with each metrics record (the CLI's progress display).
         tokens_per_batch: tokens (or examples) per sequence, for throughput.
+        recorded: what a resumed run chose at its start (its config.json's ``chosen``): used
+            for every option still ``auto``, without measuring again.
+        on_choice: called on rank 0 with :meth:`chosen` when the choice changes mid-run (the
+            compile meter switched compiling off), so the run's record can follow.
     """
 
     def __init__(
@@ -78,25 +69,40 @@ class Trainer:
         dist: DistInfo | None = None,
         on_log: Callable[[dict], None] | None = None,
         tokens_per_batch: int = 1,
+        recorded: Chosen | None = None,
+        on_choice: Callable[[Chosen], None] | None = None,
     ) -> None:
         self.cfg, self.data, self.run_dir = cfg, data, Path(run_dir)
         self.dist = dist or DistInfo()
         self.device = self.dist.device
         self.model = model.to(self.device)
         self.on_log = on_log or (lambda rec: None)
+        self.on_choice = on_choice or (lambda chosen: None)
         self.tokens_per_batch = tokens_per_batch
+        self.native_bf16 = cpu_has_native_bf16()
+        self.recorded = recorded
         dev_type = torch.device(self.device).type
-        self._build_optimizers(resolve_optimizer(cfg.optimizer))
-        self.speed = self._choose_speed(dev_type)
-        self.dtype = _DTYPES[self.speed.dtype]
-        self.autocast = self._autocast(self.dtype)
+        kind = resolve_optimizer(cfg.optimizer)
+        if recorded is not None and cfg.optimizer == "auto":
+            kind = recorded.optimizer  # what the run started with, on any machine
+        self._build_optimizers(kind)
+        self.speed, self._probe_key = speed.choose_speed(
+            self.model, cfg, data, self.device, (self.optimizer_kind, self.ns_dtype), self.native_bf16,
+            recorded, self.dist)
+        self.dtype = speed.DTYPES[self.speed.dtype]
+        self.autocast = speed.autocast(self.device, self.dtype)
         self.scaler = torch.amp.GradScaler(dev_type, enabled=self.dtype == torch.float16)
         self.step = 0
         self.best_val = math.inf
         self.evaluated_at = -1  # the step of the last validation pass (logged and saved)
         self.data_gen = torch.Generator().manual_seed(cfg.seed)  # the data stream's position
         self.compiled = False
+        self.compile_stopped_at = recorded.compile_stopped_at if recorded and cfg.compile is None else None
         self.train_model: nn.Module = wrap_model(self._maybe_compile(self.model), self.dist)
+        # Compiling is judged by what it costs in this run where auto chose it against a
+        # measured eager step (a CPU); an explicit --compile true is kept whatever it costs.
+        self.meter = (speed.CompileMeter(self.speed.step_ms / 1000, cfg.max_iters, self._saving_prior())
+                      if self.compiled and cfg.compile is None and self.speed.step_ms else None)
         self._stop_requested = False
 
     # ------------------------------------------------------------------ setup
@@ -105,86 +111,36 @@ class Trainer:
         cfg = self.cfg
         self.optimizer_kind = kind
         dev_type = torch.device(self.device).type
-        self.ns_dtype = muon_ns_dtype(dev_type, cpu_has_native_bf16())
+        self.ns_dtype = muon_ns_dtype(dev_type, self.native_bf16)
+        rec = self.recorded.muon_ns_dtype if self.recorded else None
+        # The recorded Newton–Schulz dtype, unless this machine would emulate it (~100x slower).
+        if rec is not None and not (rec == "bf16" and self.ns_dtype == torch.float32):
+            self.ns_dtype = speed.DTYPES[rec]
         self.optimizers = make_optimizers(
             self.model, kind, cfg.lr, cfg.muon_lr, cfg.weight_decay, (cfg.beta1, cfg.beta2),
             dev_type, ns_dtype=self.ns_dtype,
         )
 
-    def _autocast(self, dtype: torch.dtype):
-        if dtype == torch.float32:
-            return contextlib.nullcontext()
-        return torch.autocast(torch.device(self.device).type, dtype=dtype)
+    def _saving_prior(self) -> float:
+        entry = (probe.read_cache(self._probe_key) if self._probe_key else None) or {}
+        return float(entry.get("compile_saving", probe.COMPILE_SAVING))
 
-    def _choose_speed(self, dev_type: str) -> probe.SpeedChoice:
-        """--dtype and --compile: as given, or (auto) measured on this machine for this model."""
-        cfg = self.cfg
-        dtype = {v: k for k, v in _DTYPES.items()}[default_autocast_dtype(cfg.dtype, self.device)]
-        if dev_type != "cpu":
-            compile_ = dev_type == "cuda" if cfg.compile is None else cfg.compile
-            return probe.SpeedChoice(dtype, compile_, f"{dtype} on {dev_type}")
-        if cfg.dtype == "bf16" and not cpu_has_native_bf16():
-            warnings.warn(f"--dtype bf16 on a CPU without bf16 instructions: {probe.emulated_bf16_cost()}; "
-                          "--dtype auto picks fp32 here", stacklevel=3)
-        if cfg.dtype != "auto" and cfg.compile is not None:
-            return probe.SpeedChoice(dtype, cfg.compile, f"{dtype} and compile {cfg.compile} as asked")
-        x, y = self.data.get_batch("train", cfg.batch_size, torch.Generator().manual_seed(cfg.seed + 2))
-        key = probe.probe_key(model=type(self.model).__name__, batch=list(x.shape),
-                              params=[list(p.shape) for p in self.model.parameters()],
-                              optimizer=self.optimizer_kind, grad_clip=cfg.grad_clip > 0)
-        entry = probe.read_cache(key) or {}
-        reasons, cached = [], False
-        if cfg.dtype == "auto" and cpu_has_native_bf16():
-            if "dtype" in entry:
-                dtype, cached = entry["dtype"], True
-                reasons.append(entry["dtype_reason"] + " (cached)")
-            else:
-                ms = self._probe(x, y, ("fp32", "bf16"))
-                dtype, why = probe.choose_dtype(ms)
-                entry.update(dtype=dtype, dtype_reason=why, ms=ms)
-                probe.write_cache(key, entry)
-                reasons.append(why)
-        elif cfg.dtype == "auto":
-            reasons.append("no bf16 instructions on this CPU (bf16 products are emulated) -> fp32")
-        compile_ = cfg.compile
-        if compile_ is None:
-            ms_step = (entry.get("ms") or {}).get(dtype) or self._probe(x, y, (dtype,), rounds=1)[dtype]
-            compile_, why = probe.compile_worth_trying(ms_step * cfg.grad_accum, cfg.max_iters, entry)
-            reasons.append(why)
-        choice = probe.SpeedChoice(dtype, compile_, "; ".join(reasons) or f"{dtype}", cached)
-        # Every DDP rank must train alike: rank 0's choice wins.
-        choice.dtype = "bf16" if broadcast_flag(choice.dtype == "bf16", self.dist) else "fp32"
-        choice.compile = broadcast_flag(choice.compile, self.dist)
-        return choice
-
-    def _probe(self, x: Tensor, y: Tensor, options: tuple[str, ...], rounds: int = 3) -> dict[str, float]:
-        """ms per real training step (forward, backward, clip, optimiser) of a copy of the model
-        in each autocast dtype; the run's model, optimiser and random state stay untouched."""
-        rng = torch.get_rng_state()
-        model = copy.deepcopy(self.model).train()
-        opts = make_optimizers(model, self.optimizer_kind, self.cfg.lr, self.cfg.muon_lr,
-                               self.cfg.weight_decay, (self.cfg.beta1, self.cfg.beta2), "cpu",
-                               ns_dtype=self.ns_dtype)
-        x, y = x.to(self.device), y.to(self.device)
-
-        def step(option: str) -> None:
-            with self._autocast(_DTYPES[option]):
-                loss = model(x, y).loss
-            loss.backward()
-            if self.cfg.grad_clip > 0:
-                torch.nn.utils.clip_grad_norm_(model.parameters(), self.cfg.grad_clip)
-            for opt in opts:
-                opt.step()
-                opt.zero_grad(set_to_none=True)
-
-        try:
-            return probe.time_options(step, options, rounds=rounds)
-        finally:
-            torch.set_rng_state(rng)
+    def chosen(self) -> Chosen:
+        """What this run trains with, for its config.json (see :class:`Chosen`)."""
+        dev = torch.device(self.device)
+        return Chosen(
+            dtype=self.speed.dtype, dtype_why=self.speed.dtype_why, compile=self.compiled,
+            compile_why=self.speed.compile_why, step_ms=self.speed.step_ms,
+            optimizer=self.optimizer_kind,
+            muon_ns_dtype=speed.DTYPE_NAMES[self.ns_dtype] if self.optimizer_kind == "muon" else None,
+            device=str(self.device), cpu=probe.machine(self.native_bf16),
+            gpu=torch.cuda.get_device_name(dev) if dev.type == "cuda" else None,
+            compile_stopped_at=self.compile_stopped_at,
+        )
 
     def _maybe_compile(self, model: nn.Module) -> nn.Module:
-        # Auto (see _choose_speed): on GPUs always; on a CPU only when the run is long enough to
-        # repay a cold compile (~40 s for a 4-layer GPT on 2 cores, ~10% saved per step).
+        # Auto (see speed.choose_speed): on GPUs always; on a CPU only when the run is long enough
+        # to repay compiling (measured here by an earlier run, else a typical 40 s cold compile).
         if not self.speed.compile:
             return model
         try:
@@ -201,8 +157,35 @@ class Trainer:
             "continuing without it (--compile false silences this)",
             stacklevel=2,
         )
-        self.compiled = False
+        self.compiled = self.speed.compile = False
+        self.speed.compile_why = f"compile failed here ({type(err).__name__}) -> eager"
         self.train_model = wrap_model(self.model, self.dist)
+        if self.dist.is_main:
+            self.on_choice(self.chosen())
+
+    def _judge_compile(self, seconds: float, compiled_frames: int) -> None:
+        """After a compiled step: go on eagerly once compiling costs more than it can still
+        save (:class:`speed.CompileMeter`); rank 0's verdict holds on every rank. The eager
+        model is the compiled one's own module, so weights and optimiser carry on unchanged."""
+        assert self.meter is not None
+        stop = broadcast_flag(self.meter.observe(self.step, seconds, compiled_frames), self.dist)
+        if not stop:
+            return
+        m = self.meter
+        self.compiled, self.compile_stopped_at = False, self.step + 1
+        self.train_model = wrap_model(self.model, self.dist)
+        self.speed.compile = False
+        self.speed.compile_why = (f"compile stopped after step {self.step + 1}: {m.summary()}; more than "
+                                  f"the ~{m.can_still_save(self.step):.0f} s it could still save")
+        self._note(f"{self.speed.compile_why}; training on eagerly (the same weights and optimiser)")
+        self._record_compile()
+        if self.dist.is_main:
+            self.on_choice(self.chosen())
+
+    def _record_compile(self) -> None:
+        """What compiling cost and saved here, into the probe cache for the next run's choice."""
+        if self.meter is not None and self.meter.compile_steps and self._probe_key and self.dist.is_main:
+            probe.write_cache(self._probe_key, self.meter.cache_entry())
 
     # ------------------------------------------------------------------ checkpoints
 
@@ -346,7 +329,8 @@ class Trainer:
         prev_handler = signal.getsignal(signal.SIGINT)
         if self.dist.is_main:
             signal.signal(signal.SIGINT, self._request_stop)
-        self._note(f"speed: {self.speed.reason}")
+        self._note(f"speed: {self.speed.reason}")  # what the run trains with, why, and on what
+        self._note(f"using: {self.chosen().describe()}")
         t0 = time.perf_counter()
         tokens, loss = 0, math.nan
         done = self.step >= cfg.max_iters  # resumed after the last save: nothing to train or log
@@ -372,6 +356,9 @@ class Trainer:
                 self._log_progress(loss, tokens / max(elapsed, 1e-9))
             if not done:
                 self._evaluate_and_save(loss)
+            if self.meter is not None and self.compiled:
+                self._note(f"compile: {self.meter.summary()} (kept for the next run's choice)")
+                self._record_compile()
         finally:
             if self.dist.is_main:
                 signal.signal(signal.SIGINT, prev_handler)
@@ -381,8 +368,9 @@ class Trainer:
     def _guarded_step(self) -> float:
         if not self.compiled:
             return self._train_step()
+        frames, t0 = speed.compile_count(), speed.clock()
         try:
-            return self._train_step()
+            loss = self._train_step()
         except Exception as e:  # compilation errors surface at the first call
             if self.step > 0 and not _is_compile_error(e):
                 raise
@@ -390,6 +378,9 @@ class Trainer:
                 opt.zero_grad(set_to_none=True)
             self._fall_back_to_eager(e)
             return self._train_step()
+        if self.meter is not None:
+            self._judge_compile(speed.clock() - t0, speed.compile_count() - frames)
+        return loss
 
     def _log_progress(self, loss: float, tok_s: float) -> None:
         lr = self.optimizers[-1].param_groups[0]["lr"]  # AdamW's (the last one) is --lr

@@ -171,3 +171,168 @@ def test_muon_orthogonalises_in_fp32_where_bf16_is_emulated(tmp_path, monkeypatc
         t = Trainer(gpt(), cfg(tmp_path, optimizer="auto", dtype="fp32", compile=False),
                     RandomBatches(), tmp_path)
         assert t.optimizer_kind == "muon" and t.optimizers[0].ns_dtype == want
+
+
+# --------------------------------------------------------------------------- what the run records
+
+
+def forbid_probe(monkeypatch) -> None:
+    """Any timing of steps fails the test: the choice must come from the cache or the record."""
+    def fail(*args, **kwargs):
+        raise AssertionError("the probe measured steps")
+
+    monkeypatch.setattr(probe, "time_options", fail)
+
+
+def put_cache(model, c: TrainConfig, data, entry: dict, optimizer: str = "adamw") -> str:
+    """Write ``entry`` under the key the trainer computes for this model, config and data."""
+    from qkv.training import speed
+
+    key = speed.cache_key(model, c, speed.probe_batch(data, c)[0], optimizer)
+    probe.write_cache(key, entry)
+    return key
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_the_record_is_what_the_trainer_uses(tmp_path, monkeypatch, dtype: str) -> None:
+    monkeypatch.setattr(trainer_mod, "cpu_has_native_bf16", lambda: True)
+    forbid_probe(monkeypatch)
+    c = cfg(tmp_path, max_iters=40)
+    put_cache(gpt(), c, RandomBatches(), {"dtype": dtype, "dtype_reason": f"forced -> {dtype}",
+                                          "ms": {dtype: 7.5}, "compile_s": 1e6})
+    t = Trainer(gpt(), c, RandomBatches(), tmp_path)
+    rec = t.chosen()
+    assert t.dtype == {"fp32": torch.float32, "bf16": torch.bfloat16}[dtype]
+    assert (rec.dtype, rec.compile, rec.step_ms, rec.optimizer) == (dtype, False, 7.5, "adamw")
+    assert rec.compile == t.compiled and rec.muon_ns_dtype is None and rec.device == "cpu"
+    assert rec.dtype_why == f"forced -> {dtype} (cached)"
+    assert "1000000 s of compiling measured here" in rec.compile_why
+    assert rec.cpu["native_bf16"] is True and rec.cpu["threads"] == torch.get_num_threads()
+    assert rec.cpu["torch"] == torch.__version__
+
+
+def test_a_recorded_choice_is_used_without_probing_unless_asked_again(tmp_path, monkeypatch) -> None:
+    from qkv.training.speed import Chosen
+
+    monkeypatch.setattr(trainer_mod, "cpu_has_native_bf16", lambda: True)
+    forbid_probe(monkeypatch)
+    rec = Chosen(dtype="bf16", dtype_why="measured then", compile=False, compile_why="off then",
+                 step_ms=3.0, optimizer="adamw", muon_ns_dtype=None, device="cpu")
+    t = Trainer(gpt(), cfg(tmp_path), RandomBatches(), tmp_path, recorded=rec)
+    assert t.dtype == torch.bfloat16 and not t.compiled and t.speed.recorded
+    assert t.chosen().dtype_why == "measured then" and "as recorded" in t.speed.reason
+    t = Trainer(gpt(), cfg(tmp_path, dtype="fp32"), RandomBatches(), tmp_path, recorded=rec)
+    assert t.dtype == torch.float32 and t.chosen().dtype_why == "fp32 as asked"
+
+
+# --------------------------------------------------------------------------- the compile meter
+
+
+def meter(**kw):
+    from qkv.training.speed import CompileMeter
+
+    return CompileMeter(**{"eager_s": 1.0, "max_iters": 1000, "saving_prior": 0.1, **kw})
+
+
+def test_one_cold_compile_is_never_undone() -> None:
+    m = meter(max_iters=100)  # 100 steps can save ~10 s; the cold compile cost 40 s
+    assert m.observe(0, 41.0, compiled=3) is False  # paid already: stopping would save nothing
+    assert all(m.observe(s, 0.8, compiled=0) is False for s in range(1, 50))
+    assert m.measured_saving() == pytest.approx(0.2) and m.spent_s == pytest.approx(40.0)
+    assert m.cache_entry() == {"compile_s": 40.0, "compile_saving": 0.2}
+
+
+def test_a_recompile_stops_compiling_once_it_costs_more_than_it_can_still_save() -> None:
+    m = meter()  # 1,000 steps of 1 s, 10% saved: ~100 s to win
+    assert m.observe(0, 41.0, compiled=1) is False
+    assert m.observe(1, 0.9, compiled=0) is False
+    assert m.observe(2, 41.0, compiled=1) is False  # 80 s paid < 99.7 s still to win
+    assert m.observe(3, 41.0, compiled=1) is True  # 120 s paid > 99.6 s
+    assert m.compile_steps == 3 and m.spent_s == pytest.approx(120.0)
+    assert m.cache_entry() == {"compile_s": 120.0}  # one fast step: the saving is not measured
+
+
+def test_compiled_steps_no_faster_than_eager_stop_compiling() -> None:
+    m = meter()
+    m.observe(0, 5.0, compiled=1)
+    assert [m.observe(s, 1.05, compiled=0) for s in range(1, 6)] == [False] * 4 + [True]
+    assert m.measured_saving() == pytest.approx(-0.05)
+
+
+class FakeCompiled(torch.nn.Module):
+    """torch.compile's stand-in: each new input shape 'compiles' (one frame, 50 s on the fake
+    clock); otherwise a step takes 5 ms. It runs the model itself, so numbers are eager's."""
+
+    def __init__(self, model: torch.nn.Module, clock: FakeClock, frames: list[int]) -> None:
+        super().__init__()
+        self.model, self.clock, self.frames, self.shapes = model, clock, frames, []
+
+    def forward(self, x, y):
+        self.clock.now += 50.0 if tuple(x.shape) not in self.shapes else 0.005
+        if tuple(x.shape) not in self.shapes:
+            self.frames[0] += 1
+        self.shapes.append(tuple(x.shape))
+        return self.model(x, y)
+
+
+class VariableBatches:
+    """Batches trimmed to a random length 4-8, as seq2seq's are to their longest row."""
+
+    def get_batch(self, split, batch_size, generator):
+        n = int(torch.randint(4, 9, (1,), generator=generator))
+        x = torch.randint(0, 20, (batch_size, n), generator=generator)
+        return x, torch.roll(x, -1, dims=1)
+
+
+def test_recompiles_that_cost_more_than_they_save_fall_back_to_eager(tmp_path, monkeypatch) -> None:
+    from qkv.training import speed
+
+    clock, frames, made = FakeClock({}), [0], []
+    monkeypatch.setattr(speed, "clock", clock)
+    monkeypatch.setattr(speed, "compile_count", lambda: frames[0])
+    monkeypatch.setattr(torch, "compile",
+                        lambda m, **kw: made.append(FakeCompiled(m, clock, frames)) or made[-1])
+    forbid_probe(monkeypatch)
+    c = cfg(tmp_path / "run", dtype="fp32", max_iters=40, eval_interval=20)
+    key = put_cache(gpt(), c, VariableBatches(), {"ms": {"fp32": 10.0}, "compile_s": 0.01,
+                                                  "compile_saving": 0.5})
+    recorded = []
+    t = Trainer(gpt(), c, VariableBatches(), tmp_path / "run", on_choice=recorded.append)
+    assert t.compiled and t.meter is not None  # 40 steps x 5 ms saved > the 0.01 s on file
+    t.fit()
+    shapes = made[0].shapes
+    second_new = next(i for i, s in enumerate(shapes) if s != shapes[0])  # the step that recompiled
+    assert len(shapes) == second_new + 1  # not one compiled step after it
+    assert not t.compiled and t.step == 40 and t.compile_stopped_at == second_new + 1
+    rec = recorded[-1]
+    assert (rec.compile, rec.compile_stopped_at) == (False, second_new + 1)
+    assert rec.compile_why.startswith(f"compile stopped after step {second_new + 1}: compiling cost ~100 s")
+    entry = json.loads(probe.cache_path().read_text())[key]
+    assert entry["compile_s"] == pytest.approx(100.0, abs=0.1)  # 2 x (50 s - the 10 ms eager step)
+    # Training went on exactly: the same weights as a run that never compiled.
+    eager = Trainer(gpt(), cfg(tmp_path / "eager", dtype="fp32", compile=False, max_iters=40,
+                               eval_interval=20), VariableBatches(), tmp_path / "eager")
+    eager.fit()
+    for (k, a), b in zip(t.model.state_dict().items(), eager.model.state_dict().values(), strict=True):
+        assert torch.equal(a, b), k
+    # The next run of this shape reads what this one paid and does not compile.
+    again = Trainer(gpt(), c, VariableBatches(), tmp_path / "again")
+    assert not again.compiled and "100 s of compiling measured here" in again.speed.compile_why
+
+
+def test_a_compile_that_fails_is_recorded_as_eager(tmp_path, monkeypatch) -> None:
+    class Broken(torch.nn.Module):
+        def forward(self, x, y):
+            raise RuntimeError("torch.compile backend failed: no C compiler")
+
+    monkeypatch.setattr(torch, "compile", lambda m, **kw: Broken())
+    recorded = []
+    t = Trainer(gpt(), cfg(tmp_path, dtype="fp32", compile=True), RandomBatches(), tmp_path,
+                on_choice=recorded.append)
+    assert t.compiled and t.chosen().compile
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        t.fit()
+    assert t.step == 4 and not t.compiled
+    assert recorded[-1].compile is False
+    assert recorded[-1].compile_why == "compile failed here (RuntimeError) -> eager"
