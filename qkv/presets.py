@@ -5,10 +5,12 @@ A preset may add "train_adamw": the training fields to use instead when the opti
 (``--optimizer adamw``, or ``auto`` with a torch older than 2.9, which has no Muon): a Muon
 recipe's learning rate and step count do not suit AdamW. And "train_fp32_ns": fields for Muon
 on a CPU without bf16 instructions, where its orthogonalisation runs in fp32 (slower).
+Which overlay applied is recorded in the run's config.json (:class:`PresetChoice`).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 GPT_PRESETS: dict[str, dict[str, Any]] = {
@@ -121,15 +123,41 @@ PRESETS: dict[str, dict[str, dict[str, Any]]] = {"gpt": GPT_PRESETS, "vit": VIT_
                                                  "captioner": CAPTIONER_PRESETS}
 
 
+@dataclass(frozen=True)
+class PresetChoice:
+    """The preset a run started from and which of its training overlays applied, with why:
+    recorded in the run's config.json (``chosen``), since the overlay depends on the machine."""
+
+    name: str
+    overlay: str | None  # "train_adamw", "train_fp32_ns" or None (the preset's own "train")
+    why: str  # "" when the preset has no overlays (nothing depended on the machine)
+
+    def record(self) -> dict[str, str | None]:
+        return {"preset": self.name, "preset_overlay": self.overlay, "preset_why": self.why}
+
+
+def preset_overlay(preset: dict[str, Any], optimizer: str, fp32_newton_schulz: bool = False,
+                   ) -> tuple[str | None, str]:
+    """(the overlay :func:`preset_train` applies, why) for the optimiser that will run."""
+    if optimizer == "adamw" and "train_adamw" in preset:
+        return "train_adamw", "the optimiser is AdamW, which needs its own learning rate and steps"
+    if optimizer == "muon" and fp32_newton_schulz and "train_fp32_ns" in preset:
+        return "train_fp32_ns", "Muon's Newton–Schulz runs in fp32 on this CPU (no bf16 instructions)"
+    if "train_adamw" in preset or "train_fp32_ns" in preset:
+        ns = "fp32" if fp32_newton_schulz else "bf16"
+        return None, f"the {optimizer} recipe" + (f" (Newton–Schulz in {ns})" if optimizer == "muon" else "")
+    return None, ""
+
+
 def preset_train(preset: dict[str, Any], optimizer: str, fp32_newton_schulz: bool = False) -> dict[str, Any]:
     """The preset's training fields for the optimiser that will run ("adamw" or "muon"), and
     for Muon, for where its Newton–Schulz products run: ``fp32_newton_schulz`` (a CPU without
-    bf16 instructions) adds the preset's "train_fp32_ns" fields."""
+    bf16 instructions) adds the preset's "train_fp32_ns" fields. Which overlay that is:
+    :func:`preset_overlay`."""
     train = dict(preset.get("train", {}))
-    if optimizer == "adamw":
-        train.update(preset.get("train_adamw", {}))
-    elif optimizer == "muon" and fp32_newton_schulz:
-        train.update(preset.get("train_fp32_ns", {}))
+    overlay, _ = preset_overlay(preset, optimizer, fp32_newton_schulz)
+    if overlay is not None:
+        train.update(preset[overlay])
     return train
 
 

@@ -13,7 +13,7 @@ from typing import Any
 
 from qkv.commands.options import add_config_options, overrides
 from qkv.families import Family, family_names, get_family
-from qkv.presets import preset_train
+from qkv.presets import PresetChoice, preset_overlay, preset_train
 from qkv.training.trainer import TrainConfig
 
 
@@ -58,7 +58,8 @@ def default_run_dir(family: str, preset: str) -> str:
     return f"runs/{family}-{preset}-{time.strftime('%Y%m%d-%H%M%S')}"
 
 
-def _resumed_configs(f: Family, args: argparse.Namespace, train_over: dict) -> tuple[Any, TrainConfig, Any]:
+def _resumed_configs(f: Family, args: argparse.Namespace, train_over: dict,
+                     ) -> tuple[Any, TrainConfig, Any, PresetChoice | None]:
     from qkv.training import checkpoint as ckpt
 
     if not Path(args.resume).is_dir():
@@ -77,17 +78,21 @@ def _resumed_configs(f: Family, args: argparse.Namespace, train_over: dict) -> t
                          f"only training fields can change (got {', '.join(given)})")
     fields = {x.name for x in dataclasses.fields(f.data_config)}
     data = {k: v for k, v in saved["data"].items() if k in fields}
+    rec = saved.get("chosen") if isinstance(saved.get("chosen"), dict) else {}
+    preset = PresetChoice(rec["preset"], rec.get("preset_overlay"), rec.get("preset_why") or "") \
+        if isinstance(rec.get("preset"), str) else None  # runs from Python, or before the record
     try:
         train = TrainConfig(**{**saved["train"], **train_over, "out_dir": args.resume})
-        return f.model_config(**saved["model"]), train, f.data_config(**data)
+        return f.model_config(**saved["model"]), train, f.data_config(**data), preset
     except TypeError as e:  # unknown or missing fields: written by another qkv version
         raise ckpt.CheckpointError(f"{args.resume}/config.json does not fit this version of "
                                    f"qkv ({e})") from None
 
 
-def configs(f: Family, args: argparse.Namespace) -> tuple[Any, TrainConfig, Any]:
-    """(model, training, data) configs: the preset, then the options given; or, with --resume,
-    the run's own (only training fields may change)."""
+def configs(f: Family, args: argparse.Namespace) -> tuple[Any, TrainConfig, Any, PresetChoice | None]:
+    """(model, training, data) configs and the preset with the overlay that applied: the preset,
+    then the options given; or, with --resume, the run's own (only training fields may change;
+    the preset is in the run's record)."""
     from qkv.presets import get_preset
     from qkv.training.optim import fp32_newton_schulz, resolve_optimizer
 
@@ -97,11 +102,23 @@ def configs(f: Family, args: argparse.Namespace) -> tuple[Any, TrainConfig, Any]
     preset = get_preset(f.name, args.preset, f.presets)
     model = f.model_config(**f.draft_model({**preset.get("model", {}), **overrides(args, f.model_config)}))
     merged = {**preset.get("train", {}), **train_over}
-    kind = resolve_optimizer(merged.get("optimizer", "auto"))
-    train = {**preset_train(preset, kind, fp32_newton_schulz(merged.get("device", "auto"))), **train_over}
+    asked = merged.get("optimizer", "auto")
+    kind, fp32_ns = resolve_optimizer(asked), fp32_newton_schulz(merged.get("device", "auto"))
+    train = {**preset_train(preset, kind, fp32_ns), **train_over}
     train.setdefault("out_dir", default_run_dir(f.name, args.preset))  # a new folder per run
     data = f.data_config(**{**preset.get("data", {}), **overrides(args, f.data_config)})
-    return model, TrainConfig(**train), data
+    overlay, why = preset_overlay(preset, kind, fp32_ns)
+    if why and asked == "auto" and kind == "adamw":
+        why += " (--optimizer auto: this torch has no Muon)"
+    return model, TrainConfig(**train), data, PresetChoice(args.preset, overlay, why)
+
+
+def _preset_words(preset: PresetChoice | None, resumed: bool) -> str:
+    """'cpu + train_fp32_ns (why)' for the first line; a resume says so."""
+    if preset is None:
+        return "(resumed)" if resumed else "(none)"
+    words = preset.name + (f" + {preset.overlay} ({preset.why})" if preset.overlay else "")
+    return words + (" (resumed)" if resumed else "")
 
 
 def cmd_train(args: argparse.Namespace) -> int:
@@ -110,10 +127,10 @@ def cmd_train(args: argparse.Namespace) -> int:
     from qkv.training.run import train_run
 
     f = get_family(args.family or "gpt")
-    model_cfg, train_cfg, data_cfg = configs(f, args)
+    model_cfg, train_cfg, data_cfg, preset = configs(f, args)
     dist = init_distributed(train_cfg.device)  # config.json keeps the preference, not cuda:0
     if dist.is_main:
-        print(f"qkv train {f.name}: preset {args.preset if not args.resume else '(resumed)'}, "
+        print(f"qkv train {f.name}: preset {_preset_words(preset, bool(args.resume))}, "
               f"{f.headline(model_cfg, data_cfg)}, {train_cfg.max_iters} steps on {dist.device}"
               + (f" x {dist.world_size} processes" if dist.enabled else "") + f" -> {train_cfg.out_dir}",
               flush=True)
@@ -123,7 +140,7 @@ def cmd_train(args: argparse.Namespace) -> int:
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=".*TF32.*")
             run = train_run(f, model_cfg, train_cfg, data_cfg, resume=bool(args.resume), dist=dist,
-                            on_log=display)
+                            on_log=display, preset=preset)
         barrier(dist)  # finished on every rank: only now tear down (not on an error, which could hang)
     finally:
         if display is not None:

@@ -8,11 +8,28 @@ What a family must provide is :class:`RunFamily`; the families themselves live i
 
 Run directory (see :mod:`qkv.training.checkpoint` for the checkpoint files)::
 
-    config.json      {"family", "qkv_version", "model", "train", "data", ...family's own fields}
+    config.json      {"family", "qkv_version", "model", "train", "chosen", "data", ...family's own fields}
     metrics.jsonl    one line per log / evaluation step
     model.safetensors, last.safetensors, optimizer.pt
     eval.json        the family's evaluation + steps, best_val_loss, train_seconds
     *.png            loss curve and the family's attention plots
+
+``train`` is what was asked (``"dtype": "auto"``, ``"compile": null`` stay so); ``chosen`` is
+what the run used and why (:class:`qkv.training.speed.Chosen`, plus the preset)::
+
+    "chosen": {"dtype": "bf16", "dtype_why": "bf16 autocast 9.9 ms/step vs fp32 12.5 (1.26x) here -> bf16",
+               "compile": false, "compile_why": "compile off: it could save ~0 s of this run against ...",
+               "step_ms": 9.9, "optimizer": "muon", "muon_ns_dtype": "bf16", "device": "cpu",
+               "cpu": {"model": "AMD EPYC 9R14 96-Core Processor", "isa": "AVX512",
+                       "native_bf16": true, "threads": 2, "torch": "2.13.0+cpu"},
+               "gpu": null, "compile_stopped_at": null,
+               "preset": "tiny", "preset_overlay": null, "preset_why": ""}
+
+``--resume`` trains on with ``chosen``'s dtype, compile and optimiser (no probe) for every option
+still ``auto`` in ``train``; an option given again explicitly wins. ``chosen`` is rewritten when
+the run's choice changes (a resumed session, the compile meter switching compiling off), so
+the last session's settings are always the ones on file. A run written before this record
+(no ``chosen``) resumes by measuring again, as it did when it started.
 """
 
 from __future__ import annotations
@@ -27,8 +44,10 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 
+from qkv.presets import PresetChoice
 from qkv.training import checkpoint as ckpt
 from qkv.training.distributed import DistInfo, pick_device
+from qkv.training.speed import Chosen
 from qkv.training.trainer import BatchSource, TrainConfig, Trainer, TrainResult
 from qkv.version import __version__
 
@@ -98,12 +117,39 @@ class Run:
     files: dict[str, Path] = field(default_factory=dict)
 
 
-def run_config(family: RunFamily, prepared: Prepared, train_cfg: TrainConfig, data_cfg: Any) -> dict:
+def run_config(family: RunFamily, prepared: Prepared, train_cfg: TrainConfig, data_cfg: Any,
+               chosen: dict[str, Any] | None = None) -> dict:
     cfg = prepared.model_cfg
     model = cfg.to_dict() if hasattr(cfg, "to_dict") else dataclasses.asdict(cfg)
     return {"family": family.name, "qkv_version": __version__, "model": model,
-            "train": dataclasses.asdict(train_cfg),
+            "train": dataclasses.asdict(train_cfg), "chosen": chosen,
             "data": {**dataclasses.asdict(data_cfg), **prepared.data_record}, **prepared.record}
+
+
+def chosen_record(chosen: Chosen, preset: PresetChoice | None, before: dict[str, Any] | None = None,
+                  ) -> dict[str, Any]:
+    """config.json's ``chosen``: what the trainer uses, and the preset (kept from ``before``,
+    the record on file, when this session was not started from one: a resume)."""
+    kept = {k: (before or {}).get(k) for k in ("preset", "preset_overlay", "preset_why")}
+    return {**dataclasses.asdict(chosen), **(preset.record() if preset else kept)}
+
+
+def _rewrite_chosen(run_dir: Path, chosen: Chosen, preset: PresetChoice | None = None) -> None:
+    path = run_dir / "config.json"
+    saved = ckpt.read_json(path)
+    saved["chosen"] = chosen_record(chosen, preset, saved.get("chosen"))
+    ckpt.write_json(path, saved)
+
+
+def _recorded_choice(run_dir: Path) -> tuple[dict[str, Any], Chosen | None]:
+    """(a resumed run's config.json, what it recorded it chose; None: written before the record)."""
+    saved = ckpt.read_json(run_dir / "config.json")
+    if not isinstance(saved, dict):
+        raise ckpt.CheckpointError(f"{run_dir}/config.json is not a qkv run configuration")
+    try:
+        return saved, Chosen.read(saved)
+    except (TypeError, ValueError) as e:
+        raise ckpt.damaged(run_dir, e) from None
 
 
 def _stderr_note(text: str) -> None:
@@ -121,11 +167,13 @@ def train_run(
     on_log: Callable[[dict], None] | None = None,
     on_note: Callable[[str], None] | None = None,
     evaluate: bool = True,
+    preset: PresetChoice | None = None,
 ) -> Run:
     """Train (or, with ``resume``, continue) a run of ``family`` into ``train_cfg.out_dir``.
 
     On the main process the returned model holds the best weights; then (``evaluate``) the
-    family's evaluation is written to ``eval.json`` and its plots beside it.
+    family's evaluation is written to ``eval.json`` and its plots beside it. ``preset``: the
+    preset the configs came from, recorded in config.json (None: none, or a resume).
     """
     dist = dist or DistInfo(device=pick_device(train_cfg.device))
     run_dir = Path(train_cfg.out_dir)
@@ -133,13 +181,15 @@ def train_run(
         raise ValueError(f"{run_dir} already holds a run; continue it with --resume {run_dir} "
                          "or choose another --out_dir")
     note = on_note or (_stderr_note if dist.is_main else (lambda _t: None))
+    saved, recorded = _recorded_choice(run_dir) if resume else ({}, None)
     prepared = family.prepare(model_cfg, data_cfg, run_dir if resume else None, note)
     torch.manual_seed(train_cfg.seed)
     model = family.build(prepared.model_cfg)
     trainer = Trainer(model, train_cfg, prepared.batches, run_dir, dist, on_log,
-                      tokens_per_batch=prepared.items_per_row)
+                      tokens_per_batch=prepared.items_per_row, recorded=recorded,
+                      on_choice=lambda chosen: _rewrite_chosen(run_dir, chosen))
     if resume:
-        family.check_resume(ckpt.read_json(run_dir / "config.json"), prepared)
+        family.check_resume(saved, prepared)
         trainer.load_resume_state()
         if trainer.step >= train_cfg.max_iters and (run_dir / "eval.json").is_file():
             raise ValueError(f"{run_dir} has finished ({trainer.step} of {train_cfg.max_iters} steps, "
@@ -148,11 +198,13 @@ def train_run(
         if dist.is_main:
             ckpt.remove_leftovers(run_dir)
             ckpt.rewind_metrics(run_dir / "metrics.jsonl", trainer.step, trainer.evaluates_first())
+            _rewrite_chosen(run_dir, trainer.chosen(), preset)  # this session's settings are on file
     elif dist.is_main:
         run_dir.mkdir(parents=True, exist_ok=True)
         if prepared.save is not None:
             prepared.save(run_dir)
-        ckpt.write_json(run_dir / "config.json", run_config(family, prepared, train_cfg, data_cfg))
+        ckpt.write_json(run_dir / "config.json", run_config(family, prepared, train_cfg, data_cfg,
+                                                            chosen_record(trainer.chosen(), preset)))
     result = trainer.fit()
     run = Run(family.name, run_dir, model, prepared, result)
     if not dist.is_main:

@@ -146,5 +146,8 @@ def test_the_cpu_preset_gives_adamw_and_fp32_muon_their_own_recipes(monkeypatch,
                                (["--optimizer", "adamw", "--max_iters", "7"], 7,  # the user's word wins
                                 cpu["train_adamw"]["batch_size"])):
         args = parser.parse_args(["train", "gpt", *argv])
-        _, train, _ = configs(get_family("gpt"), args)
+        _, train, _, preset = configs(get_family("gpt"), args)
         assert (train.max_iters, train.batch_size, train.optimizer) == (steps, batch, argv[1])
+        overlay = "train_adamw" if argv[1] == "adamw" else \
+            "train_fp32_ns" if not native_bf16 and "cuda" not in argv else None
+        assert preset is not None and (preset.name, preset.overlay) == ("cpu", overlay)  # as recorded
