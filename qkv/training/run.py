@@ -17,19 +17,27 @@ Run directory (see :mod:`qkv.training.checkpoint` for the checkpoint files)::
 ``train`` is what was asked (``"dtype": "auto"``, ``"compile": null`` stay so); ``chosen`` is
 what the run used and why (:class:`qkv.training.speed.Chosen`, plus the preset)::
 
-    "chosen": {"dtype": "bf16", "dtype_why": "bf16 autocast 9.9 ms/step vs fp32 12.5 (1.26x) here -> bf16",
-               "compile": false, "compile_why": "compile off: it could save ~0 s of this run against ...",
-               "step_ms": 9.9, "optimizer": "muon", "muon_ns_dtype": "bf16", "device": "cpu",
-               "cpu": {"model": "AMD EPYC 9R14 96-Core Processor", "isa": "AVX512",
-                       "native_bf16": true, "threads": 2, "torch": "2.13.0+cpu"},
+    "chosen": {"dtype": "bf16",
+               "dtype_why": "bf16 autocast 2445.4 ms/step vs fp32 4579.4 (1.87x) here -> bf16",
+               "compile": false, "compile_why": "compile off as asked", "step_ms": null,
+               "optimizer": "muon", "muon_ns_dtype": "bf16", "device": "cpu",
+               "cpu": {"model": "AMD EPYC", "isa": "AVX512", "native_bf16": true, "threads": 2,
+                       "torch": "2.13.0+cpu"},
                "gpu": null, "compile_stopped_at": null,
                "preset": "tiny", "preset_overlay": null, "preset_why": ""}
 
+(``qkv train --preset tiny`` on a shared 2-core Zen 4 VM, hence the slow steps; ``step_ms``:
+the eager step the compile decision and the compile meter use, measured when compile is auto;
+``preset_overlay``: "train_adamw" / "train_fp32_ns" when :func:`qkv.presets.preset_train`
+applied one, with ``preset_why``.)
+
 ``--resume`` trains on with ``chosen``'s dtype, compile and optimiser (no probe) for every option
-still ``auto`` in ``train``; an option given again explicitly wins. ``chosen`` is rewritten when
-the run's choice changes (a resumed session, the compile meter switching compiling off), so
-the last session's settings are always the ones on file. A run written before this record
-(no ``chosen``) resumes by measuring again, as it did when it started.
+still ``auto`` in ``train``; an option given again explicitly wins. Muon's recorded bf16
+Newton–Schulz is kept unless this machine would emulate bf16 (then fp32, ~100x faster there).
+``chosen`` is rewritten when the run's choice changes (a resumed session, a compile that failed
+or that the compile meter switched off), so the last session's settings are the ones on file.
+A run written before this record (no ``chosen``) resumes by measuring again, as it did when it
+started.
 """
 
 from __future__ import annotations
