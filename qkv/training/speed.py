@@ -264,6 +264,7 @@ class CompileMeter:
     spent_s: float = 0.0  # compile time paid: the excess over eager of steps that compiled
     compile_steps: int = 0  # steps during which something was (re)compiled
     fast: list[float] = field(default_factory=list)  # seconds of compiled steps that did not compile
+    seen: set[tuple[int, ...]] = field(default_factory=set)  # input shapes compiled steps have run
 
     def saving(self) -> float:
         """Fraction of an eager step a compiled step saves: measured once there are enough
@@ -275,21 +276,38 @@ class CompileMeter:
     def measured_saving(self) -> float | None:
         return self.saving() if len(self.fast) >= MIN_FAST_STEPS else None
 
-    def can_still_save(self, step: int) -> float:
-        """Seconds compiling could still save over the steps after ``step``."""
-        return max(self.saving(), 0.0) * self.eager_s * max(self.max_iters - step - 1, 0)
+    def can_still_save(self, from_step: int) -> float:
+        """Seconds compiling could still save over steps ``from_step`` .. the last."""
+        return max(self.saving(), 0.0) * self.eager_s * max(self.max_iters - from_step, 0)
 
-    def observe(self, step: int, seconds: float, compiled: int) -> bool:
-        """Record step ``step`` (``seconds`` long, ``compiled`` frames compiled during it);
-        True when compiling should stop: at a recompile whose cost, with all paid before,
-        exceeds what compiling can still save, or once compiled steps prove no faster."""
+    def skip(self, step: int, shapes: list[tuple[int, ...]]) -> str | None:
+        """Before compiled step ``step``: why to go on eagerly when its inputs have a shape no
+        compiled step has run yet (a likely recompile) and one more compile, at the mean cost
+        measured so far, would cost more than compiling can still save from here; else None."""
+        if not self.compile_steps or all(s in self.seen for s in shapes):
+            return None
+        cost, left = self.spent_s / self.compile_steps, self.can_still_save(step)
+        return (f"a new input shape would compile again (~{cost:.0f} s each here), more than the "
+                f"~{left:.0f} s compiling can still save" if cost > left else None)
+
+    def observe(self, step: int, seconds: float, compiled: int,
+                shapes: list[tuple[int, ...]] | None = None) -> str | None:
+        """Record step ``step`` (``seconds`` long, ``compiled`` frames compiled during it, on
+        inputs of ``shapes``); why compiling should stop, else None: at a recompile whose cost,
+        with all paid before, exceeds what compiling can still save, or once compiled steps
+        prove no faster than eager."""
+        self.seen.update(shapes or [])
         if compiled:
             self.compile_steps += 1
             self.spent_s += max(seconds - self.eager_s, 0.0)
-            return self.compile_steps > 1 and self.spent_s > self.can_still_save(step)
+            left = self.can_still_save(step + 1)
+            return (f"more than the ~{left:.0f} s compiling can still save"
+                    if self.compile_steps > 1 and self.spent_s > left else None)
         self.fast.append(seconds)
         measured = self.measured_saving()
-        return measured is not None and len(self.fast) % MIN_FAST_STEPS == 0 and measured <= 0
+        if measured is not None and len(self.fast) % MIN_FAST_STEPS == 0 and measured <= 0:
+            return "compiled steps are no faster than eager here"
+        return None
 
     def summary(self) -> str:
         """'compiling cost ~95 s (2 steps that compiled); compiled steps 8% faster than eager'."""

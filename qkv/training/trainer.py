@@ -97,6 +97,7 @@ class Trainer:
         self.evaluated_at = -1  # the step of the last validation pass (logged and saved)
         self.data_gen = torch.Generator().manual_seed(cfg.seed)  # the data stream's position
         self.compiled = False
+        self._shapes: list[tuple[int, ...]] = []  # the input shapes of the step being trained
         self.compile_stopped_at = recorded.compile_stopped_at if recorded and cfg.compile is None else None
         self.train_model: nn.Module = wrap_model(self._maybe_compile(self.model), self.dist)
         # Compiling is judged by what it costs in this run where auto chose it against a
@@ -163,20 +164,16 @@ class Trainer:
         if self.dist.is_main:
             self.on_choice(self.chosen())
 
-    def _judge_compile(self, seconds: float, compiled_frames: int) -> None:
-        """After a compiled step: go on eagerly once compiling costs more than it can still
-        save (:class:`speed.CompileMeter`); rank 0's verdict holds on every rank. The eager
-        model is the compiled one's own module, so weights and optimiser carry on unchanged."""
-        assert self.meter is not None
-        stop = broadcast_flag(self.meter.observe(self.step, seconds, compiled_frames), self.dist)
-        if not stop:
+    def _stop_compiling(self, why: str | None, when: str) -> None:
+        """Go on eagerly when the compile meter gives a reason (rank 0's verdict holds on every
+        rank). The eager model is the compiled one's own module: weights and optimiser carry on."""
+        if not broadcast_flag(why is not None, self.dist):
             return
-        m = self.meter
-        self.compiled, self.compile_stopped_at = False, self.step + 1
+        assert self.meter is not None
+        self.compiled = self.speed.compile = False
+        self.compile_stopped_at = done = self.step + (when == "after")  # steps trained compiled
         self.train_model = wrap_model(self.model, self.dist)
-        self.speed.compile = False
-        self.speed.compile_why = (f"compile stopped after step {self.step + 1}: {m.summary()}; more than "
-                                  f"the ~{m.can_still_save(self.step):.0f} s it could still save")
+        self.speed.compile_why = f"compile stopped after step {done}: {self.meter.summary()}; {why}"
         self._note(f"{self.speed.compile_why}; training on eagerly (the same weights and optimiser)")
         self._record_compile()
         if self.dist.is_main:
@@ -277,8 +274,11 @@ class Trainer:
             for group in opt.param_groups:
                 group["lr"] = lr * group.get("lr_scale", 1.0)
         total = 0.0
-        for micro in range(cfg.grad_accum):
-            x, y = self._batch("train", self.data_gen)
+        batches = [self._batch("train", self.data_gen) for _ in range(cfg.grad_accum)]
+        self._shapes = [(*x.shape, *y.shape) for x, y in batches]
+        if self.meter is not None and self.compiled:
+            self._stop_compiling(self.meter.skip(self.step, self._shapes), "before")
+        for micro, (x, y) in enumerate(batches):
             with no_sync(self.train_model, micro == cfg.grad_accum - 1), self.autocast:
                 loss = self.train_model(x, y).loss / cfg.grad_accum
             self.scaler.scale(loss).backward()
@@ -378,8 +378,9 @@ class Trainer:
                 opt.zero_grad(set_to_none=True)
             self._fall_back_to_eager(e)
             return self._train_step()
-        if self.meter is not None:
-            self._judge_compile(speed.clock() - t0, speed.compile_count() - frames)
+        if self.meter is not None and self.compiled:
+            seconds, compiled = speed.clock() - t0, speed.compile_count() - frames
+            self._stop_compiling(self.meter.observe(self.step, seconds, compiled, self._shapes), "after")
         return loss
 
     def _log_progress(self, loss: float, tok_s: float) -> None:

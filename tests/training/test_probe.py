@@ -236,18 +236,32 @@ def meter(**kw):
 
 def test_one_cold_compile_is_never_undone() -> None:
     m = meter(max_iters=100)  # 100 steps can save ~10 s; the cold compile cost 40 s
-    assert m.observe(0, 41.0, compiled=3) is False  # paid already: stopping would save nothing
-    assert all(m.observe(s, 0.8, compiled=0) is False for s in range(1, 50))
+    assert m.observe(0, 41.0, compiled=3, shapes=[(8, 16)]) is None  # paid: stopping saves nothing
+    assert all(m.observe(s, 0.8, compiled=0, shapes=[(8, 16)]) is None for s in range(1, 50))
+    assert m.skip(50, [(8, 16)]) is None  # the shape it compiled for: nothing more to pay
     assert m.measured_saving() == pytest.approx(0.2) and m.spent_s == pytest.approx(40.0)
     assert m.cache_entry() == {"compile_s": 40.0, "compile_saving": 0.2}
 
 
+def test_a_new_shape_is_run_eagerly_once_a_compile_costs_more_than_is_left_to_save() -> None:
+    m = meter()  # 1,000 steps of 1 s, 10% saved: ~100 s to win
+    assert m.skip(0, [(8, 16)]) is None  # the first compile was the auto decision's to make
+    m.observe(0, 41.0, compiled=1, shapes=[(8, 16)])
+    assert m.skip(1, [(8, 17)]) is None  # another 40 s compile < 99.9 s still to win
+    m.observe(1, 41.0, compiled=1, shapes=[(8, 17)])
+    assert m.skip(500, [(8, 18)]) is None  # 40 s < the ~50 s still to win
+    assert m.skip(700, [(8, 17)]) is None  # a shape compiled for already
+    why = m.skip(700, [(8, 18)])  # 40 s > the ~30 s left
+    assert why == ("a new input shape would compile again (~40 s each here), more than the ~30 s "
+                   "compiling can still save")
+
+
 def test_a_recompile_stops_compiling_once_it_costs_more_than_it_can_still_save() -> None:
     m = meter()  # 1,000 steps of 1 s, 10% saved: ~100 s to win
-    assert m.observe(0, 41.0, compiled=1) is False
-    assert m.observe(1, 0.9, compiled=0) is False
-    assert m.observe(2, 41.0, compiled=1) is False  # 80 s paid < 99.7 s still to win
-    assert m.observe(3, 41.0, compiled=1) is True  # 120 s paid > 99.6 s
+    assert m.observe(0, 41.0, compiled=1) is None
+    assert m.observe(1, 0.9, compiled=0) is None
+    assert m.observe(2, 41.0, compiled=1) is None  # 80 s paid < 99.7 s still to win
+    assert m.observe(3, 41.0, compiled=1) == "more than the ~100 s compiling can still save"  # 120 s paid
     assert m.compile_steps == 3 and m.spent_s == pytest.approx(120.0)
     assert m.cache_entry() == {"compile_s": 120.0}  # one fast step: the saving is not measured
 
@@ -255,22 +269,25 @@ def test_a_recompile_stops_compiling_once_it_costs_more_than_it_can_still_save()
 def test_compiled_steps_no_faster_than_eager_stop_compiling() -> None:
     m = meter()
     m.observe(0, 5.0, compiled=1)
-    assert [m.observe(s, 1.05, compiled=0) for s in range(1, 6)] == [False] * 4 + [True]
+    assert [m.observe(s, 1.05, compiled=0) for s in range(1, 6)] == \
+        [None] * 4 + ["compiled steps are no faster than eager here"]
     assert m.measured_saving() == pytest.approx(-0.05)
 
 
 class FakeCompiled(torch.nn.Module):
-    """torch.compile's stand-in: each new input shape 'compiles' (one frame, 50 s on the fake
-    clock); otherwise a step takes 5 ms. It runs the model itself, so numbers are eager's."""
+    """torch.compile's stand-in: a call 'compiles' (one frame, 50 s on the fake clock) when
+    ``compiles(call, shape)`` says so, else takes 5 ms. It runs the model itself, so the
+    numbers are eager's."""
 
-    def __init__(self, model: torch.nn.Module, clock: FakeClock, frames: list[int]) -> None:
+    def __init__(self, model: torch.nn.Module, clock: FakeClock, frames: list[int], compiles) -> None:
         super().__init__()
-        self.model, self.clock, self.frames, self.shapes = model, clock, frames, []
+        self.model, self.clock, self.frames, self.compiles = model, clock, frames, compiles
+        self.shapes: list[tuple] = []
 
     def forward(self, x, y):
-        self.clock.now += 50.0 if tuple(x.shape) not in self.shapes else 0.005
-        if tuple(x.shape) not in self.shapes:
-            self.frames[0] += 1
+        again = self.compiles(len(self.shapes), tuple(x.shape), self.shapes)
+        self.clock.now += 50.0 if again else 0.005
+        self.frames[0] += again
         self.shapes.append(tuple(x.shape))
         return self.model(x, y)
 
@@ -284,40 +301,60 @@ class VariableBatches:
         return x, torch.roll(x, -1, dims=1)
 
 
-def test_recompiles_that_cost_more_than_they_save_fall_back_to_eager(tmp_path, monkeypatch) -> None:
+def new_shape(call: int, shape: tuple, seen: list) -> bool:
+    return shape not in seen  # a graph specialised to each shape (the RNN's unrolled decoder)
+
+
+def every_tenth(call: int, shape: tuple, seen: list) -> bool:
+    return call % 10 == 0  # recompiles the shapes do not foretell (guards on something else)
+
+
+@pytest.mark.parametrize(("compiles", "batches"), [(new_shape, VariableBatches),
+                                                   (every_tenth, RandomBatches)])
+def test_compiling_that_costs_more_than_it_saves_falls_back_to_eager(tmp_path, monkeypatch, compiles,
+                                                                      batches) -> None:
     from qkv.training import speed
 
     clock, frames, made = FakeClock({}), [0], []
+
+    def fake_compile(model, **kw):
+        made.append(FakeCompiled(model, clock, frames, compiles))
+        return made[-1]
+
     monkeypatch.setattr(speed, "clock", clock)
     monkeypatch.setattr(speed, "compile_count", lambda: frames[0])
-    monkeypatch.setattr(torch, "compile",
-                        lambda m, **kw: made.append(FakeCompiled(m, clock, frames)) or made[-1])
+    monkeypatch.setattr(torch, "compile", fake_compile)
     forbid_probe(monkeypatch)
     c = cfg(tmp_path / "run", dtype="fp32", max_iters=40, eval_interval=20)
-    key = put_cache(gpt(), c, VariableBatches(), {"ms": {"fp32": 10.0}, "compile_s": 0.01,
-                                                  "compile_saving": 0.5})
+    key = put_cache(gpt(), c, batches(), {"ms": {"fp32": 10.0}, "compile_s": 0.01,
+                                          "compile_saving": 0.5})
     recorded = []
-    t = Trainer(gpt(), c, VariableBatches(), tmp_path / "run", on_choice=recorded.append)
+    t = Trainer(gpt(), c, batches(), tmp_path / "run", on_choice=recorded.append)
     assert t.compiled and t.meter is not None  # 40 steps x 5 ms saved > the 0.01 s on file
     t.fit()
-    shapes = made[0].shapes
-    second_new = next(i for i, s in enumerate(shapes) if s != shapes[0])  # the step that recompiled
-    assert len(shapes) == second_new + 1  # not one compiled step after it
-    assert not t.compiled and t.step == 40 and t.compile_stopped_at == second_new + 1
+    # Where it stops: before the first step with a shape not compiled yet (50 s > the <0.2 s
+    # left to save), or after the second recompile no shape foretold (step 11).
+    gen = torch.Generator().manual_seed(c.seed)
+    shapes = [tuple(batches().get_batch("train", 4, gen)[0].shape) for _ in range(40)]
+    first_new = next((i for i, s in enumerate(shapes) if s != shapes[0]), None)
+    stop, paid = (first_new, 50.0) if compiles is new_shape else (11, 100.0)
+    assert stop is not None
+    assert len(made[0].shapes) == stop  # not one compiled step after it
+    assert not t.compiled and t.step == 40 and t.compile_stopped_at == stop
     rec = recorded[-1]
-    assert (rec.compile, rec.compile_stopped_at) == (False, second_new + 1)
-    assert rec.compile_why.startswith(f"compile stopped after step {second_new + 1}: compiling cost ~100 s")
+    assert (rec.compile, rec.compile_stopped_at) == (False, stop)
+    assert rec.compile_why.startswith(f"compile stopped after step {stop}: compiling cost ~{paid:.0f} s")
     entry = json.loads(probe.cache_path().read_text())[key]
-    assert entry["compile_s"] == pytest.approx(100.0, abs=0.1)  # 2 x (50 s - the 10 ms eager step)
+    assert entry["compile_s"] == pytest.approx(paid, abs=0.1)  # each compile: 50 s - the 10 ms eager step
     # Training went on exactly: the same weights as a run that never compiled.
     eager = Trainer(gpt(), cfg(tmp_path / "eager", dtype="fp32", compile=False, max_iters=40,
-                               eval_interval=20), VariableBatches(), tmp_path / "eager")
+                               eval_interval=20), batches(), tmp_path / "eager")
     eager.fit()
     for (k, a), b in zip(t.model.state_dict().items(), eager.model.state_dict().values(), strict=True):
         assert torch.equal(a, b), k
     # The next run of this shape reads what this one paid and does not compile.
-    again = Trainer(gpt(), c, VariableBatches(), tmp_path / "again")
-    assert not again.compiled and "100 s of compiling measured here" in again.speed.compile_why
+    again = Trainer(gpt(), c, batches(), tmp_path / "again")
+    assert not again.compiled and f"{paid:.0f} s of compiling measured here" in again.speed.compile_why
 
 
 def test_a_compile_that_fails_is_recorded_as_eager(tmp_path, monkeypatch) -> None:
