@@ -26,8 +26,7 @@ from pathlib import Path
 import _common as C
 import torch
 
-from qkv.families.seq2seq import Seq2SeqDataConfig, Seq2SeqFamily, evaluate
-from qkv.models.seq2seq import Seq2SeqConfig
+from qkv.families.seq2seq import Seq2SeqDataConfig, Seq2SeqFamily, Seq2SeqOptions, evaluate
 from qkv.presets import get_preset
 from qkv.training.run import train_run
 from qkv.training.trainer import TrainConfig
@@ -62,13 +61,13 @@ def main() -> int:
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         for arch in args.arch or ARCHS:
-            model_cfg = Seq2SeqConfig(**{**preset["model"], "arch": arch})
+            model_cfg = Seq2SeqOptions(**{**preset["model"], "arch": arch})
             train_cfg = TrainConfig(**{**train_over, "out_dir": str(Path(tmp) / arch)})
             t0 = time.perf_counter()
             run = train_run(Seq2SeqFamily(), model_cfg, train_cfg, data, evaluate=False)
             seconds = time.perf_counter() - t0
             st = run.prepared.state
-            ev = evaluate(run.model, run.prepared.model_cfg, st.src, st.tgt, st.pairs)
+            ev = evaluate(run.model, run.prepared.model_cfg.model_config(), st.src, st.tgt, st.pairs)
             row = {"arch": arch, "params": sum(q.numel() for q in run.model.parameters()),
                    "steps": run.result.step, "train_s": round(seconds, 1),
                    "test_exact": ev["test"]["exact"], "test_token_accuracy": ev["test"]["token_accuracy"],

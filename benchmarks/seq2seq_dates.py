@@ -23,8 +23,7 @@ from pathlib import Path
 import _common as C
 import torch
 
-from qkv.families.seq2seq import Seq2SeqDataConfig, Seq2SeqFamily, decode_texts, evaluate
-from qkv.models.seq2seq import Seq2SeqConfig
+from qkv.families.seq2seq import Seq2SeqDataConfig, Seq2SeqFamily, Seq2SeqOptions, decode_texts, evaluate
 from qkv.presets import get_preset
 from qkv.training.run import train_run
 from qkv.training.trainer import TrainConfig
@@ -60,11 +59,12 @@ def main() -> int:
     rows, speed = [], []
     with tempfile.TemporaryDirectory() as tmp:
         for arch in args.arch or ARCHS:
-            model_cfg = Seq2SeqConfig(**{**preset["model"], "arch": arch})
+            model_cfg = Seq2SeqOptions(**{**preset["model"], "arch": arch})
             train_cfg = TrainConfig(**{**train_over, "out_dir": str(Path(tmp) / arch)})
             t0 = time.perf_counter()
             run = train_run(Seq2SeqFamily(), model_cfg, train_cfg, data, evaluate=False)
-            model, cfg, result, st = run.model, run.prepared.model_cfg, run.result, run.prepared.state
+            model, result, st = run.model, run.result, run.prepared.state
+            cfg = run.prepared.model_cfg.model_config()
             src, tgt, pairs = st.src, st.tgt, st.pairs
             seconds = time.perf_counter() - t0
             ev = evaluate(model, cfg, src, tgt, pairs)

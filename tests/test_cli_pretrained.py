@@ -12,13 +12,14 @@ from qkv.cli import main
 
 @pytest.fixture
 def no_load(monkeypatch):
-    """Fail the test if a command tries to load a pretrained model."""
-    import qkv.pretrained
+    """Fail the test if a command tries to load a model (every command opens models through
+    qkv.inference.loading, whose readers are behind ``_read``)."""
+    import qkv.inference.loading
 
     def boom(*a, **k):
         raise AssertionError("the model was loaded before the arguments were checked")
 
-    monkeypatch.setattr(qkv.pretrained, "load", boom)
+    monkeypatch.setattr(qkv.inference.loading, "_read", boom)
 
 
 @pytest.mark.parametrize("argv, message", [

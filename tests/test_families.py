@@ -18,10 +18,11 @@ from PIL import Image
 from safetensors.torch import load_file
 
 from qkv.families import get_family
+from qkv.inference import open_model
+from qkv.pipelines import attention as sources
 from qkv.presets import get_preset, preset_train
 from qkv.training.run import train_run
 from qkv.training.trainer import TrainConfig
-from qkv.viz import sources
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -144,7 +145,7 @@ def test_load_decode_attend_the_same_from_python_and_cli(runs, name: str, tmp_pa
         from qkv.families.vit import predict
 
         image = _image(run, tmp_path / "x.png")
-        x = sources.read_model_image(sources.load_source(py_dir), image)[0]
+        x = open_model(py_dir).read_image(image)[0]
         probs = predict(loaded.model, x[None], loaded.mean, loaded.std)[0]
         for d in (py_dir, cli_dir):
             rc, out, err = call(["classify", str(d), str(image), "--json", "--top", "3"])
@@ -153,7 +154,7 @@ def test_load_decode_attend_the_same_from_python_and_cli(runs, name: str, tmp_pa
             got = json.loads(out)[0]["top"]
             assert [t["class"] for t in got] == [loaded.classes[int(i)] for i in top.indices]
             np.testing.assert_allclose([t["probability"] for t in got], top.values.numpy(), rtol=1e-5)
-        what, reading = str(image), sources.image_attention
+        what, reading = str(image), lambda m, path: m.attention(m.read_image(path)[0])
     elif name == "seq2seq":
         from qkv.families.seq2seq import decode_texts
 
@@ -162,20 +163,20 @@ def test_load_decode_attend_the_same_from_python_and_cli(runs, name: str, tmp_pa
             rc, out, err = call(["translate", str(d), "8 août 1977", "--json"])
             assert rc == 0, err
             assert json.loads(out) == [{"input": "8 août 1977", "output": expected}]
-        what, reading = "8 août 1977", sources.alignment
+        what, reading = "8 août 1977", lambda m, text: m.alignment(text)
     else:
         from qkv.families.captioner import decode_captions
 
         image = _image(run, tmp_path / "x.png")
-        x = sources.read_model_image(sources.load_source(py_dir), image)[0]
+        x = open_model(py_dir).read_image(image)[0]
         toks, _ = decode_captions(loaded.model, x[None], loaded.max_len)
         for d in (py_dir, cli_dir):
             rc, out, err = call(["caption", str(d), str(image)])
             assert rc == 0, err
             assert out.rstrip("\n") == f"{image}: {loaded.vocab.decode(toks[0])}"
-        what, reading = str(image), sources.image_attention
+        what, reading = str(image), lambda m, path: m.attention(m.read_image(path)[0])
     # attention: the same numbers from both runs (Python), the same picture (CLI)
-    a, b = (reading(sources.load_source(d), what) for d in (py_dir, cli_dir))
+    a, b = (reading(open_model(d), what) for d in (py_dir, cli_dir))
     wa = [a.weights] if hasattr(a, "weights") else [m for _, m in a.maps]
     wb = [b.weights] if hasattr(b, "weights") else [m for _, m in b.maps]
     assert len(wa) == len(wb) > 0 and all(torch.equal(x, y) for x, y in zip(wa, wb, strict=True))

@@ -14,8 +14,9 @@ import torch
 from cli_helpers import call
 
 from qkv import families
-from qkv.families.base import FamilyBase, Loaded
+from qkv.families.base import FamilyBase
 from qkv.models.gpt import GPT, GPTConfig
+from qkv.pipelines import CausalLM
 from qkv.training import checkpoint as ckpt
 from qkv.training.run import Prepared
 
@@ -30,11 +31,6 @@ class CountingData:
     """Digits counting up, 0123456789012...: the next digit is always knowable."""
 
     n_chars: int = 3000
-
-
-@dataclass
-class LoadedToy(Loaded):
-    tokenizer: object = None
 
 
 class ToyFamily(FamilyBase):
@@ -75,13 +71,14 @@ class ToyFamily(FamilyBase):
     def summary(self, run, args=None) -> str:
         return f"next-digit accuracy {run.eval['next_digit_accuracy']:.0%}"
 
-    def load(self, run_dir: Path, device: str = "cpu") -> LoadedToy:
+    def load(self, run_dir: Path, device: str = "cpu") -> CausalLM:
         from qkv.tokenizers import load_tokenizer
 
         cfg = ckpt.read_run_config(Path(run_dir), "toy", "a counting GPT")
         model = GPT(GPTConfig(**cfg["model"]))
         ckpt.load_weights(model, Path(run_dir) / "model.safetensors")
-        return LoadedToy(Path(run_dir), model.eval(), cfg, load_tokenizer(Path(run_dir) / "tokenizer.json"))
+        tok = load_tokenizer(Path(run_dir) / "tokenizer.json")
+        return CausalLM(Path(run_dir).name, model.eval(), tok, run_dir=Path(run_dir))
 
 
 # --------------------------------------------------------------------------- the one registry line
@@ -107,10 +104,12 @@ def test_a_fifth_family_trains_loads_and_attends_through_the_cli(toy, tmp_path: 
     assert rc == 0, err
     assert json.loads((run / "eval.json").read_text())["steps"] == 40
 
-    from qkv.viz import sources
+    from qkv.inference import open_model, resolve
+    from qkv.pipelines import attention as sources
 
-    src = sources.load_source(run)
-    assert (src.family, src.kind, src.n_layers, src.n_heads, src.context) == ("toy", "decoder", 1, 2, 16)
+    ref = resolve(run)
+    src = open_model(ref)
+    assert (ref.label, src.kind, src.n_layers, src.n_heads, src.context) == ("toy", "decoder", 1, 2, 16)
     att = sources.text_attention(src, "0123456")
     torch.testing.assert_close(att.weights.sum(-1), torch.ones(1, 2, 7))
     steps = list(sources.generate_steps(src, src.tokenizer.encode("0123"), 6))

@@ -7,7 +7,8 @@
     captioner runs                            the caption, one overlay per word (as `qkv caption --plot`)
     seq2seq runs                              the alignment matrix (as `qkv translate --plot`)
 
-The numbers come from :mod:`qkv.viz.sources`, which ``qkv serve`` shares.
+The numbers come from :mod:`qkv.pipelines` (the server reads the same), the pictures from
+:mod:`qkv.viz`.
 """
 
 from __future__ import annotations
@@ -15,8 +16,12 @@ from __future__ import annotations
 import argparse
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from qkv.commands.options import check_png_out
+
+if TYPE_CHECKING:
+    from qkv.pipelines import CausalLM, ImageCaptioner, ImageClassifier, SentenceEncoder, Translator
 
 
 def add_attend_parser(sub) -> None:
@@ -52,9 +57,9 @@ def add_attend_parser(sub) -> None:
     p.set_defaults(func=cmd_attend, extra_texts=True)
 
 
-def _note(notes: list[str]) -> None:
+def _note(notes: list[str], prefix: str = "") -> None:
     for n in notes:
-        print(f"qkv: note: {n}", file=sys.stderr)
+        print(f"qkv: note: {prefix}{n}", file=sys.stderr)
 
 
 def _looks_like_image(text: str) -> bool:
@@ -63,64 +68,100 @@ def _looks_like_image(text: str) -> bool:
     return text.lower().endswith(IMAGE_SUFFIXES) and Path(text).is_file()
 
 
-def _family(name: str) -> str | None:
-    """The family of a run directory or pretrained name, read before loading anything."""
-    from qkv.viz.sources import pretrained_names, run_family
-
-    if Path(name).is_dir():
-        return run_family(Path(name))
-    return name if name in pretrained_names() else None
-
-
 def cmd_attend(args: argparse.Namespace) -> int:
-    from qkv.families import get_family
-    from qkv.viz.sources import kind_of, load_source
+    from qkv.inference import open_model, resolve
+    from qkv.pipelines import ImageCaptioner, ImageClassifier, Translator
 
     out = check_png_out(args.out, "--out")
     if args.max_tokens < 2:
         raise ValueError(f"--max-tokens must be >= 2, got {args.max_tokens}")
-    family = _family(args.model)
+    ref = resolve(args.model)  # what the name means, before anything loads
+    if ref.note:
+        print(f"qkv: note: {ref.note}", file=sys.stderr)
     text = " ".join(args.texts)
-    if family is not None and kind_of(family) == "image":
-        if len(args.texts) != 1:
-            raise ValueError(f"{args.model} is a {family} run: give one image file, got {len(args.texts)} "
-                             "arguments")
-    elif family is not None and _looks_like_image(text):
-        what = "run" if Path(args.model).is_dir() else "model"
-        raise ValueError(f"{args.model} is a {family} {what} (a text model): give it text to attend "
+    if ref.kind == "image" and len(args.texts) != 1:
+        raise ValueError(f"{args.model} is a {ref.label} run: give one image file, got {len(args.texts)} "
+                         "arguments")
+    if ref.kind != "image" and _looks_like_image(text):
+        what = "run" if ref.source == "run" else "model"
+        raise ValueError(f"{args.model} is a {ref.label} {what} (a text model): give it text to attend "
                          f"over, not the image {text}")
-    src = load_source(args.model)
-    if src.kind in ("image", "seq2seq"):  # a trained run's own picture: its family draws it
-        get_family(src.family).attend(src, args.texts[0] if src.kind == "image" else text,
-                                      args.layer, args.head, out)
-        return 0
+    model = open_model(ref)
+    if isinstance(model, ImageClassifier | ImageCaptioner):
+        return _attend_image(model, args.texts[0], args.layer, args.head, out)
+    if isinstance(model, Translator):
+        return _attend_alignment(model, text, args.layer, args.head, out)
     if args.layer is None and args.head is not None:
-        raise ValueError(f"--head needs --layer (which layer's head? 0..{src.n_layers - 1})")
-    return _attend_text(src, text, args.layer, args.head, args.max_tokens, out)
+        raise ValueError(f"--head needs --layer (which layer's head? 0..{model.n_layers - 1})")
+    return _attend_text(model, text, args.layer, args.head, args.max_tokens, out)
 
 
-def _attend_text(src, text: str, layer: int | None, head: int | None, max_tokens: int, out: Path) -> int:
-    from qkv.viz import plot_attention_grid, plot_attention_head, plot_attention_heads
-    from qkv.viz.sources import check_layer_head, text_attention
+def _attend_text(lm: CausalLM | SentenceEncoder, text: str, layer: int | None, head: int | None,
+                 max_tokens: int, out: Path) -> int:
+    """Every layer x head, one layer's heads, or one head large."""
+    from qkv.figures import AttentionGrid, AttentionHead, AttentionHeads
+    from qkv.pipelines import check_layer_head
+    from qkv.pipelines.attention import text_attention
+    from qkv.viz import draw
 
     if layer is not None:  # checked before the forward pass; negative indices count from the end
-        layer, head = check_layer_head(src, layer, head, ("--layer", "--head"))
-    att = text_attention(src, text, max_tokens)
+        layer, head = check_layer_head(lm.n_layers, lm.n_heads, layer, head, ("--layer", "--head"))
+    att = text_attention(lm, text, max_tokens)
     _note(att.notes)
     T = len(att.tokens)
     if layer is None:
         L, H = att.weights.shape[:2]
-        plot_attention_grid(att.weights, att.tokens, out,
-                            title=f"{src.name}: {L} layers x {H} heads over {T} tokens")
-        print(f"wrote {out}: {L} layers x {H} heads over {T} tokens "
-              "(--layer L [--head H] for a closer look)")
+        title = f"{lm.name}: {L} layers x {H} heads over {T} tokens"
+        draw(AttentionGrid(att.weights, att.tokens, title), out)
+        print(f"wrote {out}: {L} layers x {H} heads over {T} tokens (--layer L [--head H] for a closer look)")
+    elif head is None:
+        draw(AttentionHeads(att.weights[layer], att.tokens, f"{lm.name}: layer {layer}, {T} tokens"), out)
+        print(f"wrote {out}: the {lm.n_heads} heads of layer {layer} over {T} tokens")
+    else:
+        title = f"{lm.name}: layer {layer} head {head}"
+        draw(AttentionHead(att.weights[layer, head], att.tokens, title), out)
+        print(f"wrote {out}: layer {layer} head {head} over {T} tokens")
+    return 0
+
+
+def _attend_image(model: ImageClassifier | ImageCaptioner, image: str, layer: int | None,
+                  head: int | None, out: Path) -> int:
+    """A ViT run: every head of a layer and the rollout; a captioner: the caption, a map per word."""
+    from qkv.figures import ImageOverlays
+    from qkv.pipelines import ImageClassifier
+    from qkv.viz import draw
+
+    vit = isinstance(model, ImageClassifier)
+    if head is not None or (layer is not None and not vit):
+        raise ValueError("a ViT run shows every head of --layer, over the image; drop --head" if vit else
+                         "a captioner has one attention per word (no layers or heads); drop --layer/--head")
+    x, notes = model.read_image(image)
+    _note(notes, f"{image}: ")
+    att = model.attention(x, layer, layer_name="--layer")
+    if not vit:
+        print(f"{image}: {att.title}")
+    draw(ImageOverlays(att.image, att.maps, f"{Path(image).name}: {att.title}" if vit else att.title), out)
+    if not vit:
+        print(f"wrote {out}")
         return 0
-    if head is None:
-        plot_attention_heads(att.weights[layer], att.tokens, out,
-                             title=f"{src.name}: layer {layer}, {T} tokens")
-        print(f"wrote {out}: the {src.n_heads} heads of layer {layer} over {T} tokens")
-        return 0
-    plot_attention_head(att.weights[layer, head], att.tokens, out,
-                        title=f"{src.name}: layer {layer} head {head}")
-    print(f"wrote {out}: layer {layer} head {head} over {T} tokens")
+    d = att.details
+    print(f"predicted {d['prediction']} ({d['probability']:.1%}); wrote {out}")
+    (r, c), g, p = d["rollout_peak"], att.grid, d["patch_size"]
+    print(f"rollout peaks at patch row {r}, column {c} of the {g}x{g} grid ({p}x{p} pixels each)")
+    return 0
+
+
+def _attend_alignment(tr: Translator, text: str, layer: int | None, head: int | None, out: Path) -> int:
+    """A seq2seq run: the alignment matrix of the translation."""
+    from qkv.figures import AlignmentMap
+    from qkv.viz import draw
+
+    if layer is not None or head is not None:
+        raise ValueError("a seq2seq run's picture is one alignment matrix (output x input); drop "
+                         "--layer/--head")
+    ali = tr.alignment(text)
+    _note(ali.notes)
+    draw(AlignmentMap(ali.weights, ali.source, ali.output), out)
+    print(f"{''.join(ali.source)}  ->  {ali.text}")
+    print(f"wrote {out}")
     return 0

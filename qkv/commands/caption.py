@@ -35,38 +35,38 @@ def cmd_caption(args: argparse.Namespace) -> int:
 
     import torch
 
-    from qkv.data.images import read_image
-    from qkv.families.captioner import CaptionerFamily, decode_captions, word_maps
+    from qkv.inference import open_model
+    from qkv.pipelines import ImageCaptioner
 
     if args.plot is not None:
         check_png_out(args.plot, "--plot")
     if not 1 <= args.beam <= 64:
         raise ValueError(f"--beam must be between 1 and 64, got {args.beam}")
-    run = CaptionerFamily().load(Path(args.run))
-    model, vocab, max_len = run.model, run.vocab, run.max_len
-    cfg = model.cfg
+    cap = open_model(args.run, kinds=("image",))
+    if not isinstance(cap, ImageCaptioner):
+        raise ValueError(f"{args.run} is a vit run: classify its images with `qkv classify {args.run} IMAGE`")
     images = []
     for path in args.images:
-        x, notes = read_image(path, _own_size(path) if args.keep_size else cfg.image_size, cfg.channels)
+        x, notes = cap.read_image(path, size=_own_size(path) if args.keep_size else None)
         for n in notes:
             print(f"qkv: note: {path}: {n}", file=sys.stderr)
         images.append(x)
     if args.keep_size:  # sizes may differ: one image at a time
-        toks, alphas = [], []
+        captions, alphas = [], []
         for x in images:
-            t, a = decode_captions(model, x[None], max_len, beam=args.beam)
-            toks, alphas = toks + t, alphas + a
+            c, a = cap.caption(x[None], beam=args.beam)
+            captions, alphas = captions + c, alphas + a
     else:
-        toks, alphas = decode_captions(model, torch.stack(images), max_len, beam=args.beam)
-    captions = [vocab.decode(t) for t in toks]
+        captions, alphas = cap.caption(torch.stack(images), beam=args.beam)
     for path, c in zip(args.images, captions, strict=True):
         print(f"{path}: {c}")
     if args.plot is not None:
-        from qkv.viz import plot_image_attention
+        from qkv.figures import ImageOverlays
+        from qkv.pipelines.captioning import word_maps
+        from qkv.viz import draw
 
         grid = images[0].shape[-1] // 8  # cfg.grid unless --keep-size read another size
-        plot_image_attention(images[0], word_maps(captions[0], alphas[0], grid), Path(args.plot),
-                             title=captions[0])
+        draw(ImageOverlays(images[0], word_maps(captions[0], alphas[0], grid), captions[0]), Path(args.plot))
         print(f"wrote {args.plot}")
     return 0
 

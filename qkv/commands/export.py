@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import argparse
 import sys
-from pathlib import Path
 
 DTYPES = ("f32", "f16", "bf16", "q8_0")
 
@@ -29,7 +28,8 @@ def add_export_parser(sub) -> None:
         "        model.safetensors (float32, HF names and layouts), tokenizer.json, tokenizer_config.json;\n"
         "        transformers' AutoModelForCausalLM.from_pretrained(OUT) "
         "and qkv.load(OUT) read it\n"
-        "  gguf  OUT/model.gguf: runs with a BPE tokenizer, as llama.cpp's gpt2, llama or (a llama-style\n"
+        "  gguf  OUT if it ends in .gguf (as llama.cpp's converter's --outfile), else OUT/model.gguf:\n"
+        "        runs with a BPE tokenizer, as llama.cpp's gpt2, llama or (a llama-style\n"
         "        run with --qkv_bias true) qwen2: its tensor names and layouts, tokenizer metadata.\n"
         "        A gpt2 file computes GELU's tanh form (llama.cpp's); an exact-GELU run is written with\n"
         "        a note (logits a few 1e-3 apart). transformers reads gpt2 GGUFs of 1024-token runs only.\n"
@@ -39,27 +39,31 @@ def add_export_parser(sub) -> None:
         "dtypes (--format gguf): f32, f16, bf16, q8_0 (8-bit blocks of 32 with an f16 scale); 1-D\n"
         "  tensors (norms) stay f32, and under q8_0 a matrix whose rows are not a multiple of 32 is f16\n"
         "OUT must not exist (or be an empty folder): nothing is overwritten; the files are written "
-        "into\na temporary folder beside OUT and renamed when complete.",
+        "into\na temporary file or folder beside OUT and renamed when complete.",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("run", metavar="RUN_DIR", help="a GPT run directory from `qkv train`")
     p.add_argument("--format", default="hf", choices=("hf", "gguf"), help="output format (default hf)")
-    p.add_argument("-o", "--out", required=True, metavar="OUT", help="the folder to create")
+    p.add_argument("-o", "--out", required=True, metavar="OUT",
+                   help="the folder to create, or (--format gguf) the .gguf file")
     p.add_argument("--dtype", default="f32", choices=DTYPES,
                    help="GGUF tensor type (default f32; hf is always f32)")
     p.set_defaults(func=run_export)
 
 
 def run_export(args: argparse.Namespace) -> int:
-    from qkv.families import get_family
-    from qkv.pretrained.export import export_model
+    from qkv.inference import open_model, resolve
+    from qkv.pretrained.exporter import export_model
     from qkv.tokenizers import end_of_text_id
 
-    loaded = get_family("gpt").load(Path(args.run))  # one line for a run of another family
+    ref = resolve(args.run)
+    if ref.family != "gpt":
+        raise ValueError(f"{args.run} is {ref.description}; qkv export writes a GPT run of `qkv train gpt`")
+    loaded = open_model(ref, weights="fp32")
     out, arch = export_model(loaded.model, loaded.tokenizer, args.out, args.format, args.dtype)
     what = "Hugging Face folder" if args.format == "hf" else f"GGUF ({args.dtype})"
     print(f"exported {args.run} as {arch} ({what}): {out}")
-    files = sorted(p.name for p in out.iterdir())
+    files = sorted(p.name for p in out.iterdir()) if out.is_dir() else [f"{out.stat().st_size:,} bytes"]
     print("  " + ", ".join(files), file=sys.stdout)
     if args.format == "gguf":
         from qkv.pretrained.export_gguf import gguf_notes

@@ -6,7 +6,10 @@ from __future__ import annotations
 import argparse
 import sys
 import time
-from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from qkv.pipelines.text import CausalLM
 
 
 def add_generate_parser(sub) -> None:
@@ -53,119 +56,61 @@ def add_generate_parser(sub) -> None:
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    import torch
-
-    from qkv.commands.pretrained import DECODERS
+    """One decoding path for every decoder: a run, a bundled model, a GGUF file or a Hugging
+    Face folder is opened as a :class:`~qkv.pipelines.CausalLM` and streamed by it."""
     from qkv.device import check_device
-    from qkv.families.gpt import GPTFamily
-    from qkv.generation import generate, text_pieces
-    from qkv.generation.decode import crop_prompt
-    from qkv.generation.sampling import check_sampling, make_generator
-    from qkv.pretrained.hf import hf_model_type
-    from qkv.tokenizers import stop_ids
+    from qkv.generation.sampling import check_sampling
+    from qkv.inference import open_model, resolve
+    from qkv.pipelines.text import CausalLM
 
     check_device(args.device)
     check_sampling(args.temperature, args.top_k, args.top_p, ("--temperature", "--top-k", "--top-p"))
-    if ((args.run in DECODERS and not Path(args.run).is_dir()) or args.run.lower().endswith(".gguf")
-            or hf_model_type(args.run) is not None):
-        return cmd_generate_pretrained(args)
-    if args.chat or args.system:
-        raise ValueError("--chat and --system need a chat model (smollm2), not a trained run")
     if args.max_new_tokens < 0:
         raise ValueError(f"--max-new-tokens must be >= 0, got {args.max_new_tokens}")
-    check_compile(args)
-    run = GPTFamily().load(Path(args.run), args.device)
-    model, tok = run.model, run.tokenizer
-    if args.dtype:
-        model.to(getattr(torch, args.dtype))
-    if args.weights == "q4":
-        raise ValueError("--weights q4 decodes from a GGUF's own 4-bit groups (smollm2); for a trained "
-                         "run use --weights int8")
-    if args.weights in ("auto", "fp32", "bf16"):  # auto: a trained run decodes in fp32
-        model.to(torch.bfloat16 if args.weights == "bf16" else torch.float32)
-    elif args.weights == "int8":
-        from qkv.layers.quant import quantize_linears
-
-        quantize_linears(model, "int8")
-    if args.prompt is None:  # a newline (a new speech, in Shakespeare), or a character of its text
-        from qkv.families.gpt import sample_prompt
-
-        args.prompt = sample_prompt(tok)
-    ids = tok.encode(args.prompt)
-    if not ids:
-        raise ValueError("the prompt encodes to no tokens; give a non-empty --prompt")
-    x = torch.tensor([ids], dtype=torch.long, device=args.device)
-    x, cropped = crop_prompt(x, model.cfg.max_seq_len)
-    if cropped:
-        print(f"qkv: warning: prompt has {len(ids)} tokens, more than the context; "
-              f"keeping the last {x.shape[1]}", file=sys.stderr)
-    gen = make_generator(args.device, args.seed)
-    stops = stop_ids(tok)  # a BPE run's <|endoftext|>
-    sys.stdout.write(args.prompt)
-    out: list[int] = []
-
-    def new_ids():
-        for t in generate(model, x, args.max_new_tokens, temperature=args.temperature,
-                          top_k=args.top_k or None, top_p=args.top_p, use_cache=not args.no_cache,
-                          generator=gen, compile=args.compile, stop_ids=stops):
-            out.append(int(t[0]))
-            yield out[-1]
-
-    t0 = time.perf_counter()
-    for piece in text_pieces(tok.decode, new_ids(), context=ids):
-        sys.stdout.write(piece)
-        sys.stdout.flush()
-    sys.stdout.write("\n")
-    dt = time.perf_counter() - t0
-    print(f"[{len(out)} tokens in {dt:.2f} s, {len(out) / max(dt, 1e-9):.1f} tok/s, "
-          f"{decode_mode(args, model, len(out), dt)}]", file=sys.stderr)
-    return 0
-
-
-DEFAULT_WEIGHTS = "auto"  # q4 for a GGUF stored in 4 bits: fastest, keeps the answers (BENCHMARKS.md)
-
-
-def cmd_generate_pretrained(args: argparse.Namespace) -> int:
-    """`qkv generate smollm2 ...`: stream a continuation (or a chat reply) from the GGUF model."""
-    from qkv.pretrained import load
-
-    if args.max_new_tokens < 0:
-        raise ValueError(f"--max-new-tokens must be >= 0, got {args.max_new_tokens}")
-    if args.prompt is None:
-        raise ValueError(f"{args.run} continues a prompt: give --prompt TEXT (with --chat: your message)")
-    if not args.prompt.strip() and not args.chat:
-        raise ValueError("the prompt is empty; give --prompt TEXT")
+    if args.prompt is not None and not args.prompt.strip(" \t") and not args.chat:
+        raise ValueError("the prompt is empty; give --prompt TEXT (a run continues a newline without one)")
     if args.system is not None and not args.chat:
         raise ValueError("--system is a chat message: add --chat")
     check_compile(args)
+    ref = resolve(args.run)
+    if ref.note:
+        print(f"qkv: note: {ref.note}", file=sys.stderr)
     t0 = time.perf_counter()
-    weights = args.weights or {"float32": "fp32", "bfloat16": "bf16", None: DEFAULT_WEIGHTS}[args.dtype]
-    path = args.run if args.run.lower().endswith(".gguf") else None  # a GGUF of any decoder architecture
-    lm = load("smollm2" if path else args.run, path=path, device=args.device, weights=weights)
-    used = lm.info.get("weights", weights)
-    print(f"[{args.run}: loaded in {time.perf_counter() - t0:.1f} s, weights {used}]", file=sys.stderr)
-    n_prompt = len(lm.tokenizer.encode(lm.format_chat(args.prompt, args.system) if args.chat
-                                       else args.prompt))
-    room = lm.model.cfg.max_seq_len - n_prompt
-    if args.max_new_tokens > room > 0:
-        print(f"qkv: note: --max-new-tokens {args.max_new_tokens} bounded to {room} by the "
-              f"{lm.model.cfg.max_seq_len}-token context", file=sys.stderr)
-    pieces = lm.stream(args.prompt, args.max_new_tokens, chat=args.chat, system=args.system,
+    weights = args.weights or {"float32": "fp32", "bfloat16": "bf16", None: None}[args.dtype]
+    lm = open_model(ref, device=args.device, weights=weights, kinds=("decoder",))
+    assert isinstance(lm, CausalLM)
+    print(f"[{args.run}: loaded in {time.perf_counter() - t0:.1f} s, weights {lm.weights}]", file=sys.stderr)
+    prompt = args.prompt if args.prompt is not None else lm.default_prompt
+    if prompt is None:
+        raise ValueError(f"{args.run} continues a prompt: give --prompt TEXT (with --chat: your message)")
+    pieces = lm.stream(prompt, args.max_new_tokens, chat=args.chat, system=args.system,
                        temperature=args.temperature, top_k=args.top_k or None, top_p=args.top_p,
-                       seed=args.seed, use_cache=not args.no_cache, compile=args.compile)
-    echoed = args.chat  # the prompt is echoed once generation has started (errors come first)
+                       seed=args.seed, use_cache=not args.no_cache, compile=args.compile,
+                       slide=not args.chat)
+    started = False  # notes and the echoed prompt come once generation has started (errors first)
     for piece in pieces:
-        if not echoed:
-            sys.stdout.write(args.prompt)
-            echoed = True
+        if not started:
+            _start(lm, prompt, args.chat)
+            started = True
         sys.stdout.write(piece)
         sys.stdout.flush()
-    sys.stdout.write(("" if echoed else args.prompt) + "\n")
+    if not started:
+        _start(lm, prompt, args.chat)
+    sys.stdout.write("\n")
     st = lm.last_stats
-    print(f"[{st['prompt_tokens']} prompt + {st['new_tokens']} new tokens in {st['seconds']:.2f} s, "
-          f"{st['new_tokens'] / max(st['seconds'], 1e-9):.1f} tok/s, "
-          f"{decode_mode(args, lm.model, st['new_tokens'], st['seconds'])}]", file=sys.stderr)
+    print(f"[{st.new_tokens} tokens in {st.seconds:.2f} s after a {st.prompt_tokens}-token prompt, "
+          f"{st.tokens_per_s:.1f} tok/s, {decode_mode(args, lm.model, st.new_tokens, st.seconds)}]",
+          file=sys.stderr)
     return 0
+
+
+def _start(lm: CausalLM, prompt: str, chat: bool) -> None:
+    """What goes out before the first new text: notes on the request, then the prompt (a chat
+    prints only the reply)."""
+    for note in lm.last_stats.notes:
+        print(f"qkv: warning: {note}", file=sys.stderr)
+    if not chat:
+        sys.stdout.write(prompt)
 
 
 def check_compile(args: argparse.Namespace) -> None:

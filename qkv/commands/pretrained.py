@@ -12,7 +12,6 @@ from pathlib import Path
 from qkv.pretrained import PRETRAINED
 
 ENCODERS = ("minilm",)
-DECODERS = ("smollm2",)
 
 
 def read_text_file(path: Path) -> str:
@@ -47,19 +46,17 @@ def _texts(items: list[str], files: bool) -> list[str]:
 
 
 def _encoder(name: str):
-    """minilm, a Hugging Face BERT checkpoint folder or a bert-architecture .gguf file
-    (qkv.load builds its Encoder)."""
-    from qkv.pretrained import SentenceEncoder, load
+    """minilm, a Hugging Face BERT checkpoint folder or a bert-architecture .gguf file, opened
+    by the one resolver (qkv.load's rule) as a SentenceEncoder."""
+    from qkv.inference import open_model, resolve
 
-    gguf = name.lower().endswith(".gguf") and Path(name).is_file()
-    if name not in ENCODERS and not Path(name).is_dir() and not gguf:
-        raise ValueError(f"{name!r} is not a sentence encoder; choose from: {', '.join(ENCODERS)}, or "
-                         "give a Hugging Face BERT checkpoint folder or a bert .gguf file")
-    enc = load(name)
-    if not isinstance(enc, SentenceEncoder):
+    ref = resolve(name)
+    if ref.note:
+        print(f"qkv: note: {ref.note}", file=sys.stderr)
+    if ref.kind == "decoder":
         raise ValueError(f"{name} is a decoder (a language model), not a sentence encoder: give "
                          f"{', '.join(ENCODERS)}, a BERT folder or a bert .gguf file")
-    return enc
+    return open_model(ref, kinds=("encoder",))
 
 
 def add_embed_parser(sub) -> None:
@@ -168,4 +165,4 @@ def cmd_similarity(args: argparse.Namespace) -> int:
     return 0
 
 
-__all__ = ["DECODERS", "ENCODERS", "PRETRAINED", "add_embed_parser", "add_similarity_parser"]
+__all__ = ["ENCODERS", "PRETRAINED", "add_embed_parser", "add_similarity_parser"]

@@ -30,17 +30,21 @@ def add_translate_parser(sub) -> None:
 
 
 def cmd_translate(args: argparse.Namespace) -> int:
-    from qkv.families.seq2seq import Seq2SeqFamily, decode_texts, prepare_inputs
+    import sys
+
+    from qkv.inference import open_model
+    from qkv.pipelines import Translator
 
     if args.beam < 1:
         raise ValueError(f"--beam must be >= 1, got {args.beam}")
     if args.plot is not None:
         check_png_out(args.plot, "--plot")
-    run = Seq2SeqFamily().load(Path(args.run))
-    model, cfg, src, tgt = run.model, run.cfg, run.src, run.tgt
-    texts = prepare_inputs(args.texts, cfg, src)
-    outs, weights = decode_texts(model, cfg, src, tgt, texts, beam=args.beam,
-                                 length_penalty=args.length_penalty)
+    tr = open_model(args.run, kinds=("seq2seq",))
+    assert isinstance(tr, Translator)
+    texts, notes = tr.prepare(args.texts)
+    for n in notes:
+        print(f"qkv: warning: {n}", file=sys.stderr)
+    outs, weights = tr.translate(texts, beam=args.beam, length_penalty=args.length_penalty)
     if args.json:
         print(json.dumps([{"input": t, "output": o} for t, o in zip(texts, outs, strict=True)],
                          ensure_ascii=False, indent=2))
@@ -49,13 +53,14 @@ def cmd_translate(args: argparse.Namespace) -> int:
         for t, o in zip(texts, outs, strict=True):
             print(f"{t:<{width}}  ->  {o}")
     if args.plot is not None:
-        from qkv.viz import plot_alignment
+        from qkv.figures import AlignmentMap
+        from qkv.viz import draw
 
         w = weights[0]
         if w is None:
-            raise ValueError(f"this run is arch {cfg.arch}: it has no attention to plot")
+            raise ValueError(f"this run is arch {tr.cfg.arch}: it has no attention to plot")
         if not outs[0]:
             raise ValueError("the model produced an empty output; nothing to plot")
-        plot_alignment(w, list(texts[0]), list(outs[0]), Path(args.plot))
+        draw(AlignmentMap(w, list(texts[0]), list(outs[0])), Path(args.plot))
         print(f"wrote {args.plot}")
     return 0

@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from pathlib import Path
 
 
 def add_classify_parser(sub) -> None:
@@ -23,34 +22,29 @@ def add_classify_parser(sub) -> None:
     p.set_defaults(func=cmd_classify)
 
 
-def _load_images(paths: list[str], size: int, channels: int):
-    """[(path, uint8 (C, H, W))], notes printed to stderr."""
-    from qkv.data.images import read_image
-
-    out = []
-    for path in paths:
-        x, notes = read_image(path, size, channels)
-        for n in notes:
-            print(f"qkv: note: {path}: {n}", file=sys.stderr)
-        out.append((path, x))
-    return out
-
-
 def cmd_classify(args: argparse.Namespace) -> int:
     import torch
 
-    from qkv.families.vit import ViTFamily, predict
+    from qkv.inference import open_model
+    from qkv.pipelines import ImageClassifier
 
     if args.top < 1:
         raise ValueError(f"--top must be >= 1, got {args.top}")
-    run = ViTFamily().load(Path(args.run))
-    model, classes = run.model, run.classes
-    cfg = model.cfg
-    images = _load_images(args.images, cfg.image_size, cfg.channels)
-    probs = predict(model, torch.stack([x for _, x in images]), run.mean, run.std)
+    clf = open_model(args.run, kinds=("image",))
+    if not isinstance(clf, ImageClassifier):
+        raise ValueError(f"{args.run} is a captioner run: caption its images with "
+                         f"`qkv caption {args.run} IMAGE`")
+    images = []
+    for path in args.images:
+        x, notes = clf.read_image(path)
+        for n in notes:
+            print(f"qkv: note: {path}: {n}", file=sys.stderr)
+        images.append(x)
+    probs = clf.classify(torch.stack(images))
+    classes = clf.classes
     k = min(args.top, len(classes))
     results = []
-    for (path, _), p in zip(images, probs, strict=True):
+    for path, p in zip(args.images, probs, strict=True):
         top = torch.topk(p, k)
         results.append({"image": path, "top": [{"class": classes[int(i)], "probability": float(v)}
                                                for v, i in zip(top.values, top.indices, strict=True)]})

@@ -57,8 +57,8 @@ def explain_bottleneck(min_len: int = 4, max_len: int = 24, steps: int = 400, se
     """Train both RNNs (same size, data, steps and seed) to copy strings of ``min_len``..``max_len``
     random letters and score them on 300 unseen strings."""
     from qkv.data.copy import length_edges, make_copy_pairs
-    from qkv.families.seq2seq import PairBatches, decode_texts, encode_split, evaluate
-    from qkv.models.seq2seq import Seq2SeqConfig, build_model
+    from qkv.families.seq2seq import PairBatches, build_model, decode_texts, encode_split, evaluate
+    from qkv.models.rnn_seq2seq import RNNSeq2SeqConfig
     from qkv.tokenizers.vocab import CharVocab
 
     if not 1 <= min_len < max_len <= 60:
@@ -74,9 +74,9 @@ def explain_bottleneck(min_len: int = 4, max_len: int = 24, steps: int = 400, se
     longest = max(pairs.test, key=lambda p: len(p[0]))[0]
     exact, params, examples = {}, {}, {}
     for arch in ("rnn-noattn", "rnn"):
-        cfg = Seq2SeqConfig(arch=arch, emb_dim=32, hidden=64, dec_hidden=128, attn_dim=64,
-                            src_vocab=len(vocab), tgt_vocab=len(vocab), max_src_len=max_len,
-                            max_tgt_len=max_len + 1)
+        cfg = RNNSeq2SeqConfig(arch=arch, emb_dim=32, hidden=64, dec_hidden=128, attn_dim=64,
+                               src_vocab=len(vocab), tgt_vocab=len(vocab), max_src_len=max_len,
+                               max_tgt_len=max_len + 1)
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)
             model = build_model(cfg)

@@ -25,7 +25,7 @@ import torch.nn.functional as F
 if TYPE_CHECKING:
     from rich.console import Console
 
-    from qkv.pretrained import SentenceEncoder
+    from qkv.pipelines import SentenceEncoder
 
 BANK_SENTENCES = (
     ("river", "I swam across the river to get to the other bank."),

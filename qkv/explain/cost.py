@@ -105,7 +105,7 @@ def _gguf_config(path: Path) -> GPTConfig:
     """The GPTConfig of a GGUF file, from qkv's conversion cache when it holds the file."""
     from qkv.pretrained.cache import entry_dir
 
-    entry = entry_dir("smollm2", path)
+    entry = entry_dir(path)
     if entry is not None and (entry / "config.json").is_file():  # converted before: ~1 ms
         try:
             return GPTConfig(**json.loads((entry / "config.json").read_text(encoding="utf-8"))["model"])

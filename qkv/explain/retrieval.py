@@ -34,7 +34,7 @@ from qkv.attention import SoftLookup
 if TYPE_CHECKING:
     from rich.console import Console
 
-    from qkv.pretrained import SentenceEncoder
+    from qkv.pipelines import SentenceEncoder
 
 DOCUMENTS = (
     "A dog runs across the grass, chasing a ball.",

@@ -4,7 +4,7 @@
     from qkv.families import get_family
     gpt = get_family("gpt")
     run = train_run(gpt, GPTConfig(...), TrainConfig(...), gpt.data_config())   # qkv.training.run
-    loaded = gpt.load(run.run_dir)                                            # model + tokenizer
+    lm = gpt.load(run.run_dir)                                  # a CausalLM (qkv.pipelines)
 
 A new family: write ``qkv/families/NAME.py`` (a :class:`~qkv.families.base.FamilyBase` subclass;
 ``captioner.py`` is the fullest example) and add its line to ``BUILTIN`` below (or call
@@ -15,7 +15,8 @@ from __future__ import annotations
 
 import importlib
 
-from qkv.families.base import Family, FamilyBase, Kind, Loaded
+from qkv.families.base import Family, FamilyBase
+from qkv.pipelines import Kind, Loaded
 
 BUILTIN: dict[str, str] = {  # name -> "module:class"; imported on first use
     "gpt": "qkv.families.gpt:GPTFamily",

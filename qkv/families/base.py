@@ -3,34 +3,27 @@ defaults most of them share (:class:`FamilyBase`).
 
 A family ties a model of :mod:`qkv.models` to its data, its evaluation and its pictures:
 
-    training     prepare -> build -> check_resume -> evaluate -> report   (qkv.training.run)
-    the CLI      help, description, presets, headline, summary            (qkv train FAMILY)
-    afterwards   load -> Loaded; shape; attend                            (generate, attend, serve)
+    training     prepare -> build -> check_resume -> evaluate -> pictures  (qkv.training.run)
+    the CLI      help, description, presets, headline, summary             (qkv train FAMILY)
+    afterwards   load -> a model ready to use (qkv.pipelines)              (qkv.load, every command)
+
+A family says what its pictures show (:mod:`qkv.figures`, values) and never draws, prints or
+reads what a user typed: everything after training goes through the typed value ``load``
+returns (its ``kind``, shape, inference and attention), opened by :mod:`qkv.inference`.
 """
 
 from __future__ import annotations
 
 import argparse
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, ClassVar, Literal, Protocol
+from typing import Any, ClassVar, Protocol
 
 from torch import nn
 
+from qkv.figures import LossCurve, Picture
+from qkv.pipelines import Kind, Loaded
 from qkv.training.run import Prepared, Run, RunFamily
-
-Kind = Literal["encoder", "decoder", "image", "seq2seq"]  # what a model reads and what it shows
-
-
-@dataclass
-class Loaded:
-    """A trained run, loaded: its model (best weights, eval mode) and the run's config.json.
-    Each family's subclass adds what reads the model's input (tokenizer, vocabularies, classes)."""
-
-    run_dir: Path
-    model: nn.Module
-    config: dict[str, Any] = field(repr=False, default_factory=dict)
 
 
 class Family(RunFamily, Protocol):
@@ -63,19 +56,19 @@ class Family(RunFamily, Protocol):
         """What `qkv train` prints when the run is done (scores, files, what to try next)."""
         ...
 
-    def load(self, run_dir: Path, device: str = "cpu") -> Loaded:
-        """A trained run; CheckpointError (one line) for a damaged one."""
+    def pictures(self, run: Run) -> dict[str, Picture]:
+        """What the run's pictures show, by name (drawn into the run directory after evaluation)."""
         ...
 
-    def shape(self, loaded: Loaded) -> tuple[int, int, int]:
-        """(layers, heads, context) of the attention a picture can choose from; context: the
-        most tokens, characters or grid cells read at once."""
+    def load(self, run_dir: Path, device: str = "cpu") -> Loaded:
+        """A trained run as a model ready to use (best weights, eval mode; its ``kind`` is the
+        family's); CheckpointError (one line) for a damaged one."""
         ...
 
 
 class FamilyBase:
     """Defaults: presets from :mod:`qkv.presets`, no extra options, placeholders-free configs,
-    a loss plot as the only picture, one attention of one head."""
+    a loss plot as the only picture."""
 
     name: ClassVar[str]
     kind: ClassVar[Kind]
@@ -97,12 +90,14 @@ class FamilyBase:
     def check_resume(self, saved: dict[str, Any], prepared: Prepared) -> None:
         return None
 
-    def report(self, run: Run) -> dict[str, Path]:
-        return {"loss plot": loss_plot(run.run_dir)}
+    def pictures(self, run: Run) -> dict[str, Picture]:
+        return {"loss plot": loss_curve(run)}
 
-    def shape(self, loaded: Loaded) -> tuple[int, int, int]:
-        cfg = loaded.model.cfg
-        return cfg.n_layers, cfg.n_heads, cfg.max_seq_len
+    def report(self, run: Run) -> dict[str, Path]:
+        """Draw :meth:`pictures` into the run directory (what the lifecycle calls)."""
+        from qkv.viz import draw
+
+        return {name: draw(p.figure, run.run_dir / p.file) for name, p in self.pictures(run).items()}
 
     def read_run(self, run_dir: Path, what: str, parse: Callable[[dict], tuple[Any, Any]],
                  device: str = "cpu") -> tuple[dict, nn.Module, Any]:
@@ -123,10 +118,9 @@ class FamilyBase:
         return saved, model.to(device).eval(), rest
 
 
-def loss_plot(run_dir: Path) -> Path:
-    from qkv.viz import plot_loss_curve
-
-    return plot_loss_curve(run_dir / "metrics.jsonl", run_dir / "loss.png")
+def loss_curve(run: Run) -> Picture:
+    """The run's loss curve, as ``loss.png``."""
+    return Picture("loss.png", LossCurve(run.run_dir / "metrics.jsonl"))
 
 
 def trained_line(run: Run, unit: str | None) -> str:

@@ -13,7 +13,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import math
-import sys
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -26,13 +25,11 @@ from torch import Tensor
 
 from qkv.data.captions import CaptionSplits, load_caption_folder, make_splits
 from qkv.data.shapes import COLOURS, SHAPES, Scene
-from qkv.families.base import FamilyBase, Loaded, files_lines, trained_line
-from qkv.generation.decode import beam_search, greedy_decode
-from qkv.models.captioner import HARD, Captioner, CaptionerConfig, CaptionerState, HardDecode
+from qkv.families.base import FamilyBase, files_lines, trained_line
+from qkv.models.captioner import HARD, Captioner, CaptionerConfig, HardDecode
+from qkv.pipelines.captioning import ImageCaptioner, decode_captions, normalize
 from qkv.tokenizers.vocab import BOS, EOS, PAD, WordVocab
 from qkv.training.run import Prepared, Run
-
-MEAN, STD = 0.25, 0.3  # pixel normalisation of the generated scenes (x / 255 - MEAN) / STD
 
 
 @dataclass
@@ -63,10 +60,6 @@ def to_tensors(scenes: Sequence[Scene], vocab: WordVocab, max_len: int) -> tuple
     return x, y
 
 
-def normalize(images: Tensor) -> Tensor:
-    return (images.float() / 255 - MEAN) / STD
-
-
 class CaptionBatches:
     def __init__(self, splits: dict[str, tuple[Tensor, Tensor]]) -> None:
         self.splits = splits
@@ -77,61 +70,6 @@ class CaptionBatches:
         yb = y[idx]
         T = int((yb != PAD).sum(1).max())
         return normalize(x[idx]), yb[:, :T]
-
-
-class _DecodeState:
-    """A captioner's decoding state with the ``reorder`` that beam search needs."""
-
-    def __init__(self, state: CaptionerState) -> None:
-        self.state = state
-
-    def reorder(self, index: Tensor) -> None:
-        self.state = CaptionerState(*(None if t is None else t.index_select(0, index) for t in self.state))
-
-
-class _Decoding:
-    """The captioner behind the encoder-decoder decoding interface of qkv.generation.decode:
-    ``start(images)`` and ``step(state, prev) -> (logits, attention over the grid)``, a hard
-    model reading the grid as ``hard_decode`` says (see :meth:`Captioner.step`)."""
-
-    def __init__(self, model: Captioner, hard_decode: HardDecode = "argmax") -> None:
-        self.model = model
-        self.hard_decode = hard_decode
-
-    def start(self, images: Tensor) -> _DecodeState:
-        return _DecodeState(self.model.start(images))
-
-    def step(self, state: _DecodeState, prev: Tensor) -> tuple[Tensor, Tensor]:
-        out = self.model.step(state.state, prev, hard_decode=self.hard_decode)
-        state.state = out.state
-        return out.logits, out.alpha
-
-
-@torch.no_grad()
-def decode_captions(model: Captioner, images: Tensor, max_len: int, beam: int = 1,
-                    batch_size: int = 256, *, hard_decode: HardDecode = "argmax"
-                    ) -> tuple[list[list[int]], list[Tensor]]:
-    """uint8 images (N, C, H, W) -> token ids (EOS excluded) and the attention over the grid of
-    every emitted word (len, L), per image: greedy decoding, or beam search with ``beam`` > 1.
-    Hard attention reads, at every word, the most attended location (``hard_decode="argmax"``)
-    or the expected value Σ α_i a_i (``"expectation"``); other attention ignores it."""
-    model.eval()
-    dec = _Decoding(model, hard_decode)
-    toks: list[list[int]] = []
-    alphas: list[Tensor] = []
-    device = next(model.parameters()).device
-    for i in range(0, len(images), batch_size):
-        x = normalize(images[i : i + batch_size]).to(device)
-        out = (greedy_decode(dec, x, max_len + 1) if beam == 1
-               else beam_search(dec, x, max_len + 1, beam=beam))
-        toks += out.tokens
-        alphas += out.weights
-    return toks, alphas
-
-
-def word_maps(caption: str, alphas: Tensor, grid: int) -> list[tuple[str, Tensor]]:
-    """(word, its attention as a (grid, grid) map) for every word of a generated caption."""
-    return [(w, a.reshape(grid, grid)) for w, a in zip(caption.split(), alphas, strict=False)]
 
 
 def bleu4(references: Sequence[Sequence[str]], hypotheses: Sequence[Sequence[str]]) -> float:
@@ -253,12 +191,6 @@ def evaluate(model: Captioner, vocab: WordVocab, splits: CaptionSplits, max_len:
 
 
 @dataclass
-class LoadedCaptioner(Loaded):
-    vocab: WordVocab = dataclasses.field(default_factory=lambda: WordVocab([]))
-    max_len: int = 0
-
-
-@dataclass
 class CaptionState:
     splits: CaptionSplits
     vocab: WordVocab
@@ -330,37 +262,7 @@ class CaptionerFamily(FamilyBase):
                                  f"{where} on {e['n']:,}")
         return "\n".join(lines) + "\n" + files_lines(run) + f"  evaluation: {run.run_dir / 'eval.json'}"
 
-    def load(self, run_dir: Path, device: str = "cpu") -> LoadedCaptioner:
-        saved, model, (vocab, max_len) = self.read_run(run_dir, "an image captioner", lambda c: (
+    def load(self, run_dir: Path, device: str = "cpu") -> ImageCaptioner:
+        _, model, (vocab, max_len) = self.read_run(run_dir, "an image captioner", lambda c: (
             CaptionerConfig(**c["model"]), (WordVocab(c["words"]), int(c["max_len"]))), device)
-        return LoadedCaptioner(Path(run_dir), model, saved, vocab, max_len)
-
-    def shape(self, loaded: Loaded) -> tuple[int, int, int]:
-        return 1, 1, loaded.model.cfg.grid ** 2  # one attention per word, over the grid
-
-    def image_attention(self, src, x: Tensor, layer: int | None, layer_name: str) -> tuple[list, str, dict]:
-        """(maps, caption, details) for :func:`qkv.viz.sources.image_attention`: the greedy
-        caption and each word's attention over the grid."""
-        from qkv.viz.sources import InputError
-
-        if layer is not None:
-            raise InputError(f"a captioner has one attention per word (no layers); drop {layer_name}")
-        loaded = src.loaded
-        toks, alphas = decode_captions(loaded.model, x[None], loaded.max_len)
-        caption = loaded.vocab.decode(toks[0])
-        return word_maps(caption, alphas[0], loaded.model.cfg.grid), caption, {"caption": caption}
-
-    def attend(self, src, image: str, layer: int | None, head: int | None, out: Path) -> None:
-        """`qkv attend RUN IMAGE`: the caption and each word's attention, as one PNG."""
-        from qkv.viz import plot_image_attention
-        from qkv.viz.sources import image_attention
-
-        if layer is not None or head is not None:
-            raise ValueError("a captioner has one attention per word (no layers or heads); drop "
-                             "--layer/--head")
-        att = image_attention(src, image)
-        for n in att.notes:
-            print(f"qkv: note: {image}: {n}", file=sys.stderr)
-        print(f"{image}: {att.title}")
-        plot_image_attention(att.image, att.maps, out, title=att.title)
-        print(f"wrote {out}")
+        return ImageCaptioner(Path(run_dir).name, model, vocab, max_len, Path(run_dir))

@@ -17,8 +17,10 @@ from typing import Any, Literal
 
 import torch
 
-from qkv.families.base import FamilyBase, Loaded, files_lines, trained_line
+from qkv.families.base import FamilyBase, files_lines, loss_curve, trained_line
+from qkv.figures import AttentionHeads, Picture
 from qkv.models.gpt import GPT, GPTConfig
+from qkv.pipelines.text import CausalLM, sample_prompt
 from qkv.training import checkpoint as ckpt
 from qkv.training.run import Prepared, Run
 
@@ -43,11 +45,6 @@ class LMDataConfig:
 class LMState:
     corpus: Any  # qkv.data.corpora.Corpus
     tokenizer: Any
-
-
-@dataclass
-class LoadedGPT(Loaded):
-    tokenizer: Any = None
 
 
 def build_tokenizer(data_cfg: LMDataConfig, text: str):
@@ -79,14 +76,6 @@ def sample_text(model: GPT, tok, prompt: str, max_new_tokens: int, temperature: 
     new = [int(t[0]) for t in generate(model, ids, max_new_tokens, temperature=temperature,
                                        top_k=top_k, top_p=top_p, seed=seed, stop_ids=stops)]
     return prompt + tok.decode(new)
-
-
-def sample_prompt(tok) -> str:
-    """A newline if the tokenizer knows one (a new speech, in Shakespeare), else its first token."""
-    try:
-        return "\n" if tok.encode("\n") else tok.decode([0])
-    except ValueError:  # a character tokenizer of a text without newlines
-        return tok.decode([0])
 
 
 def _prompt_hint(run: Run) -> str:
@@ -151,15 +140,12 @@ class GPTFamily(FamilyBase):
         return {"val_loss": loss, "val_perplexity": math.exp(min(loss, 50.0)), "val_windows": len(x),
                 "tokens_per_window": x.shape[1]}
 
-    def report(self, run: Run) -> dict[str, Path]:
-        from qkv.families.base import loss_plot
-
+    def pictures(self, run: Run) -> dict[str, Picture]:
         tok = run.prepared.state.tokenizer
         x, _ = run.prepared.batches.get_batch("val", 1, torch.Generator().manual_seed(0))
         text = tok.decode(x[0, :32].tolist())
-        return {"loss plot": loss_plot(run.run_dir),
-                "attention map (last layer)": attention_map(run.model, tok, text,
-                                                            run.run_dir / "attention.png")}
+        return {"loss plot": loss_curve(run),
+                "attention map (last layer)": Picture("attention.png", attention_map(run.model, tok, text))}
 
     def headline(self, model_cfg: GPTConfig, data_cfg: LMDataConfig) -> str:
         return f"{model_cfg.n_layers} layers x {model_cfg.dim} wide, context {model_cfg.max_seq_len}"
@@ -174,28 +160,28 @@ class GPTFamily(FamilyBase):
                 + files_lines(run, {"weights": run.run_dir / "model.safetensors"})
                 + f"generate more: qkv generate {run.run_dir} --prompt {_prompt_hint(run)}")
 
-    def load(self, run_dir: Path, device: str = "cpu") -> LoadedGPT:
-        from qkv.tokenizers import load_tokenizer
+    def load(self, run_dir: Path, device: str = "cpu") -> CausalLM:
+        """The run as a decoder (fp32, its best weights), stopping at its ``<|endoftext|>`` and
+        continuing a newline when no prompt is given."""
+        from qkv.tokenizers import load_tokenizer, stop_ids
 
-        saved, model, _ = self.read_run(run_dir, "a GPT language model",
-                                        lambda c: (GPTConfig(**c["model"]), None), device)
+        _, model, _ = self.read_run(run_dir, "a GPT language model",
+                                    lambda c: (GPTConfig(**c["model"]), None), device)
         try:
             tok = load_tokenizer(Path(run_dir) / "tokenizer.json")
         except (OSError, ValueError) as e:
             raise ckpt.CheckpointError(f"cannot load {run_dir}/tokenizer.json: {e}") from None
-        return LoadedGPT(Path(run_dir), model, saved, tok)
+        return CausalLM(Path(run_dir).name, model, tok, stop_ids=stop_ids(tok), run_dir=Path(run_dir),
+                        default_prompt=sample_prompt(tok))
 
 
-def attention_map(model: GPT, tok, text: str, out_path: Path, max_tokens: int = 32) -> Path:
-    """Heatmaps of the last layer's heads on the first ``max_tokens`` tokens of ``text``."""
-    from qkv.viz import plot_attention_heads
-
+def attention_map(model: GPT, tok, text: str, max_tokens: int = 32) -> AttentionHeads:
+    """The last layer's heads on the first ``max_tokens`` tokens of ``text``."""
     ids = tok.encode(text)[:max_tokens]
     x = torch.tensor([ids], dtype=torch.long, device=next(model.parameters()).device)
     model.eval()
     with torch.no_grad():
         out = model(x, backend="reference", return_weights=True)
     labels = [tok.decode([i]) for i in ids]
-    return plot_attention_heads(out.weights[-1][0], labels, out_path,
-                                title=f"last layer attention ({len(ids)} tokens)")
+    return AttentionHeads(out.weights[-1][0], labels, title=f"last layer attention ({len(ids)} tokens)")
 

@@ -2,7 +2,9 @@
 (Lectures 20-23): a bidirectional GRU encoder with a Bahdanau-attention decoder (``rnn``), the
 same with one fixed context vector (``rnn-noattn``: the bottleneck attention removes), or a
 Transformer encoder-decoder with cross-attention (``transformer``). Pairs -> character
-vocabularies -> :func:`qkv.models.seq2seq.build_model` -> exact match per split and input length.
+vocabularies -> :func:`build_model` (an :class:`~qkv.models.rnn_seq2seq.RNNSeq2Seq` or a
+:class:`~qkv.models.transformer.TransformerSeq2Seq`, each from its own config) -> exact match
+per split and input length.
 
 Run directory: ``config.json`` of family ``"seq2seq"`` (model config and both vocabularies),
 ``eval.json``, ``loss.png``, ``alignment.png``.
@@ -14,7 +16,6 @@ import argparse
 import dataclasses
 import itertools
 import shlex
-import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,9 +24,14 @@ from typing import Any, Literal
 import torch
 from torch import Tensor, nn
 
-from qkv.data.dates import DatePairs, load_pairs, make_date_pairs, normalize_source
-from qkv.families.base import FamilyBase, Loaded, files_lines, loss_plot, trained_line
-from qkv.models.seq2seq import Seq2SeqConfig, build_model
+from qkv.attention.functional import Backend
+from qkv.data.dates import DatePairs, load_pairs, make_date_pairs
+from qkv.families.base import FamilyBase, files_lines, loss_curve, trained_line
+from qkv.figures import AlignmentMap, Picture
+from qkv.models.config_checks import check_choices
+from qkv.models.rnn_seq2seq import RNNSeq2Seq, RNNSeq2SeqConfig
+from qkv.models.transformer import TransformerSeq2Seq, TransformerSeq2SeqConfig
+from qkv.pipelines.translation import Seq2SeqConfig, Translator, decode_texts, encode_sources
 from qkv.tokenizers.vocab import BOS, EOS, PAD, CharVocab
 from qkv.training.run import Prepared, Run
 
@@ -65,11 +71,50 @@ class Seq2SeqDataConfig:
                              "--n_heldout 0")
 
 
+Arch = Literal["rnn", "rnn-noattn", "transformer"]
+
+
 @dataclass
-class LoadedSeq2Seq(Loaded):
-    cfg: Seq2SeqConfig = dataclasses.field(default_factory=Seq2SeqConfig)
-    src: CharVocab = dataclasses.field(default_factory=lambda: CharVocab([]))
-    tgt: CharVocab = dataclasses.field(default_factory=lambda: CharVocab([]))
+class Seq2SeqOptions:
+    """The model options of `qkv train seq2seq`: ``--arch`` picks the architecture, whose own
+    config (:meth:`model_config`) takes the fields it has; the rest are ignored. A run's
+    config.json records the architecture's config only (:meth:`to_dict`)."""
+
+    arch: Arch = "rnn"  # rnn (+ Bahdanau attention), rnn-noattn (fixed context), transformer
+    cell: Literal["gru", "lstm"] = "gru"  # RNN: cell
+    emb_dim: int = 64  # RNN: character embedding width
+    hidden: int = 128  # RNN: encoder width per direction
+    dec_hidden: int = 256  # RNN: decoder state width
+    attn_dim: int = 128  # RNN: width of the additive attention's scoring MLP
+    dim: int = 128  # Transformer: model width
+    n_heads: int = 4  # Transformer: attention heads
+    enc_layers: int = 2  # Transformer: encoder blocks
+    dec_layers: int = 2  # Transformer: decoder blocks
+    mlp_hidden: int | None = None  # Transformer: the MLP's hidden width; none = 4 x dim
+    backend: Backend = "sdpa"  # Transformer: attention backend while training
+    dropout: float = 0.0  # dropout on embeddings and (Transformer) residual branches
+    max_src_len: int = 64  # longest source, in characters (set from the data when training)
+    max_tgt_len: int = 16  # longest target + EOS (set from the data when training)
+    src_vocab: int = 0  # set from the data
+    tgt_vocab: int = 0  # set from the data
+
+    def __post_init__(self) -> None:
+        check_choices(self)
+        self.model_config()  # every check of the architecture's own config, now
+
+    def model_config(self) -> Seq2SeqConfig:
+        """The config of the architecture ``arch`` names, from the fields it has."""
+        cls: type = TransformerSeq2SeqConfig if self.arch == "transformer" else RNNSeq2SeqConfig
+        names = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{k: v for k, v in dataclasses.asdict(self).items() if k in names})
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self.model_config())
+
+
+def build_model(cfg: Seq2SeqConfig) -> nn.Module:
+    """The model ``cfg`` describes: an RNNSeq2Seq (with or without attention) or a TransformerSeq2Seq."""
+    return TransformerSeq2Seq(cfg) if isinstance(cfg, TransformerSeq2SeqConfig) else RNNSeq2Seq(cfg)
 
 
 @dataclass
@@ -83,11 +128,9 @@ def encode_split(pairs: Sequence[tuple[str, str]], src: CharVocab, tgt: CharVoca
                  max_src: int, max_tgt: int) -> tuple[Tensor, Tensor]:
     """(N, max_src) source ids and (N, max_tgt + 1) [BOS, target, EOS] ids, PAD-padded; pairs
     longer than the limits are cut (training data is measured first, so only user files can be)."""
-    x = torch.full((len(pairs), max_src), PAD, dtype=torch.long)
+    x = encode_sources([s for s, _ in pairs], src, max_src)
     y = torch.full((len(pairs), max_tgt + 1), PAD, dtype=torch.long)
-    for i, (s, t) in enumerate(pairs):
-        ids = src.encode(s)[:max_src]
-        x[i, : len(ids)] = torch.tensor(ids, dtype=torch.long)
+    for i, (_, t) in enumerate(pairs):
         tids = [BOS, *tgt.encode(t)[: max_tgt - 1], EOS]
         y[i, : len(tids)] = torch.tensor(tids, dtype=torch.long)
     return x, y
@@ -119,28 +162,6 @@ def load_pairs_for(data_cfg: Seq2SeqDataConfig) -> DatePairs:
                                seed=data_cfg.data_seed)
     return make_date_pairs(data_cfg.n_train, data_cfg.n_val, data_cfg.n_test, data_cfg.n_heldout,
                            seed=data_cfg.data_seed)
-
-
-def decode_texts(model: nn.Module, cfg: Seq2SeqConfig, src_vocab: CharVocab, tgt_vocab: CharVocab,
-                 texts: Sequence[str], beam: int = 1, batch_size: int = 256,
-                 length_penalty: float = 1.0) -> tuple[list[str], list[Tensor | None]]:
-    """Translate already-normalised texts (no longer than ``cfg.max_src_len``); returns the
-    outputs and each output's attention over its source characters (out_len, in_len)."""
-    from qkv.generation.decode import beam_search, greedy_decode
-
-    model.eval()
-    device = next(model.parameters()).device
-    outs: list[str] = []
-    weights: list[Tensor | None] = []
-    for i in range(0, len(texts), batch_size):
-        chunk = texts[i : i + batch_size]
-        x, _ = encode_split([(t, "") for t in chunk], src_vocab, tgt_vocab, cfg.max_src_len, 2)
-        x = x[:, : max(1, max(len(t) for t in chunk))].to(device)
-        res = (greedy_decode(model, x, cfg.max_tgt_len) if beam == 1 else
-               beam_search(model, x, cfg.max_tgt_len, beam=beam, length_penalty=length_penalty))
-        outs += [tgt_vocab.decode(t) for t in res.tokens]
-        weights += [None if w is None else w[:, : len(t)] for w, t in zip(res.weights, chunk, strict=True)]
-    return outs, weights
 
 
 def length_buckets(lengths: Sequence[int], edges: Sequence[int] = (0, 10, 15, 20, 25, 30, 1000)
@@ -194,12 +215,13 @@ class Seq2SeqFamily(FamilyBase):
         "with Babel in 24 locales and 4 styles ('8 août 1977' -> 1977-08-08); --data FILE.tsv "
         "takes source<TAB>target lines instead. At the end: exact-match accuracy on the test "
         "split and on held-out locale/style combinations, by input length, and an alignment plot.")
-    model_config = Seq2SeqConfig
+    model_config = Seq2SeqOptions
     data_config = Seq2SeqDataConfig
     from_data = ("max_src_len", "max_tgt_len", "src_vocab", "tgt_vocab")
     default_preset = "dates-cpu"
 
-    def prepare(self, model_cfg: Seq2SeqConfig, data_cfg: Seq2SeqDataConfig, resume_dir, on_note) -> Prepared:
+    def prepare(self, model_cfg: Seq2SeqOptions, data_cfg: Seq2SeqDataConfig, resume_dir,
+                on_note) -> Prepared:
         """Vocabularies and length limits from the training pairs (generated strings: from every
         split, so the model can be asked for the longer held-out ones)."""
         pairs = load_pairs_for(data_cfg)
@@ -218,8 +240,8 @@ class Seq2SeqFamily(FamilyBase):
         return Prepared(cfg, PairBatches(splits), PairState(pairs, src, tgt), data_record=record,
                         record={"src_chars": src.symbols(), "tgt_chars": tgt.symbols()})
 
-    def build(self, model_cfg: Seq2SeqConfig) -> nn.Module:
-        return build_model(model_cfg)
+    def build(self, model_cfg: Seq2SeqOptions) -> nn.Module:
+        return build_model(model_cfg.model_config())
 
     def check_resume(self, saved: dict[str, Any], prepared: Prepared) -> None:
         st = prepared.state
@@ -229,25 +251,23 @@ class Seq2SeqFamily(FamilyBase):
 
     def evaluate(self, model: nn.Module, prepared: Prepared) -> dict[str, Any]:
         st = prepared.state
-        return evaluate(model, prepared.model_cfg, st.src, st.tgt, st.pairs)
+        return evaluate(model, prepared.model_cfg.model_config(), st.src, st.tgt, st.pairs)
 
     def _example(self, run: Run) -> tuple[str, str, Tensor | None]:
-        st, cfg = run.prepared.state, run.prepared.model_cfg
+        st, cfg = run.prepared.state, run.prepared.model_cfg.model_config()
         example = st.pairs.test[0][0][: cfg.max_src_len]
         [out], [w] = decode_texts(run.model, cfg, st.src, st.tgt, [example])
         return example, out, w
 
-    def report(self, run: Run) -> dict[str, Path]:
-        from qkv.viz import plot_alignment
-
-        files = {"loss plot": loss_plot(run.run_dir)}
+    def pictures(self, run: Run) -> dict[str, Picture]:
+        pics = {"loss plot": loss_curve(run)}
         example, out, w = self._example(run)
         if w is not None and len(out):
-            files["alignment of the example"] = plot_alignment(w, list(example), list(out),
-                                                               run.run_dir / "alignment.png")
-        return files
+            figure = AlignmentMap(w, list(example), list(out))
+            pics["alignment of the example"] = Picture("alignment.png", figure)
+        return pics
 
-    def headline(self, model_cfg: Seq2SeqConfig, data_cfg: Seq2SeqDataConfig) -> str:
+    def headline(self, model_cfg: Seq2SeqOptions, data_cfg: Seq2SeqDataConfig) -> str:
         d = data_cfg
         what = d.data or ("generated dates" if d.task == "dates" else
                           f"{d.task} of random strings, lengths {d.min_len}-{d.max_len}")
@@ -266,47 +286,10 @@ class Seq2SeqFamily(FamilyBase):
         return ("\n".join(lines) + "\n" + files_lines(run, {"weights": run.run_dir / "model.safetensors"})
                 + f"translate: qkv translate {run.run_dir} {shlex.quote(example)} --plot alignment.png")
 
-    def load(self, run_dir: Path, device: str = "cpu") -> LoadedSeq2Seq:
-        def parse(c: dict) -> tuple[Seq2SeqConfig, tuple]:
-            cfg = Seq2SeqConfig(**c["model"])
-            return cfg, (cfg, CharVocab(c["src_chars"]), CharVocab(c["tgt_chars"]))
+    def load(self, run_dir: Path, device: str = "cpu") -> Translator:
+        def parse(c: dict) -> tuple[Seq2SeqOptions, tuple]:
+            options = Seq2SeqOptions(**c["model"])  # the architecture's fields, or (older runs) all
+            return options, (options.model_config(), CharVocab(c["src_chars"]), CharVocab(c["tgt_chars"]))
 
-        saved, model, (cfg, src, tgt) = self.read_run(run_dir, "a sequence-to-sequence model", parse, device)
-        return LoadedSeq2Seq(Path(run_dir), model, saved, cfg, src, tgt)
-
-    def shape(self, loaded: Loaded) -> tuple[int, int, int]:
-        return 1, 1, loaded.cfg.max_src_len  # one alignment: output x input
-
-    def attend(self, src, text: str, layer: int | None, head: int | None, out: Path) -> None:
-        """`qkv attend RUN TEXT`: the alignment matrix of the translation, as a PNG."""
-        from qkv.viz import plot_alignment
-        from qkv.viz.sources import alignment
-
-        if layer is not None or head is not None:
-            raise ValueError("a seq2seq run's picture is one alignment matrix (output x input); drop "
-                             "--layer/--head")
-        ali = alignment(src, text)
-        for n in ali.notes:
-            print(f"qkv: note: {n}", file=sys.stderr)
-        plot_alignment(ali.weights, ali.source, ali.output, out)
-        print(f"{''.join(ali.source)}  ->  {ali.text}")
-        print(f"wrote {out}")
-
-
-def prepare_inputs(texts: Sequence[str], cfg: Seq2SeqConfig, src: CharVocab) -> list[str]:
-    """Normalise user texts; ValueError for empty or over-long ones; a warning (stderr) for
-    characters never seen in training (they become <unk>)."""
-    out = []
-    for text in texts:
-        t = normalize_source(text)
-        if not t:
-            raise ValueError("empty input: give a date such as '8 août 1977'")
-        if len(t) > cfg.max_src_len:
-            raise ValueError(f"input is {len(t)} characters; this model was trained on at most "
-                             f"{cfg.max_src_len}: shorten it")
-        unknown = src.unknown(t)
-        if unknown:
-            print(f"qkv: warning: {t!r}: characters never seen in training, read as unknown: "
-                  f"{' '.join(repr(c) for c in unknown)}", file=sys.stderr)
-        out.append(t)
-    return out
+        _, model, (cfg, src, tgt) = self.read_run(run_dir, "a sequence-to-sequence model", parse, device)
+        return Translator(Path(run_dir).name, model, cfg, src, tgt, Path(run_dir))

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,8 +20,10 @@ import torch
 from torch import Tensor
 
 from qkv.data.images import ImageBatches, ImageData, load_image_dataset
-from qkv.families.base import FamilyBase, Loaded, files_lines, loss_plot, trained_line
+from qkv.families.base import FamilyBase, files_lines, loss_curve, trained_line
+from qkv.figures import ConfusionMatrix, ImageOverlays, Picture
 from qkv.models.vit import ViT, ViTConfig
+from qkv.pipelines.images import ImageClassifier, attention_maps, predict
 from qkv.training.run import Prepared, Run
 
 
@@ -46,14 +47,6 @@ class ImageDataConfig:
             raise ValueError(f"image_size must be >= 1, got {self.image_size}")
 
 
-@dataclass
-class LoadedViT(Loaded):
-    classes: list[str] = dataclasses.field(default_factory=list)
-    mean: float = 0.0
-    std: float = 1.0
-    dataset: str = "?"
-
-
 def load_data(data_cfg: ImageDataConfig, on_note: Callable[[str], None] | None = None) -> ImageData:
     return load_image_dataset(data_cfg.dataset, val_size=data_cfg.val_size, seed=data_cfg.split_seed,
                               image_size=data_cfg.image_size, on_note=on_note)
@@ -72,18 +65,6 @@ def fit_model_config(model_cfg: ViTConfig, data: ImageData) -> ViTConfig:
     return dataclasses.replace(model_cfg, image_size=H, channels=C, n_classes=len(data.classes))
 
 
-@torch.no_grad()
-def predict(model: ViT, images: Tensor, mean: float, std: float, batch_size: int = 500) -> Tensor:
-    """uint8 images (N, C, H, W) -> class probabilities (N, n_classes), in eval mode."""
-    model.eval()
-    device = next(model.parameters()).device
-    out = []
-    for i in range(0, len(images), batch_size):
-        x = (images[i : i + batch_size].float() / 255 - mean) / std
-        out.append(model(x.to(device)).logits.float().softmax(-1).cpu())
-    return torch.cat(out) if out else torch.empty(0, model.cfg.n_classes)
-
-
 def confusion_matrix(labels: Tensor, preds: Tensor, n_classes: int) -> Tensor:
     """(n_classes, n_classes) counts: row = true class, column = predicted class."""
     return torch.bincount(labels * n_classes + preds, minlength=n_classes**2).reshape(n_classes, n_classes)
@@ -97,28 +78,6 @@ def evaluate_split(model: ViT, data: ImageData, mean: float, std: float, split: 
     cm = confusion_matrix(y, preds, len(data.classes))
     return {"split": split, "n": len(y), "accuracy": float((preds == y).float().mean()) if len(y) else 0.0,
             "classes": list(data.classes), "confusion": cm.tolist()}
-
-
-@torch.no_grad()
-def attention_maps(model: ViT, image: Tensor, mean: float, std: float,
-                   layer: int = -1) -> tuple[Tensor, Tensor, Tensor]:
-    """One uint8 image (C, H, W) -> (class probabilities (K,), read-out attention per head of
-    ``layer`` (H, g, g), attention rollout through all layers (g, g)); g = patches per side.
-
-    "Read-out attention" is the class token's row for ``read_out="cls"``, else the mean of all
-    rows (see :func:`qkv.attention.rollout.readout_attention`).
-    """
-    from qkv.attention.rollout import attention_rollout, readout_attention
-
-    model.eval()
-    cfg = model.cfg
-    x = ((image.float() / 255 - mean) / std)[None].to(next(model.parameters()).device)
-    out = model(x, backend="reference", return_weights=True)
-    assert out.weights is not None
-    g = cfg.grid
-    heads = readout_attention(out.weights[layer][0].float(), cfg.read_out).reshape(-1, g, g)
-    rollout = readout_attention(attention_rollout(out.weights)[0], cfg.read_out).reshape(g, g)
-    return out.logits[0].float().softmax(-1).cpu(), heads.cpu(), rollout.cpu()
 
 
 class ViTFamily(FamilyBase):
@@ -163,21 +122,18 @@ class ViTFamily(FamilyBase):
         ev["val_accuracy"] = evaluate_split(model, data, b.mean, b.std, "val")["accuracy"]
         return ev
 
-    def report(self, run: Run) -> dict[str, Path]:
-        from qkv.viz import plot_confusion, plot_image_attention
-
-        data, b, ev, d = run.prepared.state, run.prepared.batches, run.eval, run.run_dir
-        files = {"confusion matrix": plot_confusion(ev["confusion"], data.classes, d / "confusion.png",
-                                                    title=f"{data.name} test: accuracy {ev['accuracy']:.2%}"),
-                 "loss plot": loss_plot(d)}
+    def pictures(self, run: Run) -> dict[str, Picture]:
+        data, b, ev = run.prepared.state, run.prepared.batches, run.eval
+        pics = {"confusion matrix": Picture("confusion.png", ConfusionMatrix(
+                    ev["confusion"], data.classes, title=f"{data.name} test: accuracy {ev['accuracy']:.2%}")),
+                "loss plot": loss_curve(run)}
         image, label = data.test_x[0], int(data.test_y[0])
         probs, heads, rollout = attention_maps(run.model, image, b.mean, b.std)
         maps = [(f"head {h}", heads[h]) for h in range(len(heads))] + [("rollout", rollout)]
         pred = int(probs.argmax())
-        files["attention on a test image"] = plot_image_attention(
-            image, maps, d / "attention.png",
-            title=f"true {data.classes[label]}, predicted {data.classes[pred]} ({probs[pred]:.0%})")
-        return files
+        title = f"true {data.classes[label]}, predicted {data.classes[pred]} ({probs[pred]:.0%})"
+        pics["attention on a test image"] = Picture("attention.png", ImageOverlays(image, maps, title))
+        return pics
 
     def headline(self, model_cfg: ViTConfig, data_cfg: ImageDataConfig) -> str:
         return (f"{model_cfg.n_layers} layers x {model_cfg.dim} wide, {model_cfg.patch_size}x"
@@ -192,50 +148,14 @@ class ViTFamily(FamilyBase):
                 + f"classify an image: qkv classify {d} IMAGE.png\n"
                 f"see where it looks: qkv attend {d} IMAGE.png")
 
-    def load(self, run_dir: Path, device: str = "cpu") -> LoadedViT:
+    def load(self, run_dir: Path, device: str = "cpu") -> ImageClassifier:
         def parse(c: dict) -> tuple[ViTConfig, tuple]:
             cfg, data = ViTConfig(**c["model"]), c["data"]
             classes = list(data["classes"])
             if len(classes) != cfg.n_classes:
                 raise ValueError(f"it names {len(classes)} classes but the model has {cfg.n_classes}")
-            return cfg, (classes, float(data["mean"]), float(data["std"]), data.get("name", "?"))
+            name = str(data.get("name", data["dataset"]))  # the images' name, or the option given
+            return cfg, (classes, float(data["mean"]), float(data["std"]), name)
 
-        saved, model, rest = self.read_run(run_dir, "an image classifier", parse, device)
-        return LoadedViT(Path(run_dir), model, saved, *rest)
-
-    def shape(self, loaded: Loaded) -> tuple[int, int, int]:
-        cfg = loaded.model.cfg
-        return cfg.n_layers, cfg.n_heads, cfg.grid ** 2
-
-    def image_attention(self, src, x: Tensor, layer: int | None, layer_name: str) -> tuple[list, str, dict]:
-        """(maps, title, details) of one uint8 image for :func:`qkv.viz.sources.image_attention`:
-        each head of ``layer`` (default: the last) and the rollout through all layers."""
-        from qkv.viz.sources import check_layer_head
-
-        layer, _ = check_layer_head(src, layer, None, (layer_name, "head"))
-        loaded = src.loaded
-        probs, heads, rollout = attention_maps(loaded.model, x, loaded.mean, loaded.std, layer=layer)
-        maps = [(f"layer {layer} head {h}", heads[h]) for h in range(len(heads))] + [("rollout", rollout)]
-        classes, pred = loaded.classes, int(probs.argmax())
-        top = torch.topk(probs, min(3, len(probs)))
-        details = {"layer": layer, "prediction": classes[pred], "probability": float(probs[pred]),
-                   "top": [(classes[int(i)], float(v)) for v, i in zip(top.values, top.indices, strict=True)],
-                   "rollout_peak": divmod(int(rollout.argmax()), loaded.model.cfg.grid),
-                   "patch_size": loaded.model.cfg.patch_size, "n_layers": loaded.model.cfg.n_layers}
-        return maps, f"{classes[pred]} ({probs[pred]:.0%})", details
-
-    def attend(self, src, image: str, layer: int | None, head: int | None, out: Path) -> None:
-        """`qkv attend RUN IMAGE`: every head of a layer and the rollout, as one PNG."""
-        from qkv.viz import plot_image_attention
-        from qkv.viz.sources import image_attention
-
-        if head is not None:
-            raise ValueError("a ViT run shows every head of --layer, over the image; drop --head")
-        att = image_attention(src, image, layer, layer_name="--layer")
-        for n in att.notes:
-            print(f"qkv: note: {image}: {n}", file=sys.stderr)
-        d = att.details
-        plot_image_attention(att.image, att.maps, out, title=f"{Path(image).name}: {att.title}")
-        print(f"predicted {d['prediction']} ({d['probability']:.1%}); wrote {out}")
-        (r, c), g, p = d["rollout_peak"], att.grid, d["patch_size"]
-        print(f"rollout peaks at patch row {r}, column {c} of the {g}x{g} grid ({p}x{p} pixels each)")
+        _, model, (classes, mean, std, dataset) = self.read_run(run_dir, "an image classifier", parse, device)
+        return ImageClassifier(Path(run_dir).name, model, classes, mean, std, dataset, Path(run_dir))

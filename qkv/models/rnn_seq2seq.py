@@ -8,7 +8,7 @@
                          p(y_t) = softmax(W_o [s_t; c_t; emb(y_{t-1})])
 
 Bahdanau, Cho & Bengio 2015 ("Neural Machine Translation by Jointly Learning to Align and
-Translate"). With ``attention=False`` the context is the same summary [h→_S; h←_1] at every
+Translate"). With ``arch="rnn-noattn"`` the context is the same summary [h→_S; h←_1] at every
 step (Cho et al. 2014 / Sutskever et al. 2014): the fixed-length bottleneck the lectures
 start from (CS189 Lec 21, CS231N Lec 8).
 
@@ -20,14 +20,43 @@ direction, D decoder width, V vocabularies.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
 from torch import Tensor, nn
 from torch.nn.utils.rnn import pack_padded_sequence, pad_packed_sequence
 
 from qkv.attention.additive import AdditiveAttention
+from qkv.models.config_checks import check_choices
 from qkv.models.seq2seq import Seq2SeqOutput, seq2seq_loss, split_targets
 from qkv.tokenizers.vocab import PAD
+
+
+@dataclass
+class RNNSeq2SeqConfig:
+    """Everything needed to rebuild an RNN encoder-decoder (saved in a run's config.json)."""
+
+    arch: Literal["rnn", "rnn-noattn"] = "rnn"  # rnn: Bahdanau attention; rnn-noattn: one fixed context
+    cell: Literal["gru", "lstm"] = "gru"  # the encoder's and decoder's recurrent cell
+    emb_dim: int = 64  # character embedding width
+    hidden: int = 128  # encoder width per direction
+    dec_hidden: int = 256  # decoder state width
+    attn_dim: int = 128  # width of the additive attention's scoring MLP
+    dropout: float = 0.0  # dropout on the embeddings and the output layer's input
+    max_src_len: int = 64  # longest source, in characters (set from the data when training)
+    max_tgt_len: int = 16  # longest target + EOS (set from the data when training)
+    src_vocab: int = 0  # set from the data
+    tgt_vocab: int = 0  # set from the data
+
+    def __post_init__(self) -> None:
+        check_choices(self)
+        for name in ("emb_dim", "hidden", "dec_hidden", "attn_dim", "max_src_len", "max_tgt_len"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+
+    @property
+    def attention(self) -> bool:
+        return self.arch == "rnn"
 
 
 @dataclass
@@ -47,25 +76,24 @@ class RNNDecoderState:
 
 
 class RNNSeq2Seq(nn.Module):
-    """Bidirectional GRU/LSTM encoder, GRU/LSTM decoder, additive attention (or none)."""
+    """Bidirectional GRU/LSTM encoder, GRU/LSTM decoder, additive attention (or none: the
+    attention module is still built, unused, so both variants keep one set of weight names)."""
 
-    def __init__(self, src_vocab: int, tgt_vocab: int, emb_dim: int = 64, hidden: int = 128,
-                 dec_hidden: int = 256, attn_dim: int = 128, cell: str = "gru",
-                 attention: bool = True, dropout: float = 0.0) -> None:
+    def __init__(self, cfg: RNNSeq2SeqConfig) -> None:
         super().__init__()
-        if cell not in ("gru", "lstm"):
-            raise ValueError(f"cell must be gru or lstm, got {cell!r}")
-        self.cell, self.attention, self.dec_hidden = cell, attention, dec_hidden
+        self.cfg = cfg
+        cell, E, H, D = cfg.cell, cfg.emb_dim, cfg.hidden, cfg.dec_hidden
+        self.cell, self.attention, self.dec_hidden = cell, cfg.attention, D
         rnn = nn.GRU if cell == "gru" else nn.LSTM
-        self.src_emb = nn.Embedding(src_vocab, emb_dim, padding_idx=PAD)
-        self.tgt_emb = nn.Embedding(tgt_vocab, emb_dim, padding_idx=PAD)
-        self.encoder = rnn(emb_dim, hidden, batch_first=True, bidirectional=True)
-        self.init_state = nn.Linear(2 * hidden, dec_hidden * (2 if cell == "lstm" else 1))
-        self.attn = AdditiveAttention(dec_hidden, 2 * hidden, attn_dim)
+        self.src_emb = nn.Embedding(cfg.src_vocab, E, padding_idx=PAD)
+        self.tgt_emb = nn.Embedding(cfg.tgt_vocab, E, padding_idx=PAD)
+        self.encoder = rnn(E, H, batch_first=True, bidirectional=True)
+        self.init_state = nn.Linear(2 * H, D * (2 if cell == "lstm" else 1))
+        self.attn = AdditiveAttention(D, 2 * H, cfg.attn_dim)
         step = nn.GRUCell if cell == "gru" else nn.LSTMCell
-        self.decoder = step(emb_dim + 2 * hidden, dec_hidden)
-        self.drop = nn.Dropout(dropout)
-        self.out = nn.Linear(dec_hidden + 2 * hidden + emb_dim, tgt_vocab)
+        self.decoder = step(E + 2 * H, D)
+        self.drop = nn.Dropout(cfg.dropout)
+        self.out = nn.Linear(D + 2 * H + E, cfg.tgt_vocab)
 
     # ------------------------------------------------------------------ encoder
 

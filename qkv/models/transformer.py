@@ -17,14 +17,43 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
 from torch import Tensor, nn
 
 from qkv.attention import KVCache, sinusoidal_table
+from qkv.attention.functional import Backend
 from qkv.layers import BlockConfig, decoder_stack, encoder_stack
+from qkv.models.config_checks import check_choices
 from qkv.models.seq2seq import Seq2SeqOutput, seq2seq_loss, split_targets
 from qkv.tokenizers.vocab import PAD
+
+
+@dataclass
+class TransformerSeq2SeqConfig:
+    """Everything needed to rebuild a Transformer encoder-decoder (saved in a run's config.json)."""
+
+    arch: Literal["transformer"] = "transformer"  # the one architecture this config builds
+    dim: int = 128  # model width
+    n_heads: int = 4  # attention heads (self- and cross-attention)
+    enc_layers: int = 2  # encoder blocks
+    dec_layers: int = 2  # decoder blocks
+    mlp_hidden: int | None = None  # the MLP's hidden width; none = 4 x dim
+    dropout: float = 0.0  # dropout on the embeddings, the attention weights and residual branches
+    max_src_len: int = 64  # longest source, in tokens (set from the data when training)
+    max_tgt_len: int = 16  # longest target + EOS (set from the data when training)
+    src_vocab: int = 0  # set from the data
+    tgt_vocab: int = 0  # set from the data
+    backend: Backend = "sdpa"  # attention backend while training (pictures use "reference")
+
+    def __post_init__(self) -> None:
+        check_choices(self)
+        for name in ("dim", "n_heads", "enc_layers", "dec_layers", "max_src_len", "max_tgt_len"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.dim % self.n_heads:
+            raise ValueError(f"dim ({self.dim}) must be divisible by n_heads ({self.n_heads})")
 
 
 @dataclass
@@ -44,22 +73,22 @@ class TransformerDecoderState:
 class TransformerSeq2Seq(nn.Module):
     """Encoder-decoder Transformer over token ids (PAD = 0)."""
 
-    def __init__(self, src_vocab: int, tgt_vocab: int, dim: int = 128, n_heads: int = 4,
-                 enc_layers: int = 2, dec_layers: int = 2, mlp_hidden: int | None = None,
-                 dropout: float = 0.0, max_src_len: int = 64, max_tgt_len: int = 32,
-                 backend: str = "sdpa") -> None:
+    def __init__(self, cfg: TransformerSeq2SeqConfig) -> None:
         super().__init__()
-        self.dim, self.max_src_len, self.max_tgt_len = dim, max_src_len, max_tgt_len
-        cfg = BlockConfig(dim=dim, n_heads=n_heads, mlp_hidden=mlp_hidden, mlp="gelu",
-                          norm_position="pre", dropout=dropout, attn_dropout=dropout,
-                          backend=backend)  # type: ignore[arg-type]
-        self.src_emb = nn.Embedding(src_vocab, dim, padding_idx=PAD)
-        self.tgt_emb = nn.Embedding(tgt_vocab, dim, padding_idx=PAD)
-        self.register_buffer("pos", sinusoidal_table(max(max_src_len, max_tgt_len), dim), persistent=False)
-        self.drop = nn.Dropout(dropout)
-        self.encoder = encoder_stack(cfg, enc_layers)
-        self.decoder = decoder_stack(cfg, dec_layers, cross_attention=True)
-        self.head = nn.Linear(dim, tgt_vocab)
+        self.cfg = cfg
+        dim = cfg.dim
+        self.dim, self.max_src_len, self.max_tgt_len = dim, cfg.max_src_len, cfg.max_tgt_len
+        block = BlockConfig(dim=dim, n_heads=cfg.n_heads, mlp_hidden=cfg.mlp_hidden, mlp="gelu",
+                            norm_position="pre", dropout=cfg.dropout, attn_dropout=cfg.dropout,
+                            backend=cfg.backend)
+        self.src_emb = nn.Embedding(cfg.src_vocab, dim, padding_idx=PAD)
+        self.tgt_emb = nn.Embedding(cfg.tgt_vocab, dim, padding_idx=PAD)
+        self.register_buffer("pos", sinusoidal_table(max(cfg.max_src_len, cfg.max_tgt_len), dim),
+                             persistent=False)
+        self.drop = nn.Dropout(cfg.dropout)
+        self.encoder = encoder_stack(block, cfg.enc_layers)
+        self.decoder = decoder_stack(block, cfg.dec_layers, cross_attention=True)
+        self.head = nn.Linear(dim, cfg.tgt_vocab)
         for emb in (self.src_emb, self.tgt_emb):
             nn.init.normal_(emb.weight, std=dim**-0.5)
             with torch.no_grad():

@@ -1,6 +1,7 @@
 """qkv's own GPT runs -> Hugging Face checkpoint folders: the inverse of :mod:`qkv.pretrained.hf`
 (which reads them), through the same name tables (:mod:`qkv.pretrained.architectures`) read
-backwards. :func:`export_model` also dispatches to :mod:`qkv.pretrained.export_gguf`.
+backwards. :func:`qkv.pretrained.exporter.export_model` dispatches here and to
+:mod:`qkv.pretrained.export_gguf`.
 
     GPTConfig of the run                                   HF model_type
     positions learned, LayerNorm, MLP gelu/gelu_tanh/relu  gpt2   (fused c_attn, Conv1D (in, out))
@@ -39,7 +40,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import shutil
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -243,42 +243,3 @@ def write_hf_folder(model: GPT, tok: Any, folder: Path) -> str:
         tok_config |= {"bos_token": END_OF_TEXT, "eos_token": END_OF_TEXT}
     _write_json(folder / "tokenizer_config.json", tok_config)
     return arch
-
-
-def export_model(model: GPT, tok: Any, out: str | os.PathLike[str], fmt: str = "hf",
-                 dtype: str = "f32") -> tuple[Path, str]:
-    """Export a GPT and its qkv tokenizer (a run's, as ``qkv export`` loads it) to ``out``.
-
-    Args:
-        fmt: ``"hf"`` (a checkpoint folder) or ``"gguf"`` (``out``/model.gguf).
-        dtype: GGUF tensor type (f32, f16, bf16, q8_0); HF folders are always float32.
-
-    Returns:
-        (``out``, the architecture: gpt2 or llama; a GGUF also qwen2).
-
-    Raises:
-        ValueError: one line (an option with no counterpart, ``out`` not empty), raised before
-            anything is written.
-    """
-    if fmt not in ("hf", "gguf"):
-        raise ValueError(f"--format must be hf or gguf, got {fmt!r}")
-    model = model.float().eval()
-    hf_architecture(model.cfg)  # refuse before anything is written
-    if fmt == "hf" and dtype != "f32":
-        raise ValueError(f"--dtype {dtype} is for --format gguf; a Hugging Face export is float32")
-    if fmt == "gguf":
-        from qkv.pretrained.export_gguf import check_gguf
-
-        check_gguf(model, tok)
-    final, tmp = new_output_dir(out)
-    try:
-        if fmt == "hf":
-            arch = write_hf_folder(model, tok, tmp)
-        else:
-            from qkv.pretrained.export_gguf import write_gguf
-
-            arch = write_gguf(model, tok, tmp / "model.gguf", dtype)
-        return publish(tmp, final), arch
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise

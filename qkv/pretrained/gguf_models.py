@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import os
 import shutil
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, Literal
 
@@ -40,6 +41,7 @@ from torch import Tensor
 
 from qkv.models.encoder import Encoder, EncoderConfig
 from qkv.models.gpt import GPT, GPTConfig
+from qkv.pipelines.text import CausalLM, SentenceEncoder
 from qkv.pretrained._build import build_with_weights, parameter_names
 from qkv.pretrained.architectures import (
     BERT_GGUF,
@@ -53,7 +55,6 @@ from qkv.pretrained.architectures import (
 from qkv.pretrained.cache import entry_dir, load_gpt_entry, save_gpt_entry
 from qkv.pretrained.gguf_file import GGUFFile, PretrainedFormatError, read_gguf
 from qkv.pretrained.gguf_tokenizers import tokenizer_from_gguf
-from qkv.tokenizers.hf import HFTokenizer
 
 INSTALL_HINT = "reinstall it with `qkv assets install smollm2`"
 
@@ -219,14 +220,10 @@ def _tensor_getter(tensors: dict[str, np.ndarray], layout: Any = None):
 GGUFKind = Literal["decoder", "encoder"]
 
 
-def load_gguf(
-    path: str | os.PathLike[str] | None = None, cache: bool = True
-) -> tuple[GGUFKind, GPT | Encoder, HFTokenizer, dict[str, Any]]:
-    """Read a GGUF of any :data:`GGUF_ARCHITECTURES` (default: the installed ``smollm2`` asset).
-
-    Returns (kind, model, tokenizer, info): "decoder" with a GPT (info: ``chat_template``,
-    ``bos_id``, ``eos_id``, ``eot_id``, ``weight_types``, the file's name) or "encoder" with a
-    BERT-style Encoder (info: ``max_tokens``, the context length). With ``cache`` a decoder's
+def load_gguf(path: str | os.PathLike[str] | None = None, cache: bool = True) -> CausalLM | SentenceEncoder:
+    """Read a GGUF of any :data:`GGUF_ARCHITECTURES` (default: the installed ``smollm2`` asset),
+    float32 on the CPU, named by its file: a decoder (a GPT with the file's chat template, stop
+    ids and storage formats) or, for bert, a sentence encoder. With ``cache`` a decoder's
     conversion is stored once and reused (see :mod:`qkv.pretrained.cache`); encoders are small.
 
     Raises:
@@ -241,11 +238,11 @@ def load_gguf(
         fix = ("check that it is a complete GGUF file of one of: "
                f"{', '.join(GGUF_ARCHITECTURES)} (the bundled one: `qkv assets install smollm2`)")
     path = Path(path)
-    entry = entry_dir("smollm2", path) if cache and path.is_file() else None
+    entry = entry_dir(path) if cache and path.is_file() else None
     if entry is not None and entry.is_dir():
         hit = load_gpt_entry(entry)
         if hit is not None:
-            return ("decoder", *hit)
+            return replace(hit, name=path.name)
         shutil.rmtree(entry, ignore_errors=True)  # damaged: convert again
     g = read_gguf(path, fix=fix)
     arch = _architecture(g, GGUF_ARCHITECTURES)
@@ -256,9 +253,7 @@ def load_gguf(
             sd = map_names(parameter_names(lambda: Encoder(ecfg)), BERT_GGUF, _tensor_getter(g.tensors()),
                            tied=False)
             encoder = build_with_weights(lambda: Encoder(ecfg), sd, str(path))
-            info = {"name": g.metadata.get("general.name", path.name), "architecture": arch,
-                    "max_tokens": ecfg.max_seq_len}
-            return "encoder", encoder, tok, info
+            return SentenceEncoder(path.name, encoder, tok, ecfg.max_seq_len, arch)
         cfg = gpt_config_from_gguf(g)
         tok = tokenizer_from_gguf(g)
         names = {"gpt2": GPT2_GGUF, "gemma": GEMMA_GGUF}.get(arch, LLAMA_GGUF)
@@ -268,32 +263,28 @@ def load_gguf(
         if isinstance(e, PretrainedFormatError):
             raise
         raise PretrainedFormatError(f"{e}; {fix}") from None
-    info = {
-        "name": g.metadata.get("general.name", path.stem),
-        "architecture": arch,
-        "chat_template": g.metadata.get("tokenizer.chat_template"),
-        "bos_id": g.metadata.get("tokenizer.ggml.bos_token_id"),
-        "eos_id": g.metadata.get("tokenizer.ggml.eos_token_id"),
-        "eot_id": g.metadata.get("tokenizer.ggml.eot_token_id"),  # Gemma's <end_of_turn>
-        # The storage format of the block matrices (Q4_1 for the bundled file): whether
-        # weights="q4" can decode from the file's own 4-bit groups (see pipelines.quantize).
-        "weight_types": sorted({t.tensor_type.name for t in g.reader.tensors
-                                if t.name.startswith("blk.") and len(t.shape) == 2}),
-    }
+    meta = g.metadata
+    # The file's end of text and end of turn (Gemma's <end_of_turn>), and ChatML's <|im_end|>.
+    stops = {meta.get("tokenizer.ggml.eos_token_id"), meta.get("tokenizer.ggml.eot_token_id"),
+             tok.token_to_id("<|im_end|>")} - {None}
+    # The storage format of the block matrices (Q4_1 for the bundled file): whether
+    # weights="q4" can decode from the file's own 4-bit groups (see CausalLM.quantize).
+    stored = sorted({t.tensor_type.name for t in g.reader.tensors
+                     if t.name.startswith("blk.") and len(t.shape) == 2})
+    lm = CausalLM(path.name, model, tok, meta.get("tokenizer.chat_template"),
+                  tuple(sorted(int(i) for i in stops)), arch, tuple(stored))
     if entry is not None:
         try:
-            save_gpt_entry(entry, model, tok, info)
+            save_gpt_entry(entry, lm)
         except OSError:  # a read-only or full disk only costs the next load its speed
             pass
-    return "decoder", model, tok, info
+    return lm
 
 
-def load_smollm2(
-    path: str | os.PathLike[str] | None = None, cache: bool = True
-) -> tuple[GPT, HFTokenizer, dict[str, Any]]:
-    """Read a decoder GGUF (default: the installed ``smollm2`` asset) into (GPT, tokenizer,
-    info); see :func:`load_gguf`. A bert (encoder) file is one PretrainedFormatError line."""
-    _, model, tok, info = load_gguf(path, cache)
-    if not isinstance(model, GPT):
-        raise not_a_decoder(path or "smollm2", info["architecture"])
-    return model, tok, info
+def load_gguf_decoder(path: str | os.PathLike[str] | None = None, cache: bool = True) -> CausalLM:
+    """:func:`load_gguf` where a language model is needed: a bert (encoder) file is one
+    PretrainedFormatError line."""
+    lm = load_gguf(path, cache)
+    if not isinstance(lm, CausalLM):
+        raise not_a_decoder(path or "smollm2", lm.architecture)
+    return lm

@@ -23,6 +23,7 @@ from torch import Tensor
 
 from qkv.models.encoder import Encoder
 from qkv.models.gpt import GPT
+from qkv.pipelines.text import CausalLM, SentenceEncoder
 from qkv.pretrained._build import build_with_weights, parameter_names
 from qkv.pretrained.architectures import (
     DECODERS,
@@ -216,12 +217,9 @@ def load_encoder(folder: Path, config: dict[str, Any]) -> tuple[Encoder, int]:
     return model, min(max_tokens or cfg.max_seq_len, cfg.max_seq_len)
 
 
-def load_hf_folder(path: str | os.PathLike[str]) -> tuple[str, Any, HFTokenizer, dict[str, Any]]:
-    """Read a Hugging Face checkpoint folder.
-
-    Returns (kind, model, tokenizer, info): kind "decoder" (model a GPT; info holds
-    ``chat_template`` and ``stop_ids``) or "encoder" (an Encoder; info holds ``max_tokens``).
-    Both carry ``name`` and ``architecture``.
+def load_hf_folder(path: str | os.PathLike[str]) -> CausalLM | SentenceEncoder:
+    """Read a Hugging Face checkpoint folder, float32 on the CPU, named by the folder: a decoder
+    (its chat template and stop ids from the folder's files) or, for bert, a sentence encoder.
 
     Raises:
         PretrainedFormatError: one line naming the file and what is wrong.
@@ -229,18 +227,17 @@ def load_hf_folder(path: str | os.PathLike[str]) -> tuple[str, Any, HFTokenizer,
     folder = Path(path)
     config = read_config(folder)
     arch = model_type(config, folder)
-    info: dict[str, Any] = {"name": folder.resolve().name, "architecture": arch, "weight_types": []}
+    name = folder.resolve().name
     if arch in ENCODERS:
-        model, info["max_tokens"] = load_encoder(folder, config)
+        model, max_tokens = load_encoder(folder, config)
         tok = _tokenizer(folder, add_special_tokens=True)
         tok.tokenizer.no_padding()  # qkv pads per batch and truncates itself
         tok.tokenizer.no_truncation()
-        return "encoder", model, tok, info
+        return SentenceEncoder(name, model, tok, max_tokens, arch)
     gpt = load_decoder(folder, config, arch)
     # The tokenizer's own post-processor adds what transformers' tokenizer(text) adds (Llama's <s>).
     tok = _tokenizer(folder, add_special_tokens=True)
     tc_path = folder / "tokenizer_config.json"
     tok_config = read_json(tc_path) if tc_path.is_file() else {}
-    info["chat_template"] = _chat_template(folder, tok_config)
-    info["stop_ids"] = _stop_ids(folder, config, tok_config, tok)
-    return "decoder", gpt, tok, info
+    return CausalLM(name, gpt, tok, _chat_template(folder, tok_config),
+                    tuple(_stop_ids(folder, config, tok_config, tok)), arch)

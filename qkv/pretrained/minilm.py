@@ -17,6 +17,7 @@ import torch
 from torch import Tensor
 
 from qkv.models.encoder import Encoder, EncoderConfig
+from qkv.pipelines.text import SentenceEncoder
 from qkv.pretrained._build import build_with_weights
 from qkv.pretrained.gguf_file import PretrainedFormatError
 from qkv.tokenizers.hf import HFTokenizer
@@ -104,18 +105,16 @@ def read_json(path: Path, fix: str) -> Any:
         raise PretrainedFormatError(f"{path} is not valid JSON ({e}); {fix}") from None
 
 
-def load_minilm(folder: str | os.PathLike[str] | None = None) -> tuple[Encoder, HFTokenizer, int]:
-    """Read the model folder (default: the installed ``minilm`` asset).
-
-    Returns (Encoder, WordPiece tokenizer adding [CLS]/[SEP], max tokens per sentence).
-    """
+def load_minilm(folder: str | os.PathLike[str] | None = None) -> SentenceEncoder:
+    """Read the model folder (default: the installed ``minilm`` asset), float32 on the CPU: the
+    Encoder, its WordPiece tokenizer adding [CLS]/[SEP], and the most tokens per sentence."""
     if folder is None:
         from qkv.assets import asset_path
 
         folder = asset_path("minilm")
     folder = Path(folder)
     try:
-        return _load(folder)
+        return SentenceEncoder("minilm", *_load(folder))
     except ValueError as e:  # shapes that do not fit, an unreadable tokenizer.json, ...
         if isinstance(e, PretrainedFormatError):
             raise

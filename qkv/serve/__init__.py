@@ -6,6 +6,7 @@
 Needs the ``serve`` extra: ``pip install 'qkv[serve]'`` (FastAPI, uvicorn, python-multipart).
 """
 
-from qkv.serve.app import ServeConfig, create_app
+from qkv.serve.app import create_app
+from qkv.serve.config import ServeConfig
 
 __all__ = ["ServeConfig", "create_app"]

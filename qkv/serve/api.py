@@ -1,4 +1,5 @@
-"""The JSON API's handlers: requests in, :mod:`qkv.viz.sources` does the work, JSON out.
+"""The JSON API's handlers: requests in, the typed models of :mod:`qkv.pipelines` do the work
+(the same values ``qkv attend`` draws), JSON out.
 
 One :class:`Explorer` per app holds the model registry, the work queue and the cache of recent
 attention results; :func:`qkv.serve.app.create_app` routes the endpoints to its methods. FastAPI
@@ -23,8 +24,11 @@ import torch
 from fastapi import File, Form, HTTPException, UploadFile
 from fastapi.responses import StreamingResponse
 
+from qkv.errors import InputError, UnknownModelError
 from qkv.generation.decode import decode_after
-from qkv.serve.registry import RUN_PREFIX, AttentionCache, Entry, InvalidNameError, Registry
+from qkv.pipelines import CausalLM, ImageCaptioner, ImageClassifier, Translator, check_layer_head
+from qkv.pipelines import attention as text
+from qkv.serve.registry import RUN_PREFIX, AttentionCache, Entry, InvalidNameError, Lease, Registry
 from qkv.serve.schemas import (
     AttentionRequest,
     AttentionResponse,
@@ -37,11 +41,9 @@ from qkv.serve.schemas import (
     ModelList,
 )
 from qkv.serve.work import BusyError, Ticket, WorkQueue
-from qkv.viz import sources
-from qkv.viz.sources import InputError, Source, UnknownModelError
 
 if TYPE_CHECKING:
-    from qkv.serve.app import ServeConfig
+    from qkv.serve.config import ServeConfig
 
 
 def status_of(e: Exception) -> int | None:
@@ -102,6 +104,7 @@ def _info(e: Entry) -> ModelInfo:
     kind = e.kind
     return ModelInfo(id=e.id, family=e.family, kind=kind, input="image" if kind == "image" else "text",
                      can_generate=kind == "decoder", description=e.description)
+
 
 
 def _rows(w: torch.Tensor) -> list[list[float]]:
@@ -180,15 +183,19 @@ class Explorer:
         return http_errors(self.scrub)
 
     @contextlib.contextmanager
-    def _model(self, model_id: str) -> Iterator[Source]:
+    def _model(self, model_id: str) -> Iterator[Lease]:
         """The model, held with a work slot for the block: a bad name is answered (400/404)
         before it queues, a full queue with 503."""
         with self._errors():
             self.registry.resolve(model_id)
             ticket = self.work.acquire(model_id)
         try:
-            with self._errors(), self.registry.use(model_id) as src:
-                yield src
+            with self._errors():
+                lease = self.registry.acquire(model_id)
+                try:
+                    yield lease
+                finally:
+                    lease.release()
         finally:
             ticket.release()
 
@@ -215,36 +222,37 @@ class Explorer:
         self._check_text(req.text)
         text_id = hashlib.sha256(req.text.encode()).hexdigest()  # small keys
         with self._errors():
-            src = self.registry.peek(req.model)  # a result already computed needs no slot
-            att = None
-            if src is not None and src.kind not in ("seq2seq", "image"):
-                att = self.cache.get((req.model, src.serial, text_id, self.cfg.max_tokens))
-        if src is None or att is None:
-            with self._model(req.model) as src:
-                if src.kind == "seq2seq":
-                    return self._alignment(src, req, t0)
-                if src.input == "image":
-                    raise InputError(f"{req.model} is a {src.family} run: it reads images; upload one "
+            key = (self.registry.resolve(req.model).key, text_id, self.cfg.max_tokens)  # the file's version
+            lm = self.registry.peek(req.model)  # a result already computed needs no slot
+            att = self.cache.get(key) if lm is not None and lm.kind in ("encoder", "decoder") else None
+        if lm is None or att is None:
+            with self._model(req.model) as lease:
+                lm = lease.src
+                if isinstance(lm, Translator):
+                    return self._alignment(lm, req, t0)
+                if lm.kind == "image":
+                    raise InputError(f"{req.model} is a {lease.ref.label} run: it reads images; upload one "
                                      "(POST /api/image-attention)")
-                sources.check_layer_head(src, req.layer, req.head)
-                key = (req.model, src.serial, text_id, self.cfg.max_tokens)
+                assert isinstance(lm, text.CausalLM | text.SentenceEncoder)
+                check_layer_head(lm.n_layers, lm.n_heads, req.layer, req.head)
+                key = (lease.ref.key, text_id, self.cfg.max_tokens)
                 att = self.cache.get(key)
                 if att is None:
-                    att = sources.text_attention(src, req.text, self.cfg.max_tokens)
+                    att = text.text_attention(lm, req.text, self.cfg.max_tokens)
                     self.cache.put(key, att)
         with self._errors():
-            layer, head = sources.check_layer_head(src, req.layer, req.head)
+            layer, head = check_layer_head(lm.n_layers, lm.n_heads, req.layer, req.head)
         w = att.weights[layer]  # (H, T, T)
         w = w.mean(0) if head is None else w[head]
         return AttentionResponse(
-            model=req.model, kind=src.kind, query_tokens=att.tokens, key_tokens=att.tokens,
-            weights=_rows(w), layer=layer, head=head, n_layers=src.n_layers, n_heads=src.n_heads,
+            model=req.model, kind=lm.kind, query_tokens=att.tokens, key_tokens=att.tokens,
+            weights=_rows(w), layer=layer, head=head, n_layers=lm.n_layers, n_heads=lm.n_heads,
             causal=att.causal, notes=att.notes, seconds=time.perf_counter() - t0)
 
-    def _alignment(self, src: Source, req: AttentionRequest, t0: float) -> AttentionResponse:
-        ali = sources.alignment(src, req.text)
+    def _alignment(self, tr: Translator, req: AttentionRequest, t0: float) -> AttentionResponse:
+        ali = tr.alignment(req.text)
         return AttentionResponse(
-            model=req.model, kind=src.kind, query_tokens=ali.output, key_tokens=ali.source,
+            model=req.model, kind=tr.kind, query_tokens=ali.output, key_tokens=ali.source,
             weights=_rows(ali.weights), layer=None, head=None, n_layers=1, n_heads=1, causal=False,
             output=ali.text, notes=ali.notes, seconds=time.perf_counter() - t0)
 
@@ -271,13 +279,13 @@ class Explorer:
             with self._errors():
                 lease = self.registry.acquire(req.model)
                 held.append(lease)
-                src = lease.src
-                if src.kind != "decoder":
-                    raise InputError(f"{req.model} is a {src.family} model: only GPT models (smollm2, "
+                lm = lease.src
+                if not isinstance(lm, CausalLM):
+                    raise InputError(f"{req.model} is a {lease.ref.label} model: only GPT models (smollm2, "
                                      "gpt runs) generate")
-                layer, head = sources.check_layer_head(src, req.layer, req.head)
-                total = min(self.cfg.max_tokens, src.context)
-                ids, notes = sources.encode_text(src, req.prompt, max(1, total - 1), keep="last")
+                layer, head = check_layer_head(lm.n_layers, lm.n_heads, req.layer, req.head)
+                total = min(self.cfg.max_tokens, lm.context)
+                ids, notes = text.encode_text(lm, req.prompt, max(1, total - 1), keep="last")
         except BaseException:
             release()
             raise
@@ -288,13 +296,13 @@ class Explorer:
         scrub = self.scrub
 
         def events() -> Generator[str, None, None]:
-            yield _event(event="start", tokens=sources.token_labels(src, ids), layer=layer, head=head,
-                         n_layers=src.n_layers, n_heads=src.n_heads, notes=notes)
+            yield _event(event="start", tokens=text.token_labels(lm, ids), layer=layer, head=head,
+                         n_layers=lm.n_layers, n_heads=lm.n_heads, notes=notes)
             new: list[int] = []
             try:
-                for step in sources.generate_steps(src, ids, n_new, layer=layer, head=head,
-                                                   temperature=req.temperature, top_k=req.top_k,
-                                                   seed=req.seed):
+                for step in text.generate_steps(lm, ids, n_new, layer=layer, head=head,
+                                                temperature=req.temperature, top_k=req.top_k,
+                                                seed=req.seed):
                     new.append(step.id)
                     if not bool(torch.isfinite(torch.as_tensor(step.weights)).all()):
                         yield _event(event="error", detail="the attention weights are not all finite "
@@ -307,7 +315,7 @@ class Explorer:
                 return
             finally:
                 release()
-            yield _event(event="done", text=decode_after(src.tokenizer.decode, ids, new),
+            yield _event(event="done", text=decode_after(lm.tokenizer.decode, ids, new),
                          seconds=time.perf_counter() - t0)
 
         return _ReleasingResponse(_Stream(events(), release), media_type="application/x-ndjson")
@@ -326,21 +334,22 @@ class Explorer:
             raise HTTPException(422, "the upload is empty; choose an image file")
         not_image = HTTPException(415, f"{_shown(image.filename) or 'the upload'} is not an image this "
                                   "server can read (PNG, JPEG, GIF, BMP, WebP, TIFF)")
-        with self._model(model) as src:
-            if src.input != "image":
-                raise InputError(f"{model} is a {src.family} model: it reads text, not images")
+        with self._model(model) as lease:
+            img = lease.src
+            if not isinstance(img, ImageClassifier | ImageCaptioner):
+                raise InputError(f"{model} is a {lease.ref.label} model: it reads text, not images")
             if not _is_image(data):
                 raise not_image
             try:
-                x, notes = sources.read_model_image(src, data, self.cfg.max_pixels)
+                x, notes = img.read_image(data, self.cfg.max_pixels)
             except ValueError as e:
                 if status_of(e) is not None:
                     raise
                 raise not_image from None
-            att = sources.image_attention(src, x, layer)
+            att = img.attention(x, layer)
         C, H, W = att.image.shape
         return ImageAttentionResponse(
-            model=model, family=src.family, title=att.title,
+            model=model, family=lease.ref.label, title=att.title,
             image=ImagePixels(width=W, height=H, channels=C,
                               pixels=att.image.permute(1, 2, 0).reshape(-1).tolist()),
             grid=att.grid, maps=[ImageMap(label=label, weights=_rows(m)) for label, m in att.maps],

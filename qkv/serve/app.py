@@ -18,8 +18,6 @@ registry.py); at most ``max_busy_per_model`` requests compute on one model at on
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -29,10 +27,10 @@ from fastapi.responses import FileResponse, JSONResponse
 from fastapi.staticfiles import StaticFiles
 
 from qkv.serve.api import Explorer
+from qkv.serve.config import ServeConfig
 from qkv.serve.guards import BodyLimit, HostCheck, OriginCheck
 from qkv.serve.registry import Registry
 from qkv.serve.schemas import (
-    MAX_CHARS,
     AttentionResponse,
     ErrorMessage,
     GenerateEvent,
@@ -46,42 +44,6 @@ STATIC = Path(__file__).resolve().parent / "static"
 # The page loads nothing from elsewhere: the browser enforces it.
 CSP = ("default-src 'self'; script-src 'self'; style-src 'self'; img-src 'self' data: blob:; "
        "connect-src 'self'; object-src 'none'; base-uri 'none'; frame-ancestors 'none'")
-
-
-@dataclass
-class ServeConfig:
-    """Limits and places. Every limit answers with a 4xx JSON message when crossed, except
-    ``max_tokens``, beyond which text is truncated with a note."""
-
-    runs_dir: Path = Path("runs")
-    max_tokens: int = 256  # longest text a request shows (and never more than the model's context)
-    max_chars: int = MAX_CHARS  # longest text accepted at all (422 beyond)
-    max_new_tokens: int = 128  # most tokens one /api/generate request may ask for
-    max_upload_bytes: int = 5_000_000  # largest image upload (413 beyond)
-    max_pixels: int = 25_000_000  # largest image, width x height (413 beyond)
-    max_loaded_models: int = 4  # models in memory at once, those being loaded included
-    cache_bytes: int = 256 * 2**20  # recent attention results, so switching head is instant
-    max_busy_per_model: int = 2  # requests computing on one model at once
-    max_busy: int = 4  # requests computing on all models at once
-    max_queued: int = 4  # requests waiting per model (max_busy x this in all); 503 beyond
-    max_wait_s: float = 30.0  # longest a request waits for a slot or for memory, then 503
-    host: str | None = None  # the address the server listens on (None: each connection's own)
-    # Host headers accepted ("*.example.com" for subdomains); None: on a loopback address
-    # loopback names only (DNS rebinding), on any other address any name
-    allowed_hosts: Sequence[str] | None = field(default=None)
-
-    def __post_init__(self) -> None:
-        self.runs_dir = Path(self.runs_dir)
-        if self.max_tokens < 2:
-            raise ValueError(f"max_tokens must be >= 2, got {self.max_tokens}")
-        if self.max_upload_bytes < 1:
-            raise ValueError(f"max upload size must be positive, got {self.max_upload_bytes} bytes")
-        for name in ("max_loaded_models", "max_busy_per_model", "max_busy"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if self.max_queued < 0 or self.max_wait_s < 0:
-            raise ValueError(f"max_queued and max_wait_s must be >= 0, got {self.max_queued} and "
-                             f"{self.max_wait_s}")
 
 
 ERRORS: dict[int | str, dict[str, Any]] = {

@@ -1,10 +1,15 @@
 """Which models the server offers, and each one loaded once and shared between requests.
 
-Model ids: the pretrained names (``minilm``, ``smollm2``; listed when their asset is installed)
-and ``runs/NAME`` for each run directory ``NAME`` directly inside the runs directory. A run name
-is a single folder name: no separators, no ``..``; the folder and the files the loaders read
-must resolve inside the runs directory (a symlink pointing out of it is refused), so no request
-can make the server read a file elsewhere.
+Model ids: the bundled names (``minilm``, ``smollm2``; listed when their asset is installed)
+and ``runs/NAME`` for each model ``NAME`` directly inside the runs directory (a run directory, a
+Hugging Face folder or a .gguf file, told apart by :func:`qkv.inference.resolve` as everywhere
+else). A run name is a single folder name: no separators, no ``..``; the folder and the files
+the loaders read must resolve inside the runs directory (a symlink pointing out of it is
+refused), so no request can make the server read a file elsewhere. A bundled name never means
+a folder of that name, and ``runs/smollm2`` never means the bundled model.
+
+Loaded models are kept by the file they were read from (:attr:`ModelRef.key`): a run whose
+weights change on disk is loaded again.
 
 Memory is bounded before anything loads: at most ``max_loaded`` models are in memory, those
 being loaded included (see :class:`Registry`).
@@ -13,7 +18,6 @@ being loaded included (see :class:`Registry`).
 from __future__ import annotations
 
 import contextlib
-import itertools
 import re
 import threading
 import time
@@ -23,18 +27,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from qkv.errors import UnknownModelError
+from qkv.inference import Loaded, ModelRef, open_model, resolve
+from qkv.pipelines.attention import TextAttention
 from qkv.serve.work import BusyError, Ticket
-from qkv.viz.sources import (
-    Source,
-    TextAttention,
-    UnknownModelError,
-    gguf_family,
-    hf_family,
-    kind_of,
-    load_pretrained,
-    load_source,
-    run_family,
-)
 
 RUN_PREFIX = "runs/"
 _RUN_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._-]{0,199}")
@@ -47,15 +43,13 @@ class InvalidNameError(ValueError):
 
 @dataclass(frozen=True)
 class Entry:
-    """One model the page can choose."""
+    """One model the page can choose: its id, what it is (``family``: a bundled model's name, a
+    run's family, ``gguf``/``hf-decoder``/...), what it reads and shows, and a description."""
 
     id: str
     family: str
+    kind: str
     description: str
-
-    @property
-    def kind(self) -> str:
-        return kind_of(self.family)
 
 
 def _echo(name: str) -> str:
@@ -82,20 +76,22 @@ def _inside(path: Path, root: Path) -> bool:
 
 @dataclass(eq=False)
 class _Model:
-    """One model in memory (``src`` None while it loads), and how many requests use it."""
+    """One model in memory (``src`` None while it loads), the file version it was read from,
+    and how many requests use it."""
 
     version: Any
-    src: Source | None = None
+    src: Loaded | None = None
     users: int = 0
 
 
 class Lease(Ticket):
-    """A model held in memory for one request; :meth:`release` (once, from any thread) lets the
-    registry evict it again."""
+    """A model held in memory for one request (``src``, the typed model; ``ref``, what its id
+    names, with the key of the file it was read from); :meth:`release` (once, from any thread)
+    lets the registry evict it again."""
 
-    def __init__(self, src: Source, release: Callable[[], None]) -> None:
+    def __init__(self, src: Loaded, ref: ModelRef, release: Callable[[], None]) -> None:
         super().__init__(release)
-        self.src = src
+        self.src, self.ref = src, ref
 
 
 class Registry:
@@ -120,7 +116,6 @@ class Registry:
         self._cond = threading.Condition()
         self._models: OrderedDict[str, _Model] = OrderedDict()  # least recently used first
         self._replaced: list[_Model] = []  # replaced by a newer version while still in use
-        self._serial = itertools.count()
 
     # ----------------------------------------------------------------- listing
 
@@ -135,7 +130,7 @@ class Registry:
                 asset_path(name)
             except AssetMissingError:
                 continue
-            out.append(Entry(name, name, text))
+            out.append(Entry(name, name, resolve(name).kind, text))
         return out
 
     def runs(self) -> list[Entry]:
@@ -144,16 +139,13 @@ class Registry:
             return []
         out = []
         for child in sorted(self.root.iterdir(), key=lambda p: p.name):
-            if _is_gguf(child) and _RUN_NAME.fullmatch(child.name) and _inside(child, self.root):
-                out.append(Entry(RUN_PREFIX + child.name, gguf_family(child), f"GGUF file {child.name}"))
+            try:
+                ref = self.resolve(RUN_PREFIX + child.name)
+            except Exception:  # not a model, unsafe, or damaged: not listed (a request says why)
                 continue
-            if not _RUN_NAME.fullmatch(child.name) or not self._safe_run_dir(child):
-                continue
-            family = run_family(child)
-            if family is not None:
-                out.append(Entry(RUN_PREFIX + child.name, family, f"{family} run {child.name}"))
-            elif (hf := hf_family(child)) is not None:
-                out.append(Entry(RUN_PREFIX + child.name, hf, f"Hugging Face checkpoint {child.name}"))
+            what = {"run": f"{ref.family} run", "gguf": "GGUF file", "hf": "Hugging Face checkpoint"}
+            out.append(Entry(RUN_PREFIX + child.name, ref.label, ref.kind,
+                             f"{what[ref.source]} {child.name}"))
         return out
 
     def entries(self) -> list[Entry]:
@@ -163,15 +155,17 @@ class Registry:
         if not (_inside(path, self.root) and path.resolve() != self.root and path.is_dir()):
             return False
         files = [path / f for f in _RUN_FILES if (path / f).exists() or (path / f).is_symlink()]
-        if hf_family(path) is not None:  # a Hugging Face folder: every shard and file it may read
+        from qkv.pretrained.hf import hf_model_type
+
+        if hf_model_type(path) is not None:  # a Hugging Face folder: every shard and file it may read
             files += list(path.iterdir())
         return all(_inside(f, self.root) for f in files)
 
     # ----------------------------------------------------------------- resolving
 
     def run_dir(self, model_id: str) -> Path:
-        """The folder of ``runs/NAME``; InvalidNameError for names that try to leave the runs
-        directory, UnknownModelError for runs that do not exist."""
+        """The folder or file of ``runs/NAME``; InvalidNameError for names that try to leave the
+        runs directory, UnknownModelError for runs that do not exist."""
         name = model_id[len(RUN_PREFIX):]
         if not _RUN_NAME.fullmatch(name):
             raise InvalidNameError(f"invalid run name {_echo(name)}: a run is named by its folder inside "
@@ -185,9 +179,6 @@ class Registry:
             raise UnknownModelError(f"no run {name!r} in the runs directory; GET /api/models lists them")
         if not self._safe_run_dir(path):
             raise InvalidNameError(f"run {name!r} points outside the runs directory; refused")
-        if run_family(path) is None and hf_family(path) is None:
-            raise UnknownModelError(f"{name!r} is not a run of gpt, vit, captioner or seq2seq, nor a "
-                                    "Hugging Face checkpoint folder")
         return path
 
     def check_id(self, model_id: str) -> None:
@@ -197,35 +188,44 @@ class Registry:
         if bad and not model_id.startswith(RUN_PREFIX):
             raise InvalidNameError(f"invalid model name {_echo(model_id)}: choose one from GET /api/models")
 
-    def resolve(self, model_id: str) -> tuple[str | Path, Any]:
-        """What to load for ``model_id`` (a run folder or a pretrained name) and its version (the
-        weights' mtime; None for pretrained models). InvalidNameError, UnknownModelError or
-        AssetMissingError, without loading anything."""
+    def resolve(self, model_id: str) -> ModelRef:
+        """What ``model_id`` names, by :func:`qkv.inference.resolve` (a bundled name, or a run,
+        GGUF file or Hugging Face folder inside the runs directory), named by the id.
+        InvalidNameError, UnknownModelError or AssetMissingError, without loading anything."""
+        from dataclasses import replace
+
         from qkv.assets import AssetMissingError
-        from qkv.viz.sources import pretrained_names
+        from qkv.inference import bundled_names
 
         self.check_id(model_id)
         if model_id.startswith(RUN_PREFIX):
             path = self.run_dir(model_id)
-            weights = path if _is_gguf(path) else path / "model.safetensors"
-            return path, (weights.stat().st_mtime_ns if weights.exists() else None)
-        if model_id not in pretrained_names():
+            from qkv.training.checkpoint import CheckpointError
+
+            try:
+                ref = resolve(path)  # a Path: never a bundled name
+            except (ValueError, OSError, CheckpointError):
+                raise UnknownModelError(f"{model_id[len(RUN_PREFIX):]!r} is not a run of gpt, vit, "
+                                        "captioner or seq2seq, nor a Hugging Face checkpoint folder or "
+                                        "a .gguf file") from None
+            return replace(ref, name=model_id)
+        if model_id not in bundled_names():
             raise UnknownModelError(f"unknown model {_echo(model_id)}; choose one from GET /api/models")
         if model_id not in {e.id for e in self.pretrained()}:
             raise AssetMissingError(f"{model_id} is not installed: qkv assets install {model_id}")
-        return model_id, None
+        return replace(resolve(model_id), note=None)  # the server's folder is never read for it
 
     def in_memory(self) -> int:
         """Models in memory now: loaded, being loaded, or replaced but still in use."""
         with self._cond:
             return len(self._models) + len(self._replaced)
 
-    def peek(self, model_id: str) -> Source | None:
+    def peek(self, model_id: str) -> Loaded | None:
         """The model if it is loaded and up to date (loading nothing, waiting for nothing)."""
-        _, version = self.resolve(model_id)
+        ref = self.resolve(model_id)
         with self._cond:
             m = self._models.get(model_id)
-            return m.src if m is not None and m.version == version else None
+            return m.src if m is not None and m.version == ref.key else None
 
     def _evict_one(self) -> bool:
         for key, m in self._models.items():  # least recently used first
@@ -270,14 +270,11 @@ class Registry:
 
     def acquire(self, model_id: str) -> Lease:
         """The model, loaded on first use and kept in memory until the lease is released."""
-        target, version = self.resolve(model_id)
-        m, load = self._claim(model_id, version)
+        ref = self.resolve(model_id)
+        m, load = self._claim(model_id, ref.key)
         if load:
             try:
-                # a pretrained name never resolves to a folder of that name in the working directory
-                src = (load_source(target, display_name=model_id) if isinstance(target, Path)
-                       else load_pretrained(model_id))
-                src.serial = next(self._serial)  # tells cached results of a reload apart
+                src = open_model(ref)  # as qkv.load opens it
             except BaseException:
                 with self._cond:
                     if self._models.get(model_id) is m:
@@ -288,26 +285,27 @@ class Registry:
                 m.src = src
                 self._cond.notify_all()
         assert m.src is not None
-        return Lease(m.src, lambda: self._release(m))
+        return Lease(m.src, ref, lambda: self._release(m))
 
     @contextlib.contextmanager
-    def use(self, model_id: str) -> Iterator[Source]:
-        """``with registry.use(model_id) as src: ...``: the model, held for the block."""
+    def use(self, model_id: str) -> Iterator[Loaded]:
+        """``with registry.use(model_id) as model: ...``: the model, held for the block."""
         lease = self.acquire(model_id)
         try:
             yield lease.src
         finally:
             lease.release()
 
-    def get(self, model_id: str) -> Source:
+    def get(self, model_id: str) -> Loaded:
         """The loaded model (loading it on first use), not held: it may be evicted later."""
-        with self.use(model_id) as src:
-            return src
+        with self.use(model_id) as model:
+            return model
 
 
 class AttentionCache:
     """Recent :class:`TextAttention` results, so that switching layer or head costs no forward
-    pass; bounded by the bytes of the weights it holds (least recently used goes first)."""
+    pass; keyed by the model's file version (:attr:`ModelRef.key`) and the request, bounded by
+    the bytes of the weights it holds (least recently used goes first)."""
 
     def __init__(self, max_bytes: int = 256 * 2**20) -> None:
         self.max_bytes = max_bytes

@@ -118,7 +118,7 @@ def test_compiled_quantized_steps_agree_with_eager(weights):
     """SmolLM2's decoding formats on a tiny Llama-style model (widths the 4-bit kernel takes):
     the compiled step fuses the casts around each quantised product differently, so logits
     agree to bf16 rounding, not bit for bit, and the greedy token is the same."""
-    from qkv.pretrained.pipelines import CausalLM
+    from qkv.pipelines import CausalLM
 
     torch.manual_seed(11)
     m = GPT(GPTConfig(vocab_size=64, max_seq_len=64, dim=64, n_layers=2, n_heads=4, n_kv_heads=2,

@@ -11,17 +11,21 @@ import torch
 
 from qkv.attention import KVCache
 from qkv.generation.decode import beam_search, greedy_decode
-from qkv.models.rnn_seq2seq import RNNSeq2Seq
-from qkv.models.transformer import TransformerSeq2Seq
+from qkv.models.rnn_seq2seq import RNNSeq2Seq, RNNSeq2SeqConfig
+from qkv.models.transformer import TransformerSeq2Seq, TransformerSeq2SeqConfig
 from qkv.tokenizers.vocab import BOS, EOS, PAD
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 MODELS = {
-    "rnn": lambda: RNNSeq2Seq(20, 12, emb_dim=16, hidden=16, dec_hidden=24, attn_dim=16),
-    "rnn-lstm": lambda: RNNSeq2Seq(20, 12, emb_dim=16, hidden=16, dec_hidden=24, attn_dim=16, cell="lstm"),
-    "rnn-noattn": lambda: RNNSeq2Seq(20, 12, emb_dim=16, hidden=16, dec_hidden=24, attention=False),
-    "transformer": lambda: TransformerSeq2Seq(20, 12, dim=32, n_heads=4, enc_layers=2, dec_layers=2),
+    "rnn": lambda: RNNSeq2Seq(RNNSeq2SeqConfig(src_vocab=20, tgt_vocab=12, emb_dim=16, hidden=16,
+                                               dec_hidden=24, attn_dim=16)),
+    "rnn-lstm": lambda: RNNSeq2Seq(RNNSeq2SeqConfig(src_vocab=20, tgt_vocab=12, emb_dim=16, hidden=16,
+                                                    dec_hidden=24, attn_dim=16, cell="lstm")),
+    "rnn-noattn": lambda: RNNSeq2Seq(RNNSeq2SeqConfig(arch="rnn-noattn", src_vocab=20, tgt_vocab=12,
+                                                      emb_dim=16, hidden=16, dec_hidden=24)),
+    "transformer": lambda: TransformerSeq2Seq(TransformerSeq2SeqConfig(
+        src_vocab=20, tgt_vocab=12, dim=32, n_heads=4, enc_layers=2, dec_layers=2, max_tgt_len=32)),
 }
 
 

@@ -18,8 +18,9 @@ import qkv
 from qkv import assets
 from qkv.assets import AssetMissingError, asset_path
 from qkv.models.gpt import GPT, GPTConfig
-from qkv.pretrained import CausalLM, PretrainedFormatError
-from qkv.pretrained.gguf_models import load_smollm2
+from qkv.pipelines import CausalLM
+from qkv.pretrained import PretrainedFormatError
+from qkv.pretrained.gguf_models import load_gguf_decoder as load_smollm2
 from qkv.pretrained.minilm import load_minilm
 from qkv.tokenizers.hf import HFTokenizer
 

@@ -12,7 +12,7 @@ from qkv.pretrained import gguf_models as smollm2_mod
 
 
 def test_second_load_comes_from_the_cache_and_is_identical(smollm2, smollm2_file, monkeypatch):
-    entry = cache_mod.entry_dir("smollm2", smollm2_file)
+    entry = cache_mod.entry_dir(smollm2_file)
     assert entry is not None and (entry / "model.safetensors").is_file()  # the fixture wrote it
 
     def no_gguf(*a, **k):
@@ -20,7 +20,8 @@ def test_second_load_comes_from_the_cache_and_is_identical(smollm2, smollm2_file
 
     monkeypatch.setattr(smollm2_mod, "read_gguf", no_gguf)
     t = time.perf_counter()
-    model, tok, info = smollm2_mod.load_smollm2(smollm2_file)
+    lm = smollm2_mod.load_gguf_decoder(smollm2_file)
+    model, tok = lm.model, lm.tokenizer
     seconds = time.perf_counter() - t
     ref = smollm2.model.state_dict()
     got = model.state_dict()
@@ -29,16 +30,16 @@ def test_second_load_comes_from_the_cache_and_is_identical(smollm2, smollm2_file
     assert model.lm_head.weight is model.tok_emb.weight  # still tied
     assert model.cfg == smollm2.model.cfg
     assert tok.to_dict() == smollm2.tokenizer.to_dict()
-    assert info["chat_template"] == smollm2.chat_template
+    assert lm.chat_template == smollm2.chat_template and lm.stop_ids == smollm2.stop_ids
     assert seconds < 5, f"a cache hit took {seconds:.1f} s"
 
 
 def test_a_damaged_entry_is_rebuilt(smollm2, smollm2_file):
-    entry = cache_mod.entry_dir("smollm2", smollm2_file)
+    entry = cache_mod.entry_dir(smollm2_file)
     weights = entry / "model.safetensors"
     weights.write_bytes(weights.read_bytes()[:1000])  # truncated
     assert cache_mod.load_gpt_entry(entry) is None
-    model, _, _ = smollm2_mod.load_smollm2(smollm2_file)  # converts again, rewrites the entry
+    model = smollm2_mod.load_gguf_decoder(smollm2_file).model  # converts again, rewrites the entry
     assert torch.equal(model.tok_emb.weight, smollm2.model.tok_emb.weight)
     assert cache_mod.load_gpt_entry(entry) is not None
 
@@ -46,6 +47,6 @@ def test_a_damaged_entry_is_rebuilt(smollm2, smollm2_file):
 def test_cache_can_be_turned_off(monkeypatch, tmp_path):
     monkeypatch.setenv("QKV_CACHE_DIR", "off")
     assert cache_mod.cache_root() is None
-    assert cache_mod.entry_dir("smollm2", tmp_path) is None
+    assert cache_mod.entry_dir(tmp_path) is None
     monkeypatch.setenv("QKV_CACHE_DIR", str(tmp_path))
     assert cache_mod.cache_root() == tmp_path

@@ -471,3 +471,22 @@ def test_gguf_refusals_are_one_line(runs, tmp_path: Path) -> None:
         rc, _, err = call(["export", str(run), "--format", "gguf", "-o", str(tmp_path / f"g{i}")])
         assert names in assert_one_line_error(rc, err)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["biased", "char_llama", "relu"]  # nothing written
+
+
+def test_out_ending_in_gguf_is_the_file_itself(runs, tmp_path: Path) -> None:
+    """`-o model.gguf` writes that file (as llama.cpp's converter's --outfile does), byte for byte
+    the file a folder export holds; it never overwrites, and an HF export refuses the name."""
+    run = runs["llama_gqa_bpe"]
+    folder = _export(run, tmp_path / "g", "--format", "gguf")
+    rc, out, err = call(["export", str(run), "--format", "gguf", "-o", str(tmp_path / "model.gguf")])
+    assert rc == 0, err
+    assert (tmp_path / "model.gguf").is_file() and str(tmp_path / "model.gguf") in out
+    assert (tmp_path / "model.gguf").read_bytes() == (folder / "model.gguf").read_bytes()
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # no temporary left
+    (tmp_path / "mine.gguf").write_bytes(b"mine")
+    rc, _, err = call(["export", str(run), "--format", "gguf", "-o", str(tmp_path / "mine.gguf")])
+    assert "already exists" in assert_one_line_error(rc, err)
+    assert (tmp_path / "mine.gguf").read_bytes() == b"mine"
+    rc, _, err = call(["export", str(run), "-o", str(tmp_path / "x.gguf")])
+    assert "a Hugging Face export is a folder" in assert_one_line_error(rc, err)
+    assert not (tmp_path / "x.gguf").exists()

@@ -157,7 +157,8 @@ def test_a_tensor_type_the_gguf_package_cannot_read_is_named(tmp_path: Path, mon
 def test_qkv_attend_reads_a_gguf_file(tmp_path: Path) -> None:
     """`qkv attend FILE.gguf`: the weights it draws equal transformers' eager attentions of the
     model the file was written from."""
-    from qkv.viz.sources import load_source, text_attention
+    from qkv.inference import open_model as load_source
+    from qkv.pipelines.attention import text_attention
 
     ref = tiny("qwen2")
     ref.config._attn_implementation = "eager"
@@ -191,7 +192,7 @@ def test_a_4_bit_gguf_decodes_in_4_bits_biases_and_all(tmp_path: Path, arch: str
     theirs = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, gguf_file=path.name,
                                                               dtype=torch.float32).eval()
     lm = qkv.load(str(path), cache=False)
-    assert lm.info["weights"] == "q4" and lm.info["weight_types"] == ["Q4_0"]
+    assert lm.weights == "q4" and lm.stored_as == ("Q4_0",)
     x = torch.tensor([[3, 17, 42, 5, 9, 11]])
     with torch.no_grad():
         want, got = theirs(x).logits, lm.model(x).logits.float()

@@ -82,7 +82,7 @@ def test_decoder_folder_matches_transformers(kind, tmp_path):
     ref = _decoder(kind, tmp_path / kind)
     lm = qkv.load(str(tmp_path / kind))
     assert isinstance(lm, CausalLM)
-    assert lm.info["architecture"] == DECODERS[kind]().model_type
+    assert lm.architecture == DECODERS[kind]().model_type
     _check_decoder(ref, lm)
 
 
@@ -267,7 +267,8 @@ def test_qkv_generate_and_attend_read_a_folder(tmp_path):
     draws a grid, from attention weights equal to transformers' own (eager attention)."""
     from cli_helpers import call
 
-    from qkv.viz.sources import load_source, text_attention
+    from qkv.inference import open_model as load_source
+    from qkv.pipelines.attention import text_attention
 
     ref = _decoder("qwen2", tmp_path / "q")
     ref.config._attn_implementation = "eager"

@@ -14,7 +14,7 @@ from safetensors.torch import load_file, load_model
 
 import qkv
 from qkv.models.gpt import GPT, GPTConfig
-from qkv.pretrained.pipelines import CausalLM
+from qkv.pipelines import CausalLM
 
 
 def _plain_gpt(run: Path) -> GPT:
@@ -35,7 +35,7 @@ def test_a_gpt_run_is_a_causal_lm(tiny_run) -> None:
                          "--max-new-tokens", "12"])
     assert rc == 0, err
     assert out == "ROMEO: O" + lm.generate("ROMEO: O", 12) + "\n"  # greedy, as the command
-    assert qkv.load(str(run), weights="int8").info["weights"] == "int8"
+    assert qkv.load(str(run), weights="int8").weights == "int8"
     assert qkv.load(run, cache=False).name == "gpt-tiny"  # qkv.pretrained.load's keywords too
     with pytest.raises(ValueError, match="path= is for the named models"):
         qkv.load(run, path="elsewhere")
@@ -46,7 +46,7 @@ def test_a_run_of_another_family_is_its_loaded_run(tiny_run) -> None:
     run = tiny_run("vit")
     loaded = qkv.load(run)
     cfg = json.loads((run / "config.json").read_text())
-    assert cfg["family"] == "vit" and type(loaded).__name__ == "LoadedViT"
+    assert cfg["family"] == "vit" and type(loaded).__name__ == "ImageClassifier"
     weights = load_file(str(run / "model.safetensors"))
     ours = loaded.model.state_dict()
     assert weights.keys() == ours.keys() and all(torch.equal(weights[k], ours[k]) for k in weights)

@@ -51,7 +51,7 @@ def test_formats_replace_the_projections(formats) -> None:
     assert isinstance(q4.lm_head, TopKRefinedLinear) and isinstance(q4.lm_head.approx, Int8Linear)
     assert q4.lm_head.weight.data_ptr() == q4.tok_emb.weight.data_ptr()  # shared, not copied
     assert all(not isinstance(m, nn.Linear) for m in formats["int8"].model.modules())
-    assert formats["q4"].info["weights"] == "q4"
+    assert formats["q4"].weights == "q4"
 
 
 # Measured on 1,000 positions of the same text, these 300 first (benchmarks/pretrained_parity.py,

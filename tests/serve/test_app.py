@@ -22,7 +22,8 @@ import torch
 from serve_helpers import asset_installed, free_port
 
 from qkv.generation import generate
-from qkv.viz import sources
+from qkv.inference import open_model
+from qkv.pipelines import attention as sources
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # see tests/conftest.py
 for _module, _why in (("fastapi", "qkv serve needs FastAPI"), ("multipart", "uploads need python-multipart"),
@@ -118,7 +119,7 @@ def test_host_header_is_checked_when_configured(runs_dir) -> None:
 
 def test_attention_matches_the_models_own_forward_pass(client, tiny_run) -> None:
     text = "ROMEO: But soft"
-    src = sources.load_source(tiny_run("gpt"))
+    src = open_model(tiny_run("gpt"))
     with torch.no_grad():
         ids = torch.tensor([src.tokenizer.encode(text)])
         want = src.model(ids, backend="reference", return_weights=True).weights  # [(1, H, T, T)]
@@ -148,7 +149,7 @@ def test_a_pretrained_name_never_reads_a_folder_of_that_name(tmp_path, monkeypat
     (tmp_path / "minilm" / "config.json").write_text('{"family": "gpt"}')
     monkeypatch.chdir(tmp_path)
     src = Registry(tmp_path / "runs").get("minilm")
-    assert src.family == "minilm" and src.n_layers == 6
+    assert src.name == "minilm" and src.n_layers == 6
 
 
 @pytest.mark.skipif(not asset_installed("minilm"),
@@ -285,11 +286,11 @@ def test_requests_never_read_outside_the_runs_directory(runs_dir, monkeypatch) -
     from qkv.serve.app import STATIC
 
     handed: list[tuple[str, str]] = []
-    for loader in ("load_source", "load_pretrained", "run_family"):
+    for loader in ("open_model", "resolve"):
         real = getattr(registry, loader)
 
         def spy(target, *args, _real=real, _name=loader, **kwargs):
-            handed.append((_name, str(target)))
+            handed.append((_name, str(getattr(target, "path", target))))  # a ModelRef's path
             return _real(target, *args, **kwargs)
 
         monkeypatch.setattr(registry, loader, spy)
@@ -318,10 +319,12 @@ def test_requests_never_read_outside_the_runs_directory(runs_dir, monkeypatch) -
         assert root / f"{family}-tiny" / "model.safetensors" in read, family
         assert root / f"{family}-tiny" / "config.json" in read, family
     assert any(p.is_relative_to(STATIC) for p in read)
-    loads = sorted({t for name, t in handed if name == "load_source"})
+    opened = {t for name, t in handed if name == "open_model"}
+    loads = sorted(t for t in opened if Path(t).resolve().is_relative_to(root))
     assert loads == sorted(str(root / f"{f}-tiny") for f in ("captioner", "gpt", "seq2seq", "vit"))
-    assert {t for name, t in handed if name == "load_pretrained"} <= {"minilm"}
-    assert all(Path(t).resolve().is_relative_to(root) for name, t in handed if name == "run_family")
+    assert {Path(t).resolve() for t in opened if t not in loads} <= set(allowed[2:])  # minilm's files
+    resolved = [t for name, t in handed if name == "resolve"]
+    assert all(t in ("minilm", "smollm2") or Path(t).resolve().is_relative_to(root) for t in resolved)
 
 
 @pytest.mark.skipif(not asset_installed("smollm2"),
@@ -389,7 +392,7 @@ def test_no_response_names_a_filesystem_path(tiny_run, tmp_path, monkeypatch) ->
                                                               "max_new_tokens": 2})
         got["image", name] = c.post("/api/image-attention", data={"model": name},
                                     files={"image": (str(root / "d.png"), png, "image/png")})
-    from qkv.viz import sources
+    from qkv.pipelines import attention as sources
 
     def bug(*args, **kwargs):
         raise RuntimeError(f"an unexpected failure reading {root}/gpt-ok/model.safetensors")
@@ -498,7 +501,7 @@ def test_generate_streams_tokens_with_their_attention(client, tiny_run) -> None:
     events = _events(r)
     assert [e["event"] for e in events] == ["start"] + ["token"] * 5 + ["done"]
     assert events[0]["tokens"] == list("ROMEO: ") and (events[0]["layer"], events[0]["head"]) == (1, 0)
-    src = sources.load_source(tiny_run("gpt"))
+    src = open_model(tiny_run("gpt"))
     prompt = src.tokenizer.encode("ROMEO: ")
     greedy = [int(t[0]) for t in generate(src.model, torch.tensor([prompt]), 5, temperature=0.0)]
     assert [e["id"] for e in events[1:-1]] == greedy
@@ -544,8 +547,8 @@ def test_vit_image_attention(client, tiny_run) -> None:
     assert body["image"] == {"width": 8, "height": 8, "channels": 1, "pixels": [200] * 64}
     assert body["notes"] == ["resized 20x20 to 8x8"]
     assert [m["label"] for m in body["maps"]] == [f"layer 0 head {h}" for h in range(4)] + ["rollout"]
-    src = sources.load_source(tiny_run("vit"))
-    want = sources.image_attention(src, png_bytes((20, 20)), layer=0)
+    src = open_model(tiny_run("vit"))
+    want = src.attention(src.read_image(png_bytes((20, 20)))[0], layer=0)
     for m, (_, w) in zip(body["maps"], want.maps, strict=True):
         torch.testing.assert_close(torch.tensor(m["weights"]), w.float(), atol=2e-6, rtol=0)
     assert body["details"]["prediction"] == want.details["prediction"]

@@ -43,20 +43,14 @@ def test_twenty_concurrent_requests_succeed_and_load_each_model_once(runs_dir, m
     from qkv.serve import create_app
 
     loads: list[str] = []
-    real_run, real_pretrained = registry.load_source, registry.load_pretrained
+    real_open = registry.open_model
 
-    def counting_run(target, display_name=None):
-        loads.append(str(display_name))
+    def counting_open(ref, **kwargs):
+        loads.append(ref.name)
         time.sleep(0.2)  # widen the window in which a second load could start
-        return real_run(target, display_name)
+        return real_open(ref, **kwargs)
 
-    def counting_pretrained(name):
-        loads.append(name)
-        time.sleep(0.2)
-        return real_pretrained(name)
-
-    monkeypatch.setattr(registry, "load_source", counting_run)
-    monkeypatch.setattr(registry, "load_pretrained", counting_pretrained)
+    monkeypatch.setattr(registry, "open_model", counting_open)
     model = "minilm" if asset_installed("minilm") else "runs/gpt-tiny"
     app = create_app(runs_dir=runs_dir, max_queued=20)  # room for all 20 to wait
     client = TestClient(app)
@@ -94,8 +88,8 @@ class Gate:
 def test_a_full_queue_answers_503_with_retry_after(runs_dir, monkeypatch) -> None:
     from fastapi.testclient import TestClient
 
+    from qkv.pipelines import attention as sources
     from qkv.serve import create_app
-    from qkv.viz import sources
 
     gate = Gate(sources.text_attention)
     monkeypatch.setattr(sources, "text_attention", gate)
@@ -152,8 +146,8 @@ def test_a_generation_holds_its_slot_until_the_stream_ends(runs_dir) -> None:
 def test_a_client_that_leaves_mid_stream_frees_the_slot(runs_dir, monkeypatch) -> None:
     import httpx
 
+    from qkv.pipelines import attention as sources
     from qkv.serve import create_app
-    from qkv.viz import sources
 
     real = sources.generate_steps
 

@@ -20,7 +20,7 @@ from qkv.serve.work import BusyError
 
 
 class FakeLoader:
-    """Stands for load_source: slow, and counting the models alive (from the start of their
+    """Stands for open_model: slow, and counting the models alive (from the start of their
     load until the last reference is gone) and the most ever alive at once."""
 
     def __init__(self, seconds: float = 0.01, broken: tuple[str, ...] = ()) -> None:
@@ -32,7 +32,8 @@ class FakeLoader:
         with self.lock:
             self.alive -= 1
 
-    def __call__(self, target, display_name=None):
+    def __call__(self, ref, **kwargs):
+        target, display_name = ref.path, ref.name
         with self.lock:
             self.alive += 1
             self.loads += 1
@@ -63,7 +64,7 @@ def runs(tmp_path: Path) -> Path:
 @pytest.fixture
 def loader(monkeypatch) -> FakeLoader:
     fake = FakeLoader()
-    monkeypatch.setattr(registry_module, "load_source", fake)
+    monkeypatch.setattr(registry_module, "open_model", fake)
     return fake
 
 
@@ -132,7 +133,7 @@ def test_a_failed_load_leaves_nothing_behind(runs, monkeypatch) -> None:
     from qkv.training.checkpoint import CheckpointError
 
     fake = FakeLoader(broken=("runs/r3",))
-    monkeypatch.setattr(registry_module, "load_source", fake)
+    monkeypatch.setattr(registry_module, "open_model", fake)
     reg = Registry(runs, max_loaded=1)
     for _ in range(2):
         with pytest.raises(CheckpointError):

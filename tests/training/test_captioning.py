@@ -259,8 +259,9 @@ def test_beam_of_one_is_greedy_decoding(cap_run) -> None:
     import random
 
     from qkv.data.shapes import make_scene
-    from qkv.families.captioner import CaptionerFamily, _Decoding, normalize
+    from qkv.families.captioner import CaptionerFamily
     from qkv.generation.decode import beam_search, greedy_decode
+    from qkv.pipelines.captioning import _Decoding, normalize
 
     run, _ = cap_run
     loaded = CaptionerFamily().load(run)

@@ -1,4 +1,4 @@
-"""qkv.viz.sources: the attention that `qkv attend` draws and `qkv serve` sends, checked against
+"""qkv.pipelines' attention values: what `qkv attend` draws and `qkv serve` sends, checked against
 math written out here (softmax(QKᵀ/√d) from the model's own weights), against the model's own
 full forward pass, and against qkv's generation loop."""
 
@@ -9,16 +9,18 @@ import math
 import pytest
 import torch
 
+from qkv.errors import InputError, UnknownModelError
 from qkv.generation import generate
-from qkv.viz import sources
-from qkv.viz.sources import InputError, UnknownModelError
+from qkv.inference import open_model, resolve
+from qkv.pipelines import attention as sources
+from qkv.pipelines import check_layer_head
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # see tests/conftest.py
 
 
 @pytest.fixture(scope="module")
 def gpt(tiny_run):
-    return sources.load_source(tiny_run("gpt"))
+    return open_model(tiny_run("gpt"))
 
 
 def _layer0_by_hand(model, ids: list[int]) -> torch.Tensor:
@@ -67,11 +69,11 @@ def test_bad_text_input(gpt) -> None:
     with pytest.raises(InputError, match="never saw"):
         sources.text_attention(gpt, "ROMEO ✓")
     with pytest.raises(InputError, match="layer must be in \\[-2, 1\\]"):
-        sources.check_layer_head(gpt, 2, None)
+        check_layer_head(gpt.n_layers, gpt.n_heads, 2, None)
     with pytest.raises(InputError, match="head must be in \\[-4, 3\\]"):
-        sources.check_layer_head(gpt, 0, 4)
-    assert sources.check_layer_head(gpt, -1, -1) == (1, 3)
-    assert sources.check_layer_head(gpt, None, None) == (1, None)
+        check_layer_head(gpt.n_layers, gpt.n_heads, 0, 4)
+    assert check_layer_head(gpt.n_layers, gpt.n_heads, -1, -1) == (1, 3)
+    assert check_layer_head(gpt.n_layers, gpt.n_heads, None, None) == (1, None)
 
 
 def test_generation_steps_match_the_full_forward_pass(gpt) -> None:
@@ -94,37 +96,38 @@ def test_generation_steps_match_the_full_forward_pass(gpt) -> None:
     assert len(list(sources.generate_steps(gpt, prompt * 4, 50))) == 32 - len(prompt) * 4
 
 
-def test_load_source_names_what_is_wrong(tmp_path) -> None:
+def test_resolve_names_what_is_wrong(tmp_path) -> None:
     with pytest.raises(UnknownModelError, match="neither a pretrained model"):
-        sources.load_source(tmp_path / "missing")
+        resolve(tmp_path / "missing")
     from qkv.training.checkpoint import CheckpointError
 
     with pytest.raises(CheckpointError, match=r"config\.json is missing"):
-        sources.load_source(tmp_path)
+        resolve(tmp_path)
 
 
 def test_image_and_seq2seq_sources(tiny_run, tmp_path) -> None:
     from PIL import Image
 
-    vit = sources.load_source(tiny_run("vit"))
+    vit = open_model(tiny_run("vit"))
     Image.new("L", (20, 20), 200).save(tmp_path / "x.png")
-    att = sources.image_attention(vit, tmp_path / "x.png", layer=0)
+    x, notes = vit.read_image(tmp_path / "x.png")
+    att = vit.attention(x, layer=0)
     g = vit.model.cfg.grid
-    assert att.image.shape == (1, 8, 8) and att.notes == ["resized 20x20 to 8x8"]
+    assert att.image.shape == (1, 8, 8) and notes == ["resized 20x20 to 8x8"]
     assert [c for c, _ in att.maps] == [f"layer 0 head {h}" for h in range(4)] + ["rollout"]
     for _, m in att.maps:  # the class token's row over the patches: a share of its attention
         assert m.shape == (g, g) and 0 < float(m.sum()) <= 1 + 1e-6
-    with pytest.raises(InputError, match="takes an image, not text"):
-        sources.text_attention(vit, "hello")
+    with pytest.raises(ValueError, match="is a vit run of `qkv train`, not a sentence encoder or a language"):
+        open_model(tiny_run("vit"), kinds=("encoder", "decoder"))
     with pytest.raises(ValueError, match="not a readable image"):
-        sources.image_attention(vit, b"GIF89a not really")
+        vit.read_image(b"GIF89a not really")
 
-    s2s = sources.load_source(tiny_run("seq2seq"))
-    ali = sources.alignment(s2s, "  8   août 1977 ")
+    s2s = open_model(tiny_run("seq2seq"))
+    ali = s2s.alignment("  8   août 1977 ")
     assert ali.source == list("8 août 1977")  # normalised as translate does
     assert ali.weights.shape == (len(ali.output), len(ali.source))
     torch.testing.assert_close(ali.weights.sum(-1), torch.ones(len(ali.output)))
     with pytest.raises(InputError, match="the text is empty"):
-        sources.alignment(s2s, "   ")
-    long = sources.alignment(s2s, "1" * 200)
-    assert len(long.source) == s2s.context == s2s.loaded.cfg.max_src_len and "truncated" in long.notes[0]
+        s2s.alignment("   ")
+    long = s2s.alignment("1" * 200)
+    assert len(long.source) == s2s.context == s2s.cfg.max_src_len and "truncated" in long.notes[0]

@@ -1,0 +1,85 @@
+"""Opening a model: ``open_model(ref, device=, weights=, dtype=) -> Loaded``, one typed value
+per kind (:mod:`qkv.pipelines`), whatever the model was read from.
+
+    ref = resolve("smollm2")                 # or a run directory, a .gguf file, a HF folder
+    lm = open_model(ref, weights="int8")     # a CausalLM: stream(), generate(), its attention
+
+How a decoder holds its weights is decided by :meth:`~qkv.pipelines.CausalLM.set_weights`
+alone (the same rule for runs, GGUF files and Hugging Face folders): ``weights`` when given,
+else ``dtype`` (a cast), else ``"auto"`` (a GGUF's own 4-bit groups where it is stored so,
+float32 otherwise). Encoders take ``dtype`` only; the other kinds neither.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from qkv.inference.resolve import ModelRef, resolve
+from qkv.pipelines import CausalLM, Kind, Loaded, SentenceEncoder, Weights
+from qkv.pipelines.text import weights_dtype
+
+
+def open_model(ref: ModelRef | str | os.PathLike[str], *, device: str = "cpu",
+               weights: Weights | None = None, dtype: str | torch.dtype | None = None,
+               cache: bool = True, kinds: tuple[Kind, ...] | None = None) -> Loaded:
+    """The model ``ref`` names (resolved first if it is a name or path), on ``device``.
+
+    Args:
+        weights: decoders only: "auto" | "fp32" | "bf16" | "int8" | "q4" (see
+            :meth:`~qkv.pipelines.CausalLM.quantize`).
+        dtype: "float32" (exact to the reference) or "bfloat16"; decoders and encoders.
+        cache: reuse (and store) a GGUF's conversion (:mod:`qkv.pretrained.cache`).
+        kinds: the kinds the caller can use; another kind is one line, checked before loading.
+
+    Raises:
+        ValueError (one line) for options the model cannot take, and what :func:`resolve` and
+        the readers raise for names, files and runs.
+    """
+    from qkv.device import check_device
+
+    check_device(device)
+    ref = ref if isinstance(ref, ModelRef) else resolve(ref)
+    if kinds is not None and ref.kind not in kinds:
+        wanted = " or ".join(_KIND_PHRASES[k] for k in kinds)
+        raise ValueError(f"{ref.name} is {ref.description}, not {wanted}")
+    if dtype is not None:
+        weights_dtype(dtype)  # a bad name is refused before anything loads
+    loaded = _read(ref, device, cache)
+    if isinstance(loaded, CausalLM):
+        loaded.model.to(device)
+        return loaded.set_weights(weights, dtype)
+    if isinstance(loaded, SentenceEncoder):
+        if weights is not None:
+            raise ValueError(f"weights= is for decoders; {loaded.name} is an encoder "
+                             f"({loaded.architecture}): give dtype=")
+        loaded.model.to(device=device, dtype=weights_dtype(dtype or "float32"))
+        return loaded
+    if dtype is not None or weights is not None:
+        raise ValueError(f"dtype= and weights= are for GPT runs and decoders; {ref.name} is a {ref.family} "
+                         "run: cast its .model instead")
+    return loaded
+
+
+_KIND_PHRASES: dict[Kind, str] = {"encoder": "a sentence encoder", "decoder": "a language model",
+                                  "image": "an image model", "seq2seq": "a seq2seq model"}
+
+
+def _read(ref: ModelRef, device: str, cache: bool) -> Loaded:
+    """The model as its reader builds it (float32; runs already on ``device``)."""
+    if ref.source == "run":
+        from qkv.families import get_family
+
+        return get_family(str(ref.family)).load(ref.path, device)
+    if ref.source == "bundled":
+        from qkv.pretrained import load_bundled
+
+        return load_bundled(ref.name, str(ref.path), cache=cache)
+    if ref.source == "gguf":
+        from qkv.pretrained.gguf_models import load_gguf
+
+        return load_gguf(ref.path, cache=cache)
+    from qkv.pretrained.hf import load_hf_folder
+
+    return load_hf_folder(ref.path)

@@ -1,0 +1,44 @@
+"""One entry point from figures (:mod:`qkv.figures`: values) to PNG files."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from qkv.figures import (
+    AlignmentMap,
+    AttentionGrid,
+    AttentionHead,
+    AttentionHeads,
+    ConfusionMatrix,
+    Figure,
+    ImageOverlays,
+    LossCurve,
+)
+from qkv.viz.images import plot_confusion, plot_image_attention
+from qkv.viz.plots import (
+    plot_alignment,
+    plot_attention_grid,
+    plot_attention_head,
+    plot_attention_heads,
+    plot_loss_curve,
+)
+
+
+def draw(figure: Figure, out_path: Path) -> Path:
+    """Draw ``figure`` as a PNG at ``out_path`` (written atomically); returns the path."""
+    out = Path(out_path)
+    if isinstance(figure, LossCurve):
+        return plot_loss_curve(figure.metrics, out, title=figure.title)
+    if isinstance(figure, AttentionHeads):
+        return plot_attention_heads(figure.weights, figure.tokens, out, title=figure.title)
+    if isinstance(figure, AttentionGrid):
+        return plot_attention_grid(figure.weights, figure.tokens, out, title=figure.title)
+    if isinstance(figure, AttentionHead):
+        return plot_attention_head(figure.weights, figure.tokens, out, title=figure.title)
+    if isinstance(figure, AlignmentMap):
+        return plot_alignment(figure.weights, figure.source, figure.output, out, title=figure.title)
+    if isinstance(figure, ConfusionMatrix):
+        return plot_confusion(figure.counts, figure.classes, out, title=figure.title)
+    if isinstance(figure, ImageOverlays):
+        return plot_image_attention(figure.image, figure.maps, out, title=figure.title)
+    raise TypeError(f"not a figure: {type(figure).__name__}")
