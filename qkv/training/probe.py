@@ -61,7 +61,7 @@ class SpeedChoice:
     @property
     def reason(self) -> str:
         why = "; ".join(x for x in (self.dtype_why, self.compile_why) if x)
-        return f"as recorded at the run's start ({why})" if self.recorded else why
+        return f"as this run recorded in its config.json ({why})" if self.recorded else why
 
 
 def cache_path() -> Path | None:

@@ -164,7 +164,7 @@ def test_resume_trains_on_with_the_record_without_probing(text, tmp_path, monkey
     forbid_probe(monkeypatch)
     out = train(["train", "gpt", "--resume", str(run), "--max_iters", "6", "--no-progress"])
     assert trainers[-1].dtype == torch.bfloat16 and trainers[-1].speed.recorded
-    assert "speed: as recorded at the run's start (forced -> bf16 (cached)" in out
+    assert "speed: as this run recorded in its config.json (forced -> bf16 (cached)" in out
     assert "preset tiny (resumed)" in out
     assert chosen(run)["dtype"] == "bf16" and chosen(run)["preset"] == "tiny"
     # An explicit option wins, and the record follows it (the next resume keeps it).
