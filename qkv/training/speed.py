@@ -119,9 +119,6 @@ def choose_speed(model: nn.Module, cfg: TrainConfig, data: BatchSource, device: 
     dev_type = torch.device(device).type
     dtype = DTYPE_NAMES[default_autocast_dtype(cfg.dtype, device)]
     asked_dtype, asked_compile = cfg.dtype != "auto", cfg.compile is not None
-    if cfg.dtype == "bf16" and dev_type == "cpu" and not native_bf16:
-        warnings.warn(f"--dtype bf16 on a CPU without bf16 instructions: {probe.emulated_bf16_cost()}; "
-                      "--dtype auto picks fp32 here", stacklevel=4)
     key = x = y = None
     if dev_type == "cpu" and not (asked_dtype and asked_compile):
         x, y = probe_batch(data, cfg)
@@ -142,6 +139,10 @@ def choose_speed(model: nn.Module, cfg: TrainConfig, data: BatchSource, device: 
             return measure_steps(model, cfg, optimizer, device, (x, y), options, rounds)
 
         choice = _measured(cfg, dtype, native_bf16, key, measure)
+    if choice.dtype == "bf16" and dev_type == "cpu" and not native_bf16:  # asked, or recorded elsewhere
+        said = "--dtype bf16" if asked_dtype else "bf16 (as this run recorded; --dtype fp32 changes it)"
+        warnings.warn(f"{said} on a CPU without bf16 instructions: {probe.emulated_bf16_cost()}; "
+                      "--dtype auto picks fp32 here", stacklevel=4)
     if dist.enabled:  # only a CPU's measured bf16-or-fp32 can differ between ranks
         choice.dtype = "bf16" if broadcast_flag(choice.dtype == "bf16", dist) else \
             ("fp32" if choice.dtype == "bf16" else choice.dtype)

@@ -374,3 +374,17 @@ def test_a_compile_that_fails_is_recorded_as_eager(tmp_path, monkeypatch) -> Non
     assert t.step == 4 and not t.compiled
     assert recorded[-1].compile is False
     assert recorded[-1].compile_why == "compile failed here (RuntimeError) -> eager"
+
+
+def test_a_recorded_bf16_on_a_cpu_that_emulates_it_warns(tmp_path, monkeypatch) -> None:
+    from qkv.training.speed import Chosen
+
+    monkeypatch.setattr(trainer_mod, "cpu_has_native_bf16", lambda: False)
+    rec = Chosen(dtype="bf16", dtype_why="measured elsewhere", compile=False, compile_why="",
+                 step_ms=None, optimizer="adamw", muon_ns_dtype=None, device="cpu")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        t = Trainer(gpt(), cfg(tmp_path), RandomBatches(), tmp_path, recorded=rec)
+    assert t.dtype == torch.bfloat16  # the record is kept, with the cost said
+    text = " ".join(str(w.message) for w in caught)
+    assert "as this run recorded; --dtype fp32 changes it" in text and "as long as fp32" in text
