@@ -20,7 +20,7 @@ from safetensors.torch import load_file
 from qkv.families import get_family
 from qkv.inference import open_model
 from qkv.pipelines import attention as sources
-from qkv.presets import get_preset, preset_train
+from qkv.presets import PresetChoice, get_preset, preset_train
 from qkv.training.run import train_run
 from qkv.training.trainer import TrainConfig
 
@@ -62,7 +62,8 @@ def runs(tmp_path_factory):
             train = {**TRAIN, **STEPS.get(name, {})}
             run = train_run(f, f.model_config(**f.draft_model(dict(preset["model"]))),
                             TrainConfig(**{**preset_train(preset, "adamw"), **train, "out_dir": str(py_dir)}),
-                            f.data_config(**{**preset.get("data", {}), **data}))
+                            f.data_config(**{**preset.get("data", {}), **data}),
+                            preset=PresetChoice("tiny", None, ""))  # what the CLI records of --preset tiny
             rc, out, err = call(["train", name, "--preset", "tiny", "--no-progress",
                                  "--out_dir", str(cli_dir), *_flags(train), *_flags(data)])
             assert rc == 0, out + err

@@ -79,7 +79,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     weights = args.weights or {"float32": "fp32", "bfloat16": "bf16", None: None}[args.dtype]
     lm = open_model(ref, device=args.device, weights=weights, kinds=("decoder",))
     assert isinstance(lm, CausalLM)
-    print(f"[{args.run}: loaded in {time.perf_counter() - t0:.1f} s, weights {lm.weights}]", file=sys.stderr)
+    loaded = f"[{args.run}: loaded in {time.perf_counter() - t0:.1f} s, weights {lm.weights}]"
     prompt = args.prompt if args.prompt is not None else lm.default_prompt
     if prompt is None:
         raise ValueError(f"{args.run} continues a prompt: give --prompt TEXT (with --chat: your message)")
@@ -90,12 +90,12 @@ def cmd_generate(args: argparse.Namespace) -> int:
     started = False  # notes and the echoed prompt come once generation has started (errors first)
     for piece in pieces:
         if not started:
-            _start(lm, prompt, args.chat)
+            _start(lm, prompt, args.chat, loaded)
             started = True
         sys.stdout.write(piece)
         sys.stdout.flush()
     if not started:
-        _start(lm, prompt, args.chat)
+        _start(lm, prompt, args.chat, loaded)
     sys.stdout.write("\n")
     st = lm.last_stats
     print(f"[{st.new_tokens} tokens in {st.seconds:.2f} s after a {st.prompt_tokens}-token prompt, "
@@ -104,9 +104,11 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
-def _start(lm: CausalLM, prompt: str, chat: bool) -> None:
-    """What goes out before the first new text: notes on the request, then the prompt (a chat
+def _start(lm: CausalLM, prompt: str, chat: bool, loaded: str) -> None:
+    """What goes out before the first new text, once the request is known to be good (an error
+    is then the only line): how the model loaded, notes on the request, then the prompt (a chat
     prints only the reply)."""
+    print(loaded, file=sys.stderr)
     for note in lm.last_stats.notes:
         print(f"qkv: warning: {note}", file=sys.stderr)
     if not chat:

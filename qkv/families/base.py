@@ -56,10 +56,6 @@ class Family(RunFamily, Protocol):
         """What `qkv train` prints when the run is done (scores, files, what to try next)."""
         ...
 
-    def pictures(self, run: Run) -> dict[str, Picture]:
-        """What the run's pictures show, by name (drawn into the run directory after evaluation)."""
-        ...
-
     def load(self, run_dir: Path, device: str = "cpu") -> Loaded:
         """A trained run as a model ready to use (best weights, eval mode; its ``kind`` is the
         family's); CheckpointError (one line) for a damaged one."""
@@ -92,12 +88,6 @@ class FamilyBase:
 
     def pictures(self, run: Run) -> dict[str, Picture]:
         return {"loss plot": loss_curve(run)}
-
-    def report(self, run: Run) -> dict[str, Path]:
-        """Draw :meth:`pictures` into the run directory (what the lifecycle calls)."""
-        from qkv.viz import draw
-
-        return {name: draw(p.figure, run.run_dir / p.file) for name, p in self.pictures(run).items()}
 
     def read_run(self, run_dir: Path, what: str, parse: Callable[[dict], tuple[Any, Any]],
                  device: str = "cpu") -> tuple[dict, nn.Module, Any]:

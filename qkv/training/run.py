@@ -52,12 +52,14 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 
+from qkv.figures import Picture
 from qkv.presets import PresetChoice
 from qkv.training import checkpoint as ckpt
 from qkv.training.distributed import DistInfo, pick_device
 from qkv.training.speed import Chosen
 from qkv.training.trainer import BatchSource, TrainConfig, Trainer, TrainResult
 from qkv.version import __version__
+from qkv.viz import draw
 
 
 @dataclass
@@ -66,7 +68,7 @@ class Prepared:
 
     model_cfg: the model config with the fields the data decides (vocabulary size, image size...).
     batches: what the Trainer draws (inputs, targets) from, for "train" and "val".
-    state: the family's own pieces (tokenizer, vocabularies, splits), read by its evaluate/report.
+    state: the family's own pieces (tokenizer, vocabularies, splits), read by its evaluate/pictures.
     record: extra top-level fields of ``config.json`` (e.g. vocabularies); data_record: fields
     added to its ``data`` section (corpus hash, class names, normalisation).
     save: writes files beside ``config.json`` (a tokenizer), or None.
@@ -106,8 +108,9 @@ class RunFamily(Protocol):
         """The family's held-out scores, as JSON-ready values."""
         ...
 
-    def report(self, run: Run) -> dict[str, Path]:
-        """Plots written into the run directory, by name."""
+    def pictures(self, run: Run) -> dict[str, Picture]:
+        """What the run's pictures show, by name: :mod:`qkv.figures` values that the lifecycle
+        draws into the run directory (the family itself draws nothing)."""
         ...
 
 
@@ -225,5 +228,5 @@ def train_run(
                   train_seconds=round(result.seconds, 1))
         ckpt.write_json(run_dir / "eval.json", ev)
         run.eval = ev
-        run.files = family.report(run)
+        run.files = {name: draw(p.figure, run_dir / p.file) for name, p in family.pictures(run).items()}
     return run
