@@ -481,7 +481,7 @@ def test_hard_decoding_mode_is_an_argument() -> None:
     state: decode_captions with each mode gives the greedy loop over ``step(hard_decode=...)``
     (the most likely word that may appear, up to EOS) with its attention, the two modes differ,
     and a mode that does not exist says so."""
-    from qkv.families.captioner import decode_captions, normalize
+    from qkv.pipelines.captioning import decode_captions, normalize
 
     m = _model(attention="hard").eval()
     with torch.no_grad():  # untrained, it would say EOS at once: make what it reads count
