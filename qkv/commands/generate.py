@@ -73,6 +73,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
         raise ValueError("--system is a chat message: add --chat")
     check_compile(args)
     ref = resolve(args.run)
+    if args.prompt is None and ref.source != "run":  # only a run has a prompt of its own (a newline)
+        raise ValueError(f"{args.run} continues a prompt: give --prompt TEXT (with --chat: your message)")
     if ref.note:
         print(f"qkv: note: {ref.note}", file=sys.stderr)
     t0 = time.perf_counter()

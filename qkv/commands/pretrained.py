@@ -53,7 +53,7 @@ def _encoder(name: str):
     ref = resolve(name)
     if ref.note:
         print(f"qkv: note: {ref.note}", file=sys.stderr)
-    if ref.kind == "decoder":
+    if ref.source != "gguf" and ref.kind == "decoder":  # (a GGUF's reader names its architecture)
         raise ValueError(f"{name} is a decoder (a language model), not a sentence encoder: give "
                          f"{', '.join(ENCODERS)}, a BERT folder or a bert .gguf file")
     return open_model(ref, kinds=("encoder",))

@@ -39,7 +39,7 @@ def cmd_translate(args: argparse.Namespace) -> int:
         raise ValueError(f"--beam must be >= 1, got {args.beam}")
     if args.plot is not None:
         check_png_out(args.plot, "--plot")
-    tr = open_model(args.run, kinds=("seq2seq",))
+    tr = open_model(args.run, family="seq2seq")
     assert isinstance(tr, Translator)
     texts, notes = tr.prepare(args.texts)
     for n in notes:

@@ -30,10 +30,8 @@ def cmd_classify(args: argparse.Namespace) -> int:
 
     if args.top < 1:
         raise ValueError(f"--top must be >= 1, got {args.top}")
-    clf = open_model(args.run, kinds=("image",))
-    if not isinstance(clf, ImageClassifier):
-        raise ValueError(f"{args.run} is a captioner run: caption its images with "
-                         f"`qkv caption {args.run} IMAGE`")
+    clf = open_model(args.run, family="vit")
+    assert isinstance(clf, ImageClassifier)
     images = []
     for path in args.images:
         x, notes = clf.read_image(path)

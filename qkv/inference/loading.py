@@ -23,7 +23,8 @@ from qkv.pipelines.text import weights_dtype
 
 def open_model(ref: ModelRef | str | os.PathLike[str], *, device: str = "cpu",
                weights: Weights | None = None, dtype: str | torch.dtype | None = None,
-               cache: bool = True, kinds: tuple[Kind, ...] | None = None) -> Loaded:
+               cache: bool = True, kinds: tuple[Kind, ...] | None = None,
+               family: str | None = None) -> Loaded:
     """The model ``ref`` names (resolved first if it is a name or path), on ``device``.
 
     Args:
@@ -32,6 +33,8 @@ def open_model(ref: ModelRef | str | os.PathLike[str], *, device: str = "cpu",
         dtype: "float32" (exact to the reference) or "bfloat16"; decoders and encoders.
         cache: reuse (and store) a GGUF's conversion (:mod:`qkv.pretrained.cache`).
         kinds: the kinds the caller can use; another kind is one line, checked before loading.
+        family: the one model family the caller reads (``qkv caption`` reads captioner runs);
+            anything else is one line, checked before loading.
 
     Raises:
         ValueError (one line) for options the model cannot take, and what :func:`resolve` and
@@ -42,8 +45,16 @@ def open_model(ref: ModelRef | str | os.PathLike[str], *, device: str = "cpu",
     check_device(device)
     ref = ref if isinstance(ref, ModelRef) else resolve(ref)
     if kinds is not None and ref.kind not in kinds:
+        if ref.source == "gguf":  # the file's architecture, in the words its reader uses
+            from qkv.inference.resolve import gguf_architecture
+            from qkv.pretrained.gguf_models import GGUF_DECODERS, GGUF_ENCODERS, check_architecture
+
+            check_architecture(ref.path, gguf_architecture(ref.path),
+                               GGUF_DECODERS if "decoder" in kinds else GGUF_ENCODERS)
         wanted = " or ".join(_KIND_PHRASES[k] for k in kinds)
         raise ValueError(f"{ref.name} is {ref.description}, not {wanted}")
+    if family is not None and ref.family != family:
+        raise ValueError(f"{ref.name} is {ref.description}; give a run directory of `qkv train {family}`")
     if dtype is not None:
         weights_dtype(dtype)  # a bad name is refused before anything loads
     loaded = _read(ref, device, cache)

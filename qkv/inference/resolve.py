@@ -56,7 +56,7 @@ class ModelRef:
     @property
     def kind(self) -> Kind:
         """What the model reads and shows; a GGUF's is read from its metadata (remembered per
-        file version)."""
+        file version; PretrainedFormatError for an architecture qkv does not read)."""
         if self.source == "bundled":
             return BUNDLED_KINDS[self.name]
         if self.source == "run":
@@ -64,7 +64,9 @@ class ModelRef:
 
             return get_family(str(self.family)).kind
         if self.source == "gguf":
-            return gguf_kind(self.path)
+            from qkv.pretrained.gguf_models import GGUF_ENCODERS
+
+            return "encoder" if gguf_architecture(self.path) in GGUF_ENCODERS else "decoder"
         from qkv.pretrained.hf import hf_model_type
 
         return "encoder" if hf_model_type(self.path) == "bert" else "decoder"
@@ -137,10 +139,11 @@ def resolve(name_or_path: str | os.PathLike[str]) -> ModelRef:
     if path.is_file() and path.name.lower().endswith(".gguf"):
         return ModelRef(text, "gguf", path)
     if not path.is_dir():
+        why = (f"{text} is a file without the .gguf suffix, not a directory" if path.is_file()
+               else "nothing is at that path: it is not a folder or a file, so not a directory of a run")
         raise UnknownModelError(
             f"{text!r} is neither a pretrained model ({', '.join(bundled_names())}) nor a run directory "
-            "from `qkv train`, a Hugging Face checkpoint folder or a .gguf file"
-            + (f" ({text} is a file without the .gguf suffix)" if path.is_file() else ""))
+            f"from `qkv train`, a Hugging Face checkpoint folder or a .gguf file ({why})")
     return _folder(text, path)
 
 
@@ -151,7 +154,10 @@ def _folder(text: str, path: Path) -> ModelRef:
     from qkv.pretrained import PretrainedFormatError
     from qkv.training import checkpoint as ckpt
 
-    config = ckpt.read_json(path / "config.json")  # names a missing or damaged config.json
+    if not (path / "config.json").is_file():
+        raise PretrainedFormatError(f"{path}/config.json is missing: with no config.json, {path} is neither "
+                                    "a run directory of `qkv train` nor a Hugging Face checkpoint folder")
+    config = ckpt.read_json(path / "config.json")  # names a damaged config.json
     if not isinstance(config, dict):
         raise PretrainedFormatError(f"{path}/config.json is not a JSON object")
     if "family" in config:
@@ -166,25 +172,17 @@ def _folder(text: str, path: Path) -> ModelRef:
                                 "checkpoint folder or a .gguf file")
 
 
-def gguf_kind(path: Path) -> Kind:
-    """``encoder`` for a GGUF of an encoder architecture (bert), else ``decoder`` (a damaged
-    file or an unsupported architecture is said when it loads). Remembered per file version:
-    reading a file's metadata takes seconds for a large vocabulary, and the server asks on
-    every model list."""
-    try:
-        st = Path(path).stat()
-    except OSError:
-        return "decoder"
-    return _gguf_kind(str(Path(path).resolve()), st.st_size, st.st_mtime_ns)
+def gguf_architecture(path: Path) -> str:
+    """A GGUF file's ``general.architecture``, checked to be one qkv reads (PretrainedFormatError
+    naming the supported ones, or the damage, otherwise). Remembered per file version: reading a
+    file's metadata takes seconds for a large vocabulary, and the server asks on every model list."""
+    st = Path(path).stat()
+    return _gguf_architecture(str(Path(path).resolve()), st.st_size, st.st_mtime_ns)
 
 
 @functools.lru_cache(maxsize=256)
-def _gguf_kind(path: str, size: int, mtime_ns: int) -> Kind:
-    from qkv.pretrained.gguf_file import PretrainedFormatError, read_gguf
-    from qkv.pretrained.gguf_models import GGUF_ENCODERS
+def _gguf_architecture(path: str, size: int, mtime_ns: int) -> str:
+    from qkv.pretrained.gguf_file import read_gguf
+    from qkv.pretrained.gguf_models import check_architecture
 
-    try:
-        arch = read_gguf(path).metadata.get("general.architecture")
-    except PretrainedFormatError:
-        return "decoder"
-    return "encoder" if arch in GGUF_ENCODERS else "decoder"
+    return check_architecture(path, read_gguf(path).metadata.get("general.architecture"))

@@ -87,18 +87,24 @@ def not_a_decoder(path: str | os.PathLike[str], arch: str) -> PretrainedFormatEr
 
 
 def _architecture(g: GGUFFile, kinds: tuple[str, ...]) -> str:
-    """The file's ``general.architecture`` if it is one of ``kinds``; else one line naming it
-    (and every GGUF architecture qkv reads, or what the file is instead)."""
-    arch = g.metadata.get("general.architecture")
+    """The file's ``general.architecture`` if it is one of ``kinds``; see :func:`check_architecture`."""
+    return check_architecture(g.path, g.metadata.get("general.architecture"), kinds)
+
+
+def check_architecture(path: str | os.PathLike[str], arch: Any,
+                       kinds: tuple[str, ...] = GGUF_ARCHITECTURES) -> str:
+    """``arch`` (a file's ``general.architecture``) if it is one of ``kinds``; else one line
+    naming it (and every GGUF architecture qkv reads, or what the file is instead: an encoder
+    where a language model is asked for, and the reverse)."""
     if arch in kinds:
         return arch
     if arch in GGUF_ENCODERS:
-        raise not_a_decoder(g.path, arch)
+        raise not_a_decoder(path, arch)
     if arch in GGUF_DECODERS:
-        raise PretrainedFormatError(f"{g.path}: a {arch} GGUF is a decoder (a language model), "
+        raise PretrainedFormatError(f"{path}: a {arch} GGUF is a decoder (a language model), "
                                     "not a sentence encoder")
     why = f" ({REFUSED[arch]})" if arch in REFUSED else ""
-    raise PretrainedFormatError(f"{g.path}: GGUF architecture {arch!r} is not supported{why} "
+    raise PretrainedFormatError(f"{path}: GGUF architecture {arch!r} is not supported{why} "
                                 f"(supported: {', '.join(GGUF_ARCHITECTURES)})")
 
 

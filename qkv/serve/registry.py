@@ -144,8 +144,11 @@ class Registry:
             except Exception:  # not a model, unsafe, or damaged: not listed (a request says why)
                 continue
             what = {"run": f"{ref.family} run", "gguf": "GGUF file", "hf": "Hugging Face checkpoint"}
-            out.append(Entry(RUN_PREFIX + child.name, ref.label, ref.kind,
-                             f"{what[ref.source]} {child.name}"))
+            try:
+                label, kind = ref.label, ref.kind
+            except (ValueError, OSError):  # a GGUF qkv cannot read: listed, a request says why
+                label, kind = "gguf", "decoder"
+            out.append(Entry(RUN_PREFIX + child.name, label, kind, f"{what[ref.source]} {child.name}"))
         return out
 
     def entries(self) -> list[Entry]:

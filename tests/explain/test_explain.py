@@ -66,9 +66,9 @@ def minilm():
 @pytest.fixture
 def minilm_cli(minilm, monkeypatch):
     """CLI runs reuse the module's MiniLM instead of loading it again (~3 s each)."""
-    import qkv.pretrained
+    import qkv.inference.loading
 
-    monkeypatch.setattr(qkv.pretrained, "load", lambda name, **kw: minilm)
+    monkeypatch.setattr(qkv.inference.loading, "_read", lambda ref, device, cache: minilm)
     return minilm
 
 

@@ -123,7 +123,7 @@ def test_compiled_quantized_steps_agree_with_eager(weights):
     torch.manual_seed(11)
     m = GPT(GPTConfig(vocab_size=64, max_seq_len=64, dim=64, n_layers=2, n_heads=4, n_kv_heads=2,
                       mlp="swiglu", mlp_hidden=128, **LLAMA)).eval()
-    lm = CausalLM("tiny", m, tokenizer=None, info={"weight_types": ["Q4_1"]}).quantize(weights)
+    lm = CausalLM("tiny", m, tokenizer=None, stored_as=("Q4_1",)).quantize(weights)
     dec = CompiledDecoder(lm.model, cache_len=32)
     x = torch.randint(0, 64, (1, 6), generator=torch.Generator().manual_seed(12))
     with torch.inference_mode():

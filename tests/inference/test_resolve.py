@@ -89,9 +89,13 @@ def test_smollm2_named_or_as_a_folder(here: Path) -> None:
 
 
 def test_what_each_kind_of_path_resolves_to(tiny_run, tmp_path: Path) -> None:
+    from qkv.pretrained import PretrainedFormatError
+
     gguf = tmp_path / "m.GGUF"
-    gguf.write_bytes(b"GGUF")  # resolving reads nothing of it; opening would say it is damaged
-    assert (resolve(gguf).source, resolve(gguf).kind) == ("gguf", "decoder")
+    gguf.write_bytes(b"GGUF")  # resolving reads nothing of it; its kind is in its (damaged) header
+    assert resolve(gguf).source == "gguf"
+    with pytest.raises(PretrainedFormatError, match=r"m\.GGUF"):
+        _ = resolve(gguf).kind
     hf = tmp_path / "hf"
     hf.mkdir()
     (hf / "config.json").write_text('{"model_type": "bert"}')
@@ -114,7 +118,10 @@ def test_what_is_not_a_model_is_one_line(tmp_path: Path) -> None:
     (tmp_path / "notes.txt").write_text("hi")
     with pytest.raises(UnknownModelError, match=r"a file without the \.gguf suffix"):
         resolve(tmp_path / "notes.txt")
-    with pytest.raises(CheckpointError, match=r"config\.json is missing"):
+    with pytest.raises(PretrainedFormatError, match=r"config\.json is missing"):
+        resolve(tmp_path)
+    (tmp_path / "config.json").write_text("{")
+    with pytest.raises(CheckpointError, match=r"config\.json is not valid JSON"):
         resolve(tmp_path)
     (tmp_path / "config.json").write_text("[1, 2]")
     with pytest.raises(PretrainedFormatError, match="not a JSON object"):

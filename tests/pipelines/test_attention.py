@@ -99,9 +99,9 @@ def test_generation_steps_match_the_full_forward_pass(gpt) -> None:
 def test_resolve_names_what_is_wrong(tmp_path) -> None:
     with pytest.raises(UnknownModelError, match="neither a pretrained model"):
         resolve(tmp_path / "missing")
-    from qkv.training.checkpoint import CheckpointError
+    from qkv.pretrained import PretrainedFormatError
 
-    with pytest.raises(CheckpointError, match=r"config\.json is missing"):
+    with pytest.raises(PretrainedFormatError, match=r"config\.json is missing"):
         resolve(tmp_path)
 
 

@@ -180,9 +180,9 @@ def test_rank_scores_are_reference_cosines(minilm, st_minilm) -> None:
 @pytest.fixture
 def minilm_cli(minilm, monkeypatch):
     """`qkv embed` / `qkv similarity` run on the session's MiniLM instead of loading it again."""
-    import qkv.pretrained
+    import qkv.inference.loading
 
-    monkeypatch.setattr(qkv.pretrained, "load", lambda name, **kw: minilm)
+    monkeypatch.setattr(qkv.inference.loading, "_read", lambda ref, device, cache: minilm)
 
 
 def test_cli_embed_json_values_are_sentence_transformers_embeddings(minilm_cli, st_minilm) -> None:

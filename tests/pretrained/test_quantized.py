@@ -170,7 +170,7 @@ def test_q4_answers_the_readme_chat_question(formats) -> None:
 
 def test_q4_refuses_a_file_not_stored_in_4_bits(smollm2) -> None:
     lm = copy.copy(smollm2)
-    lm.info = {**smollm2.info, "weight_types": ["Q6_K", "Q8_0"]}
+    lm.weights, lm.stored_as = "fp32", ("Q6_K", "Q8_0")
     with pytest.raises(ValueError, match=r"all Q4_0 or all Q4_1.*Q6_K, Q8_0.*int8"):
         lm.quantize("q4")
     with pytest.raises(ValueError, match="weights must be one of"):
