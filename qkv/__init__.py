@@ -1,7 +1,9 @@
 """qkv: attention and Transformers from first principles.
 
 Layout (data flows one way): attention/ (all attention math) -> layers/ (norms, MLPs,
-Transformer blocks) -> models -> training -> generation / visualisation. See DESIGN.md.
+Transformer blocks) -> models -> generation, training -> pipelines (a model ready to use, one
+typed value per kind) -> pretrained, families -> inference (what a name means; ``load``) ->
+serve, commands. ARCHITECTURE.md has the whole table; tests/test_import_graph.py enforces it.
 """
 
 from __future__ import annotations

@@ -17,7 +17,7 @@ import os
 import torch
 
 from qkv.inference.resolve import ModelRef, resolve
-from qkv.pipelines import CausalLM, Kind, Loaded, SentenceEncoder, Weights
+from qkv.pipelines import WEIGHTS, CausalLM, Kind, Loaded, SentenceEncoder, Weights
 from qkv.pipelines.text import weights_dtype
 
 
@@ -55,22 +55,29 @@ def open_model(ref: ModelRef | str | os.PathLike[str], *, device: str = "cpu",
         raise ValueError(f"{ref.name} is {ref.description}, not {wanted}")
     if family is not None and ref.family != family:
         raise ValueError(f"{ref.name} is {ref.description}; give a run directory of `qkv train {family}`")
-    if dtype is not None:
-        weights_dtype(dtype)  # a bad name is refused before anything loads
+    _check_options(ref, weights, dtype)  # before anything loads
     loaded = _read(ref, device, cache)
     if isinstance(loaded, CausalLM):
         loaded.model.to(device)
         return loaded.set_weights(weights, dtype)
     if isinstance(loaded, SentenceEncoder):
-        if weights is not None:
-            raise ValueError(f"weights= is for decoders; {loaded.name} is an encoder "
-                             f"({loaded.architecture}): give dtype=")
         loaded.model.to(device=device, dtype=weights_dtype(dtype or "float32"))
-        return loaded
-    if dtype is not None or weights is not None:
+    return loaded
+
+
+def _check_options(ref: ModelRef, weights: Weights | None, dtype: str | torch.dtype | None) -> None:
+    """The precision options a model of ``ref``'s kind can take: weights for decoders, dtype for
+    decoders and encoders, neither for the other kinds; ValueError (one line) otherwise."""
+    if dtype is not None:
+        weights_dtype(dtype)
+    if weights is not None and weights not in WEIGHTS:
+        raise ValueError(f"weights must be one of {', '.join(WEIGHTS)}, got {weights!r}")
+    if ref.kind == "encoder" and weights is not None:
+        name = ref.name if ref.source == "bundled" else ref.path.name
+        raise ValueError(f"weights= is for decoders; {name} is an encoder: give dtype=")
+    if ref.kind not in ("encoder", "decoder") and (dtype is not None or weights is not None):
         raise ValueError(f"dtype= and weights= are for GPT runs and decoders; {ref.name} is a {ref.family} "
                          "run: cast its .model instead")
-    return loaded
 
 
 _KIND_PHRASES: dict[Kind, str] = {"encoder": "a sentence encoder", "decoder": "a language model",
