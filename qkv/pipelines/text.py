@@ -341,9 +341,8 @@ class CausalLM(LayersAndHeads):
             raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
         ids, notes = self.prompt_ids(prompt, chat=chat, system=system, slide=slide)
         if not slide and max_new_tokens > self.context - len(ids):
-            if max_new_tokens > self.context:  # asked beyond the context: say so
-                notes.append(f"max_new_tokens {max_new_tokens} bounded to {self.context - len(ids)} "
-                             f"by the {self.context}-token context")
+            notes.append(f"max_new_tokens {max_new_tokens} bounded to {self.context - len(ids)} "
+                         f"by the {self.context}-token context")
             max_new_tokens = self.context - len(ids)
         stats = self.last_stats = StreamStats(prompt_tokens=len(ids), notes=notes)
 
