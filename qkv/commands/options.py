@@ -18,14 +18,18 @@ from typing import Any, Literal
 
 
 def _field_docs(cls: type) -> dict[str, str]:
-    """The ``# comment`` after each field in the class source."""
-    try:
-        src = inspect.getsource(cls)
-    except (OSError, TypeError):
-        return {}
-    docs = {}
-    for m in re.finditer(r"^\s+(\w+):[^\n#]*#\s*(.+)$", src, flags=re.MULTILINE):
-        docs[m.group(1)] = m.group(2).strip()
+    """The ``# comment`` after each field in the class source, and in its base classes' for the
+    fields it inherits (a class's own comment wins)."""
+    docs: dict[str, str] = {}
+    for klass in reversed(cls.__mro__):
+        if not dataclasses.is_dataclass(klass):
+            continue
+        try:
+            src = inspect.getsource(klass)
+        except (OSError, TypeError):
+            continue
+        for m in re.finditer(r"^\s+(\w+):[^\n#]*#\s*(.+)$", src, flags=re.MULTILINE):
+            docs[m.group(1)] = m.group(2).strip()
     return docs
 
 

@@ -24,7 +24,6 @@ from typing import Any, Literal
 import torch
 from torch import Tensor, nn
 
-from qkv.attention.functional import Backend
 from qkv.data.dates import DatePairs, load_pairs, make_date_pairs
 from qkv.families.base import FamilyBase, files_lines, loss_curve, trained_line
 from qkv.figures import AlignmentMap, Picture
@@ -75,28 +74,14 @@ Arch = Literal["rnn", "rnn-noattn", "transformer"]
 
 
 @dataclass
-class Seq2SeqOptions:
-    """The model options of `qkv train seq2seq`: ``--arch`` picks the architecture, whose own
-    config (:meth:`model_config`) takes the fields it has; the rest are ignored. A run's
+class Seq2SeqOptions(TransformerSeq2SeqConfig, RNNSeq2SeqConfig):
+    """The model options of `qkv train seq2seq`: every field of both architectures' configs
+    (inherited, so each is declared once, beside its model), ``--arch`` choosing which config
+    (:meth:`model_config`) the model is built from; the other's fields are ignored. A run's
     config.json records the architecture's config only (:meth:`to_dict`)."""
 
     arch: Arch = "rnn"  # rnn (+ Bahdanau attention), rnn-noattn (fixed context), transformer
-    cell: Literal["gru", "lstm"] = "gru"  # RNN: cell
-    emb_dim: int = 64  # RNN: character embedding width
-    hidden: int = 128  # RNN: encoder width per direction
-    dec_hidden: int = 256  # RNN: decoder state width
-    attn_dim: int = 128  # RNN: width of the additive attention's scoring MLP
-    dim: int = 128  # Transformer: model width
-    n_heads: int = 4  # Transformer: attention heads
-    enc_layers: int = 2  # Transformer: encoder blocks
-    dec_layers: int = 2  # Transformer: decoder blocks
-    mlp_hidden: int | None = None  # Transformer: the MLP's hidden width; none = 4 x dim
-    backend: Backend = "sdpa"  # Transformer: attention backend while training
     dropout: float = 0.0  # dropout on embeddings and (Transformer) residual branches
-    max_src_len: int = 64  # longest source, in characters (set from the data when training)
-    max_tgt_len: int = 16  # longest target + EOS (set from the data when training)
-    src_vocab: int = 0  # set from the data
-    tgt_vocab: int = 0  # set from the data
 
     def __post_init__(self) -> None:
         check_choices(self)
@@ -114,6 +99,8 @@ class Seq2SeqOptions:
 
 def build_model(cfg: Seq2SeqConfig) -> nn.Module:
     """The model ``cfg`` describes: an RNNSeq2Seq (with or without attention) or a TransformerSeq2Seq."""
+    if isinstance(cfg, Seq2SeqOptions):  # both configs at once: build what --arch names
+        cfg = cfg.model_config()
     return TransformerSeq2Seq(cfg) if isinstance(cfg, TransformerSeq2SeqConfig) else RNNSeq2Seq(cfg)
 
 
@@ -241,7 +228,7 @@ class Seq2SeqFamily(FamilyBase):
                         record={"src_chars": src.symbols(), "tgt_chars": tgt.symbols()})
 
     def build(self, model_cfg: Seq2SeqOptions) -> nn.Module:
-        return build_model(model_cfg.model_config())
+        return build_model(model_cfg)
 
     def check_resume(self, saved: dict[str, Any], prepared: Prepared) -> None:
         st = prepared.state

@@ -37,11 +37,11 @@ class RNNSeq2SeqConfig:
     """Everything needed to rebuild an RNN encoder-decoder (saved in a run's config.json)."""
 
     arch: Literal["rnn", "rnn-noattn"] = "rnn"  # rnn: Bahdanau attention; rnn-noattn: one fixed context
-    cell: Literal["gru", "lstm"] = "gru"  # the encoder's and decoder's recurrent cell
-    emb_dim: int = 64  # character embedding width
-    hidden: int = 128  # encoder width per direction
-    dec_hidden: int = 256  # decoder state width
-    attn_dim: int = 128  # width of the additive attention's scoring MLP
+    cell: Literal["gru", "lstm"] = "gru"  # RNN: cell (encoder and decoder)
+    emb_dim: int = 64  # RNN: character embedding width
+    hidden: int = 128  # RNN: encoder width per direction
+    dec_hidden: int = 256  # RNN: decoder state width
+    attn_dim: int = 128  # RNN: width of the additive attention's scoring MLP
     dropout: float = 0.0  # dropout on the embeddings and the output layer's input
     max_src_len: int = 64  # longest source, in characters (set from the data when training)
     max_tgt_len: int = 16  # longest target + EOS (set from the data when training)

@@ -35,17 +35,17 @@ class TransformerSeq2SeqConfig:
     """Everything needed to rebuild a Transformer encoder-decoder (saved in a run's config.json)."""
 
     arch: Literal["transformer"] = "transformer"  # the one architecture this config builds
-    dim: int = 128  # model width
-    n_heads: int = 4  # attention heads (self- and cross-attention)
-    enc_layers: int = 2  # encoder blocks
-    dec_layers: int = 2  # decoder blocks
-    mlp_hidden: int | None = None  # the MLP's hidden width; none = 4 x dim
+    dim: int = 128  # Transformer: model width
+    n_heads: int = 4  # Transformer: attention heads (self- and cross-attention)
+    enc_layers: int = 2  # Transformer: encoder blocks
+    dec_layers: int = 2  # Transformer: decoder blocks
+    mlp_hidden: int | None = None  # Transformer: the MLP's hidden width; none = 4 x dim
     dropout: float = 0.0  # dropout on the embeddings, the attention weights and residual branches
     max_src_len: int = 64  # longest source, in tokens (set from the data when training)
     max_tgt_len: int = 16  # longest target + EOS (set from the data when training)
     src_vocab: int = 0  # set from the data
     tgt_vocab: int = 0  # set from the data
-    backend: Backend = "sdpa"  # attention backend while training (pictures use "reference")
+    backend: Backend = "sdpa"  # Transformer: attention backend while training (pictures: reference)
 
     def __post_init__(self) -> None:
         check_choices(self)
