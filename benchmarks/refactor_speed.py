@@ -78,7 +78,9 @@ def child() -> None:
     else:
         lm.generate("Once upon a time", 8)
         lm.generate("Once upon a time", 64, stop_at_eos=False)
-        out["smollm2_q4_tok_s"] = lm.last_stats["new_tokens"] / lm.last_stats["seconds"]
+        st = lm.last_stats  # a dict before issue 25, a StreamStats after
+        stats = st if isinstance(st, dict) else {"new_tokens": st.new_tokens, "seconds": st.seconds}
+        out["smollm2_q4_tok_s"] = stats["new_tokens"] / stats["seconds"]
     print("RESULT " + json.dumps(out))
 
 
