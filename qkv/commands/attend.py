@@ -42,7 +42,8 @@ def add_attend_parser(sub) -> None:
     p.add_argument("model", metavar="MODEL_OR_RUN",
                    help="minilm, smollm2, a run directory from `qkv train` (gpt, vit, captioner, seq2seq), "
                    "a Hugging Face checkpoint folder or a .gguf file "
-                   "(llama, mistral, qwen2, gemma, gpt2, bert)")
+                   "(llama, mistral, qwen2, gemma, gpt2, bert); a bundled name always means the "
+                   "bundled model (a folder of that name: ./NAME)")
     p.add_argument("texts", nargs="+", metavar="TEXT_OR_IMAGE",
                    help="the text to read (several words need no quotes), or an image file for "
                    "ViT and captioner runs")

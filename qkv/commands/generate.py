@@ -25,7 +25,8 @@ def add_generate_parser(sub) -> None:
     )
     p.add_argument("run", metavar="RUN_OR_MODEL",
                    help="a run directory from `qkv train`, a pretrained model (smollm2), a "
-                   ".gguf file (llama, qwen2, gpt2, gemma), or a Hugging Face checkpoint folder")
+                   ".gguf file (llama, qwen2, gpt2, gemma), or a Hugging Face checkpoint folder; a "
+                   "bundled name always means the bundled model (a folder of that name: ./NAME)")
     p.add_argument("--prompt", default=None,
                    help="text to continue (a trained run's default: a newline, or its first character "
                    "if its text has no newline; a pretrained model needs one)")

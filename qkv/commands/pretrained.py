@@ -70,8 +70,8 @@ def add_embed_parser(sub) -> None:
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     p.add_argument("model", metavar="MODEL",
-                   help=f"pretrained encoder ({', '.join(ENCODERS)}), a Hugging Face BERT folder or a "
-                   "bert .gguf file (llama.cpp's, e.g. all-MiniLM-L6-v2)")
+                   help=f"pretrained encoder ({', '.join(ENCODERS)}; a folder of that name: ./NAME), a "
+                   "Hugging Face BERT folder or a bert .gguf file (llama.cpp's, e.g. all-MiniLM-L6-v2)")
     p.add_argument("texts", nargs="*", metavar="TEXT", help="sentences to embed ('-' reads stdin)")
     p.add_argument("--file", type=Path, help="also embed every non-empty line of this UTF-8 file")
     p.add_argument("--json", action="store_true", help="print JSON: [{text, embedding}, ...]")
@@ -122,8 +122,8 @@ def add_similarity_parser(sub) -> None:
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     p.add_argument("model", metavar="MODEL",
-                   help=f"pretrained encoder ({', '.join(ENCODERS)}), a Hugging Face BERT folder or a "
-                   "bert .gguf file (llama.cpp's, e.g. all-MiniLM-L6-v2)")
+                   help=f"pretrained encoder ({', '.join(ENCODERS)}; a folder of that name: ./NAME), a "
+                   "Hugging Face BERT folder or a bert .gguf file (llama.cpp's, e.g. all-MiniLM-L6-v2)")
     p.add_argument("query", help="the query sentence")
     p.add_argument("docs", nargs="+", metavar="FILE_OR_SENTENCE", help="documents ('-' reads stdin)")
     p.add_argument("--top", type=int, default=10, help="show the best N (0 = all)")
