@@ -1,4 +1,6 @@
-"""Shared test fixtures: a seeded RNG and an independent float64 attention reference.
+"""Fixtures shared across the test folders: a seeded RNG, an independent float64 attention
+reference, the session's tiny runs of each family and its MiniLM. (Plain helpers live in
+tests/helpers.py.)
 
 The reference below is written from the formula (softmax(QKᵀ·scale + bias)·V, Vaswani et al.
 2017 eq. 1) without calling anything in qkv, so that qkv's three backends are checked against
@@ -7,9 +9,11 @@ math that shares none of their code.
 
 import math
 import os
+from pathlib import Path
 
 import pytest
 import torch
+from helpers import TINY_TEXT, call_one_thread, flags, single_thread, tiny_data, tiny_train
 
 
 @pytest.hookimpl(hookwrapper=True)
@@ -104,52 +108,74 @@ def one_thread():
     Test files with small training loops opt in with
     ``pytestmark = pytest.mark.usefixtures("one_thread")``.
     """
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+    with single_thread():
+        yield
 
 
 # --------------------------------------------------------------------------- tiny runs
 
-_TINY_TEXT = "\n".join(["ROMEO: But soft, what light through yonder window breaks?",
-                        "JULIET: O Romeo, Romeo, wherefore art thou Romeo?",
-                        "ROMEO: It is the east, and Juliet is the sun."] * 25) + "\n"
-# `qkv train FAMILY --preset tiny` cut to a few steps: seconds each, enough for tools that read runs.
-_TINY_ARGS = {
-    "gpt": ["--max_iters", "10", "--data", "{root}/text.txt", "--compile", "false"],
-    "vit": ["--max_iters", "10", "--eval_iters", "1"],
-    "seq2seq": ["--max_iters", "10", "--eval_iters", "1", "--n_train", "300", "--n_val", "50",
-                "--n_test", "50", "--n_heldout", "50"],
-    "captioner": ["--max_iters", "10", "--eval_iters", "1", "--n_train", "100", "--n_val", "20",
-                  "--n_test", "20", "--n_heldout", "20"],
-}
+
+class TinyRuns:
+    """``tiny_run(family) -> Path``: ``ROOT/runs/FAMILY-tiny``, a run of ``qkv train FAMILY
+    --preset tiny`` cut to a few steps with fixed choices (helpers.TINY_TRAIN, TINY_DATA: seconds
+    each, one thread), trained once per session on first use. ``ROOT/runs`` holds only such runs
+    (a runs directory for ``qkv serve``); ``tiny_run.stdout(family)`` is what the command printed,
+    ``tiny_run.root`` the folder of the GPT's text (``ROOT/text.txt``)."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        (root / "text.txt").write_text(TINY_TEXT, encoding="utf-8")
+        self._made: dict[str, tuple[Path, str]] = {}
+
+    def __call__(self, family: str) -> Path:
+        if family not in self._made:
+            if family == "vit":
+                pytest.importorskip("sklearn", reason="the tiny ViT trains on scikit-learn's digits")
+            run = self.root / "runs" / f"{family}-tiny"
+            argv = ["train", family, "--preset", "tiny", "--out_dir", str(run), "--no-progress",
+                    *flags(tiny_train(family)), *flags(tiny_data(family, self.root))]
+            rc, out, err = call_one_thread(argv, self.root / "cache")
+            assert rc == 0, out + err
+            self._made[family] = (run, out)
+        return self._made[family][0]
+
+    def stdout(self, family: str) -> str:
+        """What ``qkv train`` printed while training ``family``'s tiny run."""
+        self(family)
+        return self._made[family][1]
 
 
 @pytest.fixture(scope="session")
-def tiny_run(tmp_path_factory):
-    """``tiny_run(family) -> Path``: ``ROOT/runs/FAMILY-tiny``, a run of ``qkv train FAMILY
-    --preset tiny`` cut to 10 steps (a few seconds, one thread), trained once per session on
-    first use. ``ROOT/runs`` holds only such runs (a runs directory for ``qkv serve``)."""
-    from cli_helpers import call_one_thread
+def tiny_run(tmp_path_factory) -> TinyRuns:
+    """The session's tiny runs, one per family, trained on first use (see :class:`TinyRuns`)."""
+    return TinyRuns(tmp_path_factory.mktemp("tiny-runs"))
 
-    root = tmp_path_factory.mktemp("tiny-runs")
-    (root / "text.txt").write_text(_TINY_TEXT, encoding="utf-8")
-    made: dict[str, object] = {}
 
-    def make(family: str):
-        if family not in made:
-            if family == "vit":
-                pytest.importorskip("sklearn", reason="the tiny ViT trains on scikit-learn's digits")
-            run = root / "runs" / f"{family}-tiny"
-            argv = ["train", family, "--preset", "tiny", "--out_dir", str(run), "--no-progress",
-                    *(a.format(root=root) for a in _TINY_ARGS[family])]
-            rc, out, err = call_one_thread(argv, root / "cache")
-            assert rc == 0, out + err
-            made[family] = run
-        return made[family]
+# --------------------------------------------------------------------------- MiniLM
 
-    return make
+
+@pytest.fixture(scope="session")
+def minilm():
+    """qkv's MiniLM SentenceEncoder (fp32), loaded once per session; skips, naming the fix,
+    without its asset or packages."""
+    from pretrained.asset_skip import require_asset
+
+    require_asset("minilm")
+    for module in ("safetensors", "tokenizers"):
+        pytest.importorskip(module, reason=f"{module} not installed: pip install 'qkv[pretrained]'")
+    import qkv
+
+    return qkv.load("minilm")
+
+
+@pytest.fixture
+def minilm_cli(minilm, monkeypatch):
+    """CLI runs (`qkv embed`, `qkv explain retrieval`, ...) read the session's MiniLM instead of
+    loading it again (~3 s each)."""
+    import qkv.inference.loading
+
+    monkeypatch.setattr(qkv.inference.loading, "_read", lambda ref, device, cache: minilm)
+    return minilm
 
 
 @pytest.fixture(autouse=True, scope="session")

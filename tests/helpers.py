@@ -1,18 +1,38 @@
-"""Calling the ``qkv`` command line in-process from tests (tests/ is on sys.path through
-tests/conftest.py, so any test file can ``from cli_helpers import call``)."""
+"""Helpers shared by the test files: tests/ is on sys.path through tests/conftest.py, so any test
+file can ``from helpers import call``. A helper a second test file needs moves here, or to its
+folder's own module (tests/attention/attention_cases.py, tests/pretrained/gguf_writing.py,
+tests/serve/serve_helpers.py), never into a copy; tests/test_helpers_once.py keeps it so.
+
+Sections: the command line in-process; the session's tiny runs (what tests/conftest.py's
+``tiny_run`` trains); small values and waits; tiny Hugging Face checkpoints.
+"""
 
 from __future__ import annotations
 
 import contextlib
 import io
+import json
+import math
 import os
+import socket
+import time
+from collections.abc import Callable
 from pathlib import Path
 
+import pytest
 import torch
 
 from qkv import cli
 
 PNG = b"\x89PNG\r\n\x1a\n"
+
+
+def dev_package(name: str):
+    """``pytest.importorskip(name)`` for a package of qkv's [dev] extra, the skip naming the fix."""
+    return pytest.importorskip(name, reason=f"package missing: {name} (pip install -e '.[dev]')")
+
+
+# --------------------------------------------------------------------------- the command line
 
 
 def call(argv: list[str]) -> tuple[int, str, str]:
@@ -26,20 +46,31 @@ def call(argv: list[str]) -> tuple[int, str, str]:
     return rc, out.getvalue(), err.getvalue()
 
 
-def call_one_thread(argv: list[str], cache_dir: Path) -> tuple[int, str, str]:
-    """:func:`call` on one thread with ``QKV_CACHE_DIR=cache_dir`` (both restored after): how
-    the session's tiny runs are trained, so that they come out the same whoever trains them."""
+@contextlib.contextmanager
+def single_thread(cache_dir: Path | None = None):
+    """One torch thread for the block and, given ``cache_dir``, ``QKV_CACHE_DIR=cache_dir``
+    (both restored after). Tiny matrices: one thread avoids contention on shared CPUs."""
     threads, cache = torch.get_num_threads(), os.environ.get("QKV_CACHE_DIR")
     torch.set_num_threads(1)
-    os.environ["QKV_CACHE_DIR"] = str(cache_dir)
+    if cache_dir is not None:
+        os.environ["QKV_CACHE_DIR"] = str(cache_dir)
     try:
-        return call(argv)
+        yield
     finally:
         torch.set_num_threads(threads)
-        if cache is None:
-            os.environ.pop("QKV_CACHE_DIR", None)
-        else:
-            os.environ["QKV_CACHE_DIR"] = cache
+        if cache_dir is not None:
+            if cache is None:
+                os.environ.pop("QKV_CACHE_DIR", None)
+            else:
+                os.environ["QKV_CACHE_DIR"] = cache
+
+
+def call_one_thread(argv: list[str], cache_dir: Path | None = None) -> tuple[int, str, str]:
+    """:func:`call` on one thread, with ``QKV_CACHE_DIR=cache_dir`` if given (both restored
+    after): how module fixtures train their runs, and the session's tiny runs, so that they come
+    out the same whoever trains them."""
+    with single_thread(cache_dir):
+        return call(argv)
 
 
 def assert_one_line_error(rc: int, err: str) -> str:
@@ -49,3 +80,182 @@ def assert_one_line_error(rc: int, err: str) -> str:
     assert len(lines) == 1, err
     assert lines[0].startswith("qkv: error: ") and "Traceback" not in err
     return lines[0]
+
+
+def child_env() -> dict[str, str]:
+    """The environment for a child process (a torchrun launch): no inherited rank variables,
+    one OpenMP thread, gloo on the loopback interface, unbuffered output."""
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
+    env.update(OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME="lo", PYTHONUNBUFFERED="1")
+    return env
+
+
+def free_port() -> int:
+    """A TCP port free on the loopback interface right now."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+# --------------------------------------------------------------------------- the session's tiny runs
+
+TINY_LINES = ["ROMEO: But soft, what light through yonder window breaks?",
+              "JULIET: O Romeo, Romeo, wherefore art thou Romeo?",
+              "ROMEO: It is the east, and Juliet is the sun."]
+TINY_TEXT = "\n".join(TINY_LINES * 25) + "\n"  # the GPT's text, ~3,900 characters
+# What `qkv train FAMILY --preset tiny` is given for the session's tiny runs (tests/conftest.py's
+# tiny_run), and what tests/families/test_every_family.py gives train_run for the same runs from
+# Python: a few steps, and fixed choices (no measuring probe), so the two cannot choose differently.
+TINY_TRAIN = {"max_iters": 8, "eval_interval": 4, "eval_iters": 1, "dtype": "fp32", "compile": False,
+              "optimizer": "adamw", "device": "cpu"}
+TINY_STEPS = {"captioner": {"max_iters": 60, "eval_interval": 30}}  # enough to say a few words
+TINY_DATA = {"gpt": {"data": "{root}/text.txt"}, "vit": {},
+             "seq2seq": {"n_train": 200, "n_val": 20, "n_test": 30, "n_heldout": 20},
+             "captioner": {"n_train": 60, "n_val": 10, "n_test": 12, "n_heldout": 10}}
+
+
+def tiny_train(family: str) -> dict:
+    """The training settings of ``family``'s tiny run."""
+    return {**TINY_TRAIN, **TINY_STEPS.get(family, {})}
+
+
+def tiny_data(family: str, root: Path) -> dict:
+    """The data settings of ``family``'s tiny run, its files under ``root``."""
+    return {k: v.format(root=root) if isinstance(v, str) else v for k, v in TINY_DATA[family].items()}
+
+
+def flags(settings: dict) -> list[str]:
+    """``{"max_iters": 8, "compile": False}`` -> ``["--max_iters", "8", "--compile", "false"]``."""
+    return [x for k, v in settings.items()
+            for x in (f"--{k}", str(v).lower() if isinstance(v, bool) else str(v))]
+
+
+def metrics(run_dir: Path) -> list[dict]:
+    """A run's metrics.jsonl, one dict per row."""
+    return [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text(encoding="utf-8").splitlines()]
+
+
+def snapshot(folder: Path) -> dict[str, bytes]:
+    """Every file under ``folder`` (sub-folders too), by relative path: to check that something
+    changed nothing."""
+    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+def forbid_probe(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Any timing of steps fails the test: the choice must come from the cache or the record."""
+    from qkv.training import probe
+
+    def fail(*args, **kwargs):
+        raise AssertionError("the probe measured steps")
+
+    monkeypatch.setattr(probe, "time_options", fail)
+
+
+# --------------------------------------------------------------------------- small values and waits
+
+
+def softmax64(logits: list[float], temperature: float = 1.0) -> list[float]:
+    """softmax(logits / T) in plain Python floats (shares no code with torch)."""
+    top = max(logits)
+    e = [math.exp((x - top) / temperature) for x in logits]
+    return [x / sum(e) for x in e]
+
+
+def randomise(module: torch.nn.Module, seed: int = 0, scale: float = 0.3) -> None:
+    """Random values in every parameter (a norm's γ and β included), so no term hides as 1 or 0:
+    N(0, scale²), or N(1, scale²) for the weights of parameters named ``*norm*`` (γ near 1)."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in module.named_parameters():
+            centre = 1.0 if "norm" in name and name.endswith("weight") else 0.0
+            p.copy_(centre + torch.randn(p.shape, generator=g) * scale)
+
+
+def image_bytes(fmt: str = "PNG", size: tuple[int, int] = (16, 16), mode: str = "L",
+                colour: object = 200) -> bytes:
+    """A one-colour image file of ``size`` in ``mode``, as bytes in format ``fmt`` (Pillow's)."""
+    from PIL import Image
+
+    buf = io.BytesIO()
+    Image.new(mode, size, colour).save(buf, format=fmt)
+    return buf.getvalue()
+
+
+def png_bytes(size: tuple[int, int] = (16, 16), mode: str = "L", colour: object = 200) -> bytes:
+    """:func:`image_bytes` as a PNG."""
+    return image_bytes("PNG", size, mode, colour)
+
+
+def wait_until(condition: Callable[[], object], what: str, timeout: float = 20.0) -> None:
+    """Block until ``condition()`` holds (a synchronisation point, not a timing assertion)."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.005)
+
+
+# --------------------------------------------------------------------------- tiny Hugging Face checkpoints
+
+HF_VOCAB = 96  # vocabulary of the tiny checkpoints: ids 0..95 are the words "w0".."w95"
+HF_PROMPT = torch.tensor([[3, 17, 42, 5, 88, 9, 1, 60]])  # token ids the parity tests decode from
+HF_SIZES = dict(vocab_size=HF_VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                num_attention_heads=4, max_position_embeddings=64, initializer_range=0.1)
+# kind -> (its transformers config class, the options it adds to HF_SIZES); GPT-2 names its
+# sizes its own way, so it lists them all
+HF_DECODERS = {
+    "llama": ("LlamaConfig", {}),
+    "llama_tied_gqa": ("LlamaConfig", dict(num_key_value_heads=2, tie_word_embeddings=True, rope_parameters={
+        "rope_type": "default", "rope_theta": 100000.0})),
+    "qwen2": ("Qwen2Config", dict(num_key_value_heads=2)),
+    "mistral": ("MistralConfig", dict(num_key_value_heads=1, sliding_window=32)),
+    "gemma": ("GemmaConfig", dict(num_key_value_heads=1, head_dim=32)),
+    "gpt2": ("GPT2Config", dict(vocab_size=HF_VOCAB, n_embd=64, n_layer=2, n_head=4, n_positions=64,
+                                initializer_range=0.1, bos_token_id=1, eos_token_id=2)),
+}
+
+
+def hf_decoder_config(kind: str, **overrides):
+    """The transformers config of the tiny decoder ``kind`` (a key of HF_DECODERS), with ``overrides``."""
+    import transformers
+
+    cls, options = HF_DECODERS[kind]
+    sizes = {} if kind == "gpt2" else HF_SIZES
+    return getattr(transformers, cls)(**{**sizes, **options, **overrides})
+
+
+def hf_bert_config():
+    """The transformers config of the tiny BERT (the sizes of HF_SIZES)."""
+    import transformers
+
+    return transformers.BertConfig(vocab_size=HF_VOCAB, hidden_size=64, num_hidden_layers=2,
+                                   num_attention_heads=4, intermediate_size=96, max_position_embeddings=64,
+                                   initializer_range=0.1)
+
+
+def tiny_hf_decoder(kind: str, **overrides):
+    """A tiny random transformers decoder (seed 0, float32, eval mode) of :func:`hf_decoder_config`."""
+    import transformers
+
+    torch.manual_seed(0)
+    return transformers.AutoModelForCausalLM.from_config(hf_decoder_config(kind, **overrides)).float().eval()
+
+
+def save_hf_folder(model, folder: Path, **save_kwargs) -> Path:
+    """``model.save_pretrained(folder)`` beside a word-level tokenizer.json ("w7" <-> id 7, split
+    on whitespace): a checkpoint folder as one ships."""
+    import tokenizers
+
+    model.save_pretrained(folder, **save_kwargs)
+    vocab = {f"w{i}": i for i in range(HF_VOCAB)}
+    tok = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="w0"))
+    tok.pre_tokenizer = tokenizers.pre_tokenizers.WhitespaceSplit()
+    tok.save(str(folder / "tokenizer.json"))
+    return folder
+
+
+def hf_decoder_folder(kind: str, folder: Path, **save_kwargs):
+    """:func:`tiny_hf_decoder` ``kind`` saved by :func:`save_hf_folder` in ``folder``; returns the model."""
+    model = tiny_hf_decoder(kind)
+    save_hf_folder(model, folder, **save_kwargs)
+    return model

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from cli_helpers import assert_one_line_error, call
+from helpers import assert_one_line_error, call
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -4,7 +4,7 @@ strings unseen in training, bad settings refused in one line; and an easy run le
 from __future__ import annotations
 
 import pytest
-from cli_helpers import assert_one_line_error, call
+from helpers import assert_one_line_error, call
 
 from qkv.data.copy import SYMBOLS, length_edges, make_copy_pairs, substitution
 

@@ -7,7 +7,7 @@ import math
 
 import pytest
 import torch
-from cli_helpers import assert_one_line_error, call
+from helpers import assert_one_line_error, call
 
 from qkv.explain.attention_claims import explain_addressing, explain_bottleneck, explain_hard_attention
 

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from cli_helpers import assert_one_line_error, call
+from helpers import assert_one_line_error, call
 from pretrained.asset_skip import require_asset
 
 from qkv.explain import TOPICS

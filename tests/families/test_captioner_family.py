@@ -8,6 +8,7 @@ import math
 import numpy as np
 import pytest
 import torch
+from helpers import PNG, assert_one_line_error, call, call_one_thread
 
 from qkv.data.shapes import Scene, SceneObject
 from qkv.families.captioner import bleu4, pointing, pointing_overlap
@@ -62,16 +63,11 @@ def test_pointing_by_overlap_by_hand() -> None:
 
 @pytest.fixture(scope="module")
 def cap_run(tmp_path_factory: pytest.TempPathFactory):
-    from test_train_cli import call
-
+    """`qkv train captioner --preset tiny` once: (run_dir, stdout). Its own run, not the
+    session's tiny one: the preset as shipped, with its 100 test and 100 held-out scenes."""
     run = tmp_path_factory.mktemp("cap") / "run"
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        rc, out, err = call(["train", "captioner", "--preset", "tiny", "--out_dir", str(run),
-                             "--no-progress"])
-    finally:
-        torch.set_num_threads(threads)
+    rc, out, err = call_one_thread(["train", "captioner", "--preset", "tiny", "--out_dir", str(run),
+                                    "--no-progress"])
     assert rc == 0, out + err
     return run, out
 
@@ -93,7 +89,6 @@ def test_caption_command(cap_run, tmp_path) -> None:
     import random
 
     from PIL import Image
-    from test_train_cli import PNG, assert_one_line_error, call
 
     from qkv.data.shapes import make_scene
 
@@ -121,7 +116,7 @@ def test_caption_command(cap_run, tmp_path) -> None:
     assert "vit run" in assert_one_line_error(rc, err)
 
 
-def _folder(tmp_path, lines: list[str], n_images: int = 5):
+def _caption_folder(tmp_path, lines: list[str], n_images: int = 5):
     import random
 
     from PIL import Image
@@ -141,7 +136,7 @@ def test_caption_folder(tmp_path) -> None:
     from qkv.data.captions import load_caption_folder
 
     lines = ["# image<TAB>caption", ""] + [f"{i}.png\t a  caption number {i} " for i in range(5)]
-    splits = load_caption_folder(_folder(tmp_path, lines), 64, 3, seed=0)
+    splits = load_caption_folder(_caption_folder(tmp_path, lines), 64, 3, seed=0)
     sizes = {k: len(v) for k, v in splits.scenes.items()}
     assert sizes == {"train": 3, "val": 1, "test": 1}
     caps = sorted(s.caption for v in splits.scenes.values() for s in v)
@@ -163,7 +158,7 @@ def test_caption_folder_errors(tmp_path, case: str, want: str) -> None:
 
     lines = {"no_file": [], "empty": ["# only a comment"], "no_caption": ["0.png\tok", "1.png\t  "],
              "missing_image": ["0.png\tok", "9.png\tmissing"], "corrupt": ["bad.png\tbroken"]}[case]
-    root = _folder(tmp_path, lines, n_images=2)
+    root = _caption_folder(tmp_path, lines, n_images=2)
     (root / "bad.png").write_bytes(b"\x89PNG\r\n\x1a\n not really")
     if case == "no_file":
         (root / "captions.tsv").unlink()
@@ -173,10 +168,8 @@ def test_caption_folder_errors(tmp_path, case: str, want: str) -> None:
 
 
 def test_train_captioner_on_a_folder_cli(tmp_path) -> None:
-    from test_train_cli import assert_one_line_error, call
-
     (tmp_path / "d").mkdir()
-    root = _folder(tmp_path / "d", ["0.png"])
+    root = _caption_folder(tmp_path / "d", ["0.png"])
     rc, _, err = call(["train", "captioner", "--preset", "tiny", "--data", str(root),
                        "--out_dir", str(tmp_path / "run"), "--no-progress"])
     assert "line 1: no caption" in assert_one_line_error(rc, err)
@@ -283,7 +276,6 @@ def test_addressing_on_a_larger_grid_from_the_cli(tmp_path) -> None:
     64 cells, refuses in one line naming why."""
     import random
 
-    from cli_helpers import assert_one_line_error, call
     from PIL import Image
 
     from qkv.data.shapes import make_scene
@@ -315,10 +307,8 @@ def test_addressing_on_a_larger_grid_from_the_cli(tmp_path) -> None:
 def test_location_addressing_refuses_a_folder_of_mixed_sizes(tmp_path) -> None:
     """Image 0 of the folder is 80x80, the rest 64x64: resized to one grid, location k would be
     another place in image 0, so location addressing refuses with one line naming both images."""
-    from test_train_cli import assert_one_line_error, call
-
     (tmp_path / "d").mkdir()
-    root = _folder(tmp_path / "d", [f"{i}.png\ta shape" for i in range(5)])
+    root = _caption_folder(tmp_path / "d", [f"{i}.png\ta shape" for i in range(5)])
     rc, _, err = call(["train", "captioner", "--preset", "tiny", "--data", str(root), "--addressing",
                        "location", "--out_dir", str(tmp_path / "run"), "--no-progress"])
     line = assert_one_line_error(rc, err)

@@ -1,7 +1,7 @@
 """Every registered family, end to end, the same from Python as from the command line: train the
-tiny preset with ``train_run`` and with ``qkv train``, then load, decode/predict and attend each
-run both ways. Same seed and settings, so the two runs must agree bit for bit: weights,
-``eval.json``, outputs and attention pictures."""
+tiny preset with ``train_run`` and with ``qkv train`` (the session's tiny runs, which every tool's
+tests read), then load, decode/predict and attend each run both ways. Same seed and settings, so
+the two runs must agree bit for bit: weights, ``eval.json``, outputs and attention pictures."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from cli_helpers import call
+from helpers import TINY_STEPS, TINY_TRAIN, call, single_thread, tiny_data, tiny_train
 from PIL import Image
 from safetensors.torch import load_file
 
@@ -26,53 +26,32 @@ from qkv.training.trainer import TrainConfig
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
-TEXT = "\n".join(["ROMEO: But soft, what light through yonder window breaks?",
-                  "JULIET: O Romeo, Romeo, wherefore art thou Romeo?"] * 30) + "\n"
-# Fixed choices (no measuring probe), so the two runs cannot choose differently.
-TRAIN = {"max_iters": 8, "eval_interval": 4, "eval_iters": 1, "dtype": "fp32", "compile": False,
-         "optimizer": "adamw", "device": "cpu"}
-STEPS = {"captioner": {"max_iters": 60, "eval_interval": 30}}  # enough to say a few words
-DATA = {"gpt": {"data": "{root}/text.txt"}, "vit": {},
-        "seq2seq": {"n_train": 200, "n_val": 20, "n_test": 30, "n_heldout": 20},
-        "captioner": {"n_train": 60, "n_val": 10, "n_test": 12, "n_heldout": 10}}
-
-
-def _flags(d: dict) -> list[str]:
-    return [x for k, v in d.items() for x in (f"--{k}", str(v).lower() if isinstance(v, bool) else str(v))]
+FAMILIES = ("gpt", "vit", "seq2seq", "captioner")
+# The session's tiny runs (tests/conftest.py's tiny_run) are the CLI's runs; the Python runs get
+# the same settings (tests/helpers.py): fixed choices, so the two cannot choose differently.
+TRAIN, STEPS = TINY_TRAIN, TINY_STEPS
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
-    """family -> (Python run dir, CLI run dir, the Python Run, CLI stdout)."""
-    import os
-
+def runs(tiny_run, tmp_path_factory):
+    """family -> (Python run dir, CLI run dir, the Python Run, CLI stdout). The CLI run is the
+    session's ``qkv train FAMILY --preset tiny ...``; the Python one is trained here the same way
+    (one thread, as the CLI's: config.json records the threads, and they may change the sums)."""
     root = tmp_path_factory.mktemp("families")
-    (root / "text.txt").write_text(TEXT, encoding="utf-8")
-    old = os.environ.get("QKV_CACHE_DIR")
-    os.environ["QKV_CACHE_DIR"] = str(root / "cache")
     made = {}
-    try:
-        for name in ("gpt", "vit", "seq2seq", "captioner"):
-            if name == "vit":
-                pytest.importorskip("sklearn", reason="the tiny ViT trains on scikit-learn's digits")
-            f = get_family(name)
-            preset = get_preset(name, "tiny")
-            data = {k: v.format(root=root) if isinstance(v, str) else v for k, v in DATA[name].items()}
-            py_dir, cli_dir = root / f"{name}-py", root / f"{name}-cli"
-            train = {**TRAIN, **STEPS.get(name, {})}
+    for name in FAMILIES:
+        cli_dir = tiny_run(name)  # first: skips the ViT without scikit-learn
+        f = get_family(name)
+        preset = get_preset(name, "tiny")
+        data = tiny_data(name, tiny_run.root)  # the same text file: config.json records its path
+        py_dir = root / f"{name}-py"
+        with single_thread(root / "cache"):
             run = train_run(f, f.model_config(**f.draft_model(dict(preset["model"]))),
-                            TrainConfig(**{**preset_train(preset, "adamw"), **train, "out_dir": str(py_dir)}),
+                            TrainConfig(**{**preset_train(preset, "adamw"), **tiny_train(name),
+                                           "out_dir": str(py_dir)}),
                             f.data_config(**{**preset.get("data", {}), **data}),
                             preset=PresetChoice("tiny", None, ""))  # what the CLI records of --preset tiny
-            rc, out, err = call(["train", name, "--preset", "tiny", "--no-progress",
-                                 "--out_dir", str(cli_dir), *_flags(train), *_flags(data)])
-            assert rc == 0, out + err
-            made[name] = (py_dir, cli_dir, run, out)
-    finally:
-        if old is None:
-            os.environ.pop("QKV_CACHE_DIR", None)
-        else:
-            os.environ["QKV_CACHE_DIR"] = old
+        made[name] = (py_dir, cli_dir, run, tiny_run.stdout(name))
     return made
 
 
@@ -82,7 +61,7 @@ def _eval(run_dir: Path) -> dict:
     return ev
 
 
-@pytest.mark.parametrize("name", ["gpt", "vit", "seq2seq", "captioner"])
+@pytest.mark.parametrize("name", FAMILIES)
 def test_python_and_cli_runs_are_the_same_run(runs, name: str) -> None:
     py_dir, cli_dir, run, out = runs[name]
     a, b = load_file(str(py_dir / "model.safetensors")), load_file(str(cli_dir / "model.safetensors"))
@@ -124,7 +103,7 @@ def _image(run, path: Path) -> Path:
     return path
 
 
-@pytest.mark.parametrize("name", ["gpt", "vit", "seq2seq", "captioner"])
+@pytest.mark.parametrize("name", FAMILIES)
 def test_load_decode_attend_the_same_from_python_and_cli(runs, name: str, tmp_path: Path,
                                                          monkeypatch: pytest.MonkeyPatch) -> None:
     py_dir, cli_dir, run, _ = runs[name]

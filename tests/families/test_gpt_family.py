@@ -13,45 +13,29 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
-from cli_helpers import assert_one_line_error, call
+from helpers import PNG, assert_one_line_error, call, call_one_thread, metrics
+from helpers import TINY_TEXT as TEXT
 
 from qkv.families.gpt import LMDataConfig
 from qkv.models.gpt import GPTConfig
 from qkv.presets import GPT_PRESETS
 from qkv.training.trainer import TrainConfig
 
-TEXT = "\n".join(
-    ["ROMEO: But soft, what light through yonder window breaks?",
-     "JULIET: O Romeo, Romeo, wherefore art thou Romeo?",
-     "ROMEO: It is the east, and Juliet is the sun."] * 25
-) + "\n"
-PNG = b"\x89PNG\r\n\x1a\n"
-
-
 pytestmark = pytest.mark.usefixtures("one_thread")  # see tests/conftest.py
-
-
-def metrics(run_dir: Path) -> list[dict]:
-    return [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory: pytest.TempPathFactory):
-    """`qkv train --preset tiny --max_iters 20 ...` once for the module: (run_dir, stdout)."""
+    """`qkv train --preset tiny --max_iters 20 ...` once for the module: (run_dir, stdout). Its
+    own run, not the session's tiny one: the tests below read what this command printed, its
+    20 steps and its choices left to the machine (dtype, device), and resume it to 30."""
     root = tmp_path_factory.mktemp("cli")
     text = root / "text.txt"
     text.write_text(TEXT, encoding="utf-8")
     run_dir = root / "run"
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("QKV_CACHE_DIR", str(root / "token-cache"))
-        threads = torch.get_num_threads()
-        torch.set_num_threads(1)
-        try:
-            rc, out, err = call(["train", "--preset", "tiny", "--max_iters", "20", "--data", str(text),
-                                 "--out_dir", str(run_dir), "--compile", "false", "--no-progress"])
-        finally:
-            torch.set_num_threads(threads)
+    rc, out, err = call_one_thread(["train", "--preset", "tiny", "--max_iters", "20", "--data", str(text),
+                                    "--out_dir", str(run_dir), "--compile", "false", "--no-progress"],
+                                   root / "token-cache")
     assert rc == 0, out + err
     return run_dir, out
 

@@ -10,8 +10,7 @@ import random
 from pathlib import Path
 
 import pytest
-import torch
-from test_train_cli import PNG, assert_one_line_error, call
+from helpers import PNG, assert_one_line_error, call, call_one_thread
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -29,17 +28,15 @@ def _easy_pairs(path: Path, n: int = 1500) -> list[tuple[str, str]]:
 
 @pytest.fixture(scope="module")
 def easy_run(tmp_path_factory: pytest.TempPathFactory):
+    """A 300-step RNN run on the easy format once: (run_dir, stdout). Its own run, not the
+    session's tiny one: it must have learnt the format (>= 90% exact), and its inputs are at
+    most 10 characters."""
     root = tmp_path_factory.mktemp("s2s")
     _easy_pairs(root / "easy.tsv")
     run = root / "run"
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        rc, out, err = call(["train", "seq2seq", "--preset", "tiny", "--arch", "rnn",
-                             "--data", str(root / "easy.tsv"), "--max_iters", "300",
-                             "--out_dir", str(run), "--no-progress"])
-    finally:
-        torch.set_num_threads(threads)
+    rc, out, err = call_one_thread(["train", "seq2seq", "--preset", "tiny", "--arch", "rnn",
+                                    "--data", str(root / "easy.tsv"), "--max_iters", "300",
+                                    "--out_dir", str(run), "--no-progress"])
     assert rc == 0, out + err
     return run, out
 

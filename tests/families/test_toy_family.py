@@ -11,7 +11,7 @@ from typing import ClassVar
 
 import pytest
 import torch
-from cli_helpers import call
+from helpers import call
 
 from qkv import families
 from qkv.families.base import FamilyBase

@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from test_train_cli import PNG, assert_one_line_error, call
+from helpers import PNG, assert_one_line_error, call, call_one_thread, child_env, free_port, metrics
 
 from qkv.data.images import ImageData
 from qkv.families.vit import ViTFamily, confusion_matrix, fit_model_config, predict
@@ -39,14 +39,12 @@ def test_model_config_follows_the_data() -> None:
 
 @pytest.fixture(scope="module")
 def vit_run(tmp_path_factory: pytest.TempPathFactory):
-    """`qkv train vit --preset tiny` (digits, 200 steps) once: (run_dir, stdout)."""
+    """`qkv train vit --preset tiny` (digits, 200 steps) once: (run_dir, stdout). Its own run,
+    not the session's tiny one: the preset as shipped must learn (accuracy > 80%) and resume
+    from step 200."""
     run_dir = tmp_path_factory.mktemp("vit") / "run"
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        rc, out, err = call(["train", "vit", "--preset", "tiny", "--out_dir", str(run_dir), "--no-progress"])
-    finally:
-        torch.set_num_threads(threads)
+    rc, out, err = call_one_thread(["train", "vit", "--preset", "tiny", "--out_dir", str(run_dir),
+                                    "--no-progress"])
     assert rc == 0, out + err
     return run_dir, out
 
@@ -84,7 +82,7 @@ def test_vit_resume_continues(vit_run, tmp_path: Path) -> None:
     shutil.copytree(vit_run[0], run)
     rc, out, err = call(["train", "vit", "--resume", str(run), "--max_iters", "210", "--no-progress"])
     assert rc == 0, out + err
-    steps = [json.loads(x)["step"] for x in (run / "metrics.jsonl").read_text().splitlines()]
+    steps = [r["step"] for r in metrics(run)]
     assert steps[-1] == 210 and "trained 210 steps" in out
 
 
@@ -209,8 +207,6 @@ def test_train_vit_under_torchrun(tmp_path: Path) -> None:
     import subprocess
     import sys
 
-    from test_ddp import child_env, free_port
-
     run = tmp_path / "run"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc_per_node", "2",
            "--master_addr", "127.0.0.1", "--master_port", str(free_port()), "-m", "qkv", "train", "vit",
@@ -219,6 +215,6 @@ def test_train_vit_under_torchrun(tmp_path: Path) -> None:
     proc = subprocess.run(cmd, env=child_env(), capture_output=True, text=True, timeout=180, check=False)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "x 2 processes" in proc.stdout and proc.stdout.count("test accuracy") == 1
-    steps = [json.loads(x)["step"] for x in (run / "metrics.jsonl").read_text().splitlines()]
+    steps = [r["step"] for r in metrics(run)]
     assert steps == sorted(steps) and steps[-1] == 6  # one writer: no interleaved duplicates
     assert json.loads((run / "eval.json").read_text())["n"] == 360

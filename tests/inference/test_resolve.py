@@ -10,7 +10,7 @@ import shutil
 from pathlib import Path
 
 import pytest
-from cli_helpers import assert_one_line_error, call
+from helpers import assert_one_line_error, call
 from pretrained.asset_skip import require_asset
 
 import qkv

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from cli_helpers import assert_one_line_error, call, call_one_thread
+from helpers import assert_one_line_error, call, call_one_thread
 from torch import Tensor
 
 import qkv

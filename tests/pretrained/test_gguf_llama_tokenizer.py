@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from cli_helpers import assert_one_line_error, call
+from helpers import assert_one_line_error, call
 
 HINT = "package missing: {} (pip install -e '.[dev]')"
 transformers = pytest.importorskip("transformers", reason=HINT.format("transformers"))

@@ -173,7 +173,7 @@ def test_qkv_embed_and_similarity_read_a_bert_folder(tmp_path):
     last hidden states; a decoder folder is refused in one line."""
     import json
 
-    from cli_helpers import assert_one_line_error, call
+    from helpers import assert_one_line_error, call
 
     torch.manual_seed(0)
     ref = transformers.BertModel(_bert_config()).float().eval()
@@ -267,7 +267,7 @@ def test_unsupported_config_option_and_tensor_type(tmp_path):
 def test_qkv_generate_and_attend_read_a_folder(tmp_path):
     """`qkv generate FOLDER` (greedy) prints transformers' greedy tokens; `qkv attend FOLDER`
     draws a grid, from attention weights equal to transformers' own (eager attention)."""
-    from cli_helpers import call
+    from helpers import call
 
     from qkv.inference import open_model as load_source
     from qkv.pipelines.attention import text_attention

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from cli_helpers import call
+from helpers import call
 from safetensors.torch import load_file, load_model
 
 import qkv

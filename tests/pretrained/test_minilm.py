@@ -188,7 +188,7 @@ def minilm_cli(minilm, monkeypatch):
 def test_cli_embed_json_values_are_sentence_transformers_embeddings(minilm_cli, st_minilm) -> None:
     import json
 
-    from cli_helpers import call
+    from helpers import call
 
     texts = DOCS[:3]
     rc, out, err = call(["embed", "minilm", "--json", *texts])
@@ -204,7 +204,7 @@ def test_cli_embed_json_values_are_sentence_transformers_embeddings(minilm_cli, 
 def test_cli_similarity_json_ranks_by_reference_cosine(minilm_cli, st_minilm) -> None:
     import json
 
-    from cli_helpers import call
+    from helpers import call
 
     rc, out, err = call(["similarity", "minilm", QUERY, *DOCS, "--json", "--top", "3"])
     assert rc == 0, err

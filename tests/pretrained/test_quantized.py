@@ -178,7 +178,7 @@ def test_q4_refuses_a_file_not_stored_in_4_bits(smollm2) -> None:
 
 
 def test_cli_generates_from_q4_by_default_and_names_the_format(smollm2_file) -> None:
-    from cli_helpers import call
+    from helpers import call
 
     rc, out, err = call(["generate", "smollm2", "--prompt", "The capital of France is",
                          "--temperature", "0", "--max-new-tokens", "3"])
@@ -191,7 +191,7 @@ def test_cli_generates_from_q4_by_default_and_names_the_format(smollm2_file) -> 
 
 
 def test_cli_refuses_q4_for_a_run_qkv_trained(tmp_path) -> None:
-    from cli_helpers import assert_one_line_error, call
+    from helpers import assert_one_line_error, call
 
     run = tmp_path / "run"
     rc, _, err = call(["train", "--preset", "tiny", "--out_dir", str(run), "--no-progress",

@@ -106,8 +106,8 @@ def test_a_bert_gguf_is_served_and_attended_as_an_encoder(tmp_path: Path) -> Non
     """A bert .gguf (llama.cpp's converter's layout) is an encoder wherever a model is named:
     `qkv serve` lists it as one and its attention equals transformers' BertModel's eager
     attentions of the same weights; `qkv attend FILE.gguf` draws it."""
-    from cli_helpers import call
     from fastapi.testclient import TestClient
+    from helpers import call
     from pretrained.test_gguf_bert_gemma import bert_reference, write_bert_gguf
 
     from qkv.serve import create_app

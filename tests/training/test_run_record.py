@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from cli_helpers import call
+from helpers import call
 
 from qkv.families import get_family
 from qkv.presets import GPT_PRESETS
@@ -201,7 +201,7 @@ def test_a_run_written_before_the_record_resumes_by_measuring(text, tmp_path, mo
 
 
 def test_a_damaged_record_is_one_line(text, tmp_path) -> None:
-    from cli_helpers import assert_one_line_error
+    from helpers import assert_one_line_error
 
     run = tmp_path / "run"
     train_quietly(argv(text, run))

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from cli_helpers import assert_one_line_error as one_line_error
-from cli_helpers import call
+from helpers import assert_one_line_error as one_line_error
+from helpers import call
 from pretrained.asset_skip import require_asset
 
 from qkv.viz.plots import attention_grid_size, attention_head_size
