@@ -1,4 +1,5 @@
-"""Helpers shared by the tests of `qkv serve` (imported by name: tests/serve is on sys.path)."""
+"""Helpers shared by the tests of `qkv serve` (imported by name: tests/serve is on sys.path);
+the ones other folders share too (free_port, png_bytes, wait_until) are in tests/helpers.py."""
 
 from __future__ import annotations
 
@@ -21,11 +22,12 @@ def asset_installed(name: str) -> bool:
     return True
 
 
-def free_port() -> int:
-    """A TCP port free on the loopback interface right now."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def detail(r, status: int) -> str:
+    """The response's one-line message, after checking its status and shape."""
+    assert r.status_code == status, r.text
+    body = r.json()
+    assert set(body) == {"detail"} and isinstance(body["detail"], str) and "\n" not in body["detail"]
+    return body["detail"]
 
 
 @contextlib.contextmanager

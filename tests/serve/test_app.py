@@ -7,7 +7,6 @@ checks: test_guards.py; the fuzz of the whole schema: test_schema_fuzz.py."""
 from __future__ import annotations
 
 import contextlib
-import io
 import json
 import os
 import socket
@@ -19,7 +18,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from serve_helpers import asset_installed, free_port
+from helpers import free_port, image_bytes, png_bytes
+from serve_helpers import asset_installed, detail
 
 from qkv.generation import generate
 from qkv.inference import open_model
@@ -45,26 +45,6 @@ def client(app):
 
     with TestClient(app) as c:
         yield c
-
-
-def png_bytes(size: tuple[int, int] = (16, 16), mode: str = "L", colour=200) -> bytes:
-    return image_bytes("PNG", size, mode, colour)
-
-
-def image_bytes(fmt: str, size: tuple[int, int] = (16, 16), mode: str = "L", colour=200) -> bytes:
-    from PIL import Image
-
-    buf = io.BytesIO()
-    Image.new(mode, size, colour).save(buf, format=fmt)
-    return buf.getvalue()
-
-
-def detail(r, status: int) -> str:
-    """The response's one-line message, after checking its status and shape."""
-    assert r.status_code == status, r.text
-    body = r.json()
-    assert set(body) == {"detail"} and isinstance(body["detail"], str) and "\n" not in body["detail"]
-    return body["detail"]
 
 
 # --------------------------------------------------------------------------- listing, page, schema

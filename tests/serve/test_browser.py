@@ -5,13 +5,13 @@ the rendered heatmap for MiniLM on a 128-token text is measured (printed, not as
 
 from __future__ import annotations
 
-import io
 import json
 import shutil
 import time
 import urllib.request
 
 import pytest
+from helpers import png_bytes, wait_until
 from serve_helpers import asset_installed
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # see tests/conftest.py
@@ -63,14 +63,10 @@ def api(server: str, path: str, body: dict) -> dict:
         return json.loads(r.read())
 
 
-def wait_until(page, expression: str, timeout: float = 60.0) -> None:
-    """Poll ``expression`` in the page until it is true. (page.wait_for_function compiles its
-    predicate with eval, which the page's Content-Security-Policy rightly forbids.)"""
-    deadline = time.monotonic() + timeout
-    while not page.evaluate(expression):
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {expression}")
-        time.sleep(0.005)
+def page_wait(page, expression: str) -> None:
+    """Poll ``expression`` in the page until it is true (within 60 s). (page.wait_for_function
+    compiles its predicate with eval, which the page's Content-Security-Policy rightly forbids.)"""
+    wait_until(lambda: page.evaluate(expression), expression, timeout=60.0)
 
 
 def show(page, model: str, text: str) -> None:
@@ -101,7 +97,7 @@ def test_heatmap_has_tokens_squared_cells(page) -> None:
     page.select_option("#layer", "0")
     page.wait_for_selector("body[data-state=ready]")
     page.select_option("#head", "2")
-    wait_until(page, "document.querySelector('#heatmap-caption').textContent.startsWith('layer 0, head 2') "
+    page_wait(page, "document.querySelector('#heatmap-caption').textContent.startsWith('layer 0, head 2') "
                "&& document.body.dataset.state === 'ready'")
     assert page.locator("#heatmap rect.cell").count() == T * T
     if asset_installed("minilm"):
@@ -154,20 +150,13 @@ def test_api_errors_are_shown_to_the_user(page) -> None:
     assert "truncated to the first 32 of 57 tokens" in page.inner_text("#notes")
 
 
-def _png(size: int) -> bytes:
-    from PIL import Image
-
-    buf = io.BytesIO()
-    Image.new("L", (size, size), 128).save(buf, format="PNG")
-    return buf.getvalue()
-
-
 def test_image_upload_draws_overlays_and_errors(page) -> None:
     page.select_option("#model", "runs/vit-tiny")
     assert page.is_visible("#image-input") and page.is_hidden("#text-input")
     page.click("#upload")
     assert page.inner_text("#error") == "Choose an image file first."
-    page.set_input_files("#image", {"name": "d.png", "mimeType": "image/png", "buffer": _png(8)})
+    page.set_input_files("#image", {"name": "d.png", "mimeType": "image/png",
+                                    "buffer": png_bytes((8, 8), colour=128)})
     page.click("#upload")
     page.wait_for_selector("body[data-state=ready]")
     assert page.locator("#image-maps canvas").count() == 1 + 4 + 1  # image, 4 heads, rollout
@@ -210,7 +199,7 @@ def test_minilm_128_tokens_request_to_heatmap_time(page, capsys) -> None:
         page.fill("#text", text_of_128_minilm_tokens(shift))
         t0 = time.perf_counter()
         page.click("#show")
-        wait_until(page, "document.querySelectorAll('#heatmap rect.cell').length === 128 * 128 "
+        page_wait(page, "document.querySelectorAll('#heatmap rect.cell').length === 128 * 128 "
                    "&& document.body.dataset.state === 'ready'")
         wall = (time.perf_counter() - t0) * 1000
         timing = page.evaluate("window.qkvTiming")

@@ -12,7 +12,8 @@ from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
-from serve_helpers import asset_installed, serving
+from helpers import png_bytes, wait_until
+from serve_helpers import asset_installed, detail, serving
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # see tests/conftest.py
 for _module, _why in (("fastapi", "qkv serve needs FastAPI"), ("multipart", "uploads need python-multipart"),
@@ -20,20 +21,11 @@ for _module, _why in (("fastapi", "qkv serve needs FastAPI"), ("multipart", "upl
     pytest.importorskip(_module, reason=f"{_why}: pip install 'qkv[dev]'")
 
 
-def wait_until(condition, what: str, timeout: float = 20.0) -> None:
-    """Block until ``condition()`` holds (a synchronisation point, not a timing assertion)."""
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.005)
-
-
 def busy_detail(r) -> str:
-    assert r.status_code == 503, r.text
-    body = r.json()
-    assert set(body) == {"detail"} and "\n" not in body["detail"]
+    """The one-line message of a 503 (a full queue), which also says when to retry."""
+    message = detail(r, 503)
     assert 1 <= int(r.headers["retry-after"]) <= 60
-    return body["detail"]
+    return message
 
 
 def test_twenty_concurrent_requests_succeed_and_load_each_model_once(runs_dir, monkeypatch) -> None:
@@ -175,14 +167,9 @@ def test_a_small_load_over_http_gets_only_2xx_4xx_and_503(server, capsys) -> Non
     """20 clients at once, 100 mixed requests through uvicorn and real sockets; with the default
     queue (2 at work per model, 4 in all, 4 waiting per model) some may be told to retry (503),
     none may fail."""
-    import io
-
     import httpx
-    from PIL import Image
 
-    buf = io.BytesIO()
-    Image.new("L", (16, 16), 200).save(buf, format="PNG")
-    png = buf.getvalue()
+    png = png_bytes()
     model = "minilm" if asset_installed("minilm") else "runs/gpt-tiny"
 
     def ask(i: int) -> tuple[str, int, str]:

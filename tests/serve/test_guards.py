@@ -4,10 +4,9 @@ loopback address: DNS rebinding), the Origin / Sec-Fetch-Site check on state-cha
 
 from __future__ import annotations
 
-import io
-
 import pytest
-from serve_helpers import serving
+from helpers import png_bytes
+from serve_helpers import detail, serving
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # see tests/conftest.py
 for _module, _why in (("fastapi", "qkv serve needs FastAPI"), ("multipart", "uploads need python-multipart"),
@@ -19,13 +18,6 @@ LOOPBACK_HOSTS = ["127.0.0.1", "127.0.0.1:8000", "localhost", "localhost:8000", 
 FOREIGN_HOSTS = ["evil.example", "evil.example:8000", "127.0.0.1.nip.io", "localhost.evil.example",
                  "evil.localhost.example:80", "[::2]:8000", "10.0.0.1", "localhost:abc", "[::1]x",
                  "[evil]:80", "local host", "localhost:99999", ""]
-
-
-def detail(r, status: int) -> str:
-    assert r.status_code == status, r.text
-    body = r.json()
-    assert set(body) == {"detail"} and isinstance(body["detail"], str) and "\n" not in body["detail"]
-    return body["detail"]
 
 
 @pytest.fixture(scope="module")
@@ -133,14 +125,6 @@ def test_ipv6_loopback_over_real_sockets(runs_dir) -> None:
 # --------------------------------------------------------------------------- Origin / Sec-Fetch-Site
 
 
-def _png() -> bytes:
-    from PIL import Image
-
-    buf = io.BytesIO()
-    Image.new("L", (8, 8), 200).save(buf, format="PNG")
-    return buf.getvalue()
-
-
 CROSS_SITE = [{"origin": "http://evil.example"}, {"origin": "null"}, {"origin": "https://testserver"},
               {"origin": "http://testserver:8080"}, {"origin": "http://testserver.evil.example"},
               {"sec-fetch-site": "cross-site"}, {"sec-fetch-site": "same-site"},
@@ -154,7 +138,7 @@ def test_cross_site_posts_are_refused_before_any_work(make_client, headers) -> N
     r = c.post("/api/attention", json={"model": "runs/gpt-tiny", "text": "ROMEO"}, headers=headers)
     assert "was refused: this server accepts POST requests only from its own page" in detail(r, 403)
     r = c.post("/api/image-attention", data={"model": "runs/vit-tiny"}, headers=headers,
-               files={"image": ("d.png", _png(), "image/png")})
+               files={"image": ("d.png", png_bytes((8, 8)), "image/png")})
     assert "refused" in detail(r, 403)
     r = c.post("/api/generate", json={"model": "runs/gpt-tiny", "prompt": "R"}, headers=headers)
     assert "refused" in detail(r, 403)
@@ -172,7 +156,7 @@ def test_same_origin_and_scripts_are_served(make_client, headers) -> None:
     r = c.post("/api/attention", json={"model": "runs/gpt-tiny", "text": "ROMEO"}, headers=headers)
     assert r.status_code == 200 and r.json()["query_tokens"] == list("ROMEO")
     r = c.post("/api/image-attention", data={"model": "runs/vit-tiny"}, headers=headers,
-               files={"image": ("d.png", _png(), "image/png")})
+               files={"image": ("d.png", png_bytes((8, 8)), "image/png")})
     assert r.status_code == 200 and r.json()["family"] == "vit"
 
 

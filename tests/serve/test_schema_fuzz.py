@@ -6,12 +6,12 @@ of /api/generate may end in an error event (a 5xx that came after the status lin
 
 from __future__ import annotations
 
-import io
 import json
 import os
 from collections import Counter
 
 import pytest
+from helpers import png_bytes
 from serve_helpers import asset_installed
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # see tests/conftest.py
@@ -28,14 +28,6 @@ from hypothesis import strategies as st  # noqa: E402
 EXAMPLES = int(os.environ.get("QKV_FUZZ_EXAMPLES", "50"))
 DERANDOMIZE = "QKV_FUZZ_EXAMPLES" not in os.environ
 RUNS = ["runs/gpt-tiny", "runs/vit-tiny", "runs/seq2seq-tiny", "runs/captioner-tiny"]
-
-
-def _png(size: int, mode: str) -> bytes:
-    from PIL import Image
-
-    buf = io.BytesIO()
-    Image.new(mode, (size, size), 128).save(buf, format="PNG")
-    return buf.getvalue()
 
 
 @pytest.fixture(scope="module")
@@ -56,7 +48,8 @@ def _real_parts(path: str) -> st.SearchStrategy[dict]:
     models = RUNS + ["runs/escape", "runs/notes"] + (["minilm"] if asset_installed("minilm") else [])
     takes = {"/api/generate": ["runs/gpt-tiny"] * 4,
              "/api/image-attention": ["runs/vit-tiny", "runs/captioner-tiny"] * 2}.get(path, [])
-    images = [_png(8, "L"), _png(32, "RGB"), _png(64, "RGB"), b"\x89PNG\r\n\x1a\n broken", b"GIF89a"]
+    images = [png_bytes((8, 8), "L", 128), png_bytes((32, 32), "RGB", 128), png_bytes((64, 64), "RGB", 128),
+              b"\x89PNG\r\n\x1a\n broken", b"GIF89a"]
 
     def sometimes(values: st.SearchStrategy) -> st.SearchStrategy:
         return st.one_of(values, values, values, st.just(KEEP))

@@ -4,19 +4,11 @@ BusyError (503 + Retry-After); checked with threads that hold their slot until t
 from __future__ import annotations
 
 import threading
-import time
 
 import pytest
+from helpers import wait_until
 
 from qkv.serve.work import BusyError, WorkQueue
-
-
-def wait_until(condition, what: str, timeout: float = 10.0) -> None:
-    """Block until ``condition()`` holds (a synchronisation point, not a timing assertion)."""
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.005)
 
 
 class Holder:
