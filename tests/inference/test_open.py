@@ -58,16 +58,17 @@ def test_a_run_of_each_family_is_its_kind(tiny_run) -> None:
 
 
 def test_a_hugging_face_folder_of_a_decoder_and_of_an_encoder(tmp_path: Path) -> None:
-    from pretrained.test_hf_folders import PROMPT, _bert_config, _decoder, _save
+    from helpers import HF_PROMPT as PROMPT
+    from helpers import hf_bert_config, hf_decoder_folder, save_hf_folder
 
-    ref = _decoder("gpt2", tmp_path / "gpt2")  # bos 1, eos 2 in its config
+    ref = hf_decoder_folder("gpt2", tmp_path / "gpt2")  # bos 1, eos 2 in its config
     lm = open_model(tmp_path / "gpt2")
     assert isinstance(lm, CausalLM) and (lm.name, lm.architecture, lm.stop_ids) == ("gpt2", "gpt2", (2,))
     assert lm.weights == "fp32" and lm.stored_as == () and lm.context == ref.config.n_positions
     with torch.no_grad():
         assert (lm.model(PROMPT).logits - ref(PROMPT).logits).abs().max() <= 1e-5
     torch.manual_seed(0)
-    _save(transformers.BertModel(_bert_config()).float().eval(), tmp_path / "bert")
+    save_hf_folder(transformers.BertModel(hf_bert_config()).float().eval(), tmp_path / "bert")
     enc = open_model(tmp_path / "bert")
     assert isinstance(enc, SentenceEncoder)
     assert (enc.kind, enc.architecture, enc.name) == ("encoder", "bert", "bert")
@@ -77,20 +78,20 @@ def test_a_hugging_face_folder_of_a_decoder_and_of_an_encoder(tmp_path: Path) ->
 
 
 def test_a_gguf_of_a_decoder_and_of_an_encoder(tmp_path: Path) -> None:
-    from pretrained.test_gguf_architectures import tiny, write_gguf
-    from pretrained.test_gguf_bert_gemma import _bert_file
+    from helpers import tiny_hf_decoder
+    from pretrained.gguf_writing import bert_file, write_decoder_gguf
 
     path = tmp_path / "q.gguf"
-    write_gguf(tiny("qwen2"), "qwen2", path)
+    write_decoder_gguf(tiny_hf_decoder("qwen2"), "qwen2", path)
     lm = open_model(path, cache=False)
     assert isinstance(lm, CausalLM) and (lm.name, lm.architecture, lm.stop_ids) == ("q.gguf", "qwen2", (2,))
     assert lm.stored_as == ("F32",) and lm.weights == "fp32"  # auto: floats stay fp32
     q4 = tmp_path / "q4.gguf"
-    write_gguf(tiny("llama"), "llama", q4, q4_0=True)
+    write_decoder_gguf(tiny_hf_decoder("llama", num_key_value_heads=2), "llama", q4, q4_0=True)
     lm4 = open_model(q4, cache=False)
     assert (lm4.stored_as, lm4.weights) == (("Q4_0",), "q4")  # auto: the file's own 4 bits
     assert open_model(q4, cache=False, weights="fp32").weights == "fp32"
-    _, _, bert = _bert_file(tmp_path)
+    _, _, bert = bert_file(tmp_path)
     enc = open_model(bert)
     assert isinstance(enc, SentenceEncoder) and (enc.name, enc.architecture) == ("tiny-bert.gguf", "bert")
     assert resolve(bert).kind == "encoder" and resolve(path).kind == "decoder"

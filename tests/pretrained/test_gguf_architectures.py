@@ -9,60 +9,24 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import assert_one_line_error, call
+from helpers import HF_PROMPT as PROMPT
+from helpers import HF_VOCAB, assert_one_line_error, call, dev_package, tiny_hf_decoder
 
-HINT = "package missing: {} (pip install -e '.[dev]')"
-transformers = pytest.importorskip("transformers", reason=HINT.format("transformers"))
-gguf = pytest.importorskip("gguf", reason=HINT.format("gguf"))
+transformers = dev_package("transformers")
+gguf = dev_package("gguf")
 
 from pretrained.gguf_writing import (  # noqa: E402
     add_hf_tensor,
     add_sizes,
     finish,
     open_gguf,
-    permute_qk,
+    write_decoder_gguf,
     write_stub_gguf,
 )
 
 import qkv  # noqa: E402
 
-V = 96
-PROMPT = torch.tensor([[3, 17, 42, 5, 88, 9, 1, 60]])
-
-
-def write_gguf(ref, arch: str, path: Path, q4_0: bool = False, rope_base: bool = True) -> None:
-    """``ref``'s weights and config as llama.cpp would store them (F32; ``q4_0``: the blocks'
-    matrices in llama.cpp's Q4_0, by the gguf package's own quantiser), with a tokenizer of
-    V tokens (byte-level BPE metadata, one merge)."""
-    c = ref.config
-    kind = {"llama": gguf.MODEL_ARCH.LLAMA, "qwen2": gguf.MODEL_ARCH.QWEN2}[arch]
-    w, names = open_gguf(path, kind, c.num_hidden_layers)
-    add_sizes(w, context=c.max_position_embeddings, embedding=c.hidden_size, blocks=c.num_hidden_layers,
-              feed_forward=c.intermediate_size, heads=c.num_attention_heads, kv_heads=c.num_key_value_heads)
-    if rope_base:  # the converter writes it only where config.json has a rope_theta
-        w.add_rope_freq_base(float(c.rope_parameters["rope_theta"]))
-    w.add_layer_norm_rms_eps(c.rms_norm_eps)
-    w.add_tokenizer_model("gpt2")
-    w.add_token_list(["w", "0", "w0", *(f"w{i}" for i in range(3, V))])  # the merge: w + 0 -> w0
-    w.add_token_types([1] * V)
-    w.add_token_merges(["w 0"])
-    w.add_bos_token_id(1)
-    w.add_eos_token_id(2)
-    for hf_name, t in ref.state_dict().items():
-        if hf_name.endswith("rotary_emb.inv_freq"):
-            continue
-        if hf_name == "lm_head.weight" and c.tie_word_embeddings:
-            continue
-        a = t.detach().float().numpy().copy()
-        if arch == "llama":
-            a = permute_qk(hf_name, a, c.num_attention_heads, c.num_key_value_heads)
-        if q4_0 and a.ndim == 2 and hf_name.startswith("model.layers."):
-            kind = gguf.GGMLQuantizationType.Q4_0
-            w.add_tensor(names.get_name(hf_name, try_suffixes=(".weight",)), gguf.quants.quantize(a, kind),
-                         raw_dtype=kind)
-            continue
-        add_hf_tensor(w, names, hf_name, a)
-    finish(w)
+V = HF_VOCAB
 
 
 def write_gpt2_gguf(ref, path: Path) -> None:
@@ -104,20 +68,11 @@ def test_a_gpt2_gguf_loads_as_transformers_reads_it(tmp_path: Path) -> None:
     assert lm.model.cfg.positions == "learned" and lm.model.cfg.norm == "layernorm"
 
 
-def tiny(arch: str):
-    torch.manual_seed(0)
-    sizes = dict(vocab_size=V, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                 num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-                 initializer_range=0.1)
-    cfg = (transformers.LlamaConfig if arch == "llama" else transformers.Qwen2Config)(**sizes)
-    return transformers.AutoModelForCausalLM.from_config(cfg).float().eval()
-
-
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
 def test_a_gguf_of_each_architecture_loads_as_transformers_reads_it(tmp_path: Path, arch: str) -> None:
-    ref = tiny(arch)
+    ref = tiny_hf_decoder(arch, num_key_value_heads=2)
     path = tmp_path / f"tiny-{arch}.gguf"
-    write_gguf(ref, arch, path)
+    write_decoder_gguf(ref, arch, path)
     theirs = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, gguf_file=path.name,
                                                               dtype=torch.float32).eval()
     lm = qkv.load(str(path), weights="fp32", cache=False)
@@ -142,9 +97,9 @@ def test_a_gguf_of_another_architecture_is_one_line(tmp_path: Path) -> None:
 
 
 def test_a_tensor_type_the_gguf_package_cannot_read_is_named(tmp_path: Path, monkeypatch) -> None:
-    ref = tiny("qwen2")
+    ref = tiny_hf_decoder("qwen2")
     path = tmp_path / "q.gguf"
-    write_gguf(ref, "qwen2", path)
+    write_decoder_gguf(ref, "qwen2", path)
 
     def cannot(data, qtype):
         raise NotImplementedError(qtype)
@@ -160,10 +115,10 @@ def test_qkv_attend_reads_a_gguf_file(tmp_path: Path) -> None:
     from qkv.inference import open_model as load_source
     from qkv.pipelines.attention import text_attention
 
-    ref = tiny("qwen2")
+    ref = tiny_hf_decoder("qwen2")
     ref.config._attn_implementation = "eager"
     path = tmp_path / "q.gguf"
-    write_gguf(ref, "qwen2", path)
+    write_decoder_gguf(ref, "qwen2", path)
     src = load_source(str(path))
     assert src.kind == "decoder"
     ids = [3, 17, 42, 5]
@@ -182,13 +137,13 @@ def test_a_4_bit_gguf_decodes_in_4_bits_biases_and_all(tmp_path: Path, arch: str
     """A Q4_0 file (Qwen2's q/k/v biases included) loads by default in qkv's 4-bit path: its
     logits near transformers' reading of the same file (which dequantises to float32), to the
     bf16 activations' precision, and the biases kept exactly."""
-    ref = tiny(arch)
+    ref = tiny_hf_decoder(arch, num_key_value_heads=2)
     with torch.no_grad():
         for name, p in ref.named_parameters():
             if name.endswith("proj.bias"):
                 p.normal_(0.0, 0.5)  # biases that matter
     path = tmp_path / f"q4-{arch}.gguf"
-    write_gguf(ref, arch, path, q4_0=True)
+    write_decoder_gguf(ref, arch, path, q4_0=True)
     theirs = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, gguf_file=path.name,
                                                               dtype=torch.float32).eval()
     lm = qkv.load(str(path), cache=False)
@@ -206,9 +161,9 @@ def test_a_4_bit_gguf_decodes_in_4_bits_biases_and_all(tmp_path: Path, arch: str
 def test_a_gguf_without_a_rope_base_takes_llama_cpp_s_default(tmp_path: Path) -> None:
     """No {arch}.rope.freq_base: 10000, as llama.cpp reads it (the original RoPE's base, and
     transformers' default for the model written here), not a refusal."""
-    ref = tiny("qwen2")
+    ref = tiny_hf_decoder("qwen2")
     assert float(ref.config.rope_parameters["rope_theta"]) == 10000.0
-    write_gguf(ref, "qwen2", tmp_path / "norope.gguf", rope_base=False)
+    write_decoder_gguf(ref, "qwen2", tmp_path / "norope.gguf", rope_base=False)
     lm = qkv.load(str(tmp_path / "norope.gguf"), weights="fp32", cache=False)
     assert lm.model.cfg.rope_theta == 10000.0
     x = torch.tensor([[3, 17, 42, 5]])

@@ -17,21 +17,31 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import assert_one_line_error, call
+from helpers import assert_one_line_error, call, dev_package
 
-HINT = "package missing: {} (pip install -e '.[dev]')"
-transformers = pytest.importorskip("transformers", reason=HINT.format("transformers"))
-gguf = pytest.importorskip("gguf", reason=HINT.format("gguf"))
-pytest.importorskip("tokenizers", reason=HINT.format("tokenizers"))
+transformers = dev_package("transformers")
+gguf = dev_package("gguf")
+dev_package("tokenizers")
 
-from pretrained.gguf_writing import add_hf_tensor, add_sizes, finish, open_gguf, write_stub_gguf  # noqa: E402
+from pretrained.gguf_writing import (  # noqa: E402
+    BYTE,
+    CONTROL,
+    NORMAL,
+    UNKNOWN,
+    USER_DEFINED,
+    add_hf_tensor,
+    add_sizes,
+    bert_file,
+    bert_reference,
+    finish,
+    open_gguf,
+    write_bert_gguf,
+    write_stub_gguf,
+)
 
 import qkv  # noqa: E402
 from qkv.generation import generate  # noqa: E402
 from qkv.pretrained import CausalLM, PretrainedFormatError, SentenceEncoder  # noqa: E402
-
-NORMAL, UNKNOWN, CONTROL, USER_DEFINED, BYTE = 1, 2, 3, 4, 6  # llama.cpp's token types
-
 
 # --------------------------------------------------------------------------- gemma
 
@@ -183,80 +193,9 @@ def test_a_gemma_gguf_tokenizer_matches_transformers(tmp_path: Path) -> None:
 
 # --------------------------------------------------------------------------- bert
 
-BERT_VOCAB = ["[PAD]", "[unused0]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", ".", ",", "!", "?", "'",
-              "the", "cat", "cats", "sat", "on", "mat", "a", "dog", "un", "##aff", "##able", "##s",
-              "hello", "world", "paris", "is", "capital", "of", "france", "run", "##ning", "##n", "##i",
-              "<extra>"]  # an added special token not written "[...]"
 BERT_SENTENCES = ["Hello, World!", "The cat sat on the mat.", "unaffable cats",
                   "Paris is the [MASK] of France?", "héllo running dogs", "qwerty xyzzy", "the  cat's mat",
                   "a <extra> dog"]
-
-
-def bert_reference(tmp_path: Path, lowercase: bool = True):
-    """A tiny random BertModel (LayerNorms given values too) and transformers' fast BERT
-    tokenizer of BERT_VOCAB, saved as a folder the way a checkpoint ships it."""
-    folder = tmp_path / "bert-hf"
-    folder.mkdir()
-    tok = transformers.BertTokenizerFast(vocab={t: i for i, t in enumerate(BERT_VOCAB)},
-                                         do_lower_case=lowercase, extra_special_tokens=["<extra>"])
-    tok.save_pretrained(folder)
-    torch.manual_seed(0)
-    cfg = transformers.BertConfig(vocab_size=len(BERT_VOCAB), hidden_size=32, num_hidden_layers=2,
-                                  num_attention_heads=4, intermediate_size=64, max_position_embeddings=64,
-                                  initializer_range=0.1)
-    ref = transformers.BertModel(cfg).float().eval()
-    with torch.no_grad():
-        for name, p in ref.named_parameters():
-            if "LayerNorm" in name:
-                p.normal_(1.0 if name.endswith("weight") else 0.0, 0.2)
-    return ref, tok, folder
-
-
-def write_bert_gguf(ref, tok, folder: Path, path: Path, pooling=None, newer: bool = False) -> None:
-    """As convert_hf_to_gguf.py's BertModel writes it: the base metadata keys plus non-causal
-    attention and the pooling type, the vocabulary in its phantom-space spelling with the
-    added tokens marked control, the special ids from the gguf package's own SpecialVocab
-    ([CLS] as bos, [SEP] as eos), the pooler dropped, every tensor in (out, in) rows.
-    ``newer``: as its 2026 converter does, control tokens (not "[...]" ones) kept as they are,
-    and the normalizer's lower-casing stored."""
-    c = ref.config
-    w, names = open_gguf(path, gguf.MODEL_ARCH.BERT, c.num_hidden_layers)
-    add_sizes(w, context=c.max_position_embeddings, embedding=c.hidden_size, blocks=c.num_hidden_layers,
-              feed_forward=c.intermediate_size, heads=c.num_attention_heads, blocks_first=True)
-    w.add_layer_norm_eps(c.layer_norm_eps)
-    w.add_file_type(gguf.LlamaFileType.ALL_F32)
-    w.add_causal_attention(False)
-    w.add_pooling_type(pooling or gguf.PoolingType.MEAN)
-    w.add_token_type_count(c.type_vocab_size)
-
-    vocab = sorted(tok.get_vocab().items(), key=lambda kv: kv[1])
-    added = {i for i, a in tok.added_tokens_decoder.items() if a.special}
-    types = [CONTROL if i in added else NORMAL for _, i in vocab]
-
-    def phantom(t: str, kind: int) -> str:
-        if (kind == CONTROL) if newer else (t.startswith("[") and t.endswith("]")):
-            return t
-        return t[2:] if t.startswith("##") else "\u2581" + t
-
-    w.add_tokenizer_model("bert")
-    w.add_tokenizer_pre("default")
-    w.add_token_list([phantom(t, ty) for (t, _), ty in zip(vocab, types, strict=True)])
-    w.add_token_types(types)
-    if newer:
-        w.add_bool("tokenizer.ggml.normalizer.lowercase", tok.do_lower_case)
-    gguf.SpecialVocab(folder, n_vocab=len(vocab)).add_to_gguf(w)
-    for hf_name, t in ref.state_dict().items():
-        if hf_name.startswith("pooler.") or hf_name == "embeddings.position_ids":
-            continue
-        add_hf_tensor(w, names, hf_name, t.detach().float().numpy().copy())
-    finish(w)
-
-
-def _bert_file(tmp_path: Path, pooling=None):
-    ref, tok, folder = bert_reference(tmp_path)
-    path = tmp_path / "tiny-bert.gguf"
-    write_bert_gguf(ref, tok, folder, path, pooling)
-    return ref, tok, path
 
 
 def _mean_state(ref, ids: list[int]) -> torch.Tensor:
@@ -265,7 +204,7 @@ def _mean_state(ref, ids: list[int]) -> torch.Tensor:
 
 
 def test_a_bert_gguf_matches_transformers(tmp_path: Path) -> None:
-    ref, tok, path = _bert_file(tmp_path)
+    ref, tok, path = bert_file(tmp_path)
     enc = qkv.load(str(path), cache=False)
     assert isinstance(enc, SentenceEncoder)
     assert (enc.model.cfg.pooling, enc.model.cfg.type_vocab_size, enc.max_tokens) == ("mean", 2, 64)
@@ -300,7 +239,7 @@ def test_a_bert_gguf_tokenizer_matches_transformers(tmp_path: Path, newer: bool)
 
 
 def test_a_cls_pooled_bert_gguf_reads_out_the_cls_state(tmp_path: Path) -> None:
-    ref, tok, path = _bert_file(tmp_path, gguf.PoolingType.CLS)
+    ref, tok, path = bert_file(tmp_path, gguf.PoolingType.CLS)
     enc = qkv.load(str(path), cache=False)
     assert enc.model.cfg.pooling == "cls"
     ids = tok("the cat sat").input_ids
@@ -312,7 +251,7 @@ def test_a_cls_pooled_bert_gguf_reads_out_the_cls_state(tmp_path: Path) -> None:
 def test_qkv_embed_and_similarity_read_a_bert_gguf(tmp_path: Path) -> None:
     """`qkv embed FILE.gguf --json`: unit-length means of transformers' states of its own
     tokenization; `qkv similarity` ranks by them; `qkv generate` refuses the file in one line."""
-    ref, tok, path = _bert_file(tmp_path)
+    ref, tok, path = bert_file(tmp_path)
     texts = ["The cat sat on the mat.", "a dog"]
     rc, out, err = call(["embed", str(path), *texts, "--json"])
     assert rc == 0, err
@@ -337,7 +276,7 @@ def test_a_decoder_gguf_is_not_an_encoder_and_an_encoder_takes_no_weights(tmp_pa
     write_gemma_gguf(tiny_gemma(), tmp_path / "g.gguf")
     rc, _, err = call(["embed", str(tmp_path / "g.gguf"), "the cat"])
     assert "is a decoder (a language model), not a sentence encoder" in assert_one_line_error(rc, err)
-    _, _, path = _bert_file(tmp_path)
+    _, _, path = bert_file(tmp_path)
     with pytest.raises(ValueError, match="weights= is for decoders"):
         qkv.load(str(path), weights="int8", cache=False)
 

@@ -18,20 +18,29 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import assert_one_line_error, call
+from helpers import assert_one_line_error, call, dev_package
 
-HINT = "package missing: {} (pip install -e '.[dev]')"
-transformers = pytest.importorskip("transformers", reason=HINT.format("transformers"))
-gguf = pytest.importorskip("gguf", reason=HINT.format("gguf"))
-pytest.importorskip("tokenizers", reason=HINT.format("tokenizers"))
+transformers = dev_package("transformers")
+gguf = dev_package("gguf")
+dev_package("tokenizers")
 
-from pretrained.gguf_writing import add_hf_tensor, add_sizes, finish, open_gguf, permute_qk  # noqa: E402
+from pretrained.gguf_writing import (  # noqa: E402
+    BYTE,
+    CONTROL,
+    NORMAL,
+    UNKNOWN,
+    USER_DEFINED,
+    add_hf_tensor,
+    add_sizes,
+    finish,
+    open_gguf,
+    permute_qk,
+    transformers_tokenizer,
+)
 
 import qkv  # noqa: E402
 from qkv.generation import generate  # noqa: E402
 from qkv.pretrained import PretrainedFormatError  # noqa: E402
-
-NORMAL, UNKNOWN, CONTROL, USER_DEFINED, BYTE = 1, 2, 3, 4, 6  # llama.cpp's token types
 
 # The merges the vocabulary was "trained" with, best first; each one's joined piece scores -rank.
 MERGES = [("▁", "t"), ("h", "e"), ("▁t", "he"), ("▁", "a"), ("n", "d"), ("▁a", "nd"), ("▁", "c"),
@@ -106,10 +115,6 @@ def llama_file(tmp_path_factory) -> tuple[object, Path]:
     return ref, path
 
 
-def reference_tokenizer(path: Path):
-    return transformers.AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
-
-
 TEXTS = ["the cat and the hat", "the  cat   sat    ", "Hello\nthe hat\n\n", "her hat, the cat! Who?",
          "héllo wörld", "the cat 😀", "the cat</s>", ""]
 # Where transformers' GGUF reader parts from the original tokenizer: SentencePiece's dummy prefix
@@ -134,7 +139,7 @@ def test_a_llama_gguf_tokenizer_matches_transformers(llama_file) -> None:
     the original tokenizer (DISPUTED), the original's pieces."""
     _, path = llama_file
     lm = qkv.load(str(path), weights="fp32", cache=False)
-    want = reference_tokenizer(path)
+    want = transformers_tokenizer(path)
     for text, pieces in DISPUTED.items():
         assert want.convert_ids_to_tokens(lm.tokenizer.encode(text)) == pieces, text
     for text in TEXTS:
@@ -173,7 +178,7 @@ def test_qkv_generate_reads_a_llama_gguf(llama_file) -> None:
     transformers' ids, as transformers decodes prompt and continuation together (the first
     new token's "▁" is a space after the prompt, not dropped as at the start of a text)."""
     ref, path = llama_file
-    want = reference_tokenizer(path)
+    want = transformers_tokenizer(path)
     prompt = "the cat sat"
     rc, out, err = call(["generate", str(path), "--prompt", prompt, "--temperature", "0",
                          "--max-new-tokens", "10"])
@@ -193,7 +198,7 @@ def test_a_trained_sentencepiece_vocabulary_tokenizes_as_sentencepiece(tmp_path:
     written as llama.cpp's converter writes its vocabulary (each id's piece, score and type),
     read back by qkv: ids equal <s> + sentencepiece's own on spaces at either end, runs of
     spaces, newlines, digits, accents and an emoji (byte fallback); decoding gives the text."""
-    spm = pytest.importorskip("sentencepiece", reason=HINT.format("sentencepiece"))
+    spm = dev_package("sentencepiece")
     from qkv.pretrained.gguf_file import read_gguf
     from qkv.pretrained.gguf_tokenizers import tokenizer_from_gguf
 
@@ -238,7 +243,7 @@ def test_add_space_prefix_is_read(tmp_path: Path, space_prefix: bool | None) -> 
     write_llama_gguf(tiny_llama(), path, space_prefix=space_prefix)
     tok = qkv.load(str(path), weights="fp32", cache=False).tokenizer
     if space_prefix is None:
-        want = reference_tokenizer(path)
+        want = transformers_tokenizer(path)
     else:
         tokens, scores, _ = llama_vocab()
         vocab = {t: i for i, t in enumerate(tokens)}

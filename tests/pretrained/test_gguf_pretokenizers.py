@@ -32,19 +32,17 @@ import warnings
 from pathlib import Path
 
 import pytest
+from helpers import dev_package
 
-HINT = "package missing: {} (pip install -e '.[dev]')"
-transformers = pytest.importorskip("transformers", reason=HINT.format("transformers"))
-gguf = pytest.importorskip("gguf", reason=HINT.format("gguf"))
-tk = pytest.importorskip("tokenizers", reason=HINT.format("tokenizers"))
+transformers = dev_package("transformers")
+gguf = dev_package("gguf")
+tk = dev_package("tokenizers")
 
-from pretrained.gguf_writing import finish  # noqa: E402
+from pretrained.gguf_writing import CONTROL, NORMAL, finish, transformers_tokenizer  # noqa: E402
 from transformers.integrations.gguf.gguf_tokenizer_mapping import GGUF_PRE_TOKENIZER_SPLITS  # noqa: E402
 
 from qkv.pretrained.gguf_file import read_gguf  # noqa: E402
 from qkv.pretrained.gguf_tokenizers import BYTE_LEVEL_SPLITS, byte_bpe_from_gguf  # noqa: E402
-
-NORMAL, CONTROL = 1, 3  # llama.cpp's token types
 
 TEXTS = [
     "3333 12345 3.14159",  # digit runs: up to 3 (Llama-3), single digits (Qwen2, SmolLM), triples (Falcon)
@@ -130,7 +128,7 @@ def trained() -> tuple[dict, list[str], list[str]]:
     return data, tokens, [" ".join(m) for m in merges]
 
 
-def write_gguf(path: Path, tokens: list[str], merges: list[str], pre: str | None,
+def write_vocab_gguf(path: Path, tokens: list[str], merges: list[str], pre: str | None,
                add_bos: bool | None = None) -> Path:
     """A vocabulary-only GGUF, as llama.cpp's converter writes a byte-level BPE vocabulary
     (``add_bos``: its tokenizer.ggml.add_bos_token, None: no such key)."""
@@ -157,7 +155,7 @@ def gguf_for(trained, tmp_path_factory):
 
     def make(pre: str | None) -> Path:
         (folder / str(pre)).mkdir(exist_ok=True)
-        return write_gguf(folder / str(pre) / "vocab.gguf", tokens, merges, pre)
+        return write_vocab_gguf(folder / str(pre) / "vocab.gguf", tokens, merges, pre)
     return make
 
 
@@ -166,10 +164,6 @@ def qkv_ids(path: Path) -> list[list[int]]:
     ids = [tok.encode(t, add_special_tokens=False) for t in TEXTS]  # the split alone (no BOS)
     assert [tok.decode(i) for i in ids] == TEXTS  # byte level: every text comes back exactly
     return ids
-
-
-def transformers_reader(path: Path):
-    return transformers.AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
 
 
 def reference_ids(tokenizer) -> list[list[int]]:
@@ -190,11 +184,11 @@ def original_tokenizer(trained, pre_tokenizer: dict, ignore_merges: bool = False
 
 
 @pytest.mark.parametrize("pre", TRANSFORMERS)
-def test_split_equals_transformers_reader(gguf_for, pre: str) -> None:
+def test_split_equals_transformers_tokenizer(gguf_for, pre: str) -> None:
     """qkv's ids equal transformers' reader of the same file (Llama-3's and tekken's with the
     whole-word lookup of their tokenizer.json)."""
     path = gguf_for(pre)
-    want = transformers_reader(path)
+    want = transformers_tokenizer(path)
     want.backend_tokenizer.model.ignore_merges = pre in WHOLE_WORDS
     assert qkv_ids(path) == reference_ids(want)
 
@@ -213,7 +207,7 @@ def test_llama3_keeps_a_word_that_is_a_token_whole(gguf_for) -> None:
     for pre, whole in [("llama-bpe", True), ("dbrx", False)]:
         path = gguf_for(pre)
         tok = byte_bpe_from_gguf(read_gguf(path))
-        want = transformers_reader(path)
+        want = transformers_tokenizer(path)
         pieces = want.convert_ids_to_tokens(tok.encode("zqz", add_special_tokens=False))
         assert pieces == (["zqz"] if whole else ["z", "qz"]), pre
         assert want.convert_ids_to_tokens(want.encode("zqz", add_special_tokens=False)) == ["z", "qz"]
@@ -252,12 +246,12 @@ def test_an_unknown_name_warns_and_splits_as_gpt2(gguf_for) -> None:
     path = gguf_for("poro-chat")
     with pytest.warns(UserWarning, match=r"tokenizer.ggml.pre 'poro-chat' is not a split qkv knows"):
         ids = qkv_ids(path)
-    assert ids == reference_ids(transformers_reader(path))
+    assert ids == reference_ids(transformers_tokenizer(path))
     path = gguf_for(None)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         ids = qkv_ids(path)
-    assert ids == reference_ids(transformers_reader(path)) == qkv_ids(gguf_for("gpt-2"))
+    assert ids == reference_ids(transformers_tokenizer(path)) == qkv_ids(gguf_for("gpt-2"))
 
 
 @pytest.mark.parametrize(("pre", "add_bos", "bos"), [
@@ -269,6 +263,6 @@ def test_bos_goes_in_front_as_llama_cpp_puts_it(trained, tmp_path: Path, pre: st
     split (llama-vocab.cpp: add_bos for llama-bpe and its kin, tekken, chameleon; not for
     gpt-2, smollm, ...). The rest of the ids are the split's own."""
     _, tokens, merges = trained
-    tok = byte_bpe_from_gguf(read_gguf(write_gguf(tmp_path / "v.gguf", tokens, merges, pre, add_bos)))
+    tok = byte_bpe_from_gguf(read_gguf(write_vocab_gguf(tmp_path / "v.gguf", tokens, merges, pre, add_bos)))
     plain = tok.encode("Hello world", add_special_tokens=False)
     assert tok.encode("Hello world") == ([0] if bos else []) + plain

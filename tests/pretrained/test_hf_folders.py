@@ -1,7 +1,8 @@
 """qkv.load(FOLDER) on Hugging Face checkpoint folders, against transformers itself.
 
-Every checkpoint is built here: a tiny random transformers model (seeded, float32, 2 layers,
-width 64) saved with ``save_pretrained`` beside a tiny word-level ``tokenizer.json``. qkv's
+Every checkpoint is built for the test: a tiny random transformers model (seeded, float32, 2
+layers, width 64; tests/helpers.py's tiny_hf_decoder for the decoders) saved with
+``save_pretrained`` beside a tiny word-level ``tokenizer.json`` (helpers.save_hf_folder). qkv's
 logits (or hidden states) must equal the reference's to 1e-5 and its greedy tokens must be
 the same; damaged folders must give one-line PretrainedFormatErrors.
 """
@@ -13,6 +14,15 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import (
+    HF_DECODERS,
+    HF_VOCAB,
+    hf_bert_config,
+    hf_decoder_config,
+    hf_decoder_folder,
+    save_hf_folder,
+)
+from helpers import HF_PROMPT as PROMPT
 
 import qkv
 from qkv.generation import generate
@@ -23,45 +33,7 @@ transformers = pytest.importorskip("transformers", reason="reference package tra
 pytest.importorskip("safetensors")
 tokenizers = pytest.importorskip("tokenizers")
 
-V = 96  # vocabulary of the tiny models (ids 0..V-1 are the words "w0".."w95")
-SIZES = dict(vocab_size=V, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-             num_attention_heads=4, max_position_embeddings=64, initializer_range=0.1)
-
-DECODERS = {
-    "llama": lambda: transformers.LlamaConfig(**SIZES),
-    "llama_tied_gqa": lambda: transformers.LlamaConfig(
-        **SIZES, num_key_value_heads=2, tie_word_embeddings=True,
-        rope_parameters={"rope_type": "default", "rope_theta": 100000.0}),
-    "qwen2": lambda: transformers.Qwen2Config(**SIZES, num_key_value_heads=2),
-    "mistral": lambda: transformers.MistralConfig(**SIZES, num_key_value_heads=1, sliding_window=32),
-    "gemma": lambda: transformers.GemmaConfig(**SIZES, num_key_value_heads=1, head_dim=32),
-    "gpt2": lambda: transformers.GPT2Config(vocab_size=V, n_embd=64, n_layer=2, n_head=4, n_positions=64,
-                                            initializer_range=0.1, bos_token_id=1, eos_token_id=2),
-}
-
-
-def _save_tokenizer(folder: Path) -> None:
-    """A word-level tokenizer.json: "w7" <-> id 7, split on whitespace."""
-    vocab = {f"w{i}": i for i in range(V)}
-    tok = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="w0"))
-    tok.pre_tokenizer = tokenizers.pre_tokenizers.WhitespaceSplit()
-    tok.save(str(folder / "tokenizer.json"))
-
-
-def _save(model, folder: Path, **kwargs) -> Path:
-    model.save_pretrained(folder, **kwargs)
-    _save_tokenizer(folder)
-    return folder
-
-
-def _decoder(kind: str, folder: Path, **save_kwargs):
-    torch.manual_seed(0)
-    ref = transformers.AutoModelForCausalLM.from_config(DECODERS[kind]()).float().eval()
-    _save(ref, folder, **save_kwargs)
-    return ref
-
-
-PROMPT = torch.tensor([[3, 17, 42, 5, 88, 9, 1, 60]])
+V = HF_VOCAB  # vocabulary of the tiny models (ids 0..V-1 are the words "w0".."w95")
 
 
 def _check_decoder(ref, lm: CausalLM) -> None:
@@ -77,20 +49,20 @@ def _check_decoder(ref, lm: CausalLM) -> None:
     assert ids == ref_ids
 
 
-@pytest.mark.parametrize("kind", sorted(DECODERS))
+@pytest.mark.parametrize("kind", sorted(HF_DECODERS))
 def test_decoder_folder_matches_transformers(kind, tmp_path):
-    ref = _decoder(kind, tmp_path / kind)
+    ref = hf_decoder_folder(kind, tmp_path / kind)
     lm = qkv.load(str(tmp_path / kind))
     assert isinstance(lm, CausalLM)
-    assert lm.architecture == DECODERS[kind]().model_type
+    assert lm.architecture == hf_decoder_config(kind).model_type
     _check_decoder(ref, lm)
 
 
 def test_decoder_options_are_read_from_the_config(tmp_path):
     """The config's choices reach qkv's GPTConfig (a wrong one would also fail the parity)."""
-    _decoder("llama_tied_gqa", tmp_path / "l")
-    _decoder("mistral", tmp_path / "m")
-    _decoder("qwen2", tmp_path / "q")
+    hf_decoder_folder("llama_tied_gqa", tmp_path / "l")
+    hf_decoder_folder("mistral", tmp_path / "m")
+    hf_decoder_folder("qwen2", tmp_path / "q")
     llama = qkv.load(str(tmp_path / "l")).model
     assert (llama.cfg.n_kv_heads, llama.cfg.tie_embeddings, llama.cfg.rope_theta) == (2, True, 100000.0)
     assert llama.lm_head.weight is llama.tok_emb.weight
@@ -101,7 +73,7 @@ def test_decoder_options_are_read_from_the_config(tmp_path):
 
 def test_gemma_options(tmp_path):
     """Gemma's options are qkv's: GeGLU, embeddings × √dim, head_dim apart from dim / n_heads."""
-    ref = _decoder("gemma", tmp_path / "g")
+    ref = hf_decoder_folder("gemma", tmp_path / "g")
     gpt = qkv.load(str(tmp_path / "g")).model
     assert (gpt.cfg.mlp, gpt.cfg.embed_scale, gpt.cfg.resolved_head_dim) == ("geglu_tanh", True, 32)
     # the stored norm weights are w - 1 (Gemma's RMSNorm multiplies by 1 + w)
@@ -110,14 +82,14 @@ def test_gemma_options(tmp_path):
 
 
 def test_sharded_folder(tmp_path):
-    ref = _decoder("llama", tmp_path / "s", max_shard_size="40KB")
+    ref = hf_decoder_folder("llama", tmp_path / "s", max_shard_size="40KB")
     shards = sorted(p.name for p in (tmp_path / "s").glob("*.safetensors"))
     assert len(shards) > 2 and (tmp_path / "s" / "model.safetensors.index.json").is_file()
     _check_decoder(ref, qkv.load(str(tmp_path / "s")))
 
 
 def test_tokenizer_stops_and_text_generation(tmp_path):
-    ref = _decoder("llama", tmp_path / "t")
+    ref = hf_decoder_folder("llama", tmp_path / "t")
     (tmp_path / "t" / "tokenizer_config.json").write_text(json.dumps(
         {"eos_token": "w5", "chat_template": "{% for m in messages %}{{ m['content'] }} {% endfor %}"}))
     lm = qkv.load(str(tmp_path / "t"))
@@ -132,15 +104,10 @@ def test_tokenizer_stops_and_text_generation(tmp_path):
     assert text.split() == [f"w{i}" for i in ref_ids]
 
 
-def _bert_config():
-    return transformers.BertConfig(vocab_size=V, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
-                                   intermediate_size=96, max_position_embeddings=64, initializer_range=0.1)
-
-
 def test_bert_with_a_head_reads_the_bert_prefixed_names(tmp_path):
     torch.manual_seed(1)
-    ref = transformers.BertForMaskedLM(_bert_config()).float().eval()  # bert.* and cls.* names
-    _save(ref, tmp_path / "mlm")
+    ref = transformers.BertForMaskedLM(hf_bert_config()).float().eval()  # bert.* and cls.* names
+    save_hf_folder(ref, tmp_path / "mlm")
     enc = qkv.load(str(tmp_path / "mlm"))
     ids = torch.tensor([[2, 40, 41, 7, 3]])
     with torch.no_grad():
@@ -150,8 +117,8 @@ def test_bert_with_a_head_reads_the_bert_prefixed_names(tmp_path):
 
 def test_bert_folder_matches_transformers(tmp_path):
     torch.manual_seed(0)
-    ref = transformers.BertModel(_bert_config()).float().eval()
-    _save(ref, tmp_path / "b")
+    ref = transformers.BertModel(hf_bert_config()).float().eval()
+    save_hf_folder(ref, tmp_path / "b")
     enc = qkv.load(str(tmp_path / "b"))
     assert isinstance(enc, SentenceEncoder)
     ids = torch.tensor([[2, 40, 41, 7, 3, 0], [2, 11, 12, 13, 14, 3]])
@@ -176,8 +143,8 @@ def test_qkv_embed_and_similarity_read_a_bert_folder(tmp_path):
     from helpers import assert_one_line_error, call
 
     torch.manual_seed(0)
-    ref = transformers.BertModel(_bert_config()).float().eval()
-    _save(ref, tmp_path / "b")
+    ref = transformers.BertModel(hf_bert_config()).float().eval()
+    save_hf_folder(ref, tmp_path / "b")
     rc, out, err = call(["embed", str(tmp_path / "b"), "w40 w41 w7", "w11 w12", "--json"])
     assert rc == 0, err
     got = json.loads(out)
@@ -188,7 +155,7 @@ def test_qkv_embed_and_similarity_read_a_bert_folder(tmp_path):
                                    mean / mean.norm(), rtol=0, atol=1e-5)
     rc, out, err = call(["similarity", str(tmp_path / "b"), "w40 w41", "w40 w41", "w90 w91", "--json"])
     assert rc == 0 and json.loads(out)[0]["text"] == "w40 w41", err
-    _decoder("llama", tmp_path / "l")
+    hf_decoder_folder("llama", tmp_path / "l")
     rc, _, err = call(["embed", str(tmp_path / "l"), "w1"])
     assert "is a decoder (a language model), not a sentence encoder" in assert_one_line_error(rc, err)
 
@@ -215,7 +182,7 @@ def test_folder_without_config(tmp_path):
 
 
 def test_truncated_shard(tmp_path):
-    _decoder("llama", tmp_path / "s", max_shard_size="40KB")
+    hf_decoder_folder("llama", tmp_path / "s", max_shard_size="40KB")
     shard = sorted((tmp_path / "s").glob("*.safetensors"))[1]
     data = shard.read_bytes()
     shard.write_bytes(data[: len(data) // 2])
@@ -223,7 +190,7 @@ def test_truncated_shard(tmp_path):
 
 
 def test_missing_weights(tmp_path):
-    _decoder("llama", tmp_path / "s", max_shard_size="40KB")
+    hf_decoder_folder("llama", tmp_path / "s", max_shard_size="40KB")
     shard = sorted((tmp_path / "s").glob("*.safetensors"))[0]
     shard.unlink()
     _one_line_error(tmp_path / "s", "weights file not found", shard.name)
@@ -234,7 +201,7 @@ def test_missing_weights(tmp_path):
 
 
 def test_config_that_disagrees_with_the_tensors(tmp_path):
-    _decoder("qwen2", tmp_path / "q")
+    hf_decoder_folder("qwen2", tmp_path / "q")
     path = tmp_path / "q" / "config.json"
     path.write_text(json.dumps({**json.loads(path.read_text()), "intermediate_size": 128}))
     _one_line_error(tmp_path / "q", "mlp.w_gate.weight", "(96, 64)", "(128, 64)")
@@ -249,7 +216,7 @@ def test_unknown_and_refused_architectures(tmp_path):
 
 
 def test_unsupported_config_option_and_tensor_type(tmp_path):
-    _decoder("llama", tmp_path / "l")
+    hf_decoder_folder("llama", tmp_path / "l")
     path = tmp_path / "l" / "config.json"
     config = json.loads(path.read_text())
     path.write_text(json.dumps({**config, "rope_parameters": {"rope_type": "llama3", "rope_theta": 1e4}}))
@@ -272,7 +239,7 @@ def test_qkv_generate_and_attend_read_a_folder(tmp_path):
     from qkv.inference import open_model as load_source
     from qkv.pipelines.attention import text_attention
 
-    ref = _decoder("qwen2", tmp_path / "q")
+    ref = hf_decoder_folder("qwen2", tmp_path / "q")
     ref.config._attn_implementation = "eager"
     prompt = " ".join(f"w{i}" for i in PROMPT[0].tolist())
     with torch.no_grad():

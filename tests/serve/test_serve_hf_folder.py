@@ -6,26 +6,18 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import pytest
 import torch
+from helpers import call, dev_package, save_hf_folder, tiny_hf_decoder
 
-HINT = "package missing: {} (pip install -e '.[dev]')"
-transformers = pytest.importorskip("transformers", reason=HINT.format("transformers"))
-tokenizers = pytest.importorskip("tokenizers", reason=HINT.format("tokenizers"))
-
-V = 64
+transformers = dev_package("transformers")
+tokenizers = dev_package("tokenizers")
 
 
 def _qwen2_folder(folder: Path):
-    torch.manual_seed(0)
-    cfg = transformers.Qwen2Config(vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
-    ref = transformers.AutoModelForCausalLM.from_config(cfg).float().eval()
+    """tests/helpers.py's tiny Qwen2 in a checkpoint folder, its attention eager (to return weights)."""
+    ref = tiny_hf_decoder("qwen2")
     ref.config._attn_implementation = "eager"
-    ref.save_pretrained(folder)
-    tok = tokenizers.Tokenizer(tokenizers.models.WordLevel({f"w{i}": i for i in range(V)}, unk_token="w0"))
-    tok.pre_tokenizer = tokenizers.pre_tokenizers.WhitespaceSplit()
-    tok.save(str(folder / "tokenizer.json"))
+    save_hf_folder(ref, folder)
     return ref
 
 
@@ -76,16 +68,18 @@ def test_a_gguf_file_in_the_runs_directory_is_served(tmp_path: Path) -> None:
     """A .gguf (written as llama.cpp does) beside the runs: listed, and its attention equals
     transformers' of the model it was written from; one linked from outside is refused."""
     from fastapi.testclient import TestClient
-    from pretrained.test_gguf_architectures import tiny, write_gguf
+
+    dev_package("gguf")
+    from pretrained.gguf_writing import write_decoder_gguf
 
     from qkv.serve import create_app
 
     runs = tmp_path / "runs"
     runs.mkdir()
-    ref = tiny("qwen2")
+    ref = tiny_hf_decoder("qwen2")
     ref.config._attn_implementation = "eager"
-    write_gguf(ref, "qwen2", runs / "tiny.gguf")
-    write_gguf(ref, "qwen2", tmp_path / "outside.gguf")
+    write_decoder_gguf(ref, "qwen2", runs / "tiny.gguf")
+    write_decoder_gguf(ref, "qwen2", tmp_path / "outside.gguf")
     (runs / "linked.gguf").symlink_to(tmp_path / "outside.gguf")
     c = TestClient(create_app(runs_dir=runs))
     ids = {m["id"]: m["kind"] for m in c.get("/api/models").json()["models"]}
@@ -107,8 +101,9 @@ def test_a_bert_gguf_is_served_and_attended_as_an_encoder(tmp_path: Path) -> Non
     `qkv serve` lists it as one and its attention equals transformers' BertModel's eager
     attentions of the same weights; `qkv attend FILE.gguf` draws it."""
     from fastapi.testclient import TestClient
-    from helpers import call
-    from pretrained.test_gguf_bert_gemma import bert_reference, write_bert_gguf
+
+    dev_package("gguf")
+    from pretrained.gguf_writing import bert_reference, write_bert_gguf
 
     from qkv.serve import create_app
 
