@@ -7,29 +7,13 @@ import sys
 from pathlib import Path
 
 import pytest
+from helpers import assert_one_line_error, call
 
 from qkv import __version__, cli
 from qkv.commands import bench
 
 COMMANDS = ("train", "generate", "embed", "similarity", "classify", "translate", "caption", "attend",
             "explain", "serve", "assets", "bench")
-
-
-def run_main(argv: list[str], capsys) -> tuple[int, str, str]:
-    """Call cli.main; argparse's own exits (--help, bad flags) become return codes."""
-    try:
-        rc = cli.main(argv)
-    except SystemExit as e:
-        rc = e.code if isinstance(e.code, int) else 1
-    out, err = capsys.readouterr()
-    return rc, out, err
-
-
-def assert_one_line_error(err: str) -> None:
-    lines = err.strip().splitlines()
-    assert len(lines) == 1, err
-    assert lines[0].startswith("qkv: error: ")
-    assert "Traceback" not in err
 
 
 @pytest.fixture
@@ -45,47 +29,47 @@ def fake_benchmarks(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     return tmp_path
 
 
-def test_help_lists_every_subcommand(capsys) -> None:
-    rc, out, _ = run_main(["--help"], capsys)
+def test_help_lists_every_subcommand() -> None:
+    rc, out, _ = call(["--help"])
     assert rc == 0
     listed = {line.split()[0] for line in out.splitlines() if line.startswith("    ")}
     assert listed >= set(COMMANDS)
     assert "planned" not in out  # every command works
 
 
-def test_no_command_prints_help(capsys) -> None:
-    rc, out, _ = run_main([], capsys)
+def test_no_command_prints_help() -> None:
+    rc, out, _ = call([])
     assert rc == 0
     assert all(name in out for name in COMMANDS)
 
 
-def test_version(capsys) -> None:
-    rc, out, _ = run_main(["--version"], capsys)
+def test_version() -> None:
+    rc, out, _ = call(["--version"])
     assert rc == 0 and out.strip() == f"qkv {__version__}"
 
 
-def test_bench_list(fake_benchmarks: Path, capsys) -> None:
-    rc, out, err = run_main(["bench", "--list"], capsys)
+def test_bench_list(fake_benchmarks: Path) -> None:
+    rc, out, err = call(["bench", "--list"])
     assert rc == 0 and err == ""
     assert out.splitlines() == ["alpha", "beta"]
 
 
-def test_bench_list_real_folder(capsys) -> None:
+def test_bench_list_real_folder() -> None:
     # The real folder may be empty or filling up: compare with what is there right now.
     expected = sorted(p.stem for p in bench._benchmarks_dir().glob("*.py")
                       if not p.stem.startswith("_"))
-    rc, out, err = run_main(["bench", "--list"], capsys)
+    rc, out, err = call(["bench", "--list"])
     if expected:
         assert rc == 0 and out.splitlines() == expected
     else:
         assert rc == 2
-        assert_one_line_error(err)
+        assert_one_line_error(rc, err)
 
 
-def test_bench_unknown_name(fake_benchmarks: Path, capsys) -> None:
-    rc, out, err = run_main(["bench", "alpha", "nope"], capsys)
+def test_bench_unknown_name(fake_benchmarks: Path) -> None:
+    rc, out, err = call(["bench", "alpha", "nope"])
     assert rc == 2
-    assert_one_line_error(err)
+    assert_one_line_error(rc, err)
     assert "'nope'" in err and "alpha, beta" in err
     assert "alpha ran" not in out  # nothing runs when any name is wrong
 
@@ -104,16 +88,16 @@ def test_bench_returns_the_failing_exit_code(fake_benchmarks: Path, capfd) -> No
     assert capfd.readouterr().out.count("alpha ran") == 1
 
 
-def test_bench_without_scripts(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys) -> None:
+def test_bench_without_scripts(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(bench, "_benchmarks_dir", lambda: tmp_path)
-    rc, _, err = run_main(["bench", "--list"], capsys)
+    rc, _, err = call(["bench", "--list"])
     assert rc == 2
-    assert_one_line_error(err)
+    assert_one_line_error(rc, err)
     assert "no benchmark scripts" in err
 
 
-def test_unknown_command_is_an_argparse_error(capsys) -> None:
-    rc, _, err = run_main(["frobnicate"], capsys)
+def test_unknown_command_is_an_argparse_error() -> None:
+    rc, _, err = call(["frobnicate"])
     assert rc == 2 and "Traceback" not in err and "frobnicate" in err
 
 
@@ -125,7 +109,7 @@ def test_python_dash_m_qkv() -> None:
     bad = subprocess.run([sys.executable, "-m", "qkv", "generate", "/nonexistent/run"],
                          capture_output=True, text=True, timeout=60)
     assert bad.returncode == 2
-    assert_one_line_error(bad.stderr)
+    assert_one_line_error(bad.returncode, bad.stderr)
 
 
 def test_qkv_warnings_are_one_line_others_as_python_shows_them(capsys) -> None:

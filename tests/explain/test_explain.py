@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import assert_one_line_error, call
+from helpers import PNG, assert_one_line_error, call, softmax64
 from pretrained.asset_skip import require_asset
 
 from qkv.explain import TOPICS
@@ -28,14 +28,6 @@ from qkv.explain.softmax import explain_softmax
 from qkv.explain.worked_example import explain_worked_example
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # see tests/conftest.py
-
-PNG = b"\x89PNG\r\n\x1a\n"
-
-
-def softmax64(xs: list[float]) -> list[float]:
-    m = max(xs)
-    e = [math.exp(x - m) for x in xs]
-    return [v / sum(e) for v in e]
 
 
 def table_rows(out: str, title: str) -> dict[str, list[str]]:
@@ -51,25 +43,6 @@ def table_rows(out: str, title: str) -> dict[str, list[str]]:
             cells = [c.strip() for c in line.strip("│").split("│")]
             rows[cells[0]] = cells[1:]
     return rows
-
-
-@pytest.fixture(scope="module")
-def minilm():
-    require_asset("minilm")
-    pytest.importorskip("safetensors", reason="safetensors not installed: pip install 'qkv[pretrained]'")
-    pytest.importorskip("tokenizers", reason="tokenizers not installed: pip install 'qkv[pretrained]'")
-    import qkv
-
-    return qkv.load("minilm")
-
-
-@pytest.fixture
-def minilm_cli(minilm, monkeypatch):
-    """CLI runs reuse the module's MiniLM instead of loading it again (~3 s each)."""
-    import qkv.inference.loading
-
-    monkeypatch.setattr(qkv.inference.loading, "_read", lambda ref, device, cache: minilm)
-    return minilm
 
 
 @pytest.fixture

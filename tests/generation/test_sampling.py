@@ -7,6 +7,7 @@ import math
 
 import pytest
 import torch
+from helpers import softmax64
 
 from qkv.generation import sample_next
 from qkv.generation.sampling import filter_logits
@@ -17,13 +18,6 @@ NEG_INF = float("-inf")
 def kept(filtered: torch.Tensor) -> list[set[int]]:
     """The token ids that survive filtering, per row."""
     return [set(torch.nonzero(torch.isfinite(row)).flatten().tolist()) for row in filtered]
-
-
-def softmax64(logits: list[float], temperature: float = 1.0) -> list[float]:
-    """softmax(logits / T) in plain Python floats (shares no code with torch)."""
-    top = max(logits)
-    e = [math.exp((x - top) / temperature) for x in logits]
-    return [x / sum(e) for x in e]
 
 
 def frequencies(tokens: torch.Tensor, V: int) -> torch.Tensor:

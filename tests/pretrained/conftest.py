@@ -1,9 +1,9 @@
 """Session fixtures for the pretrained-model tests.
 
-qkv's MiniLM and SmolLM2 are loaded once per session, and so are the references they are
-compared with (transformers, sentence-transformers): the transformers GGUF load alone takes
-~20 s on two cores. Greedy continuations are memoised, so the live-parity tests and the
-fixture tests share them.
+qkv's SmolLM2 is loaded once per session (and MiniLM, by tests/conftest.py's ``minilm``), and
+so are the references they are compared with (transformers, sentence-transformers): the
+transformers GGUF load alone takes ~20 s on two cores. Greedy continuations are memoised, so the
+live-parity tests and the fixture tests share them.
 
 A fixture skips, naming the fix, only when its asset (``qkv assets install ...``) or its
 reference package (``pip install 'qkv[reference]'``) is absent; in CI both are installed and
@@ -44,10 +44,6 @@ def _two_threads():
         yield
 
 
-def _asset(name: str):
-    return require_asset(name)  # skips with "asset missing: NAME (qkv assets install NAME)"
-
-
 def _reference(module: str):
     return pytest.importorskip(
         module, reason=f"reference package {module} not installed: pip install 'qkv[reference]'"
@@ -65,12 +61,12 @@ def _qkv_dependency(module: str):
 
 @pytest.fixture(scope="session")
 def minilm_folder():
-    return _asset("minilm")
+    return require_asset("minilm")  # skips with "asset missing: NAME (qkv assets install NAME)"
 
 
 @pytest.fixture(scope="session")
 def smollm2_file():
-    return _asset("smollm2")
+    return require_asset("smollm2")
 
 
 @pytest.fixture(scope="session")
@@ -79,17 +75,6 @@ def reference_fixture() -> dict:
 
 
 # --------------------------------------------------------------------------- qkv's models
-
-
-@pytest.fixture(scope="session")
-def minilm(minilm_folder):
-    """qkv's SentenceEncoder (fp32)."""
-    for m in ("safetensors", "tokenizers"):
-        _qkv_dependency(m)
-    import qkv
-
-    with threads():
-        return qkv.load("minilm")
 
 
 @pytest.fixture(scope="session")

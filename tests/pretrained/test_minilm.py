@@ -177,14 +177,6 @@ def test_rank_scores_are_reference_cosines(minilm, st_minilm) -> None:
 # --------------------------------------------------------------------------- the command line
 
 
-@pytest.fixture
-def minilm_cli(minilm, monkeypatch):
-    """`qkv embed` / `qkv similarity` run on the session's MiniLM instead of loading it again."""
-    import qkv.inference.loading
-
-    monkeypatch.setattr(qkv.inference.loading, "_read", lambda ref, device, cache: minilm)
-
-
 def test_cli_embed_json_values_are_sentence_transformers_embeddings(minilm_cli, st_minilm) -> None:
     import json
 

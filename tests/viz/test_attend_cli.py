@@ -9,8 +9,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from helpers import assert_one_line_error as one_line_error
-from helpers import call
+from helpers import assert_one_line_error, call
 from pretrained.asset_skip import require_asset
 
 from qkv.viz.plots import attention_grid_size, attention_head_size
@@ -27,10 +26,6 @@ def png(path: Path) -> np.ndarray:
         im.verify()
     with Image.open(path) as im:
         return np.asarray(im.convert("RGB"))
-
-
-def _asset(name: str) -> None:
-    require_asset(name)  # skips with "asset missing: NAME (qkv assets install NAME)"
 
 
 # --------------------------------------------------------------------------- text models
@@ -60,7 +55,7 @@ def test_gpt_run_grid_layer_and_head(tiny_run, tmp_path: Path) -> None:
 
 
 def test_minilm_grid_and_one_head(tmp_path: Path) -> None:
-    _asset("minilm")
+    require_asset("minilm")  # skips with "asset missing: minilm (qkv assets install minilm)"
     out = tmp_path / "m.png"
     rc, stdout, err = call(["attend", "minilm", "The cat sat on the mat.", "-o", str(out)])
     assert rc == 0, err
@@ -76,7 +71,7 @@ def test_minilm_grid_and_one_head(tmp_path: Path) -> None:
 
 
 def test_smollm2_one_head(tmp_path: Path) -> None:
-    _asset("smollm2")
+    require_asset("smollm2")
     pytest.importorskip("gguf", reason="gguf not installed: pip install 'qkv[pretrained]'")
     out = tmp_path / "s.png"
     rc, stdout, err = call(["attend", "smollm2", "Once upon a time", "--layer", "-1", "--head", "8",
@@ -151,7 +146,7 @@ def test_errors_are_one_line(tiny_run, tmp_path: Path, args: list[str], message:
     if "-o" not in argv:
         argv += ["-o", str(tmp_path / "out.png")]
     rc, _, err = call(argv)
-    assert message in one_line_error(rc, err)
+    assert message in assert_one_line_error(rc, err)
     assert not (tmp_path / "out.png").exists()
 
 
