@@ -1,5 +1,7 @@
-"""Hypothesis strategy shared by the attention backend tests: one attention configuration."""
+"""Shared by the attention backend tests: the hypothesis strategy of one attention configuration,
+and a forward and backward pass of one backend."""
 
+import torch
 from hypothesis import strategies as st
 
 HEADS = [(1, 1), (2, 2), (4, 2), (4, 1), (6, 3)]  # (H, K): MHA, GQA, MQA
@@ -24,3 +26,10 @@ def draw_case(draw) -> dict:
         scale=draw(st.sampled_from([None, 0.3, 2.0])),
         seed=draw(st.integers(0, 2**16)),
     )
+
+
+def forward_backward(fn, q, k, v, upstream):
+    """Forward ``fn(q, k, v) -> Tensor`` and backward with ``upstream``: (out, (dq, dk, dv))."""
+    q, k, v = (t.detach().clone().requires_grad_() for t in (q, k, v))
+    out = fn(q, k, v)
+    return out.detach(), torch.autograd.grad(out, (q, k, v), upstream)

@@ -10,7 +10,7 @@ import re
 
 import pytest
 import torch
-from attention_cases import draw_case
+from attention_cases import draw_case, forward_backward
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -20,24 +20,17 @@ TILES = [(3, 4), (4, 3), (5, 5), (3, 64), (64, 3), (None, None)]  # None: the de
 
 
 @st.composite
-def cases(draw):
+def tiled_cases(draw):
     """One attention configuration plus the tile sizes to run it with."""
     return {**draw_case(draw), "tiles": draw(st.sampled_from(TILES))}
-
-
-def _run(fn, q, k, v, upstream):
-    """Forward ``fn(q, k, v) -> Tensor`` and backward with ``upstream``: (out, (dq, dk, dv))."""
-    q, k, v = (t.detach().clone().requires_grad_() for t in (q, k, v))
-    out = fn(q, k, v)
-    return out.detach(), torch.autograd.grad(out, (q, k, v), upstream)
 
 
 def _assert_same(fn, q, k, v, kw, atol):
     """``fn`` equals the reference path in forward and in all three gradients."""
     g = torch.randn(*q.shape[:3], v.shape[-1], generator=torch.Generator().manual_seed(5),
                     dtype=q.dtype)
-    out, grads = _run(lambda *a: fn(*a, **kw), q, k, v, g)
-    ref_out, ref_grads = _run(lambda *a: scaled_dot_product_attention(*a, **kw).out, q, k, v, g)
+    out, grads = forward_backward(lambda *a: fn(*a, **kw), q, k, v, g)
+    ref_out, ref_grads = forward_backward(lambda *a: scaled_dot_product_attention(*a, **kw).out, q, k, v, g)
     assert torch.isfinite(out).all()
     torch.testing.assert_close(out, ref_out, atol=atol, rtol=atol)
     for name, a, e in zip("qkv", grads, ref_grads, strict=True):
@@ -46,7 +39,7 @@ def _assert_same(fn, q, k, v, kw, atol):
 
 @pytest.mark.parametrize(("dtype", "atol"), [(torch.float64, 1e-10), (torch.float32, 2e-5)])
 @settings(max_examples=30, deadline=None, derandomize=True)
-@given(case=cases())
+@given(case=tiled_cases())
 def test_chunked_equals_reference(dtype, atol, case, attention_inputs):
     c = dict(case)
     qc, kc = c.pop("tiles")

@@ -9,7 +9,7 @@ import re
 
 import pytest
 import torch
-from attention_cases import draw_case
+from attention_cases import draw_case, forward_backward
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -53,13 +53,6 @@ def _allowed(mask, is_causal, B, H, T, S):
             if S - T + i < 0:
                 allowed[:, :, i] = False
     return allowed
-
-
-def _run(fn, q, k, v, upstream):
-    """Forward ``fn(q, k, v) -> Tensor`` and backward with ``upstream``: (out, (dq, dk, dv))."""
-    q, k, v = (t.detach().clone().requires_grad_() for t in (q, k, v))
-    out = fn(q, k, v)
-    return out.detach(), torch.autograd.grad(out, (q, k, v), upstream)
 
 
 # --------------------------------------------------------------------------- softmax / hardmax
@@ -252,9 +245,9 @@ def test_sdpa_equals_reference_forward_and_backward(dtype, atol, case, attention
     kw = dict(mask=mask, is_causal=case["is_causal"], scale=case["scale"], bias=bias)
     g = torch.randn(case["B"], case["H"], case["T"], case["Dv"],
                     generator=torch.Generator().manual_seed(2), dtype=dtype)
-    ref_out, ref_grads = _run(lambda *a: scaled_dot_product_attention(*a, **kw).out, q, k, v, g)
+    ref_out, ref_grads = forward_backward(lambda *a: scaled_dot_product_attention(*a, **kw).out, q, k, v, g)
     for fn in (sdpa_attention, lambda *a, **b: attention(*a, **b, backend="sdpa")):
-        out, grads = _run(lambda *a, fn=fn: fn(*a, **kw).out, q, k, v, g)
+        out, grads = forward_backward(lambda *a, fn=fn: fn(*a, **kw).out, q, k, v, g)
         assert torch.isfinite(out).all()
         torch.testing.assert_close(out, ref_out, atol=atol, rtol=atol)
         for a, e in zip(grads, ref_grads, strict=True):
@@ -313,14 +306,14 @@ def test_rows_with_nothing_to_attend_give_zeros_and_zero_grads(backend, dtype, r
         empty = ~allowed.any(-1)  # (B, H, T)
         assert empty.any() and not empty.all()
         g = torch.randn(B, H, T, D, generator=rng, dtype=dtype)
-        out, (dq, dk, dv) = _run(lambda *a, kw=kw: fn(*a, **kw), q, k, v, g)
+        out, (dq, dk, dv) = forward_backward(lambda *a, kw=kw: fn(*a, **kw), q, k, v, g)
         assert torch.isfinite(out).all()
         assert (out[empty] == 0).all()
         assert (out[~empty].abs().sum(-1) > 0).all()
         for grad in (dq, dk, dv):
             assert torch.isfinite(grad).all()
         assert (dq[empty] == 0).all()  # an empty row's query influences nothing
-        ref_out, ref_grads = _run(
+        ref_out, ref_grads = forward_backward(
             lambda *a, kw=kw: scaled_dot_product_attention(*a, **kw).out, q, k, v, g
         )
         tol = 1e-10 if dtype == torch.float64 else 1e-5

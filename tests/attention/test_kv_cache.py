@@ -19,7 +19,7 @@ STEPS = {
 }
 
 
-def _model(n_heads, n_kv_heads, n_layers=1):
+def _attention_layers(n_heads, n_kv_heads, n_layers=1):
     torch.manual_seed(0)
     layers = [MultiHeadAttention(DIM, n_heads, n_kv_heads).eval() for _ in range(n_layers)]
     rope = RotaryEmbedding(DIM // n_heads, max_seq_len=T_MAX)
@@ -54,7 +54,7 @@ def _decode(layers, x, rope, backend, steps, kv):
 @pytest.mark.parametrize("steps", list(STEPS))
 def test_cached_decoding_equals_full_forward(backend, n_heads, n_kv_heads, use_rope, steps,
                                              rng):
-    (m,), rope = _model(n_heads, n_kv_heads)
+    (m,), rope = _attention_layers(n_heads, n_kv_heads)
     rope = rope if use_rope else None
     x = torch.randn(2, 10, DIM, generator=rng)
     full = _full([m], x, rope, backend)
@@ -66,7 +66,7 @@ def test_cached_decoding_equals_full_forward(backend, n_heads, n_kv_heads, use_r
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_two_layers_share_one_cache(backend, rng):
-    layers, rope = _model(4, 2, n_layers=2)
+    layers, rope = _attention_layers(4, 2, n_layers=2)
     x = torch.randn(1, 9, DIM, generator=rng)
     full = _full(layers, x, rope, backend)
     kv = KVCache(2, 1, 2, T_MAX, DIM // 4)
@@ -78,7 +78,7 @@ def test_two_layers_share_one_cache(backend, rng):
 
 def test_rope_matters_and_uses_absolute_positions(rng):
     """Decoding with RoPE but without the cache offset would rotate by the wrong angle."""
-    (m,), rope = _model(4, 4)
+    (m,), rope = _attention_layers(4, 4)
     x = torch.randn(1, 6, DIM, generator=rng)
     with_rope = _full([m], x, rope, "reference")
     without = _full([m], x, None, "reference")
@@ -86,7 +86,7 @@ def test_rope_matters_and_uses_absolute_positions(rng):
 
 
 def test_reset_reuses_the_cache(rng):
-    (m,), rope = _model(4, 2)
+    (m,), rope = _attention_layers(4, 2)
     x1, x2 = torch.randn(2, 1, 8, DIM, generator=rng)
     kv = KVCache(1, 1, 2, T_MAX, DIM // 4)
     with torch.no_grad():
@@ -99,7 +99,7 @@ def test_reset_reuses_the_cache(rng):
 
 
 def test_buffers_are_preallocated(rng):
-    (m,), rope = _model(4, 2)
+    (m,), rope = _attention_layers(4, 2)
     kv = KVCache(1, 1, 2, T_MAX, DIM // 4)
     k_ptr, v_ptr = kv.k.data_ptr(), kv.v.data_ptr()
     shapes = (kv.k.shape, kv.v.shape)
@@ -151,7 +151,7 @@ def test_overflow_past_max_seq_len():
 
 
 def test_decoding_past_max_seq_len_raises(rng):
-    (m,), _ = _model(4, 4)
+    (m,), _ = _attention_layers(4, 4)
     kv = KVCache(1, 1, 4, 3, DIM // 4)
     x = torch.randn(1, 3, DIM, generator=rng)
     m(x, is_causal=True, cache=kv.layer(0))

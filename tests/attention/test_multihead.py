@@ -47,7 +47,7 @@ def _copy_self(ref, backend):
     return ours
 
 
-def _inputs(rng, B=2, T=5, S=None):
+def _padded_inputs(rng, B=2, T=5, S=None):
     x = torch.randn(B, T, DIM, generator=rng, dtype=F64)
     lengths = torch.tensor([T if S is None else S, 2])[:B]  # sequence 1 is padded
     kpm = torch.arange(T if S is None else S).unsqueeze(0) >= lengths.unsqueeze(1)  # True=ignore
@@ -83,7 +83,7 @@ def _manual(m, x, context=None, mask=None, is_causal=False, reference_attention=
 def test_self_attention_matches_torch(backend, padding, is_causal, rng):
     ref = _torch_mha()
     ours = _copy_self(ref, backend)
-    x, kpm = _inputs(rng)
+    x, kpm = _padded_inputs(rng)
     T = x.shape[1]
     attn_mask = torch.triu(torch.ones(T, T, dtype=torch.bool), 1) if is_causal else None
     expected, _ = ref(x, x, x, key_padding_mask=kpm if padding else None, attn_mask=attn_mask,
@@ -99,7 +99,7 @@ def test_self_attention_matches_torch(backend, padding, is_causal, rng):
 def test_attention_weights_match_torch(padding, is_causal, rng):
     ref = _torch_mha(seed=1)
     ours = _copy_self(ref, "sdpa")  # the module default, overridden per call below
-    x, kpm = _inputs(rng, T=6)
+    x, kpm = _padded_inputs(rng, T=6)
     T = x.shape[1]
     attn_mask = torch.triu(torch.ones(T, T, dtype=torch.bool), 1) if is_causal else None
     kw = dict(key_padding_mask=kpm if padding else None, attn_mask=attn_mask)
@@ -124,8 +124,8 @@ def test_cross_attention_matches_torch(backend, padding, rng):
         ours.kv_proj.weight.copy_(ref.in_proj_weight[DIM:])
         ours.kv_proj.bias.copy_(ref.in_proj_bias[DIM:])
         ours.out_proj.load_state_dict(ref.out_proj.state_dict())
-    x, _ = _inputs(rng, T=4)
-    context, kpm = _inputs(rng, T=7)
+    x, _ = _padded_inputs(rng, T=4)
+    context, kpm = _padded_inputs(rng, T=7)
     kpm = kpm if padding else None
     expected, _ = ref(x, context, context, key_padding_mask=kpm, need_weights=False)
     mask = None if kpm is None else (~kpm)[:, None, None, :]

@@ -1,7 +1,8 @@
 """Positional information: sinusoids (1-D, 2-D), learned tables, RoPE, ALiBi.
 
 Every check compares against an independent computation written here in float64
-(the Vaswani formula, complex-number rotations, the ALiBi paper's slope recipe).
+(the Vaswani formula, complex-number rotations, the ALiBi paper's slope recipe), or, for ALiBi
+through the backends, tests/conftest.py's float64 attention reference.
 """
 
 from __future__ import annotations
@@ -343,24 +344,13 @@ def test_alibi_default_square() -> None:
     assert torch.equal(alibi(4), alibi(4, 4))
 
 
-def _reference_attention(q, k, v, bias, causal):
-    """softmax(qkᵀ/√D + bias) v with a bottom-right causal mask, float64, written out."""
-    q, k, v, bias = q.double(), k.double(), v.double(), bias.double()
-    T, S = q.shape[2], k.shape[2]
-    scores = q @ k.transpose(-2, -1) / math.sqrt(q.shape[-1]) + bias
-    if causal:
-        future = torch.tensor([[j > S - T + i for j in range(S)] for i in range(T)])
-        scores = scores.masked_fill(future, float("-inf"))
-    return torch.softmax(scores, dim=-1) @ v
-
-
 @pytest.mark.parametrize(("T", "S"), [(6, 6), (3, 8)])
-def test_alibi_bias_through_every_backend(T: int, S: int) -> None:
+def test_alibi_bias_through_every_backend(T: int, S: int, reference_attention) -> None:
     torch.manual_seed(6)
     B, H, D = 2, 4, 8
     q, k, v = torch.randn(B, H, T, D), torch.randn(B, H, S, D), torch.randn(B, H, S, D)
     bias = ALiBi(H)(T, S)
-    expected = _reference_attention(q, k, v, bias, causal=True)
+    expected, _ = reference_attention(q, k, v, bias=bias, is_causal=True)  # tests/conftest.py's
     outs = {}
     for backend in ("reference", "sdpa", "chunked"):
         outs[backend] = attention(q, k, v, is_causal=True, bias=bias, backend=backend).out

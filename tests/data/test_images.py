@@ -215,7 +215,7 @@ def test_digits_splits() -> None:
     assert torch.equal(again.test_x, d.test_x)
 
 
-def _png(path, array, mode=None) -> None:
+def _write_png(path, array, mode=None) -> None:
     from PIL import Image
 
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -227,20 +227,20 @@ def test_read_image_converts_with_notes(tmp_path) -> None:
 
     rgb = np.zeros((10, 20, 3), dtype=np.uint8)
     rgb[..., 0] = 200  # pure red
-    _png(tmp_path / "red.png", rgb)
+    _write_png(tmp_path / "red.png", rgb)
     x, notes = read_image(tmp_path / "red.png", 8, 1)
     assert tuple(x.shape) == (1, 8, 8)
     assert any("grey" in n for n in notes) and any("resized 20x10 to 8x8" in n for n in notes)
     assert abs(int(x[0, 4, 4]) - round(200 * 0.299)) <= 1  # ITU-R 601 luma of pure red
     grey = (np.arange(64, dtype=np.uint8) * 4).reshape(8, 8)
-    _png(tmp_path / "g.png", grey)
+    _write_png(tmp_path / "g.png", grey)
     x, notes = read_image(tmp_path / "g.png", 8, 1)
     assert notes == [] and np.array_equal(x[0].numpy(), grey)
     x, notes = read_image(tmp_path / "g.png", 8, 3)
     assert tuple(x.shape) == (3, 8, 8) and all(np.array_equal(c.numpy(), grey) for c in x)
     rgba = np.zeros((8, 8, 4), dtype=np.uint8)
     rgba[..., :3] = 255  # white, fully transparent: becomes the black background
-    _png(tmp_path / "t.png", rgba)
+    _write_png(tmp_path / "t.png", rgba)
     x, _ = read_image(tmp_path / "t.png", 8, 1)
     assert int(x.max()) == 0
 
@@ -261,12 +261,12 @@ def test_read_image_refuses_broken_files(tmp_path, content, message) -> None:
         read_image(tmp_path / "missing.png", 8, 1)
 
 
-def _folder(root, classes: dict[str, int], size=(12, 12), colour=False):
+def _class_folder(root, classes: dict[str, int], size=(12, 12), colour=False):
     rng = np.random.default_rng(0)
     for name, n in classes.items():
         for i in range(n):
             shape = (*size, 3) if colour else size
-            _png(root / name / f"{i}.png", rng.integers(0, 256, shape, dtype=np.uint8))
+            _write_png(root / name / f"{i}.png", rng.integers(0, 256, shape, dtype=np.uint8))
 
 
 def test_image_folder_dataset(tmp_path) -> None:
@@ -274,7 +274,7 @@ def test_image_folder_dataset(tmp_path) -> None:
 
     from qkv.data.images import load_image_folder
 
-    _folder(tmp_path / "ds", {"cat": 20, "dog": 10, "zebra": 3})
+    _class_folder(tmp_path / "ds", {"cat": 20, "dog": 10, "zebra": 3})
     (tmp_path / "ds" / "dog" / "notes.txt").write_text("ignored")
     notes = []
     d = load_image_folder(tmp_path / "ds", image_size=8, on_note=notes.append)
@@ -286,7 +286,7 @@ def test_image_folder_dataset(tmp_path) -> None:
     assert any("resized 33 of 33" in n for n in notes)
     again = load_image_folder(tmp_path / "ds", image_size=8)
     assert torch.equal(again.test_x, d.test_x)
-    _folder(tmp_path / "rgb", {"a": 3, "b": 3}, colour=True)
+    _class_folder(tmp_path / "rgb", {"a": 3, "b": 3}, colour=True)
     assert load_image_folder(tmp_path / "rgb", image_size=12).shape == (3, 12, 12)
 
 
@@ -298,14 +298,14 @@ def test_image_folder_errors(tmp_path) -> None:
     (tmp_path / "empty").mkdir()
     with pytest.raises(ValueError, match="no class sub-folders"):
         load_image_folder(tmp_path / "empty")
-    _folder(tmp_path / "one", {"only": 4})
+    _class_folder(tmp_path / "one", {"only": 4})
     with pytest.raises(ValueError, match="only one class"):
         load_image_folder(tmp_path / "one")
-    _folder(tmp_path / "hole", {"a": 3})
+    _class_folder(tmp_path / "hole", {"a": 3})
     (tmp_path / "hole" / "b").mkdir()
     with pytest.raises(ValueError, match="has no images"):
         load_image_folder(tmp_path / "hole")
-    _folder(tmp_path / "broken", {"a": 3, "b": 3})
+    _class_folder(tmp_path / "broken", {"a": 3, "b": 3})
     (tmp_path / "broken" / "b" / "9.png").write_bytes(b"not a png")
     with pytest.raises(ValueError, match=r"9\.png is not a readable image"):
         load_image_folder(tmp_path / "broken")
@@ -337,7 +337,7 @@ def test_read_image_16_bit_and_float(tmp_path) -> None:
 def test_image_folder_ignores_hidden_files(tmp_path) -> None:
     from qkv.data.images import load_image_folder
 
-    _folder(tmp_path / "ds", {"a": 3, "b": 3})
+    _class_folder(tmp_path / "ds", {"a": 3, "b": 3})
     (tmp_path / "ds" / "a" / "._0.png").write_bytes(b"AppleDouble junk")
     d = load_image_folder(tmp_path / "ds", image_size=8)
     assert len(d.train_y) + len(d.val_y) + len(d.test_y) == 6

@@ -9,6 +9,7 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
+from helpers import randomise
 from torch import nn
 
 from qkv.attention import ALiBi, KVCache, RotaryEmbedding
@@ -21,15 +22,6 @@ from qkv.layers import (
 )
 
 B, T, S, DIM, HEADS = 2, 6, 5, 16, 4
-
-
-def randomise(module: nn.Module, seed: int = 0, scale: float = 0.3) -> None:
-    """Random values in every parameter (norm γ/β included), so no term hides as 1 or 0."""
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in module.named_parameters():
-            centre = 1.0 if "norm" in name and name.endswith("weight") else 0.0  # γ near 1
-            p.copy_(centre + torch.randn(p.shape, generator=g) * scale)
 
 
 def rand(*shape: int, seed: int = 1, dtype=torch.float32) -> torch.Tensor:

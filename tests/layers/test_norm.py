@@ -4,18 +4,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers import randomise
 
 from qkv.layers import LayerNorm, RMSNorm, make_norm
 
 DIM = 16
-
-
-def randomise(module: torch.nn.Module, seed: int = 0) -> None:
-    """Non-trivial γ (and β), so a norm that ignored them would fail."""
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for p in module.parameters():
-            p.copy_(torch.randn(p.shape, generator=g))
 
 
 def layer_norm_ref(x, weight, bias, eps):
@@ -41,7 +34,7 @@ def x() -> torch.Tensor:
 def test_layernorm_matches_formula_and_torch(x, bias: bool) -> None:
     norm = LayerNorm(DIM, eps=1e-5, bias=bias)
     assert (norm.bias is not None) == bias
-    randomise(norm)
+    randomise(norm, scale=1.0)  # non-trivial γ (and β): a norm that ignored them fails
     y = norm(x)
     ref = layer_norm_ref(x, norm.weight.detach(), None if norm.bias is None else norm.bias, 1e-5)
     torch.testing.assert_close(y.double(), ref, rtol=1e-5, atol=1e-5)
@@ -65,7 +58,7 @@ def test_layernorm_eps_is_used() -> None:
 def test_rmsnorm_matches_formula(x) -> None:
     norm = RMSNorm(DIM, eps=1e-6)
     assert [n for n, _ in norm.named_parameters()] == ["weight"]  # no bias
-    randomise(norm)
+    randomise(norm, scale=1.0)  # non-trivial γ (and β): a norm that ignored them fails
     ref = rms_norm_ref(x, norm.weight.detach(), 1e-6)
     torch.testing.assert_close(norm(x).double(), ref, rtol=1e-5, atol=1e-5)
     # No centring: adding a constant changes the output (unlike LayerNorm).
@@ -81,7 +74,7 @@ def test_rmsnorm_eps_is_used() -> None:
 @pytest.mark.skipif(not hasattr(torch.nn, "RMSNorm"), reason="torch.nn.RMSNorm needs torch>=2.4")
 def test_rmsnorm_matches_torch(x) -> None:
     norm = RMSNorm(DIM, eps=1e-6)
-    randomise(norm, seed=3)
+    randomise(norm, seed=3, scale=1.0)
     torch_norm = torch.nn.RMSNorm(DIM, eps=1e-6)
     torch_norm.load_state_dict(norm.state_dict())
     torch.testing.assert_close(norm(x), torch_norm(x), rtol=1e-6, atol=1e-6)
@@ -90,7 +83,7 @@ def test_rmsnorm_matches_torch(x) -> None:
 @pytest.mark.parametrize("kind", ["layernorm", "rmsnorm"])
 def test_bf16_input_keeps_dtype(x, kind: str) -> None:
     norm = make_norm(kind, DIM)
-    randomise(norm)
+    randomise(norm, scale=1.0)  # non-trivial γ (and β): a norm that ignored them fails
     xb = x.bfloat16()
     y = norm(xb)
     assert y.dtype == torch.bfloat16

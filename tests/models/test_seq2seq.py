@@ -39,7 +39,7 @@ def _batch(seed: int = 0):
     return src, tgt
 
 
-def _model(name: str):
+def _seq2seq(name: str):
     torch.manual_seed(0)
     return MODELS[name]().eval()
 
@@ -51,7 +51,7 @@ def _cross(out):
 @pytest.mark.parametrize("name", ["rnn", "rnn-lstm", "transformer"])
 def test_padding_gets_exactly_zero_attention(name: str) -> None:
     src, tgt = _batch()
-    w = _cross(_model(name)(src, tgt, return_weights=True))
+    w = _cross(_seq2seq(name)(src, tgt, return_weights=True))
     assert torch.all(w[0, ..., 5:] == 0) and torch.all(w[2, ..., 3:] == 0)
     torch.testing.assert_close(w.sum(-1), torch.ones_like(w.sum(-1)))
 
@@ -60,7 +60,7 @@ def test_padding_gets_exactly_zero_attention(name: str) -> None:
 def test_extra_padding_changes_nothing(name: str) -> None:
     """The encoder's padding mask is used: more PAD columns give the same outputs."""
     src, tgt = _batch()
-    m = _model(name)
+    m = _seq2seq(name)
     a = m(src, tgt).logits
     b = m(torch.cat([src, torch.zeros(3, 4, dtype=torch.long)], 1), tgt).logits
     torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
@@ -68,7 +68,7 @@ def test_extra_padding_changes_nothing(name: str) -> None:
 
 def test_transformer_decoder_is_causal() -> None:
     src, tgt = _batch()
-    m = _model("transformer")
+    m = _seq2seq("transformer")
     a = m(src, tgt).logits
     tgt2 = tgt.clone()
     tgt2[:, 3] = 5  # change input position 3: outputs 0..2 must not move
@@ -79,7 +79,7 @@ def test_transformer_decoder_is_causal() -> None:
 
 def test_transformer_cached_steps_equal_the_full_forward() -> None:
     src, tgt = _batch()
-    m = _model("transformer")
+    m = _seq2seq("transformer")
     full = m(src, tgt).logits
     state = m.start(src)
     steps = [m.step(state, tgt[:, t])[0] for t in range(tgt.shape[1] - 1)]
@@ -89,7 +89,7 @@ def test_transformer_cached_steps_equal_the_full_forward() -> None:
 @pytest.mark.parametrize("name", list(MODELS))
 def test_beam_width_one_is_greedy(name: str) -> None:
     src, _ = _batch(1)
-    m = _model(name)
+    m = _seq2seq(name)
     g, b = greedy_decode(m, src, 8), beam_search(m, src, 8, beam=1)
     assert g.tokens == b.tokens
     assert g.scores == pytest.approx(b.scores, abs=1e-5)
@@ -190,7 +190,7 @@ def test_beam_search_keeps_finished_hypotheses() -> None:
 @pytest.mark.parametrize("name", ["rnn", "transformer"])
 def test_batched_beam_search_equals_one_source_at_a_time(name: str) -> None:
     src, _ = _batch(2)
-    m = _model(name)
+    m = _seq2seq(name)
     together = beam_search(m, src, 8, beam=3)
     for i in range(len(src)):
         alone = beam_search(m, src[i : i + 1, : int((src[i] != PAD).sum())], 8, beam=3)
@@ -203,7 +203,7 @@ def test_batched_beam_search_equals_one_source_at_a_time(name: str) -> None:
 
 def test_outputs_never_contain_padding_bos_or_unknown() -> None:
     src, _ = _batch(3)
-    m = _model("rnn")
+    m = _seq2seq("rnn")
     with torch.no_grad():  # make the untrained model prefer the forbidden tokens
         m.out.bias[[PAD, BOS, 3]] += 100.0
     for res in (greedy_decode(m, src, 6), beam_search(m, src, 6, beam=2)):
