@@ -4,12 +4,11 @@ the existing runs exactly as it was (DESIGN.md: a user error never loses data)."
 
 from __future__ import annotations
 
-import hashlib
 from pathlib import Path
 
 import pytest
 import torch
-from helpers import assert_one_line_error, call
+from helpers import assert_one_line_error, call, snapshot
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -89,11 +88,6 @@ if not torch.backends.mps.is_available():
     CASES += [("train|--preset|tiny|--device|mps", "no Apple GPU")]
 
 
-def _tree(root: Path) -> dict[str, str]:
-    return {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
-            for p in sorted(root.rglob("*")) if p.is_file()}
-
-
 @pytest.fixture(scope="module")
 def places(tiny_run, tmp_path_factory) -> dict[str, str]:
     from PIL import Image
@@ -125,12 +119,12 @@ def test_bad_input_is_one_line_and_changes_nothing(places, case: str, names: str
 
         require_asset("smollm2" if "smollm2" in case else "minilm")
     runs_root = Path(places["gpt"]).parent
-    before = _tree(runs_root)
+    before = snapshot(runs_root)
     argv = [a.format(**places) for a in case.split("|")]
     rc, _, err = call(argv)
     line = assert_one_line_error(rc, err) if not err.startswith("usage:") else _argparse_line(rc, err)
     assert names in line, line
-    assert _tree(runs_root) == before  # no file of any existing run changed, none added
+    assert snapshot(runs_root) == before  # no file of any existing run changed, none added
 
 
 def _argparse_line(rc: int, err: str) -> str:

@@ -190,24 +190,15 @@ def test_cli_generates_from_q4_by_default_and_names_the_format(smollm2_file) -> 
     assert rc == 0 and out.startswith("The capital of France is Paris") and "weights fp32" in err
 
 
-def test_cli_refuses_q4_for_a_run_qkv_trained(tmp_path) -> None:
+def test_cli_refuses_q4_for_a_run_qkv_trained(tiny_run) -> None:
     from helpers import assert_one_line_error, call
 
-    run = tmp_path / "run"
-    rc, _, err = call(["train", "--preset", "tiny", "--out_dir", str(run), "--no-progress",
-                       "--max_iters", "2", "--data", str(_text(tmp_path)), "--sample-tokens", "5"])
-    assert rc == 0, err
+    run = tiny_run("gpt")  # the session's: generating reads a run, never writes it
     rc, _, err = call(["generate", str(run), "--weights", "q4", "--prompt", "a"])
     assert "--weights int8" in assert_one_line_error(rc, err)
     rc, _, err = call(["generate", str(run), "--weights", "int8", "--prompt", "a",
                          "--max-new-tokens", "5", "--temperature", "0"])
     assert rc == 0, err
-
-
-def _text(tmp_path):
-    f = tmp_path / "text.txt"
-    f.write_text("the quick brown fox jumps over the lazy dog.\n" * 200)
-    return f
 
 
 @pytest.mark.slow  # compiles SmolLM2's decoding step: ~50 s with an empty inductor cache

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import snapshot
 from safetensors import safe_open
 
 from qkv.models.gpt import GPT, GPTConfig
@@ -211,10 +212,6 @@ def _state(step: int) -> dict:
     return {"step": step, "best_val": 1.0 / (step + 1), "torch_rng": torch.get_rng_state()}
 
 
-def _files(folder: Path) -> dict[str, bytes]:
-    return {p.name: p.read_bytes() for p in sorted(folder.iterdir())}
-
-
 def test_the_resume_set_is_published_whole(tmp_path: Path) -> None:
     """Two saves: checkpoint/ holds the second's weights and state, tagged with one save id,
     no temporary folder stays, and loading gives back the second model's tensors exactly."""
@@ -239,10 +236,10 @@ def test_a_crash_at_any_instant_of_the_swap_leaves_one_complete_set(tmp_path: Pa
     part-way); resume_dir finds a complete set every time: the new one once it was complete,
     else the old one, never a mix."""
     ckpt.save_resume(tmp_path, gpt(0), _state(2))
-    old = _files(tmp_path / "checkpoint")
+    old = snapshot(tmp_path / "checkpoint")
     side = tmp_path / "side"
     ckpt.save_resume(side, gpt(1), _state(4))
-    new = _files(side / "checkpoint")
+    new = snapshot(side / "checkpoint")
     if crash == "writing the new set":  # half of .checkpoint.new written
         (tmp_path / ".checkpoint.new").mkdir()
         (tmp_path / ".checkpoint.new" / "last.safetensors").write_bytes(new["last.safetensors"][:100])
@@ -256,7 +253,7 @@ def test_a_crash_at_any_instant_of_the_swap_leaves_one_complete_set(tmp_path: Pa
         os.rename(side / "checkpoint", tmp_path / "checkpoint")
         want = new
     folder = ckpt.resume_dir(tmp_path)
-    assert folder == tmp_path / "checkpoint" and _files(folder) == want
+    assert folder == tmp_path / "checkpoint" and snapshot(folder) == want
     model = gpt(3)
     assert ckpt.load_resume(tmp_path, model)["step"] == (2 if want is old else 4)
     ckpt.save_resume(tmp_path, gpt(5), _state(6))  # the next save cleans up after the crash

@@ -5,8 +5,6 @@ only rank 0 writes files."""
 from __future__ import annotations
 
 import json
-import os
-import socket
 import subprocess
 import sys
 import textwrap
@@ -14,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import child_env, free_port, metrics
 from safetensors.torch import load_file
 
 from qkv.training.distributed import DistInfo, broadcast_flag, init_distributed, mean_across
@@ -65,19 +64,6 @@ SCRIPT = textwrap.dedent(
 )
 
 
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def child_env() -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
-    env.update(OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME="lo", PYTHONUNBUFFERED="1")
-    return env
-
-
 def launch_all(cmds: list[list[str]], cwd: Path) -> None:
     """Run the commands side by side (their start-up dominates); each must exit 0."""
     procs = [subprocess.Popen(c, cwd=cwd, env=child_env(), stdout=subprocess.PIPE,
@@ -109,10 +95,6 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
 
 def result(d: Path, rank: int) -> dict:
     return json.loads((d / f"result{rank}.json").read_text())
-
-
-def metrics(run_dir: Path) -> list[dict]:
-    return [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
 def test_ddp_weights_match_one_process_with_the_global_batch(runs) -> None:

@@ -20,6 +20,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import metrics
 from safetensors.torch import load_file
 
 DRIVER = Path(__file__).with_name("_fault_driver.py")
@@ -43,10 +44,6 @@ def killed(p: subprocess.CompletedProcess) -> bool:
     return p.returncode == -9
 
 
-def rows(run_dir: Path) -> list[dict]:
-    return [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text(encoding="utf-8").splitlines()]
-
-
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     """(the text, an uninterrupted run of it)."""
@@ -61,7 +58,7 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
 def assert_same_run(run_dir: Path, ref: Path) -> None:
     """Losses of every step, the best weights, the last checkpoint and eval.json: as if the
     run had never stopped (1e-6); metrics.jsonl has the same rows in the same order."""
-    got, want = rows(run_dir), rows(ref)
+    got, want = metrics(run_dir), metrics(ref)
     assert [(r["step"], "val_loss" in r) for r in got] == [(r["step"], "val_loss" in r) for r in want]
     for a, b in zip(got, want, strict=True):
         for key in ("train_loss", "val_loss"):

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import forbid_probe
 
 from qkv.models.gpt import GPT, GPTConfig
 from qkv.training import probe
@@ -174,14 +175,6 @@ def test_muon_orthogonalises_in_fp32_where_bf16_is_emulated(tmp_path, monkeypatc
 
 
 # --------------------------------------------------------------------------- what the run records
-
-
-def forbid_probe(monkeypatch) -> None:
-    """Any timing of steps fails the test: the choice must come from the cache or the record."""
-    def fail(*args, **kwargs):
-        raise AssertionError("the probe measured steps")
-
-    monkeypatch.setattr(probe, "time_options", fail)
 
 
 def put_cache(model, c: TrainConfig, data, entry: dict, optimizer: str = "adamw") -> str:

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import call
+from helpers import TINY_LINES, call, forbid_probe
 
 from qkv.families import get_family
 from qkv.presets import GPT_PRESETS
@@ -20,8 +20,7 @@ from qkv.training import trainer as trainer_mod
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
-TEXT = "\n".join(["ROMEO: But soft, what light through yonder window breaks?",
-                  "JULIET: O Romeo, Romeo, wherefore art thou Romeo?"] * 30) + "\n"
+TEXT = "\n".join(TINY_LINES[:2] * 30) + "\n"
 
 
 @pytest.fixture
@@ -63,13 +62,6 @@ def cli_cache_key(args: list[str]) -> str:
     prepared = f.prepare(model_cfg, data_cfg, None, lambda _t: None)
     model = f.build(prepared.model_cfg)
     return speed.cache_key(model, train_cfg, speed.probe_batch(prepared.batches, train_cfg)[0], "adamw")
-
-
-def forbid_probe(monkeypatch: pytest.MonkeyPatch) -> None:
-    def fail(*args, **kwargs):
-        raise AssertionError("the probe measured steps")
-
-    monkeypatch.setattr(probe, "time_options", fail)
 
 
 def chosen(run_dir: Path) -> dict:

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-import json
 import math
 import os
 import signal
@@ -15,6 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from helpers import metrics, snapshot
 from safetensors.torch import load_file
 from torch import nn
 
@@ -72,21 +72,12 @@ def configs(text: Path, out_dir: Path, *, model: dict | None = None, **train):
     return model_cfg, train_cfg, LMDataConfig(data=str(text))
 
 
-def records(run_dir: Path) -> list[dict]:
-    return [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
-
-
 def train_losses(run_dir: Path) -> dict[int, float]:
-    return {r["step"]: r["train_loss"] for r in records(run_dir) if "lr" in r}
+    return {r["step"]: r["train_loss"] for r in metrics(run_dir) if "lr" in r}
 
 
 def val_losses(run_dir: Path) -> dict[int, float]:
-    return {r["step"]: r["val_loss"] for r in records(run_dir) if r.get("val_loss") is not None}
-
-
-def snapshot(run_dir: Path) -> dict[str, bytes]:
-    """Every file under the run folder (sub-folders too), by relative path."""
-    return {str(p.relative_to(run_dir)): p.read_bytes() for p in sorted(run_dir.rglob("*")) if p.is_file()}
+    return {r["step"]: r["val_loss"] for r in metrics(run_dir) if r.get("val_loss") is not None}
 
 
 def random_batches(seed: int = 0, vocab: int = 20, n: int = 2000, block: int = 16) -> TokenBatches:
@@ -185,7 +176,7 @@ def test_resume_is_exact(text_file: Path, tmp_path: Path, optimizer: str) -> Non
     # ... and metrics.jsonl reads as the uninterrupted run's: the same rows in the same order
     # (the final evaluation of the first part, at step 6, is not written twice)
     def rows(d: Path) -> list[tuple]:
-        return [(r["step"], "val_loss" in r) for r in records(d)]
+        return [(r["step"], "val_loss" in r) for r in metrics(d)]
     assert rows(part_dir) == rows(full_dir)
     for step in range(1, 13):
         assert resumed[step] == pytest.approx(full[step], rel=0, abs=1e-6), step
@@ -343,7 +334,7 @@ def test_nan_loss_raises_and_keeps_the_last_good_checkpoint(tmp_path: Path) -> N
     weights = load_file(str(tmp_path / "model.safetensors"))
     assert all(torch.isfinite(w).all() for w in weights.values())
     assert ckpt.load_state(tmp_path / "checkpoint" / "optimizer.pt")["step"] == 2  # the last save, not step 3
-    logged = [r["train_loss"] for r in records(tmp_path) if "lr" in r]
+    logged = [r["train_loss"] for r in metrics(tmp_path) if "lr" in r]
     assert len(logged) == 3 and all(math.isfinite(x) for x in logged)
 
 
