@@ -21,6 +21,7 @@ import contextlib
 import re
 import threading
 import time
+import weakref
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -230,12 +231,26 @@ class Registry:
             m = self._models.get(model_id)
             return m.src if m is not None and m.version == ref.key else None
 
-    def _evict_one(self) -> bool:
+    def _evict_one(self) -> Callable[[], object] | None:
+        """Drop the least recently used model no request holds; a weak reference to it (None when
+        every model is in use)."""
         for key, m in self._models.items():  # least recently used first
             if m.users == 0 and m.src is not None:
                 del self._models[key]
-                return True
-        return False
+                src, m.src = m.src, None  # old leases keep their own reference, the entry none
+                try:
+                    return weakref.ref(src)
+                except TypeError:  # not weakly referable: trust that it is gone
+                    return lambda: None
+        return None
+
+    def _let_go(self, gone: Callable[[], object], deadline: float) -> None:
+        """Give a just-evicted model a moment to be collected before another loads: a request
+        that released it may still be returning with it in hand (a quarter second at most, with
+        the lock released while waiting)."""
+        until = min(deadline, time.monotonic() + 0.25)
+        while gone() is not None and time.monotonic() < until:
+            self._cond.wait(0.005)
 
     def _claim(self, model_id: str, version: Any) -> tuple[_Model, bool]:
         """The model's entry with one more user, and whether this caller must load it."""
@@ -252,8 +267,11 @@ class Registry:
                     if m.users:
                         self._replaced.append(m)
                     continue
-                if m is None and (len(self._models) + len(self._replaced) < self.max_loaded
-                                  or self._evict_one()):
+                full = len(self._models) + len(self._replaced) >= self.max_loaded
+                if m is None and full and (gone := self._evict_one()) is not None:
+                    self._let_go(gone, deadline)
+                    continue  # the world may have changed while waiting: look again
+                if m is None and not full:
                     m = _Model(version, users=1)
                     self._models[model_id] = m
                     return m, True
