@@ -25,26 +25,10 @@ class LossCurve:
 
 
 @dataclass(frozen=True)
-class AttentionHeads:
-    """Every head of one layer: weights (H, T, S), token labels for both axes."""
-
-    weights: Tensor
-    tokens: Sequence[str]
-    title: str = "attention"
-
-
-@dataclass(frozen=True)
-class AttentionGrid:
-    """Every head of every layer, one small heatmap each: weights (L, H, T, S)."""
-
-    weights: Tensor
-    tokens: Sequence[str]
-    title: str = "attention"
-
-
-@dataclass(frozen=True)
-class AttentionHead:
-    """One head large, every token labelled: weights (T, S)."""
+class AttentionMaps:
+    """Self-attention heatmaps, queries down, keys across, drawn by the shape of ``weights``:
+    (T, S) one head large with every token labelled; (H, T, S) every head of one layer;
+    (L, H, T, S) every head of every layer, one small panel each."""
 
     weights: Tensor
     tokens: Sequence[str]
@@ -80,8 +64,7 @@ class ImageOverlays:
     title: str = ""
 
 
-Figure = (LossCurve | AttentionHeads | AttentionGrid | AttentionHead | AlignmentMap | ConfusionMatrix
-          | ImageOverlays)
+Figure = LossCurve | AttentionMaps | AlignmentMap | ConfusionMatrix | ImageOverlays
 
 
 @dataclass(frozen=True)

@@ -100,7 +100,7 @@ def cmd_attend(args: argparse.Namespace) -> int:
 def _attend_text(lm: CausalLM | SentenceEncoder, text: str, layer: int | None, head: int | None,
                  max_tokens: int, out: Path) -> int:
     """Every layer x head, one layer's heads, or one head large."""
-    from qkv.figures import AttentionGrid, AttentionHead, AttentionHeads
+    from qkv.figures import AttentionMaps
     from qkv.pipelines import check_layer_head
     from qkv.pipelines.attention import text_attention
     from qkv.viz import draw
@@ -113,14 +113,14 @@ def _attend_text(lm: CausalLM | SentenceEncoder, text: str, layer: int | None, h
     if layer is None:
         L, H = att.weights.shape[:2]
         title = f"{lm.name}: {L} layers x {H} heads over {T} tokens"
-        draw(AttentionGrid(att.weights, att.tokens, title), out)
+        draw(AttentionMaps(att.weights, att.tokens, title), out)
         print(f"wrote {out}: {L} layers x {H} heads over {T} tokens (--layer L [--head H] for a closer look)")
     elif head is None:
-        draw(AttentionHeads(att.weights[layer], att.tokens, f"{lm.name}: layer {layer}, {T} tokens"), out)
+        draw(AttentionMaps(att.weights[layer], att.tokens, f"{lm.name}: layer {layer}, {T} tokens"), out)
         print(f"wrote {out}: the {lm.n_heads} heads of layer {layer} over {T} tokens")
     else:
         title = f"{lm.name}: layer {layer} head {head}"
-        draw(AttentionHead(att.weights[layer, head], att.tokens, title), out)
+        draw(AttentionMaps(att.weights[layer, head], att.tokens, title), out)
         print(f"wrote {out}: layer {layer} head {head} over {T} tokens")
     return 0
 

@@ -18,7 +18,7 @@ from typing import Any, Literal
 import torch
 
 from qkv.families.base import FamilyBase, files_lines, loss_curve, trained_line
-from qkv.figures import AttentionHeads, Picture
+from qkv.figures import AttentionMaps, Picture
 from qkv.models.gpt import GPT, GPTConfig
 from qkv.pipelines.text import CausalLM, sample_prompt
 from qkv.training import checkpoint as ckpt
@@ -175,7 +175,7 @@ class GPTFamily(FamilyBase):
                         default_prompt=sample_prompt(tok))
 
 
-def attention_map(model: GPT, tok, text: str, max_tokens: int = 32) -> AttentionHeads:
+def attention_map(model: GPT, tok, text: str, max_tokens: int = 32) -> AttentionMaps:
     """The last layer's heads on the first ``max_tokens`` tokens of ``text``."""
     ids = tok.encode(text)[:max_tokens]
     x = torch.tensor([ids], dtype=torch.long, device=next(model.parameters()).device)
@@ -183,5 +183,5 @@ def attention_map(model: GPT, tok, text: str, max_tokens: int = 32) -> Attention
     with torch.no_grad():
         out = model(x, backend="reference", return_weights=True)
     labels = [tok.decode([i]) for i in ids]
-    return AttentionHeads(out.weights[-1][0], labels, title=f"last layer attention ({len(ids)} tokens)")
+    return AttentionMaps(out.weights[-1][0], labels, title=f"last layer attention ({len(ids)} tokens)")
 

@@ -4,16 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from qkv.figures import (
-    AlignmentMap,
-    AttentionGrid,
-    AttentionHead,
-    AttentionHeads,
-    ConfusionMatrix,
-    Figure,
-    ImageOverlays,
-    LossCurve,
-)
+from qkv.figures import AlignmentMap, AttentionMaps, ConfusionMatrix, Figure, ImageOverlays, LossCurve
 from qkv.viz.images import plot_confusion, plot_image_attention
 from qkv.viz.plots import (
     plot_alignment,
@@ -29,12 +20,12 @@ def draw(figure: Figure, out_path: Path) -> Path:
     out = Path(out_path)
     if isinstance(figure, LossCurve):
         return plot_loss_curve(figure.metrics, out, title=figure.title)
-    if isinstance(figure, AttentionHeads):
-        return plot_attention_heads(figure.weights, figure.tokens, out, title=figure.title)
-    if isinstance(figure, AttentionGrid):
-        return plot_attention_grid(figure.weights, figure.tokens, out, title=figure.title)
-    if isinstance(figure, AttentionHead):
-        return plot_attention_head(figure.weights, figure.tokens, out, title=figure.title)
+    if isinstance(figure, AttentionMaps):
+        plots = {2: plot_attention_head, 3: plot_attention_heads, 4: plot_attention_grid}
+        if figure.weights.ndim not in plots:
+            raise ValueError("attention maps are (T, S), (H, T, S) or (L, H, T, S); got "
+                             f"{tuple(figure.weights.shape)}")
+        return plots[figure.weights.ndim](figure.weights, figure.tokens, out, title=figure.title)
     if isinstance(figure, AlignmentMap):
         return plot_alignment(figure.weights, figure.source, figure.output, out, title=figure.title)
     if isinstance(figure, ConfusionMatrix):
