@@ -40,6 +40,7 @@ def build_parser() -> argparse.ArgumentParser:
     from qkv.commands.explain import add_explain_parser
     from qkv.commands.export import add_export_parser
     from qkv.commands.generate import add_generate_parser
+    from qkv.commands.lens import add_lens_parser
     from qkv.commands.pretrained import add_embed_parser, add_similarity_parser
     from qkv.commands.seq2seq import add_translate_parser
     from qkv.commands.serve import add_serve_parser
@@ -55,6 +56,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_translate_parser(sub)
     add_caption_parser(sub)
     add_attend_parser(sub)
+    add_lens_parser(sub)
     add_explain_parser(sub)
     add_export_parser(sub)
     add_serve_parser(sub)

@@ -64,7 +64,60 @@ class ImageOverlays:
     title: str = ""
 
 
-Figure = LossCurve | AttentionMaps | AlignmentMap | ConfusionMatrix | ImageOverlays
+@dataclass(frozen=True)
+class Heatmap:
+    """Values (R, C) as coloured cells: rows down, columns across, optional text in each cell.
+
+    ``diverging``: centred on 0, blue below and red above (effects, attributions); otherwise one
+    colour from low to high (probabilities, scores). ``label`` names the colour bar."""
+
+    values: Tensor
+    rows: Sequence[str]
+    columns: Sequence[str]
+    title: str = ""
+    cells: Sequence[Sequence[str]] | None = None
+    label: str = ""
+    diverging: bool = False
+
+
+@dataclass(frozen=True)
+class Heatmaps:
+    """Several heatmaps side by side under one title (e.g. one per head type)."""
+
+    panels: Sequence[Heatmap]
+    title: str = ""
+
+
+@dataclass(frozen=True)
+class Bars:
+    """Horizontal bars, first at the top: ``labels`` and their ``values`` (probabilities, logit
+    contributions); negative values extend left of zero."""
+
+    labels: Sequence[str]
+    values: Sequence[float]
+    title: str = ""
+    xlabel: str = ""
+
+
+@dataclass(frozen=True)
+class HeadHistory:
+    """Heads forming during training: per head type, the best head's score at each recorded
+    step (and every head's, faintly), beside the loss on repeated random tokens.
+
+    steps (N,); scores: type -> (N, L, H); loss_first / loss_second (N,): the loss on the first
+    and the second copy of the repeated sequence; ``formed``: the step each type first reached
+    its threshold, or None."""
+
+    steps: Sequence[int]
+    scores: dict[str, Tensor]
+    loss_first: Sequence[float]
+    loss_second: Sequence[float]
+    formed: dict[str, int | None] = field(default_factory=dict)
+    title: str = "heads during training"
+
+
+Figure = (LossCurve | AttentionMaps | AlignmentMap | ConfusionMatrix | ImageOverlays | Heatmap | Heatmaps
+          | Bars | HeadHistory)
 
 
 @dataclass(frozen=True)

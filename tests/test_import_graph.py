@@ -24,6 +24,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("data",),
     ("models",),
     ("generation",),
+    ("lens",),  # reading and changing what a model computes (hooks on the blocks)
     ("viz",),  # pictures only: figures in, PNG files out
     ("training",),
     ("pipelines",),  # models ready to use, one typed value per kind

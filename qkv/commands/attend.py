@@ -1,4 +1,4 @@
-"""`qkv attend MODEL_OR_RUN TEXT_OR_IMAGE`: attention of any model family as a PNG.
+"""`qkv attend MODEL_OR_RUN TEXT_OR_IMAGE`: attention of any model family as a PNG (or SVG / PDF).
 
     text models (minilm, smollm2, gpt runs)   every layer x head as a grid of heatmaps; --layer L:
                                               that layer's heads; --layer L --head H: one head
@@ -27,7 +27,7 @@ if TYPE_CHECKING:
 def add_attend_parser(sub) -> None:
     p = sub.add_parser(
         "attend",
-        help="attention maps as PNG: heatmaps per layer and head (text), overlays (images), "
+        help="attention maps as PNG or SVG: heatmaps per layer and head (text), overlays (images), "
         "alignments (seq2seq)",
         description="Draw the attention of MODEL_OR_RUN over TEXT (MiniLM, SmolLM2, GPT runs: "
         "heatmaps, queries down, keys across; seq2seq runs: the alignment of output and input "
@@ -47,7 +47,9 @@ def add_attend_parser(sub) -> None:
     p.add_argument("texts", nargs="+", metavar="TEXT_OR_IMAGE",
                    help="the text to read (several words need no quotes), or an image file for "
                    "ViT and captioner runs")
-    p.add_argument("-o", "--out", default="attention.png", help="where to write the PNG")
+    p.add_argument("-o", "--out", default="attention.png",
+                   help="where to write the picture: .png, or .svg / .pdf (vector, for slides and "
+                   "papers)")
     p.add_argument("--layer", type=int, default=None,
                    help="text models: show this layer's heads; ViT: this layer's heads (default: "
                    "all layers for text models, the last for ViT); negative counts from the end")

@@ -89,14 +89,18 @@ def overrides(args: argparse.Namespace, cls: type) -> dict[str, Any]:
     return {k[len(prefix):]: v for k, v in vars(args).items() if k.startswith(prefix)}
 
 
-def check_png_out(path: str, flag: str):
-    """The Path of a PNG the command will write; ValueError (one line) if ``path`` is not a
-    .png name or its folder does not exist."""
+PICTURE_SUFFIXES = (".png", ".svg", ".pdf")
+
+
+def check_png_out(path: str, flag: str, suffixes: tuple[str, ...] = PICTURE_SUFFIXES):
+    """The Path of a picture the command will write (PNG, or SVG/PDF for slides and papers);
+    ValueError (one line) if ``path`` has another suffix or its folder does not exist."""
     from pathlib import Path
 
     out = Path(path)
-    if out.suffix.lower() != ".png":
-        raise ValueError(f"{flag} must name a .png file, got {out}")
+    if out.suffix.lower() not in suffixes:
+        names = ", ".join(suffixes[:-1]) + f" or {suffixes[-1]}" if len(suffixes) > 1 else suffixes[0]
+        raise ValueError(f"{flag} must name a {names} file, got {out}")
     if out.parent.exists() and not out.parent.is_dir():
         raise ValueError(f"{out.parent} is a file, not a folder: choose another {flag}")
     if not out.parent.is_dir():

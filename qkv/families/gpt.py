@@ -107,15 +107,18 @@ class GPTFamily(FamilyBase):
     def prepare(self, model_cfg: GPTConfig, data_cfg: LMDataConfig, resume_dir, on_note) -> Prepared:
         from dataclasses import replace
 
-        from qkv.tokenizers import load_tokenizer, save_tokenizer
+        from qkv.lens.history import history_probe
+        from qkv.tokenizers import load_tokenizer, save_tokenizer, stop_ids
 
         tok = load_tokenizer(resume_dir / "tokenizer.json") if resume_dir else None
         corpus, tok, batches = prepare_data(data_cfg, model_cfg.max_seq_len, tok)
+        # every head scored at each evaluation (history.jsonl, heads.png): heads forming
+        probe = history_probe(tok.vocab_size, model_cfg.max_seq_len, tuple(stop_ids(tok)))
         return Prepared(replace(model_cfg, vocab_size=tok.vocab_size), batches, LMState(corpus, tok),
                         record={"tokenizer": "tokenizer.json"},
                         data_record={"corpus": corpus.name, "sha256": corpus.sha256},
                         save=lambda d: save_tokenizer(tok, d / "tokenizer.json"),
-                        items_per_row=model_cfg.max_seq_len)
+                        items_per_row=model_cfg.max_seq_len, history=probe)
 
     def build(self, model_cfg: GPTConfig) -> GPT:
         return GPT(model_cfg)
@@ -144,8 +147,16 @@ class GPTFamily(FamilyBase):
         tok = run.prepared.state.tokenizer
         x, _ = run.prepared.batches.get_batch("val", 1, torch.Generator().manual_seed(0))
         text = tok.decode(x[0, :32].tolist())
-        return {"loss plot": loss_curve(run),
-                "attention map (last layer)": Picture("attention.png", attention_map(run.model, tok, text))}
+        from qkv.lens.history import read_history
+        from qkv.training.trainer import HISTORY
+
+        out = {"loss plot": loss_curve(run),
+               "attention map (last layer)": Picture("attention.png", attention_map(run.model, tok, text))}
+        history = read_history(run.run_dir / HISTORY)
+        if history is not None and len(history.steps) > 1:
+            out["heads during training"] = Picture("heads.png", history.figure(
+                f"{run.run_dir.name}: head scores on repeated random tokens at each evaluation"))
+        return out
 
     def headline(self, model_cfg: GPTConfig, data_cfg: LMDataConfig) -> str:
         return f"{model_cfg.n_layers} layers x {model_cfg.dim} wide, context {model_cfg.max_seq_len}"
@@ -154,8 +165,13 @@ class GPTFamily(FamilyBase):
         tok = run.prepared.state.tokenizer
         n = getattr(args, "sample_tokens", 300)
         sample = sample_text(run.model, tok, sample_prompt(tok), n)
+        from qkv.lens.history import formed_lines, read_history
+        from qkv.training.trainer import HISTORY
+
+        history = read_history(run.run_dir / HISTORY)
+        heads = "".join(f"{line}\n" for line in formed_lines(history)) if history is not None else ""
         return (f"\n{trained_line(run, 'tok')}\nvalidation loss {run.eval['val_loss']:.4f} on "
-                f"{run.eval['val_windows']} fixed windows\n"
+                f"{run.eval['val_windows']} fixed windows\n{heads}"
                 f"\n--- sample (temperature 0.8, top-k 200) ---{sample}\n---\n"
                 + files_lines(run, {"weights": run.run_dir / "model.safetensors"})
                 + f"generate more: qkv generate {run.run_dir} --prompt {_prompt_hint(run)}")

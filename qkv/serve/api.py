@@ -37,6 +37,8 @@ from qkv.serve.schemas import (
     ImageAttentionResponse,
     ImageMap,
     ImagePixels,
+    LensRequest,
+    LensResponse,
     ModelInfo,
     ModelList,
 )
@@ -178,6 +180,7 @@ class Explorer:
         self.work = work or WorkQueue()
         self.cache = AttentionCache(cfg.cache_bytes)
         self.scrub = PathScrubber(registry.runs_dir)
+        self.head_scores: dict[Any, Any] = {}  # a model file's version -> its heads' scores
 
     def _errors(self) -> contextlib.AbstractContextManager[None]:
         return http_errors(self.scrub)
@@ -248,6 +251,19 @@ class Explorer:
             model=req.model, kind=lm.kind, query_tokens=att.tokens, key_tokens=att.tokens,
             weights=_rows(w), layer=layer, head=head, n_layers=lm.n_layers, n_heads=lm.n_heads,
             causal=att.causal, notes=att.notes, seconds=time.perf_counter() - t0)
+
+    def lens(self, req: LensRequest) -> LensResponse:
+        """What a text model does with ``text``: next-token logits (with ``ablate``'s heads
+        knocked out), the logit lens, every head's thumbnail and scores (:mod:`qkv.lens`)."""
+        from qkv.serve.lens_api import lens_response
+
+        self._check_text(req.text)
+        with self._model(req.model) as lease:
+            lm = lease.src
+            if not isinstance(lm, CausalLM | text.SentenceEncoder):
+                raise InputError(f"{req.model} is a {lease.ref.label} model: the lens reads text models made "
+                                 "of attention heads (decoders and encoders)")
+            return lens_response(lm, req, self.cfg.max_tokens, self.head_scores, lease.ref.key)
 
     def _alignment(self, tr: Translator, req: AttentionRequest, t0: float) -> AttentionResponse:
         ali = tr.alignment(req.text)

@@ -5,6 +5,8 @@
     POST /api/attention         text -> one layer's / head's attention (seq2seq: the alignment)
     POST /api/generate          a GPT continues a prompt; each new token streams with its attention
     POST /api/image-attention   an image upload -> overlays (ViT heads + rollout, captioner words)
+    POST /api/lens              text -> next-token logits, logit lens, every head (thumbnails,
+                                scores), with heads knocked out (qkv.lens)
     GET  /openapi.json          the schema of all of the above
 
 Errors are JSON ``{"detail": "..."}`` with 400 (malformed model name, or a Host header this
@@ -35,6 +37,7 @@ from qkv.serve.schemas import (
     ErrorMessage,
     GenerateEvent,
     ImageAttentionResponse,
+    LensResponse,
     ModelList,
 )
 from qkv.serve.work import WorkQueue
@@ -114,6 +117,7 @@ def create_app(config: ServeConfig | None = None, **overrides: Any) -> FastAPI:
     app.add_api_route("/api/generate", api.generate, methods=["POST"], responses={
         200: {"description": "one GenerateEvent per line", "content": {
             "application/x-ndjson": {"schema": GenerateEvent.model_json_schema()}}}, **ERRORS})
+    app.add_api_route("/api/lens", api.lens, methods=["POST"], response_model=LensResponse, **json_errors)
     app.add_api_route("/api/image-attention", api.image_attention, methods=["POST"],
                       response_model=ImageAttentionResponse, **json_errors)
     return app

@@ -122,3 +122,49 @@ class ImageAttentionResponse(BaseModel):
     notes: list[str]
     details: dict[str, Any]
     seconds: float
+
+
+class LensRequest(BaseModel):
+    model: str = Field(min_length=1, max_length=256, examples=["smollm2"])
+    text: str = Field(max_length=MAX_CHARS, examples=["The capital of France is"])
+    ablate: list[tuple[int, int]] = Field(default_factory=list, max_length=4096,
+                                          description="heads to knock out, as [layer, head] pairs")
+    mode: Literal["zero", "mean"] = Field("zero", description="replace an ablated head by zero or its mean")
+    thumbs: bool = Field(True, description="also send every head's pattern as a small thumbnail")
+
+
+class TokenCandidate(BaseModel):
+    id: int
+    token: str
+
+
+class LogitLensCells(BaseModel):
+    rows: list[str] = Field(description="embed, then the stream after each block")
+    top: list[list[str]] = Field(description="rows x positions: the top token of each cell")
+    prob: list[list[float]] = Field(description="its probability")
+
+
+class LensResponse(BaseModel):
+    model: str
+    kind: str
+    tokens: list[str]
+    n_layers: int
+    n_heads: int
+    ablated: list[tuple[int, int]]
+    logits: list[float] | None = Field(None, description="decoders: the next-token logits (full vocabulary) "
+                                       "with the ablated heads knocked out; softmax(logits / T) are the "
+                                       "probabilities at temperature T")
+    base_logits: list[float] | None = Field(None, description="the same without ablation (null when "
+                                            "nothing is ablated)")
+    candidates: list[TokenCandidate] = Field(description="the most likely next tokens by logit (their order "
+                                             "is the same at every temperature)")
+    lens: LogitLensCells | None = None
+    thumbs: list[list[list[float]]] | None = Field(None, description="layer-major (L·H) small patterns, "
+                                                   "average-pooled to at most 16 x 16")
+    scores: dict[str, list[list[float]]] = Field(description="head scores (L x H) per type: previous, first, "
+                                                 "duplicate, induction")
+    labels: list[list[str]]
+    embedding_change: float | None = Field(None, description="encoders: 1 - cos of the sentence embedding "
+                                           "with and without the ablated heads")
+    notes: list[str]
+    seconds: float

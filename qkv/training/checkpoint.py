@@ -218,11 +218,12 @@ def append_jsonl(path: Path, record: dict[str, Any]) -> None:
         f.write(json.dumps(clean, allow_nan=False) + "\n")
 
 
-def rewind_metrics(path: Path, step: int, evaluates_first: bool) -> None:
+def rewind_metrics(path: Path, step: int, evaluates_first: bool, every_row_evaluates: bool = False) -> None:
     """Drop the rows a resumed run will write again: rows after ``step`` (logged after the
     checkpoint it resumes from), the evaluation row at ``step`` itself if the resumed run
     ``evaluates_first``, and a last line cut short by a crash. Written atomically; a missing
-    file is left missing."""
+    file is left missing. ``every_row_evaluates``: a file written only at evaluations (the
+    history), whose rows have no ``val_loss``."""
     path = Path(path)
     if not path.is_file():
         return
@@ -233,7 +234,8 @@ def rewind_metrics(path: Path, step: int, evaluates_first: bool) -> None:
         except json.JSONDecodeError:
             continue  # a crash mid-append
         s = row.get("step") if isinstance(row, dict) else None
-        if isinstance(s, int) and (s > step or (s == step and evaluates_first and "val_loss" in row)):
+        at_eval = every_row_evaluates or "val_loss" in row
+        if isinstance(s, int) and (s > step or (s == step and evaluates_first and at_eval)):
             continue
         keep.append(line)
     text = "".join(f"{line}\n" for line in keep)

@@ -57,7 +57,7 @@ from qkv.presets import PresetChoice
 from qkv.training import checkpoint as ckpt
 from qkv.training.distributed import DistInfo, pick_device
 from qkv.training.speed import Chosen
-from qkv.training.trainer import BatchSource, TrainConfig, Trainer, TrainResult
+from qkv.training.trainer import HISTORY, BatchSource, TrainConfig, Trainer, TrainResult
 from qkv.version import __version__
 from qkv.viz import draw
 
@@ -73,6 +73,8 @@ class Prepared:
     added to its ``data`` section (corpus hash, class names, normalisation).
     save: writes files beside ``config.json`` (a tokenizer), or None.
     items_per_row: what one batch row counts as, for the items/s rate (tokens of a GPT window).
+    history: what to record about the model at each evaluation besides its loss (a GPT: every
+        head's scores, :mod:`qkv.lens.heads`), appended with the step to ``history.jsonl``; or None.
     """
 
     model_cfg: Any
@@ -82,6 +84,7 @@ class Prepared:
     data_record: dict[str, Any] = field(default_factory=dict)
     save: Callable[[Path], None] | None = None
     items_per_row: int = 1
+    history: Callable[[nn.Module], dict[str, Any]] | None = None
 
 
 class RunFamily(Protocol):
@@ -198,7 +201,7 @@ def train_run(
     model = family.build(prepared.model_cfg)
     trainer = Trainer(model, train_cfg, prepared.batches, run_dir, dist, on_log,
                       tokens_per_batch=prepared.items_per_row, recorded=recorded,
-                      on_choice=lambda chosen: _rewrite_chosen(run_dir, chosen))
+                      on_choice=lambda chosen: _rewrite_chosen(run_dir, chosen), history=prepared.history)
     if resume:
         family.check_resume(saved, prepared)
         trainer.load_resume_state()
@@ -209,6 +212,8 @@ def train_run(
         if dist.is_main:
             ckpt.remove_leftovers(run_dir)
             ckpt.rewind_metrics(run_dir / "metrics.jsonl", trainer.step, trainer.evaluates_first())
+            ckpt.rewind_metrics(run_dir / HISTORY, trainer.step, trainer.evaluates_first(),
+                                every_row_evaluates=True)
             _rewrite_chosen(run_dir, trainer.chosen(), preset)  # this session's settings are on file
     elif dist.is_main:
         run_dir.mkdir(parents=True, exist_ok=True)

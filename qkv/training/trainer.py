@@ -42,6 +42,9 @@ from qkv.training.distributed import DistInfo, broadcast_flag, mean_across, no_s
 from qkv.training.optim import lr_at, make_optimizers, muon_ns_dtype, resolve_optimizer
 from qkv.training.speed import Chosen
 
+HISTORY = "history.jsonl"  # what the family records at each evaluation (a GPT: its heads' scores)
+HISTORY_ROWS = 400  # at most about this many rows: longer runs record every k-th evaluation
+
 
 class Trainer:
     """Train ``model`` on ``data`` into ``run_dir``.
@@ -58,6 +61,8 @@ class Trainer:
             for every option still ``auto``, without measuring again.
         on_choice: called on rank 0 with :meth:`chosen` when the choice changes mid-run (the
             compile meter switched compiling off), so the run's record can follow.
+        history: called on rank 0 with the raw model at each evaluation; its record (with the
+            step) is appended to ``history.jsonl`` (at most about HISTORY_ROWS rows).
     """
 
     def __init__(
@@ -71,6 +76,7 @@ class Trainer:
         tokens_per_batch: int = 1,
         recorded: Chosen | None = None,
         on_choice: Callable[[Chosen], None] | None = None,
+        history: Callable[[nn.Module], dict] | None = None,
     ) -> None:
         self.cfg, self.data, self.run_dir = cfg, data, Path(run_dir)
         self.dist = dist or DistInfo()
@@ -79,6 +85,9 @@ class Trainer:
         self.on_log = on_log or (lambda rec: None)
         self.on_choice = on_choice or (lambda chosen: None)
         self.tokens_per_batch = tokens_per_batch
+        self.history = history
+        n_evals = cfg.max_iters // cfg.eval_interval + 1
+        self.history_stride = -(-n_evals // HISTORY_ROWS)  # ceil: the file stays bounded
         self.native_bf16 = cpu_has_native_bf16()
         self.recorded = recorded
         dev_type = torch.device(self.device).type
@@ -310,7 +319,17 @@ class Trainer:
         self.best_val = min(self.best_val, val)
         self.evaluated_at = self.step
         self._log({"step": self.step, "val_loss": val, "train_loss": train_loss, "best": is_best})
+        self._record_history()
         self.save(is_best, val)
+
+    def _record_history(self) -> None:
+        """Append what ``history`` measures now to the run's history.jsonl (every evaluation, or
+        every k-th in long runs, the last always)."""
+        if self.history is None or not self.dist.is_main:
+            return
+        if (self.step // self.cfg.eval_interval) % self.history_stride and self.step < self.cfg.max_iters:
+            return
+        ckpt.append_jsonl(self.run_dir / HISTORY, {"step": self.step, **self.history(self.model)})
 
     def evaluates_first(self) -> bool:
         """Whether :meth:`fit` starts with a validation pass (a fresh run, or a resume at an

@@ -4,8 +4,20 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from qkv.figures import AlignmentMap, AttentionMaps, ConfusionMatrix, Figure, ImageOverlays, LossCurve
+from qkv.figures import (
+    AlignmentMap,
+    AttentionMaps,
+    Bars,
+    ConfusionMatrix,
+    Figure,
+    HeadHistory,
+    Heatmap,
+    Heatmaps,
+    ImageOverlays,
+    LossCurve,
+)
 from qkv.viz.images import plot_confusion, plot_image_attention
+from qkv.viz.lens import plot_bars, plot_head_history, plot_heatmap, plot_heatmaps
 from qkv.viz.plots import (
     plot_alignment,
     plot_attention_grid,
@@ -16,7 +28,8 @@ from qkv.viz.plots import (
 
 
 def draw(figure: Figure, out_path: Path) -> Path:
-    """Draw ``figure`` as a PNG at ``out_path`` (written atomically); returns the path."""
+    """Draw ``figure`` at ``out_path`` (written atomically), as PNG, SVG or PDF by the path's
+    suffix; returns the path."""
     out = Path(out_path)
     if isinstance(figure, LossCurve):
         return plot_loss_curve(figure.metrics, out, title=figure.title)
@@ -32,4 +45,12 @@ def draw(figure: Figure, out_path: Path) -> Path:
         return plot_confusion(figure.counts, figure.classes, out, title=figure.title)
     if isinstance(figure, ImageOverlays):
         return plot_image_attention(figure.image, figure.maps, out, title=figure.title)
+    if isinstance(figure, Heatmap):
+        return plot_heatmap(figure, out)
+    if isinstance(figure, Heatmaps):
+        return plot_heatmaps(figure, out)
+    if isinstance(figure, Bars):
+        return plot_bars(figure, out)
+    if isinstance(figure, HeadHistory):
+        return plot_head_history(figure, out)
     raise TypeError(f"not a figure: {type(figure).__name__}")

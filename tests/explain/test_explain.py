@@ -497,7 +497,7 @@ def test_topic_help(topic: str) -> None:
     (["softmax", "--values", "1"], "--values needs two or more"),
     (["softmax", "--values", "x"], "invalid float value: 'x'"),
     (["softmax", "--bogus"], "unrecognized arguments: --bogus"),
-    (["softmax", "--plot", "out.jpg"], "--plot must name a .png file"),
+    (["softmax", "--plot", "out.jpg"], "--plot must name a .png, .svg or .pdf file"),
     (["softmax", "--plot", "no/such/folder/out.png"], "does not exist"),
     (["lookup", "--query", "1", "0"], "give 3 numbers"),
     (["lookup", "--entries", "A51"], "NAME=VALUE"),
@@ -507,7 +507,7 @@ def test_topic_help(topic: str) -> None:
     (["cost", "--model", "gpt5"], "invalid choice: 'gpt5'"),
     (["cost", "--n", "0"], "--n must be >= 1"),
     (["retrieval", "--doc", "only one"], "--doc at least twice"),
-    (["worked-example", "--plot", "x.svg"], "--plot must name a .png file"),
+    (["worked-example", "--plot", "x.gif"], "--plot must name a .png, .svg or .pdf file"),
 ])
 def test_bad_input_is_one_line(argv: list[str], message: str) -> None:
     line = assert_one_line_error(*call(["explain", *argv])[::2])

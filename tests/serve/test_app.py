@@ -72,11 +72,12 @@ def test_page_schema_and_headers(client) -> None:
     assert r.status_code == 200 and r.headers["content-type"].startswith("text/html")
     assert "default-src 'self'" in r.headers["content-security-policy"]
     assert '<script src="/static/app.js"' in r.text and "http" not in r.text.split("<body>")[0]
-    for name in ("app.js", "style.css"):
+    for name in ("app.js", "lens.js", "style.css"):
         assert client.get(f"/static/{name}").status_code == 200
     assert client.get("/static/../app.py").status_code == 404
     schema = client.get("/openapi.json").json()
-    assert set(schema["paths"]) == {"/api/models", "/api/attention", "/api/generate", "/api/image-attention"}
+    assert set(schema["paths"]) == {"/api/models", "/api/attention", "/api/generate", "/api/image-attention",
+                                    "/api/lens"}
     for name in ("AttentionRequest", "AttentionResponse", "GenerateRequest", "ImageAttentionResponse",
                  "ErrorMessage"):
         assert name in schema["components"]["schemas"]

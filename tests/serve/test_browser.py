@@ -48,7 +48,8 @@ def page(browser, server):
     p = browser.new_page(viewport={"width": 1400, "height": 1000})
     errors: list[str] = []
     p.on("pageerror", lambda e: errors.append(str(e)))
-    p.on("request", lambda r: None if r.url.startswith(server) else errors.append(f"request to {r.url}"))
+    local = (server, f"blob:{server}/")  # blob: URLs of this page hold downloads made in the page
+    p.on("request", lambda r: None if r.url.startswith(local) else errors.append(f"request to {r.url}"))
     p.goto(server + "/")
     p.wait_for_selector("body[data-state=ready]")
     yield p
@@ -207,3 +208,105 @@ def test_minilm_128_tokens_request_to_heatmap_time(page, capsys) -> None:
         results[label] = {"click_to_heatmap_ms": round(wall), **{k: round(v) for k, v in timing.items()}}
     with capsys.disabled():
         print(f"\nMiniLM, 128 tokens, request -> rendered heatmap (16,384 cells): {json.dumps(results)}")
+
+
+# ------------------------------------------------------------------ what the model does (qkv.lens)
+
+
+def _softmax64(logits: list[float], t: float) -> list[float]:
+    import math
+
+    m = max(z / t for z in logits)
+    e = [math.exp(z / t - m) for z in logits]
+    s = sum(e)
+    return [x / s for x in e]
+
+
+def look_inside(page, model: str, text: str) -> None:
+    page.select_option("#model", model)
+    page.fill("#text", text)
+    page.click("#lens-go")
+    page.wait_for_selector("body[data-state=ready], body[data-state=error]")
+
+
+def test_probability_bars_follow_the_temperature_as_softmax(page, server) -> None:
+    text = "ROMEO: But soft"
+    look_inside(page, "runs/gpt-tiny", text)
+    assert page.is_hidden("#error") and page.is_visible("#lens")
+    data = api(server, "/api/lens", {"model": "runs/gpt-tiny", "text": text, "thumbs": False})
+    for t in ("1", "0.5", "2.5"):
+        page.fill("#lens-temperature", t)
+        page.dispatch_event("#lens-temperature", "input")
+        bars = page.evaluate("window.qkvBars")
+        want = _softmax64(data["logits"], float(t))
+        for b in bars[:-1]:
+            assert b["prob"] == pytest.approx(want[b["id"]], abs=1e-9)
+        assert [b["id"] for b in bars[:-1]] == [c["id"] for c in data["candidates"][:10]]
+        assert sum(b["prob"] for b in bars) == pytest.approx(1.0, abs=1e-9)  # the rest as "all others"
+    assert page.locator("#probs rect.bar").count() == 11
+    L, T = data["n_layers"], len(data["tokens"])
+    assert page.locator("#lens-table rect.lens-cell").count() == (L + 1) * min(T, 16)
+    assert page.evaluate("document.querySelector('#grid').width") > 4 * 34  # 4 heads across
+
+
+def test_clicking_a_head_knocks_it_out_as_the_api_says(page, server) -> None:
+    text = "ROMEO: But soft"
+    look_inside(page, "runs/gpt-tiny", text)
+    page.check("#click-ablates")
+    box = page.locator("#grid").bounding_box()
+    scale = box["width"] / page.evaluate("document.querySelector('#grid').width")
+    # head 1 of layer 0: left margin 28, cells of 34 + 3 px, top margin 16
+    page.mouse.click(box["x"] + (28 + 37 + 17) * scale, box["y"] + (16 + 17) * scale)
+    page_wait(page, "document.querySelector('#ablated').textContent.includes('knocked out: 0.1') "
+              "&& document.body.dataset.state === 'ready'")
+    want = api(server, "/api/lens", {"model": "runs/gpt-tiny", "text": text, "ablate": [[0, 1]],
+                                     "thumbs": False})
+    bars = page.evaluate("window.qkvBars")
+    probs = _softmax64(want["logits"], 1.0)
+    assert want["base_logits"] is not None and want["logits"] != want["base_logits"]
+    for b in bars[:-1]:
+        assert b["prob"] == pytest.approx(probs[b["id"]], abs=1e-9)
+    page.click("#clear-ablation")
+    page_wait(page, "document.querySelector('#ablated').textContent === 'no heads knocked out'")
+
+
+def test_every_view_downloads_a_standalone_svg_and_a_png(page, tmp_path) -> None:
+    import xml.etree.ElementTree as ET
+
+    show(page, "runs/gpt-tiny", "ROMEO")
+    look_inside(page, "runs/gpt-tiny", "ROMEO: But soft")
+    for view in ("heatmap", "lines", "probs", "lens-table", "grid"):
+        svg = page.evaluate(f"window.qkvDownloadText('{view}')")
+        root = ET.fromstring(svg.encode())
+        assert root.tag == "{http://www.w3.org/2000/svg}svg", view
+        refs = [v for el in root.iter() for k, v in el.attrib.items() if k.endswith("href")]
+        assert all(r.startswith("data:image/png;base64,") for r in refs), view  # nothing outside the file
+        assert "url(" not in svg and "<script" not in svg
+    with page.expect_download() as d:
+        page.click('button[data-download="probs"][data-format="png"]')
+    path = tmp_path / "probs.png"
+    d.value.save_as(path)
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    with page.expect_download() as d:
+        page.click('button[data-download="grid"][data-format="svg"]')
+    d.value.save_as(tmp_path / "grid.svg")
+    assert ET.parse(tmp_path / "grid.svg").getroot().tag.endswith("svg")
+
+
+def test_generation_sends_temperature_top_k_and_seed(page, server) -> None:
+    page.select_option("#model", "runs/gpt-tiny")
+    page.fill("#text", "ROMEO: ")
+    page.fill("#n-new", "8")
+    page.fill("#gen-temperature", "1.5")
+    page.fill("#gen-top-k", "5")
+    page.fill("#gen-seed", "7")
+    page.click("#generate")
+    page.wait_for_selector("body[data-state=ready]")
+    got = "".join(page.eval_on_selector_all("#generated span.new", "ss => ss.map(s => s.textContent)"))
+    req = urllib.request.Request(server + "/api/generate", json.dumps({
+        "model": "runs/gpt-tiny", "prompt": "ROMEO: ", "max_new_tokens": 8, "temperature": 1.5, "top_k": 5,
+        "seed": 7}).encode(), {"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=60) as r:
+        events = [json.loads(line) for line in r.read().decode().splitlines() if line.strip()]
+    want = "".join(e["token"] for e in events if e["event"] == "token")
+    assert got.replace("↵\n", "\n") == want

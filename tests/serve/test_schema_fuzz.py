@@ -46,7 +46,7 @@ def _real_parts(path: str) -> st.SearchStrategy[dict]:
     """Fields to put into a generated body for ``path``, each some of the time (KEEP: leave it);
     mostly models that this endpoint takes."""
     models = RUNS + ["runs/escape", "runs/notes"] + (["minilm"] if asset_installed("minilm") else [])
-    takes = {"/api/generate": ["runs/gpt-tiny"] * 4,
+    takes = {"/api/generate": ["runs/gpt-tiny"] * 4, "/api/lens": ["runs/gpt-tiny"] * 4,
              "/api/image-attention": ["runs/vit-tiny", "runs/captioner-tiny"] * 2}.get(path, [])
     images = [png_bytes((8, 8), "L", 128), png_bytes((32, 32), "RGB", 128), png_bytes((64, 64), "RGB", 128),
               b"\x89PNG\r\n\x1a\n broken", b"GIF89a"]
@@ -65,6 +65,8 @@ def _real_parts(path: str) -> st.SearchStrategy[dict]:
         "temperature": sometimes(st.sampled_from([0.0, 1e-300, 1e-45, 1e-6, 2e-6, 0.7, 5.0])),
         "top_k": sometimes(st.integers(1, 10**6) | st.none() | st.just(2**70)),
         "seed": sometimes(st.sampled_from([None, 0, -1, 2**64 - 1, 2**64, -2**63 - 1, 2**70])),
+        "ablate": sometimes(st.sampled_from([[], [[0, 1]], [[1, 3], [0, 0]], [[-1, -1]], [[9, 9]],
+                                             [[0, 2**70]]])),
     })
 
 
@@ -77,7 +79,8 @@ def _fuzz(op, mode, statuses: Counter, bad: list[str]) -> None:
               suppress_health_check=list(HealthCheck))
     def fuzz(case, real) -> None:
         if isinstance(case.body, dict):
-            text_field = {"/api/attention": "text", "/api/generate": "prompt"}.get(op.path)
+            text_field = {"/api/attention": "text", "/api/generate": "prompt",
+                          "/api/lens": "text"}.get(op.path)
             for name, value in real.items():
                 if name == "text":
                     name = text_field

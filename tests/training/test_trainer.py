@@ -42,8 +42,8 @@ LINES = [
     "All: We know't, we know't.",
 ]
 TEXT = "\n".join(LINES[i % len(LINES)] for i in range(60)) + "\n"  # ~2,700 characters
-RUN_FILES = {"config.json", "model.safetensors", "checkpoint",
-             "tokenizer.json", "metrics.jsonl", "eval.json", "loss.png", "attention.png"}
+RUN_FILES = {"config.json", "model.safetensors", "checkpoint", "tokenizer.json", "metrics.jsonl",
+             "eval.json", "loss.png", "attention.png", "history.jsonl", "heads.png"}
 
 
 def train_lm(model_cfg, cfg, data, resume: bool = False):

@@ -125,7 +125,7 @@ def test_seq2seq_run_draws_what_translate_plot_draws(tiny_run, tmp_path: Path) -
     (["{gpt}", "ROMEO", "--layer", "2"], "--layer must be in [-2, 1] for this 2-layer model, got 2"),
     (["{gpt}", "ROMEO", "--layer", "0", "--head", "-5"], "--head must be in [-4, 3]"),
     (["{gpt}", "ROMEO", "--max-tokens", "1"], "--max-tokens must be >= 2"),
-    (["{gpt}", "ROMEO", "-o", "{tmp}/x.jpg"], "--out must name a .png file"),
+    (["{gpt}", "ROMEO", "-o", "{tmp}/x.jpg"], "--out must name a .png, .svg or .pdf file"),
     (["{gpt}", "ROMEO", "-o", "{tmp}/no/x.png"], "does not exist"),
     (["{tmp}/nothing", "ROMEO"], "is neither a pretrained model (minilm, smollm2) nor a run directory"),
     (["bert", "ROMEO"], "'bert' is neither a pretrained model"),

@@ -50,7 +50,7 @@ function clearError() { $("error").hidden = true; $("error").textContent = ""; }
 
 // Results of an earlier request must not pass for the answer to a new one.
 function clearResults() {
-  for (const id of ["views", "generation", "image-view", "notes", "hover"]) $(id).hidden = true;
+  for (const id of ["views", "generation", "image-view", "notes", "hover", "lens"]) $(id).hidden = true;
   $("timing").textContent = "";
   state.attention = null;
 }
@@ -84,7 +84,7 @@ async function errorText(response) {
 
 function setBusy(busy) {
   state.busy = busy;
-  for (const id of ["show", "generate", "upload"]) $(id).disabled = busy;
+  for (const id of ["show", "generate", "upload", "lens-go"]) $(id).disabled = busy;
   if (busy) setState("loading");
 }
 
@@ -123,6 +123,7 @@ function onModelChange() {
   $("text-input").hidden = m.input !== "text";
   $("image-input").hidden = m.input !== "image";
   $("generate-controls").hidden = !m.can_generate;
+  $("lens-go").hidden = m.kind !== "decoder" && m.kind !== "encoder";
   $("view-controls").hidden = m.kind === "seq2seq" || m.family === "captioner";
   $("head").parentElement.hidden = m.kind === "image";
   $("show-lines").parentElement.hidden = m.kind === "image";
@@ -331,8 +332,10 @@ async function generate() {
   $("generation").hidden = false;
   $("generation-status").textContent = "generating…";
   try {
+    const number = (id) => ($(id).value === "" ? null : Number($(id).value));
     const body = { model: m.id, prompt: $("text").value, max_new_tokens: Number($("n-new").value) || 20,
-      layer: chosen($("layer")), head: chosen($("head")) };
+      layer: chosen($("layer")), head: chosen($("head")), temperature: number("gen-temperature") || 0,
+      top_k: number("gen-top-k"), seed: number("gen-seed") };
     const response = await api("/api/generate", {
       method: "POST", headers: { "Content-Type": "application/json" }, body: JSON.stringify(body),
     });

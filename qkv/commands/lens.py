@@ -1,0 +1,142 @@
+"""`qkv lens MODEL --prompt TEXT`: what a model does with a text, not only where it looks.
+
+    --probs              the next-token distribution (the default view), at --temperature
+    --logit-lens         what each layer would predict at each position
+    --ablate L.H,...     knock heads out: the prediction and the loss before and after
+    --effects            every head's effect on the loss (or on --answer vs --wrong)
+    --heads              name heads: previous-token, first-token, duplicate-token, induction
+    --patch --corrupt T  activation patching from the prompt into T (--site resid | head)
+    --attribute ANSWER   direct logit attribution of ANSWER (vs --wrong) to each head and MLP
+
+Tables go to the terminal; ``-o`` writes the view as a picture (.png, .svg, .pdf) or as
+``.json``, and ``--json`` prints JSON. The numbers come from :mod:`qkv.lens`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+VIEWS = ("probs", "logit_lens", "ablate", "effects", "heads", "patch", "attribute")
+
+
+def add_lens_parser(sub) -> None:
+    p = sub.add_parser(
+        "lens",
+        help="what a model does: next-token probabilities, logit lens, head ablation and effects, "
+        "head types, activation patching, logit attribution",
+        description="Look inside MODEL as it reads --prompt: the next-token distribution (--probs, "
+        "the default), what each layer would predict (--logit-lens), what knocking heads out changes "
+        "(--ablate 3.1,5.0; --effects for every head), which heads are previous-token, first-token, "
+        "duplicate-token or induction heads (--heads), which activations carry the difference between "
+        "two prompts (--patch --corrupt TEXT), and how much each head and MLP writes towards an answer "
+        "(--attribute ANSWER [--wrong W]). Decoders (GPT runs, smollm2, Hugging Face folders and "
+        "GGUF files of llama, mistral, qwen2, gemma, gpt2) have every view; encoders (minilm, BERT) "
+        "have --ablate, --effects and --heads. Heads are numbered from 0 as LAYER.HEAD. Several "
+        "views may be asked at once; -o NAME.png writes one picture per view (NAME-view.png when "
+        "there are several), -o NAME.json or --json the numbers.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    p.add_argument("model", metavar="MODEL_OR_RUN",
+                   help="smollm2, minilm, a run directory from `qkv train gpt`, a Hugging Face folder or a "
+                   ".gguf file; a bundled name always means the bundled model (a folder of that name: "
+                   "./NAME)")
+    p.add_argument("texts", nargs="*", metavar="TEXT", help="the prompt (or use --prompt)")
+    p.add_argument("--prompt", default=None, help="the text to read")
+    v = p.add_argument_group("views (default: --probs)")
+    v.add_argument("--probs", action="store_true", help="the next-token distribution: the top -k tokens")
+    v.add_argument("--logit-lens", action="store_true",
+                   help="each layer's prediction at each position (the final norm recomputed per layer)")
+    v.add_argument("--ablate", default=None, metavar="L.H,...",
+                   help="knock out these heads (e.g. 0.1,2.3): next token and loss before and after")
+    v.add_argument("--effects", action="store_true",
+                   help="knock out every head in turn: its effect on the loss (or on --answer vs --wrong)")
+    v.add_argument("--heads", action="store_true",
+                   help="score every head on repeated random tokens: previous-token, first-token, "
+                   "duplicate-token, induction")
+    v.add_argument("--patch", action="store_true",
+                   help="patch the prompt's activations into --corrupt, cell by cell (--site)")
+    v.add_argument("--attribute", default=None, metavar="ANSWER",
+                   help="direct logit attribution of ANSWER (one token; mind a leading space) at the "
+                   "last position, against --wrong if given")
+    o = p.add_argument_group("options")
+    o.add_argument("--corrupt", default=None, help="--patch: the corrupted prompt (same number of tokens)")
+    o.add_argument("--site", choices=("resid", "head"), default="resid",
+                   help="--patch: the residual stream (layer x position) or each head's output "
+                   "(layer x head)")
+    o.add_argument("--answer", default=None, help="--patch / --effects: the answer token (default for "
+                   "--patch: the prompt's top prediction)")
+    o.add_argument("--wrong", default=None, help="--patch / --effects / --attribute: the token to compare "
+                   "against (default for --patch: the corrupt prompt's top prediction)")
+    o.add_argument("--mode", choices=("zero", "mean"), default="zero",
+                   help="--ablate / --effects: replace a head's output by zero or by its mean over "
+                   "the prompt")
+    o.add_argument("--temperature", type=float, default=1.0, help="--probs: softmax(logits / T)")
+    o.add_argument("-k", "--top", type=int, default=10, help="how many tokens or rows a table shows")
+    o.add_argument("--weights", default="fp32", choices=("fp32", "bf16", "int8", "q4"),
+                   help="how a decoder's weights are held (fp32: exact to the reference)")
+    o.add_argument("-o", "--out", default=None,
+                   help="write the view: a picture (.png, .svg, .pdf) or its numbers (.json)")
+    o.add_argument("--json", action="store_true", help="print the numbers as JSON instead of tables")
+    p.set_defaults(func=cmd_lens, extra_texts=True)
+
+
+def _views(args: argparse.Namespace) -> list[str]:
+    chosen = [name for name in VIEWS if getattr(args, name) not in (None, False)]
+    return chosen or ["probs"]
+
+
+def _out_paths(out: str | None, views: list[str]) -> dict[str, Path]:
+    from qkv.commands.options import PICTURE_SUFFIXES, check_png_out
+
+    if out is None:
+        return {}
+    path = check_png_out(out, "-o/--out", (*PICTURE_SUFFIXES, ".json"))
+    if len(views) == 1:
+        return {views[0]: path}
+    return {v: path.with_name(f"{path.stem}-{v.replace('_', '-')}{path.suffix}") for v in views}
+
+
+def cmd_lens(args: argparse.Namespace) -> int:
+    from qkv import lens
+    from qkv.commands.lens_views import VIEW_FUNCTIONS
+    from qkv.inference import open_model, resolve
+
+    if args.prompt is not None and args.texts:
+        raise ValueError("give the prompt once: as --prompt or as arguments, not both")
+    text = args.prompt if args.prompt is not None else " ".join(args.texts)
+    views = _views(args)
+    if args.patch and args.corrupt is None:
+        raise ValueError("--patch needs --corrupt TEXT: the prompt to patch into (same number of tokens)")
+    if args.corrupt is not None and not args.patch:
+        raise ValueError("--corrupt is for --patch; add --patch")
+    if args.top < 1:
+        raise ValueError(f"-k/--top must be >= 1, got {args.top}")
+    heads = lens.parse_heads(args.ablate) if args.ablate is not None else None
+    outs = _out_paths(args.out, views)
+    if not text.strip() and views != ["heads"]:
+        raise ValueError("give a prompt: qkv lens MODEL --prompt \"...\"")
+    ref = resolve(args.model)
+    if ref.note:
+        print(f"qkv: note: {ref.note}", file=sys.stderr)
+    if ref.kind not in ("decoder", "encoder"):
+        what = "run" if ref.source == "run" else "model"
+        raise ValueError(f"{args.model} is a {ref.label} {what}: the lens "
+                         "reads text models made of attention heads (GPT runs, decoders, encoders); "
+                         "use qkv attend for its attention")
+    decoder_only = {"probs", "logit_lens", "patch", "attribute"} & set(views)
+    if ref.kind == "encoder" and decoder_only:
+        names = ", ".join("--" + v.replace("_", "-") for v in sorted(decoder_only))
+        raise ValueError(f"{args.model} is an encoder: it predicts no next token, so {names} do not apply "
+                         "(--ablate, --effects and --heads do)")
+    lm = open_model(ref, weights=args.weights if ref.kind == "decoder" else None)
+    results: dict[str, Any] = {}
+    for view in views:
+        results[view] = VIEW_FUNCTIONS[view](lm, text, args, heads, outs.get(view))
+    if args.json:
+        json.dump(results if len(views) > 1 else results[views[0]], sys.stdout, ensure_ascii=False)
+        sys.stdout.write("\n")
+    return 0

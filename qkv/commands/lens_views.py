@@ -1,0 +1,218 @@
+"""The views of `qkv lens`: each computes one :mod:`qkv.lens` result, prints it as a table (unless
+--json), writes it to -o as a picture or JSON, and returns its numbers as plain data."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+
+def console():
+    from rich.console import Console
+
+    return Console()
+
+
+def _show(x: str) -> str:
+    """A token as a table shows it: whitespace and control characters made visible."""
+    return repr(x)[1:-1] if x.strip() != x or not x.isprintable() or not x else x
+
+
+def _write(out: Path | None, data: dict[str, Any], figure: Any) -> None:
+    if out is None:
+        return
+    if out.suffix.lower() == ".json":
+        from qkv.fileio import atomic_write
+
+        body = json.dumps(data, ensure_ascii=False) + "\n"
+        atomic_write(out, lambda p: p.write_text(body, encoding="utf-8"))
+    else:
+        from qkv.viz import draw
+
+        draw(figure, out)
+    console().print(f"wrote {out}", highlight=False)
+
+
+def _table(title: str, columns: list[str], rows: list[list[str]]) -> None:
+    from rich.table import Table
+
+    t = Table(title=title, title_justify="left")
+    for i, c in enumerate(columns):
+        t.add_column(c, justify="left" if i == 0 else "right")
+    for r in rows:
+        t.add_row(*r)
+    console().print(t)
+
+
+def view_probs(lm, text: str, args: argparse.Namespace, heads, out: Path | None) -> dict[str, Any]:
+    from qkv import lens
+    from qkv.figures import Bars
+
+    nt = lens.next_token(lm, text, temperature=args.temperature, k=args.top)
+    data = {"temperature": nt.temperature, "tokens": nt.tokens,
+            "top": [{"id": p.id, "token": p.token, "prob": p.prob, "logit": p.logit} for p in nt.top]}
+    if not args.json:
+        _table(f"next token after {len(nt.tokens)} tokens, temperature {nt.temperature:g}",
+               ["token", "probability", "logit"],
+               [[_show(p.token), f"{p.prob:.4f}", f"{p.logit:.3f}"] for p in nt.top])
+    _write(out, data, Bars([_show(p.token) for p in nt.top], [p.prob for p in nt.top],
+                           f"{lm.name}: next token (T = {nt.temperature:g})", "probability"))
+    return data
+
+
+def view_logit_lens(lm, text: str, args: argparse.Namespace, heads, out: Path | None) -> dict[str, Any]:
+    from qkv import lens
+    from qkv.figures import Heatmap
+
+    ll = lens.logit_lens(lm, text)
+    probs, ids = ll.top(1)
+    probs, ids = probs[..., 0], ids[..., 0]  # (L + 1, T)
+    dec = lm.tokenizer.decode
+    cells = [[dec([int(i)]) for i in row] for row in ids]
+    data = {"rows": ll.rows, "tokens": ll.tokens, "top_token": cells, "top_prob": probs.tolist()}
+    if not args.json:
+        last = list(range(max(0, len(ll.tokens) - args.top), len(ll.tokens)))
+        _table(f"logit lens: each layer's top prediction (and its probability) after the last {len(last)} "
+               "tokens", ["layer", *(_show(ll.tokens[t]) for t in last)],
+               [[r, *(f"{_show(cells[i][t])} {float(probs[i, t]):.2f}" for t in last)]
+                for i, r in enumerate(ll.rows)])
+    title = f"{lm.name}: logit lens (top token, its probability)"
+    _write(out, data, Heatmap(probs, ll.rows, ll.tokens, title, cells, "probability of the top token"))
+    return data
+
+
+def view_ablate(lm, text: str, args: argparse.Namespace, heads, out: Path | None) -> dict[str, Any]:
+    import torch
+    import torch.nn.functional as F
+
+    from qkv import lens
+    from qkv.figures import Bars
+    from qkv.lens.cache import encode
+
+    heads = lens.causal.check_heads(lm, heads)
+    names = ",".join(f"{layer}.{h}" for layer, h in heads)
+    ids = encode(lm, text)
+    before = lens.ablate(lm, text, [], mode=args.mode)
+    after = lens.ablate(lm, text, heads, mode=args.mode)
+    data: dict[str, Any] = {"heads": [list(h) for h in heads], "mode": args.mode}
+    if lm.kind == "encoder":
+        change = 1 - float(F.cosine_similarity(before.mean(0), after.mean(0), dim=0))
+        data["embedding_change"] = change
+        if not args.json:
+            console().print(f"knocking out {names} ({args.mode}) changes the sentence embedding by "
+                            f"1 - cos = {change:.4f}", highlight=False)
+        _write(out, data, Bars([names], [change], f"{lm.name}: embedding change", "1 - cosine"))
+        return data
+    tgt = torch.tensor(ids[1:])
+    loss = [float(F.cross_entropy(x[:-1].double(), tgt)) if len(ids) > 1 else float("nan")
+            for x in (before, after)]
+    p0, p1 = torch.softmax(before[-1].double(), -1), torch.softmax(after[-1].double(), -1)
+    top = (p0 + p1).topk(min(args.top, p0.numel())).indices.tolist()
+    dec = lm.tokenizer.decode
+    data.update(loss_before=loss[0], loss_after=loss[1],
+                top=[{"id": i, "token": dec([i]), "before": float(p0[i]), "after": float(p1[i])}
+                     for i in top])
+    if not args.json:
+        _table(f"knocking out {names} ({args.mode}): loss over the prompt {loss[0]:.4f} -> {loss[1]:.4f}",
+               ["next token", "before", "after", "change"],
+               [[_show(dec([i])), f"{float(p0[i]):.4f}", f"{float(p1[i]):.4f}",
+                 f"{float(p1[i] - p0[i]):+.4f}"] for i in top])
+    _write(out, data, Bars([_show(dec([i])) for i in top], [float(p1[i] - p0[i]) for i in top],
+                           f"{lm.name}: next token with {names} knocked out", "change in probability"))
+    return data
+
+
+def view_effects(lm, text: str, args: argparse.Namespace, heads, out: Path | None) -> dict[str, Any]:
+    from qkv import lens
+    from qkv.figures import Heatmap
+
+    eff = lens.head_effects(lm, text, mode=args.mode, answer=args.answer, wrong=args.wrong)
+    e = eff.effect
+    L, H = e.shape
+    data = {"metric": eff.metric, "mode": eff.mode, "base": eff.base, "effect": e.tolist()}
+    if not args.json:
+        order = e.flatten().abs().argsort(descending=True)[: args.top].tolist()
+        _table(f"every head knocked out ({eff.mode}): {eff.metric} {eff.base:.4f} unablated; the "
+               f"{len(order)} largest changes", ["head", eff.metric, "change"],
+               [[f"{i // H}.{i % H}", f"{float(eff.values.flatten()[i]):.4f}",
+                 f"{float(e.flatten()[i]):+.4f}"] for i in order])
+    _write(out, data, Heatmap(e, [f"layer {i}" for i in range(L)], [str(h) for h in range(H)],
+                              f"{lm.name}: change in {eff.metric} with each head knocked out ({eff.mode})",
+                              None, f"change in {eff.metric}", diverging=True))
+    return data
+
+
+def view_heads(lm, text: str, args: argparse.Namespace, heads, out: Path | None) -> dict[str, Any]:
+    from qkv import lens
+    from qkv.figures import Heatmap, Heatmaps
+
+    sc = lens.head_scores(lm)
+    L, H = sc.previous.shape
+    data: dict[str, Any] = {t: s.tolist() for t, s in sc.by_type().items()}
+    data.update(labels=sc.labels, threshold=sc.threshold, loss_first=sc.loss_first,
+                loss_second=sc.loss_second)
+    if not args.json:
+        named = sc.named()
+        _table(f"heads by type (score >= {sc.threshold} on repeated random tokens); {len(named)} of {L * H} "
+               "named", ["head", "type", "score", *lens.HEAD_TYPES],
+               [[f"{layer}.{h}", t, f"{s:.3f}",
+                 *(f"{float(sc.by_type()[k][layer, h]):.2f}" for k in lens.HEAD_TYPES)]
+                for layer, h, t, s in named[: max(args.top, 10)]])
+        if lm.kind == "decoder":
+            console().print(f"loss on the first copy {sc.loss_first:.3f}, on the repeat {sc.loss_second:.3f} "
+                            f"(in-context learning score {sc.icl:+.3f})", highlight=False)
+    rows, cols = [f"layer {i}" for i in range(L)], [str(h) for h in range(H)]
+    panels = [Heatmap(s, rows, cols, t, None, "score") for t, s in sc.by_type().items()]
+    _write(out, data, Heatmaps(panels, f"{lm.name}: head scores on repeated random tokens"))
+    return data
+
+
+def view_patch(lm, text: str, args: argparse.Namespace, heads, out: Path | None) -> dict[str, Any]:
+    from qkv import lens
+    from qkv.figures import Heatmap
+
+    p = lens.patch(lm, text, args.corrupt, site=args.site, answer=args.answer, wrong=args.wrong)
+    L, C = p.values.shape
+    cols = p.clean_tokens if p.site == "resid" else [str(h) for h in range(C)]
+    data = {"site": p.site, "answer": p.answer, "wrong": p.wrong, "clean_diff": p.clean_diff,
+            "corrupt_diff": p.corrupt_diff, "columns": cols, "values": p.values.tolist()}
+    if not args.json:
+        order = p.values.nan_to_num(0.0).flatten().abs().argsort(descending=True)[: args.top].tolist()
+        what = "position" if p.site == "resid" else "head"
+        _table(f"patching {p.site}: logit[{_show(p.answer)}] - logit[{_show(p.wrong)}] is {p.clean_diff:.3f} "
+               f"clean, {p.corrupt_diff:.3f} corrupt; 1 = a cell restores it all",
+               ["layer", what, "restored", "logit diff"],
+               [[str(i // C), _show(cols[i % C]) if p.site == "resid" else cols[i % C],
+                 f"{float(p.values.flatten()[i]):.3f}", f"{float(p.raw.flatten()[i]):.3f}"] for i in order])
+    _write(out, data, Heatmap(p.values, [f"layer {i}" for i in range(L)], cols,
+                              f"{lm.name}: patching {p.site} from clean into corrupt", None,
+                              "share of the clean logit difference restored", diverging=True))
+    return data
+
+
+def view_attribute(lm, text: str, args: argparse.Namespace, heads, out: Path | None) -> dict[str, Any]:
+    from qkv import lens
+    from qkv.figures import Bars
+
+    a = lens.attribute(lm, text, args.attribute, args.wrong)
+    what = f"logit[{_show(a.answer)}]" + (f" - logit[{_show(a.wrong)}]" if a.wrong is not None else "")
+    data = {"answer": a.answer, "wrong": a.wrong, "total": a.total, "note": a.note,
+            "parts": dict(zip(a.names, a.values.tolist(), strict=True))}
+    order = a.values.abs().argsort(descending=True)[: args.top].tolist()
+    if not args.json:
+        _table(f"direct logit attribution of {what} = {a.total:.3f} ({a.note}); the {len(order)} "
+               "largest parts",
+               ["part", "contribution"], [[a.names[i], f"{float(a.values[i]):+.4f}"] for i in order])
+    _write(out, data, Bars([a.names[i] for i in order], [float(a.values[i]) for i in order],
+                           f"{lm.name}: {what} = {a.total:.3f}, by part",
+                           "contribution to the logit difference"))
+    return data
+
+
+VIEW_FUNCTIONS: dict[str, Callable[..., dict[str, Any]]] = {
+    "probs": view_probs, "logit_lens": view_logit_lens, "ablate": view_ablate, "effects": view_effects,
+    "heads": view_heads, "patch": view_patch, "attribute": view_attribute,
+}

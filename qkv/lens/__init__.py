@@ -1,0 +1,38 @@
+"""What attention does, not only where it looks: read and change what a Transformer computes.
+
+    import qkv, qkv.lens as lens
+    lm = qkv.load("smollm2")
+    lens.next_token(lm, "The capital of France is")        # top-k next tokens, any temperature
+    lens.logit_lens(lm, "The capital of France is")        # (L + 1, T, V) each layer's prediction
+    lens.run_with_cache(lm, text)["blocks.3.attn.hook_z"]  # every activation, TransformerLens names
+    lens.ablate(lm, text, heads=[(3, 1)])                  # logits with a head knocked out
+    lens.head_effects(lm, text)                            # every head's effect on the loss
+    lens.patch(lm, clean, corrupt, site="head")            # activation patching
+    lens.attribute(lm, text, " Paris", " London")          # direct logit attribution
+    lens.head_scores(lm)                                   # previous-token, induction, ... heads
+    lens.query_key(lm, text, layer=3, head=1)              # one attention row, q·k term by term
+
+Every function takes any text model ``qkv.load`` opens (GPT runs, Hugging Face folders and GGUF
+files of llama / mistral / qwen2 / gemma / gpt2; encoders for what applies to them) and works
+with plain torch hooks on qkv's own blocks (:mod:`qkv.lens.hooks`); nothing is copied or traced.
+"""
+
+from qkv.lens.attribution import Attribution, attribute
+from qkv.lens.cache import ActivationCache, run_with_cache
+from qkv.lens.causal import HeadEffects, Patching, ablate, head_effects, parse_heads, patch
+from qkv.lens.heads import (
+    HEAD_TYPES,
+    HeadScores,
+    QueryKey,
+    head_scores,
+    query_key,
+    repeated_tokens,
+    score_model,
+    text_rollout,
+)
+from qkv.lens.predict import LogitLens, NextToken, TokenProb, logit_lens, next_token
+
+__all__ = ["HEAD_TYPES", "ActivationCache", "Attribution", "HeadEffects", "HeadScores", "LogitLens",
+           "NextToken", "Patching", "QueryKey", "TokenProb", "ablate", "attribute", "head_effects",
+           "head_scores", "logit_lens", "next_token", "parse_heads", "patch", "query_key", "repeated_tokens",
+           "run_with_cache", "score_model", "text_rollout"]

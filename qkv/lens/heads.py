@@ -1,0 +1,204 @@
+"""Naming heads by what their attention does, and attention rollout for text.
+
+Each score is the mean weight a head puts where its type would look, over the query rows
+where that place exists (a pattern whose rows sum to 1 scores 1 when it puts all its weight
+there). They are read on R random tokens repeated twice, [r₁ … r_R r₁ … r_R] (Olsson et al.
+2022, "In-context learning and induction heads"; TransformerLens's ``detect_head``, whose "mul"
+measure divides by every row instead of the rows that have such a place):
+
+    previous token   row i (i ≥ 1) at i − 1
+    first token      row i (i ≥ 1) at 0           (the "attention sink", Xiao et al. 2023)
+    duplicate token  row i in the second copy at i − R, the same token earlier
+    induction        row i in the second copy at i − R + 1, the token that followed it last time
+
+The in-context learning score is the loss on the second copy minus the loss on the first: an
+induction head lets the model predict the repeat, so it falls below zero as one forms.
+
+Shapes: L layers, H heads, T tokens (queries), S keys, R repeated tokens.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from qkv.attention.rollout import attention_rollout
+from qkv.lens.cache import encode, labels
+from qkv.lens.hooks import TextModel, device_of, forward, is_decoder
+
+HEAD_TYPES: tuple[str, ...] = ("previous", "first", "duplicate", "induction")
+THRESHOLD = 0.4  # a head is named after its highest score when that score reaches this
+
+
+def previous_token_score(pattern: Tensor) -> Tensor:
+    """(..., T, T) -> (...): mean weight of rows 1.. on the key just before the query."""
+    return pattern.diagonal(offset=-1, dim1=-2, dim2=-1).mean(-1)
+
+
+def first_token_score(pattern: Tensor) -> Tensor:
+    """(..., T, T) -> (...): mean weight of rows 1.. on key 0."""
+    return pattern[..., 1:, 0].mean(-1)
+
+
+def duplicate_token_score(pattern: Tensor, repeat: int) -> Tensor:
+    """(..., 2R, 2R) -> (...): mean weight of the second copy's rows on the same token R back."""
+    return pattern.diagonal(offset=-repeat, dim1=-2, dim2=-1).mean(-1)
+
+
+def induction_score(pattern: Tensor, repeat: int) -> Tensor:
+    """(..., 2R, 2R) -> (...): mean weight of the second copy's rows on the token after the same
+    token's earlier occurrence (R − 1 back)."""
+    return pattern.diagonal(offset=-(repeat - 1), dim1=-2, dim2=-1)[..., 1:].mean(-1)
+
+
+@dataclass
+class HeadScores:
+    """Scores (L, H) per head type, each in [0, 1], and the in-context learning score.
+
+    previous, first, duplicate, induction: see the module docstring. icl: loss on the second
+    copy minus the first (nats; negative = the model uses the repeat). loss_first / loss_second:
+    the two losses. labels: (L × H) names by threshold ("" for none).
+    """
+
+    previous: Tensor
+    first: Tensor
+    duplicate: Tensor
+    induction: Tensor
+    loss_first: float
+    loss_second: float
+    threshold: float = THRESHOLD
+
+    @property
+    def icl(self) -> float:
+        return self.loss_second - self.loss_first
+
+    def by_type(self) -> dict[str, Tensor]:
+        return {t: getattr(self, t) for t in HEAD_TYPES}
+
+    @property
+    def labels(self) -> list[list[str]]:
+        """Each head's type: the one with its highest score, when that reaches ``threshold``."""
+        stacked = torch.stack([getattr(self, t) for t in HEAD_TYPES])  # (4, L, H)
+        best, which = stacked.max(0)
+        return [[HEAD_TYPES[int(w)] if float(s) >= self.threshold else ""
+                 for s, w in zip(rs, rw, strict=True)] for rs, rw in zip(best, which, strict=True)]
+
+    def named(self) -> list[tuple[int, int, str, float]]:
+        """(layer, head, type, score) of every named head, strongest first."""
+        out = []
+        for layer, row in enumerate(self.labels):
+            for head, t in enumerate(row):
+                if t:
+                    out.append((layer, head, t, float(getattr(self, t)[layer, head])))
+        return sorted(out, key=lambda r: -r[3])
+
+
+def repeated_tokens(vocab_size: int, repeat: int = 24, batch: int = 8, seed: int = 0,
+                    avoid: tuple[int, ...] = ()) -> Tensor:
+    """(batch, 2·repeat) random token ids, each row a random sequence twice; ids in ``avoid``
+    (end-of-text, padding) are never drawn. The same ids for the same arguments."""
+    g = torch.Generator().manual_seed(seed)
+    allowed = torch.ones(vocab_size, dtype=torch.bool)
+    allowed[[i for i in avoid if 0 <= i < vocab_size]] = False
+    pool = allowed.nonzero()[:, 0]
+    half = pool[torch.randint(len(pool), (batch, repeat), generator=g)]
+    return torch.cat([half, half], dim=1)
+
+
+@torch.inference_mode()
+def score_model(model: nn.Module, tokens: Tensor) -> HeadScores:
+    """Head scores of a decoder (GPT) on repeated random tokens (B, 2R), from
+    :func:`repeated_tokens`; weights from the reference attention, averaged over the batch."""
+    repeat = tokens.shape[1] // 2
+    was_training = model.training
+    model.eval()
+    try:
+        out, weights = forward(model, tokens.to(device_of(model)), weights=True)
+    finally:
+        model.train(was_training)
+    assert weights is not None
+    pattern = torch.stack([w.float().mean(0) for w in weights]).cpu()  # (L, H, T, T)
+    loss_first = loss_second = float("nan")
+    if is_decoder(model):
+        ce = F.cross_entropy(out[:, :-1].float().transpose(1, 2), tokens[:, 1:].to(out.device),
+                             reduction="none").mean(0).cpu()  # (T - 1,): position i predicts i + 1
+        loss_first, loss_second = float(ce[: repeat - 1].mean()), float(ce[repeat:].mean())
+    return HeadScores(previous_token_score(pattern), first_token_score(pattern),
+                      duplicate_token_score(pattern, repeat), induction_score(pattern, repeat),
+                      loss_first, loss_second)
+
+
+def head_scores(lm: TextModel, repeat: int = 24, batch: int = 8, seed: int = 0) -> HeadScores:
+    """Every head's scores (see the module docstring) on ``batch`` random sequences of ``repeat``
+    tokens, each repeated twice (fewer when the context is shorter)."""
+    model = lm.model
+    repeat = max(2, min(repeat, model.cfg.max_seq_len // 2))
+    avoid = tuple(getattr(lm, "stop_ids", ()) or ())
+    return score_model(model, repeated_tokens(model.cfg.vocab_size, repeat, batch, seed, avoid))
+
+
+@torch.inference_mode()
+def text_rollout(lm: TextModel, text: str | list[int], residual: float = 0.5) -> tuple[list[str], Tensor]:
+    """Attention rollout over a text (Abnar & Zuidema 2020, as for ViT): (tokens, (T, T)), row i:
+    how much of output token i comes from each input token through every layer."""
+    ids = encode(lm, text)
+    _, weights = forward(lm.model, torch.tensor([ids], device=device_of(lm.model)), weights=True)
+    assert weights is not None
+    return labels(lm, ids), attention_rollout(weights, residual)[0].cpu()
+
+
+@dataclass
+class QueryKey:
+    """One head's scores for one query token, term by term (CS189 Discussion 10 on a real model):
+    ``dots`` (S,) q·k for each key up to the query (after RoPE where the model uses it),
+    ``scaled`` = dots / √Dh (+ ALiBi's bias where the model has one), ``weights`` = softmax(scaled):
+    the head's attention row. ``q`` (Dh,), ``k`` (S, Dh) the vectors themselves."""
+
+    tokens: list[str]
+    layer: int
+    head: int
+    query: int
+    q: Tensor
+    k: Tensor
+    dots: Tensor
+    scaled: Tensor
+    weights: Tensor
+
+
+@torch.inference_mode()
+def query_key(lm: TextModel, text: str | list[int], layer: int, head: int, query: int = -1) -> QueryKey:
+    """The q·k computation behind one attention row: query token ``query`` (negative counts from
+    the end) of ``head`` in ``layer``; a grouped-query head reads its group's key head."""
+    from qkv.errors import InputError
+    from qkv.lens.cache import run_with_cache
+    from qkv.lens.hooks import blocks, shape
+
+    L, H, Dh = shape(lm.model)
+    if not (-L <= layer < L and -H <= head < H):
+        raise InputError(f"head {layer}.{head} is not in {lm.name}, which has {L} layers (0-{L - 1}) "
+                         f"of {H} heads (0-{H - 1})")
+    layer, head = layer % L, head % H
+    cache = run_with_cache(lm, text)
+    T = len(cache.ids)
+    if not -T <= query < T:
+        raise InputError(f"query must be a token position in [{-T}, {T - 1}], got {query}")
+    query %= T
+    block = blocks(lm.model)[layer]
+    attn = block.attn
+    x = cache.resid_pre[layer][None].to(next(lm.model.parameters()).dtype)
+    h = block.norm1(x) if block.cfg.norm_position == "pre" else x
+    q, k, _ = attn._project(h, None, getattr(lm.model, "rope", None), 0)  # (1, H, T, Dh), (1, K, T, Dh)
+    kv = head // (attn.n_heads // attn.n_kv_heads)
+    causal = block.cfg.causal
+    S = query + 1 if causal else T
+    qv, kv_ = q[0, head, query].double(), k[0, kv, :S].double()
+    dots = kv_ @ qv
+    scaled = dots / Dh ** 0.5
+    alibi = getattr(lm.model, "alibi", None)
+    if alibi is not None:
+        scaled = scaled + alibi(T, T)[0, head, query, :S].double()
+    return QueryKey(cache.tokens[:S] if causal else cache.tokens, layer, head, query, qv.float(), kv_.float(),
+                    dots.float(), scaled.float(), torch.softmax(scaled, -1).float())

@@ -1,0 +1,277 @@
+// qkv explorer: what attention does (POST /api/lens). Next-token bars with a temperature slider
+// (softmax(z / T) computed here from the logits the server sends), the logit lens, every head as a
+// thumbnail (click to open it, or to knock it out), and SVG / PNG downloads of every view.
+// Uses app.js's helpers ($, api, label, esc, colormap, VIRIDIS, rgb, state, ...).
+"use strict";
+
+const lensState = { data: null, ablated: [] };
+
+// softmax(z / T) over the whole vocabulary, in float64 as the server computes it.
+function softmaxT(logits, T) {
+  let max = -Infinity;
+  for (const z of logits) if (z / T > max) max = z / T;
+  let sum = 0;
+  for (const z of logits) sum += Math.exp(z / T - max);
+  return (i) => Math.exp(logits[i] / T - max) / sum;
+}
+
+function temperature() { return Number($("lens-temperature").value); }
+
+async function lookInside() {
+  clearError();
+  const m = currentModel();
+  if (!m) { showError("Choose a model first."); return; }
+  setBusy(true);
+  const t0 = performance.now();
+  try {
+    const body = { model: m.id, text: $("text").value, ablate: lensState.ablated };
+    const data = await (await api("/api/lens", {
+      method: "POST", headers: { "Content-Type": "application/json" }, body: JSON.stringify(body),
+    })).json();
+    lensState.data = data;
+    renderLens();
+    await nextPaint();
+    $("timing").textContent = `lens: ${data.tokens.length} tokens · server ${(data.seconds * 1000).toFixed(0)} ms · ` +
+      `total ${(performance.now() - t0).toFixed(0)} ms`;
+    setState("ready");
+  } catch (e) {
+    $("lens").hidden = true;
+    showError(e.message);
+  } finally {
+    setBusy(false);
+  }
+}
+
+function renderLens() {
+  const d = lensState.data;
+  showNotes(d.notes);
+  $("lens").hidden = false;
+  $("probs-figure").hidden = d.logits === null;
+  $("lens-figure").hidden = d.lens === null;
+  if (d.logits !== null) renderBars();
+  if (d.lens !== null) renderLensTable();
+  renderGrid();
+  const abl = d.ablated.map(([l, h]) => `${l}.${h}`).join(", ");
+  $("ablated").textContent = abl ? `knocked out: ${abl}` + (d.embedding_change !== null && d.embedding_change !== undefined
+    ? ` · sentence embedding changed by 1 − cos = ${d.embedding_change.toFixed(4)}` : "") : "no heads knocked out";
+}
+
+// ------------------------------------------------------------------ next-token bars
+
+function renderBars() {
+  const d = lensState.data;
+  const T = temperature();
+  $("lens-t-value").textContent = T.toFixed(2);
+  const p = softmaxT(d.logits, T);
+  const base = d.base_logits ? softmaxT(d.base_logits, T) : null;
+  const k = Math.min(10, d.candidates.length);
+  const rows = d.candidates.slice(0, k).map((c) => ({ token: c.token, id: c.id, p: p(c.id), base: base ? base(c.id) : null }));
+  let shown = 0;
+  for (const r of rows) shown += r.p;
+  rows.push({ token: "(all others)", id: -1, p: Math.max(0, 1 - shown), base: null });
+  window.qkvBars = rows.map((r) => ({ id: r.id, token: r.token, prob: r.p }));
+  const rowH = 20, labelW = 120, barW = 300, width = labelW + barW + 70, height = rows.length * rowH + 8;
+  const parts = [`<rect x="0" y="0" width="${width}" height="${height}" fill="white"/>`];
+  rows.forEach((r, i) => {
+    const y = 4 + i * rowH;
+    parts.push(`<text x="${labelW - 6}" y="${y + rowH / 2}" text-anchor="end" dominant-baseline="middle">${esc(label(r.token))}</text>`);
+    if (r.base !== null) parts.push(`<rect x="${labelW}" y="${y + 2}" width="${(barW * r.base).toFixed(1)}" height="${rowH - 4}" fill="#ced4da"/>`);
+    parts.push(`<rect class="bar" data-id="${r.id}" data-p="${r.p}" x="${labelW}" y="${y + 5}" width="${(barW * r.p).toFixed(1)}" ` +
+      `height="${rowH - 10}" fill="${r.id < 0 ? "#adb5bd" : "#3b5bdb"}"/>`);
+    parts.push(`<text x="${labelW + barW * r.p + 4}" y="${y + rowH / 2}" dominant-baseline="middle">${(100 * r.p).toFixed(2)}%` +
+      (r.base !== null ? ` (was ${(100 * r.base).toFixed(2)}%)` : "") + `</text>`);
+  });
+  sizeSvg($("probs"), width, height, parts);
+}
+
+// ------------------------------------------------------------------ logit lens table
+
+function renderLensTable() {
+  const d = lensState.data;
+  const L = d.lens.rows.length, T = d.tokens.length;
+  const first = Math.max(0, T - 16);  // the last 16 positions
+  const cw = 64, ch = 18, lw = 44, top = 70;
+  const width = lw + (T - first) * cw + 4, height = top + L * ch + 4;
+  const parts = [`<rect x="0" y="0" width="${width}" height="${height}" fill="white"/>`];
+  for (let t = first; t < T; t++) {
+    const x = lw + (t - first) * cw + cw / 2;
+    parts.push(`<text x="${x}" y="${top - 6}" transform="rotate(-45 ${x} ${top - 6})">${esc(label(d.tokens[t]))}</text>`);
+  }
+  for (let r = 0; r < L; r++) {
+    const y = top + r * ch;
+    parts.push(`<text x="${lw - 4}" y="${y + ch / 2}" text-anchor="end" dominant-baseline="middle">${esc(d.lens.rows[r])}</text>`);
+    for (let t = first; t < T; t++) {
+      const p = d.lens.prob[r][t];
+      const c = colormap(VIRIDIS, p);
+      const x = lw + (t - first) * cw;
+      parts.push(`<rect class="lens-cell" data-r="${r}" data-t="${t}" x="${x}" y="${y}" width="${cw - 1}" height="${ch - 1}" fill="${rgb(c)}"/>`);
+      parts.push(`<text x="${x + cw / 2}" y="${y + ch / 2}" text-anchor="middle" dominant-baseline="middle" ` +
+        `fill="${p > 0.5 ? "black" : "white"}" font-size="9">${esc(label(d.lens.top[r][t]).slice(0, 8))}</text>`);
+    }
+  }
+  sizeSvg($("lens-table"), width, height, parts);
+}
+
+// ------------------------------------------------------------------ every head
+
+const TYPE_MARK = { previous: "P", first: "F", duplicate: "D", induction: "I" };
+
+function renderGrid() {
+  const d = lensState.data;
+  const L = d.n_layers, H = d.n_heads, cell = 34, gap = 3, left = 28, top = 16;
+  const canvas = $("grid");
+  canvas.width = left + H * (cell + gap);
+  canvas.height = top + L * (cell + gap);
+  const ctx = canvas.getContext("2d");
+  ctx.fillStyle = "white";
+  ctx.fillRect(0, 0, canvas.width, canvas.height);
+  ctx.font = "10px monospace";
+  ctx.fillStyle = "#1d2330";
+  for (let h = 0; h < H; h++) ctx.fillText(String(h), left + h * (cell + gap) + cell / 2 - 3, 11);
+  const ablated = new Set(d.ablated.map(([l, h]) => `${l}.${h}`));
+  for (let l = 0; l < L; l++) {
+    ctx.fillStyle = "#1d2330";
+    ctx.fillText(String(l), 4, top + l * (cell + gap) + cell / 2 + 3);
+    for (let h = 0; h < H; h++) {
+      const x0 = left + h * (cell + gap), y0 = top + l * (cell + gap);
+      if (d.thumbs) {
+        const m = d.thumbs[l * H + h], n = m.length;
+        let max = 0;
+        for (const r of m) for (const v of r) max = Math.max(max, v);
+        for (let i = 0; i < n; i++) for (let j = 0; j < n; j++) {
+          ctx.fillStyle = rgb(colormap(VIRIDIS, m[i][j] / (max || 1)));
+          ctx.fillRect(x0 + (j * cell) / n, y0 + (i * cell) / n, cell / n + 0.5, cell / n + 0.5);
+        }
+      }
+      const type = d.labels[l][h];
+      if (type) {
+        ctx.fillStyle = "rgba(255,255,255,0.85)";
+        ctx.fillRect(x0 + cell - 11, y0, 11, 11);
+        ctx.fillStyle = "#c92a2a";
+        ctx.fillText(TYPE_MARK[type], x0 + cell - 9, y0 + 9);
+      }
+      if (ablated.has(`${l}.${h}`)) {
+        ctx.strokeStyle = "#ff2d55";
+        ctx.lineWidth = 2;
+        ctx.beginPath();
+        ctx.moveTo(x0, y0); ctx.lineTo(x0 + cell, y0 + cell);
+        ctx.moveTo(x0 + cell, y0); ctx.lineTo(x0, y0 + cell);
+        ctx.stroke();
+      }
+    }
+  }
+  canvas.dataset.cell = String(cell + gap);
+  canvas.dataset.left = String(left);
+  canvas.dataset.top = String(top);
+}
+
+function headAt(event) {
+  const c = $("grid"), d = lensState.data;
+  const r = c.getBoundingClientRect();
+  const x = (event.clientX - r.left) * (c.width / r.width) - Number(c.dataset.left);
+  const y = (event.clientY - r.top) * (c.height / r.height) - Number(c.dataset.top);
+  const step = Number(c.dataset.cell);
+  const h = Math.floor(x / step), l = Math.floor(y / step);
+  return l >= 0 && l < d.n_layers && h >= 0 && h < d.n_heads ? [l, h] : null;
+}
+
+async function onGridClick(event) {
+  const head = headAt(event);
+  if (!head || state.busy) return;
+  const [l, h] = head;
+  if ($("click-ablates").checked) {
+    const key = `${l}.${h}`;
+    const i = lensState.ablated.findIndex(([a, b]) => `${a}.${b}` === key);
+    if (i >= 0) lensState.ablated.splice(i, 1); else lensState.ablated.push([l, h]);
+    await lookInside();
+  } else {
+    fillSelect($("layer"), lensState.data.n_layers, "last");
+    fillSelect($("head"), lensState.data.n_heads, "mean of heads");
+    $("layer").value = String(l);
+    $("head").value = String(h);
+    await showAttention();
+    $("views").scrollIntoView({ block: "nearest" });
+  }
+}
+
+function onGridHover(event) {
+  const head = headAt(event), d = lensState.data;
+  if (!head) { $("hover").hidden = true; return; }
+  const [l, h] = head;
+  const rows = Object.entries(d.scores).map(([t, s]) => ({ token: t, index: `${l}.${h}`, weight: s[l][h] }));
+  showPanel(event, `head ${l}.${h}${d.labels[l][h] ? " · " + d.labels[l][h] + " head" : ""}`, rows);
+}
+
+// ------------------------------------------------------------------ downloads
+
+function sizeSvg(svg, width, height, parts) {
+  svg.setAttribute("width", width);
+  svg.setAttribute("height", height);
+  svg.setAttribute("viewBox", `0 0 ${width} ${height}`);
+  svg.innerHTML = parts.join("");
+}
+
+// A standalone SVG: the namespace, its size, and the page's text style inlined (no stylesheet).
+function svgText(svg) {
+  const copy = svg.cloneNode(true);
+  copy.setAttribute("xmlns", "http://www.w3.org/2000/svg");
+  copy.setAttribute("font-family", "monospace");
+  copy.setAttribute("font-size", "11");
+  return '<?xml version="1.0" encoding="UTF-8"?>\n' + new XMLSerializer().serializeToString(copy);
+}
+
+function canvasSvg(canvas) {
+  return '<?xml version="1.0" encoding="UTF-8"?>\n<svg xmlns="http://www.w3.org/2000/svg" ' +
+    `xmlns:xlink="http://www.w3.org/1999/xlink" width="${canvas.width}" height="${canvas.height}">` +
+    `<image width="${canvas.width}" height="${canvas.height}" href="${canvas.toDataURL("image/png")}"/></svg>`;
+}
+
+function save(blob, name) {
+  const a = document.createElement("a");
+  a.href = URL.createObjectURL(blob);
+  a.download = name;
+  document.body.appendChild(a);
+  a.click();
+  a.remove();
+  setTimeout(() => URL.revokeObjectURL(a.href), 1000);
+}
+
+async function svgToPng(text, width, height) {
+  const img = new Image();
+  img.src = URL.createObjectURL(new Blob([text], { type: "image/svg+xml" }));
+  await img.decode();
+  const c = document.createElement("canvas");
+  c.width = width;
+  c.height = height;
+  c.getContext("2d").drawImage(img, 0, 0);
+  URL.revokeObjectURL(img.src);
+  return new Promise((resolve) => c.toBlob(resolve, "image/png"));
+}
+
+async function download(id, format) {
+  const el = $(id);
+  const name = `qkv-${id}.${format}`;
+  if (el.tagName.toLowerCase() === "canvas") {
+    if (format === "png") save(await new Promise((r) => el.toBlob(r, "image/png")), name);
+    else save(new Blob([canvasSvg(el)], { type: "image/svg+xml" }), name);
+    return;
+  }
+  const text = svgText(el);
+  if (format === "svg") save(new Blob([text], { type: "image/svg+xml" }), name);
+  else save(await svgToPng(text, Number(el.getAttribute("width")), Number(el.getAttribute("height"))), name);
+}
+window.qkvDownloadText = (id) => { const el = $(id); return el.tagName.toLowerCase() === "canvas" ? canvasSvg(el) : svgText(el); };
+
+function initLens() {
+  $("lens-go").addEventListener("click", () => { lensState.ablated = []; lookInside(); });
+  $("lens-temperature").addEventListener("input", () => lensState.data && lensState.data.logits && renderBars());
+  $("grid").addEventListener("click", onGridClick);
+  $("grid").addEventListener("mousemove", onGridHover);
+  $("grid").addEventListener("mouseleave", () => { $("hover").hidden = true; });
+  $("clear-ablation").addEventListener("click", () => { lensState.ablated = []; lookInside(); });
+  for (const b of document.querySelectorAll("button[data-download]")) {
+    b.addEventListener("click", () => download(b.dataset.download, b.dataset.format));
+  }
+}
+
+document.addEventListener("DOMContentLoaded", initLens);

@@ -1,0 +1,211 @@
+"""Head scores on patterns whose scores are known, on transformers' own attention, and heads
+recorded during training; `qkv lens` from the command line, against the library's references.
+"""
+
+from __future__ import annotations
+
+import json
+import xml.etree.ElementTree as ET
+
+import pytest
+import torch
+from helpers import PNG, assert_one_line_error, call, hf_decoder_folder
+
+import qkv
+from qkv import lens
+from qkv.lens.heads import duplicate_token_score, first_token_score, induction_score, previous_token_score
+from qkv.lens.history import read_history
+
+transformers = pytest.importorskip("transformers", reason="reference package transformers not "
+                                   "installed: pip install 'qkv[reference]'")
+
+TEXT = "w3 w17 w42 w5 w88 w9 w1 w60 w17 w42"
+
+
+def _causal_uniform(T: int) -> torch.Tensor:
+    return torch.tril(torch.ones(T, T)) / torch.arange(1, T + 1)[:, None]
+
+
+def test_scores_of_patterns_with_known_answers():
+    T, R = 12, 6
+    prev = torch.zeros(T, T)
+    prev[0, 0] = 1
+    prev[torch.arange(1, T), torch.arange(T - 1)] = 1  # every row on the token before it
+    assert float(previous_token_score(prev)) == 1.0
+    assert float(first_token_score(prev)) == pytest.approx(1 / (T - 1))  # only row 1 looks at 0
+    uni = _causal_uniform(T)
+    want = sum(1 / (i + 1) for i in range(1, T)) / (T - 1)  # row i spreads 1/(i+1) over i+1 keys
+    assert float(previous_token_score(uni)) == pytest.approx(want)
+    assert float(first_token_score(uni)) == pytest.approx(want)
+    ind = _causal_uniform(2 * R).clone()
+    for i in range(R, 2 * R):  # the second copy: on the token after the earlier occurrence
+        ind[i] = 0
+        ind[i, i - R + 1] = 1
+    assert float(induction_score(ind, R)) == 1.0
+    assert float(duplicate_token_score(ind, R)) == 0.0
+    dup = ind.clone()
+    for i in range(R, 2 * R):
+        dup[i] = 0
+        dup[i, i - R] = 1
+    assert float(duplicate_token_score(dup, R)) == 1.0
+    assert float(induction_score(dup, R)) == 0.0
+    batch = torch.stack([prev, uni])  # (2, T, T) -> (2,): scores keep leading dimensions
+    assert previous_token_score(batch).tolist() == pytest.approx([1.0, want])
+
+
+def test_head_scores_equal_loops_over_transformers_attention(tmp_path):
+    ref = hf_decoder_folder("llama", tmp_path / "llama")
+    lm = qkv.load(str(tmp_path / "llama"))
+    tokens = lens.repeated_tokens(lm.model.cfg.vocab_size, repeat=7, batch=3, seed=5)
+    sc = lens.score_model(lm.model, tokens)
+    ref.config._attn_implementation = "eager"  # weights as transformers computes them
+    with torch.no_grad():
+        att = ref(tokens, output_attentions=True).attentions  # L x (B, H, T, T)
+    R, T = 7, 14
+    for layer in range(2):
+        a = att[layer].double().mean(0)  # (H, T, T): the batch's mean pattern
+        for h in range(4):
+            prev = sum(float(a[h, i, i - 1]) for i in range(1, T)) / (T - 1)
+            ind = sum(float(a[h, i, i - R + 1]) for i in range(R, T)) / R
+            dup = sum(float(a[h, i, i - R]) for i in range(R, T)) / R
+            first = sum(float(a[h, i, 0]) for i in range(1, T)) / (T - 1)
+            assert float(sc.previous[layer, h]) == pytest.approx(prev, abs=1e-5)
+            assert float(sc.induction[layer, h]) == pytest.approx(ind, abs=1e-5)
+            assert float(sc.duplicate[layer, h]) == pytest.approx(dup, abs=1e-5)
+            assert float(sc.first[layer, h]) == pytest.approx(first, abs=1e-5)
+    with torch.no_grad():
+        logits = ref(tokens).logits.double()
+    ce = torch.nn.functional.cross_entropy(logits[:, :-1].transpose(1, 2), tokens[:, 1:], reduction="none")
+    assert sc.loss_first == pytest.approx(float(ce[:, : R - 1].mean()), abs=1e-5)
+    assert sc.loss_second == pytest.approx(float(ce[:, R:].mean()), abs=1e-5)
+
+
+def test_repeated_tokens_avoid_stop_ids_and_repeat():
+    t = lens.repeated_tokens(10, repeat=50, batch=4, seed=0, avoid=(0, 3))
+    assert t.shape == (4, 100) and torch.equal(t[:, :50], t[:, 50:])
+    assert not torch.isin(t, torch.tensor([0, 3])).any()
+    assert torch.equal(t, lens.repeated_tokens(10, repeat=50, batch=4, seed=0, avoid=(0, 3)))
+
+
+def test_a_gpt_run_records_its_heads_at_every_evaluation(tiny_run):
+    run = tiny_run("gpt")
+    hist = read_history(run / "history.jsonl")
+    rows = [json.loads(line) for line in (run / "history.jsonl").read_text().splitlines()]
+    metrics = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [m["step"] for m in metrics if "val_loss" in m]
+    assert hist is not None and hist.scores["induction"].shape == (len(rows), 2, 4)
+    # the last row is the final model's scores on the same probe (the best weights are the last here)
+    lm = qkv.load(str(run))
+    probe = lens.repeated_tokens(lm.model.cfg.vocab_size, repeat=16, batch=8, seed=1234,
+                                 avoid=tuple(lm.stop_ids))
+    now = lens.score_model(lm.model, probe)
+    assert torch.allclose(hist.scores["previous"][-1], now.previous, atol=2e-4)
+    assert (run / "heads.png").read_bytes().startswith(PNG)
+    assert "head" in tiny_run.stdout("gpt")
+
+
+# ------------------------------------------------------------------------------ the command line
+
+
+@pytest.fixture(scope="module")
+def gpt2(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("gpt2")
+    return hf_decoder_folder("gpt2", folder), str(folder)
+
+
+def _json(argv):
+    rc, out, err = call(argv)
+    assert rc == 0, err
+    return json.loads(out)
+
+
+def test_cli_probs_equal_transformers(gpt2):
+    ref, folder = gpt2
+    got = _json(["lens", folder, "--prompt", TEXT, "--temperature", "0.7", "-k", "4", "--json"])
+    with torch.no_grad():
+        logits = ref(torch.tensor([[int(w[1:]) for w in TEXT.split()]])).logits[0, -1].double()
+    want = torch.softmax(logits / 0.7, -1).topk(4)
+    assert [t["id"] for t in got["top"]] == want.indices.tolist()
+    assert [t["prob"] for t in got["top"]] == pytest.approx(want.values.tolist(), abs=1e-6)
+
+
+def test_cli_views_agree_with_the_library(gpt2, tmp_path):
+    _, folder = gpt2
+    lm = qkv.load(folder)
+    got = _json(["lens", folder, TEXT, "--effects", "--heads", "--attribute", "w7", "--wrong", "w8",
+                 "--patch", "--corrupt", TEXT.replace("w60", "w61"), "--answer", "w7", "--json"])
+    eff = lens.head_effects(lm, TEXT, answer="w7", wrong="w8")  # --answer and --wrong apply to --effects too
+    assert got["effects"]["metric"] == "logit difference"
+    assert torch.allclose(torch.tensor(got["effects"]["effect"]), eff.effect, atol=1e-6)
+    att = lens.attribute(lm, TEXT, "w7", "w8")
+    assert got["attribute"]["total"] == pytest.approx(att.total, abs=1e-6)
+    assert sum(got["attribute"]["parts"].values()) == pytest.approx(att.total, abs=1e-4)
+    p = lens.patch(lm, TEXT, TEXT.replace("w60", "w61"), answer="w7", wrong="w8")
+    assert got["patch"]["wrong"] == p.wrong
+    assert torch.allclose(torch.tensor(got["patch"]["values"]), p.values, atol=1e-6)
+    assert torch.allclose(torch.tensor(got["heads"]["induction"]), lens.head_scores(lm).induction, atol=1e-6)
+
+
+def test_cli_writes_svg_png_and_json(gpt2, tmp_path):
+    _, folder = gpt2
+    rc, out, err = call(["lens", folder, TEXT, "--logit-lens", "-o", str(tmp_path / "lens.svg")])
+    assert rc == 0, err
+    root = ET.parse(tmp_path / "lens.svg").getroot()  # a standalone, valid SVG
+    assert root.tag.endswith("svg")
+    refs = [v for el in root.iter() for k, v in el.attrib.items() if k.endswith("href")]
+    assert refs and all(r.startswith(("#", "data:")) for r in refs)  # nothing outside the file
+    assert "logit lens" in out
+    rc, out, err = call(["lens", folder, TEXT, "--probs", "--ablate", "0.1,1.2", "-o",
+                         str(tmp_path / "v.png")])
+    assert rc == 0, err
+    assert (tmp_path / "v-probs.png").read_bytes().startswith(PNG)
+    assert (tmp_path / "v-ablate.png").read_bytes().startswith(PNG)
+    rc, _, err = call(["lens", folder, TEXT, "--logit-lens", "-o", str(tmp_path / "lens.json")])
+    assert rc == 0, err
+    data = json.loads((tmp_path / "lens.json").read_text())
+    ll = lens.logit_lens(qkv.load(folder), TEXT)
+    assert torch.allclose(torch.tensor(data["top_prob"]), ll.top(1)[0][..., 0], atol=1e-6)
+    rc, _, err = call(["attend", folder, TEXT, "-o", str(tmp_path / "att.svg")])
+    assert rc == 0, err
+    assert ET.parse(tmp_path / "att.svg").getroot().tag.endswith("svg")
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["--ablate", "2.7"], "head 2.7 is not in"),
+    (["--ablate", "x"], "LAYER.HEAD"),
+    (["--patch", "--corrupt", "w1 w2"], "same number of tokens"),
+    (["--patch"], "--patch needs --corrupt"),
+    (["--attribute", "w7 w8"], "must be one token"),
+    (["--temperature", "0"], "temperature must be a number > 0"),
+    (["-o", "x.gif"], "must name a .png, .svg, .pdf or .json file"),
+])
+def test_cli_bad_input_is_one_line(gpt2, extra, message):
+    _, folder = gpt2
+    rc, _, err = call(["lens", folder, TEXT, *extra])
+    assert message in assert_one_line_error(rc, err)
+
+
+def test_cli_refuses_what_a_model_kind_cannot_do(tiny_run):
+    rc, _, err = call(["lens", str(tiny_run("seq2seq")), "abc", "--ablate", "0.0"])
+    assert "the lens reads text models made of attention heads" in assert_one_line_error(rc, err)
+
+
+def test_encoders_get_ablation_and_head_scores_not_predictions(tmp_path):
+    from helpers import hf_bert_config, save_hf_folder
+
+    torch.manual_seed(0)
+    ref = transformers.BertModel(hf_bert_config()).eval()
+    save_hf_folder(ref, tmp_path / "bert")
+    folder = str(tmp_path / "bert")
+    rc, _, err = call(["lens", folder, "w3 w4 w5", "--probs"])
+    assert "is an encoder: it predicts no next token" in assert_one_line_error(rc, err)
+    enc = qkv.load(folder)
+    got = lens.ablate(enc, "w3 w4 w5", heads=[(1, 2)])
+    import copy
+    model = copy.deepcopy(enc.model)
+    with torch.no_grad():
+        model.stack.blocks[1].attn.out_proj.weight[:, 32:48] = 0
+        want = model(torch.tensor([enc.tokenizer.encode("w3 w4 w5")])).hidden[0]
+    assert (got - want).abs().max() <= 1e-6
+    data = _json(["lens", folder, "w3 w4 w5", "--effects", "--json"])
+    assert data["metric"] == "embedding change" and len(data["effect"]) == 2

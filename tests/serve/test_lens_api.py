@@ -1,0 +1,72 @@
+"""POST /api/lens through FastAPI's TestClient, against qkv.lens and the model's own forward pass:
+the logits, the logit lens, the thumbnails, ablation; bad requests answered with a 4xx message."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from serve_helpers import detail
+
+from qkv import lens
+from qkv.inference import open_model
+
+pytestmark = pytest.mark.usefixtures("one_thread")  # see tests/conftest.py
+for _module in ("fastapi", "httpx"):
+    pytest.importorskip(_module, reason="the API tests need FastAPI and httpx: pip install 'qkv[dev]'")
+
+TEXT = "ROMEO: But soft"
+
+
+@pytest.fixture(scope="module")
+def client(runs_dir):
+    from fastapi.testclient import TestClient
+
+    from qkv.serve import create_app
+
+    with TestClient(create_app(runs_dir=runs_dir, max_tokens=64, max_chars=2000)) as c:
+        yield c
+
+
+def test_lens_answers_with_the_models_own_numbers(client, runs_dir) -> None:
+    r = client.post("/api/lens", json={"model": "runs/gpt-tiny", "text": TEXT})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    lm = open_model(runs_dir / "gpt-tiny")
+    ids = lm.tokenizer.encode(TEXT)
+    with torch.no_grad():
+        logits = lm.model(torch.tensor([ids])).logits[0, -1]
+    assert torch.allclose(torch.tensor(body["logits"]), logits, atol=1e-5)
+    assert [c["id"] for c in body["candidates"]] == logits.topk(20).indices.tolist()
+    assert body["tokens"] == [lm.tokenizer.decode([i]) for i in ids]
+    ll = lens.logit_lens(lm, TEXT)
+    assert torch.allclose(torch.tensor(body["lens"]["prob"]), ll.top(1)[0][..., 0], atol=1e-4)
+    L, H, T = lm.n_layers, lm.n_heads, len(ids)
+    assert len(body["thumbs"]) == L * H and len(body["thumbs"][0]) == min(T, 16)
+    with torch.no_grad():  # thumbnails: the patterns average-pooled
+        w = lm.model(torch.tensor([ids]), backend="reference", return_weights=True).weights
+    want = F.adaptive_avg_pool2d(w[1][0, 2][None], min(T, 16))[0] if T > 16 else w[1][0, 2]
+    assert torch.allclose(torch.tensor(body["thumbs"][1 * H + 2]), want, atol=1e-4)
+    assert torch.allclose(torch.tensor(body["scores"]["previous"]), lens.head_scores(lm).previous, atol=1e-6)
+    assert body["base_logits"] is None
+
+
+def test_lens_with_heads_knocked_out(client, runs_dir) -> None:
+    body = client.post("/api/lens", json={"model": "runs/gpt-tiny", "text": TEXT, "ablate": [[0, 1], [1, 3]],
+                                          "thumbs": False}).json()
+    lm = open_model(runs_dir / "gpt-tiny")
+    want = lens.ablate(lm, TEXT, [(0, 1), (1, 3)])[-1]
+    assert torch.allclose(torch.tensor(body["logits"]), want, atol=1e-5)
+    assert body["ablated"] == [[0, 1], [1, 3]] and body["thumbs"] is None
+    base = lens.run_with_cache(lm, TEXT).logits[-1]
+    assert torch.allclose(torch.tensor(body["base_logits"]), base, atol=1e-5)
+
+
+@pytest.mark.parametrize("body, status, message", [
+    ({"model": "runs/gpt-tiny", "text": TEXT, "ablate": [[5, 0]]}, 422, "head 5.0 is not in"),
+    ({"model": "runs/gpt-tiny", "text": "   "}, 422, "the text is empty"),
+    ({"model": "runs/vit-tiny", "text": TEXT}, 422, "the lens reads text models"),
+    ({"model": "runs/nope", "text": TEXT}, 404, "nope"),
+])
+def test_bad_lens_requests_are_4xx(client, body, status, message) -> None:
+    assert message in detail(client.post("/api/lens", json=body), status)
