@@ -23,8 +23,8 @@ from torch import Tensor, nn
 
 from qkv.errors import InputError
 from qkv.layers.norm import LayerNorm, RMSNorm
-from qkv.lens.cache import encode, labels, one_token
-from qkv.lens.hooks import Recorded, TextModel, device_of, forward, hooked, pre_ln, shape
+from qkv.lens.cache import ActivationCache, one_token, run_with_cache
+from qkv.lens.hooks import TextModel, pre_ln, shape
 from qkv.lens.predict import check_decoder
 
 
@@ -56,23 +56,21 @@ class Attribution:
 
 
 @torch.inference_mode()
-def attribute(lm: TextModel, text: str | list[int], answer: str | int,
+def attribute(lm: TextModel, text: str | list[int] | ActivationCache, answer: str | int,
               wrong: str | int | None = None) -> Attribution:
     """Split the last position's logit difference between ``answer`` and ``wrong`` (each one
-    token) into what each head, MLP and the embeddings wrote (see :class:`Attribution`)."""
+    token) into what each head, MLP and the embeddings wrote (see :class:`Attribution`);
+    ``text`` may be a :class:`ActivationCache` of it (no second forward pass)."""
     check_decoder(lm, "logit attribution")
     model = lm.model
     if not pre_ln(model):
         raise InputError(f"{lm.name} normalises after each sublayer (post-LN): its last stream is not "
                          "a sum of the parts, so direct logit attribution does not apply")
-    ids = encode(lm, text)
     a = one_token(lm, answer)
     b = one_token(lm, wrong, "the wrong answer") if wrong is not None else None
-    rec = Recorded()
-    with hooked(model, record=rec):
-        out, _ = forward(model, torch.tensor([ids], device=device_of(model)))
     L, H, Dh = shape(model)
-    last = out[0, -1].double()
+    cache = text if isinstance(text, ActivationCache) else run_with_cache(lm, text)
+    last = cache.logits[-1].double()
     total = float(last[a] - (last[b] if b is not None else 0.0))
 
     w_u = weight_of(model.lm_head)
@@ -81,7 +79,7 @@ def attribute(lm: TextModel, text: str | list[int], answer: str | int,
     head_bias = getattr(model.lm_head, "bias", None)
     if head_bias is not None:
         const += float(head_bias[a] - (head_bias[b] if b is not None else 0.0))
-    r = rec.resid_post[L - 1][0, -1].double()  # the last stream, before the final norm
+    r = cache.resid_post[L - 1][-1].double()  # the last stream, before the final norm
     norm = model.stack.norm
     if isinstance(norm, LayerNorm):
         scale = torch.sqrt(r.var(unbiased=False) + norm.eps)
@@ -99,23 +97,23 @@ def attribute(lm: TextModel, text: str | list[int], answer: str | int,
         c = c.double()
         return float(((c - c.mean()) if center else c) @ d)
 
-    names, values = ["embed"], [part(rec.resid_pre[0][0, -1])]
+    names, values = ["embed"], [part(cache.resid_pre[0][-1])]
     heads, mlps = torch.zeros(L, H, dtype=torch.float64), torch.zeros(L, dtype=torch.float64)
     for layer, block in enumerate(model.stack.blocks):
         w_o = weight_of(block.attn.out_proj)  # (dim, H·Dh)
-        z = rec.z[layer][0, -1].double()  # (H, Dh)
+        z = cache.z[layer][-1].double()  # (H, Dh)
         per_head = torch.einsum("hd,ehd->he", z, w_o.view(-1, H, Dh))  # (H, dim): z_h W_O[:, h]ᵀ
         for h in range(H):
             heads[layer, h] = part(per_head[h])
             names.append(f"L{layer}H{h}")
             values.append(float(heads[layer, h]))
         names.append(f"L{layer} attn bias")
-        values.append(part(rec.attn_out[layer][0, -1].double() - per_head.sum(0)))
-        mlps[layer] = part(rec.mlp_out[layer][0, -1])
+        values.append(part(cache.attn_out[layer][-1].double() - per_head.sum(0)))
+        mlps[layer] = part(cache.mlp_out[layer][-1])
         names.append(f"L{layer} mlp")
         values.append(float(mlps[layer]))
     names.append("constant")
     values.append(const)
     dec = lm.tokenizer.decode
-    return Attribution(labels(lm, ids), dec([a]), dec([b]) if b is not None else None, total, names,
+    return Attribution(cache.tokens, dec([a]), dec([b]) if b is not None else None, total, names,
                        torch.tensor(values), heads.float(), mlps.float())

@@ -190,7 +190,9 @@ def head_effects(lm: TextModel, text: str | list[int], mode: str = "zero",
 
             x = rec.resid_pre[layer].expand(len(rows), -1, -1)
             with hooked(model, edits=Edits(z={layer: edit})):
-                values[layer, start:start + len(rows)] = measure(tail(model, x, layer)).float().cpu()
+                # a loss reads every position; a logit difference, the last
+                out = tail(model, x, layer, last_only=decoder and a is not None)
+                values[layer, start:start + len(rows)] = measure(out).float().cpu()
     metric = "embedding change" if not decoder else "logit difference" if a is not None else "loss"
     return HeadEffects(labels(lm, ids), metric, mode, float(measure(clean)[0]), values)
 
@@ -264,7 +266,7 @@ def patch(lm: TextModel, clean: str | list[int], corrupt: str | list[int], site:
                     return z
                 edits.z[layer] = edit
             with hooked(model, edits=edits):
-                raw[layer, start:start + len(idx)] = diff(tail(model, x, layer))
+                raw[layer, start:start + len(idx)] = diff(tail(model, x, layer, last_only=True))
     span = ld_c - ld_k
     values = (raw - ld_k) / span if span != 0 else torch.full_like(raw, float("nan"))
     dec = lm.tokenizer.decode

@@ -170,16 +170,19 @@ def forward(model: nn.Module, ids: Tensor, *, weights: bool = False) -> tuple[Te
     return out.hidden, out.weights
 
 
-def tail(model: nn.Module, x: Tensor, start: int) -> Tensor:
+def tail(model: nn.Module, x: Tensor, start: int, last_only: bool = False) -> Tensor:
     """Run blocks ``start``.. on the stream x (B, T, dim) entering block ``start``, then the
-    final norm and (decoders) the output head: logits (B, T, V) or hidden states (B, T, dim).
-    The same blocks and modules as the model's forward, so hooks and edits apply."""
+    final norm and (decoders) the output head: logits (B, T, V) or hidden states (B, T, dim);
+    ``last_only``: the last position's only, (B, 1, ...). The same blocks and modules as the
+    model's forward, so hooks and edits apply."""
     T = x.shape[1]
     alibi = getattr(model, "alibi", None)
     bias = alibi(T, T) if alibi is not None else None
     rope = getattr(model, "rope", None)
     for block in blocks(model)[start:]:
         x = block(x, bias=bias, rope=rope).x
+    if last_only:
+        x = x[:, -1:]
     if model.stack.norm is not None:
         x = model.stack.norm(x)
     return model.lm_head(x) if is_decoder(model) else x
@@ -190,10 +193,12 @@ def final_norm(model: nn.Module) -> nn.Module | None:
     return model.stack.norm
 
 
-def unembed(model: nn.Module, resid: Tensor) -> Tensor:
-    """A residual stream (..., dim) read out as the model reads its last one: the final norm,
-    computed on *this* stream (its own mean and scale), then the output head -> (..., V)."""
+def normed_streams(model: nn.Module, resid: Tensor) -> Tensor:
+    """Residual streams (..., dim) as the model's output head reads its last one: through the
+    final norm, computed on *each* stream (its own mean and scale); post-LN models, which have
+    no final norm, as they are."""
     norm = final_norm(model)
     dtype = model.lm_head.weight.dtype if hasattr(model.lm_head, "weight") else resid.dtype
     h = resid.to(dtype)
-    return model.lm_head(norm(h) if norm is not None else h)
+    return norm(h) if norm is not None else h
+

@@ -20,14 +20,14 @@ Shapes: L layers, T tokens, V vocabulary, k top tokens.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
 from qkv.errors import InputError
-from qkv.lens.cache import encode, labels
-from qkv.lens.hooks import Recorded, TextModel, device_of, forward, hooked, is_decoder, shape, unembed
+from qkv.lens.cache import ActivationCache, encode, labels
+from qkv.lens.hooks import Recorded, TextModel, device_of, forward, hooked, is_decoder, normed_streams, shape
 
 
 def check_decoder(lm: TextModel, what: str) -> None:
@@ -79,55 +79,105 @@ def top_tokens(lm: TextModel, logits: Tensor, temperature: float, k: int) -> lis
 
 
 @torch.inference_mode()
-def next_token(lm: TextModel, text: str | list[int], temperature: float = 1.0, k: int = 10) -> NextToken:
-    """The distribution of the token after ``text``: softmax(logits / temperature), its top ``k``."""
+def next_token(lm: TextModel, text: str | list[int] | ActivationCache, temperature: float = 1.0,
+               k: int = 10) -> NextToken:
+    """The distribution of the token after ``text``: softmax(logits / temperature), its top ``k``.
+    ``text`` may be a :class:`ActivationCache` of it (no second forward pass)."""
     check_decoder(lm, "a next-token distribution")
     temperature = check_temperature(temperature)
     if k < 1:
         raise InputError(f"k must be >= 1, got {k}")
-    ids = encode(lm, text)
-    out = lm.model(torch.tensor([ids], device=device_of(lm.model)), last_only=True)
-    logits = out.logits[0, -1].float().cpu()
-    return NextToken(labels(lm, ids), logits, temperature, top_tokens(lm, logits, temperature, k))
+    if isinstance(text, ActivationCache):
+        tokens, logits = text.tokens, text.logits[-1]
+    else:
+        ids = encode(lm, text)
+        out = lm.model(torch.tensor([ids], device=device_of(lm.model)), last_only=True)
+        tokens, logits = labels(lm, ids), out.logits[0, -1].float().cpu()
+    return NextToken(tokens, logits, temperature, top_tokens(lm, logits, temperature, k))
+
+
+ROWS = 2048  # (row, position) cells read out per matrix product: 2048 x V floats at most at once
 
 
 @dataclass
 class LogitLens:
-    """What each layer predicts: ``logprobs`` (L + 1, T, V) float32, row 0 the embeddings read
-    out, row i the stream after block i read out (the last row: the model's own output).
-    ``rows`` names them ("embed", "1", ... "L")."""
+    """What each layer predicts at each position.
+
+    ``normed`` (L + 1, T, dim): row 0 the embeddings, row i the stream after block i, each through
+    the final norm computed on its own stream; ``head`` the model's output layer. ``logprobs``
+    (L + 1, T, V) float32 reads them all out (the last row: the model's own log-probabilities);
+    :meth:`top` and :meth:`prob_of` read out only what they return, a chunk of cells at a time
+    (SmolLM2 at 64 tokens: 31 x 64 x 49,152 log-probabilities are 390 MB). ``rows`` names the rows
+    ("embed", "1", ... "L").
+    """
 
     tokens: list[str]
     ids: list[int]
-    logprobs: Tensor
+    normed: Tensor
+    head: nn.Module = field(repr=False)
+    _all: Tensor | None = field(default=None, repr=False)
 
     @property
     def rows(self) -> list[str]:
-        return ["embed", *(str(i) for i in range(1, self.logprobs.shape[0]))]
+        return ["embed", *(str(i) for i in range(1, self.normed.shape[0]))]
 
-    def top(self, k: int = 1) -> tuple[Tensor, Tensor]:
-        """(probabilities, ids), each (L + 1, T, k): the k most likely tokens of every cell."""
-        lp, i = self.logprobs.topk(k, dim=-1)
-        return lp.exp(), i
+    def _read(self, positions: list[int] | None, fn) -> Tensor:
+        """fn(logprobs (N, V)) -> (N, ...) over every (row, position) cell, chunk by chunk;
+        returns (L + 1, P, ...)."""
+        h = self.normed if positions is None else self.normed[:, positions]
+        R, P, D = h.shape
+        flat = h.reshape(R * P, D)
+        with torch.inference_mode():
+            outs = [fn(torch.log_softmax(self.head(flat[i:i + ROWS]).float(), dim=-1))
+                    for i in range(0, R * P, ROWS)]
+        out = torch.cat(outs).cpu()
+        return out.view(R, P, *out.shape[1:])
+
+    @property
+    def logprobs(self) -> Tensor:
+        """(L + 1, T, V) float32 log-probabilities of every cell (computed once, then kept)."""
+        if self._all is None:
+            self._all = self._read(None, lambda lp: lp)
+        return self._all
+
+    def top(self, k: int = 1, positions: list[int] | None = None) -> tuple[Tensor, Tensor]:
+        """(probabilities, ids), each (L + 1, P, k): the k most likely tokens of every cell (of
+        ``positions`` only, when given)."""
+        if self._all is not None:
+            lp = self._all if positions is None else self._all[:, positions]
+            v, i = lp.topk(k, dim=-1)
+            return v.exp(), i
+        def best(lp: Tensor) -> Tensor:
+            v, i = lp.topk(k, dim=-1)
+            return torch.cat([v, i.double().float()], -1)  # ids < 2**24 are exact in float32
+
+        both = self._read(positions, best)
+        return both[..., :k].exp(), both[..., k:].long()
 
     def prob_of(self, token_ids: Tensor | list[int]) -> Tensor:
         """(L + 1, T): the probability each cell gives the token at that position's column
         (e.g. the model's final prediction, or the text's actual next token)."""
-        idx = torch.as_tensor(token_ids).view(1, -1, 1).expand(self.logprobs.shape[0], -1, 1)
-        return self.logprobs.gather(-1, idx)[..., 0].exp()
+        idx = torch.as_tensor(token_ids).view(-1, 1)
+        n = len(idx)
+        cells = self._read(None, lambda lp: lp)[:, :n] if self._all is None else self._all[:, :n]
+        return cells.gather(-1, idx.view(1, n, 1).expand(cells.shape[0], n, 1))[..., 0].exp()
 
 
 @torch.inference_mode()
-def logit_lens(lm: TextModel, text: str | list[int]) -> LogitLens:
-    """Every layer's prediction at every position of ``text`` (see :class:`LogitLens`)."""
+def logit_lens(lm: TextModel, text: str | list[int] | ActivationCache) -> LogitLens:
+    """Every layer's prediction at every position of ``text`` (see :class:`LogitLens`); ``text``
+    may be a :class:`ActivationCache` of it (no second forward pass)."""
     check_decoder(lm, "the logit lens")
-    ids = encode(lm, text)
     model = lm.model
-    rec = Recorded()
-    with hooked(model, record=rec):
-        forward(model, torch.tensor([ids], device=device_of(model)))
     L = shape(model)[0]
-    streams = [rec.resid_pre[0], *(rec.resid_post[i] for i in range(L))]  # each (1, T, dim)
-    rows = [unembed(model, s) for s in streams]  # post-LN (no final norm): the head alone
-    logprobs = torch.log_softmax(torch.cat(rows).float(), dim=-1).cpu()  # (L + 1, T, V)
-    return LogitLens(labels(lm, ids), ids, logprobs)
+    if isinstance(text, ActivationCache):
+        ids, tokens = text.ids, text.tokens
+        streams = torch.stack([text.resid_pre[0], *text.resid_post]).to(device_of(model))
+    else:
+        ids = encode(lm, text)
+        rec = Recorded()
+        with hooked(model, record=rec):
+            forward(model, torch.tensor([ids], device=device_of(model)))
+        tokens = labels(lm, ids)
+        streams = torch.cat([rec.resid_pre[0], *(rec.resid_post[i] for i in range(L))])  # (L + 1, T, dim)
+    return LogitLens(tokens, ids, normed_streams(model, streams), model.lm_head)

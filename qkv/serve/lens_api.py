@@ -18,6 +18,7 @@ from qkv.serve.schemas import LensRequest, LensResponse, LogitLensCells, TokenCa
 
 THUMB = 16  # thumbnails are pooled to at most THUMB x THUMB
 CANDIDATES = 20
+LENS_POSITIONS = 16  # the logit lens of the last 16 positions (a table wider is not read)
 
 
 def _thumbs(patterns: list[torch.Tensor]) -> list[list[list[float]]]:
@@ -61,9 +62,11 @@ def lens_response(lm: CausalLM | SentenceEncoder, req: LensRequest, max_tokens: 
         resp["base_logits"] = [round(float(v), 5) for v in base[-1]] if heads else None
         resp["candidates"] = [TokenCandidate(id=int(i), token=dec([int(i)]))
                               for i in last.topk(min(CANDIDATES, last.numel())).indices]
-        ll = lens.logit_lens(lm, ids)
-        probs, top = ll.top(1)
-        resp["lens"] = LogitLensCells(rows=ll.rows, top=[[dec([int(i)]) for i in row] for row in top[..., 0]],
+        ll = lens.logit_lens(lm, cache)  # the same forward pass
+        positions = list(range(max(0, len(ids) - LENS_POSITIONS), len(ids)))
+        probs, top = ll.top(1, positions)
+        resp["lens"] = LogitLensCells(rows=ll.rows, positions=positions,
+                                      top=[[dec([int(i)]) for i in row] for row in top[..., 0]],
                                       prob=[[round(float(p), 4) for p in row] for row in probs[..., 0]])
     elif heads:
         resp["embedding_change"] = 1 - float(F.cosine_similarity(out.mean(0), base.mean(0), dim=0))

@@ -140,6 +140,7 @@ class TokenCandidate(BaseModel):
 
 class LogitLensCells(BaseModel):
     rows: list[str] = Field(description="embed, then the stream after each block")
+    positions: list[int] = Field(description="the token positions read out (the last 16)")
     top: list[list[str]] = Field(description="rows x positions: the top token of each cell")
     prob: list[list[float]] = Field(description="its probability")
 

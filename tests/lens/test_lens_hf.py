@@ -81,6 +81,17 @@ def test_logit_lens_rows_equal_the_reference_hidden_states_through_its_own_norm_
     assert (ll.logprobs[L].double() - model_lp).abs().max() <= 1e-5  # the last row is the model's own
 
 
+def test_logit_lens_reads_out_only_what_is_asked_the_same(pair):
+    _kind, _ref, lm = pair
+    full = lens.logit_lens(lm, TEXT).logprobs
+    p, i = lens.logit_lens(lm, TEXT).top(3, positions=[2, 9])  # chunked, without the full tensor
+    v, j = full[:, [2, 9]].topk(3, dim=-1)
+    assert torch.equal(i, j) and torch.allclose(p, v.exp(), atol=1e-6)
+    nxt = [*IDS[1:], 0]
+    want = full.gather(-1, torch.tensor(nxt).view(1, -1, 1).expand(full.shape[0], -1, 1))[..., 0].exp()
+    assert torch.allclose(lens.logit_lens(lm, TEXT).prob_of(nxt), want)
+
+
 def test_logit_lens_renormalises_each_row(pair):
     """Reusing the last stream's norm scale for every row (TransformerLens #1076) gives other
     numbers for the early rows: row 0 is not what that mistake would give."""
@@ -333,3 +344,12 @@ def test_query_key_rows_equal_transformers_attention(tmp_path_factory):
         assert len(qk.tokens) == (query % len(IDS)) + 1  # causal: keys up to the query
     with pytest.raises(InputError, match="query must be a token position"):
         lens.query_key(lm, TEXT, 0, 0, 50)
+
+
+def test_a_cache_is_read_as_the_text_would_be(pair):
+    _kind, _ref, lm = pair
+    cache = lens.run_with_cache(lm, TEXT)
+    assert torch.allclose(lens.next_token(lm, cache).logits, lens.next_token(lm, TEXT).logits, atol=1e-5)
+    assert torch.allclose(lens.logit_lens(lm, cache).logprobs, lens.logit_lens(lm, TEXT).logprobs, atol=1e-5)
+    a, b = lens.attribute(lm, cache, "w7", "w8"), lens.attribute(lm, TEXT, "w7", "w8")
+    assert a.names == b.names and torch.allclose(a.values, b.values, atol=1e-5)

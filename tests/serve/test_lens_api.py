@@ -40,7 +40,10 @@ def test_lens_answers_with_the_models_own_numbers(client, runs_dir) -> None:
     assert [c["id"] for c in body["candidates"]] == logits.topk(20).indices.tolist()
     assert body["tokens"] == [lm.tokenizer.decode([i]) for i in ids]
     ll = lens.logit_lens(lm, TEXT)
-    assert torch.allclose(torch.tensor(body["lens"]["prob"]), ll.top(1)[0][..., 0], atol=1e-4)
+    first = max(0, len(ids) - 16)
+    assert body["lens"]["positions"] == list(range(first, len(ids)))
+    want = ll.logprobs[:, first:].max(-1).values.exp()
+    assert torch.allclose(torch.tensor(body["lens"]["prob"]), want, atol=1e-4)
     L, H, T = lm.n_layers, lm.n_heads, len(ids)
     assert len(body["thumbs"]) == L * H and len(body["thumbs"][0]) == min(T, 16)
     with torch.no_grad():  # thumbnails: the patterns average-pooled

@@ -89,7 +89,7 @@ function renderBars() {
 function renderLensTable() {
   const d = lensState.data;
   const L = d.lens.rows.length, T = d.tokens.length;
-  const first = Math.max(0, T - 16);  // the last 16 positions
+  const first = d.lens.positions[0];  // the server reads out the last positions only
   const cw = 64, ch = 18, lw = 44, top = 70;
   const width = lw + (T - first) * cw + 4, height = top + L * ch + 4;
   const parts = [`<rect x="0" y="0" width="${width}" height="${height}" fill="white"/>`];
@@ -101,12 +101,12 @@ function renderLensTable() {
     const y = top + r * ch;
     parts.push(`<text x="${lw - 4}" y="${y + ch / 2}" text-anchor="end" dominant-baseline="middle">${esc(d.lens.rows[r])}</text>`);
     for (let t = first; t < T; t++) {
-      const p = d.lens.prob[r][t];
+      const p = d.lens.prob[r][t - first];
       const c = colormap(VIRIDIS, p);
       const x = lw + (t - first) * cw;
       parts.push(`<rect class="lens-cell" data-r="${r}" data-t="${t}" x="${x}" y="${y}" width="${cw - 1}" height="${ch - 1}" fill="${rgb(c)}"/>`);
       parts.push(`<text x="${x + cw / 2}" y="${y + ch / 2}" text-anchor="middle" dominant-baseline="middle" ` +
-        `fill="${p > 0.5 ? "black" : "white"}" font-size="9">${esc(label(d.lens.top[r][t]).slice(0, 8))}</text>`);
+        `fill="${p > 0.5 ? "black" : "white"}" font-size="9">${esc(label(d.lens.top[r][t - first]).slice(0, 8))}</text>`);
     }
   }
   sizeSvg($("lens-table"), width, height, parts);
