@@ -106,7 +106,7 @@ class HeadHistory:
 
     steps (N,); scores: type -> (N, L, H); loss_first / loss_second (N,): the loss on the first
     and the second copy of the repeated sequence; ``formed``: the step each type first reached
-    its threshold, or None."""
+    its threshold, or None; ``copying``: the step the model began to copy from context, or None."""
 
     steps: Sequence[int]
     scores: dict[str, Tensor]
@@ -114,6 +114,7 @@ class HeadHistory:
     loss_second: Sequence[float]
     formed: dict[str, int | None] = field(default_factory=dict)
     title: str = "heads during training"
+    copying: int | None = None  # the step the repeat's loss fell well below the first copy's
 
 
 Figure = (LossCurve | AttentionMaps | AlignmentMap | ConfusionMatrix | ImageOverlays | Heatmap | Heatmaps

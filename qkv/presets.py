@@ -35,6 +35,15 @@ GPT_PRESETS: dict[str, dict[str, Any]] = {
         # batches and fewer steps spread that cost (BENCHMARKS.md, AVX2 kernels).
         "train_fp32_ns": dict(batch_size=24, max_iters=340),
     },
+    # Heads forming while you watch: a small 2-layer GPT on lines of random letters each written
+    # twice, scored at every evaluation (history.jsonl, heads.png); the step its induction head
+    # forms is printed at the end (BENCHMARKS.md: when, on which CPU).
+    "induction": {
+        "model": dict(max_seq_len=64, dim=64, n_layers=2, n_heads=4, bias=False),
+        "train": dict(batch_size=32, max_iters=1200, lr=3e-3, min_lr=3e-4, warmup_iters=20,
+                      eval_interval=50, eval_iters=10),
+        "data": dict(builtin="repeats"),
+    },
     # nanoGPT's CPU recipe (README "I only have a macbook"): the speed baseline's model.
     "nanogpt-cpu": {
         "model": dict(max_seq_len=64, dim=128, n_layers=4, n_heads=4, bias=False, dropout=0.0),

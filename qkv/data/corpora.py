@@ -96,6 +96,24 @@ def load_text(path: str | os.PathLike[str] | None = None) -> Corpus:
     return Corpus.from_text(_read_text(path), name=path.stem)
 
 
+REPEATS = "repeats"
+
+
+def repeats_text(n_lines: int = 20_000, seed: int = 0, alphabet: str = "abcdefghijklmnopqrstuvwxyz",
+                 lengths: tuple[int, int] = (8, 30)) -> str:
+    """Lines of random letters, each written twice (``xkqbexkqbe``): the second half of every
+    line can only be predicted by finding the same letter earlier and copying what followed it,
+    the job of an induction head (Olsson et al. 2022). The same text for the same arguments."""
+    import random
+
+    rng = random.Random(seed)
+    lines = []
+    for _ in range(n_lines):
+        word = "".join(rng.choice(alphabet) for _ in range(rng.randint(*lengths)))
+        lines.append(word + word)
+    return "\n".join(lines) + "\n"
+
+
 def train_val_split(tokens: np.ndarray, val_fraction: float = 0.1) -> tuple[np.ndarray, np.ndarray]:
     """Split ids into (train, val): the last ``val_fraction`` is validation, as in nanoGPT.
 

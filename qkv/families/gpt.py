@@ -29,12 +29,15 @@ from qkv.training.run import Prepared, Run
 class LMDataConfig:
     """Where the text comes from and how it becomes tokens."""
 
-    data: str | None = None  # a UTF-8 text file; none = the 42 Shakespeare works
+    data: str | None = None  # a UTF-8 text file; none = --builtin's text
+    builtin: Literal["shakespeare", "repeats"] = "shakespeare"  # without --data; repeats: letters twice
     tokenizer: Literal["char", "bpe"] = "char"  # characters, or byte-level BPE (<|endoftext|> ends a doc)
     bpe_vocab_size: int = 2048  # BPE vocabulary size, <|endoftext|> included (with --tokenizer bpe)
     val_fraction: float = 0.1  # the last 10% of the tokens are held out
 
     def __post_init__(self) -> None:
+        if self.builtin not in ("shakespeare", "repeats"):
+            raise ValueError(f"builtin must be 'shakespeare' or 'repeats', got {self.builtin!r}")
         if self.tokenizer not in ("char", "bpe"):
             raise ValueError(f"tokenizer must be 'char' or 'bpe', got {self.tokenizer!r}")
         if not 0.0 < self.val_fraction < 0.5:
@@ -57,9 +60,20 @@ def build_tokenizer(data_cfg: LMDataConfig, text: str):
 
 def prepare_data(data_cfg: LMDataConfig, block_size: int, tokenizer=None):
     """(corpus, tokenizer, TokenBatches); builds the tokenizer unless one is given (resume)."""
-    from qkv.data.corpora import TokenBatches, load_text, token_cache, train_val_split
+    from qkv.data.corpora import (
+        REPEATS,
+        Corpus,
+        TokenBatches,
+        load_text,
+        repeats_text,
+        token_cache,
+        train_val_split,
+    )
 
-    corpus = load_text(Path(data_cfg.data) if data_cfg.data else None)
+    if data_cfg.data is None and data_cfg.builtin == "repeats":
+        corpus = Corpus.from_text(repeats_text(), name=REPEATS)
+    else:
+        corpus = load_text(Path(data_cfg.data) if data_cfg.data else None)
     tok = tokenizer if tokenizer is not None else build_tokenizer(data_cfg, corpus.text)
     train, val = train_val_split(token_cache(corpus, tok), data_cfg.val_fraction)
     return corpus, tok, TokenBatches(train, val, block_size)

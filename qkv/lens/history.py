@@ -23,7 +23,10 @@ from qkv.figures import HeadHistory
 from qkv.lens.heads import HEAD_TYPES, repeated_tokens, score_model
 
 FORMED = 0.5  # a head type has formed once its best head scores this on the probe
+COPYING = 0.5  # in-context copying: the repeat's loss this many nats below the first copy's
 PROBE_SEED = 1234
+NAMES = {"previous": "previous-token", "first": "first-token", "duplicate": "duplicate-token",
+         "induction": "induction"}
 
 
 def history_probe(vocab_size: int, context: int, avoid: tuple[int, ...] = (), repeat: int = 24,
@@ -61,6 +64,14 @@ class History:
             out[t] = self.steps[int(hit[0])] if len(hit) else None
         return out
 
+    def copying_from(self, margin: float = COPYING) -> int | None:
+        """The first recorded step where the loss on the repeated half is ``margin`` nats below
+        the loss on the first half (the model copies from context), or None."""
+        for step, first, second in zip(self.steps, self.loss_first, self.loss_second, strict=True):
+            if first - second >= margin:
+                return step
+        return None
+
     def best_head(self, head_type: str, index: int = -1) -> tuple[int, int, float]:
         """(layer, head, score) of the best head of ``head_type`` at row ``index``."""
         s = self.scores[head_type][index]
@@ -68,7 +79,8 @@ class History:
         return i // s.shape[1], i % s.shape[1], float(s.flatten()[i])
 
     def figure(self, title: str = "heads during training") -> HeadHistory:
-        return HeadHistory(self.steps, self.scores, self.loss_first, self.loss_second, self.formed(), title)
+        return HeadHistory(self.steps, self.scores, self.loss_first, self.loss_second, self.formed(), title,
+                           self.copying_from())
 
 
 def read_history(path: Path) -> History | None:
@@ -93,11 +105,14 @@ def read_history(path: Path) -> History | None:
 
 def formed_lines(history: History) -> list[str]:
     """What formed and when, as lines for the end of training."""
-    lines = []
+    first, second = history.loss_first[-1], history.loss_second[-1]
+    step = history.copying_from()
+    lines = [f"in-context copying: loss {second:.2f} on the repeated half vs {first:.2f} on the first"
+             + (f"; {COPYING} nats lower from step {step} on" if step is not None else "")]
     for t, step in history.formed().items():
         layer, head, score = history.best_head(t)
-        if step is None:
-            lines.append(f"{t} heads: none reached {FORMED} (best now {layer}.{head} at {score:.2f})")
-        else:
-            lines.append(f"{t} head formed at step {step} (best now {layer}.{head} at {score:.2f})")
-    return lines
+        best = f"best now: layer {layer} head {head}, {score:.2f}"
+        name = NAMES[t]
+        lines.append(f"{name} head formed at step {step} ({best})" if step is not None
+                     else f"{name} heads: none reached {FORMED} ({best})")
+    return [f"heads: {line}" for line in lines]

@@ -99,6 +99,8 @@ def plot_head_history(h: HeadHistory, out_path: Path) -> Path:
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
     ax2.plot(steps, list(h.loss_first), label="first copy (unpredictable)")
+    if h.copying is not None:
+        ax2.axvline(h.copying, color="black", linestyle="--", linewidth=1, label="copying from context")
     ax2.plot(steps, list(h.loss_second), label="second copy (a repeat)")
     ax2.set_xlabel("step")
     ax2.set_ylabel("cross-entropy (nats/token)")

@@ -209,3 +209,30 @@ def test_encoders_get_ablation_and_head_scores_not_predictions(tmp_path):
     assert (got - want).abs().max() <= 1e-6
     data = _json(["lens", folder, "w3 w4 w5", "--effects", "--json"])
     assert data["metric"] == "embedding change" and len(data["effect"]) == 2
+
+
+def test_repeats_corpus_writes_each_line_twice():
+    from qkv.data.corpora import repeats_text
+
+    text = repeats_text(n_lines=50, seed=3)
+    assert text == repeats_text(n_lines=50, seed=3)
+    lines = text.splitlines()
+    assert len(lines) == 50
+    for line in lines:
+        half = len(line) // 2
+        assert line[:half] == line[half:] and 8 <= half <= 30 and line.isalpha()
+
+
+@pytest.mark.slow
+def test_the_induction_preset_learns_to_copy_from_context(tmp_path):
+    """The preset as a user runs it (about a minute on 2 cores): the loss on the repeated half
+    falls well below the first half's, and the best induction score rises from its start."""
+    rc, out, err = call(["train", "gpt", "--preset", "induction", "--out_dir", str(tmp_path / "run"),
+                         "--no-progress"])
+    assert rc == 0, err
+    hist = read_history(tmp_path / "run" / "history.jsonl")
+    assert hist.copying_from() is not None
+    assert hist.loss_first[-1] - hist.loss_second[-1] > 0.5
+    best = hist.scores["induction"].flatten(1).max(1).values
+    assert best[0] < 0.05 and best[-1] > 2 * best[0]
+    assert "in-context copying" in out

@@ -73,6 +73,12 @@ def assert_same_run(run_dir: Path, ref: Path) -> None:
     assert ev["val_loss"] == pytest.approx(ev_ref["val_loss"], rel=0, abs=1e-6)
     assert ev["steps"] == ev_ref["steps"] == MAX_ITERS
     assert not [p.name for p in run_dir.iterdir() if p.name.startswith(".")]  # no half-done folders
+    from qkv.lens.history import read_history
+
+    hist, hist_ref = (read_history(d / "history.jsonl") for d in (run_dir, ref))
+    assert hist.steps == hist_ref.steps  # one row of head scores per evaluation, none twice
+    for t in hist.scores:
+        torch.testing.assert_close(hist.scores[t], hist_ref.scores[t], rtol=0, atol=2e-4, msg=t)
 
 
 def test_killed_before_the_first_checkpoint_refuses_in_one_line(reference, tmp_path: Path) -> None:
