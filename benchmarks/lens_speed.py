@@ -53,7 +53,12 @@ def main() -> None:
     p.add_argument("--tokens", type=int, default=64, help="length of the text in tokens")
     p.add_argument("--repeat", type=int, default=5, help="timed runs per measurement (median)")
     p.add_argument("--quick", action="store_true", help="2 repeats")
-    p.add_argument("--out", default=None, help="results JSON (default benchmarks/results/lens_speed.json)")
+    p.add_argument("--weights", default="fp32", choices=("fp32", "bf16"),
+                   help="how SmolLM2's weights are held (bf16: ~2x faster products where the CPU has "
+                   "bf16 instructions, not exact)")
+    p.add_argument("--only", default=None, help="comma-separated measurements to run (default: all)")
+    p.add_argument("--out", default=None, help="results JSON (default benchmarks/results/lens_speed.json, "
+                   "lens_speed_bf16.json with --weights bf16)")
     args = p.parse_args()
     repeat = 2 if args.quick else args.repeat
 
@@ -64,7 +69,7 @@ def main() -> None:
 
     machine = C.machine_info()
     print(C.machine_line(machine))
-    lm = qkv.load("smollm2", weights="fp32")
+    lm = qkv.load("smollm2", weights=args.weights)
     ids = lm.tokenizer.encode(TEXT)
     while len(ids) < args.tokens:
         ids = ids + ids
@@ -100,15 +105,18 @@ def main() -> None:
              max(1, repeat // 2)),
             ("head_scores", lambda: lens.head_scores(lm), repeat),
         ]:
+            if args.only and name not in args.only.split(","):
+                continue
             seconds, _ = timed(fn, rep)
             results[name] = round(seconds, 4)
             rows.append([name, f"{seconds:.3f}"])
             print(f"{name}: {seconds:.3f} s", flush=True)
     load = meter.stop()
-    C.print_table(f"qkv.lens on SmolLM2-135M fp32, {len(ids)} tokens ({C.load_line(load)})",
+    C.print_table(f"qkv.lens on SmolLM2-135M {args.weights}, {len(ids)} tokens ({C.load_line(load)})",
                   ["what", "seconds (median)"], rows)
-    out = C.write_json("lens_speed", {"machine": machine, "load": load, "tokens": len(ids), "repeat": repeat,
-                                      "model": "smollm2 fp32 (30 layers x 9 heads)", "seconds": results},
+    name = "lens_speed" if args.weights == "fp32" else f"lens_speed_{args.weights}"
+    out = C.write_json(name, {"machine": machine, "load": load, "tokens": len(ids), "repeat": repeat,
+                              "model": f"smollm2 {args.weights} (30 layers x 9 heads)", "seconds": results},
                        args.out)
     print(f"wrote {out}")
 
