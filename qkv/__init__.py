@@ -48,6 +48,14 @@ def load(name: str | os.PathLike[str], *, path: str | os.PathLike[str] | None = 
     return open_model(replace(ref, path=Path(path)), **kwargs)
 
 
+def show(model: Any, text: str, **kwargs: Any) -> Any:
+    """The lens's views of ``model`` reading ``text``, inline in a notebook (standalone SVG, no
+    JavaScript, nothing fetched): see :func:`qkv.notebook.show`."""
+    from qkv.notebook import show as _show
+
+    return _show(model, text, **kwargs)
+
+
 def _bundled() -> tuple[str, ...]:
     from qkv.inference import bundled_names
 

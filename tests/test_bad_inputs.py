@@ -73,6 +73,12 @@ CASES: list[tuple[str, str]] = [
     ("attend|{root}/nope|hello", "nope"),
     ("attend|{gpt}|hello|-o|{file}/x.png", "is a file, not a folder"),
     ("attend|smollm2|" + LONG + "|--max-tokens|8192", "would need 72.5 GB (30 layers x 9 heads x 8192x8192"),
+    # lens
+    ("lens|{gpt}|hello|--ablate|9.9", "head 9.9 is not in"),
+    ("lens|{gpt}|hello|--patch|--corrupt|hi", "same number of tokens"),
+    ("lens|{gpt}|hello|--attribute|ROM", "must be one token"),
+    ("lens|{vit}|hello", "the lens reads text models"),
+    ("lens|{gpt}|hello|-o|{file}/x.svg", "is a file, not a folder"),
     # explain / serve / assets / bench
     ("explain|equivariance|--tokens|200000", "640.0 GB of float64 scores"),
     ("explain|equivariance|--dim|1000000", "tokens and dim must be at most 4096"),

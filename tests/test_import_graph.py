@@ -32,7 +32,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("inference",),  # what a name means, and opening it
     ("explain",),
     ("serve",),
-    ("commands",),
+    ("commands", "notebook"),
     ("cli", "qkv"),
     ("__main__",),
 )

@@ -162,7 +162,7 @@ class GPTFamily(FamilyBase):
         x, _ = run.prepared.batches.get_batch("val", 1, torch.Generator().manual_seed(0))
         text = tok.decode(x[0, :32].tolist())
         from qkv.lens.history import read_history
-        from qkv.training.trainer import HISTORY
+        from qkv.training.run import HISTORY
 
         out = {"loss plot": loss_curve(run),
                "attention map (last layer)": Picture("attention.png", attention_map(run.model, tok, text))}
@@ -180,7 +180,7 @@ class GPTFamily(FamilyBase):
         n = getattr(args, "sample_tokens", 300)
         sample = sample_text(run.model, tok, sample_prompt(tok), n)
         from qkv.lens.history import formed_lines, read_history
-        from qkv.training.trainer import HISTORY
+        from qkv.training.run import HISTORY
 
         history = read_history(run.run_dir / HISTORY)
         heads = "".join(f"{line}\n" for line in formed_lines(history)) if history is not None else ""

@@ -57,7 +57,7 @@ from qkv.presets import PresetChoice
 from qkv.training import checkpoint as ckpt
 from qkv.training.distributed import DistInfo, pick_device
 from qkv.training.speed import Chosen
-from qkv.training.trainer import HISTORY, BatchSource, TrainConfig, Trainer, TrainResult
+from qkv.training.trainer import BatchSource, TrainConfig, Trainer, TrainResult
 from qkv.version import __version__
 from qkv.viz import draw
 
@@ -131,6 +131,27 @@ class Run:
     files: dict[str, Path] = field(default_factory=dict)
 
 
+HISTORY = "history.jsonl"  # what the family records at each evaluation (a GPT: its heads' scores)
+HISTORY_ROWS = 400  # at most about this many rows: longer runs record every k-th evaluation
+
+
+def history_writer(run_dir: Path, history: Callable[[nn.Module], dict[str, Any]] | None,
+                   train_cfg: TrainConfig) -> Callable[[int, nn.Module], None] | None:
+    """What the Trainer calls after each evaluation: append the family's ``history`` record (with
+    the step) to ``history.jsonl``, at every evaluation or every k-th one in long runs (the last
+    always), so the file stays near HISTORY_ROWS rows."""
+    if history is None:
+        return None
+    stride = -(-(train_cfg.max_iters // train_cfg.eval_interval + 1) // HISTORY_ROWS)  # ceil
+
+    def write(step: int, model: nn.Module) -> None:
+        if (step // train_cfg.eval_interval) % stride and step < train_cfg.max_iters:
+            return
+        ckpt.append_jsonl(run_dir / HISTORY, {"step": step, **history(model)})
+
+    return write
+
+
 def run_config(family: RunFamily, prepared: Prepared, train_cfg: TrainConfig, data_cfg: Any,
                chosen: dict[str, Any] | None = None) -> dict:
     cfg = prepared.model_cfg
@@ -201,7 +222,8 @@ def train_run(
     model = family.build(prepared.model_cfg)
     trainer = Trainer(model, train_cfg, prepared.batches, run_dir, dist, on_log,
                       tokens_per_batch=prepared.items_per_row, recorded=recorded,
-                      on_choice=lambda chosen: _rewrite_chosen(run_dir, chosen), history=prepared.history)
+                      on_choice=lambda chosen: _rewrite_chosen(run_dir, chosen),
+                      on_eval=history_writer(run_dir, prepared.history, train_cfg))
     if resume:
         family.check_resume(saved, prepared)
         trainer.load_resume_state()

@@ -324,3 +324,10 @@ class CompileMeter:
         if (saving := self.measured_saving()) is not None:
             entry["compile_saving"] = round(saving, 3)
         return entry
+
+
+def is_compile_error(e: Exception) -> bool:
+    """An error raised by torch.compile (Dynamo or Inductor), which the Trainer survives by
+    training eagerly."""
+    mod = type(e).__module__
+    return mod.startswith(("torch._dynamo", "torch._inductor")) or "compile" in str(e).lower()

@@ -42,9 +42,6 @@ from qkv.training.distributed import DistInfo, broadcast_flag, mean_across, no_s
 from qkv.training.optim import lr_at, make_optimizers, muon_ns_dtype, resolve_optimizer
 from qkv.training.speed import Chosen
 
-HISTORY = "history.jsonl"  # what the family records at each evaluation (a GPT: its heads' scores)
-HISTORY_ROWS = 400  # at most about this many rows: longer runs record every k-th evaluation
-
 
 class Trainer:
     """Train ``model`` on ``data`` into ``run_dir``.
@@ -61,8 +58,7 @@ class Trainer:
             for every option still ``auto``, without measuring again.
         on_choice: called on rank 0 with :meth:`chosen` when the choice changes mid-run (the
             compile meter switched compiling off), so the run's record can follow.
-        history: called on rank 0 with the raw model at each evaluation; its record (with the
-            step) is appended to ``history.jsonl`` (at most about HISTORY_ROWS rows).
+        on_eval: called on rank 0 with the step and the raw model after each evaluation.
     """
 
     def __init__(
@@ -76,7 +72,7 @@ class Trainer:
         tokens_per_batch: int = 1,
         recorded: Chosen | None = None,
         on_choice: Callable[[Chosen], None] | None = None,
-        history: Callable[[nn.Module], dict] | None = None,
+        on_eval: Callable[[int, nn.Module], None] | None = None,
     ) -> None:
         self.cfg, self.data, self.run_dir = cfg, data, Path(run_dir)
         self.dist = dist or DistInfo()
@@ -85,9 +81,7 @@ class Trainer:
         self.on_log = on_log or (lambda rec: None)
         self.on_choice = on_choice or (lambda chosen: None)
         self.tokens_per_batch = tokens_per_batch
-        self.history = history
-        n_evals = cfg.max_iters // cfg.eval_interval + 1
-        self.history_stride = -(-n_evals // HISTORY_ROWS)  # ceil: the file stays bounded
+        self.on_eval = on_eval
         self.native_bf16 = cpu_has_native_bf16()
         self.recorded = recorded
         dev_type = torch.device(self.device).type
@@ -319,17 +313,9 @@ class Trainer:
         self.best_val = min(self.best_val, val)
         self.evaluated_at = self.step
         self._log({"step": self.step, "val_loss": val, "train_loss": train_loss, "best": is_best})
-        self._record_history()
+        if self.on_eval is not None and self.dist.is_main:
+            self.on_eval(self.step, self.model)
         self.save(is_best, val)
-
-    def _record_history(self) -> None:
-        """Append what ``history`` measures now to the run's history.jsonl (every evaluation, or
-        every k-th in long runs, the last always)."""
-        if self.history is None or not self.dist.is_main:
-            return
-        if (self.step // self.cfg.eval_interval) % self.history_stride and self.step < self.cfg.max_iters:
-            return
-        ckpt.append_jsonl(self.run_dir / HISTORY, {"step": self.step, **self.history(self.model)})
 
     def evaluates_first(self) -> bool:
         """Whether :meth:`fit` starts with a validation pass (a fresh run, or a resume at an
@@ -391,7 +377,7 @@ class Trainer:
         try:
             loss = self._train_step()
         except Exception as e:  # compilation errors surface at the first call
-            if self.step > 0 and not _is_compile_error(e):
+            if self.step > 0 and not speed.is_compile_error(e):
                 raise
             for opt in self.optimizers:
                 opt.zero_grad(set_to_none=True)
@@ -410,7 +396,3 @@ class Trainer:
         self._stop_requested = True
         signal.signal(signal.SIGINT, signal.default_int_handler)  # a second Ctrl-C stops at once
 
-
-def _is_compile_error(e: Exception) -> bool:
-    mod = type(e).__module__
-    return mod.startswith(("torch._dynamo", "torch._inductor")) or "compile" in str(e).lower()

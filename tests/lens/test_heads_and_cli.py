@@ -236,3 +236,21 @@ def test_the_induction_preset_learns_to_copy_from_context(tmp_path):
     best = hist.scores["induction"].flatten(1).max(1).values
     assert best[0] < 0.05 and best[-1] > 2 * best[0]
     assert "in-context copying" in out
+
+
+def test_show_renders_standalone_svg_views_for_notebooks(gpt2, tmp_path):
+    _, folder = gpt2
+    lm = qkv.load(folder)
+    shown = qkv.show(lm, TEXT, k=5)
+    page = shown._repr_html_()
+    assert page.count("<svg") == 3 and "<script" not in page
+    for view in ("probs", "logit_lens", "heads"):
+        root = ET.fromstring(shown.svg(view))
+        refs = [v for el in root.iter() for k, v in el.attrib.items() if k.endswith("href")]
+        assert all(r.startswith(("#", "data:")) for r in refs)
+    top = lens.next_token(lm, TEXT, k=5).top
+    assert all(p.token in shown.svg("probs") for p in top)  # the bars are labelled with the tokens
+    paths = shown.save(tmp_path)
+    assert sorted(p.name for p in paths) == ["heads.svg", "logit_lens.svg", "probs.svg"]
+    with pytest.raises(qkv.errors.InputError, match="unknown view"):
+        qkv.show(lm, TEXT, views=["nope"])
