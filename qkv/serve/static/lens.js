@@ -70,7 +70,7 @@ function renderBars() {
   for (const r of rows) shown += r.p;
   rows.push({ token: "(all others)", id: -1, p: Math.max(0, 1 - shown), base: null });
   window.qkvBars = rows.map((r) => ({ id: r.id, token: r.token, prob: r.p }));
-  const rowH = 20, labelW = 120, barW = 300, width = labelW + barW + 70, height = rows.length * rowH + 8;
+  const rowH = 20, labelW = 120, barW = 300, width = labelW + barW + 150, height = rows.length * rowH + 8;
   const parts = [`<rect x="0" y="0" width="${width}" height="${height}" fill="white"/>`];
   rows.forEach((r, i) => {
     const y = 4 + i * rowH;
