@@ -212,7 +212,32 @@ def view_attribute(lm, text: str, args: argparse.Namespace, heads, out: Path | N
     return data
 
 
+def view_qk(lm, text: str, args: argparse.Namespace, heads, out: Path | None) -> dict[str, Any]:
+    from qkv import lens
+    from qkv.figures import Bars
+
+    parsed = lens.parse_heads(args.qk)
+    if len(parsed) != 1:
+        raise ValueError(f"--qk takes one head, LAYER.HEAD; got {args.qk!r}")
+    qk = lens.query_key(lm, text, *parsed[0], args.query)
+    d = qk.q.numel()
+    data = {"layer": qk.layer, "head": qk.head, "query": qk.query, "query_token": qk.query_token,
+            "keys": qk.tokens, "dots": qk.dots.tolist(), "scaled": qk.scaled.tolist(),
+            "weights": qk.weights.tolist(), "head_dim": d}
+    if not args.json:
+        order = qk.weights.argsort(descending=True)[: args.top].tolist()
+        _table(f"layer {qk.layer} head {qk.head}, query {qk.query} ({_show(qk.query_token)}): weight = "
+               f"softmax(q·k / √{d}); the {len(order)} largest",
+               ["key", "position", "q·k", "q·k / √d", "weight"],
+               [[_show(qk.tokens[j]), str(j), f"{float(qk.dots[j]):.3f}", f"{float(qk.scaled[j]):.3f}",
+                 f"{float(qk.weights[j]):.4f}"] for j in order])
+    title = f"{lm.name}: layer {qk.layer} head {qk.head}, query {qk.query}: softmax(q·k / √{d})"
+    _write(out, data, Bars([f"{_show(t)} #{j}" for j, t in enumerate(qk.tokens)], qk.weights.tolist(),
+                           title, "attention weight"))
+    return data
+
+
 VIEW_FUNCTIONS: dict[str, Callable[..., dict[str, Any]]] = {
     "probs": view_probs, "logit_lens": view_logit_lens, "ablate": view_ablate, "effects": view_effects,
-    "heads": view_heads, "patch": view_patch, "attribute": view_attribute,
+    "heads": view_heads, "patch": view_patch, "attribute": view_attribute, "qk": view_qk,
 }

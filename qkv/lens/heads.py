@@ -161,6 +161,7 @@ class QueryKey:
     layer: int
     head: int
     query: int
+    query_token: str
     q: Tensor
     k: Tensor
     dots: Tensor
@@ -200,5 +201,5 @@ def query_key(lm: TextModel, text: str | list[int], layer: int, head: int, query
     alibi = getattr(lm.model, "alibi", None)
     if alibi is not None:
         scaled = scaled + alibi(T, T)[0, head, query, :S].double()
-    return QueryKey(cache.tokens[:S] if causal else cache.tokens, layer, head, query, qv.float(), kv_.float(),
-                    dots.float(), scaled.float(), torch.softmax(scaled, -1).float())
+    return QueryKey(cache.tokens[:S] if causal else cache.tokens, layer, head, query, cache.tokens[query],
+                    qv.float(), kv_.float(), dots.float(), scaled.float(), torch.softmax(scaled, -1).float())

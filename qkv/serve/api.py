@@ -28,6 +28,7 @@ from qkv.errors import InputError, UnknownModelError
 from qkv.generation.decode import decode_after
 from qkv.pipelines import CausalLM, ImageCaptioner, ImageClassifier, Translator, check_layer_head
 from qkv.pipelines import attention as text
+from qkv.serve.lens_api import LensEndpoints
 from qkv.serve.registry import RUN_PREFIX, AttentionCache, Entry, InvalidNameError, Lease, Registry
 from qkv.serve.schemas import (
     AttentionRequest,
@@ -37,8 +38,6 @@ from qkv.serve.schemas import (
     ImageAttentionResponse,
     ImageMap,
     ImagePixels,
-    LensRequest,
-    LensResponse,
     ModelInfo,
     ModelList,
 )
@@ -169,7 +168,7 @@ class _ReleasingResponse(StreamingResponse):
                 self.stream.events.close()
 
 
-class Explorer:
+class Explorer(LensEndpoints):
     """The endpoints' handlers, sharing one model registry, one work queue and one attention
     cache. Every handler that runs a model holds a slot of the work queue (503 when the queue
     is full) and a lease on the model (so the registry never evicts a model in use)."""
@@ -251,19 +250,6 @@ class Explorer:
             model=req.model, kind=lm.kind, query_tokens=att.tokens, key_tokens=att.tokens,
             weights=_rows(w), layer=layer, head=head, n_layers=lm.n_layers, n_heads=lm.n_heads,
             causal=att.causal, notes=att.notes, seconds=time.perf_counter() - t0)
-
-    def lens(self, req: LensRequest) -> LensResponse:
-        """What a text model does with ``text``: next-token logits (with ``ablate``'s heads
-        knocked out), the logit lens, every head's thumbnail and scores (:mod:`qkv.lens`)."""
-        from qkv.serve.lens_api import lens_response
-
-        self._check_text(req.text)
-        with self._model(req.model) as lease:
-            lm = lease.src
-            if not isinstance(lm, CausalLM | text.SentenceEncoder):
-                raise InputError(f"{req.model} is a {lease.ref.label} model: the lens reads text models made "
-                                 "of attention heads (decoders and encoders)")
-            return lens_response(lm, req, self.cfg.max_tokens, self.head_scores, lease.ref.key)
 
     def _alignment(self, tr: Translator, req: AttentionRequest, t0: float) -> AttentionResponse:
         ali = tr.alignment(req.text)

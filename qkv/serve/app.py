@@ -7,6 +7,8 @@
     POST /api/image-attention   an image upload -> overlays (ViT heads + rollout, captioner words)
     POST /api/lens              text -> next-token logits, logit lens, every head (thumbnails,
                                 scores), with heads knocked out (qkv.lens)
+    POST /api/qk                one head's attention row for one query, term by term
+    POST /api/patch             activation patching, clean prompt into corrupt (decoders)
     GET  /openapi.json          the schema of all of the above
 
 Errors are JSON ``{"detail": "..."}`` with 400 (malformed model name, or a Host header this
@@ -39,6 +41,8 @@ from qkv.serve.schemas import (
     ImageAttentionResponse,
     LensResponse,
     ModelList,
+    PatchResponse,
+    QKResponse,
 )
 from qkv.serve.work import WorkQueue
 from qkv.version import __version__
@@ -118,6 +122,8 @@ def create_app(config: ServeConfig | None = None, **overrides: Any) -> FastAPI:
         200: {"description": "one GenerateEvent per line", "content": {
             "application/x-ndjson": {"schema": GenerateEvent.model_json_schema()}}}, **ERRORS})
     app.add_api_route("/api/lens", api.lens, methods=["POST"], response_model=LensResponse, **json_errors)
+    app.add_api_route("/api/qk", api.qk, methods=["POST"], response_model=QKResponse, **json_errors)
+    app.add_api_route("/api/patch", api.patch, methods=["POST"], response_model=PatchResponse, **json_errors)
     app.add_api_route("/api/image-attention", api.image_attention, methods=["POST"],
                       response_model=ImageAttentionResponse, **json_errors)
     return app

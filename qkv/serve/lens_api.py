@@ -6,6 +6,8 @@ thumbnail with its scores, and the same with heads knocked out."""
 from __future__ import annotations
 
 import time
+from contextlib import AbstractContextManager
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
@@ -14,7 +16,19 @@ from qkv import lens
 from qkv.errors import InputError
 from qkv.pipelines import CausalLM, SentenceEncoder
 from qkv.pipelines import attention as text
-from qkv.serve.schemas import LensRequest, LensResponse, LogitLensCells, TokenCandidate
+from qkv.serve.schemas import (
+    LensRequest,
+    LensResponse,
+    LogitLensCells,
+    PatchRequest,
+    PatchResponse,
+    QKRequest,
+    QKResponse,
+    TokenCandidate,
+)
+
+if TYPE_CHECKING:
+    from qkv.serve.registry import Lease
 
 THUMB = 16  # thumbnails are pooled to at most THUMB x THUMB
 CANDIDATES = 20
@@ -73,3 +87,79 @@ def lens_response(lm: CausalLM | SentenceEncoder, req: LensRequest, max_tokens: 
     elif not isinstance(lm, SentenceEncoder):
         raise InputError(f"{req.model} is not a text model the lens reads")
     return LensResponse(**resp, seconds=time.perf_counter() - t0)
+
+
+def qk_response(lm: CausalLM | SentenceEncoder, req: QKRequest, max_tokens: int) -> QKResponse:
+    """One head's attention row term by term (:func:`qkv.lens.query_key`)."""
+    t0 = time.perf_counter()
+    ids, _ = text.encode_text(lm, req.text, max_tokens, keep="last" if lm.kind == "decoder" else "first")
+    qk = lens.query_key(lm, ids, req.layer, req.head, req.query)
+    return QKResponse(model=req.model, layer=qk.layer, head=qk.head, query=qk.query,
+                      query_token=qk.query_token, keys=qk.tokens, dots=qk.dots.tolist(),
+                      scaled=qk.scaled.tolist(), weights=qk.weights.tolist(), head_dim=qk.q.numel(),
+                      seconds=time.perf_counter() - t0)
+
+
+PATCH_TOKENS = 64  # patching runs a forward pass per row: longer prompts are refused, not cut
+
+
+def patch_response(lm: CausalLM, req: PatchRequest) -> PatchResponse:
+    """Activation patching of the clean prompt into the corrupt one (:func:`qkv.lens.patch`)."""
+    t0 = time.perf_counter()
+    ids = [text.encode_text(lm, t, lm.context)[0] for t in (req.clean, req.corrupt)]
+    if max(len(i) for i in ids) > PATCH_TOKENS:
+        raise InputError(f"patching here takes prompts of at most {PATCH_TOKENS} tokens (one forward pass "
+                         f"per cell); these have {len(ids[0])} and {len(ids[1])}")
+    p = lens.patch(lm, ids[0], ids[1], site=req.site, answer=req.answer, wrong=req.wrong)
+    rows = [f"layer {i}" for i in range(p.values.shape[0])]
+    cols = p.clean_tokens if p.site == "resid" else [str(h) for h in range(p.values.shape[1])]
+    values = [[None if v != v else round(float(v), 5) for v in row] for row in p.values.tolist()]
+    return PatchResponse(model=req.model, site=p.site, rows=rows, columns=cols, values=values,
+                         answer=p.answer, wrong=p.wrong, clean_diff=p.clean_diff, corrupt_diff=p.corrupt_diff,
+                         seconds=time.perf_counter() - t0)
+
+
+class LensEndpoints:
+    """The lens's handlers of :class:`qkv.serve.api.Explorer` (which provides ``cfg``,
+    ``head_scores``, ``_check_text`` and ``_model``: a model held with a work slot)."""
+
+    cfg: Any
+    head_scores: dict[Any, Any]
+
+    def _check_text(self, text: str) -> None: ...
+
+    def _model(self, model_id: str) -> AbstractContextManager[Lease]: ...
+
+    def lens(self, req: LensRequest) -> LensResponse:
+        """What a text model does with ``text``: next-token logits (with ``ablate``'s heads
+        knocked out), the logit lens, every head's thumbnail and scores (:mod:`qkv.lens`)."""
+        self._check_text(req.text)
+        with self._model(req.model) as lease:
+            lm = self._text_model(lease, req.model)
+            return lens_response(lm, req, self.cfg.max_tokens, self.head_scores, lease.ref.key)
+
+    def qk(self, req: QKRequest) -> QKResponse:
+        """One head's attention row for one query token, term by term (q·k, / √d, softmax)."""
+        self._check_text(req.text)
+        with self._model(req.model) as lease:
+            return qk_response(self._text_model(lease, req.model), req, self.cfg.max_tokens)
+
+    def patch(self, req: PatchRequest) -> PatchResponse:
+        """Activation patching from ``clean`` into ``corrupt`` (decoders)."""
+        self._check_text(req.clean)
+        self._check_text(req.corrupt)
+        with self._model(req.model) as lease:
+            lm = self._text_model(lease, req.model)
+            if not isinstance(lm, CausalLM):
+                raise InputError(f"{req.model} is an encoder: patching measures a next-token answer, "
+                                 "which it does not predict")
+            return patch_response(lm, req)
+
+    @staticmethod
+    def _text_model(lease: Lease, name: str) -> CausalLM | SentenceEncoder:
+        lm = lease.src
+        if not isinstance(lm, CausalLM | SentenceEncoder):
+            raise InputError(f"{name} is a {lease.ref.label} model: the lens reads text models made of "
+                             "attention heads (decoders and encoders)")
+        return lm
+

@@ -169,3 +169,47 @@ class LensResponse(BaseModel):
                                            "with and without the ablated heads")
     notes: list[str]
     seconds: float
+
+
+class QKRequest(BaseModel):
+    model: str = Field(min_length=1, max_length=256, examples=["smollm2"])
+    text: str = Field(max_length=MAX_CHARS, examples=["The capital of France is"])
+    layer: int = Field(description="negative counts from the end")
+    head: int = Field(description="negative counts from the end")
+    query: int = Field(-1, description="the query token's position (negative counts from the end)")
+
+
+class QKResponse(BaseModel):
+    model: str
+    layer: int
+    head: int
+    query: int
+    query_token: str
+    keys: list[str] = Field(description="the keys the query may attend to (up to the query when causal)")
+    dots: list[float] = Field(description="q·k for each key, after RoPE where the model uses it")
+    scaled: list[float] = Field(description="q·k / √d (+ ALiBi's bias where the model has one)")
+    weights: list[float] = Field(description="softmax(scaled): the head's attention row")
+    head_dim: int
+    seconds: float
+
+
+class PatchRequest(BaseModel):
+    model: str = Field(min_length=1, max_length=256, examples=["smollm2"])
+    clean: str = Field(max_length=MAX_CHARS)
+    corrupt: str = Field(max_length=MAX_CHARS)
+    site: Literal["resid", "head"] = "head"
+    answer: str | None = Field(None, max_length=256, description="one token (default: the clean top token)")
+    wrong: str | None = Field(None, max_length=256, description="one token (default: the corrupt top token)")
+
+
+class PatchResponse(BaseModel):
+    model: str
+    site: str
+    rows: list[str]
+    columns: list[str]
+    values: list[list[float | None]] = Field(description="0 = as corrupt, 1 = as clean (null: undefined)")
+    answer: str
+    wrong: str
+    clean_diff: float
+    corrupt_diff: float
+    seconds: float

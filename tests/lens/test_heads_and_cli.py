@@ -254,3 +254,14 @@ def test_show_renders_standalone_svg_views_for_notebooks(gpt2, tmp_path):
     assert sorted(p.name for p in paths) == ["heads.svg", "logit_lens.svg", "probs.svg"]
     with pytest.raises(qkv.errors.InputError, match="unknown view"):
         qkv.show(lm, TEXT, views=["nope"])
+
+
+def test_cli_qk_is_the_library_row(gpt2):
+    _, folder = gpt2
+    got = _json(["lens", folder, TEXT, "--qk", "1.2", "--query", "6", "--json"])
+    qk = lens.query_key(qkv.load(folder), TEXT, 1, 2, 6)
+    assert got["query_token"] == "w1" and got["keys"] == TEXT.split()[:7]
+    assert torch.allclose(torch.tensor(got["weights"]), qk.weights, atol=1e-6)
+    assert torch.allclose(torch.tensor(got["scaled"]), torch.tensor(got["dots"]) / 16 ** 0.5, atol=1e-5)
+    rc, _, err = call(["lens", folder, TEXT, "--qk", "1.2,0.1"])
+    assert "--qk takes one head" in assert_one_line_error(rc, err)

@@ -353,3 +353,18 @@ def test_a_cache_is_read_as_the_text_would_be(pair):
     assert torch.allclose(lens.logit_lens(lm, cache).logprobs, lens.logit_lens(lm, TEXT).logprobs, atol=1e-5)
     a, b = lens.attribute(lm, cache, "w7", "w8"), lens.attribute(lm, TEXT, "w7", "w8")
     assert a.names == b.names and torch.allclose(a.values, b.values, atol=1e-5)
+
+
+def test_text_rollout_multiplies_transformers_attention_with_the_residual(tmp_path_factory):
+    _kind, ref, lm = _open("llama", tmp_path_factory)
+    ref.config._attn_implementation = "eager"
+    with torch.no_grad():
+        att = ref(torch.tensor([IDS]), output_attentions=True).attentions
+    T = len(IDS)
+    want = torch.eye(T, dtype=torch.float64)
+    for a in att:  # Abnar & Zuidema: (A + I) / 2 with the heads averaged, rows renormalised
+        m = 0.5 * a[0].double().mean(0) + 0.5 * torch.eye(T, dtype=torch.float64)
+        want = (m / m.sum(-1, keepdim=True)) @ want
+    tokens, got = lens.text_rollout(lm, TEXT)
+    assert tokens == TEXT.split() and torch.allclose(got.double(), want, atol=1e-5)
+    assert torch.allclose(got.sum(-1), torch.ones(T), atol=1e-5)

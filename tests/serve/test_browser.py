@@ -275,7 +275,7 @@ def test_every_view_downloads_a_standalone_svg_and_a_png(page, tmp_path) -> None
 
     show(page, "runs/gpt-tiny", "ROMEO")
     look_inside(page, "runs/gpt-tiny", "ROMEO: But soft")
-    for view in ("heatmap", "lines", "probs", "lens-table", "grid"):
+    for view in ("heatmap", "lines", "probs", "lens-table", "grid", "qk", "patch"):
         svg = page.evaluate(f"window.qkvDownloadText('{view}')")
         root = ET.fromstring(svg.encode())
         assert root.tag == "{http://www.w3.org/2000/svg}svg", view
@@ -310,3 +310,26 @@ def test_generation_sends_temperature_top_k_and_seed(page, server) -> None:
         events = [json.loads(line) for line in r.read().decode().splitlines() if line.strip()]
     want = "".join(e["token"] for e in events if e["event"] == "token")
     assert got.replace("↵\n", "\n") == want
+
+
+def test_qk_and_patching_panels_draw_what_the_api_says(page, server) -> None:
+    text = "ROMEO: But soft"
+    look_inside(page, "runs/gpt-tiny", text)
+    page.fill("#qk-layer", "1")
+    page.fill("#qk-head", "2")
+    page.fill("#qk-query", "9")
+    page.click("#qk-go")
+    page_wait(page, "window.qkvQK !== undefined && document.body.dataset.state === 'ready'")
+    want = api(server, "/api/qk", {"model": "runs/gpt-tiny", "text": text, "layer": 1, "head": 2, "query": 9})
+    assert page.evaluate("window.qkvQK.weights") == want["weights"]
+    assert page.locator("#qk text.qk-row").count() == 10
+    page.fill("#patch-corrupt", "ROMEO: But sift")
+    page.fill("#patch-answer", "e")
+    page.fill("#patch-wrong", "o")
+    page.click("#patch-go")
+    page_wait(page, "window.qkvPatch !== undefined && document.body.dataset.state === 'ready'")
+    assert page.locator("#patch rect.patch-cell").count() == 2 * 4  # layers x heads
+    page.fill("#patch-corrupt", "ROMEO")
+    page.click("#patch-go")
+    page.wait_for_selector("body[data-state=error]")
+    assert "same number of tokens" in page.inner_text("#error")

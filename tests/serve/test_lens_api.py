@@ -73,3 +73,31 @@ def test_lens_with_heads_knocked_out(client, runs_dir) -> None:
 ])
 def test_bad_lens_requests_are_4xx(client, body, status, message) -> None:
     assert message in detail(client.post("/api/lens", json=body), status)
+
+
+def test_qk_is_the_heads_attention_row(client, runs_dir) -> None:
+    body = client.post("/api/qk", json={"model": "runs/gpt-tiny", "text": TEXT, "layer": 1, "head": 2,
+                                        "query": 9}).json()
+    lm = open_model(runs_dir / "gpt-tiny")
+    with torch.no_grad():
+        ids = torch.tensor([lm.tokenizer.encode(TEXT)])
+        w = lm.model(ids, backend="reference", return_weights=True).weights
+    assert torch.allclose(torch.tensor(body["weights"]), w[1][0, 2, 9, :10], atol=1e-5)
+    assert body["query_token"] == "t" and len(body["keys"]) == 10  # causal: keys up to the query
+    assert torch.allclose(torch.tensor(body["scaled"]), torch.tensor(body["dots"]) / body["head_dim"] ** 0.5,
+                          atol=1e-5)
+    assert "query must be a token position" in detail(client.post("/api/qk", json={
+        "model": "runs/gpt-tiny", "text": TEXT, "layer": 0, "head": 0, "query": 40}), 422)
+
+
+def test_patch_equals_the_library(client, runs_dir) -> None:
+    req = {"model": "runs/gpt-tiny", "clean": TEXT, "corrupt": "ROMEO: But sift", "site": "head",
+           "answer": "e", "wrong": "o"}
+    body = client.post("/api/patch", json=req).json()
+    lm = open_model(runs_dir / "gpt-tiny")
+    p = lens.patch(lm, TEXT, "ROMEO: But sift", site="head", answer="e", wrong="o")
+    assert torch.allclose(torch.tensor(body["values"]), p.values, atol=1e-4)
+    assert (body["answer"], body["wrong"], body["columns"]) == ("e", "o", ["0", "1", "2", "3"])
+    short, vit = {**req, "corrupt": "ROMEO"}, {**req, "model": "runs/vit-tiny"}
+    assert "same number of tokens" in detail(client.post("/api/patch", json=short), 422)
+    assert "reads text models" in detail(client.post("/api/patch", json=vit), 422)

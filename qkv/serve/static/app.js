@@ -84,7 +84,7 @@ async function errorText(response) {
 
 function setBusy(busy) {
   state.busy = busy;
-  for (const id of ["show", "generate", "upload", "lens-go"]) $(id).disabled = busy;
+  for (const id of ["show", "generate", "upload", "lens-go", "qk-go", "patch-go"]) $(id).disabled = busy;
   if (busy) setState("loading");
 }
 

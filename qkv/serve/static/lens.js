@@ -47,6 +47,7 @@ function renderLens() {
   showNotes(d.notes);
   $("lens").hidden = false;
   $("probs-figure").hidden = d.logits === null;
+  $("patch-figure").hidden = d.logits === null;  // patching measures a next-token answer
   $("lens-figure").hidden = d.lens === null;
   if (d.logits !== null) renderBars();
   if (d.lens !== null) renderLensTable();
@@ -189,6 +190,8 @@ async function onGridClick(event) {
     fillSelect($("head"), lensState.data.n_heads, "mean of heads");
     $("layer").value = String(l);
     $("head").value = String(h);
+    $("qk-layer").value = String(l);
+    $("qk-head").value = String(h);
     await showAttention();
     $("views").scrollIntoView({ block: "nearest" });
   }
@@ -200,6 +203,81 @@ function onGridHover(event) {
   const [l, h] = head;
   const rows = Object.entries(d.scores).map(([t, s]) => ({ token: t, index: `${l}.${h}`, weight: s[l][h] }));
   showPanel(event, `head ${l}.${h}${d.labels[l][h] ? " · " + d.labels[l][h] + " head" : ""}`, rows);
+}
+
+// ------------------------------------------------------------------ q·k and patching
+
+async function post(path, body) {
+  return (await api(path, { method: "POST", headers: { "Content-Type": "application/json" },
+    body: JSON.stringify(body) })).json();
+}
+
+async function runPanel(work) {
+  clearError();
+  if (state.busy) return;
+  setBusy(true);
+  try {
+    await work();
+    setState("ready");
+  } catch (e) {
+    showError(e.message);
+  } finally {
+    setBusy(false);
+  }
+}
+
+function computeQK() {
+  return runPanel(async () => {
+    const m = currentModel();
+    const d = await post("/api/qk", { model: m.id, text: $("text").value, layer: Number($("qk-layer").value),
+      head: Number($("qk-head").value), query: Number($("qk-query").value) });
+    window.qkvQK = d;
+    const rowH = 18, lw = 110, nums = 190, barW = 160, width = lw + nums + barW + 60, top = 22;
+    const height = top + d.keys.length * rowH + 6;
+    const parts = [`<rect x="0" y="0" width="${width}" height="${height}" fill="white"/>`,
+      `<text x="4" y="14">layer ${d.layer} head ${d.head}, query "${esc(label(d.query_token))}" #${d.query}: ` +
+      `q·k, ÷ √${d.head_dim}, softmax</text>`];
+    d.keys.forEach((k, j) => {
+      const y = top + j * rowH;
+      parts.push(`<text x="${lw - 6}" y="${y + rowH / 2}" text-anchor="end" dominant-baseline="middle">${esc(label(k))} #${j}</text>`);
+      parts.push(`<text class="qk-row" data-j="${j}" x="${lw}" y="${y + rowH / 2}" dominant-baseline="middle">` +
+        `${d.dots[j].toFixed(2).padStart(8)} ${d.scaled[j].toFixed(3).padStart(8)}</text>`);
+      parts.push(`<rect x="${lw + nums}" y="${y + 4}" width="${(barW * d.weights[j]).toFixed(1)}" height="${rowH - 8}" fill="#3b5bdb"/>`);
+      parts.push(`<text x="${lw + nums + barW * d.weights[j] + 4}" y="${y + rowH / 2}" dominant-baseline="middle">${d.weights[j].toFixed(3)}</text>`);
+    });
+    sizeSvg($("qk"), width, height, parts);
+  });
+}
+
+function patchPrompts() {
+  return runPanel(async () => {
+    const m = currentModel();
+    const opt = (id) => ($(id).value.trim() === "" ? null : $(id).value);
+    const d = await post("/api/patch", { model: m.id, clean: $("text").value, corrupt: $("patch-corrupt").value,
+      site: $("patch-site").value, answer: opt("patch-answer"), wrong: opt("patch-wrong") });
+    window.qkvPatch = d;
+    const R = d.rows.length, C = d.columns.length, cw = d.site === "head" ? 26 : 40, ch = 16, lw = 60, top = 70;
+    const width = lw + C * cw + 8, height = top + R * ch + 24;
+    const parts = [`<rect x="0" y="0" width="${width}" height="${height}" fill="white"/>`];
+    d.columns.forEach((c, j) => {
+      const x = lw + j * cw + cw / 2;
+      parts.push(`<text x="${x}" y="${top - 6}" transform="rotate(-45 ${x} ${top - 6})">${esc(label(c))}</text>`);
+    });
+    d.rows.forEach((r, i) => {
+      const y = top + i * ch;
+      parts.push(`<text x="${lw - 4}" y="${y + ch / 2}" text-anchor="end" dominant-baseline="middle">${esc(r.replace("layer ", ""))}</text>`);
+      d.columns.forEach((_, j) => {
+        const v = d.values[i][j];
+        const a = v === null ? 0 : Math.min(1, Math.abs(v));
+        const fill = v === null ? "#eee" : v >= 0 ? `rgba(201,42,42,${a.toFixed(3)})` : `rgba(59,91,219,${a.toFixed(3)})`;
+        parts.push(`<rect class="patch-cell" data-i="${i}" data-j="${j}" x="${lw + j * cw}" y="${y}" width="${cw - 1}" ` +
+          `height="${ch - 1}" fill="${fill}"><title>${v === null ? "undefined" : v.toFixed(3)}</title></rect>`);
+      });
+    });
+    parts.push(`<text x="4" y="${height - 6}">logit[${esc(label(d.answer))}] − logit[${esc(label(d.wrong))}]: ` +
+      `${d.clean_diff.toFixed(2)} clean, ${d.corrupt_diff.toFixed(2)} corrupt · red: restores it</text>`);
+    sizeSvg($("patch"), width, height, parts);
+  });
 }
 
 // ------------------------------------------------------------------ downloads
@@ -269,6 +347,8 @@ function initLens() {
   $("grid").addEventListener("mousemove", onGridHover);
   $("grid").addEventListener("mouseleave", () => { $("hover").hidden = true; });
   $("clear-ablation").addEventListener("click", () => { lensState.ablated = []; lookInside(); });
+  $("qk-go").addEventListener("click", computeQK);
+  $("patch-go").addEventListener("click", patchPrompts);
   for (const b of document.querySelectorAll("button[data-download]")) {
     b.addEventListener("click", () => download(b.dataset.download, b.dataset.format));
   }
