@@ -8,6 +8,7 @@
     POST /api/lens              text -> next-token logits, logit lens, every head (thumbnails,
                                 scores), with heads knocked out (qkv.lens)
     POST /api/qk                one head's attention row for one query, term by term
+    POST /api/history           a GPT run's head scores at each evaluation (history.jsonl)
     POST /api/patch             activation patching, clean prompt into corrupt (decoders)
     GET  /openapi.json          the schema of all of the above
 
@@ -38,6 +39,7 @@ from qkv.serve.schemas import (
     AttentionResponse,
     ErrorMessage,
     GenerateEvent,
+    HistoryResponse,
     ImageAttentionResponse,
     LensResponse,
     ModelList,
@@ -122,6 +124,8 @@ def create_app(config: ServeConfig | None = None, **overrides: Any) -> FastAPI:
         200: {"description": "one GenerateEvent per line", "content": {
             "application/x-ndjson": {"schema": GenerateEvent.model_json_schema()}}}, **ERRORS})
     app.add_api_route("/api/lens", api.lens, methods=["POST"], response_model=LensResponse, **json_errors)
+    app.add_api_route("/api/history", api.history, methods=["POST"], response_model=HistoryResponse,
+                      **json_errors)
     app.add_api_route("/api/qk", api.qk, methods=["POST"], response_model=QKResponse, **json_errors)
     app.add_api_route("/api/patch", api.patch, methods=["POST"], response_model=PatchResponse, **json_errors)
     app.add_api_route("/api/image-attention", api.image_attention, methods=["POST"],

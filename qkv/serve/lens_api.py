@@ -17,6 +17,8 @@ from qkv.errors import InputError
 from qkv.pipelines import CausalLM, SentenceEncoder
 from qkv.pipelines import attention as text
 from qkv.serve.schemas import (
+    HistoryRequest,
+    HistoryResponse,
     LensRequest,
     LensResponse,
     LogitLensCells,
@@ -29,6 +31,7 @@ from qkv.serve.schemas import (
 
 if TYPE_CHECKING:
     from qkv.serve.registry import Lease
+
 
 THUMB = 16  # thumbnails are pooled to at most THUMB x THUMB
 CANDIDATES = 20
@@ -121,10 +124,14 @@ def patch_response(lm: CausalLM, req: PatchRequest) -> PatchResponse:
 
 class LensEndpoints:
     """The lens's handlers of :class:`qkv.serve.api.Explorer` (which provides ``cfg``,
-    ``head_scores``, ``_check_text`` and ``_model``: a model held with a work slot)."""
+    ``head_scores``, ``registry``, ``_errors`` (errors as 4xx), ``_check_text`` and ``_model``: a
+    model held with a work slot)."""
 
     cfg: Any
     head_scores: dict[Any, Any]
+    registry: Any
+
+    def _errors(self) -> AbstractContextManager[None]: ...
 
     def _check_text(self, text: str) -> None: ...
 
@@ -137,6 +144,24 @@ class LensEndpoints:
         with self._model(req.model) as lease:
             lm = self._text_model(lease, req.model)
             return lens_response(lm, req, self.cfg.max_tokens, self.head_scores, lease.ref.key)
+
+    def history(self, req: HistoryRequest) -> HistoryResponse:
+        """A GPT run's head scores at each evaluation (its history.jsonl): the page's step slider."""
+        from pathlib import Path
+
+        from qkv.lens.history import read_history
+        from qkv.training.run import HISTORY
+
+        with self._errors():
+            ref = self.registry.resolve(req.model)
+            h = read_history(Path(ref.path) / HISTORY) if ref.source == "run" and ref.path else None
+            if h is None:
+                raise InputError(f"{req.model} has no training history: runs of `qkv train gpt` record "
+                                 "their heads' scores at each evaluation (history.jsonl)")
+        scores = {t: s.tolist() for t, s in h.scores.items()}
+        return HistoryResponse(model=req.model, steps=h.steps, scores=scores,
+                               loss_first=h.loss_first, loss_second=h.loss_second, formed=h.formed(),
+                               copying=h.copying_from())
 
     def qk(self, req: QKRequest) -> QKResponse:
         """One head's attention row for one query token, term by term (q·k, / √d, softmax)."""

@@ -213,3 +213,17 @@ class PatchResponse(BaseModel):
     clean_diff: float
     corrupt_diff: float
     seconds: float
+
+
+class HistoryRequest(BaseModel):
+    model: str = Field(min_length=1, max_length=256, examples=["runs/gpt-cpu"])
+
+
+class HistoryResponse(BaseModel):
+    model: str
+    steps: list[int] = Field(description="the evaluations recorded")
+    scores: dict[str, list[list[list[float]]]] = Field(description="per head type: steps x layers x heads")
+    loss_first: list[float] = Field(description="loss on the first copy of the repeated probe, per step")
+    loss_second: list[float] = Field(description="loss on the repeated copy, per step")
+    formed: dict[str, int | None] = Field(description="the step each head type's best head reached 0.5")
+    copying: int | None = Field(description="the step the repeat's loss fell 0.5 nats below the first copy's")

@@ -275,7 +275,7 @@ def test_every_view_downloads_a_standalone_svg_and_a_png(page, tmp_path) -> None
 
     show(page, "runs/gpt-tiny", "ROMEO")
     look_inside(page, "runs/gpt-tiny", "ROMEO: But soft")
-    for view in ("heatmap", "lines", "probs", "lens-table", "grid", "qk", "patch"):
+    for view in ("heatmap", "lines", "probs", "lens-table", "grid", "qk", "patch", "history"):
         svg = page.evaluate(f"window.qkvDownloadText('{view}')")
         root = ET.fromstring(svg.encode())
         assert root.tag == "{http://www.w3.org/2000/svg}svg", view
@@ -333,3 +333,17 @@ def test_qk_and_patching_panels_draw_what_the_api_says(page, server) -> None:
     page.click("#patch-go")
     page.wait_for_selector("body[data-state=error]")
     assert "same number of tokens" in page.inner_text("#error")
+
+
+def test_the_step_slider_shows_each_recorded_step(page, server) -> None:
+    look_inside(page, "runs/gpt-tiny", "ROMEO: But soft")
+    page.wait_for_selector("#history-figure:not([hidden])")
+    h = api(server, "/api/history", {"model": "runs/gpt-tiny"})
+    assert page.locator("#history rect.history-cell").count() == 2 * 4
+    for i in (0, len(h["steps"]) - 1):
+        page.fill("#history-step", str(i))
+        page.dispatch_event("#history-step", "input")
+        shown = page.evaluate("window.qkvHistoryShown")
+        assert shown["step"] == h["steps"][i] and shown["scores"] == h["scores"]["induction"][i]
+    page.select_option("#history-type", "previous")
+    assert page.evaluate("window.qkvHistoryShown.type") == "previous"

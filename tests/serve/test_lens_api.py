@@ -101,3 +101,16 @@ def test_patch_equals_the_library(client, runs_dir) -> None:
     short, vit = {**req, "corrupt": "ROMEO"}, {**req, "model": "runs/vit-tiny"}
     assert "same number of tokens" in detail(client.post("/api/patch", json=short), 422)
     assert "reads text models" in detail(client.post("/api/patch", json=vit), 422)
+
+
+def test_history_is_the_runs_file(client, runs_dir) -> None:
+    from qkv.lens.history import read_history
+
+    body = client.post("/api/history", json={"model": "runs/gpt-tiny"}).json()
+    h = read_history(runs_dir / "gpt-tiny" / "history.jsonl")
+    assert body["steps"] == h.steps and len(body["steps"]) >= 2
+    assert torch.allclose(torch.tensor(body["scores"]["induction"]), h.scores["induction"], atol=1e-6)
+    assert body["loss_second"] == pytest.approx(h.loss_second)
+    vit = client.post("/api/history", json={"model": "runs/vit-tiny"})
+    assert "has no training history" in detail(vit, 422)
+    assert "nope" in detail(client.post("/api/history", json={"model": "runs/nope"}), 404)

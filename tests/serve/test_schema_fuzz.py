@@ -48,6 +48,7 @@ def _real_parts(path: str) -> st.SearchStrategy[dict]:
     models = RUNS + ["runs/escape", "runs/notes"] + (["minilm"] if asset_installed("minilm") else [])
     takes = {"/api/generate": ["runs/gpt-tiny"] * 4, "/api/lens": ["runs/gpt-tiny"] * 4,
              "/api/qk": ["runs/gpt-tiny"] * 4, "/api/patch": ["runs/gpt-tiny"] * 6,
+             "/api/history": ["runs/gpt-tiny"] * 4,
              "/api/image-attention": ["runs/vit-tiny", "runs/captioner-tiny"] * 2}.get(path, [])
     images = [png_bytes((8, 8), "L", 128), png_bytes((32, 32), "RGB", 128), png_bytes((64, 64), "RGB", 128),
               b"\x89PNG\r\n\x1a\n broken", b"GIF89a"]
@@ -66,8 +67,8 @@ def _real_parts(path: str) -> st.SearchStrategy[dict]:
         "temperature": sometimes(st.sampled_from([0.0, 1e-300, 1e-45, 1e-6, 2e-6, 0.7, 5.0])),
         "top_k": sometimes(st.integers(1, 10**6) | st.none() | st.just(2**70)),
         "seed": sometimes(st.sampled_from([None, 0, -1, 2**64 - 1, 2**64, -2**63 - 1, 2**70])),
-        "corrupt": sometimes(st.sampled_from(["ROMEO: But sift", "ROMEO: But soft", "x", " "])),
-        "answer": sometimes(st.sampled_from(["e", "a", "ROM", None])),
+        "corrupt": sometimes(st.sampled_from(["ROMEO: But sift"] * 4 + ["ROMEO: But soft", "x", " "])),
+        "answer": sometimes(st.sampled_from(["e", "e", "a", "ROM", None])),
         "wrong": sometimes(st.sampled_from(["o", "e", None])),
         "query": sometimes(st.integers(-20, 20)),
         "ablate": sometimes(st.sampled_from([[], [[0, 1]], [[1, 3], [0, 0]], [[-1, -1]], [[9, 9]],

@@ -4,7 +4,7 @@
 // Uses app.js's helpers ($, api, label, esc, colormap, VIRIDIS, rgb, state, ...).
 "use strict";
 
-const lensState = { data: null, ablated: [] };
+const lensState = { data: null, ablated: [], history: null };
 
 // softmax(z / T) over the whole vocabulary, in float64 as the server computes it.
 function softmaxT(logits, T) {
@@ -29,6 +29,10 @@ async function lookInside() {
       method: "POST", headers: { "Content-Type": "application/json" }, body: JSON.stringify(body),
     })).json();
     lensState.data = data;
+    lensState.history = null;
+    if (m.id.startsWith("runs/")) {
+      try { lensState.history = await post("/api/history", { model: m.id }); } catch (e) { lensState.history = null; }
+    }
     renderLens();
     await nextPaint();
     $("timing").textContent = `lens: ${data.tokens.length} tokens · server ${(data.seconds * 1000).toFixed(0)} ms · ` +
@@ -52,6 +56,12 @@ function renderLens() {
   if (d.logits !== null) renderBars();
   if (d.lens !== null) renderLensTable();
   renderGrid();
+  $("history-figure").hidden = !lensState.history;
+  if (lensState.history) {
+    $("history-step").max = String(lensState.history.steps.length - 1);
+    $("history-step").value = String(lensState.history.steps.length - 1);
+    renderHistory();
+  }
   const abl = d.ablated.map(([l, h]) => `${l}.${h}`).join(", ");
   $("ablated").textContent = abl ? `knocked out: ${abl}` + (d.embedding_change !== null && d.embedding_change !== undefined
     ? ` · sentence embedding changed by 1 − cos = ${d.embedding_change.toFixed(4)}` : "") : "no heads knocked out";
@@ -205,6 +215,31 @@ function onGridHover(event) {
   showPanel(event, `head ${l}.${h}${d.labels[l][h] ? " · " + d.labels[l][h] + " head" : ""}`, rows);
 }
 
+// ------------------------------------------------------------------ heads during training
+
+function renderHistory() {
+  const h = lensState.history, i = Number($("history-step").value), type = $("history-type").value;
+  const m = h.scores[type][i], L = m.length, H = m[0].length, cell = 26, lw = 60, top = 24;
+  const width = lw + H * cell + 8, height = top + L * cell + 30;
+  const parts = [`<rect x="0" y="0" width="${width}" height="${height}" fill="white"/>`];
+  for (let hh = 0; hh < H; hh++) parts.push(`<text x="${lw + hh * cell + cell / 2}" y="${top - 6}" text-anchor="middle">${hh}</text>`);
+  for (let l = 0; l < L; l++) {
+    parts.push(`<text x="${lw - 4}" y="${top + l * cell + cell / 2}" text-anchor="end" dominant-baseline="middle">layer ${l}</text>`);
+    for (let hh = 0; hh < H; hh++) {
+      const v = m[l][hh];
+      parts.push(`<rect class="history-cell" data-l="${l}" data-h="${hh}" x="${lw + hh * cell}" y="${top + l * cell}" ` +
+        `width="${cell - 1}" height="${cell - 1}" fill="${rgb(colormap(VIRIDIS, v))}"><title>${v.toFixed(3)}</title></rect>`);
+    }
+  }
+  const step = h.steps[i];
+  const copying = h.copying === null ? "not yet" : `from step ${h.copying}`;
+  parts.push(`<text x="4" y="${height - 8}">${type} scores at step ${step} (colour 0 to 1) · loss ${h.loss_first[i].toFixed(2)} ` +
+    `first copy, ${h.loss_second[i].toFixed(2)} repeat · copying ${copying}</text>`);
+  $("history-label").textContent = `step ${step}`;
+  window.qkvHistoryShown = { step, type, scores: m };
+  sizeSvg($("history"), Math.max(width, 520), height, parts);
+}
+
 // ------------------------------------------------------------------ q·k and patching
 
 async function post(path, body) {
@@ -348,6 +383,8 @@ function initLens() {
   $("grid").addEventListener("mouseleave", () => { $("hover").hidden = true; });
   $("clear-ablation").addEventListener("click", () => { lensState.ablated = []; lookInside(); });
   $("qk-go").addEventListener("click", computeQK);
+  $("history-step").addEventListener("input", () => lensState.history && renderHistory());
+  $("history-type").addEventListener("change", () => lensState.history && renderHistory());
   $("patch-go").addEventListener("click", patchPrompts);
   for (const b of document.querySelectorAll("button[data-download]")) {
     b.addEventListener("click", () => download(b.dataset.download, b.dataset.format));
