@@ -8,6 +8,7 @@
     --patch --corrupt T  activation patching from the prompt into T (--site resid | head)
     --attribute ANSWER   direct logit attribution of ANSWER (vs --wrong) to each head and MLP
     --qk L.H             one head's attention row term by term: q·k, / √d, softmax (--query)
+    --rollout            attention rollout through every layer (Abnar & Zuidema 2020)
 
 Tables go to the terminal; ``-o`` writes the view as a picture (.png, .svg, .pdf) or as
 ``.json``, and ``--json`` prints JSON. The numbers come from :mod:`qkv.lens`.
@@ -21,7 +22,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-VIEWS = ("probs", "logit_lens", "ablate", "effects", "heads", "patch", "attribute", "qk")
+VIEWS = ("probs", "logit_lens", "ablate", "effects", "heads", "patch", "attribute", "qk", "rollout")
 
 
 def add_lens_parser(sub) -> None:
@@ -34,10 +35,12 @@ def add_lens_parser(sub) -> None:
         "(--ablate 3.1,5.0; --effects for every head), which heads are previous-token, first-token, "
         "duplicate-token or induction heads (--heads), which activations carry the difference between "
         "two prompts (--patch --corrupt TEXT), and how much each head and MLP writes towards an answer "
-        "(--attribute ANSWER [--wrong W]), and one head's attention row term by term: q·k, / √d, "
-        "softmax (--qk LAYER.HEAD [--query N]). Decoders (GPT runs, smollm2, Hugging Face folders and "
+        "(--attribute ANSWER [--wrong W]); one head's attention row term by term: q·k, / √d, "
+        "softmax (--qk LAYER.HEAD [--query N]); the attention rollout through every layer (--rollout). "
+        "Decoders (GPT runs, smollm2, Hugging Face folders and "
         "GGUF files of llama, mistral, qwen2, gemma, gpt2) have every view; encoders (minilm, BERT) "
-        "have --ablate, --effects, --heads and --qk. Heads are numbered from 0 as LAYER.HEAD. Several "
+        "have --ablate, --effects, --heads, --qk and --rollout. Heads are numbered from 0 as LAYER.HEAD. "
+        "Several "
         "views may be asked at once; -o NAME.png writes one picture per view (NAME-view.png when "
         "there are several), -o NAME.json or --json the numbers.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
@@ -68,6 +71,10 @@ def add_lens_parser(sub) -> None:
                    help="one head's scores for one query token (--query), term by term: q·k for each key "
                    "(after RoPE where the model uses it), divided by √d, and the softmax: CS189 "
                    "Discussion 10 on a real model")
+    v.add_argument("--rollout", action="store_true",
+                   help="attention rollout: how much of each output token comes from each input token "
+                   "through every layer, the residual counted (Abnar & Zuidema 2020; as qkv attend shows "
+                   "for ViT)")
     o = p.add_argument_group("options")
     o.add_argument("--query", type=int, default=-1, help="--qk: the query token's position (-1: the last)")
     o.add_argument("--corrupt", default=None, help="--patch: the corrupted prompt (same number of tokens)")

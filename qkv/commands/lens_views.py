@@ -237,7 +237,26 @@ def view_qk(lm, text: str, args: argparse.Namespace, heads, out: Path | None) ->
     return data
 
 
+def view_rollout(lm, text: str, args: argparse.Namespace, heads, out: Path | None) -> dict[str, Any]:
+    from qkv import lens
+    from qkv.figures import AttentionMaps
+
+    tokens, r = lens.text_rollout(lm, text)
+    data = {"tokens": tokens, "rollout": r.tolist()}
+    if not args.json:
+        last = r[-1]
+        order = last.argsort(descending=True)[: args.top].tolist()
+        _table(f"attention rollout: where the last token ({_show(tokens[-1])}) draws from, through all "
+               f"{lm.n_layers} layers (residual counted as half of each layer)",
+               ["token", "position", "share"],
+               [[_show(tokens[j]), str(j), f"{float(last[j]):.4f}"] for j in order])
+    title = f"{lm.name}: attention rollout (rows: outputs, columns: inputs)"
+    _write(out, data, AttentionMaps(r, tokens, title))
+    return data
+
+
 VIEW_FUNCTIONS: dict[str, Callable[..., dict[str, Any]]] = {
     "probs": view_probs, "logit_lens": view_logit_lens, "ablate": view_ablate, "effects": view_effects,
     "heads": view_heads, "patch": view_patch, "attribute": view_attribute, "qk": view_qk,
+    "rollout": view_rollout,
 }

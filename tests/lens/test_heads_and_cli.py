@@ -265,3 +265,13 @@ def test_cli_qk_is_the_library_row(gpt2):
     assert torch.allclose(torch.tensor(got["scaled"]), torch.tensor(got["dots"]) / 16 ** 0.5, atol=1e-5)
     rc, _, err = call(["lens", folder, TEXT, "--qk", "1.2,0.1"])
     assert "--qk takes one head" in assert_one_line_error(rc, err)
+
+
+def test_cli_rollout_is_the_library_rollout(gpt2, tmp_path):
+    _, folder = gpt2
+    got = _json(["lens", folder, TEXT, "--rollout", "--json"])
+    tokens, r = lens.text_rollout(qkv.load(folder), TEXT)
+    assert got["tokens"] == tokens and torch.allclose(torch.tensor(got["rollout"]), r, atol=1e-6)
+    rc, out, err = call(["lens", folder, TEXT, "--rollout", "-o", str(tmp_path / "r.png")])
+    assert rc == 0, err
+    assert (tmp_path / "r.png").read_bytes().startswith(PNG) and "attention rollout" in out
