@@ -18,7 +18,7 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from qkv.commands.options import check_png_out
+from qkv.commands.options import check_picture_out
 
 if TYPE_CHECKING:
     from qkv.pipelines import CausalLM, ImageCaptioner, ImageClassifier, SentenceEncoder, Translator
@@ -75,7 +75,7 @@ def cmd_attend(args: argparse.Namespace) -> int:
     from qkv.inference import open_model, resolve
     from qkv.pipelines import ImageCaptioner, ImageClassifier, Translator
 
-    out = check_png_out(args.out, "--out")
+    out = check_picture_out(args.out, "--out")
     if args.max_tokens < 2:
         raise ValueError(f"--max-tokens must be >= 2, got {args.max_tokens}")
     ref = resolve(args.model)  # what the name means, before anything loads

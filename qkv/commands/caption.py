@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from qkv.commands.options import check_png_out
+from qkv.commands.options import check_picture_out
 
 
 def add_caption_parser(sub) -> None:
@@ -39,7 +39,7 @@ def cmd_caption(args: argparse.Namespace) -> int:
     from qkv.pipelines import ImageCaptioner
 
     if args.plot is not None:
-        check_png_out(args.plot, "--plot")
+        check_picture_out(args.plot, "--plot")
     if not 1 <= args.beam <= 64:
         raise ValueError(f"--beam must be between 1 and 64, got {args.beam}")
     cap = open_model(args.run, family="captioner")

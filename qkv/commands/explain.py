@@ -14,7 +14,7 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
-from qkv.commands.options import check_png_out
+from qkv.commands.options import check_picture_out
 
 EPILOG = "Options follow the topic: `qkv explain softmax --temperature 0.5 --plot softmax.png`."
 
@@ -374,7 +374,7 @@ def cmd_explain(args: argparse.Namespace) -> int:
     if args.topic not in TOPICS:
         raise ValueError(f"unknown topic {args.topic!r}; choose from: {', '.join(TOPICS)}")
     a = topic_parser(args.topic).parse_args(args.options)
-    out = check_png_out(a.plot, "--plot") if getattr(a, "plot", None) else None
+    out = check_picture_out(a.plot, "--plot") if getattr(a, "plot", None) else None
     result = CLI[args.topic][1](a)
     from rich.console import Console
 

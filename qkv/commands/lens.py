@@ -104,11 +104,11 @@ def _views(args: argparse.Namespace) -> list[str]:
 
 
 def _out_paths(out: str | None, views: list[str]) -> dict[str, Path]:
-    from qkv.commands.options import PICTURE_SUFFIXES, check_png_out
+    from qkv.commands.options import PICTURE_SUFFIXES, check_picture_out
 
     if out is None:
         return {}
-    path = check_png_out(out, "-o/--out", (*PICTURE_SUFFIXES, ".json"))
+    path = check_picture_out(out, "-o/--out", (*PICTURE_SUFFIXES, ".json"))
     if len(views) == 1:
         return {views[0]: path}
     return {v: path.with_name(f"{path.stem}-{v.replace('_', '-')}{path.suffix}") for v in views}

@@ -92,7 +92,7 @@ def overrides(args: argparse.Namespace, cls: type) -> dict[str, Any]:
 PICTURE_SUFFIXES = (".png", ".svg", ".pdf")
 
 
-def check_png_out(path: str, flag: str, suffixes: tuple[str, ...] = PICTURE_SUFFIXES):
+def check_picture_out(path: str, flag: str, suffixes: tuple[str, ...] = PICTURE_SUFFIXES):
     """The Path of a picture the command will write (PNG, or SVG/PDF for slides and papers);
     ValueError (one line) if ``path`` has another suffix or its folder does not exist."""
     from pathlib import Path

@@ -6,7 +6,7 @@ import argparse
 import json
 from pathlib import Path
 
-from qkv.commands.options import check_png_out
+from qkv.commands.options import check_picture_out
 
 
 def add_translate_parser(sub) -> None:
@@ -38,7 +38,7 @@ def cmd_translate(args: argparse.Namespace) -> int:
     if args.beam < 1:
         raise ValueError(f"--beam must be >= 1, got {args.beam}")
     if args.plot is not None:
-        check_png_out(args.plot, "--plot")
+        check_picture_out(args.plot, "--plot")
     tr = open_model(args.run, family="seq2seq")
     assert isinstance(tr, Translator)
     texts, notes = tr.prepare(args.texts)

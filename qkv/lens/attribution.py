@@ -74,7 +74,8 @@ def attribute(lm: TextModel, text: str | list[int] | ActivationCache, answer: st
     total = float(last[a] - (last[b] if b is not None else 0.0))
 
     w_u = weight_of(model.lm_head)
-    d = w_u[a] - (w_u[b] if b is not None else 0.0)  # (dim,)
+    direction = w_u[a] - (w_u[b] if b is not None else 0.0)  # (dim,): the unembedding's answer - wrong
+    d = direction
     const = 0.0
     head_bias = getattr(model.lm_head, "bias", None)
     if head_bias is not None:
@@ -85,7 +86,7 @@ def attribute(lm: TextModel, text: str | list[int] | ActivationCache, answer: st
         scale = torch.sqrt(r.var(unbiased=False) + norm.eps)
         d = d * norm.weight.double() / scale
         if norm.bias is not None:
-            const += float(norm.bias.double() @ (w_u[a] - (w_u[b] if b is not None else 0.0)))
+            const += float(norm.bias.double() @ direction)
         center = True
     elif isinstance(norm, RMSNorm):
         d = d * norm.weight.double() / torch.sqrt(r.pow(2).mean() + norm.eps)

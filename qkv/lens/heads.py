@@ -26,8 +26,10 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from qkv.attention.rollout import attention_rollout
-from qkv.lens.cache import encode, labels
-from qkv.lens.hooks import TextModel, device_of, forward, is_decoder
+from qkv.errors import InputError
+from qkv.lens.cache import encode, labels, run_with_cache
+from qkv.lens.causal import check_heads
+from qkv.lens.hooks import TextModel, blocks, device_of, forward, is_decoder, shape
 
 HEAD_TYPES: tuple[str, ...] = ("previous", "first", "duplicate", "induction")
 THRESHOLD = 0.4  # a head is named after its highest score when that score reaches this
@@ -173,15 +175,8 @@ class QueryKey:
 def query_key(lm: TextModel, text: str | list[int], layer: int, head: int, query: int = -1) -> QueryKey:
     """The q·k computation behind one attention row: query token ``query`` (negative counts from
     the end) of ``head`` in ``layer``; a grouped-query head reads its group's key head."""
-    from qkv.errors import InputError
-    from qkv.lens.cache import run_with_cache
-    from qkv.lens.hooks import blocks, shape
-
-    L, H, Dh = shape(lm.model)
-    if not (-L <= layer < L and -H <= head < H):
-        raise InputError(f"head {layer}.{head} is not in {lm.name}, which has {L} layers (0-{L - 1}) "
-                         f"of {H} heads (0-{H - 1})")
-    layer, head = layer % L, head % H
+    layer, head = check_heads(lm, [(layer, head)])[0]
+    Dh = shape(lm.model)[2]
     cache = run_with_cache(lm, text)
     T = len(cache.ids)
     if not -T <= query < T:

@@ -159,7 +159,7 @@ class LogitLens:
         (e.g. the model's final prediction, or the text's actual next token)."""
         idx = torch.as_tensor(token_ids).view(-1, 1)
         n = len(idx)
-        cells = self._read(None, lambda lp: lp)[:, :n] if self._all is None else self._all[:, :n]
+        cells = self.logprobs[:, :n]
         return cells.gather(-1, idx.view(1, n, 1).expand(cells.shape[0], n, 1))[..., 0].exp()
 
 

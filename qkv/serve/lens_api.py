@@ -87,8 +87,6 @@ def lens_response(lm: CausalLM | SentenceEncoder, req: LensRequest, max_tokens: 
                                       prob=[[round(float(p), 4) for p in row] for row in probs[..., 0]])
     elif heads:
         resp["embedding_change"] = 1 - float(F.cosine_similarity(out.mean(0), base.mean(0), dim=0))
-    elif not isinstance(lm, SentenceEncoder):
-        raise InputError(f"{req.model} is not a text model the lens reads")
     return LensResponse(**resp, seconds=time.perf_counter() - t0)
 
 

@@ -101,7 +101,7 @@ def test_a_gpt_run_records_its_heads_at_every_evaluation(tiny_run):
     now = lens.score_model(lm.model, probe)
     assert torch.allclose(hist.scores["previous"][-1], now.previous, atol=2e-4)
     assert (run / "heads.png").read_bytes().startswith(PNG)
-    assert "head" in tiny_run.stdout("gpt")
+    assert "heads: in-context copying: loss" in tiny_run.stdout("gpt")
 
 
 # ------------------------------------------------------------------------------ the command line

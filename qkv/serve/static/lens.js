@@ -24,10 +24,7 @@ async function lookInside() {
   setBusy(true);
   const t0 = performance.now();
   try {
-    const body = { model: m.id, text: $("text").value, ablate: lensState.ablated };
-    const data = await (await api("/api/lens", {
-      method: "POST", headers: { "Content-Type": "application/json" }, body: JSON.stringify(body),
-    })).json();
+    const data = await post("/api/lens", { model: m.id, text: $("text").value, ablate: lensState.ablated });
     lensState.data = data;
     lensState.history = null;
     if (m.id.startsWith("runs/")) {
