@@ -4,6 +4,7 @@ half of a line 0.5 nats below the first half's), each head type's best score at 
 the end, and the wall time.
 
     python benchmarks/induction.py
+    python benchmarks/induction.py --keep runs/induction     # keep the run (for qkv serve's step slider)
 """
 
 from __future__ import annotations
@@ -24,12 +25,13 @@ def main() -> None:
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", default=None, help="results JSON (default benchmarks/results/induction.json)")
+    p.add_argument("--keep", default=None, help="train into this (new) folder and keep it")
     args = p.parse_args()
     machine = C.machine_info()
     print(C.machine_line(machine))
     meter = C.LoadMeter()
     with tempfile.TemporaryDirectory() as tmp:
-        run = Path(tmp) / "run"
+        run = Path(args.keep) if args.keep else Path(tmp) / "run"
         t0 = time.perf_counter()
         proc = subprocess.run([sys.executable, "-m", "qkv", "train", "gpt", "--preset", "induction",
                                "--out_dir", str(run), "--no-progress"], capture_output=True, text=True)

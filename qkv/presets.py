@@ -37,9 +37,12 @@ GPT_PRESETS: dict[str, dict[str, Any]] = {
     },
     # Heads forming while you watch: a small 2-layer GPT on lines of random letters each written
     # twice, scored at every evaluation (history.jsonl, heads.png); the step its induction head
-    # forms is printed at the end (BENCHMARKS.md: when, on which CPU).
+    # forms is printed at the end (BENCHMARKS.md: when, on which CPU). RoPE: with learned
+    # positions the same model copies as well but spreads the previous-token and induction
+    # attention over all four heads of each layer (~0.2-0.3 each); with rotations single heads
+    # take the jobs (induction ~0.8), which is what there is to see.
     "induction": {
-        "model": dict(max_seq_len=64, dim=64, n_layers=2, n_heads=4, bias=False),
+        "model": dict(max_seq_len=64, dim=64, n_layers=2, n_heads=4, bias=False, positions="rope"),
         "train": dict(batch_size=32, max_iters=1200, lr=3e-3, min_lr=3e-4, warmup_iters=20,
                       eval_interval=50, eval_iters=10),
         "data": dict(builtin="repeats"),

@@ -121,13 +121,14 @@ class GPTFamily(FamilyBase):
     def prepare(self, model_cfg: GPTConfig, data_cfg: LMDataConfig, resume_dir, on_note) -> Prepared:
         from dataclasses import replace
 
+        from qkv.lens.heads import probe_avoid
         from qkv.lens.history import history_probe
         from qkv.tokenizers import load_tokenizer, save_tokenizer, stop_ids
 
         tok = load_tokenizer(resume_dir / "tokenizer.json") if resume_dir else None
         corpus, tok, batches = prepare_data(data_cfg, model_cfg.max_seq_len, tok)
         # every head scored at each evaluation (history.jsonl, heads.png): heads forming
-        probe = history_probe(tok.vocab_size, model_cfg.max_seq_len, tuple(stop_ids(tok)))
+        probe = history_probe(tok.vocab_size, model_cfg.max_seq_len, probe_avoid(tok, tuple(stop_ids(tok))))
         return Prepared(replace(model_cfg, vocab_size=tok.vocab_size), batches, LMState(corpus, tok),
                         record={"tokenizer": "tokenizer.json"},
                         data_record={"corpus": corpus.name, "sha256": corpus.sha256},

@@ -25,6 +25,7 @@ from qkv.lens.heads import (
     HeadScores,
     QueryKey,
     head_scores,
+    probe_avoid,
     query_key,
     repeated_tokens,
     score_model,
@@ -34,5 +35,6 @@ from qkv.lens.predict import LogitLens, NextToken, TokenProb, logit_lens, next_t
 
 __all__ = ["HEAD_TYPES", "ActivationCache", "Attribution", "HeadEffects", "HeadScores", "LogitLens",
            "NextToken", "Patching", "QueryKey", "TokenProb", "ablate", "attribute", "head_effects",
-           "head_scores", "logit_lens", "next_token", "parse_heads", "patch", "query_key", "repeated_tokens",
+           "head_scores", "logit_lens", "next_token", "parse_heads", "patch", "probe_avoid", "query_key",
+           "repeated_tokens",
            "run_with_cache", "score_model", "text_rollout"]

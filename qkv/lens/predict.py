@@ -28,6 +28,7 @@ from torch import Tensor, nn
 from qkv.errors import InputError
 from qkv.lens.cache import ActivationCache, encode, labels
 from qkv.lens.hooks import Recorded, TextModel, device_of, forward, hooked, is_decoder, normed_streams, shape
+from qkv.nn.linear import Linear as QLinear
 
 
 def check_decoder(lm: TextModel, what: str) -> None:
@@ -136,8 +137,27 @@ class LogitLens:
     @property
     def logprobs(self) -> Tensor:
         """(L + 1, T, V) float32 log-probabilities of every cell (computed once, then kept)."""
-        if self._all is None:
-            self._all = self._read(None, lambda lp: lp)
+        if self._all is None:  # written in place, chunk by chunk (no second 390 MB copy)
+            R, T, D = self.normed.shape
+            flat = self.normed.reshape(R * T, D)
+            out = None
+            with torch.inference_mode():
+                w = getattr(self.head, "weight", None)
+                plain = (type(self.head) in (nn.Linear, QLinear) and self.head.bias is None and w is not None
+                         and w.dtype == torch.float32 and flat.dtype == torch.float32)
+                for i in range(0, R * T, ROWS):
+                    if plain:  # the logits straight into the output, then normalised in place
+                        if out is None:
+                            out = torch.empty(R * T, w.shape[0], dtype=torch.float32, device=w.device)
+                        part = torch.mm(flat[i:i + ROWS], w.t(), out=out[i:i + ROWS])
+                        part.sub_(part.logsumexp(-1, keepdim=True))
+                        continue
+                    z = self.head(flat[i:i + ROWS]).float()
+                    if out is None:
+                        out = torch.empty(R * T, z.shape[-1], dtype=torch.float32, device=z.device)
+                    torch.sub(z, z.logsumexp(-1, keepdim=True), out=out[i:i + ROWS])
+            assert out is not None
+            self._all = out.cpu().view(R, T, -1)
         return self._all
 
     def top(self, k: int = 1, positions: list[int] | None = None) -> tuple[Tensor, Tensor]:

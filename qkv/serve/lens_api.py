@@ -1,7 +1,8 @@
 """`POST /api/lens`: what the page's lens views draw, from :mod:`qkv.lens` (the command line's
 `qkv lens` reads the same functions): the next-token logits (the page computes softmax(z / T)
 itself, so its temperature slider needs no request), the logit lens, every head as a
-thumbnail with its scores, and the same with heads knocked out."""
+thumbnail with its scores, the attention rollout through every layer, and the same with heads
+knocked out."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from qkv import lens
+from qkv.attention.rollout import attention_rollout
 from qkv.errors import InputError
 from qkv.pipelines import CausalLM, SentenceEncoder
 from qkv.pipelines import attention as text
@@ -26,6 +28,7 @@ from qkv.serve.schemas import (
     PatchResponse,
     QKRequest,
     QKResponse,
+    RolloutCells,
     TokenCandidate,
 )
 
@@ -36,6 +39,7 @@ if TYPE_CHECKING:
 THUMB = 16  # thumbnails are pooled to at most THUMB x THUMB
 CANDIDATES = 20
 LENS_POSITIONS = 16  # the logit lens of the last 16 positions (a table wider is not read)
+ROLLOUT_ROWS = 32  # the rollout's rows for the last 32 query positions, every key
 
 
 def _thumbs(patterns: list[torch.Tensor]) -> list[list[list[float]]]:
@@ -68,9 +72,13 @@ def lens_response(lm: CausalLM | SentenceEncoder, req: LensRequest, max_tokens: 
     scores = _scores(lm, score_cache, key)
     base = cache.out
     out = lens.ablate(lm, ids, heads, req.mode) if heads else base
+    roll = attention_rollout([p[None] for p in cache.pattern])[0]  # (T, T), the same forward pass
+    rows = list(range(max(0, len(ids) - ROLLOUT_ROWS), len(ids)))
+    rollout = RolloutCells(positions=rows, values=[[round(float(v), 5) for v in roll[t]] for t in rows])
     resp = dict(model=req.model, kind=lm.kind, tokens=cache.tokens, n_layers=lm.n_layers, n_heads=lm.n_heads,
                 ablated=heads, scores={t: s.tolist() for t, s in scores.by_type().items()},
                 labels=scores.labels, thumbs=_thumbs(cache.pattern) if req.thumbs else None, notes=notes,
+                rollout=rollout,
                 candidates=[])
     if lm.kind == "decoder":
         last = out[-1]

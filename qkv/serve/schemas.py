@@ -145,6 +145,14 @@ class LogitLensCells(BaseModel):
     prob: list[list[float]] = Field(description="its probability")
 
 
+class RolloutCells(BaseModel):
+    positions: list[int] = Field(description="the query positions (rows), the last 32 at most")
+    values: list[list[float]] = Field(description="rows x every token: how much of that position's "
+                                      "output comes from each input token through every layer (attention "
+                                      "rollout, Abnar & Zuidema 2020; heads averaged, residual share 0.5; "
+                                      "rows sum to 1)")
+
+
 class LensResponse(BaseModel):
     model: str
     kind: str
@@ -165,6 +173,7 @@ class LensResponse(BaseModel):
     scores: dict[str, list[list[float]]] = Field(description="head scores (L x H) per type: previous, first, "
                                                  "duplicate, induction")
     labels: list[list[str]]
+    rollout: RolloutCells | None = None
     embedding_change: float | None = Field(None, description="encoders: 1 - cos of the sentence embedding "
                                            "with and without the ablated heads")
     notes: list[str]

@@ -85,6 +85,9 @@ def test_repeated_tokens_avoid_stop_ids_and_repeat():
     assert t.shape == (4, 100) and torch.equal(t[:, :50], t[:, 50:])
     assert not torch.isin(t, torch.tensor([0, 3])).any()
     assert torch.equal(t, lens.repeated_tokens(10, repeat=50, batch=4, seed=0, avoid=(0, 3)))
+    # a vocabulary large enough: no token twice in a half, so each has one earlier occurrence
+    u = lens.repeated_tokens(30, repeat=24, batch=16, seed=0, avoid=(0,))
+    assert all(len(set(row[:24].tolist())) == 24 for row in u) and not (u == 0).any()
 
 
 def test_a_gpt_run_records_its_heads_at_every_evaluation(tiny_run):
@@ -96,8 +99,9 @@ def test_a_gpt_run_records_its_heads_at_every_evaluation(tiny_run):
     assert hist is not None and hist.scores["induction"].shape == (len(rows), 2, 4)
     # the last row is the final model's scores on the same probe (the best weights are the last here)
     lm = qkv.load(str(run))
-    probe = lens.repeated_tokens(lm.model.cfg.vocab_size, repeat=16, batch=8, seed=1234,
-                                 avoid=tuple(lm.stop_ids))
+    avoid = lens.probe_avoid(lm.tokenizer, tuple(lm.stop_ids))
+    assert avoid == tuple(i for i in range(lm.tokenizer.vocab_size) if "\n" in lm.tokenizer.decode([i]))
+    probe = lens.repeated_tokens(lm.tokenizer.vocab_size, repeat=16, batch=8, seed=1234, avoid=avoid)
     now = lens.score_model(lm.model, probe)
     assert torch.allclose(hist.scores["previous"][-1], now.previous, atol=2e-4)
     assert (run / "heads.png").read_bytes().startswith(PNG)
@@ -226,7 +230,8 @@ def test_repeats_corpus_writes_each_line_twice():
 @pytest.mark.slow
 def test_the_induction_preset_learns_to_copy_from_context(tmp_path):
     """The preset as a user runs it (about a minute on 2 cores): the loss on the repeated half
-    falls well below the first half's, and the best induction score rises from its start."""
+    falls well below the first half's, and one head of the second layer becomes an induction
+    head (score from ~0.03 at step 0 past 0.5), the moment printed."""
     rc, out, err = call(["train", "gpt", "--preset", "induction", "--out_dir", str(tmp_path / "run"),
                          "--no-progress"])
     assert rc == 0, err
@@ -234,8 +239,10 @@ def test_the_induction_preset_learns_to_copy_from_context(tmp_path):
     assert hist.copying_from() is not None
     assert hist.loss_first[-1] - hist.loss_second[-1] > 0.5
     best = hist.scores["induction"].flatten(1).max(1).values
-    assert best[0] < 0.05 and best[-1] > 2 * best[0]
-    assert "in-context copying" in out
+    assert best[0] < 0.1 and best[-1] > 0.5
+    assert hist.loss_second[-1] < 1.0  # copying, not guessing among 26 letters (3.3 nats)
+    formed = hist.formed()["induction"]
+    assert formed is not None and f"induction head formed at step {formed}" in out
 
 
 def test_show_renders_standalone_svg_views_for_notebooks(gpt2, tmp_path):

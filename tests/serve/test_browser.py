@@ -247,6 +247,8 @@ def test_probability_bars_follow_the_temperature_as_softmax(page, server) -> Non
     L, T = data["n_layers"], len(data["tokens"])
     assert page.locator("#lens-table rect.lens-cell").count() == (L + 1) * min(T, 16)
     assert page.evaluate("document.querySelector('#grid').width") > 4 * 34  # 4 heads across
+    assert page.locator("#rollout rect.rollout-cell").count() == min(T, 32) * T
+    assert page.evaluate("window.qkvRollout.values") == data["rollout"]["values"]
 
 
 def test_clicking_a_head_knocks_it_out_as_the_api_says(page, server) -> None:
@@ -275,7 +277,7 @@ def test_every_view_downloads_a_standalone_svg_and_a_png(page, tmp_path) -> None
 
     show(page, "runs/gpt-tiny", "ROMEO")
     look_inside(page, "runs/gpt-tiny", "ROMEO: But soft")
-    for view in ("heatmap", "lines", "probs", "lens-table", "grid", "qk", "patch", "history"):
+    for view in ("heatmap", "lines", "probs", "lens-table", "rollout", "grid", "qk", "patch", "history"):
         svg = page.evaluate(f"window.qkvDownloadText('{view}')")
         root = ET.fromstring(svg.encode())
         assert root.tag == "{http://www.w3.org/2000/svg}svg", view

@@ -52,6 +52,14 @@ def test_lens_answers_with_the_models_own_numbers(client, runs_dir) -> None:
     assert torch.allclose(torch.tensor(body["thumbs"][1 * H + 2]), want, atol=1e-4)
     assert torch.allclose(torch.tensor(body["scores"]["previous"]), lens.head_scores(lm).previous, atol=1e-6)
     assert body["base_logits"] is None
+    # the rollout, by hand in float64: A_l = (mean of heads + I) / 2, rows renormalised, multiplied up
+    roll = torch.eye(T, dtype=torch.float64)
+    for layer_w in w:
+        a = 0.5 * layer_w[0].double().mean(0) + 0.5 * torch.eye(T, dtype=torch.float64)
+        roll = (a / a.sum(-1, keepdim=True)) @ roll
+    rows = list(range(max(0, T - 32), T))
+    assert body["rollout"]["positions"] == rows
+    assert torch.allclose(torch.tensor(body["rollout"]["values"], dtype=torch.float64), roll[rows], atol=1e-4)
 
 
 def test_lens_with_heads_knocked_out(client, runs_dir) -> None:

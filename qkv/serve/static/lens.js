@@ -52,6 +52,8 @@ function renderLens() {
   $("lens-figure").hidden = d.lens === null;
   if (d.logits !== null) renderBars();
   if (d.lens !== null) renderLensTable();
+  $("rollout-figure").hidden = !d.rollout;
+  if (d.rollout) renderRollout();
   renderGrid();
   $("history-figure").hidden = !lensState.history;
   if (lensState.history) {
@@ -118,6 +120,35 @@ function renderLensTable() {
     }
   }
   sizeSvg($("lens-table"), width, height, parts);
+}
+
+// ------------------------------------------------------------------ attention rollout
+
+function renderRollout() {
+  const d = lensState.data, R = d.rollout.positions.length, T = d.tokens.length;
+  const cw = Math.max(6, Math.min(16, Math.floor(640 / T))), ch = 14, lw = 110, top = 70;
+  const width = lw + T * cw + 8, height = top + R * ch + 6;
+  const parts = [`<rect x="0" y="0" width="${width}" height="${height}" fill="white"/>`];
+  if (cw >= 10) {
+    d.tokens.forEach((tok, j) => {
+      const x = lw + j * cw + cw / 2;
+      parts.push(`<text x="${x}" y="${top - 6}" transform="rotate(-60 ${x} ${top - 6})" font-size="9">${esc(label(tok)).slice(0, 10)}</text>`);
+    });
+  }
+  const sink = $("rollout-sink").checked;  // LLMs park most attention on the first token
+  d.rollout.positions.forEach((t, i) => {
+    const row = d.rollout.values[i], y = top + i * ch;
+    let max = 0;
+    row.forEach((v, j) => { if (!(sink && j === 0 && t > 0)) max = Math.max(max, v); });
+    parts.push(`<text x="${lw - 4}" y="${y + ch / 2}" text-anchor="end" dominant-baseline="middle" font-size="10">` +
+      `${esc(label(d.tokens[t])).slice(0, 12)} #${t}</text>`);
+    row.forEach((v, j) => {
+      parts.push(`<rect class="rollout-cell" data-t="${t}" data-j="${j}" x="${lw + j * cw}" y="${y}" width="${cw - 1}" ` +
+        `height="${ch - 1}" fill="${rgb(colormap(VIRIDIS, Math.min(1, v / (max || 1))))}"><title>${v.toFixed(4)}</title></rect>`);
+    });
+  });
+  window.qkvRollout = d.rollout;
+  sizeSvg($("rollout"), width, height, parts);
 }
 
 // ------------------------------------------------------------------ every head
@@ -234,7 +265,7 @@ function renderHistory() {
     `first copy, ${h.loss_second[i].toFixed(2)} repeat · copying ${copying}</text>`);
   $("history-label").textContent = `step ${step}`;
   window.qkvHistoryShown = { step, type, scores: m };
-  sizeSvg($("history"), Math.max(width, 520), height, parts);
+  sizeSvg($("history"), Math.max(width, 720), height, parts);
 }
 
 // ------------------------------------------------------------------ q·k and patching
@@ -382,6 +413,7 @@ function initLens() {
   $("qk-go").addEventListener("click", computeQK);
   $("history-step").addEventListener("input", () => lensState.history && renderHistory());
   $("history-type").addEventListener("change", () => lensState.history && renderHistory());
+  $("rollout-sink").addEventListener("change", () => lensState.data && lensState.data.rollout && renderRollout());
   $("patch-go").addEventListener("click", patchPrompts);
   for (const b of document.querySelectorAll("button[data-download]")) {
     b.addEventListener("click", () => download(b.dataset.download, b.dataset.format));
