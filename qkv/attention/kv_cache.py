@@ -53,6 +53,18 @@ class KVCache:
         self.pos = 0  # tokens stored so far (the same for every layer once a step is done)
         self._layers: list[LayerKVCache] = []  # built on first use (after k/v exist)
 
+    @classmethod
+    def wrap(cls, k: Tensor, v: Tensor, pos: int = 0) -> KVCache:
+        """A cache around existing (L, B, K, S_max, D) buffers, written in place. ``pos`` may be
+        symbolic (``marker.shape[0]`` inside :mod:`qkv.generation.aot`'s exported step, whose
+        position is an input rather than Python state)."""
+        if k.ndim != 5 or v.ndim != 5 or v.shape[:4] != k.shape[:4]:
+            raise ValueError(f"KVCache.wrap: k and v must be (L, B, K, S_max, D), got "
+                             f"{tuple(k.shape)} and {tuple(v.shape)}")
+        self = cls.__new__(cls)
+        self.k, self.v, self.pos, self._layers = k, v, pos, []
+        return self
+
     @property
     def max_seq_len(self) -> int:
         return self.k.shape[3]
@@ -130,6 +142,19 @@ class LayerKVCache:
                 f"KVCache overflow: position {pos} + {T} new tokens > max_seq_len {S_max}; "
                 "allocate a larger cache or shorten the sequence"
             )
-        self.k[:, :, pos : pos + T] = k
-        self.v[:, :, pos : pos + T] = v
+        if torch.compiler.is_exporting():
+            # One index_put_ on the whole (L, B, K, S_max, D) buffer, which Inductor writes in
+            # place into the exported step's input. The slice write below goes through this
+            # layer's view and is functionalised into a select_scatter that Inductor lowers as
+            # a rewrite of the WHOLE cache, once per layer, every token. (Export only: under
+            # torch.compile the slice write is in place, and index_put_ fails for q4 models.)
+            dev = k.device
+            idx = (torch.full((1, 1, 1), self.index, dtype=torch.long, device=dev),
+                   torch.arange(B, device=dev).view(B, 1, 1), torch.arange(K, device=dev).view(1, K, 1),
+                   torch.arange(pos, pos + T, device=dev).view(1, 1, T))
+            self.cache.k.index_put_(idx, k)
+            self.cache.v.index_put_(idx, v)
+        else:
+            self.k[:, :, pos : pos + T] = k
+            self.v[:, :, pos : pos + T] = v
         return self.k[:, :, : pos + T], self.v[:, :, : pos + T]

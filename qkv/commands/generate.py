@@ -36,11 +36,13 @@ def add_generate_parser(sub) -> None:
     p.add_argument("--top-p", type=float, default=None, help="nucleus sampling: smallest set with this mass")
     p.add_argument("--seed", type=int, default=None, help="random seed for reproducible samples")
     p.add_argument("--no-cache", action="store_true", help="recompute the whole context every step (slow)")
-    p.add_argument("--compile", action="store_true",
-                   help="decode through a torch.compile'd step: ~1.7-2x faster per token once "
-                   "compiled (smollm2 q4 on a 2-core Zen 5: 204 tok/s, llama.cpp 195), but compiling takes "
-                   "35-65 s the first time on a machine and ~7 s once PyTorch's cache holds it, so "
-                   "it pays for long outputs (BENCHMARKS.md)")
+    p.add_argument("--compile", nargs="?", const="on", default="auto", choices=("auto", "on", "off", "jit"),
+                   help="how each new token is computed. auto (default): through the model's saved "
+                   "step when one was built on this machine (a step compiled ahead of time, loaded in "
+                   "milliseconds: ~2x eager per token), else eagerly; on (or a bare --compile): build "
+                   "the saved step first if there is none (about a minute, once per model, weight "
+                   "format and machine; kept in qkv's cache folder); off: eagerly; jit: torch.compile "
+                   "in this process (~7-65 s each time). QKV_SAVED_STEP=off also turns saved steps off")
     p.add_argument("--device", default="cpu", help="cpu or cuda")
     p.add_argument("--chat", action="store_true",
                    help="(pretrained) wrap the prompt in the model's chat template and print the reply")
@@ -88,7 +90,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         raise ValueError(f"{args.run} continues a prompt: give --prompt TEXT (with --chat: your message)")
     pieces = lm.stream(prompt, args.max_new_tokens, chat=args.chat, system=args.system,
                        temperature=args.temperature, top_k=args.top_k or None, top_p=args.top_p,
-                       seed=args.seed, use_cache=not args.no_cache, compile=args.compile,
+                       seed=args.seed, use_cache=not args.no_cache, compile=COMPILE[args.compile],
                        slide=not args.chat)
     started = False  # notes and the echoed prompt come once generation has started (errors first)
     for piece in pieces:
@@ -118,8 +120,11 @@ def _start(lm: CausalLM, prompt: str, chat: bool, loaded: str) -> None:
         sys.stdout.write(prompt)
 
 
+COMPILE: dict[str, bool | str] = {"auto": "auto", "on": True, "off": False, "jit": "jit"}
+
+
 def check_compile(args: argparse.Namespace) -> None:
-    if args.compile and args.no_cache:
+    if args.compile in ("on", "jit") and args.no_cache:
         raise ValueError("--compile compiles the KV-cache step; drop --no-cache")
 
 
@@ -128,8 +133,16 @@ def decode_mode(args: argparse.Namespace, model, n_tokens: int, seconds: float) 
     closing stats line."""
     if args.no_cache:
         return "no cache"
-    if not args.compile:
+    if args.compile == "off":
         return "KV cache"
+    if args.compile in ("auto", "on"):
+        from qkv.generation.aot import saved_step
+
+        step, note = saved_step(model)
+        if step is None:
+            return f"KV cache ({note}: decoded eagerly; --compile builds one)"
+        return (f"KV cache, saved step ({note + ', ' if note else ''}loaded in "
+                f"{step.load_seconds * 1000:.0f} ms)")
     from qkv.generation.compiled import compiled_decoder
 
     dec = compiled_decoder(model)

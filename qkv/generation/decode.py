@@ -91,7 +91,7 @@ def generate(
     seed: int | None = None,
     stop_ids: Iterable[int] = (),
     return_weights: bool = False,
-    compile: bool = False,
+    compile: bool | str = "auto",
 ) -> Iterator[Any]:
     """Yield (B,) new token ids one step at a time (so callers can stream them), or, with
     ``return_weights``, (ids, weights): the attention of the position that chose them, one
@@ -107,14 +107,19 @@ def generate(
         stop_ids: ids that end a row (chat models' end of turn). Generation ends, without
             yielding that step, once every row has produced one; a row that stopped earlier
             repeats its stop id.
-        compile: run the 1-token steps through the model's compiled step
-            (:mod:`qkv.generation.compiled`: compiled once per process, faster per token;
-            the prompt still runs eagerly). Requests longer than its fixed cache
-            (prompt + new tokens > 2,048) decode eagerly.
+        compile: how the 1-token steps run (the prompt always runs eagerly). ``"auto"``: through
+            the model's saved step (:mod:`qkv.generation.aot`) when one was built on this
+            machine, else eagerly; ``True``: build the saved step first if there is none
+            (tens of seconds to minutes, once per model and machine); ``"jit"``: through
+            ``torch.compile`` in this process (:mod:`qkv.generation.compiled`); ``False``:
+            eagerly. Requests longer than a step's fixed cache (prompt + new tokens > 2,048)
+            and ``return_weights`` decode eagerly.
     """
     if prompt.ndim != 2 or prompt.shape[1] < 1:
         raise ValueError(f"prompt must be (B, T) with T >= 1, got shape {tuple(prompt.shape)}")
-    if return_weights and compile:
+    if compile not in (True, False, "auto", "jit"):
+        raise ValueError(f"compile must be True, False, 'auto' or 'jit', got {compile!r}")
+    if return_weights and compile in (True, "jit"):
         raise ValueError("the compiled step returns no attention weights; use compile=False")
     model.eval()
     if generator is None and seed is not None:
@@ -129,13 +134,18 @@ def generate(
     # sizing it to the need avoids zeroing a (L, B, K, 8192, D) buffer for a short reply.
     cache_len = min(W, tokens.shape[1] + max(max_new_tokens, 1))
     cache, step = None, None  # step: the compiled 1-token step, if asked for and the request fits
-    if compile and use_cache:
+    dec: Any = None
+    if compile == "jit" and use_cache:
         from qkv.generation.compiled import compiled_decoder
 
         dec = compiled_decoder(model)
-        if dec.fits(tokens.shape[1] + max_new_tokens):
-            dec.begin()
-            cache, step = dec.make_cache(tokens.shape[0]), dec.step
+    elif compile in (True, "auto") and use_cache and not return_weights and tokens.shape[0] == 1:
+        from qkv.generation.aot import saved_step
+
+        dec, _ = saved_step(model, build_missing=compile is True)
+    if dec is not None and dec.fits(tokens.shape[1] + max_new_tokens):
+        dec.begin()
+        cache, step = dec.make_cache(tokens.shape[0]), dec.step
     if use_cache and cache is None:
         cache = model.make_cache(tokens.shape[0], cache_len)
     start, fed = 0, 0  # context = tokens[:, start:]; the cache holds tokens[:, start:fed]

@@ -323,7 +323,7 @@ class CausalLM(LayersAndHeads):
         seed: int | None = None,
         use_cache: bool = True,
         stop_at_eos: bool = True,
-        compile: bool = False,
+        compile: bool | str = "auto",
         slide: bool = False,
     ) -> Iterator[str]:
         """Yield the continuation of ``prompt`` piece by piece (whole characters only).
@@ -333,9 +333,10 @@ class CausalLM(LayersAndHeads):
         refused; with ``slide`` (what ``qkv generate`` asks for a continuation) a long prompt
         keeps its last tokens and generation goes on past the context, which keeps its newest
         half (:func:`qkv.generation.generate`). Notes on either are in ``last_stats.notes``.
-        ``compile=True`` decodes through the model's compiled step
-        (:mod:`qkv.generation.compiled`): compiled on the first call of the process (tens of
-        seconds), faster per token on every later one.
+        ``compile``: ``"auto"`` decodes through the model's saved step when one was built on
+        this machine (:mod:`qkv.generation.aot`, loaded in milliseconds), ``True`` builds it
+        first if there is none (once per model and machine), ``"jit"`` compiles in this
+        process (:mod:`qkv.generation.compiled`), ``False`` decodes eagerly.
         """
         if max_new_tokens < 0:
             raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
@@ -359,7 +360,7 @@ class CausalLM(LayersAndHeads):
 
     def steps(self, ids: Sequence[int], max_new_tokens: int, *, temperature: float = 0.0,
               top_k: int | None = None, top_p: float | None = None, seed: int | None = None,
-              use_cache: bool = True, stop_at_eos: bool = True, compile: bool = False,
+              use_cache: bool = True, stop_at_eos: bool = True, compile: bool | str = "auto",
               return_weights: bool = False) -> Iterator[tuple[int, list[Tensor] | None]]:
         """The decoding loop under :meth:`stream` and the server's token-by-token attention:
         each new id after ``ids`` and, with ``return_weights``, the attention row of the position

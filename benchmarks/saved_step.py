@@ -1,0 +1,177 @@
+"""The saved decoding step (``qkv/generation/aot.py``) on SmolLM2-135M: what building it costs
+once, what every later process pays to load it, how fast it decodes beside eager decoding and
+llama.cpp on the same GGUF file, and whether it predicts what eager decoding predicts.
+
+- ``build_s``: export + AOTInductor compile of the 1-token step, once per model shape x weight
+  format x machine (skipped when the package is already in qkv's cache: ``--rebuild`` forces);
+- ``fresh process``: ``--processes`` new Python processes each import qkv, load SmolLM2 and
+  its saved step and decode 8 tokens; reported: the saved step's load (p50), the wall time
+  from the start to the first new token, and whether dynamo or inductor was imported at all;
+- decoding, 32-token prompt + ``--new-tokens`` greedy, tokens/s after the first: eager and the
+  saved step, ``--rounds`` rounds with the order alternated, and llama.cpp's ``llama-bench
+  -t <threads> -p 32 -n 128`` in the middle of every round where it is built
+  (``--build-llama-cpp``: ~10 minutes once); ratios per round, medians reported;
+- agreement: the saved step's top-1 next token against eager's over ``--positions`` positions
+  of a text fed token by token (teacher forcing).
+
+    python benchmarks/saved_step.py                        # q4, the default weights
+    python benchmarks/saved_step.py --weights fp32 --rounds 3
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve()
+sys.path.insert(0, str(HERE.parent))
+
+TEXT = ("The history of the city begins with a small settlement on an island in the river. Over the "
+        "centuries it grew into a centre of trade and learning, with markets, bridges and churches. ")
+
+CHILD = """
+import json, sys, time
+t0 = time.perf_counter()
+import torch, qkv
+from qkv.generation import aot, generate
+lm = qkv.load("smollm2", weights=sys.argv[1])
+t1 = time.perf_counter()
+step = aot.load(lm.model)
+t2 = time.perf_counter()
+x = torch.tensor([lm.tokenizer.encode("Once upon a time")])
+out = []
+for t in generate(lm.model, x, 8, temperature=0.0):
+    out.append(int(t[0]))
+    if len(out) == 1:
+        t3 = time.perf_counter()
+print(json.dumps({"import_and_load_model_s": t1 - t0, "step_load_s": t2 - t1, "first_token_s": t3 - t0,
+                  "found": step is not None, "dynamo": "torch._dynamo" in sys.modules,
+                  "inductor": "torch._inductor" in sys.modules, "tokens": out}))
+"""
+
+
+def main() -> None:
+    import _common as C
+
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--weights", default="q4", choices=("q4", "int8", "bf16", "fp32"))
+    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--new-tokens", type=int, default=128)
+    p.add_argument("--processes", type=int, default=5, help="fresh processes timed loading the step")
+    p.add_argument("--positions", type=int, default=300, help="positions of the top-1 agreement check")
+    p.add_argument("--rebuild", action="store_true", help="build the step even if it is saved")
+    p.add_argument("--build-llama-cpp", action="store_true", help="build llama-bench if it is not built")
+    p.add_argument("--out", default=None,
+                   help="results JSON (default benchmarks/results/saved_step_<weights>.json)")
+    args = p.parse_args()
+
+    import torch
+
+    import qkv
+    from qkv.generation import aot, generate
+
+    machine = C.machine_info()
+    print(C.machine_line(machine))
+    lm = qkv.load("smollm2", weights=args.weights)
+    m = lm.model
+    build_s = None
+    if args.rebuild or aot.load(m) is None:
+        if args.rebuild:
+            key, _ = aot.step_key(m, aot.cache_len_for(m))
+            import shutil
+
+            shutil.rmtree(aot.folder() / key, ignore_errors=True)
+        t = time.perf_counter()
+        aot.build(m)
+        build_s = time.perf_counter() - t
+        print(f"built the saved step in {build_s:.0f} s", flush=True)
+    step = aot.load(m)
+    assert step is not None
+
+    fresh = []
+    for _ in range(args.processes):
+        r = subprocess.run([sys.executable, "-c", CHILD, args.weights], capture_output=True, text=True)
+        if r.returncode:
+            raise SystemExit(r.stderr[-2000:])
+        fresh.append(json.loads(r.stdout.splitlines()[-1]))
+    print(f"fresh process: saved step loaded in {C.median([f['step_load_s'] for f in fresh]) * 1000:.0f} ms "
+          f"(p50), first token {C.median([f['first_token_s'] for f in fresh]):.2f} s after start; dynamo "
+          f"imported: {any(f['dynamo'] for f in fresh)}, inductor: {any(f['inductor'] for f in fresh)}",
+          flush=True)
+
+    # top-1 agreement, teacher-forced on the eager model's own continuation of a text
+    ids = lm.tokenizer.encode(TEXT * 8)[: args.positions + 2]
+    agree = 0
+    with torch.inference_mode():
+        c_e, c_s = m.make_cache(1, step.cache_len), step.make_cache(1)
+        m(torch.tensor([ids[:2]]), cache=c_e)
+        m(torch.tensor([ids[:2]]), cache=c_s)
+        for t in ids[2:]:
+            tok = torch.tensor([[t]])
+            a = m(tok, cache=c_e, last_only=True).logits[0, -1]
+            b = step.step(tok, c_s)[0, -1]
+            agree += int(a.argmax() == b.argmax())
+    n_pos = len(ids) - 2
+    print(f"top-1 agreement with eager: {agree}/{n_pos}", flush=True)
+
+    x = torch.tensor([lm.tokenizer.encode(TEXT)[:32]])
+    n_new = args.new_tokens
+
+    def run(compile):
+        def go(n: int) -> list[int]:
+            return [int(t[0]) for t in generate(m, x, n, temperature=0.0, compile=compile)]
+        return go
+
+    contenders = {"qkv eager": run(False), "qkv saved step": run("auto")}
+    from pretrained_speed import llama_cpp_runner
+
+    args.threads = torch.get_num_threads()
+    llama, how = llama_cpp_runner(args)
+    print(f"llama.cpp: {how}", flush=True)
+    tokens = {k: f(n_new) for k, f in contenders.items()}
+    rates: dict[str, list[float]] = {k: [] for k in contenders}
+    llama_rates: list[float] = []
+    meter = C.LoadMeter()
+    for r in range(args.rounds):
+        order = list(contenders) if r % 2 == 0 else list(contenders)[::-1]
+        for i, k in enumerate(order):
+            if llama is not None and i == 1:
+                llama_rates.append(llama()["decode"]["tokens_per_s"])
+            t = time.perf_counter()
+            contenders[k](1)
+            first = time.perf_counter() - t
+            t = time.perf_counter()
+            contenders[k](n_new)
+            rates[k].append((n_new - 1) / max(time.perf_counter() - t - first, 1e-9))
+        print(f"round {r + 1}: " + ", ".join(f"{k} {v[-1]:.1f}" for k, v in rates.items())
+              + (f", llama.cpp {llama_rates[-1]:.1f}" if llama_rates else "") + " tok/s", flush=True)
+    load = meter.stop()
+    rows = [[k, f"{C.median(v):.1f}", " ".join(f"{x:.1f}" for x in v)] for k, v in rates.items()]
+    summary = {k: round(C.median(v), 1) for k, v in rates.items()}
+    vs = {"saved_vs_eager": [s / e for s, e in zip(rates["qkv saved step"], rates["qkv eager"], strict=True)]}
+    if llama_rates:
+        rows.append(["llama.cpp", f"{C.median(llama_rates):.1f}", " ".join(f"{x:.1f}" for x in llama_rates)])
+        vs["saved_vs_llama_cpp"] = [s / q for s, q in zip(rates["qkv saved step"], llama_rates, strict=True)]
+        vs["eager_vs_llama_cpp"] = [s / q for s, q in zip(rates["qkv eager"], llama_rates, strict=True)]
+    C.print_table(f"SmolLM2 {args.weights}, decoding tok/s ({C.load_line(load)})",
+                  ["contender", "median", "rounds"], rows)
+    for k, v in vs.items():
+        print(f"{k}: median {C.median(v):.2f} (rounds {min(v):.2f}-{max(v):.2f})")
+    out = C.write_json(f"saved_step_{args.weights}", {
+        "machine": machine, "load": load, "weights": args.weights, "threads": args.threads,
+        "build_s": round(build_s, 1) if build_s is not None else None, "package": str(step.path),
+        "fresh_processes": fresh, "top1_agreement": [agree, n_pos],
+        "same_greedy_tokens": tokens["qkv saved step"] == tokens["qkv eager"],
+        "decode_tokens_per_s": {k: [round(x, 1) for x in v] for k, v in rates.items()},
+        "llama_cpp": {"how": how, "decode_tokens_per_s": [round(x, 1) for x in llama_rates]},
+        "summary": summary, "ratios": {k: {"median": round(C.median(v), 3), "min": round(min(v), 3),
+                                           "max": round(max(v), 3)} for k, v in vs.items()}}, args.out)
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,387 @@
+"""A saved decoding step: the 1-token step compiled ahead of time (torch.export + AOTInductor),
+stored in qkv's cache folder and loaded by every later process without tracing or compiling.
+
+Today's compiled step (:mod:`qkv.generation.compiled`) re-traces the model's Python in every
+process (6.5-7.4 s warm, 35-65 s cold). Here the step is exported once per model shape x
+weight format x machine into a package (native code, ~4 MB for SmolLM2: the weights are not
+in it) and bound to the live model's tensors when loaded (no second copy in memory): loading
+takes milliseconds and imports neither dynamo nor inductor.
+
+The step as exported::
+
+    step(tok (B, 1) int64, k, v (L, B, K, S, D) written in place, marker (pos,)) -> (B, 1, V)
+
+The position is the *length* of ``marker`` (a dynamic dimension of the exported program), so
+the KV-cache position is an input, not Python state; K/V are written with one ``index_put_``
+on the whole cache (:meth:`qkv.attention.kv_cache.LayerKVCache.update`), which Inductor turns
+into a write of slot ``pos`` only. Positions 0, 1 and S - 1 fall outside the exported range
+and decode eagerly; the step itself does not check bounds, so :meth:`SavedStep.step` does.
+
+Where a package may run is decided by its key, never by the package: CPU vendor, family, model
+and flag set (Inductor builds with ``-march=native``), thread count, torch version and build,
+the C++ compiler, the source of every module the step runs, the model's shape, module types and
+weight formats, the cache length and batch size. A package is written under a lock into a
+private folder (0700) and renamed into place; its SHA-256 is recorded beside it and checked on
+load, so a damaged or foreign package is refused (and rebuilt by the next build).
+
+``QKV_CACHE_DIR=off`` or ``QKV_SAVED_STEP=off`` turns saved steps off.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import functools
+import hashlib
+import json
+import os
+import platform
+import re
+import shutil
+import subprocess
+import tempfile
+import threading
+import time
+import weakref
+import zipfile
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from qkv.attention import KVCache
+from qkv.models.gpt import GPT
+from qkv.paths import cache_root
+
+STEP_VERSION = 1  # bump when the exported step's contract changes
+DEFAULT_CACHE_LEN = 2048
+PACKAGE = "step.pt2"
+META = "step.json"
+_SOURCES = ("qkv/generation/aot.py", "qkv/attention", "qkv/layers", "qkv/models/gpt.py", "qkv/nn")
+
+
+class SavedStepError(RuntimeError):
+    """Why a saved step could not be built or loaded (the caller decodes eagerly)."""
+
+
+def enabled() -> bool:
+    """Saved steps are on unless ``QKV_SAVED_STEP=off`` or qkv's cache is off."""
+    off = os.environ.get("QKV_SAVED_STEP", "").lower() in ("off", "0", "false")
+    return not off and cache_root() is not None
+
+
+def folder() -> Path:
+    """The private folder of saved steps (``<cache>/steps``, mode 0700, owned by this user)."""
+    root = cache_root()
+    if root is None:
+        raise SavedStepError("qkv's cache is off (QKV_CACHE_DIR=off)")
+    path = root / "steps"
+    try:
+        path.mkdir(parents=True, exist_ok=True, mode=0o700)
+        st = path.stat()
+    except OSError as e:
+        raise SavedStepError(f"cannot use {path}: {e.strerror or e}") from None
+    if st.st_uid != os.getuid() or st.st_mode & 0o077:
+        raise SavedStepError(f"{path} is not private to this user (mode {st.st_mode & 0o777:o}); a saved "
+                             "step is native code: chmod 700 it or remove it")
+    return path
+
+
+# --------------------------------------------------------------------------- the key
+
+
+def _cpu() -> dict[str, str]:
+    """Vendor, family, model, model name and a digest of the flag set of this CPU."""
+    info: dict[str, str] = {"machine": platform.machine()}
+    with contextlib.suppress(OSError):
+        block = Path("/proc/cpuinfo").read_text().split("\n\n")[0]
+        fields = dict(line.split(":", 1) for line in block.splitlines() if ":" in line)
+        fields = {k.strip(): v.strip() for k, v in fields.items()}
+        for name in ("vendor_id", "cpu family", "model", "model name"):
+            info[name] = fields.get(name, "")
+        info["flags"] = hashlib.sha256(" ".join(sorted(fields.get("flags", "").split())).encode()).hexdigest()
+    return info
+
+
+@functools.cache
+def compiler() -> str | None:
+    """The C++ compiler Inductor would use, as its ``--version`` first line (None: none found)."""
+    cxx = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++")
+    if cxx is None:
+        return None
+    try:
+        out = subprocess.run([cxx, "--version"], capture_output=True, text=True, timeout=30).stdout
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return out.splitlines()[0] if out else None
+
+
+@functools.cache
+def _code_digest() -> str:
+    """SHA-256 over the source of every module the step runs (a change rebuilds the step)."""
+    base = Path(__file__).resolve().parents[2]
+    h = hashlib.sha256()
+    for rel in _SOURCES:
+        p = base / rel
+        for f in sorted(p.rglob("*.py")) if p.is_dir() else [p]:
+            h.update(str(f.relative_to(base)).encode())
+            h.update(f.read_bytes())
+    return h.hexdigest()
+
+
+def step_key(model: GPT, cache_len: int, batch: int = 1) -> tuple[str, dict[str, Any]]:
+    """(digest, what it digests) of the step of ``model`` on this machine (see the module doc)."""
+    shape = (repr(model.cfg), [(n, type(m).__name__) for n, m in model.named_modules()],
+             [(n, str(t.dtype), tuple(t.shape)) for n, t in model.state_dict(keep_vars=True).items()])
+    info = {"step_version": STEP_VERSION, "code": _code_digest(), "cpu": _cpu(),
+            "threads": torch.get_num_threads(), "torch": torch.__version__,
+            "torch_git": torch.version.git_version, "compiler": compiler(),
+            "model": hashlib.sha256(repr(shape).encode()).hexdigest(), "cache_len": cache_len, "batch": batch}
+    return hashlib.sha256(json.dumps(info, sort_keys=True).encode()).hexdigest()[:32], info
+
+
+def cache_len_for(model: GPT, cache_len: int | None = None) -> int:
+    """The fixed cache length of a model's saved step: 2,048 tokens or its context if shorter."""
+    return min(model.cfg.max_seq_len, cache_len or DEFAULT_CACHE_LEN)
+
+
+# --------------------------------------------------------------------------- building
+
+
+class _Step(nn.Module):
+    """What is exported: one token per row at position ``marker.shape[0]``."""
+
+    def __init__(self, model: GPT) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, tok: Tensor, k: Tensor, v: Tensor, marker: Tensor) -> Tensor:
+        cache = KVCache.wrap(k, v, marker.shape[0])
+        return self.model(tok, cache=cache, last_only=True).logits
+
+
+def _export(model: GPT, cache_len: int, batch: int) -> torch.export.ExportedProgram:
+    cache = model.make_cache(batch, cache_len)  # the buffers every request will pass
+    k, v = cache.k, cache.v
+    tok = torch.zeros(batch, 1, dtype=torch.long, device=k.device)
+    marker = torch.zeros(cache_len, dtype=torch.uint8)[:3]
+    pos = torch.export.Dim("pos", min=2, max=cache_len - 2)  # S - 1 would break a guard on S
+    with torch.no_grad():
+        return torch.export.export(_Step(model).eval(), (tok, k, v, marker),
+                                   dynamic_shapes=({}, {}, {}, {0: pos}), strict=False)
+
+
+def _made_constants(package: Path, model: GPT) -> dict[str, int]:
+    """Constants Inductor adds that are not the model's: on CPU each int4 product's group size
+    (a 0-d int64 tensor ``constantNNN``), whose values a weight-less package does not hold."""
+    with zipfile.ZipFile(package) as z:
+        src = "\n".join(z.read(n).decode(errors="replace") for n in z.namelist() if n.endswith(".cpp"))
+    mods = {n.replace(".", "_"): m for n, m in model.named_modules()}
+    out = {}
+    call = r"_weight_int4pack_mm_cpu_tensor\(\w+, \w+, (constant\d+), (\w+)_scales_zeros"
+    for const, sz in re.findall(call, src):
+        mod = mods.get(sz.removeprefix("model_"))
+        if mod is None or not hasattr(mod, "group_size"):
+            raise SavedStepError(f"cannot tell which product {const} belongs to ({sz})")
+        out[const] = int(mod.group_size)
+    return out
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with path.open("rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+@contextlib.contextmanager
+def _lock(path: Path):
+    with path.open("a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def build(model: GPT, cache_len: int | None = None, batch: int = 1) -> Path:
+    """Export and compile the step of ``model`` (tens of seconds to minutes) into the saved-step
+    folder, unless a valid one is there already; returns its folder. Two processes building at
+    once: one builds, the other waits and finds it."""
+    if compiler() is None:
+        raise SavedStepError("no C++ compiler found (c++ or g++): the step cannot be compiled here")
+    S = cache_len_for(model, cache_len)
+    if S < 8:
+        raise SavedStepError(f"a context of {S} tokens is too short for a saved step")
+    key, info = step_key(model, S, batch)
+    root = folder()
+    final = root / key
+    with _lock(root / f"{key}.lock"):
+        if _valid(final, key, info) is not None:
+            return final
+        tmp = Path(tempfile.mkdtemp(dir=root, prefix=f".{key}-"))
+        try:
+            from torch._inductor import aoti_compile_and_package
+
+            ep = _export(model, S, batch)
+            pkg = tmp / PACKAGE
+            aoti_compile_and_package(ep, package_path=str(pkg),
+                                     inductor_configs={"aot_inductor.package_constants_in_so": False})
+            meta = {"key": key, "info": info, "sha256": _sha256(pkg), "made": _made_constants(pkg, model),
+                    "built": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+            (tmp / META).write_text(json.dumps(meta, indent=1))
+            if final.exists():
+                shutil.rmtree(final)  # damaged or foreign: replaced
+            os.replace(tmp, final)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+    return final
+
+
+def _valid(path: Path, key: str, info: dict[str, Any]) -> dict[str, Any] | None:
+    """The package's record if ``path`` holds an intact package built for exactly ``info``."""
+    try:
+        meta = json.loads((path / META).read_text())
+        if meta.get("key") != key or meta.get("info") != json.loads(json.dumps(info)):
+            return None
+        if _sha256(path / PACKAGE) != meta.get("sha256"):
+            return None
+        return meta
+    except (OSError, ValueError):
+        return None
+
+
+# --------------------------------------------------------------------------- loading and stepping
+
+
+def _fingerprint(model: nn.Module) -> tuple:
+    return tuple((n, t.data_ptr(), t.dtype, tuple(t.shape))
+                 for n, t in model.state_dict(keep_vars=True).items())
+
+
+class SavedStep:
+    """A loaded step of one model (see the module doc); the interface of
+    :class:`qkv.generation.compiled.CompiledDecoder` (``fits``, ``begin``, ``make_cache``,
+    ``step``, ``release``). It holds its model weakly: it lives as long as the model does."""
+
+    def __init__(self, model: GPT, cache_len: int, batch: int, path: Path, loader: Any,
+                 made: dict[str, Tensor]) -> None:
+        self._model = weakref.ref(model)
+        self.key = path.name
+        self.cache_len, self.batch, self.path = cache_len, batch, path
+        self._loader, self._made = loader, made
+        self._bound: tuple = ()
+        self.load_seconds = 0.0
+        self._marker = torch.zeros(cache_len, dtype=torch.uint8)
+        self._free: list[KVCache] = []
+        self._lock = threading.Lock()
+        self.begin()
+
+    @property
+    def model(self) -> GPT:
+        m = self._model()
+        if m is None:
+            raise RuntimeError("the model of this saved step no longer exists")
+        return m
+
+    def fits(self, n_tokens: int) -> bool:
+        return n_tokens <= self.cache_len
+
+    def begin(self) -> None:
+        """Bind the package to the model's tensors (again, if they were replaced since)."""
+        stamp = _fingerprint(self.model)
+        if stamp == self._bound:
+            return
+        tensors = {"model." + n: t for n, t in self.model.named_parameters(remove_duplicate=False)}
+        tensors.update({"model." + n: t for n, t in self.model.named_buffers(remove_duplicate=False)})
+        tensors.update(self._made)
+        want = self._loader.get_constant_fqns()
+        missing = [n for n in want if n not in tensors]
+        if missing:
+            raise SavedStepError(f"the saved step wants tensors the model lacks: {missing[:3]}")
+        # user-managed: the package reads the model's own storage (no copy); rebound on change
+        self._loader.load_constants({n: tensors[n] for n in want}, False, True, True, False)
+        self._bound = stamp
+
+    def make_cache(self, batch_size: int) -> KVCache:
+        if batch_size != self.batch:
+            raise ValueError(f"this saved step decodes {self.batch} row(s) at a time, not {batch_size}")
+        with self._lock:
+            cache = self._free.pop() if self._free else None
+        if cache is None:
+            return self.model.make_cache(batch_size, self.cache_len)
+        cache.reset()
+        return cache
+
+    def release(self, cache: KVCache) -> None:
+        with self._lock:
+            self._free[:] = [cache]
+
+    def step(self, tok: Tensor, cache: KVCache) -> Tensor:
+        """(B, 1) ids at ``cache.pos`` -> (B, 1, V) logits; advances the cache. Positions the
+        package was not exported for (0, 1, the last) run eagerly."""
+        pos = cache.pos
+        if cache.max_seq_len != self.cache_len or tuple(tok.shape) != (self.batch, 1):
+            raise ValueError(f"a saved step takes ({self.batch}, 1) tokens and a {self.cache_len}-position "
+                             f"cache; got {tuple(tok.shape)} and {cache.max_seq_len}")
+        if not 2 <= pos <= self.cache_len - 2:
+            return self.model(tok, cache=cache, last_only=True).logits
+        out = self._loader.boxed_run([tok, cache.k, cache.v, self._marker[:pos]])[0]
+        cache.advance(1)
+        return out
+
+
+def load(model: GPT, cache_len: int | None = None, batch: int = 1) -> SavedStep | None:
+    """The saved step of ``model`` on this machine, or None when there is none (or it is damaged,
+    or saved steps are off). Loading reads and checks the package and binds it: milliseconds."""
+    if not enabled():
+        return None
+    t0 = time.perf_counter()
+    S = cache_len_for(model, cache_len)
+    key, info = step_key(model, S, batch)
+    try:
+        path = folder() / key
+    except SavedStepError:
+        return None
+    meta = _valid(path, key, info)
+    if meta is None:
+        return None
+    loader = torch._C._aoti.AOTIModelPackageLoader(str(path / PACKAGE), "model", False, 1, -1)
+    made = {k: torch.tensor(v, dtype=torch.int64) for k, v in meta.get("made", {}).items()}
+    step = SavedStep(model, S, batch, path, loader, made)
+    step.load_seconds = time.perf_counter() - t0
+    return step
+
+
+_LOADED: weakref.WeakKeyDictionary[GPT, tuple[SavedStep | None, float, str | None]] = \
+    weakref.WeakKeyDictionary()
+RECHECK_S = 30.0  # how long "no saved step for this model" is believed before the folder is read again
+
+
+def saved_step(model: GPT, build_missing: bool = False) -> tuple[SavedStep | None, str | None]:
+    """(the model's saved step or None, why not / what was done) for the decoding loop: loaded
+    once per model and kept; with ``build_missing``, built first when there is none (the
+    caller's ``--compile``). Any failure leaves decoding eager, with the reason."""
+    now = time.monotonic()
+    got = _LOADED.get(model)
+    held = got[0] if got is not None else None
+    if held is not None and step_key(model, held.cache_len, held.batch)[0] != held.key:
+        got = None  # the model was cast, quantised or changed shape, or the thread count changed
+    if got is not None and (got[0] is not None or (not build_missing and now - got[1] < RECHECK_S)):
+        return got[0], got[2]
+    note = None
+    try:
+        step = load(model)
+        if step is None and build_missing and enabled():
+            t0 = time.perf_counter()
+            build(model)
+            step = load(model)
+            note = f"saved step built in {time.perf_counter() - t0:.0f} s"
+    except Exception as e:  # a compiler error is not one exception type: any failure decodes eagerly
+        step, note = None, f"no saved step ({type(e).__name__}: {' '.join(str(e).split())[:200]})"
+    if step is None and note is None:
+        note = "no saved step for this model here" if enabled() else "saved steps are off"
+    _LOADED[model] = (step, now, note)
+    return step, note

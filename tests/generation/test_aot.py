@@ -1,0 +1,235 @@
+"""The saved decoding step (qkv.generation.aot) against the eager model it was exported from:
+logits to float rounding and the same greedy tokens, a second process that loads it without
+tracing or compiling anything, a changed key that finds nothing, a damaged package refused, a
+cache folder that is not private or not writable. Reference: the eager forward pass (which
+test_decode.py checks against the no-cache forward). Each build compiles C++ (~15-40 s)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from helpers import child_env, single_thread
+
+from qkv.generation import aot, generate
+from qkv.models.gpt import GPT, GPTConfig
+
+pytestmark = pytest.mark.usefixtures("one_thread")  # see tests/conftest.py
+if aot.compiler() is None:
+    pytest.skip("saved steps need a C++ compiler (apt-get install g++)", allow_module_level=True)
+
+V = 48
+LLAMA = dict(positions="rope", norm="rmsnorm", bias=False, mlp="swiglu")  # SmolLM2's kind of block
+CFG = dict(vocab_size=V, max_seq_len=40, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, mlp_hidden=64, **LLAMA)
+
+
+def model(seed: int = 0) -> GPT:
+    torch.manual_seed(seed)
+    m = GPT(GPTConfig(**CFG))
+    g = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for p in m.parameters():
+            if p.dim() >= 2:  # large weights: greedy decoding sees varied contexts
+                p.copy_(torch.randn(p.shape, generator=g) * 0.3)
+    return m.eval()
+
+
+@pytest.fixture(scope="module")
+def built():
+    m = model()
+    with single_thread():  # the thread count the tests run with (it is part of the key)
+        path = aot.build(m)
+    return m, path
+
+
+def test_the_saved_step_equals_eager_at_every_position(built):
+    m, path = built
+    step = aot.load(m)
+    assert step is not None and step.path == path and step.cache_len == 40
+    x = torch.randint(0, V, (1, 5), generator=torch.Generator().manual_seed(3))
+    with torch.inference_mode():
+        c_eager, c_saved = m.make_cache(1, 40), step.make_cache(1)
+        m(x, cache=c_eager)
+        m(x, cache=c_saved)  # the prompt runs eagerly in both
+        for i in range(34):  # positions 5..38: the last (39) is outside the exported range
+            tok = torch.tensor([[(7 * i + 1) % V]])
+            want = m(tok, cache=c_eager, last_only=True).logits
+            got = step.step(tok, c_saved)
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+        assert c_saved.pos == c_eager.pos == 39
+        torch.testing.assert_close(c_saved.k, c_eager.k, rtol=1e-5, atol=1e-5)  # the cache written in place
+
+
+def test_generate_uses_it_by_default_with_the_eager_tokens(built):
+    m, _ = built
+    x = torch.randint(0, V, (1, 6), generator=torch.Generator().manual_seed(5))
+    want = [int(t[0]) for t in generate(m, x, 20, temperature=0.0, compile=False)]
+    got = [int(t[0]) for t in generate(m, x, 20, temperature=0.0)]  # compile="auto"
+    assert got == want
+    step, _ = aot.saved_step(m)
+    assert step is not None
+    # weights changed in place are seen (the package reads the model's own storage)
+    other = model(seed=9)
+    m2 = model()
+    aot.build(m2)  # the same shape: the same package
+    m2.load_state_dict(other.state_dict())
+    want = [int(t[0]) for t in generate(other, x, 12, temperature=0.0, compile=False)]
+    assert [int(t[0]) for t in generate(m2, x, 12, temperature=0.0)] == want
+    # cast to another dtype: another key, so no saved step (eager, the same tokens as eager)
+    m2.to(torch.float64)
+    want = [int(t[0]) for t in generate(other.to(torch.float64), x, 12, temperature=0.0, compile=False)]
+    assert [int(t[0]) for t in generate(m2, x, 12, temperature=0.0)] == want
+    assert aot.saved_step(m2)[0] is None
+
+
+LOAD_IN_CHILD = """
+import json, sys, time
+t0 = time.perf_counter()
+import torch
+from safetensors.torch import load_file
+from qkv.generation import aot
+from qkv.models.gpt import GPT, GPTConfig
+m = GPT(GPTConfig(**json.loads(sys.argv[1]))).eval()
+m.load_state_dict(load_file(sys.argv[2]), strict=False)  # tied: lm_head is tok_emb
+t1 = time.perf_counter()
+step = aot.load(m)
+t2 = time.perf_counter()
+with torch.inference_mode():
+    c = step.make_cache(1)
+    m(torch.tensor([[1, 2, 3]]), cache=c)
+    out = step.step(torch.tensor([[4]]), c)
+print(json.dumps({"load_s": t2 - t1, "logits": out[0, -1].tolist(),
+                  "dynamo": "torch._dynamo" in sys.modules, "inductor": "torch._inductor" in sys.modules}))
+"""
+
+
+def test_a_second_process_loads_it_without_compiling(built, tmp_path):
+    from safetensors.torch import save_file
+
+    m, _ = built
+    save_file({k: v.clone() for k, v in m.state_dict().items()}, tmp_path / "m.safetensors")
+    argv = [sys.executable, "-c", LOAD_IN_CHILD, json.dumps(CFG), str(tmp_path / "m.safetensors")]
+    r = subprocess.run(argv, capture_output=True, text=True, env={**child_env(), "OMP_NUM_THREADS": "1"},
+                       timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    got = json.loads(r.stdout.splitlines()[-1])
+    assert not got["dynamo"] and not got["inductor"]  # nothing traced, nothing compiled
+    assert got["load_s"] < 1.0
+    with torch.inference_mode():
+        c = m.make_cache(1, 40)
+        m(torch.tensor([[1, 2, 3]]), cache=c)
+        want = m(torch.tensor([[4]]), cache=c, last_only=True).logits[0, -1]
+    torch.testing.assert_close(torch.tensor(got["logits"]), want, rtol=1e-5, atol=1e-5)
+
+
+def test_another_key_finds_nothing_and_a_damaged_package_is_refused(built, monkeypatch):
+    m, path = built
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(threads + 1)  # built for another thread count
+        assert aot.load(m) is None
+    finally:
+        torch.set_num_threads(threads)
+    other_shape = GPT(GPTConfig(**{**CFG, "max_seq_len": 48})).eval()
+    assert aot.load(other_shape) is None
+    assert aot.step_key(m, 40)[0] != aot.step_key(m, 40, batch=2)[0]
+    monkeypatch.setattr(aot, "_cpu", lambda: {"vendor_id": "SomeoneElse"})  # another CPU
+    assert aot.load(m) is None
+    monkeypatch.undo()
+    data = (path / aot.PACKAGE).read_bytes()
+    try:
+        (path / aot.PACKAGE).write_bytes(data[: len(data) // 2])  # truncated
+        assert aot.load(m) is None
+        (path / aot.PACKAGE).write_bytes(data[:-4] + b"XXXX")  # the same length, other bytes
+        assert aot.load(m) is None
+    finally:
+        (path / aot.PACKAGE).write_bytes(data)
+    assert aot.load(m) is not None
+
+
+def test_a_cache_folder_that_is_not_private_or_not_writable_decodes_eagerly(tmp_path, monkeypatch):
+    m = model(seed=2)
+    shared = tmp_path / "shared"
+    (shared / "steps").mkdir(parents=True)
+    os.chmod(shared / "steps", 0o755)
+    monkeypatch.setenv("QKV_CACHE_DIR", str(shared))
+    with pytest.raises(aot.SavedStepError, match="not private"):
+        aot.folder()
+    step, note = aot.saved_step(m, build_missing=True)
+    assert step is None and "not private" in note
+    x = torch.tensor([[1, 2, 3]])
+    want = [int(t[0]) for t in generate(m, x, 6, temperature=0.0, compile=False)]
+    assert [int(t[0]) for t in generate(m, x, 6, temperature=0.0, compile=True)] == want
+    if os.getuid() != 0:  # root writes anywhere
+        ro = tmp_path / "ro"
+        ro.mkdir(mode=0o500)
+        monkeypatch.setenv("QKV_CACHE_DIR", str(ro))
+        with pytest.raises(aot.SavedStepError, match="cannot use"):
+            aot.folder()
+    monkeypatch.setenv("QKV_SAVED_STEP", "off")
+    assert aot.load(m) is None and not aot.enabled()
+
+
+def test_q4_saved_step_agrees_with_eager():
+    """SmolLM2's default format on a tiny Llama-style model: the int4 products' group sizes are
+    constants Inductor adds (recorded beside the package); logits agree to bf16 rounding."""
+    from qkv.pipelines import CausalLM
+
+    torch.manual_seed(11)
+    m = GPT(GPTConfig(vocab_size=64, max_seq_len=32, dim=64, n_layers=2, n_heads=4, n_kv_heads=2,
+                      mlp="swiglu", mlp_hidden=128, **{k: v for k, v in LLAMA.items() if k != "mlp"})).eval()
+    lm = CausalLM("tiny", m, tokenizer=None, stored_as=("Q4_1",)).quantize("q4")
+    path = aot.build(lm.model)
+    assert json.loads((path / aot.META).read_text())["made"]  # the group sizes
+    step = aot.load(lm.model)
+    x = torch.randint(0, 64, (1, 6), generator=torch.Generator().manual_seed(12))
+    with torch.inference_mode():
+        c_eager, c_saved = m.make_cache(1, 32), step.make_cache(1)
+        m(x, cache=c_eager)
+        m(x, cache=c_saved)
+        for t in range(12):
+            tok = torch.tensor([[(5 * t + 3) % 64]])
+            want = m(tok, cache=c_eager, last_only=True).logits.float()
+            got = step.step(tok, c_saved).float()
+            assert (got - want).abs().max() <= 0.02 * want.abs().max()
+            assert int(got.argmax()) == int(want.argmax())
+
+
+def test_the_folder_holds_one_package_per_key(built):
+    _, path = built
+    assert Path(path).parent == aot.folder()
+    assert oct(aot.folder().stat().st_mode & 0o777) == oct(0o700)
+    meta = json.loads((path / aot.META).read_text())
+    assert meta["key"] == path.name and meta["info"]["threads"] == torch.get_num_threads()
+
+
+def test_qkv_generate_builds_then_loads_and_says_why_when_it_cannot(tiny_run, tmp_path, monkeypatch):
+    """`qkv generate RUN --compile` builds the saved step and uses it; a later plain call loads
+    it; without a compiler, or with a cache folder it cannot write, it decodes eagerly, the same
+    text, and says why in the closing line (never a traceback)."""
+    from helpers import call
+
+    run = str(tiny_run("gpt"))
+    argv = ["generate", run, "--prompt", "ROMEO:", "--max-new-tokens", "12", "--temperature", "0"]
+    monkeypatch.setenv("QKV_CACHE_DIR", str(tmp_path / "cache"))
+    rc, eager, err = call([*argv, "--compile", "off"])
+    assert rc == 0, err
+    monkeypatch.setattr(aot, "compiler", lambda: None)
+    rc, out, err = call([*argv, "--compile"])
+    assert rc == 0 and out == eager and "no C++ compiler" in err and "Traceback" not in err
+    monkeypatch.undo()
+    monkeypatch.setenv("QKV_CACHE_DIR", str(tmp_path / "cache"))
+    rc, out, err = call([*argv, "--compile"])
+    assert rc == 0 and out == eager and "saved step built in" in err, err
+    rc, out, err = call(argv)  # the default: loaded, not built
+    assert rc == 0 and out == eager and "saved step (loaded in" in err, err
+    blocked = tmp_path / "file"
+    blocked.write_text("not a folder")
+    monkeypatch.setenv("QKV_CACHE_DIR", str(blocked))
+    rc, out, err = call([*argv, "--compile"])
+    assert rc == 0 and out == eager and "cannot use" in err and "Traceback" not in err
