@@ -104,7 +104,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     sys.stdout.write("\n")
     st = lm.last_stats
     print(f"[{st.new_tokens} tokens in {st.seconds:.2f} s after a {st.prompt_tokens}-token prompt, "
-          f"{st.tokens_per_s:.1f} tok/s, {decode_mode(args, lm.model, st.new_tokens, st.seconds)}]",
+          f"{st.tokens_per_s:.1f} tok/s, {decode_mode(args, lm.model, st)}]",
           file=sys.stderr)
     return 0
 
@@ -128,21 +128,25 @@ def check_compile(args: argparse.Namespace) -> None:
         raise ValueError("--compile compiles the KV-cache step; drop --no-cache")
 
 
-def decode_mode(args: argparse.Namespace, model, n_tokens: int, seconds: float) -> str:
-    """'KV cache', 'no cache' or the compiled step's compile time and rate after it, for the
-    closing stats line."""
+def decode_mode(args: argparse.Namespace, model, st) -> str:
+    """'KV cache', 'no cache', the saved step (or why not), or the jit-compiled step's compile
+    time and rate after it, for the closing stats line (``st``: the stream's StreamStats)."""
     if args.no_cache:
         return "no cache"
     if args.compile == "off":
         return "KV cache"
+    n_tokens, seconds = st.new_tokens, st.seconds
     if args.compile in ("auto", "on"):
-        from qkv.generation.aot import saved_step
+        from qkv.generation.aot import cache_len_for, saved_step
 
         step, note = saved_step(model)
-        if step is None:
-            return f"KV cache ({note}: decoded eagerly; --compile builds one)"
-        return (f"KV cache, saved step ({note + ', ' if note else ''}loaded in "
-                f"{step.load_seconds * 1000:.0f} ms)")
+        if step is not None and step.requests:
+            return (f"KV cache, saved step ({note + ', ' if note else ''}loaded in "
+                    f"{step.load_seconds * 1000:.0f} ms)")
+        if st.prompt_tokens + args.max_new_tokens > cache_len_for(model):
+            return (f"KV cache (decoded eagerly: prompt + new tokens exceed the saved step's "
+                    f"{cache_len_for(model)})")
+        return f"KV cache ({note or 'saved step not used'}: decoded eagerly; --compile builds one)"
     from qkv.generation.compiled import compiled_decoder
 
     dec = compiled_decoder(model)

@@ -274,6 +274,7 @@ class SavedStep:
         self._loader, self._made = loader, made
         self._bound: tuple = ()
         self.load_seconds = 0.0
+        self.requests = 0  # requests decoded through it (make_cache calls)
         self._marker = torch.zeros(cache_len, dtype=torch.uint8)
         self._free: list[KVCache] = []
         self._lock = threading.Lock()
@@ -309,6 +310,7 @@ class SavedStep:
         if batch_size != self.batch:
             raise ValueError(f"this saved step decodes {self.batch} row(s) at a time, not {batch_size}")
         with self._lock:
+            self.requests += 1
             cache = self._free.pop() if self._free else None
         if cache is None:
             return self.model.make_cache(batch_size, self.cache_len)

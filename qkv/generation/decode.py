@@ -140,9 +140,10 @@ def generate(
 
         dec = compiled_decoder(model)
     elif compile in (True, "auto") and use_cache and not return_weights and tokens.shape[0] == 1:
-        from qkv.generation.aot import saved_step
+        from qkv.generation.aot import cache_len_for, saved_step
 
-        dec, _ = saved_step(model, build_missing=compile is True)
+        if tokens.shape[1] + max_new_tokens <= cache_len_for(model):  # else: eager, nothing built
+            dec, _ = saved_step(model, build_missing=compile is True)
     if dec is not None and dec.fits(tokens.shape[1] + max_new_tokens):
         dec.begin()
         cache, step = dec.make_cache(tokens.shape[0]), dec.step

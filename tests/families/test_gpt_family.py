@@ -190,12 +190,16 @@ def test_greedy_generation_same_with_and_without_cache(trained) -> None:
 
 
 def test_compile_longer_than_its_cache_decodes_eagerly_and_says_so(trained) -> None:
-    """The tiny preset's 32-token context is the compiled step's cache: 9 + 40 tokens do not
-    fit, so the request decodes eagerly (the same tokens) and the stats line says so."""
+    """The tiny preset's 32-token context is the saved (and the jit-compiled) step's cache:
+    9 + 40 tokens do not fit, so the request decodes eagerly (the same tokens), nothing is
+    built, and the stats line says so."""
     args = ["--prompt", "JULIET: O", "--max-new-tokens", "40", "--temperature", "0"]
     rc1, eager, _ = generate(trained[0], *args)
     rc2, out, err = generate(trained[0], *args, "--compile")
     assert rc1 == rc2 == 0 and out == eager
+    assert "decoded eagerly: prompt + new tokens exceed the saved step's 32" in err
+    rc3, out, err = generate(trained[0], *args, "--compile", "jit")
+    assert rc3 == 0 and out == eager
     assert "decoded eagerly: prompt + new tokens exceed the compiled step's 32" in err
 
 
