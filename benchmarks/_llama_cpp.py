@@ -6,8 +6,9 @@ with pip, builds only the ``llama-bench`` target with CMake (~10 minutes on 2 co
 ``$QKV_CACHE_DIR/llama.cpp`` (default ``~/.cache/qkv/llama.cpp``), and runs it on a GGUF.
 
 Build flags: a portable build (``GGML_NATIVE=OFF``) with AVX2/FMA/F16C, AVX-512 where the CPU
-has it, and AMX off: a ``GGML_NATIVE=ON`` build died with an illegal instruction on an AMX
-Xeon (issue 14), and the Python binding's own build segfaulted on first decode there.
+has it, and AMX off; and, asked for (``native=True``), a ``GGML_NATIVE=ON`` build in
+``llama.cpp/native/`` where the CPU has no AMX: a native build died with an illegal instruction
+on an AMX Xeon (issue 14), and the Python binding's own build segfaulted on first decode there.
 """
 
 from __future__ import annotations
@@ -41,22 +42,35 @@ def _cpu_flags() -> set[str]:
     return set()
 
 
-def cmake_flags() -> list[str]:
+def native_allowed() -> str | None:
+    """None where a ``GGML_NATIVE=ON`` build (``-march=native``: every instruction this CPU has,
+    VNNI and avx512_bf16 included) may be made here, else why not: on an AMX Xeon such a build
+    died with an illegal instruction (issue 14)."""
+    return "this CPU has AMX, where a native build crashed (issue 14)" if "amx_tile" in _cpu_flags() else None
+
+
+def cmake_flags(native: bool = False) -> list[str]:
+    common = ["-DCMAKE_BUILD_TYPE=Release", "-DBUILD_SHARED_LIBS=OFF", "-DGGML_OPENMP=ON", "-DLLAMA_CURL=OFF",
+              "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=ON", "-DLLAMA_BUILD_TOOLS=ON",
+              "-DLLAMA_BUILD_SERVER=OFF"]
+    if native:
+        return [*common, "-DGGML_NATIVE=ON"]
     flags = _cpu_flags()
     avx512 = all(f in flags for f in ("avx512f", "avx512bw", "avx512vl", "avx512dq"))
     return [
-        "-DCMAKE_BUILD_TYPE=Release", "-DBUILD_SHARED_LIBS=OFF", "-DGGML_NATIVE=OFF",
+        *common, "-DGGML_NATIVE=OFF",
         "-DGGML_AVX=ON", "-DGGML_AVX2=ON", "-DGGML_FMA=ON", "-DGGML_F16C=ON",
         f"-DGGML_AVX512={'ON' if avx512 else 'OFF'}",
         "-DGGML_AMX_TILE=OFF", "-DGGML_AMX_INT8=OFF", "-DGGML_AMX_BF16=OFF",
-        "-DGGML_OPENMP=ON", "-DLLAMA_CURL=OFF", "-DLLAMA_BUILD_TESTS=OFF",
-        "-DLLAMA_BUILD_EXAMPLES=ON", "-DLLAMA_BUILD_TOOLS=ON", "-DLLAMA_BUILD_SERVER=OFF",
     ]
 
 
-def llama_bench(build: bool = True, log=print) -> tuple[Path | None, str]:
-    """(path of llama-bench, how it was found), or (None, why it is not available)."""
-    return llama_tool("llama-bench", build, log)
+def llama_bench(build: bool = True, log=print, native: bool = False) -> tuple[Path | None, str]:
+    """(path of llama-bench, how it was found), or (None, why it is not available); ``native``:
+    the ``GGML_NATIVE=ON`` build (kept apart, in ``native/``), where :func:`native_allowed`."""
+    if native and (why := native_allowed()) is not None:
+        return None, why
+    return llama_tool("llama-bench", build, log, native=native)
 
 
 def llama_cpp_source(log=print) -> tuple[Path | None, str]:
@@ -101,10 +115,10 @@ def convert_hf_to_gguf(folder: Path, out: Path, outtype: str = "f32", log=print)
     return None
 
 
-def llama_tool(target: str, build: bool = True, log=print) -> tuple[Path | None, str]:
+def llama_tool(target: str, build: bool = True, log=print, native: bool = False) -> tuple[Path | None, str]:
     """(path of llama.cpp's ``target`` binary, e.g. ``llama-bench`` or ``llama-simple`` (greedy
     decoding of a prompt), how it was found), or (None, why it is not available)."""
-    binary = _root() / target
+    binary = (_root() / "native" if native else _root()) / target
     if binary.is_file():
         return binary, f"cached build in {binary.parent}"
     if not build:
@@ -118,7 +132,7 @@ def llama_tool(target: str, build: bool = True, log=print) -> tuple[Path | None,
         tmp_path = Path(tmp)
         build_dir = tmp_path / "build"
         log(f"llama.cpp: configuring (cmake) and building {target} (~10 minutes on 2 cores) ...")
-        for cmd in (["cmake", "-S", str(src), "-B", str(build_dir), *cmake_flags()],
+        for cmd in (["cmake", "-S", str(src), "-B", str(build_dir), *cmake_flags(native)],
                     ["cmake", "--build", str(build_dir), "--target", target, "-j", "2"]):
             r = subprocess.run(cmd, capture_output=True, text=True)
             if r.returncode != 0:
@@ -129,7 +143,7 @@ def llama_tool(target: str, build: bool = True, log=print) -> tuple[Path | None,
         binary.parent.mkdir(parents=True, exist_ok=True)
         shutil.copy2(built, binary)
         (binary.parent / "build.json").write_text(json.dumps(
-            {"source": LLAMA_CPP_PYTHON, "cmake_flags": cmake_flags()}, indent=1))
+            {"source": LLAMA_CPP_PYTHON, "cmake_flags": cmake_flags(native)}, indent=1))
     return binary, f"built now from {LLAMA_CPP_PYTHON} into {binary.parent}"
 
 

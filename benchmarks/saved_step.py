@@ -9,8 +9,10 @@ llama.cpp on the same GGUF file, and whether it predicts what eager decoding pre
   from the start to the first new token, and whether dynamo or inductor was imported at all;
 - decoding, 32-token prompt + ``--new-tokens`` greedy, tokens/s after the first: eager and the
   saved step, ``--rounds`` rounds with the order alternated, and llama.cpp's ``llama-bench
-  -t <threads> -p 32 -n 128`` in the middle of every round where it is built
-  (``--build-llama-cpp``: ~10 minutes once); ratios per round, medians reported;
+  -t <threads> -p 32 -n 128`` in the middle of every round, both its portable build and its
+  ``GGML_NATIVE=ON`` build where the CPU allows (``--build-llama-cpp`` builds what is missing:
+  ~10 minutes each, once); qkv is compared with the faster of the two; ratios per round,
+  medians reported;
 - agreement: the saved step's top-1 next token against eager's over ``--positions`` positions
   of a text fed token by token (teacher forcing).
 
@@ -127,34 +129,45 @@ def main() -> None:
         return go
 
     contenders = {"qkv eager": run(False), "qkv saved step": run("auto")}
-    from pretrained_speed import llama_cpp_runner
+    from _llama_cpp import llama_bench, run_llama_bench
+
+    from qkv.assets import asset_path
 
     args.threads = torch.get_num_threads()
-    llama, how = llama_cpp_runner(args)
-    print(f"llama.cpp: {how}", flush=True)
+    peers = {}  # llama.cpp's portable build and, where the CPU allows, its native build
+    for name, native in (("llama.cpp portable", False), ("llama.cpp native", True)):
+        binary, how = llama_bench(build=args.build_llama_cpp, native=native)
+        print(f"{name}: {how}", flush=True)
+        if binary is not None:
+            peers[name] = (lambda b=binary: run_llama_bench(b, asset_path("smollm2"), threads=args.threads,
+                                                            prompt=32, new=n_new, reps=1))
     tokens = {k: f(n_new) for k, f in contenders.items()}
-    rates: dict[str, list[float]] = {k: [] for k in contenders}
-    llama_rates: list[float] = []
+    rates: dict[str, list[float]] = {k: [] for k in [*contenders, *peers]}
     meter = C.LoadMeter()
     for r in range(args.rounds):
         order = list(contenders) if r % 2 == 0 else list(contenders)[::-1]
         for i, k in enumerate(order):
-            if llama is not None and i == 1:
-                llama_rates.append(llama()["decode"]["tokens_per_s"])
+            if i == 1:  # mid-round: the peers under the same conditions
+                for name, peer in peers.items():
+                    rates[name].append(peer()["decode"]["tokens_per_s"])
             t = time.perf_counter()
             contenders[k](1)
             first = time.perf_counter() - t
             t = time.perf_counter()
             contenders[k](n_new)
             rates[k].append((n_new - 1) / max(time.perf_counter() - t - first, 1e-9))
-        print(f"round {r + 1}: " + ", ".join(f"{k} {v[-1]:.1f}" for k, v in rates.items())
-              + (f", llama.cpp {llama_rates[-1]:.1f}" if llama_rates else "") + " tok/s", flush=True)
+        line = ", ".join(f"{k} {v[-1]:.1f}" for k, v in rates.items())
+        print(f"round {r + 1}: {line} tok/s", flush=True)
     load = meter.stop()
     rows = [[k, f"{C.median(v):.1f}", " ".join(f"{x:.1f}" for x in v)] for k, v in rates.items()]
     summary = {k: round(C.median(v), 1) for k, v in rates.items()}
     vs = {"saved_vs_eager": [s / e for s, e in zip(rates["qkv saved step"], rates["qkv eager"], strict=True)]}
-    if llama_rates:
-        rows.append(["llama.cpp", f"{C.median(llama_rates):.1f}", " ".join(f"{x:.1f}" for x in llama_rates)])
+    llama_rates: list[float] = []
+    best = None
+    if peers:  # against the faster of llama.cpp's builds (by median)
+        best = max(peers, key=lambda n: C.median(rates[n]))
+        llama_rates = rates[best]
+        print(f"the faster llama.cpp: {best}")
         vs["saved_vs_llama_cpp"] = [s / q for s, q in zip(rates["qkv saved step"], llama_rates, strict=True)]
         vs["eager_vs_llama_cpp"] = [s / q for s, q in zip(rates["qkv eager"], llama_rates, strict=True)]
     C.print_table(f"SmolLM2 {args.weights}, decoding tok/s ({C.load_line(load)})",
@@ -167,7 +180,8 @@ def main() -> None:
         "fresh_processes": fresh, "top1_agreement": [agree, n_pos],
         "same_greedy_tokens": tokens["qkv saved step"] == tokens["qkv eager"],
         "decode_tokens_per_s": {k: [round(x, 1) for x in v] for k, v in rates.items()},
-        "llama_cpp": {"how": how, "decode_tokens_per_s": [round(x, 1) for x in llama_rates]},
+        "llama_cpp": {"builds": list(peers), "faster": best,
+                      "decode_tokens_per_s": [round(x, 1) for x in llama_rates]},
         "summary": summary, "ratios": {k: {"median": round(C.median(v), 3), "min": round(min(v), 3),
                                            "max": round(max(v), 3)} for k, v in vs.items()}}, args.out)
     print(f"wrote {out}")
