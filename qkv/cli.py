@@ -69,7 +69,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     from qkv.commands.train import default_family
 
     parser = build_parser()
-    argv = default_family(list(sys.argv[1:] if argv is None else argv))
+    from qkv.commands.generate import bare_compile
+
+    argv = bare_compile(default_family(list(sys.argv[1:] if argv is None else argv)))
     # parse_known_args: argparse cannot put a `nargs="*"` positional after options
     # (`qkv embed minilm --json "a b"`); commands that take free text collect the rest.
     args, extra = parser.parse_known_args(argv)

@@ -123,6 +123,19 @@ def _start(lm: CausalLM, prompt: str, chat: bool, loaded: str) -> None:
 COMPILE: dict[str, bool | str] = {"auto": "auto", "on": True, "off": False, "jit": "jit"}
 
 
+def bare_compile(argv: list[str]) -> list[str]:
+    """``qkv generate ... --compile`` alone means ``--compile on`` wherever it stands: argparse
+    would otherwise read the next word (``qkv generate --compile smollm2``) as its value."""
+    if not argv or argv[0] != "generate":
+        return argv
+    out: list[str] = []
+    for i, a in enumerate(argv):
+        out.append(a)
+        if a == "--compile" and (i + 1 == len(argv) or argv[i + 1] not in COMPILE):
+            out.append("on")
+    return out
+
+
 def check_compile(args: argparse.Namespace) -> None:
     if args.compile in ("on", "jit") and args.no_cache:
         raise ValueError("--compile compiles the KV-cache step; drop --no-cache")

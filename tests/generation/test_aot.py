@@ -230,6 +230,8 @@ def test_qkv_generate_builds_then_loads_and_says_why_when_it_cannot(tiny_run, tm
     assert rc == 0 and out == eager and "saved step built in" in err, err
     rc, out, err = call(argv)  # the default: loaded, not built
     assert rc == 0 and out == eager and "saved step (loaded in" in err, err
+    rc, out, err = call(["generate", "--compile", *argv[1:]])  # the flag before the model: still "on"
+    assert rc == 0 and out == eager and "saved step (loaded in" in err, err
     blocked = tmp_path / "file"
     blocked.write_text("not a folder")
     monkeypatch.setenv("QKV_CACHE_DIR", str(blocked))
