@@ -51,6 +51,7 @@ import torch
 from torch import Tensor, nn
 
 from qkv.attention import KVCache
+from qkv.generation.compiled import fingerprint, shape_signature
 from qkv.models.gpt import GPT
 from qkv.paths import cache_root
 
@@ -132,12 +133,11 @@ def _code_digest() -> str:
 
 def step_key(model: GPT, cache_len: int, batch: int = 1) -> tuple[str, dict[str, Any]]:
     """(digest, what it digests) of the step of ``model`` on this machine (see the module doc)."""
-    shape = (repr(model.cfg), [(n, type(m).__name__) for n, m in model.named_modules()],
-             [(n, str(t.dtype), tuple(t.shape)) for n, t in model.state_dict(keep_vars=True).items()])
     info = {"step_version": STEP_VERSION, "code": _code_digest(), "cpu": _cpu(),
             "threads": torch.get_num_threads(), "torch": torch.__version__,
             "torch_git": torch.version.git_version, "compiler": compiler(),
-            "model": hashlib.sha256(repr(shape).encode()).hexdigest(), "cache_len": cache_len, "batch": batch}
+            "model": hashlib.sha256(shape_signature(model).encode()).hexdigest(),
+            "cache_len": cache_len, "batch": batch}
     return hashlib.sha256(json.dumps(info, sort_keys=True).encode()).hexdigest()[:32], info
 
 
@@ -256,11 +256,6 @@ def _valid(path: Path, key: str, info: dict[str, Any]) -> dict[str, Any] | None:
 # --------------------------------------------------------------------------- loading and stepping
 
 
-def _fingerprint(model: nn.Module) -> tuple:
-    return tuple((n, t.data_ptr(), t.dtype, tuple(t.shape))
-                 for n, t in model.state_dict(keep_vars=True).items())
-
-
 class SavedStep:
     """A loaded step of one model (see the module doc); the interface of
     :class:`qkv.generation.compiled.CompiledDecoder` (``fits``, ``begin``, ``make_cache``,
@@ -292,7 +287,7 @@ class SavedStep:
 
     def begin(self) -> None:
         """Bind the package to the model's tensors (again, if they were replaced since)."""
-        stamp = _fingerprint(self.model)
+        stamp = fingerprint(self.model)  # the tensors it is bound to, as the jit step checks
         if stamp == self._bound:
             return
         tensors = {"model." + n: t for n, t in self.model.named_parameters(remove_duplicate=False)}

@@ -71,11 +71,17 @@ def fingerprint(model: torch.nn.Module) -> tuple:
     return mods, tensors, model.training
 
 
+def shape_signature(model: GPT) -> str:
+    """What a compiled step is specific to: the config, the module tree's types and every
+    tensor's dtype and shape (so the weight format), as one string."""
+    return repr((repr(model.cfg), [(n, type(m).__name__) for n, m in model.named_modules()],
+                 [(n, t.dtype, tuple(t.shape)) for n, t in model.state_dict(keep_vars=True).items()]))
+
+
 def _job_id(model: GPT, cache_len: int) -> str:
     """PyTorch's profile-guided cache keeps, per job id, which sizes varied: one id per model
     shape and cache length, so another model's sizes never make this one's dynamic."""
-    shape = (repr(model.cfg), cache_len, [(n, type(m).__name__) for n, m in model.named_modules()],
-             [(n, t.dtype, tuple(t.shape)) for n, t in model.state_dict(keep_vars=True).items()])
+    shape = (shape_signature(model), cache_len)
     return "qkv-decode-" + hashlib.sha256(repr(shape).encode()).hexdigest()[:16]
 
 
