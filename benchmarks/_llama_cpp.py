@@ -49,10 +49,11 @@ def native_allowed() -> str | None:
     return "this CPU has AMX, where a native build crashed (issue 14)" if "amx_tile" in _cpu_flags() else None
 
 
-def cmake_flags(native: bool = False) -> list[str]:
+def cmake_flags(native: bool = False, server: bool = False) -> list[str]:
+    """CMake options of a build; ``server``: also configure ``llama-server`` (its HTTP server)."""
     common = ["-DCMAKE_BUILD_TYPE=Release", "-DBUILD_SHARED_LIBS=OFF", "-DGGML_OPENMP=ON", "-DLLAMA_CURL=OFF",
               "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=ON", "-DLLAMA_BUILD_TOOLS=ON",
-              "-DLLAMA_BUILD_SERVER=OFF"]
+              f"-DLLAMA_BUILD_SERVER={'ON' if server else 'OFF'}"]
     if native:
         return [*common, "-DGGML_NATIVE=ON"]
     flags = _cpu_flags()
@@ -119,6 +120,7 @@ def llama_tool(target: str, build: bool = True, log=print, native: bool = False)
     """(path of llama.cpp's ``target`` binary, e.g. ``llama-bench`` or ``llama-simple`` (greedy
     decoding of a prompt), how it was found), or (None, why it is not available)."""
     binary = (_root() / "native" if native else _root()) / target
+    server = target == "llama-server"
     if binary.is_file():
         return binary, f"cached build in {binary.parent}"
     if not build:
@@ -132,7 +134,7 @@ def llama_tool(target: str, build: bool = True, log=print, native: bool = False)
         tmp_path = Path(tmp)
         build_dir = tmp_path / "build"
         log(f"llama.cpp: configuring (cmake) and building {target} (~10 minutes on 2 cores) ...")
-        for cmd in (["cmake", "-S", str(src), "-B", str(build_dir), *cmake_flags(native)],
+        for cmd in (["cmake", "-S", str(src), "-B", str(build_dir), *cmake_flags(native, server)],
                     ["cmake", "--build", str(build_dir), "--target", target, "-j", "2"]):
             r = subprocess.run(cmd, capture_output=True, text=True)
             if r.returncode != 0:
@@ -143,7 +145,7 @@ def llama_tool(target: str, build: bool = True, log=print, native: bool = False)
         binary.parent.mkdir(parents=True, exist_ok=True)
         shutil.copy2(built, binary)
         (binary.parent / "build.json").write_text(json.dumps(
-            {"source": LLAMA_CPP_PYTHON, "cmake_flags": cmake_flags(native)}, indent=1))
+            {"source": LLAMA_CPP_PYTHON, "cmake_flags": cmake_flags(native, server)}, indent=1))
     return binary, f"built now from {LLAMA_CPP_PYTHON} into {binary.parent}"
 
 

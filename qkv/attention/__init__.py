@@ -16,7 +16,7 @@ from qkv.attention.functional import (
     sliding_window_mask,
     softmax,
 )
-from qkv.attention.kv_cache import KVCache, LayerKVCache
+from qkv.attention.kv_cache import BatchKVCache, KVCache, LayerKVCache
 from qkv.attention.multihead import MultiHeadAttention
 from qkv.attention.positional import (
     ALiBi,
@@ -36,6 +36,7 @@ __all__ = [
     "AdditiveAttention",
     "AttentionOutput",
     "Backend",
+    "BatchKVCache",
     "KVCache",
     "LayerKVCache",
     "LearnedPositionalEmbedding",

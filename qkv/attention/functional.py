@@ -215,12 +215,15 @@ def scaled_dot_product_attention(
         nothing give zeros.
     """
     _check_inputs(q, k, v, mask, bias)
-    _, H, T, D = q.shape
-    S = k.shape[2]
+    B, H, T, D = q.shape
+    K, S = k.shape[1], k.shape[2]
     scale = 1.0 / math.sqrt(D) if scale is None else scale
-    k, v = repeat_kv(k, H), repeat_kv(v, H)
+    # GQA: query head h reads key/value head h // G (G = H / K, as repeat_kv lays them out).
+    # The G query heads of a group are stacked as rows of one product, rather than copying
+    # each key/value head G times: the same dot products, no (B, H, S, D) copies.
+    qg = q.reshape(B, K, (H // K) * T, D)  # (B, K, G·T, D)
     acc = torch.promote_types(q.dtype, torch.float32)  # softmax in fp32 (fp64 stays fp64)
-    scores = (q @ k.transpose(-2, -1)).to(acc) * scale  # (B, H, T, S)
+    scores = (qg @ k.transpose(-2, -1)).view(B, H, T, S).to(acc) * scale  # (B, H, T, S)
     if bias is not None:
         scores = scores + bias.to(acc)
     allowed = _allowed(mask, is_causal, T, S, q.device)
@@ -228,7 +231,7 @@ def scaled_dot_product_attention(
         scores = scores.masked_fill(~allowed, float("-inf"))
     weights = softmax(scores, dim=-1).to(v.dtype)
     p = F.dropout(weights, dropout_p) if dropout_p > 0 else weights
-    out = p @ v  # (B, H, T, Dv)
+    out = (p.reshape(B, K, (H // K) * T, S) @ v).view(B, H, T, v.shape[-1])  # (B, H, T, Dv)
     return AttentionOutput(out, weights if return_weights else None)
 
 

@@ -104,6 +104,115 @@ class KVCache:
         self.v.copy_(self.v.index_select(1, index))
 
 
+class BatchKVCache(KVCache):
+    """A cache whose rows sit at their own positions: the running batch of continuous batching.
+
+    Each row b holds ``pos[b]`` tokens, so requests of different lengths, started at different
+    times, decode together: a step feeds one token per row, written at that row's position, and
+    attends over that row's keys only (the model masks keys ``j > pos[b]``; see
+    :meth:`qkv.models.gpt.GPT.forward`). Rows are filled one at a time by a prefill into
+    :meth:`row` (a batch-1 cache over the row's own buffers, so nothing is copied), and a row
+    that leaves is replaced by the last one (:meth:`move_row`), so the live rows are always
+    ``0 .. n - 1`` and a step runs on :meth:`head` ``(n)``.
+
+    Shapes: as :class:`KVCache`; ``pos`` is (B,) int64 instead of an int.
+    """
+
+    def __init__(self, n_layers: int, batch_size: int, n_kv_heads: int, max_seq_len: int, head_dim: int,
+                 *, dtype: torch.dtype = torch.float32, device: torch.device | str | None = None) -> None:
+        super().__init__(n_layers, batch_size, n_kv_heads, max_seq_len, head_dim, dtype=dtype, device=device)
+        self.pos = torch.zeros(batch_size, dtype=torch.long, device=self.k.device)  # type: ignore[assignment]
+        self.lengths = [0] * batch_size  # pos as Python ints (each layer's attention reads them)
+        self._index: tuple | None = None  # (key, write indices) of the current step
+        self.span = 0  # max(pos): how far a step must read
+
+    @classmethod
+    def wrap(cls, k: Tensor, v: Tensor, pos: int | Tensor = 0) -> BatchKVCache:
+        """A batch cache around existing (L, B, K, S_max, D) buffers and (B,) positions (views
+        are written in place, so :meth:`head` shares its parent's storage)."""
+        if k.ndim != 5 or v.ndim != 5 or v.shape[:4] != k.shape[:4]:
+            raise ValueError(f"BatchKVCache.wrap: k and v must be (L, B, K, S_max, D), got "
+                             f"{tuple(k.shape)} and {tuple(v.shape)}")
+        if not isinstance(pos, Tensor) or pos.shape != (k.shape[1],):
+            raise ValueError(f"BatchKVCache.wrap: pos must be a ({k.shape[1]},) tensor")
+        self = cls.__new__(cls)
+        self.k, self.v, self.pos, self._layers = k, v, pos, []
+        self._index = None
+        self.lengths = pos.tolist()
+        self.span = max(self.lengths, default=0)
+        return self
+
+    @property
+    def batch_size(self) -> int:
+        return self.k.shape[1]
+
+    def head(self, n: int) -> BatchKVCache:
+        """The first ``n`` rows, sharing this cache's buffers and positions (a step on them
+        advances this cache's rows too: call :meth:`sync` after it)."""
+        if not 1 <= n <= self.batch_size:
+            raise ValueError(f"BatchKVCache.head: n must be in [1, {self.batch_size}], got {n}")
+        return BatchKVCache.wrap(self.k[:, :n], self.v[:, :n], self.pos[:n])
+
+    def sync(self) -> None:
+        """Re-read the positions after a step on a :meth:`head` view (which advanced them in the
+        shared tensor, and its own copy of the Python lengths)."""
+        self.lengths = self.pos.tolist()
+        self.span = max(self.lengths, default=0)
+
+    def row(self, b: int) -> KVCache:
+        """Row ``b`` as a batch-1 :class:`KVCache` over the same buffers, emptied (its position
+        set to 0): prefill a prompt into it, then :meth:`set_length`."""
+        if not 0 <= b < self.batch_size:
+            raise ValueError(f"BatchKVCache.row: row {b} out of range [0, {self.batch_size})")
+        return KVCache.wrap(self.k[:, b : b + 1], self.v[:, b : b + 1], 0)
+
+    def set_length(self, b: int, n: int) -> None:
+        """Row ``b`` holds ``n`` tokens (after a prefill into :meth:`row`)."""
+        if not 0 <= n <= self.max_seq_len:
+            raise ValueError(f"BatchKVCache: length {n} outside [0, {self.max_seq_len}]")
+        self.pos[b] = n
+        self.lengths[b] = n
+        self.span = max(self.lengths)
+
+    def move_row(self, src: int, dst: int) -> None:
+        """Row ``dst`` becomes a copy of row ``src`` (its stored tokens only)."""
+        n = int(self.pos[src])
+        self.k[:, dst, :, :n] = self.k[:, src, :, :n]
+        self.v[:, dst, :, :n] = self.v[:, src, :, :n]
+        self.set_length(dst, n)
+
+    def write_index(self, T: int) -> tuple[Tensor, Tensor, Tensor]:
+        """Indices of (B, K, S_max, D) where a step's (B, K, T, D) new keys go: row b at
+        ``pos[b] .. pos[b] + T - 1``. Built once per step, shared by every layer."""
+        key = (tuple(self.lengths), T)
+        if self._index is None or self._index[0] != key:
+            B, K, dev = self.k.shape[1], self.k.shape[2], self.k.device
+            self._index = (key, (torch.arange(B, device=dev).view(B, 1, 1),
+                                 torch.arange(K, device=dev).view(1, K, 1),
+                                 (self.pos.view(B, 1) + torch.arange(T, device=dev)).view(B, 1, T)))
+        return self._index[1]
+
+    def advance(self, n: int) -> None:
+        """Every row stored ``n`` more tokens (a step feeds the same count to each row)."""
+        if self.span + n > self.max_seq_len:
+            raise ValueError(f"KVCache overflow: a row at position {self.span} + {n} new tokens > "
+                             f"max_seq_len {self.max_seq_len}; allocate a larger cache")
+        self.pos += n
+        self.lengths = [m + n for m in self.lengths]
+        self.span += n
+
+    def reset(self) -> None:
+        self.pos.zero_()
+        self.lengths = [0] * len(self.lengths)
+        self.span = 0
+
+    def reorder(self, index: Tensor) -> None:
+        super().reorder(index)
+        self.pos.copy_(self.pos.index_select(0, index))
+        self.lengths = self.pos.tolist()
+        self.span = max(self.lengths, default=0)
+
+
 class LayerKVCache:
     """One layer's slice of a :class:`KVCache`; what ``MultiHeadAttention`` receives."""
 
@@ -115,8 +224,9 @@ class LayerKVCache:
         self.k, self.v = cache.k[index], cache.v[index]  # (B, K, S_max, D)
 
     @property
-    def pos(self) -> int:
-        """Absolute position of the first new token (= number of tokens already stored)."""
+    def pos(self) -> int | Tensor:
+        """Absolute position of the first new token (= number of tokens already stored); per row,
+        a (B,) tensor, in a :class:`BatchKVCache`."""
         return self.cache.pos
 
     def update(self, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
@@ -126,6 +236,8 @@ class LayerKVCache:
             (B, K, pos + T, D) keys and values: views into the preallocated buffers.
         """
         pos = self.cache.pos
+        if isinstance(pos, Tensor) and isinstance(self.cache, BatchKVCache):
+            return self._update_rows(k, v, pos, self.cache.span)
         B, K, S_max, D = self.k.shape
         if k.ndim != 4 or k.shape[0] != B or k.shape[1] != K or k.shape[3] != D:
             raise ValueError(
@@ -158,3 +270,27 @@ class LayerKVCache:
             self.k[:, :, pos : pos + T] = k
             self.v[:, :, pos : pos + T] = v
         return self.k[:, :, : pos + T], self.v[:, :, : pos + T]
+
+    def row_lengths(self, T: int) -> list[int] | None:
+        """After :meth:`update` of ``T`` tokens, how many keys each row holds (a
+        :class:`BatchKVCache`'s rows differ), or None when every row holds the same."""
+        if isinstance(self.cache, BatchKVCache):
+            return [n + T for n in self.cache.lengths]
+        return None
+
+    def _update_rows(self, k: Tensor, v: Tensor, pos: Tensor, span: int) -> tuple[Tensor, Tensor]:
+        """:meth:`update` for a :class:`BatchKVCache`: row b's T new keys/values go to
+        ``pos[b] .. pos[b] + T - 1``; returns (B, K, span + T, D), the longest row's worth (the
+        model masks each row's keys beyond its own length)."""
+        B, K, S_max, D = self.k.shape
+        if k.ndim != 4 or k.shape[0] != B or k.shape[1] != K or k.shape[3] != D or v.shape[:3] != k.shape[:3]:
+            raise ValueError(f"KVCache: new keys/values have shapes {tuple(k.shape)}, {tuple(v.shape)}; "
+                             f"expected (B={B}, K={K}, T, D={D})")
+        T = k.shape[2]
+        if span + T > S_max:
+            raise ValueError(f"KVCache overflow: a row at position {span} + {T} new tokens > max_seq_len "
+                             f"{S_max}; allocate a larger cache")
+        idx = self.cache.write_index(T)
+        self.k.index_put_(idx, k)
+        self.v.index_put_(idx, v)
+        return self.k[:, :, : span + T], self.v[:, :, : span + T]

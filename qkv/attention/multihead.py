@@ -11,6 +11,7 @@ Dh head dim, dim model width (query side), kv_dim width of the cross-attention c
 
 from __future__ import annotations
 
+import torch
 from torch import Tensor, nn
 
 from qkv.attention.functional import BACKENDS, AttentionOutput, Backend, attention
@@ -81,7 +82,7 @@ class MultiHeadAttention(nn.Module):
         self.out_proj = Linear(q_width, dim, bias=bias)
 
     def _project(
-        self, x: Tensor, context: Tensor | None, rope: RotaryEmbedding | None, offset: int
+        self, x: Tensor, context: Tensor | None, rope: RotaryEmbedding | None, offset: int | Tensor
     ) -> tuple[Tensor, Tensor, Tensor]:
         """(B, T, dim) [, (B, S, kv_dim)] -> q (B, H, T, Dh), k and v (B, K, S, Dh), with
         q and k rotated by RoPE from position ``offset`` when ``rope`` is given."""
@@ -142,15 +143,38 @@ class MultiHeadAttention(nn.Module):
         q, k, v = self._project(x, context, rope, 0 if cache is None else cache.pos)
         if cache is not None:
             k, v = cache.update(k, v)  # (B, K, pos + T, Dh)
-        out, weights = attention(
-            q, k, v,
-            mask=mask,
-            is_causal=is_causal,
-            dropout_p=self.dropout if self.training else 0.0,
-            return_weights=return_weights,
-            bias=bias,
-            backend=self.backend if backend is None else backend,
-        )
+        kw = dict(is_causal=is_causal, dropout_p=self.dropout if self.training else 0.0, bias=bias,
+                  return_weights=return_weights, backend=self.backend if backend is None else backend)
+        lengths = None if cache is None else cache.row_lengths(q.shape[2])
+        if lengths is None:
+            out, weights = attention(q, k, v, mask=mask, **kw)  # type: ignore[arg-type]
+        else:
+            out, weights = attend_rows(q, k, v, lengths, mask=mask, **kw)  # type: ignore[arg-type]
         B, _, T, _ = out.shape
         out = out.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim)  # (B, T, H·Dh)
         return AttentionOutput(self.out_proj(out), weights)
+
+
+def attend_rows(q: Tensor, k: Tensor, v: Tensor, lengths: list[int], *, mask: Tensor | None = None,
+                bias: Tensor | None = None, return_weights: bool = False, **kw: object) -> AttentionOutput:
+    """Attention for a running batch whose rows hold different numbers of keys: row b's queries
+    (1, H, T, Dh) attend over its first ``lengths[b]`` keys only, one call per row, so each row
+    gets the very numbers it would get decoded alone (a masked batched call would sum the same
+    terms in another order). ``k``, ``v``: (B, K, S, Dh), S >= max(lengths); ``mask``/``bias``
+    broadcastable to (B, H, T, S). Weights, asked for: (B, H, T, S), zero past each row's keys.
+    """
+    outs, ws = [], []
+    for b, n in enumerate(lengths):
+        o, w = attention(q[b : b + 1], k[b : b + 1, :, :n], v[b : b + 1, :, :n],
+                         mask=None if mask is None else mask[b : b + 1, ..., :n],
+                         bias=None if bias is None else bias[b : b + 1, ..., :n],
+                         return_weights=return_weights, **kw)  # type: ignore[arg-type]
+        outs.append(o)
+        ws.append(w)
+    weights = None
+    if return_weights:
+        B, H, T = q.shape[0], q.shape[1], q.shape[2]
+        weights = q.new_zeros(B, H, T, k.shape[2], dtype=ws[0].dtype)
+        for b, (n, w) in enumerate(zip(lengths, ws, strict=True)):
+            weights[b, ..., :n] = w[0]
+    return AttentionOutput(torch.cat(outs), weights)

@@ -21,7 +21,15 @@ import torch
 from torch import Tensor, nn
 
 
-def _check_range(kind: str, offset: int, T: int, limit: int) -> None:
+def _check_range(kind: str, offset: int | Tensor, T: int, limit: int) -> None:
+    if isinstance(offset, Tensor):  # one offset per row (a running batch): check the extremes
+        if not len(offset):
+            return
+        lo, hi = int(offset.min()), int(offset.max())
+        if lo < 0 or hi + T > limit:
+            raise ValueError(f"{kind}: positions up to {hi + T - 1} exceed max_seq_len {limit}; "
+                             "build it with a larger max_seq_len")
+        return
     if offset < 0 or offset + T > limit:
         raise ValueError(
             f"{kind}: positions {offset}..{offset + T - 1} exceed max_seq_len {limit}; "
@@ -37,8 +45,11 @@ class LearnedPositionalEmbedding(nn.Module):
         self.max_seq_len = max_seq_len
         self.weight = nn.Parameter(torch.randn(max_seq_len, dim) * 0.02)
 
-    def forward(self, T: int, offset: int = 0) -> Tensor:
+    def forward(self, T: int, offset: int | Tensor = 0) -> Tensor:
+        """(T, dim) rows from ``offset``; with a (B,) tensor of offsets, (B, T, dim)."""
         _check_range("LearnedPositionalEmbedding", offset, T, self.max_seq_len)
+        if isinstance(offset, Tensor):
+            return self.weight[positions(offset, T)]
         return self.weight[offset : offset + T]
 
 
@@ -77,9 +88,18 @@ class SinusoidalPositionalEmbedding(nn.Module):
         self.max_seq_len = max_seq_len
         self.register_buffer("table", sinusoidal_table(max_seq_len, dim, base), persistent=False)
 
-    def forward(self, T: int, offset: int = 0) -> Tensor:
+    def forward(self, T: int, offset: int | Tensor = 0) -> Tensor:
+        """(T, dim) rows from ``offset``; with a (B,) tensor of offsets, (B, T, dim)."""
         _check_range("SinusoidalPositionalEmbedding", offset, T, self.max_seq_len)
+        if isinstance(offset, Tensor):
+            return self.table[positions(offset, T)]
         return self.table[offset : offset + T]
+
+
+def positions(offset: Tensor, T: int) -> Tensor:
+    """(B,) first positions -> (B, T) absolute positions ``offset[b] + t`` (a running batch,
+    whose rows sit at different positions)."""
+    return offset.view(-1, 1) + torch.arange(T, device=offset.device)
 
 
 def rotate_half(x: Tensor) -> Tensor:
@@ -106,17 +126,36 @@ class RotaryEmbedding(nn.Module):
         angles = torch.cat([angles, angles], dim=-1)  # (P, D): pair i and i + D/2 share an angle
         self.register_buffer("cos", angles.cos().float(), persistent=False)
         self.register_buffer("sin", angles.sin().float(), persistent=False)
+        self._memo: tuple | None = None  # the last per-row gather (see _rows)
 
-    def forward(self, x: Tensor, offset: int = 0) -> Tensor:
-        """Rotate x (B, H, T, D) whose first token sits at absolute position ``offset``."""
+    def forward(self, x: Tensor, offset: int | Tensor = 0) -> Tensor:
+        """Rotate x (B, H, T, D) whose first token sits at absolute position ``offset`` (an int,
+        or a (B,) tensor: one per row of a running batch)."""
         T, D = x.shape[-2], x.shape[-1]
         if D != self.head_dim:
             raise ValueError(f"RoPE built for head_dim {self.head_dim}, got tensor with D={D}")
         _check_range("RotaryEmbedding", offset, T, self.max_seq_len)
-        cos, sin = self.cos[offset : offset + T], self.sin[offset : offset + T]  # (T, D)
+        if isinstance(offset, Tensor):
+            cos, sin = self._rows(offset, T)  # (B, 1, T, D)
+        else:
+            cos, sin = self.cos[offset : offset + T], self.sin[offset : offset + T]  # (T, D)
         if cos.dtype != x.dtype:
             cos, sin = cos.to(x.dtype), sin.to(x.dtype)
         return x * cos + rotate_half(x) * sin
+
+
+    def _rows(self, offset: Tensor, T: int) -> tuple[Tensor, Tensor]:
+        """cos and sin (B, 1, T, D) at each row's positions. Every layer of one decoding step
+        asks for the same positions: the gather is done once per step (the last one is kept,
+        with a copy of the positions it was made for)."""
+        memo = self._memo
+        if (memo is not None and memo[1] == T and memo[0].shape == offset.shape
+                and memo[0].device == offset.device and torch.equal(memo[0], offset)):
+            return memo[2], memo[3]
+        at = positions(offset, T)  # (B, T)
+        cos, sin = self.cos[at].unsqueeze(1), self.sin[at].unsqueeze(1)
+        self._memo = (offset.clone(), T, cos, sin)
+        return cos, sin
 
 
 def alibi_slopes(n_heads: int) -> Tensor:
@@ -153,3 +192,10 @@ class ALiBi(nn.Module):
         j = torch.arange(S, device=self.slopes.device).unsqueeze(0)
         dist = (i - j).abs().to(self.slopes.dtype)  # (T, S)
         return -(self.slopes[:, None, None] * dist).unsqueeze(0)
+
+    def rows(self, offset: Tensor, T: int, S: int) -> Tensor:
+        """(B, H, T, S) bias for a running batch: row b's query i sits at ``offset[b] + i``."""
+        i = positions(offset, T)[:, None, :, None]  # (B, 1, T, 1)
+        j = torch.arange(S, device=offset.device)  # (S,)
+        dist = (i - j).abs().to(self.slopes.dtype)  # (B, 1, T, S)
+        return -(self.slopes[None, :, None, None] * dist)

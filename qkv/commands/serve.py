@@ -20,7 +20,8 @@ def add_serve_parser(sub) -> None:
         "/openapi.json). Listens on the loopback interface only, unless --host says otherwise; "
         "on a loopback address, requests naming another host are refused (DNS rebinding); "
         "uploads and other POSTs from another web site are refused (Origin, Sec-Fetch-Site); at "
-        "most --max-busy requests compute at once, a few wait, the rest get 503 + Retry-After. "
+        "most --max-busy requests compute at once, a few wait, the rest get 503 + Retry-After; "
+        "generation requests on one model decode together in one running batch (--batch-rows). "
         "Needs `pip install 'qkv[serve]'`.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
@@ -40,6 +41,10 @@ def add_serve_parser(sub) -> None:
                    help="requests waiting per model; beyond that a 503 with Retry-After")
     p.add_argument("--max-wait", type=float, default=30.0,
                    help="seconds a request waits for a slot before a 503")
+    p.add_argument("--batch-rows", type=int, default=8,
+                   help="generation requests decoded together on one model (continuous batching: a "
+                   "request joins the running batch between two steps, and decodes exactly as it "
+                   "would alone); 0 = each request decodes alone, in its own work slot")
     p.set_defaults(func=cmd_serve)
 
 
@@ -81,7 +86,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     cfg = ServeConfig(runs_dir=Path(args.runs), max_tokens=args.max_tokens,
                       max_upload_bytes=int(args.max_upload_mb * 1_000_000), host=args.host,
                       max_busy_per_model=args.max_busy_per_model, max_busy=args.max_busy,
-                      max_queued=args.max_queued, max_wait_s=args.max_wait)
+                      max_queued=args.max_queued, max_wait_s=args.max_wait, batch_rows=args.batch_rows)
     app = create_app(cfg)
     _check_port_free(args.host, args.port)
     if not _is_loopback(args.host):

@@ -25,6 +25,7 @@ from qkv.attention import (
     BACKENDS,
     ALiBi,
     Backend,
+    BatchKVCache,
     KVCache,
     LearnedPositionalEmbedding,
     RotaryEmbedding,
@@ -194,17 +195,26 @@ class GPT(nn.Module):
             raise ValueError(f"idx must be (B, T) token ids, got shape {tuple(idx.shape)}")
         T = idx.shape[1]
         offset = 0 if cache is None else cache.pos
-        if offset + T > self.cfg.max_seq_len:
+        if isinstance(cache, BatchKVCache):  # rows at their own positions: one token each
+            if T != 1:
+                raise ValueError(f"a BatchKVCache step takes one token per row, got {T}; prefill each "
+                                 "row alone into BatchKVCache.row(b)")
+            end = cache.span + T  # each row attends over its own keys only (attend_rows)
+        else:
+            end = offset + T
+        if end > self.cfg.max_seq_len:
             raise ValueError(
-                f"sequence of {offset + T} tokens exceeds the model's context "
+                f"sequence of {end} tokens exceeds the model's context "
                 f"max_seq_len={self.cfg.max_seq_len}; crop the input"
             )
         x = self.tok_emb(idx)  # (B, T, dim)
         if self.cfg.embed_scale:
             x = x * self.cfg.dim**0.5  # Gemma: embeddings on the scale of the residual stream
         if self.pos_emb is not None:
-            x = x + self.pos_emb(T, offset)  # (T, dim) broadcast over B
-        bias = self.alibi(T, offset + T) if self.alibi is not None else None
+            x = x + self.pos_emb(T, offset)  # (T, dim) broadcast over B; per row (B, T, dim)
+        bias = None
+        if self.alibi is not None:
+            bias = self.alibi.rows(offset, T, end) if isinstance(offset, Tensor) else self.alibi(T, end)
         if self.training and self.cfg.dropout > 0:
             x = self.drop(x)
         out = self.stack(x, bias=bias, rope=self.rope, cache=cache, backend=backend,

@@ -14,7 +14,7 @@ Shapes: L layers, H heads, T tokens (queries), S keys.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Literal
 
@@ -113,6 +113,19 @@ class GenerationStep:
 
 
 @torch.inference_mode()
+def batch_steps(lm: CausalLM, prompt_ids: list[int],
+                tokens: Iterable[tuple[int, Tensor]]) -> Iterator[GenerationStep]:
+    """:func:`generate_steps`'s items for tokens decoded elsewhere (a row of a running batch,
+    :mod:`qkv.serve.batching`): each (id, attention row (S,)) with the id's text as it reads
+    after what came before."""
+    from qkv.generation.decode import decode_after
+
+    seen = list(prompt_ids)
+    for tid, weights in tokens:
+        yield GenerationStep(tid, decode_after(lm.tokenizer.decode, seen, [tid]), weights)
+        seen.append(tid)
+
+
 def generate_steps(lm: CausalLM, prompt_ids: list[int], max_new_tokens: int, *, layer: int = -1,
                    head: int | None = None, temperature: float = 0.0, top_k: int | None = None,
                    seed: int | None = None) -> Iterator[GenerationStep]:

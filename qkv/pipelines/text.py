@@ -19,7 +19,7 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import ClassVar, Literal
+from typing import ClassVar, Literal, overload
 
 import torch
 from torch import Tensor
@@ -375,6 +375,46 @@ class CausalLM(LayersAndHeads):
             nxt, weights = out if return_weights else (out, None)
             yield int(nxt[0]), weights
 
-    def generate(self, prompt: str, max_new_tokens: int = 128, **kwargs: object) -> str:
-        """The continuation of ``prompt`` as one string (greedy by default); see :meth:`stream`."""
+    @overload
+    def generate(self, prompt: str, max_new_tokens: int = 128, **kwargs: object) -> str: ...
+
+    @overload
+    def generate(self, prompt: Sequence[str], max_new_tokens: int = 128, **kwargs: object) -> list[str]: ...
+
+    def generate(self, prompt: str | Sequence[str], max_new_tokens: int = 128,
+                 **kwargs: object) -> str | list[str]:
+        """The continuation of ``prompt`` as one string (greedy by default); see :meth:`stream`.
+        A list of prompts decodes as one running batch (:meth:`generate_many`)."""
+        if not isinstance(prompt, str):
+            return self.generate_many(prompt, max_new_tokens, **kwargs)  # type: ignore[arg-type]
         return "".join(self.stream(prompt, max_new_tokens, **kwargs))  # type: ignore[arg-type]
+
+    def generate_many(self, prompts: Sequence[str], max_new_tokens: int = 128, *, chat: bool = False,
+                      system: str | None = None, temperature: float = 0.0, top_k: int | None = None,
+                      top_p: float | None = None, seed: int | Sequence[int | None] | None = None,
+                      stop_at_eos: bool = True, rows: int = 8) -> list[str]:
+        """Continue every prompt, decoded together: up to ``rows`` at once in one running batch,
+        the next prompt joining as soon as one ends (:mod:`qkv.generation.batch`). Each
+        continuation is the one :meth:`generate` gives for that prompt alone (the same greedy
+        tokens; sampled, the same tokens for the same seed). ``seed``: one for every prompt, or
+        one per prompt. Each is bounded by the context as in :meth:`stream` (without ``slide``);
+        the steps run eagerly (no saved step: it decodes one row)."""
+        from qkv.generation.batch import Request, generate_batch
+
+        if isinstance(prompts, str):
+            raise ValueError("generate_many takes a list of prompts; use generate for one")
+        if max_new_tokens < 0:
+            raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
+        seeds = list(seed) if isinstance(seed, Sequence) else [seed] * len(prompts)
+        if len(seeds) != len(prompts):
+            raise ValueError(f"{len(seeds)} seeds for {len(prompts)} prompts; give one seed or one per "
+                             "prompt")
+        ids = [self.prompt_ids(p, chat=chat, system=system)[0] for p in prompts]
+        stops = self.stop_ids if stop_at_eos else ()
+        reqs = [Request(i, min(max_new_tokens, self.context - len(i)), temperature, top_k, top_p, s, stops)
+                for i, s in zip(ids, seeds, strict=True)]
+        new: list[list[int]] = [[] for _ in prompts]
+        for i, tok in generate_batch(self.model, reqs, rows):
+            new[i].append(tok.id)
+        return ["".join(text_pieces(self.tokenizer.decode, n, context=i))
+                for n, i in zip(new, ids, strict=True)]

@@ -25,9 +25,11 @@ from fastapi import File, Form, HTTPException, UploadFile
 from fastapi.responses import StreamingResponse
 
 from qkv.errors import InputError, UnknownModelError
+from qkv.generation.batch import Request, Token
 from qkv.generation.decode import decode_after
 from qkv.pipelines import CausalLM, ImageCaptioner, ImageClassifier, Translator, check_layer_head
 from qkv.pipelines import attention as text
+from qkv.serve.batching import BatchEngine, RowStream
 from qkv.serve.lens_api import LensEndpoints
 from qkv.serve.registry import RUN_PREFIX, AttentionCache, Entry, InvalidNameError, Lease, Registry
 from qkv.serve.schemas import (
@@ -41,7 +43,7 @@ from qkv.serve.schemas import (
     ModelInfo,
     ModelList,
 )
-from qkv.serve.work import BusyError, Ticket, WorkQueue
+from qkv.serve.work import BusyError, WorkQueue
 
 if TYPE_CHECKING:
     from qkv.serve.config import ServeConfig
@@ -180,6 +182,8 @@ class Explorer(LensEndpoints):
         self.cache = AttentionCache(cfg.cache_bytes)
         self.scrub = PathScrubber(registry.runs_dir)
         self.head_scores: dict[Any, Any] = {}  # a model file's version -> its heads' scores
+        self._engines: dict[int, BatchEngine] = {}  # id(a loaded decoder) -> its running batch
+        self._engines_lock = threading.Lock()
 
     def _errors(self) -> contextlib.AbstractContextManager[None]:
         return http_errors(self.scrub)
@@ -262,19 +266,22 @@ class Explorer(LensEndpoints):
         """Continue ``prompt`` with a GPT model (SmolLM2 or a gpt run), streaming each new
         token with the attention of the position that chose it, as newline-delimited JSON.
 
-        The work slot and the model are held until the stream ends (or the client leaves)."""
+        Requests on one model decode together in its running batch (:mod:`qkv.serve.batching`;
+        ``batch_rows`` 0: each alone, holding a work slot). The model (and the slot or the row)
+        is held until the stream ends or the client leaves."""
         t0 = time.perf_counter()
         self._check_text(req.prompt)
+        batched = self.cfg.batch_rows > 0
         with self._errors():
             self.registry.resolve(req.model)
-            ticket = self.work.acquire(req.model)
-        held: list[Ticket] = [ticket]
+            ticket = None if batched else self.work.acquire(req.model)
+        held: list[Any] = [] if ticket is None else [ticket]
         lock = threading.Lock()
 
         def release() -> None:
             with lock:
-                tickets, held[:] = list(held), []
-            for t in reversed(tickets):
+                parts, held[:] = list(held), []
+            for t in reversed(parts):
                 t.release()
 
         try:
@@ -288,10 +295,18 @@ class Explorer(LensEndpoints):
                 layer, head = check_layer_head(lm.n_layers, lm.n_heads, req.layer, req.head)
                 total = min(self.cfg.max_tokens, lm.context)
                 ids, notes = text.encode_text(lm, req.prompt, max(1, total - 1), keep="last")
+                n_new = min(req.max_new_tokens, self.cfg.max_new_tokens, total - len(ids))
+                steps: Iterator[text.GenerationStep]
+                if batched:
+                    row = self._join_batch(req, lm, ids, n_new, layer, head, total)
+                    held.append(_Cancel(row))
+                    steps = text.batch_steps(lm, ids, row)  # type: ignore[arg-type]
+                else:
+                    steps = text.generate_steps(lm, ids, n_new, layer=layer, head=head,
+                                                temperature=req.temperature, top_k=req.top_k, seed=req.seed)
         except BaseException:
             release()
             raise
-        n_new = min(req.max_new_tokens, self.cfg.max_new_tokens, total - len(ids))
         if n_new < req.max_new_tokens:
             notes.append(f"{n_new} new tokens at most: the prompt has {len(ids)} tokens and the "
                          f"limit is {total}")
@@ -302,9 +317,7 @@ class Explorer(LensEndpoints):
                          n_layers=lm.n_layers, n_heads=lm.n_heads, notes=notes)
             new: list[int] = []
             try:
-                for step in text.generate_steps(lm, ids, n_new, layer=layer, head=head,
-                                                temperature=req.temperature, top_k=req.top_k,
-                                                seed=req.seed):
+                for step in steps:
                     new.append(step.id)
                     if not bool(torch.isfinite(torch.as_tensor(step.weights)).all()):
                         yield _event(event="error", detail="the attention weights are not all finite "
@@ -321,6 +334,26 @@ class Explorer(LensEndpoints):
                          seconds=time.perf_counter() - t0)
 
         return _ReleasingResponse(_Stream(events(), release), media_type="application/x-ndjson")
+
+    def _join_batch(self, req: GenerateRequest, lm: CausalLM, ids: list[int], n_new: int, layer: int,
+                    head: int | None, total: int) -> RowStream:
+        """A row of ``lm``'s running batch for this request (BusyError: a 503)."""
+        with self._engines_lock:
+            engine = self._engines.get(id(lm))
+            if engine is None:
+                engine = BatchEngine(lm.model, rows=self.cfg.batch_rows, cache_len=total,
+                                     queued=self.cfg.max_queued, max_wait_s=self.cfg.max_wait_s,
+                                     slot=lambda: self.work.acquire(req.model), name=req.model)
+                self._engines[id(lm)] = engine
+                weakref.finalize(lm, self._engines.pop, id(lm), None)
+
+        def pick(tok: Token) -> tuple[int, torch.Tensor]:  # the requested layer and head only
+            assert tok.weights is not None
+            w = tok.weights[layer].float()  # (H, S)
+            return tok.id, (w.mean(0) if head is None else w[head]).clone()
+
+        request = Request(ids, n_new, req.temperature, req.top_k, None, req.seed, lm.stop_ids, weights=True)
+        return engine.submit(request, pick)
 
     def image_attention(self, model: Annotated[str, Form(max_length=256)],
                         image: Annotated[UploadFile, File()],
@@ -356,6 +389,16 @@ class Explorer(LensEndpoints):
                               pixels=att.image.permute(1, 2, 0).reshape(-1).tolist()),
             grid=att.grid, maps=[ImageMap(label=label, weights=_rows(m)) for label, m in att.maps],
             notes=notes + att.notes, details=att.details, seconds=time.perf_counter() - t0)
+
+
+class _Cancel:
+    """Frees a request's row of the batch when its stream is released."""
+
+    def __init__(self, row: RowStream) -> None:
+        self.row = row
+
+    def release(self) -> None:
+        self.row.cancel()
 
 
 def _shown(filename: str | None) -> str:

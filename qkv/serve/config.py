@@ -26,6 +26,7 @@ class ServeConfig:
     max_busy: int = 4  # requests computing on all models at once
     max_queued: int = 4  # requests waiting per model (max_busy x this in all); 503 beyond
     max_wait_s: float = 30.0  # longest a request waits for a slot or for memory, then 503
+    batch_rows: int = 8  # generation requests decoded together per model (0: each alone)
     host: str | None = None  # the address the server listens on (None: each connection's own)
     # Host headers accepted ("*.example.com" for subdomains); None: on a loopback address
     # loopback names only (DNS rebinding), on any other address any name
@@ -40,6 +41,8 @@ class ServeConfig:
         for name in ("max_loaded_models", "max_busy_per_model", "max_busy"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.batch_rows < 0:
+            raise ValueError(f"batch_rows must be >= 0 (0: no batching), got {self.batch_rows}")
         if self.max_queued < 0 or self.max_wait_s < 0:
             raise ValueError(f"max_queued and max_wait_s must be >= 0, got {self.max_queued} and "
                              f"{self.max_wait_s}")

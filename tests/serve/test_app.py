@@ -383,7 +383,8 @@ def test_no_response_names_a_filesystem_path(tiny_run, tmp_path, monkeypatch) ->
         yield
 
     monkeypatch.setattr(sources, "text_attention", bug)
-    monkeypatch.setattr(sources, "generate_steps", failing_steps)
+    monkeypatch.setattr(sources, "generate_steps", failing_steps)  # each request alone
+    monkeypatch.setattr(sources, "batch_steps", failing_steps)  # a row of the running batch
     got["bug"] = c.post("/api/attention", json={"model": "runs/gpt-ok", "text": "JULIET"})
     got["stream"] = c.post("/api/generate", json={"model": "runs/gpt-ok", "prompt": "ROMEO"})
     for key, r in got.items():
@@ -428,23 +429,26 @@ def test_a_model_whose_attention_is_nan_gets_a_422(runs_dir, monkeypatch) -> Non
     assert detail(r, 422).startswith("the attention weights are not all finite (NaN or inf)")
 
 
-def test_a_generation_whose_attention_turns_nan_ends_with_an_error_event(runs_dir, monkeypatch) -> None:
+@pytest.mark.parametrize("batch_rows", [8, 0])
+def test_a_generation_whose_attention_turns_nan_ends_with_an_error_event(runs_dir, monkeypatch,
+                                                                         batch_rows) -> None:
     """The stream's status line has gone out, so a NaN row becomes an error event, never a
-    token event with nulls in its weights."""
+    token event with nulls in its weights (a row of the running batch, or a request alone)."""
     from dataclasses import replace
 
     from fastapi.testclient import TestClient
 
     from qkv.serve import create_app
 
-    real = sources.generate_steps
+    name = "batch_steps" if batch_rows else "generate_steps"
+    real = getattr(sources, name)
 
     def nan_after_one(*args, **kwargs):
         for i, step in enumerate(real(*args, **kwargs)):
             yield step if i == 0 else replace(step, weights=torch.full_like(step.weights, float("nan")))
 
-    monkeypatch.setattr(sources, "generate_steps", nan_after_one)
-    c = TestClient(create_app(runs_dir=runs_dir))
+    monkeypatch.setattr(sources, name, nan_after_one)
+    c = TestClient(create_app(runs_dir=runs_dir, batch_rows=batch_rows))
     events = _events(c.post("/api/generate", json={"model": "runs/gpt-tiny", "prompt": "ROMEO",
                                                    "max_new_tokens": 4}))
     assert [e["event"] for e in events] == ["start", "token", "error"]

@@ -118,12 +118,15 @@ def test_a_full_queue_answers_503_with_retry_after(runs_dir, monkeypatch) -> Non
         assert blocked.result().status_code == 200
 
 
-def test_a_generation_holds_its_slot_until_the_stream_ends(runs_dir) -> None:
+@pytest.mark.parametrize("batch_rows", [8, 0])
+def test_a_generation_holds_its_slot_until_the_stream_ends(runs_dir, batch_rows) -> None:
+    """Alone, a request holds a work slot; in the running batch, the batch holds one while it
+    has rows: either way the slot is free again once the stream has ended."""
     from fastapi.testclient import TestClient
 
     from qkv.serve import create_app
 
-    app = create_app(runs_dir=runs_dir, max_busy_per_model=1, max_queued=0)
+    app = create_app(runs_dir=runs_dir, max_busy_per_model=1, max_queued=0, batch_rows=batch_rows)
     client = TestClient(app)
     for _ in range(3):  # one at a time, each after the last one's stream ended
         r = client.post("/api/generate", json={"model": "runs/gpt-tiny", "prompt": "ROMEO",
@@ -135,21 +138,24 @@ def test_a_generation_holds_its_slot_until_the_stream_ends(runs_dir) -> None:
     assert r.status_code == 422 and app.state.work.running() == 0  # refused before the stream: freed
 
 
-def test_a_client_that_leaves_mid_stream_frees_the_slot(runs_dir, monkeypatch) -> None:
+@pytest.mark.parametrize("batch_rows", [1, 0])
+def test_a_client_that_leaves_mid_stream_frees_the_slot(runs_dir, monkeypatch, batch_rows) -> None:
+    """Alone: the request's work slot; in a batch of one row: the row and the batch's slot."""
     import httpx
 
     from qkv.pipelines import attention as sources
     from qkv.serve import create_app
 
-    real = sources.generate_steps
+    name = "batch_steps" if batch_rows else "generate_steps"
+    real = getattr(sources, name)
 
     def slow(*args, **kwargs):
         for step in real(*args, **kwargs):
             time.sleep(0.05)  # long enough that the client leaves before the end
             yield step
 
-    monkeypatch.setattr(sources, "generate_steps", slow)
-    app = create_app(runs_dir=runs_dir, max_busy_per_model=1, max_queued=0)
+    monkeypatch.setattr(sources, name, slow)
+    app = create_app(runs_dir=runs_dir, max_busy_per_model=1, max_queued=0, batch_rows=batch_rows)
     body = {"model": "runs/gpt-tiny", "prompt": "ROMEO", "max_new_tokens": 20}
     with serving(app) as url, httpx.Client(base_url=url, timeout=30) as c:
         with c.stream("POST", "/api/generate", json=body) as r:

@@ -1,0 +1,189 @@
+"""Continuous batching (qkv.generation.batch): every row of a running batch decodes exactly as
+its request decoded alone by qkv.generation.generate (the reference: the batch-1 loop with its
+own KV cache), whatever the rows' lengths, whenever they join, whenever they leave."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from qkv.attention import BatchKVCache
+from qkv.generation import generate
+from qkv.generation.batch import Batch, Request, generate_batch
+from qkv.generation.sampling import make_generator
+from qkv.models.gpt import GPT, GPTConfig
+
+pytestmark = pytest.mark.usefixtures("one_thread")  # see tests/conftest.py
+
+V = 48
+LLAMA = dict(positions="rope", norm="rmsnorm", bias=False, mlp="swiglu", mlp_hidden=64)
+
+
+def model(positions: str = "rope", seed: int = 3, **kw) -> GPT:
+    """A random decoder with weights large enough that greedy decoding varies its tokens."""
+    torch.manual_seed(seed)
+    cfg = {**LLAMA, "positions": positions, **kw}
+    m = GPT(GPTConfig(vocab_size=V, max_seq_len=64, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, **cfg))
+    g = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for p in m.parameters():
+            if p.dim() >= 2:
+                p.copy_(torch.randn(p.shape, generator=g) * 0.3)
+    return m.eval()
+
+
+def ids(n: int, seed: int) -> list[int]:
+    return torch.randint(0, V, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def alone(m: GPT, req: Request, weights: bool = False) -> list:
+    """The request decoded alone: its ids (and, asked for, each step's per-layer (H, S) rows)."""
+    gen = make_generator("cpu", req.seed)
+    out = []
+    for item in generate(m, torch.tensor([list(req.ids)]), req.max_new_tokens, temperature=req.temperature,
+                         top_k=req.top_k, top_p=req.top_p, generator=gen, stop_ids=req.stop_ids,
+                         return_weights=weights, compile=False):
+        if weights:
+            nxt, ws = item
+            out.append((int(nxt[0]), [w[0] for w in ws]))
+        else:
+            out.append(int(item[0]))
+    return out
+
+
+def batched(m: GPT, reqs: list[Request], rows: int) -> list[list]:
+    got: list[list] = [[] for _ in reqs]
+    for i, tok in generate_batch(m, reqs, rows):
+        got[i].append((tok.id, tok.weights) if reqs[i].weights else tok.id)
+    return got
+
+
+@pytest.mark.parametrize("positions", ["rope", "learned", "sinusoidal", "alibi", "none"])
+@pytest.mark.parametrize("backend", ["sdpa", "reference"])
+def test_one_step_of_rows_at_different_positions_equals_each_row_alone(positions, backend):
+    """The step's logits per row against the same row's step with its own batch-1 cache; with the
+    reference backend, the weights too (and zero past the row's own keys)."""
+    m = model(positions)
+    lens, new = [5, 11, 2], torch.tensor([[7], [1], [30]])
+    cache = BatchKVCache(2, 4, 2, 32, 8)  # a spare 4th row
+    want = []
+    with torch.inference_mode():
+        for b, n in enumerate(lens):
+            p = torch.tensor([ids(n, b)])
+            m(p, cache=cache.row(b))
+            cache.set_length(b, n)
+            solo = m.make_cache(1, 32)
+            m(p, cache=solo)
+            want.append(m(new[b : b + 1], cache=solo, backend=backend, return_weights=backend == "reference"))
+        got = m(new, cache=cache.head(3), backend=backend, return_weights=backend == "reference")
+    assert cache.pos.tolist() == [6, 12, 3, 0]  # the step advanced the three rows, in the parent
+    for b, n in enumerate(lens):
+        torch.testing.assert_close(got.logits[b], want[b].logits[0], atol=1e-5, rtol=0)
+        if backend == "reference":
+            for layer in range(2):
+                torch.testing.assert_close(got.weights[layer][b, ..., : n + 1], want[b].weights[layer][0],
+                                           atol=1e-6, rtol=0)
+                assert float(got.weights[layer][b, ..., n + 1 :].abs().sum()) == 0
+
+
+def test_a_batch_step_takes_one_token_per_row():
+    m = model()
+    cache = BatchKVCache(2, 2, 2, 16, 8)
+    with pytest.raises(ValueError, match="one token per row"), torch.inference_mode():
+        m(torch.zeros(2, 3, dtype=torch.long), cache=cache)
+
+
+def test_greedy_rows_joining_and_leaving_decode_as_alone():
+    """Six requests of different lengths through 2 rows: rows leave at their own lengths (one
+    asks for 1 token, one stops at a stop id) and the next request joins between two steps."""
+    m = model()
+    stop = alone(m, Request(ids(4, 9), 12))[5]  # a token the 5th request meets after 5 steps
+    reqs = [Request(ids(6, 1), 9), Request(ids(13, 2), 1), Request(ids(3, 3), 15), Request(ids(9, 4), 7),
+            Request(ids(4, 9), 12, stop_ids=(stop,)), Request(ids(20, 6), 10)]
+    want = [alone(m, r) for r in reqs]
+    assert len(want[4]) < 12 and len(want[1]) == 1  # the stop id did end that one early
+    assert batched(m, reqs, rows=2) == want
+    assert batched(m, reqs, rows=8) == want  # all at once
+
+
+@pytest.mark.parametrize("positions", ["learned", "alibi"])
+def test_other_positions_decode_as_alone(positions):
+    m = model(positions, mlp="gelu", norm="layernorm", bias=True)
+    reqs = [Request(ids(n, n), 8) for n in (3, 10, 6)]
+    assert batched(m, reqs, rows=3) == [alone(m, r) for r in reqs]
+
+
+def test_sampled_rows_draw_what_they_draw_alone_with_their_seeds():
+    m = model()
+    reqs = [Request(ids(5, 1), 10, temperature=0.9, seed=1),
+            Request(ids(8, 2), 10, temperature=1.3, top_k=5, seed=2),
+            Request(ids(3, 3), 10, temperature=0.7, top_p=0.8, seed=3), Request(ids(7, 4), 10)]
+    want = [alone(m, r) for r in reqs]
+    assert want[0] != alone(m, Request(ids(5, 1), 10, temperature=0.9, seed=4))  # the seed matters
+    assert batched(m, reqs, rows=4) == want
+
+
+def test_each_rows_attention_is_what_it_is_alone():
+    m = model()
+    reqs = [Request(ids(n, n), 6, weights=True) for n in (2, 9, 5)]
+    got = batched(m, reqs, rows=2)
+    for r, g in zip(reqs, got, strict=True):
+        w = alone(m, r, weights=True)
+        assert [t for t, _ in g] == [t for t, _ in w]
+        for (_, gw), (_, ww) in zip(g, w, strict=True):
+            for a, b in zip(gw, ww, strict=True):
+                assert a.shape == b.shape  # (H, S): this row's keys only
+                torch.testing.assert_close(a, b, atol=1e-5, rtol=0)  # fp32 products of 1 vs n rows
+
+
+@pytest.mark.parametrize("weights", ["q4", "int8", "bf16"])
+def test_quantised_rows_decode_as_alone(weights):
+    """The int4/int8 products are row by row, and each row attends on its own: the same tokens."""
+    from qkv.layers.quant import int4_kernels_available
+    from qkv.pipelines import CausalLM
+
+    if weights == "q4" and not int4_kernels_available():
+        pytest.skip("no int4 kernels in this torch")
+    torch.manual_seed(11)
+    m = GPT(GPTConfig(vocab_size=64, max_seq_len=32, dim=64, n_layers=2, n_heads=4, n_kv_heads=2,
+                      mlp="swiglu", mlp_hidden=128, positions="rope", norm="rmsnorm", bias=False)).eval()
+    lm = CausalLM("tiny", m, tokenizer=None, stored_as=("Q4_1",)).quantize(weights)
+    reqs = [Request(ids(n, n), 10, temperature=t, seed=n) for n, t in ((4, 0.0), (11, 0.8), (7, 0.0))]
+    assert batched(lm.model, reqs, rows=3) == [alone(lm.model, r) for r in reqs]
+
+
+def test_rows_leave_and_are_replaced_by_the_last_row():
+    m = model()
+    batch = Batch(m, rows=3, cache_len=8)  # grows for the long request below
+    rows = [batch.join(Request(ids(n, n), 20))[0] for n in (3, 5, 4)]
+    batch.step()
+    batch.leave(rows[0])  # the last row moves into row 0
+    assert [r.slot for r in batch.live] == [0, 1] and batch.live[0] is rows[2]
+    assert batch._cache.lengths[:3] == [5, 6, 0]
+    assert batch.cache_len >= 24
+    batch.leave(rows[0])  # twice: nothing
+    with pytest.raises(ValueError, match="exceed the 64-token context"):
+        batch.join(Request(ids(60, 1), 10))
+    row, tok = batch.join(Request(ids(2, 1), 1))  # one token: it leaves at once
+    assert row.done and tok is not None and len(batch) == 2
+    batch.join(Request(ids(2, 2), 5))
+    with pytest.raises(ValueError, match="full"):
+        batch.join(Request(ids(2, 3), 5))
+
+
+def test_a_long_request_grows_the_cache_without_disturbing_the_rows_in_it():
+    m = model()
+    short, long = Request(ids(3, 1), 12), Request(ids(5, 2), 30)
+    batch = Batch(m, rows=2, cache_len=16)
+    first, tok = batch.join(short)
+    got = {id(first): [tok.id]}
+    for _ in range(3):
+        for row, t in batch.step():
+            got[id(row)].append(t.id)
+    second, tok = batch.join(long)  # 35 tokens > 16: the cache grows, the short row's keys kept
+    assert batch.cache_len >= 35
+    got[id(second)] = [tok.id]
+    while len(batch):
+        for row, t in batch.step():
+            got[id(row)].append(t.id)
+    assert got[id(first)] == alone(m, short) and got[id(second)] == alone(m, long)

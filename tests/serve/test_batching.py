@@ -1,0 +1,135 @@
+"""The running batch of `qkv serve` (qkv.serve.batching): requests from many threads decode
+together and each gets what it gets alone; a client that leaves frees its row; the bounds on
+rows, waiting requests and the work queue's slots hold."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import torch
+
+from qkv.generation.batch import Request
+from qkv.serve.batching import BatchEngine
+from qkv.serve.work import BusyError, WorkQueue
+from tests.generation.test_batch import alone, ids, model
+
+pytestmark = pytest.mark.usefixtures("one_thread")  # see tests/conftest.py
+
+
+def engine(m, rows=4, queued=4, wait=10.0, work=None) -> BatchEngine:
+    work = work or WorkQueue()
+    return BatchEngine(m, rows=rows, cache_len=48, queued=queued, max_wait_s=wait,
+                       slot=lambda: work.acquire("m"), name="m")
+
+
+def test_requests_from_many_threads_decode_together_as_alone():
+    m = model()
+    work = WorkQueue()
+    e = engine(m, rows=4, work=work)
+    reqs = [Request(ids(3 + 2 * i, i), 8 + i, temperature=0.8 * (i % 2), seed=i) for i in range(6)]
+    start = threading.Barrier(6)
+
+    def ask(r: Request) -> list[int]:
+        start.wait()
+        return [t.id for t in e.submit(r)]
+
+    with ThreadPoolExecutor(6) as pool:
+        got = list(pool.map(ask, reqs))
+    assert got == [alone(m, r) for r in reqs]
+    assert e.peak_rows > 1  # they did share steps
+    assert e.steps < sum(r.max_new_tokens for r in reqs)
+    deadline = time.monotonic() + 5
+    while (e.running() or work.running()) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert (e.running(), e.waiting(), work.running()) == (0, 0, 0)  # the batch gave its slot back
+
+
+def test_a_cancelled_row_leaves_and_frees_its_place():
+    m = model()
+    e = engine(m, rows=1, queued=1)
+    first = e.submit(Request(ids(4, 1), 40), lambda t: (time.sleep(0.02), t)[1])
+    it = iter(first)
+    next(it)
+    first.cancel()
+    assert len(list(it)) < 39  # it ended early
+    second = [t.id for t in e.submit(Request(ids(5, 2), 6))]  # the row came free
+    assert second == alone(m, Request(ids(5, 2), 6))
+
+
+def test_full_rows_and_a_full_queue_are_busy():
+    m = model()
+    e = engine(m, rows=1, queued=0)
+    stream = e.submit(Request(ids(4, 1), 40), lambda t: (time.sleep(0.05), t)[1])
+    with pytest.raises(BusyError, match="busy"):
+        e.submit(Request(ids(4, 2), 4))
+    stream.cancel()
+    list(stream)
+    e2 = engine(m, rows=1, queued=1, wait=0.2)
+    s2 = e2.submit(Request(ids(4, 1), 40), lambda t: (time.sleep(0.05), t)[1])  # a slow row
+    with pytest.raises(BusyError, match="no row came free"):
+        e2.submit(Request(ids(4, 2), 4))  # it waited 0.2 s in the queue
+    s2.cancel()
+    list(s2)
+
+
+def test_a_server_with_no_free_slot_refuses_before_the_batch_starts():
+    work = WorkQueue(per_model=1, total=1, queued=0)
+    held = work.acquire("m")
+    e = engine(model(), work=work)
+    with pytest.raises(BusyError):
+        e.submit(Request(ids(4, 1), 4))
+    held.release()
+    assert len(list(e.submit(Request(ids(4, 1), 4)))) == 4
+
+
+def test_a_failing_prefill_reaches_its_request_only(monkeypatch):
+    m = model()
+    e = engine(m)
+    from qkv.generation import batch as batch_mod
+
+    real = batch_mod.Batch.join
+
+    def join(self, request):
+        if len(request.ids) == 7:
+            raise RuntimeError("boom")
+        return real(self, request)
+
+    monkeypatch.setattr(batch_mod.Batch, "join", join)
+    with pytest.raises(RuntimeError, match="boom"):
+        list(e.submit(Request(ids(7, 1), 4)))
+    assert [t.id for t in e.submit(Request(ids(5, 1), 4))] == alone(m, Request(ids(5, 1), 4))
+
+
+def test_concurrent_http_generations_equal_the_same_requests_alone(runs_dir):
+    """Four clients at once on the batched server, against the server that decodes each request
+    alone (batch_rows 0): the same tokens and the same attention rows."""
+    from fastapi.testclient import TestClient
+
+    from qkv.serve import create_app
+
+    bodies = [{"model": "runs/gpt-tiny", "prompt": p, "max_new_tokens": n, "layer": layer, "head": head,
+               "temperature": t, "seed": 7}
+              for p, n, layer, head, t in (("ROMEO", 12, 0, None, 0.0), ("JULIET: O", 5, 1, 2, 0.0),
+                                           ("But soft, what light", 9, -1, 0, 1.0), ("It is", 14, 0, 1, 0.7))]
+
+    def run(client, body):
+        r = client.post("/api/generate", json=body)
+        assert r.status_code == 200, r.text
+        events = [json.loads(x) for x in r.text.splitlines()]
+        assert events[-1]["event"] == "done", events[-1]
+        return [(e["id"], e["weights"]) for e in events if e["event"] == "token"]
+
+    alone_app = create_app(runs_dir=runs_dir, batch_rows=0)
+    with TestClient(alone_app) as c:
+        want = [run(c, b) for b in bodies]
+    app = create_app(runs_dir=runs_dir, batch_rows=4)
+    with TestClient(app) as c, ThreadPoolExecutor(4) as pool:
+        got = list(pool.map(lambda b: run(c, b), bodies))
+    for g, w in zip(got, want, strict=True):
+        assert [i for i, _ in g] == [i for i, _ in w]
+        for (_, a), (_, b) in zip(g, w, strict=True):
+            torch.testing.assert_close(torch.tensor(a), torch.tensor(b), atol=2e-5, rtol=0)
