@@ -97,7 +97,7 @@ class QkvServer(Server):
         port = free_port()
         env = {**os.environ, "QKV_SAVED_STEP": "off"}  # the server decodes eagerly either way
         argv = [sys.executable, "-m", "qkv", "serve", "--port", str(port), "--runs", str(runs),
-                "--batch-rows", str(batch_rows)]
+                "--batch-rows", str(batch_rows), "--max-queued", "8"]  # every client waits: none is refused
         super().__init__(name, argv, "/api/models", port, env)
 
     def complete(self, prompt: str) -> int:

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import NamedTuple
+from typing import NamedTuple, overload
 
 import torch
 from torch import Tensor
@@ -69,12 +69,34 @@ class Request:
         check_sampling(self.temperature, self.top_k, self.top_p)
 
 
+class RowWeights(Sequence[Tensor]):
+    """One row's attention in every layer, cut from the step's (B, H, 1, S) tensors only when a
+    layer is read (a server that shows one layer reads one): ``[layer]`` -> (H, n)."""
+
+    def __init__(self, weights: Sequence[Tensor], b: int, n: int) -> None:
+        self._weights, self._b, self._n = weights, b, n
+
+    def __len__(self) -> int:
+        return len(self._weights)
+
+    @overload
+    def __getitem__(self, i: int) -> Tensor: ...
+
+    @overload
+    def __getitem__(self, i: slice) -> list[Tensor]: ...
+
+    def __getitem__(self, i: int | slice) -> Tensor | list[Tensor]:
+        if isinstance(i, slice):
+            return [self[j] for j in range(len(self))[i]]
+        return self._weights[i][self._b, :, -1, : self._n]
+
+
 class Token(NamedTuple):
     """One new token of one row, and (asked for) the attention of the position that chose it:
     one (H, S) tensor per layer, S = the tokens the row had seen, this one's position included."""
 
     id: int
-    weights: list[Tensor] | None = None
+    weights: Sequence[Tensor] | None = None
 
 
 @dataclass(eq=False)
@@ -172,7 +194,7 @@ class Batch:
         if nxt is None:
             self.leave(row)
             return row, None
-        tok = Token(nxt, [w[0, :, -1] for w in out.weights] if request.weights else None)
+        tok = Token(nxt, RowWeights(out.weights, 0, len(request.ids)) if request.weights else None)
         if len(row.new) >= request.max_new_tokens:
             self.leave(row)
         return row, tok
@@ -197,9 +219,7 @@ class Batch:
             nxt = self._take(row, out.logits[b : b + 1, -1])
             tok = None
             if nxt is not None:
-                ws = ([w[b, :, 0, : lengths[b] + 1] for w in out.weights]
-                      if row.request.weights else None)
-                tok = Token(nxt, ws)
+                tok = Token(nxt, RowWeights(out.weights, b, lengths[b] + 1) if row.request.weights else None)
             events.append((row, tok))
         for row, tok in events:
             if tok is None or len(row.new) >= row.request.max_new_tokens:

@@ -19,10 +19,12 @@ running batch, S = the server's token limit, freed when the batch empties.
 
 from __future__ import annotations
 
+import atexit
 import collections
 import queue
 import threading
 import time
+import weakref
 from collections.abc import Callable, Iterator
 
 import torch
@@ -32,6 +34,15 @@ from qkv.models.gpt import GPT
 from qkv.serve.work import BusyError, Ticket
 
 _END = object()  # a row's last item
+
+
+_ENGINES: weakref.WeakSet[BatchEngine] = weakref.WeakSet()
+
+
+@atexit.register
+def _close_all() -> None:
+    for engine in list(_ENGINES):
+        engine.close()
 
 
 class RowStream:
@@ -92,6 +103,17 @@ class BatchEngine:
         self._seconds = 1.0  # a running mean of how long a request holds a row, for Retry-After
         self.steps = 0  # batched steps run (for tests and /health)
         self.peak_rows = 0  # the most rows decoded by one step
+        _ENGINES.add(self)
+
+    def close(self, timeout: float = 5.0) -> None:
+        """Cancel every request and wait (at most ``timeout`` s) for the batch's thread to end
+        (at exit: a thread still inside a kernel when the interpreter goes aborts the process)."""
+        with self._lock:
+            for stream in [*self._live.values(), *self._joining, *self._pending]:
+                stream.cancel()
+            thread = self._thread
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(timeout)
 
     def running(self) -> int:
         """Requests decoding now (rows of the batch, and those joining it)."""
