@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-DTYPES = ("f32", "f16", "bf16", "q8_0")
+DTYPES = ("f32", "f16", "bf16", "q8_0", "q4_0")
 
 
 def add_export_parser(sub) -> None:
@@ -36,8 +36,9 @@ def add_export_parser(sub) -> None:
         "        Refused: --mlp relu with learned positions, --bias true on a llama-style run (neither\n"
         "        llama nor qwen2 takes biases everywhere), a character tokenizer\n"
         "        (GGUF's gpt2 tokenizer is byte-level, which a character vocabulary is not)\n"
-        "dtypes (--format gguf): f32, f16, bf16, q8_0 (8-bit blocks of 32 with an f16 scale); 1-D\n"
-        "  tensors (norms) stay f32, and under q8_0 a matrix whose rows are not a multiple of 32 is f16\n"
+        "dtypes (--format gguf): f32, f16, bf16, q8_0 (8-bit blocks of 32 with an f16 scale), q4_0\n"
+        "  (4-bit blocks of 32 with an f16 scale); 1-D tensors (norms) stay f32, and under q8_0 and\n"
+        "  q4_0 a matrix whose rows are not a multiple of 32 is f16\n"
         "OUT must not exist (or be an empty folder): nothing is overwritten; the files are written "
         "into\na temporary file or folder beside OUT and renamed when complete.",
         formatter_class=argparse.RawDescriptionHelpFormatter,

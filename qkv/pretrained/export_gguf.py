@@ -28,9 +28,10 @@ Refused (one line each), because a GGUF reader would compute something else or n
   GPT-2's byte-to-unicode alphabet), which a character vocabulary is not, and GGUF has no
   character-level model.
 
-``dtype``: f32, f16, bf16 or q8_0 (blocks of 32 weights with one f16 scale, llama.cpp's Q8_0)
-for 2-D tensors; 1-D tensors (the norms) stay f32, as llama.cpp writes them, and a 2-D tensor
-whose rows are not a multiple of 32 stays f16 under q8_0.
+``dtype``: f32, f16, bf16, q8_0 (blocks of 32 weights with one f16 scale, llama.cpp's Q8_0) or
+q4_0 (blocks of 32 4-bit weights with one f16 scale) for 2-D tensors; 1-D tensors (the norms)
+stay f32, as llama.cpp writes them, and a 2-D tensor whose rows are not a multiple of 32 stays
+f16 under q8_0 and q4_0.
 """
 
 from __future__ import annotations
@@ -100,13 +101,13 @@ def _tensor(gguf: Any, name: str, w: np.ndarray, dtype: str) -> tuple[np.ndarray
     q = gguf.GGMLQuantizationType
     if w.ndim == 1 or dtype == "f32":
         return w.astype(np.float32), q.F32
-    if dtype == "f16" or (dtype == "q8_0" and w.shape[-1] % 32):
+    if dtype == "f16" or (dtype in ("q8_0", "q4_0") and w.shape[-1] % 32):
         return w.astype(np.float16), q.F16
-    kind = q.BF16 if dtype == "bf16" else q.Q8_0
+    kind = {"bf16": q.BF16, "q8_0": q.Q8_0, "q4_0": q.Q4_0}[dtype]
     return gguf.quants.quantize(w.astype(np.float32), kind), kind
 
 
-FILE_TYPES = {"f32": 0, "f16": 1, "q8_0": 7, "bf16": 32}  # llama.cpp's LLAMA_FTYPE_* numbers
+FILE_TYPES = {"f32": 0, "f16": 1, "q4_0": 2, "q8_0": 7, "bf16": 32}  # llama.cpp's LLAMA_FTYPE_* numbers
 
 
 def write_gguf(model: GPT, tok: Any, path: Path, dtype: str = "f32") -> str:

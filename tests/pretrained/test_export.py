@@ -323,7 +323,7 @@ def test_help_names_formats_dtypes_and_refusals() -> None:
 # --------------------------------------------------------------------------- GGUF
 
 # dtype -> tolerance of transformers' logits on the GGUF against the run's (fp32) logits
-GGUF_TOLERANCE = {"f32": 1e-5, "f16": 3e-3, "bf16": 3e-2, "q8_0": 3e-2}
+GGUF_TOLERANCE = {"f32": 1e-5, "f16": 3e-3, "bf16": 3e-2, "q8_0": 3e-2, "q4_0": 0.5}
 
 
 @pytest.mark.parametrize("dtype", GGUF_TOLERANCE)
@@ -335,7 +335,8 @@ def test_export_gguf_equals_transformers(runs, tmp_path: Path, dtype: str) -> No
     assert [p.name for p in out.iterdir()] == ["model.gguf"]
     types = {t.name: t.tensor_type.name for t in gguf.GGUFReader(out / "model.gguf").tensors}
     assert types["blk.0.attn_norm.weight"] == "F32"  # norms stay f32, as llama.cpp writes them
-    assert types["blk.0.attn_q.weight"] == {"f32": "F32", "f16": "F16", "bf16": "BF16", "q8_0": "Q8_0"}[dtype]
+    assert types["blk.0.attn_q.weight"] == {"f32": "F32", "f16": "F16", "bf16": "BF16", "q8_0": "Q8_0",
+                                              "q4_0": "Q4_0"}[dtype]
 
     hf = _silent(transformers.AutoModelForCausalLM.from_pretrained, out, gguf_file="model.gguf").eval()
     hf_tok = _silent(transformers.AutoTokenizer.from_pretrained, out, gguf_file="model.gguf")
