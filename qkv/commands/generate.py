@@ -9,6 +9,7 @@ import time
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    from qkv.inference import ModelRef
     from qkv.pipelines.text import CausalLM
 
 
@@ -39,11 +40,16 @@ def add_generate_parser(sub) -> None:
     p.add_argument("--compile", nargs="?", const="on", default="auto", choices=("auto", "on", "off", "jit"),
                    help="how each new token is computed. auto (default): through the model's saved "
                    "step when one was built on this machine (a step compiled ahead of time, loaded in "
-                   "milliseconds: ~2x eager per token), else eagerly; on (or a bare --compile): build "
+                   "milliseconds: ~2x eager per token), else eagerly, and a low-priority process "
+                   "builds one in the background for later runs (QKV_SAVED_STEP_BACKGROUND=off: not); "
+                   "on (or a bare --compile): build "
                    "the saved step first if there is none (about a minute, once per model, weight "
                    "format and machine; kept in qkv's cache folder); off: eagerly; jit: torch.compile "
                    "in this process (~7-65 s each time). QKV_SAVED_STEP=off also turns saved steps off")
     p.add_argument("--device", default="cpu", help="cpu or cuda")
+    p.add_argument("--threads", type=int, default=None,
+                   help="CPU threads PyTorch decodes with (default: one per core); a saved step is "
+                   "built for a thread count")
     p.add_argument("--chat", action="store_true",
                    help="(pretrained) wrap the prompt in the model's chat template and print the reply")
     p.add_argument("--system", default=None, help="(pretrained, --chat) a system message")
@@ -75,6 +81,12 @@ def cmd_generate(args: argparse.Namespace) -> int:
     if args.system is not None and not args.chat:
         raise ValueError("--system is a chat message: add --chat")
     check_compile(args)
+    if args.threads is not None:
+        if args.threads < 1:
+            raise ValueError(f"--threads must be >= 1, got {args.threads}")
+        import torch
+
+        torch.set_num_threads(args.threads)
     ref = resolve(args.run)
     if args.prompt is None and ref.source != "run":  # only a run has a prompt of its own (a newline)
         raise ValueError(f"{args.run} continues a prompt: give --prompt TEXT (with --chat: your message)")
@@ -104,9 +116,21 @@ def cmd_generate(args: argparse.Namespace) -> int:
     sys.stdout.write("\n")
     st = lm.last_stats
     print(f"[{st.new_tokens} tokens in {st.seconds:.2f} s after a {st.prompt_tokens}-token prompt, "
-          f"{st.tokens_per_s:.1f} tok/s, {decode_mode(args, lm.model, st)}]",
+          f"{st.tokens_per_s:.1f} tok/s, {decode_mode(args, lm, ref, st)}]",
           file=sys.stderr)
     return 0
+
+
+def build_command(ref: ModelRef, lm: CausalLM, device: str) -> list[str]:
+    """The command that builds ``lm``'s saved step in another process, as this one opened it:
+    ``qkv generate REF --weights W --threads N --compile on`` for one token (``--compile on``
+    builds first; the same weights and thread count give the same key)."""
+    import torch
+
+    name = ref.name if ref.source == "bundled" else str(ref.path.resolve())
+    prompt = [] if ref.source == "run" else ["--prompt", "The"]  # a run continues its newline
+    return [sys.executable, "-m", "qkv", "generate", name, "--weights", lm.weights, "--device", device,
+            "--compile", "on", "--max-new-tokens", "1", *prompt, "--threads", str(torch.get_num_threads())]
 
 
 def _start(lm: CausalLM, prompt: str, chat: bool, loaded: str) -> None:
@@ -141,15 +165,18 @@ def check_compile(args: argparse.Namespace) -> None:
         raise ValueError("--compile compiles the KV-cache step; drop --no-cache")
 
 
-def decode_mode(args: argparse.Namespace, model, st) -> str:
-    """'KV cache', 'no cache', the saved step (or why not), or the jit-compiled step's compile
+def decode_mode(args: argparse.Namespace, lm: CausalLM, ref: ModelRef, st) -> str:
+    """'KV cache', 'no cache', the saved step (or why not: with ``--compile auto`` and none built
+    yet, one is started in the background for later runs), or the jit-compiled step's compile
     time and rate after it, for the closing stats line (``st``: the stream's StreamStats)."""
+    model = lm.model
     if args.no_cache:
         return "no cache"
     if args.compile == "off":
         return "KV cache"
     n_tokens, seconds = st.new_tokens, st.seconds
     if args.compile in ("auto", "on"):
+        from qkv.generation import aot
         from qkv.generation.aot import cache_len_for, saved_step
 
         step, note = saved_step(model)
@@ -159,6 +186,9 @@ def decode_mode(args: argparse.Namespace, model, st) -> str:
         if st.prompt_tokens + args.max_new_tokens > cache_len_for(model):
             return (f"KV cache (decoded eagerly: prompt + new tokens exceed the saved step's "
                     f"{cache_len_for(model)})")
+        if args.compile == "auto" and note == aot.NO_STEP:
+            later = aot.build_in_background(model, build_command(ref, lm, args.device))
+            return f"KV cache ({note}: decoded eagerly; {later})"
         return f"KV cache ({note or 'saved step not used'}: decoded eagerly; --compile builds one)"
     from qkv.generation.compiled import compiled_decoder
 

@@ -240,6 +240,44 @@ def build(model: GPT, cache_len: int | None = None, batch: int = 1) -> Path:
     return final
 
 
+NO_STEP = "no saved step for this model here"
+
+
+def background_enabled() -> bool:
+    """Building in the background after an eager run is on unless ``QKV_SAVED_STEP_BACKGROUND=off``
+    (or saved steps are off)."""
+    off = os.environ.get("QKV_SAVED_STEP_BACKGROUND", "").lower() in ("off", "0", "false")
+    return enabled() and not off
+
+
+def build_in_background(model: GPT, cmd: list[str]) -> str:
+    """Start ``cmd``, a command that builds ``model``'s step in another process (``qkv generate
+    REF --compile on`` with this process's weights and thread count: the same key), detached and
+    at low priority (``nice`` 15), and return at once with what the closing line of an eager
+    ``qkv generate`` says; the next process loads the step. Its output goes to ``<key>.log``
+    beside the packages. Nothing is started when a build of this key is already running (it
+    holds the key's lock), without a compiler, or when background builds are off."""
+    if not background_enabled():
+        return "background builds are off"
+    if compiler() is None:
+        return "no C++ compiler found: no saved step can be built here"
+    try:
+        key, _ = step_key(model, cache_len_for(model), 1)
+        root = folder()
+        with (root / f"{key}.lock").open("a") as f:  # a build in progress holds this lock
+            try:
+                fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                return "a build of it is already running"
+            fcntl.flock(f, fcntl.LOCK_UN)
+        with (root / f"{key}.log").open("w") as out:
+            proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
+                                    start_new_session=True, preexec_fn=lambda: os.nice(15))
+    except (OSError, SavedStepError) as e:
+        return f"could not start a background build ({' '.join(str(e).split())[:200]})"
+    return f"building one now in the background (pid {proc.pid}, about a minute, once): later runs load it"
+
+
 def _valid(path: Path, key: str, info: dict[str, Any]) -> dict[str, Any] | None:
     """The package's record if ``path`` holds an intact package built for exactly ``info``."""
     try:
@@ -379,6 +417,6 @@ def saved_step(model: GPT, build_missing: bool = False) -> tuple[SavedStep | Non
     except Exception as e:  # a compiler error is not one exception type: any failure decodes eagerly
         step, note = None, f"no saved step ({type(e).__name__}: {' '.join(str(e).split())[:200]})"
     if step is None and note is None:
-        note = "no saved step for this model here" if enabled() else "saved steps are off"
+        note = NO_STEP if enabled() else "saved steps are off"
     _LOADED[model] = (step, now, note)
     return step, note

@@ -226,8 +226,34 @@ def test_qkv_generate_builds_then_loads_and_says_why_when_it_cannot(tiny_run, tm
     assert rc == 0 and out == eager and "no C++ compiler" in err and "Traceback" not in err
     monkeypatch.undo()
     monkeypatch.setenv("QKV_CACHE_DIR", str(tmp_path / "cache"))
-    rc, out, err = call([*argv, "--compile"])
-    assert rc == 0 and out == eager and "saved step built in" in err, err
+    # the default with no step yet: eager, and a detached low-priority build for later runs
+    # (its process is faked here and its command run in this one; a build holding the lock:
+    # nothing more is started)
+    monkeypatch.setenv("QKV_SAVED_STEP_BACKGROUND", "on")
+    started = []
+
+    class FakeProcess:
+        pid = 4242
+
+        def __init__(self, cmd, **kw):
+            started.append((cmd, kw))
+
+    with monkeypatch.context() as mp:
+        mp.setattr(aot.subprocess, "Popen", FakeProcess)
+        rc, out, err = call(argv)
+        assert rc == 0 and out == eager and "building one now in the background (pid 4242" in err, err
+        (cmd, kw), = started
+        assert cmd[1:4] == ["-m", "qkv", "generate"] and kw["start_new_session"] and "--compile" in cmd
+        assert cmd[cmd.index("--threads") + 1] == str(torch.get_num_threads())
+        key = next((tmp_path / "cache" / "steps").glob("*.log")).stem
+        with open(tmp_path / "cache" / "steps" / f"{key}.lock", "a") as held:
+            import fcntl
+
+            fcntl.flock(held, fcntl.LOCK_EX)
+            rc, out, err = call(argv)
+            assert rc == 0 and "a build of it is already running" in err and len(started) == 1, err
+    rc, out, err = call(cmd[3:])  # what the background process runs
+    assert rc == 0 and "saved step built in" in err, err
     rc, out, err = call(argv)  # the default: loaded, not built
     assert rc == 0 and out == eager and "saved step (loaded in" in err, err
     rc, out, err = call(["generate", "--compile", *argv[1:]])  # the flag before the model: still "on"
