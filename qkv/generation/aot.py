@@ -311,6 +311,9 @@ class SavedStep:
         self._marker = torch.zeros(cache_len, dtype=torch.uint8)
         self._free: list[KVCache] = []
         self._lock = threading.Lock()
+        # The package is loaded with one runner, which two threads must not enter at once (they
+        # hung there: the second waits for the runner inside the call).
+        self._run_lock = threading.Lock()
         self.begin()
 
     @property
@@ -363,7 +366,8 @@ class SavedStep:
                              f"cache; got {tuple(tok.shape)} and {cache.max_seq_len}")
         if not 2 <= pos <= self.cache_len - 2:
             return self.model(tok, cache=cache, last_only=True).logits
-        out = self._loader.boxed_run([tok, cache.k, cache.v, self._marker[:pos]])[0]
+        with self._run_lock:  # one runner: requests in other threads take turns, token by token
+            out = self._loader.boxed_run([tok, cache.k, cache.v, self._marker[:pos]])[0]
         cache.advance(1)
         return out
 
@@ -399,6 +403,14 @@ def saved_step(model: GPT, build_missing: bool = False) -> tuple[SavedStep | Non
     """(the model's saved step or None, why not / what was done) for the decoding loop: loaded
     once per model and kept; with ``build_missing``, built first when there is none (the
     caller's ``--compile``). Any failure leaves decoding eager, with the reason."""
+    with _LOADING:  # one load per model, however many threads ask at once
+        return _saved_step(model, build_missing)
+
+
+_LOADING = threading.RLock()
+
+
+def _saved_step(model: GPT, build_missing: bool) -> tuple[SavedStep | None, str | None]:
     now = time.monotonic()
     got = _LOADED.get(model)
     held = got[0] if got is not None else None

@@ -87,6 +87,26 @@ def test_generate_uses_it_by_default_with_the_eager_tokens(built):
     assert aot.saved_step(m2)[0] is None
 
 
+def test_requests_in_several_threads_share_one_loaded_step(built):
+    """One load per model however many threads ask at once, and its one runner taken in turns
+    (two threads inside it at once hung): every thread's tokens are the eager ones."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    m = model()
+    aot.build(m)  # already built: found
+    xs = [torch.randint(0, V, (1, n), generator=torch.Generator().manual_seed(n)) for n in (3, 5, 7, 9)]
+    want = [[int(t[0]) for t in generate(m, x, 25, temperature=0.0, compile=False)] for x in xs]
+
+    def decode(x):  # one torch thread, as the module runs (the thread count is part of the key)
+        return [int(t[0]) for t in generate(m, x, 25, temperature=0.0)]
+
+    for _ in range(2):  # first: the threads race to load it; then: they share the loaded one
+        with ThreadPoolExecutor(4) as pool:
+            assert list(pool.map(decode, xs)) == want
+    step, _ = aot.saved_step(m)
+    assert step is not None and step.requests == 8
+
+
 LOAD_IN_CHILD = """
 import json, sys, time
 t0 = time.perf_counter()
