@@ -191,6 +191,21 @@ def test_a_cache_folder_that_is_not_private_or_not_writable_decodes_eagerly(tmp_
         monkeypatch.setenv("QKV_CACHE_DIR", str(ro))
         with pytest.raises(aot.SavedStepError, match="cannot use"):
             aot.folder()
+    # a full disk: the compile's write fails; eager, one line, nothing half-written left behind
+    import errno
+
+    def full(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setenv("QKV_CACHE_DIR", str(tmp_path / "full"))
+    import torch._inductor as inductor
+
+    monkeypatch.setattr(inductor, "aoti_compile_and_package", full)
+    aot._LOADED.pop(m, None)
+    step, note = aot.saved_step(m, build_missing=True)
+    assert step is None and "No space left on device" in note and "\n" not in note
+    assert [int(t[0]) for t in generate(m, x, 6, temperature=0.0, compile=True)] == want
+    assert [p.name for p in (tmp_path / "full" / "steps").iterdir() if not p.name.endswith(".lock")] == []
     monkeypatch.setenv("QKV_SAVED_STEP", "off")
     assert aot.load(m) is None and not aot.enabled()
 
