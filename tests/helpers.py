@@ -259,3 +259,49 @@ def hf_decoder_folder(kind: str, folder: Path, **save_kwargs):
     model = tiny_hf_decoder(kind)
     save_hf_folder(model, folder, **save_kwargs)
     return model
+
+
+# --------------------------------------------------------------------------- decoding references
+
+DECODER_VOCAB = 48
+DECODER_LLAMA = dict(positions="rope", norm="rmsnorm", bias=False, mlp="swiglu", mlp_hidden=64)
+
+
+def random_decoder(positions: str = "rope", seed: int = 3, **kw):
+    """A random 2-layer GQA decoder (vocabulary 48, context 64) with weights large enough that
+    greedy decoding varies its tokens; Llama-style blocks unless ``kw`` says otherwise."""
+    from qkv.models.gpt import GPT, GPTConfig
+
+    torch.manual_seed(seed)
+    cfg = {**DECODER_LLAMA, "positions": positions, **kw}
+    m = GPT(GPTConfig(vocab_size=DECODER_VOCAB, max_seq_len=64, dim=32, n_layers=2, n_heads=4, n_kv_heads=2,
+                      **cfg))
+    g = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for p in m.parameters():
+            if p.dim() >= 2:
+                p.copy_(torch.randn(p.shape, generator=g) * 0.3)
+    return m.eval()
+
+
+def token_ids(n: int, seed: int, vocab: int = DECODER_VOCAB) -> list[int]:
+    return torch.randint(0, vocab, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def decode_alone(m, req, weights: bool = False) -> list:
+    """A :class:`qkv.generation.batch.Request` decoded alone by ``qkv.generation.generate`` (the
+    batch-1 loop, eager): its ids, or with ``weights`` (id, per-layer (H, S) rows) per step."""
+    from qkv.generation import generate
+    from qkv.generation.sampling import make_generator
+
+    gen = make_generator("cpu", req.seed)
+    out = []
+    for item in generate(m, torch.tensor([list(req.ids)]), req.max_new_tokens, temperature=req.temperature,
+                         top_k=req.top_k, top_p=req.top_p, generator=gen, stop_ids=req.stop_ids,
+                         return_weights=weights, compile=False):
+        if weights:
+            nxt, ws = item
+            out.append((int(nxt[0]), [w[0] for w in ws]))
+        else:
+            out.append(int(item[0]))
+    return out

@@ -6,49 +6,26 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers import decode_alone, random_decoder, token_ids
 
 from qkv.attention import BatchKVCache
-from qkv.generation import generate
 from qkv.generation.batch import Batch, Request, generate_batch
-from qkv.generation.sampling import make_generator
 from qkv.models.gpt import GPT, GPTConfig
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # see tests/conftest.py
 
 V = 48
-LLAMA = dict(positions="rope", norm="rmsnorm", bias=False, mlp="swiglu", mlp_hidden=64)
 
 
 def model(positions: str = "rope", seed: int = 3, **kw) -> GPT:
-    """A random decoder with weights large enough that greedy decoding varies its tokens."""
-    torch.manual_seed(seed)
-    cfg = {**LLAMA, "positions": positions, **kw}
-    m = GPT(GPTConfig(vocab_size=V, max_seq_len=64, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, **cfg))
-    g = torch.Generator().manual_seed(seed + 1)
-    with torch.no_grad():
-        for p in m.parameters():
-            if p.dim() >= 2:
-                p.copy_(torch.randn(p.shape, generator=g) * 0.3)
-    return m.eval()
+    return random_decoder(positions, seed, **kw)
 
 
 def ids(n: int, seed: int) -> list[int]:
-    return torch.randint(0, V, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+    return token_ids(n, seed)
 
 
-def alone(m: GPT, req: Request, weights: bool = False) -> list:
-    """The request decoded alone: its ids (and, asked for, each step's per-layer (H, S) rows)."""
-    gen = make_generator("cpu", req.seed)
-    out = []
-    for item in generate(m, torch.tensor([list(req.ids)]), req.max_new_tokens, temperature=req.temperature,
-                         top_k=req.top_k, top_p=req.top_p, generator=gen, stop_ids=req.stop_ids,
-                         return_weights=weights, compile=False):
-        if weights:
-            nxt, ws = item
-            out.append((int(nxt[0]), [w[0] for w in ws]))
-        else:
-            out.append(int(item[0]))
-    return out
+alone = decode_alone
 
 
 def batched(m: GPT, reqs: list[Request], rows: int) -> list[list]:

@@ -11,11 +11,13 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
+from helpers import decode_alone as alone
+from helpers import random_decoder as model
+from helpers import token_ids as ids
 
 from qkv.generation.batch import Request
 from qkv.serve.batching import BatchEngine
 from qkv.serve.work import BusyError, WorkQueue
-from tests.generation.test_batch import alone, ids, model
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # see tests/conftest.py
 
