@@ -347,6 +347,46 @@ def _run_hard_attention(a: argparse.Namespace) -> Any:
     return explain_hard_attention(a.cells, a.samples, a.trials, a.seed)
 
 
+def _small_layer_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--dim", type=int, default=8, help="width of the tokens and of the one head (1-1024)")
+    p.add_argument("--seed", type=int, default=0, help="seeds the tokens and the layer's weights")
+
+
+def _check_dim(a: argparse.Namespace) -> None:
+    if not 1 <= a.dim <= 1024:
+        raise ValueError(f"--dim must be in 1..1024 (a worked example), got {a.dim}")
+
+
+def _run_masking(a: argparse.Namespace) -> Any:
+    from qkv.explain import explain_masking
+
+    _check_dim(a)
+    return explain_masking(a.dim, a.seed)
+
+
+def _run_qk(a: argparse.Namespace) -> Any:
+    from qkv.explain import explain_qk
+
+    _check_dim(a)
+    return explain_qk(a.dim, a.seed)
+
+
+def _heads_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--dim", type=int, default=768, help="model width d (a multiple of --heads)")
+    p.add_argument("--heads", type=int, default=12, help="query heads h")
+    p.add_argument("--kv-heads", type=int, default=4, help="key/value heads of the GQA row (divides h)")
+
+
+def _run_heads(a: argparse.Namespace) -> Any:
+    from qkv.explain import explain_heads
+
+    if a.heads < 1 or a.dim < 1 or a.dim % a.heads:
+        raise ValueError(f"--dim must be a positive multiple of --heads, got --dim {a.dim} --heads {a.heads}")
+    if a.kv_heads < 1 or a.heads % a.kv_heads:
+        raise ValueError(f"--kv-heads must divide --heads ({a.heads}), got {a.kv_heads}")
+    return explain_heads(a.dim, a.heads, a.kv_heads)
+
+
 # Each topic's options and the function that checks them and computes the topic's result.
 CLI: dict[str, tuple[Callable[[argparse.ArgumentParser], None], Callable[[argparse.Namespace], Any]]] = {
     "softmax": (_softmax_options, _run_softmax),
@@ -355,6 +395,9 @@ CLI: dict[str, tuple[Callable[[argparse.ArgumentParser], None], Callable[[argpar
     "scaling": (_scaling_options, _run_scaling),
     "worked-example": (_worked_example_options, _run_worked_example),
     "equivariance": (_equivariance_options, _run_equivariance),
+    "masking": (_small_layer_options, _run_masking),
+    "qk": (_small_layer_options, _run_qk),
+    "heads": (_heads_options, _run_heads),
     "cost": (_cost_options, _run_cost),
     "context": (_context_options, _run_context),
     "bottleneck": (_bottleneck_options, _run_bottleneck),

@@ -10,6 +10,9 @@ tables, and, where a picture helps, a plot function (``--plot out.png``):
     scaling         Var(qᵀk) grows like d; dividing by √d keeps the softmax soft (Discussion 10)
     worked-example  Discussion 10's three tokens, step by step and as softmax(QKᵀ/√d)V
     equivariance    permuting tokens permutes outputs; positions break it
+    masking         the causal mask: E + M with 0 / −∞, rows renormalised over what they may see
+    qk              why W_Q ≠ W_K: one matrix makes the scores symmetric
+    heads           multi-head parameters both ways: h full-width heads (3hd²) vs width d/h (3d²), GQA
     cost            parameters, FLOPs and KV-cache bytes of attention
     context         MiniLM: "bank" by a river and at a bank; where "it" looks
     bottleneck      copying strings with one fixed context vector vs with attention
@@ -36,7 +39,9 @@ from qkv.explain.attention_claims import (
 from qkv.explain.context import explain_context, render_context
 from qkv.explain.cost import explain_cost, render_cost
 from qkv.explain.equivariance import explain_equivariance, render_equivariance
+from qkv.explain.heads import explain_heads, render_heads
 from qkv.explain.lookup import explain_lookup, render_lookup
+from qkv.explain.masking import explain_masking, explain_qk, render_masking, render_qk
 from qkv.explain.retrieval import explain_retrieval, render_retrieval
 from qkv.explain.scaling import explain_scaling, render_scaling
 from qkv.explain.softmax import explain_softmax, render_softmax
@@ -67,6 +72,12 @@ TOPICS: dict[str, Topic] = {
                             explain_worked_example, render_worked_example, plots.plot_worked_example),
     "equivariance": Topic("permuting tokens permutes the outputs; adding positions breaks it",
                           explain_equivariance, render_equivariance),
+    "masking": Topic("the causal mask: E + M (0 / −∞), softmax renormalises each row over what it may see",
+                     explain_masking, render_masking),
+    "qk": Topic("why queries and keys differ: with W_Q = W_K the scores are symmetric (s_ij = s_ji)",
+                explain_qk, render_qk),
+    "heads": Topic("multi-head parameters both ways: h full-width heads (3hd², CS189) vs d/h wide (3d²), GQA",
+                   explain_heads, render_heads),
     "cost": Topic("parameters and FLOPs vs a dense layer (3D² vs N²D²); KV cache of MHA/GQA/MQA",
                   explain_cost, render_cost, plots.plot_cost),
     "context": Topic('MiniLM: "bank" by the river vs at the bank; which tokens "it" attends to',
@@ -88,7 +99,10 @@ __all__ = [
     "explain_cost",
     "explain_equivariance",
     "explain_hard_attention",
+    "explain_heads",
     "explain_lookup",
+    "explain_masking",
+    "explain_qk",
     "explain_retrieval",
     "explain_scaling",
     "explain_softmax",

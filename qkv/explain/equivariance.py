@@ -130,3 +130,7 @@ def render_equivariance(r: EquivarianceResult, console: Console) -> None:
     console.print(s)
     say(console, f"A = {r.sentence_a!r}, B = {r.sentence_b!r}: without positions the two "
         "sentences are the same set of words, and attention gives the same pooled vector.", "dim")
+    say(console, "The notes call self-attention permutation-invariant in one place (CS189 Lec 21) and "
+        "equivariant in others (CS231N Lec 8): it is equivariant, the outputs permuted with the inputs "
+        "(first table); what is invariant is an order-free summary of them, such as the mean above.",
+        "yellow")

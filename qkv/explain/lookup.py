@@ -115,3 +115,7 @@ def render_lookup(r: LookupResult, console: Console) -> None:
         console.print(t)
     say(console, "A Python dict answers D['B'] = 42 only for an exact key; the soft dictionary "
         "answers every query with a weighted average, and differentiably.", "dim")
+    if r.queries and list(r.queries[0]) == [0.0, 1.0, 0.0] and r.hard[0].value == 42 and r.soft[0]:
+        say(console, "The notes: q = [0, 1, 0] returns \"exactly 42\" (CS189 Lec 21). True of the hardmax "
+            f"(an exact lookup) and of a sharp softmax (s = {num(r.sharpness[-1])}); the plain softmax (s = "
+            f"{num(r.sharpness[0])}) returns {num(r.soft[0][0].value)}.", "yellow")

@@ -98,6 +98,9 @@ def render_softmax(r: SoftmaxResult, console: Console) -> None:
         add_row(t, f"softmax(x / T), T = {temp:g}", *(num(w) for w in row))
     console.print(t)
     say(console, "T → 0 approaches the hardmax, T → ∞ the uniform average; every row sums to 1.", "dim")
+    if list(r.values) == [1.0, 2.0, 3.0]:
+        say(console, "The notes: softmax([1, 2, 3]) ≈ [0.09, 0.24, 0.66] (CS189 Lec 21 transcript); the "
+            f"third is {r.softmax[2]:.4f}, so 0.66 is truncated: rounded, 0.67.", "yellow")
     m = table("softmax of a matrix is taken row by row", ["row", "x", "qkv softmax (max subtracted)",
                                                           "e^x / Σ e^x as written"])
     for i, (x, s, ok) in enumerate(zip(r.matrix, r.matrix_softmax, r.naive_finite, strict=True)):

@@ -58,6 +58,7 @@ class WorkedExample:
     matrix_out: list[list[float]]
     max_abs_diff: float
     unscaled_weights: list[list[float]]  # softmax(scores) row by row: the Discussion's numbers
+    unscaled_out: list[list[float]]  # Σ_j unscaled_weights[i][j] v_j: the Discussion's outputs
 
 
 def _project(w: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
@@ -92,6 +93,7 @@ def explain_worked_example(scaled: bool = True) -> WorkedExample:
         v=v.tolist(), scores=scores.tolist(), scale=scale, weights=weights.tolist(), out=out.tolist(),
         matrix_weights=m_w.tolist(), matrix_out=m_out.tolist(), max_abs_diff=diff,
         unscaled_weights=softmax(scores, dim=-1).tolist(),
+        unscaled_out=(softmax(scores, dim=-1) @ v).tolist(),
     )
 
 
@@ -110,16 +112,25 @@ def render_worked_example(r: WorkedExample, console: Console) -> None:
     for i in range(len(r.x)):
         add_row(t, f"x{i + 1}", vec(r.x[i], 0), vec(r.q[i], 0), vec(r.k[i], 0), vec(r.v[i], 0))
     console.print(t)
-    root = f"/√{len(r.q[0])}" if r.scale != 1 else ""  # d_k = 3: divide by √3 ≈ 1.732
-    s = table(f"step 2-4: scores s_ij = q_iᵀk_j, weights p_i = softmax(s_i{root}), "
-              "output z_i = Σ_j p_ij v_j", ["query", "scores s_i", "weights p_i", "output z_i"])
+    d_k = len(r.q[0])
+    heads = ["query", "scores s_i", "weights p_i", "output z_i"]
+    # The notes' numbers first: Discussion 10 leaves the scores unscaled (its answer key: 0.9975)
+    s = table("step 2-4, as Discussion 10 computes it: s_ij = q_iᵀk_j, p_i = softmax(s_i), "
+              "z_i = Σ_j p_ij v_j", heads)
     for i in range(len(r.x)):
-        add_row(s, f"x{i + 1}", vec(r.scores[i], 0), vec(r.weights[i]), vec(r.out[i]))
+        add_row(s, f"x{i + 1}", vec(r.scores[i], 0), vec(r.unscaled_weights[i]), vec(r.unscaled_out[i]))
     console.print(s)
-    say(console, f"matrix form softmax(QKᵀ{root})V gives the same weights and outputs: "
-        f"largest difference {r.max_abs_diff:.1e} "
-        f"({'equal' if r.max_abs_diff < 1e-12 else 'NOT EQUAL'} in float64).")
+    say(console, f"The Discussion's answer: x3 puts {r.unscaled_weights[2][1]:.4f} of its weight on x2 "
+        "(a slightly larger inner product makes the softmax very peaked).", "dim")
+    root = f"/√{d_k}" if r.scale != 1 else ""
     if r.scale != 1:
-        say(console, f"Unscaled, as the Discussion computes it: x3's weights are "
-            f"{vec(r.unscaled_weights[2])} ({r.unscaled_weights[2][1]:.4f} on x2); dividing by √d_k "
-            f"softens them to {vec(r.weights[2])}.", "dim")
+        t2 = table(f"the same with the Transformer's scaling (qkv's attention): p_i = softmax(s_i/√{d_k})",
+                   heads)
+        for i in range(len(r.x)):
+            add_row(t2, f"x{i + 1}", vec(r.scores[i], 0), vec(r.weights[i]), vec(r.out[i]))
+        console.print(t2)
+        say(console, f"Dividing by √d_k = √{d_k} ≈ {math.sqrt(d_k):.3f} softens x3's row from "
+            f"{vec(r.unscaled_weights[2])} to {vec(r.weights[2])} (see `qkv explain scaling`).", "dim")
+    say(console, f"matrix form softmax(QKᵀ{root})V gives the same weights and outputs as the token-by-token "
+        f"sums: largest difference {r.max_abs_diff:.1e} "
+        f"({'equal' if r.max_abs_diff < 1e-12 else 'NOT EQUAL'} in float64).")

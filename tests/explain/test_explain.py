@@ -60,7 +60,7 @@ def test_softmax_numbers() -> None:
     r = explain_softmax([1, 2, 3], [0.5, 2])
     assert r.hardmax == [0, 0, 1]
     assert r.softmax == pytest.approx(softmax64([1, 2, 3]), abs=1e-15)
-    assert [round(p, 2) for p in r.softmax] == [0.09, 0.24, 0.67]  # the lecture's numbers
+    assert [round(p, 2) for p in r.softmax] == [0.09, 0.24, 0.67]  # the notes write 0.66: truncated
     assert r.tempered[0] == pytest.approx(softmax64([2, 4, 6]), abs=1e-15)  # T = 0.5
     assert r.tempered[1] == pytest.approx(softmax64([0.5, 1, 1.5]), abs=1e-15)  # T = 2
     # Row by row: [3, 2, 1] reverses the weights; [1001, 1002, 1003] is shift invariant.
@@ -240,6 +240,10 @@ def test_worked_example_by_hand() -> None:
     # The Discussion's unscaled softmax: 0.9975 on x2.
     assert r.unscaled_weights[2][1] == pytest.approx(1 / (1 + math.exp(-6) + math.exp(-28)), abs=1e-15)
     assert round(r.unscaled_weights[2][1], 4) == 0.9975
+    for i in range(3):  # the Discussion's outputs, unscaled
+        p = softmax64(r.scores[i])
+        assert r.unscaled_out[i] == pytest.approx([sum(p[j] * r.v[j][c] for j in range(3)) for c in range(2)],
+                                                  abs=1e-12)
     # The matrix form, with torch's own softmax.
     X = torch.tensor(r.x, dtype=torch.float64)
     Q, K, V = (X @ torch.tensor(w, dtype=torch.float64) for w in (r.w_q, r.w_k, r.w_v))
@@ -255,6 +259,9 @@ def test_worked_example_unscaled_and_cli(tmp_path: Path) -> None:
     assert rc == 0, err
     for text in ("[2, 8, -20]", "0.9975", "[1, -2, 8]", "equal in float64"):
         assert text in out
+    # the notes' numbers come first, labelled; qkv's scaled convention after them
+    first, answer = out.index("as Discussion 10 computes it"), out.index("0.9975")
+    assert first < answer < out.index("Transformer's scaling")
     assert (tmp_path / "w.png").read_bytes().startswith(PNG)
 
 

@@ -1,0 +1,88 @@
+"""Issue 28: sections of the lectures qkv did not show (masking, Q ≠ K, head counts) and the notes'
+own numbers, each against a computation written out here."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from helpers import assert_one_line_error, call
+
+from qkv.attention import MultiHeadAttention
+from qkv.explain import explain_masking, explain_qk
+from qkv.explain.masking import QK_TOKENS, TOKENS
+
+
+def projections(dim: int, seed: int, tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The topic's layer rebuilt from its seed, and its q, k of the topic's tokens, by hand."""
+    torch.manual_seed(seed)
+    layer = MultiHeadAttention(dim, 1).double()
+    x = torch.randn(tokens, dim, generator=torch.Generator().manual_seed(seed + 1), dtype=torch.float64)
+    w, b = layer.qkv.weight.detach(), layer.qkv.bias.detach()
+    return x @ w[:dim].T + b[:dim], x @ w[dim : 2 * dim].T + b[dim : 2 * dim]
+
+
+def test_masking_by_hand() -> None:
+    r = explain_masking(dim=8, seed=3)
+    T = len(TOKENS)
+    q, k = projections(8, 3, T)
+    E = q @ k.T / math.sqrt(8)
+    torch.testing.assert_close(torch.tensor(r.scores, dtype=torch.float64), E, atol=1e-12, rtol=0)
+    M = torch.tensor(r.mask)
+    assert (M.triu(1) == float("-inf")).sum() == T * (T - 1) // 2 and (M.tril() == 0).all()
+    W = torch.tensor(r.weights, dtype=torch.float64)
+    for i in range(T):  # each row: the softmax of the allowed scores alone, zeros after
+        want = torch.exp(E[i, : i + 1] - E[i, : i + 1].max())
+        torch.testing.assert_close(W[i, : i + 1], want / want.sum(), atol=1e-12, rtol=0)
+        assert (W[i, i + 1 :] == 0).all()
+    assert r.future_weight == 0 and r.row_vs_prefix < 1e-12 and r.layer_vs_manual < 1e-12
+    assert r.prefix_output < 1e-12
+
+
+def test_tied_queries_and_keys_give_symmetric_scores() -> None:
+    r = explain_qk(dim=8, seed=5)
+    q, k = projections(8, 5, len(QK_TOKENS))
+    tied = torch.tensor(r.tied, dtype=torch.float64)
+    torch.testing.assert_close(tied, q @ q.T / math.sqrt(8), atol=1e-12, rtol=0)  # W_K := W_Q
+    torch.testing.assert_close(torch.tensor(r.separate, dtype=torch.float64), q @ k.T / math.sqrt(8),
+                               atol=1e-12, rtol=0)
+    assert (tied - tied.T).abs().max() < 1e-12 and r.tied_asymmetry < 1e-12
+    assert r.separate_asymmetry > 0.1 and r.tied_weights_asymmetry > 0.01 and r.hand < 1e-12
+
+
+def test_cli_prints_the_mask_and_refuses_a_bad_width() -> None:
+    rc, out, err = call(["explain", "masking"])
+    assert rc == 0 and "−∞" in out and "softmax(E + M)" in out and "1.000" in out, err
+    rc, out, err = call(["explain", "qk", "--dim", "4"])
+    assert rc == 0 and "W_Q = W_K" in out and "max |s_ij − s_ji|" in out
+    rc, _, err = call(["explain", "qk", "--dim", "0"])
+    assert "--dim must be in 1..1024" in assert_one_line_error(rc, err)
+
+
+def test_head_counts_both_ways_and_gqa() -> None:
+    from qkv.explain import explain_heads
+
+    d, h, kv = 64, 4, 2
+    full, split, gqa = explain_heads(d, h, kv).designs
+    assert (full.qkv_params, full.out_params) == (3 * h * d * d, h * d * d)  # CS189: 3d² -> 3hd²
+    assert (split.qkv_params, split.out_params) == (3 * d * d, d * d)  # CS231N: d/h per head
+    assert gqa.qkv_params == d * d + 2 * kv * (d // h) * d and gqa.kv_cache_per_token == 2 * kv * (d // h)
+    assert [x.module_params for x in (full, split, gqa)] == [x.total for x in (full, split, gqa)]
+    theirs = torch.nn.MultiheadAttention(d, h, bias=False)  # PyTorch's own: heads of width d/h
+    assert sum(p.numel() for p in theirs.parameters()) == split.total
+    rc, out, err = call(["explain", "heads", "--dim", "64", "--heads", "4", "--kv-heads", "2"])
+    assert rc == 0 and f"{full.total:,}" in out and f"{split.total:,}" in out, err
+    rc, _, err = call(["explain", "heads", "--kv-heads", "5"])
+    assert "--kv-heads must divide --heads (12)" in assert_one_line_error(rc, err)
+
+
+def test_where_the_notes_differ_the_output_says_so() -> None:
+    """Each in one labelled line, with the number computed (independently checked here)."""
+    third = math.exp(3) / (math.exp(1) + math.exp(2) + math.exp(3))
+    rc, out, _ = call(["explain", "softmax"])
+    assert rc == 0 and "[0.09, 0.24, 0.66]" in out and f"{third:.4f}" in out and "truncated" in out
+    soft = (math.exp(0) * 51 + math.exp(1) * 42 + math.exp(0) * 31) / (2 + math.e)
+    rc, out, _ = call(["explain", "lookup"])
+    assert rc == 0 and '"exactly 42"' in out and f"{soft:.4f}" in " ".join(out.split())
+    rc, out, _ = call(["explain", "equivariance"])
+    assert rc == 0 and "permutation-invariant in one place" in " ".join(out.split())
