@@ -54,6 +54,7 @@ class GPTConfig:
     mlp: MLPKind = "gelu"  # feed-forward network
     norm: NormKind = "layernorm"  # normalisation layer
     norm_eps: float = 1e-5  # epsilon of the norms
+    norm_placement: Literal["pre", "post"] = "pre"  # norm before each sublayer (GPT-2) or after each sum
     positions: PositionKind = "learned"  # how the model knows token order
     rope_theta: float = 10000.0  # RoPE base (with --positions rope)
     tie_embeddings: bool = True  # share the token embedding with the output layer
@@ -77,6 +78,8 @@ class GPTConfig:
                 "positions must be one of learned, sinusoidal, rope, alibi, none; "
                 f"got {self.positions!r}"
             )
+        if self.norm_placement not in ("pre", "post"):
+            raise ValueError(f"norm_placement must be pre or post, got {self.norm_placement!r}")
         if self.backend not in BACKENDS:
             raise ValueError(f"backend must be one of {BACKENDS}, got {self.backend!r}")
         if not 0.0 <= self.dropout < 1.0:
@@ -94,7 +97,7 @@ class GPTConfig:
         return BlockConfig(
             dim=self.dim, n_heads=self.n_heads, n_kv_heads=self.n_kv_heads,
             head_dim=self.head_dim, mlp_hidden=self.mlp_hidden, mlp=self.mlp, norm=self.norm,
-            norm_position="pre", norm_eps=self.norm_eps, bias=self.bias, qkv_bias=self.qkv_bias,
+            norm_position=self.norm_placement, norm_eps=self.norm_eps, bias=self.bias, qkv_bias=self.qkv_bias,
             dropout=self.dropout,
             attn_dropout=self.dropout, backend=self.backend, causal=True,
         )

@@ -72,6 +72,8 @@ def hf_architecture(cfg: GPTConfig) -> str:
 
     if cfg.embed_scale:
         raise refuse("--embed_scale true (embeddings x sqrt(dim))")
+    if cfg.norm_placement == "post":
+        raise refuse("--norm_placement post (a norm after each residual sum, none at the end)")
     if cfg.positions == "learned":
         if cfg.norm != "layernorm":
             raise refuse(f"--norm {cfg.norm} with --positions learned")

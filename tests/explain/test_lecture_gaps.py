@@ -3,6 +3,7 @@ own numbers, each against a computation written out here."""
 
 from __future__ import annotations
 
+import json
 import math
 
 import torch
@@ -86,3 +87,44 @@ def test_where_the_notes_differ_the_output_says_so() -> None:
     assert rc == 0 and '"exactly 42"' in out and f"{soft:.4f}" in " ".join(out.split())
     rc, out, _ = call(["explain", "equivariance"])
     assert rc == 0 and "permutation-invariant in one place" in " ".join(out.split())
+
+
+def test_a_post_ln_gpt_computes_the_papers_block_trains_resumes_and_is_not_exported(tmp_path) -> None:
+    """--norm_placement post: x = LN(x + Attn(x)); x = LN(x + MLP(x)), no final norm (Vaswani et
+    al. 2017; CS231N Lec 8), checked by hand on a 1-layer model; `qkv train gpt` trains and resumes
+    it; the cached decode equals recomputing; export refuses it in one line (no reader has it)."""
+    import torch.nn.functional as F
+    from helpers import TINY_TEXT, flags, metrics, tiny_train
+
+    from qkv.generation import generate
+    from qkv.models.gpt import GPT, GPTConfig
+
+    torch.manual_seed(0)
+    cfg = GPTConfig(vocab_size=20, max_seq_len=16, dim=16, n_layers=1, n_heads=2, norm_placement="post")
+    m = GPT(cfg).eval()
+    assert m.stack.norm is None
+    x = torch.randint(0, 20, (1, 7))
+    blk = m.stack.blocks[0]
+    with torch.no_grad():
+        h = m.tok_emb(x) + m.pos_emb.weight[:7]
+        q, k, v = blk.attn.qkv(h).view(1, 7, 3, 2, 8).permute(2, 0, 3, 1, 4)
+        a = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(1, 7, 16)
+        h = blk.norm1(h + blk.attn.out_proj(a))
+        h = blk.norm2(h + blk.mlp(h))
+        torch.testing.assert_close(m(x).logits, m.lm_head(h), atol=1e-5, rtol=0)
+        cached = [int(t[0]) for t in generate(m, x[:, :3], 8, temperature=0.0, compile=False)]
+        full = [int(t[0]) for t in generate(m, x[:, :3], 8, temperature=0.0, use_cache=False)]
+    assert cached == full
+    (tmp_path / "text.txt").write_text(TINY_TEXT)
+    run = tmp_path / "post"
+    rc, out, err = call(["train", "gpt", "--preset", "tiny", "--norm_placement", "post", "--data",
+                         str(tmp_path / "text.txt"), "--out_dir", str(run), "--no-progress",
+                         *flags(tiny_train("gpt"))])
+    assert rc == 0, out + err
+    assert json.loads((run / "config.json").read_text())["model"]["norm_placement"] == "post"
+    rc, out, err = call(["train", "--resume", str(run), "--max_iters", "12", "--no-progress"])
+    assert rc == 0, out + err
+    assert metrics(run)[-1]["step"] == 12 and math.isfinite(metrics(run)[-1]["val_loss"])
+    for fmt in ("hf", "gguf"):
+        rc, _, err = call(["export", str(run), "--format", fmt, "-o", str(tmp_path / f"out-{fmt}")])
+        assert "--norm_placement post" in assert_one_line_error(rc, err)
