@@ -215,6 +215,11 @@ class CostResult:
     lecture: LectureCost
     model: ModelCost | None
     note: str | None = None  # why the model part is missing
+    # the notes' "a 16K-context model extrapolated to 1M tokens" (CS189 Lec 22), at width D
+    longer: tuple[LectureCost, LectureCost] | None = None
+
+
+SHORT_CONTEXT, LONG_CONTEXT = 16_384, 1_000_000
 
 
 def explain_cost(n: int = 196, d: int = 768, model: str | None = "smollm2", context: int | None = None,
@@ -222,7 +227,8 @@ def explain_cost(n: int = 196, d: int = 768, model: str | None = "smollm2", cont
     """The lecture's table for (N, D) and, unless ``model`` is None, the model's KV cache and
     per-layer FLOPs. Defaults: N = 196 patches of width D = 768 (ViT-B/16 on a 224x224 image)."""
     return CostResult(lecture_cost(n, d),
-                      None if model is None else model_cost(model, context, dtype, batch))
+                      None if model is None else model_cost(model, context, dtype, batch),
+                      longer=(lecture_cost(SHORT_CONTEXT, d), lecture_cost(LONG_CONTEXT, d)))
 
 
 # --------------------------------------------------------------------------- rendering
@@ -242,6 +248,18 @@ def render_cost(r: CostResult, console: Console) -> None:
               f"{human_count(lc.fc_flops)} (2N²D²)", f"{lc.fc_flops / lc.attn_flops:,.3g}x")
     console.print(t)
     say(console, f"The N² part (QKᵀ, AV) passes the projections (8ND²) once N > 2D = {2 * lc.d}.", "dim")
+    if r.longer is not None:
+        a, b = r.longer
+        t = table(f"the notes: attention's parameters do not depend on N, so a {a.n // 1024}K-context model "
+                  f"can run on {b.n:,} tokens, at a price (CS189 Lec 22; width D = {a.d}, one layer)",
+                  ["", f"N = {a.n:,}", f"N = {b.n:,}", "ratio"])
+        add_row(t, "parameters W_Q, W_K, W_V, W_O", f"{a.qkv_params + a.out_params:,}",
+                f"{b.qkv_params + b.out_params:,}", "1x")
+        add_row(t, "FLOPs of QKᵀ and AV (4N²D)", human_count(a.score_flops), human_count(b.score_flops),
+                f"{b.score_flops / a.score_flops:,.0f}x")
+        add_row(t, "keys and values kept (2ND numbers)", human_count(2 * a.n * a.d),
+                human_count(2 * b.n * b.d), f"{b.n / a.n:,.1f}x")
+        console.print(t)
     if r.note:
         say(console, r.note, "yellow")
     if r.model is None:

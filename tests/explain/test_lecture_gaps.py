@@ -128,3 +128,16 @@ def test_a_post_ln_gpt_computes_the_papers_block_trains_resumes_and_is_not_expor
     for fmt in ("hf", "gguf"):
         rc, _, err = call(["export", str(run), "--format", fmt, "-o", str(tmp_path / f"out-{fmt}")])
         assert "--norm_placement post" in assert_one_line_error(rc, err)
+
+
+def test_a_16k_context_model_on_a_million_tokens() -> None:
+    """CS189 Lec 22: attention's parameters do not grow with N, its N² work and its cache do."""
+    from qkv.explain import explain_cost
+
+    a, b = explain_cost(model=None).longer
+    d = 768
+    assert (a.n, b.n) == (16_384, 1_000_000)
+    assert a.qkv_params + a.out_params == b.qkv_params + b.out_params == 4 * d * d
+    assert (a.score_flops, b.score_flops) == (4 * a.n**2 * d, 4 * b.n**2 * d)  # QKᵀ and AV, 2 FLOPs a MAC
+    rc, out, _ = call(["explain", "cost", "--model", "tiny"])
+    assert rc == 0 and f"{b.score_flops / a.score_flops:,.0f}x" in out and "61.0x" in out
