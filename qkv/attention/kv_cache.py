@@ -109,13 +109,14 @@ class BatchKVCache(KVCache):
 
     Each row b holds ``pos[b]`` tokens, so requests of different lengths, started at different
     times, decode together: a step feeds one token per row, written at that row's position, and
-    attends over that row's keys only (the model masks keys ``j > pos[b]``; see
-    :meth:`qkv.models.gpt.GPT.forward`). Rows are filled one at a time by a prefill into
-    :meth:`row` (a batch-1 cache over the row's own buffers, so nothing is copied), and a row
-    that leaves is replaced by the last one (:meth:`move_row`), so the live rows are always
-    ``0 .. n - 1`` and a step runs on :meth:`head` ``(n)``.
+    each row attends over its own keys only (:func:`qkv.attention.multihead.attend_rows`). Rows
+    are filled one at a time by a prefill into :meth:`row` (a batch-1 cache over the row's own
+    buffers, so nothing is copied), and a row that leaves is replaced by the last one
+    (:meth:`move_row`), so the live rows are always ``0 .. n - 1`` and a step runs on
+    :meth:`head` ``(n)``.
 
-    Shapes: as :class:`KVCache`; ``pos`` is (B,) int64 instead of an int.
+    Shapes: as :class:`KVCache`; ``pos`` is (B,) int64 instead of an int, mirrored in the
+    Python list ``lengths`` (what each layer's attention reads without a device sync).
     """
 
     def __init__(self, n_layers: int, batch_size: int, n_kv_heads: int, max_seq_len: int, head_dim: int,
@@ -124,7 +125,6 @@ class BatchKVCache(KVCache):
         self.pos = torch.zeros(batch_size, dtype=torch.long, device=self.k.device)  # type: ignore[assignment]
         self.lengths = [0] * batch_size  # pos as Python ints (each layer's attention reads them)
         self._index: tuple | None = None  # (key, write indices) of the current step
-        self.span = 0  # max(pos): how far a step must read
 
     @classmethod
     def wrap(cls, k: Tensor, v: Tensor, pos: int | Tensor = 0) -> BatchKVCache:
@@ -139,8 +139,12 @@ class BatchKVCache(KVCache):
         self.k, self.v, self.pos, self._layers = k, v, pos, []
         self._index = None
         self.lengths = pos.tolist()
-        self.span = max(self.lengths, default=0)
         return self
+
+    @property
+    def span(self) -> int:
+        """max(pos): how far a step must read."""
+        return max(self.lengths, default=0)
 
     @property
     def batch_size(self) -> int:
@@ -157,7 +161,6 @@ class BatchKVCache(KVCache):
         """Re-read the positions after a step on a :meth:`head` view (which advanced them in the
         shared tensor, and its own copy of the Python lengths)."""
         self.lengths = self.pos.tolist()
-        self.span = max(self.lengths, default=0)
 
     def row(self, b: int) -> KVCache:
         """Row ``b`` as a batch-1 :class:`KVCache` over the same buffers, emptied (its position
@@ -172,7 +175,6 @@ class BatchKVCache(KVCache):
             raise ValueError(f"BatchKVCache: length {n} outside [0, {self.max_seq_len}]")
         self.pos[b] = n
         self.lengths[b] = n
-        self.span = max(self.lengths)
 
     def move_row(self, src: int, dst: int) -> None:
         """Row ``dst`` becomes a copy of row ``src`` (its stored tokens only)."""
@@ -199,18 +201,15 @@ class BatchKVCache(KVCache):
                              f"max_seq_len {self.max_seq_len}; allocate a larger cache")
         self.pos += n
         self.lengths = [m + n for m in self.lengths]
-        self.span += n
 
     def reset(self) -> None:
         self.pos.zero_()
         self.lengths = [0] * len(self.lengths)
-        self.span = 0
 
     def reorder(self, index: Tensor) -> None:
         super().reorder(index)
         self.pos.copy_(self.pos.index_select(0, index))
-        self.lengths = self.pos.tolist()
-        self.span = max(self.lengths, default=0)
+        self.sync()
 
 
 class LayerKVCache:
@@ -235,9 +234,9 @@ class LayerKVCache:
         Returns:
             (B, K, pos + T, D) keys and values: views into the preallocated buffers.
         """
+        if isinstance(self.cache, BatchKVCache):
+            return self._update_rows(k, v, self.cache.span)
         pos = self.cache.pos
-        if isinstance(pos, Tensor) and isinstance(self.cache, BatchKVCache):
-            return self._update_rows(k, v, pos, self.cache.span)
         B, K, S_max, D = self.k.shape
         if k.ndim != 4 or k.shape[0] != B or k.shape[1] != K or k.shape[3] != D:
             raise ValueError(
@@ -278,10 +277,10 @@ class LayerKVCache:
             return [n + T for n in self.cache.lengths]
         return None
 
-    def _update_rows(self, k: Tensor, v: Tensor, pos: Tensor, span: int) -> tuple[Tensor, Tensor]:
+    def _update_rows(self, k: Tensor, v: Tensor, span: int) -> tuple[Tensor, Tensor]:
         """:meth:`update` for a :class:`BatchKVCache`: row b's T new keys/values go to
-        ``pos[b] .. pos[b] + T - 1``; returns (B, K, span + T, D), the longest row's worth (the
-        model masks each row's keys beyond its own length)."""
+        ``pos[b] .. pos[b] + T - 1``; returns (B, K, span + T, D), the longest row's worth (each
+        row's attention reads its own first :meth:`row_lengths` keys of it)."""
         B, K, S_max, D = self.k.shape
         if k.ndim != 4 or k.shape[0] != B or k.shape[1] != K or k.shape[3] != D or v.shape[:3] != k.shape[:3]:
             raise ValueError(f"KVCache: new keys/values have shapes {tuple(k.shape)}, {tuple(v.shape)}; "

@@ -143,7 +143,6 @@ class RotaryEmbedding(nn.Module):
             cos, sin = cos.to(x.dtype), sin.to(x.dtype)
         return x * cos + rotate_half(x) * sin
 
-
     def _rows(self, offset: Tensor, T: int) -> tuple[Tensor, Tensor]:
         """cos and sin (B, 1, T, D) at each row's positions. Every layer of one decoding step
         asks for the same positions: the gather is done once per step (the last one is kept,

@@ -50,7 +50,8 @@ def _flops(fn, *args) -> int:
     return int(counter.get_total_flops())
 
 
-def _params(module: nn.Module) -> int:
+def param_count(module: nn.Module) -> int:
+    """Parameters of ``module`` (built on the meta device: counted, never allocated)."""
     return sum(p.numel() for p in module.parameters())
 
 
@@ -87,7 +88,7 @@ def lecture_cost(n: int, d: int) -> LectureCost:
         flat = torch.empty(1, n * d)
     total = _flops(attn, x)
     proj = _flops(attn.qkv, x) + _flops(attn.out_proj, x)
-    return LectureCost(n, d, _params(attn.qkv), _params(attn.out_proj), _params(fc), proj,
+    return LectureCost(n, d, param_count(attn.qkv), param_count(attn.out_proj), param_count(fc), proj,
                        total - proj, _flops(fc, flat))
 
 

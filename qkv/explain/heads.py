@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from qkv.attention import MultiHeadAttention
+from qkv.explain.cost import param_count
 
 if TYPE_CHECKING:
     from rich.console import Console
@@ -56,8 +57,7 @@ class HeadsResult:
 
 def _count(d: int, h: int, head_dim: int, kv: int) -> int:
     with torch.device("meta"):  # shapes only: no memory, no initialisation
-        layer = MultiHeadAttention(d, h, n_kv_heads=kv, head_dim=head_dim, bias=False)
-    return sum(p.numel() for p in layer.parameters())
+        return param_count(MultiHeadAttention(d, h, n_kv_heads=kv, head_dim=head_dim, bias=False))
 
 
 def explain_heads(d: int = 768, h: int = 12, kv_heads: int = 4) -> HeadsResult:

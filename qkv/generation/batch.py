@@ -9,7 +9,7 @@ lengths, share those steps:
 - a request *joins* by a prefill of its prompt alone, straight into a free row of the batch's
   :class:`~qkv.attention.BatchKVCache` (no copy); its first token comes from that prefill;
 - each *step* feeds one token per live row, every row at its own position (per-row RoPE angles,
-  position rows and ALiBi distances; the model masks keys past each row's own length), and
+  position rows and ALiBi distances; each row attends over its own keys in its own call), and
   samples each row with the row's own settings and random generator;
 - a row *leaves* when it has its tokens, produces a stop id, or is cancelled; the last live row
   moves into its place, so the live rows are always ``0 .. n - 1``.
@@ -153,7 +153,7 @@ class Batch:
         new.k[:, :, :, :n] = old.k[:, :, :, :n]
         new.v[:, :, :, :n] = old.v[:, :, :, :n]
         new.pos.copy_(old.pos)
-        new.span = old.span
+        new.sync()
         self._cache = new
 
     def _extra(self, weights: bool) -> dict[str, object]:
@@ -208,7 +208,7 @@ class Batch:
             return []
         n = len(rows)
         cache = self._cache.head(n)
-        lengths = cache.pos.tolist()  # before the step: row b's new token sits at lengths[b]
+        lengths = cache.lengths  # before the step (advance makes a new list): row b's token at lengths[b]
         weights = any(r.request.weights for r in rows)
         dev = self.model.tok_emb.weight.device
         x = torch.tensor([[r.last] for r in rows], device=dev)  # (n, 1)

@@ -112,12 +112,18 @@ class GenerationStep:
     weights: Tensor
 
 
-@torch.inference_mode()
+def head_row(w: Tensor, head: int | None) -> Tensor:
+    """One position's attention in one layer, (H, S), as the page shows it: head ``head``'s row,
+    or the mean over heads (None); (S,) float32, a copy (not a view into the step's weights)."""
+    w = w.float()
+    return (w.mean(0) if head is None else w[head]).to("cpu", copy=True)
+
+
 def batch_steps(lm: CausalLM, prompt_ids: list[int],
                 tokens: Iterable[tuple[int, Tensor]]) -> Iterator[GenerationStep]:
-    """:func:`generate_steps`'s items for tokens decoded elsewhere (a row of a running batch,
-    :mod:`qkv.serve.batching`): each (id, attention row (S,)) with the id's text as it reads
-    after what came before."""
+    """:func:`generate_steps`'s items for a stream of (id, attention row (S,)) pairs, decoded here
+    or elsewhere (a row of a running batch, :mod:`qkv.serve.batching`): each id with its text as
+    it reads after what came before (a SentencePiece "▁the" keeps its space)."""
     from qkv.generation.decode import decode_after
 
     seen = list(prompt_ids)
@@ -126,24 +132,18 @@ def batch_steps(lm: CausalLM, prompt_ids: list[int],
         seen.append(tid)
 
 
+@torch.inference_mode()
 def generate_steps(lm: CausalLM, prompt_ids: list[int], max_new_tokens: int, *, layer: int = -1,
                    head: int | None = None, temperature: float = 0.0, top_k: int | None = None,
                    seed: int | None = None) -> Iterator[GenerationStep]:
     """Sample up to ``max_new_tokens`` tokens after ``prompt_ids`` with a KV cache, yielding
     each token with its attention row; stops at the context's end and at the model's stop ids.
     Use :func:`encode_text` for the prompt."""
-    from qkv.generation.decode import decode_after
-
     if lm.kind != "decoder":
         raise InputError(f"{lm.name} is an {lm.kind}: it does not continue a prompt")
     layer, head = check_layer_head(lm.n_layers, lm.n_heads, layer, head)
     n_new = min(max_new_tokens, lm.context - len(prompt_ids))  # never past the context's end
-    seen = list(prompt_ids)
-    for tid, weights in lm.steps(prompt_ids, max(n_new, 0), temperature=temperature, top_k=top_k,
-                                 seed=seed, return_weights=True):
-        assert weights is not None
-        w = weights[layer][0].float()  # (H, S): the last position's row
-        row = w.mean(0) if head is None else w[head]
-        # the token as it reads after what came before (a SentencePiece "▁the" keeps its space)
-        yield GenerationStep(tid, decode_after(lm.tokenizer.decode, seen, [tid]), row.cpu())
-        seen.append(tid)
+    steps = lm.steps(prompt_ids, max(n_new, 0), temperature=temperature, top_k=top_k, seed=seed,
+                     return_weights=True)
+    # weights: one (1, H, S) tensor per layer, the last position's row
+    yield from batch_steps(lm, prompt_ids, ((tid, head_row(ws[layer][0], head)) for tid, ws in steps))

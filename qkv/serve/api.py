@@ -349,8 +349,7 @@ class Explorer(LensEndpoints):
 
         def pick(tok: Token) -> tuple[int, torch.Tensor]:  # the requested layer and head only
             assert tok.weights is not None
-            w = tok.weights[layer].float()  # (H, S)
-            return tok.id, (w.mean(0) if head is None else w[head]).clone()
+            return tok.id, text.head_row(tok.weights[layer], head)
 
         request = Request(ids, n_new, req.temperature, req.top_k, None, req.seed, lm.stop_ids, weights=True)
         return engine.submit(request, pick)

@@ -164,3 +164,22 @@ def test_a_long_request_grows_the_cache_without_disturbing_the_rows_in_it():
         for row, t in batch.step():
             got[id(row)].append(t.id)
     assert got[id(first)] == alone(m, short) and got[id(second)] == alone(m, long)
+
+
+def test_two_growths_before_a_step_keep_every_row():
+    """The cache grows twice with rows in it and no step between (the second growth must know
+    the lengths the first one copied)."""
+    m = model()
+    reqs = [Request(ids(9, 1), 4), Request(ids(3, 2), 20), Request(ids(4, 3), 40)]
+    batch = Batch(m, rows=3, cache_len=14)
+    got: dict[int, list[int]] = {}
+    for r in reqs:  # 13 fits, 23 grows to 28, 44 grows again
+        row, tok = batch.join(r)
+        got[id(row)] = [tok.id]
+    rows = list(batch.live)
+    while len(batch):
+        for row, t in batch.step():
+            if t is not None:
+                got[id(row)].append(t.id)
+    assert batch.cache_len >= 44
+    assert [got[id(r)] for r in rows] == [alone(m, r) for r in reqs]
