@@ -371,6 +371,20 @@ def _run_qk(a: argparse.Namespace) -> Any:
     return explain_qk(a.dim, a.seed)
 
 
+def _positions_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--dim", type=int, default=64, help="width of the encodings (even)")
+    p.add_argument("--positions", type=int, default=128,
+                   help="positions in the tables (8-4096, at least 2 x --dim)")
+    p.add_argument("--seed", type=int, default=0, help="seeds the learned table and the random vectors")
+    _plot_option(p, "the sinusoidal table and PE(p)·PE(p + k) against k")
+
+
+def _run_positions(a: argparse.Namespace) -> Any:
+    from qkv.explain import explain_positions
+
+    return explain_positions(a.dim, a.positions, a.seed)
+
+
 def _heads_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dim", type=int, default=768, help="model width d (a multiple of --heads)")
     p.add_argument("--heads", type=int, default=12, help="query heads h")
@@ -395,6 +409,7 @@ CLI: dict[str, tuple[Callable[[argparse.ArgumentParser], None], Callable[[argpar
     "scaling": (_scaling_options, _run_scaling),
     "worked-example": (_worked_example_options, _run_worked_example),
     "equivariance": (_equivariance_options, _run_equivariance),
+    "positions": (_positions_options, _run_positions),
     "masking": (_small_layer_options, _run_masking),
     "qk": (_small_layer_options, _run_qk),
     "heads": (_heads_options, _run_heads),

@@ -10,6 +10,7 @@ tables, and, where a picture helps, a plot function (``--plot out.png``):
     scaling         Var(qᵀk) grows like d; dividing by √d keeps the softmax soft (Discussion 10)
     worked-example  Discussion 10's three tokens, step by step and as softmax(QKᵀ/√d)V
     equivariance    permuting tokens permutes outputs; positions break it
+    positions       the notes' four requirements on every encoding; integers; add vs concat; R_k; RoPE
     masking         the causal mask: E + M with 0 / −∞, rows renormalised over what they may see
     qk              why W_Q ≠ W_K: one matrix makes the scores symmetric
     heads           multi-head parameters both ways: h full-width heads (3hd²) vs width d/h (3d²), GQA
@@ -42,6 +43,7 @@ from qkv.explain.equivariance import explain_equivariance, render_equivariance
 from qkv.explain.heads import explain_heads, render_heads
 from qkv.explain.lookup import explain_lookup, render_lookup
 from qkv.explain.masking import explain_masking, explain_qk, render_masking, render_qk
+from qkv.explain.positions import explain_positions, render_positions
 from qkv.explain.retrieval import explain_retrieval, render_retrieval
 from qkv.explain.scaling import explain_scaling, render_scaling
 from qkv.explain.softmax import explain_softmax, render_softmax
@@ -72,6 +74,8 @@ TOPICS: dict[str, Topic] = {
                             explain_worked_example, render_worked_example, plots.plot_worked_example),
     "equivariance": Topic("permuting tokens permutes the outputs; adding positions breaks it",
                           explain_equivariance, render_equivariance),
+    "positions": Topic("4 requirements on each encoding; integer positions; add vs concat; R_k; RoPE",
+                       explain_positions, render_positions, plots.plot_positions),
     "masking": Topic("the causal mask: E + M (0 / −∞), softmax renormalises each row over what it may see",
                      explain_masking, render_masking),
     "qk": Topic("why queries and keys differ: with W_Q = W_K the scores are symmetric (s_ij = s_ji)",
@@ -102,6 +106,7 @@ __all__ = [
     "explain_heads",
     "explain_lookup",
     "explain_masking",
+    "explain_positions",
     "explain_qk",
     "explain_retrieval",
     "explain_scaling",

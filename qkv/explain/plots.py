@@ -15,6 +15,7 @@ if TYPE_CHECKING:
     from qkv.explain.context import ContextResult
     from qkv.explain.cost import CostResult
     from qkv.explain.lookup import LookupResult
+    from qkv.explain.positions import PositionsResult
     from qkv.explain.retrieval import RetrievalResult
     from qkv.explain.scaling import ScalingResult
     from qkv.explain.softmax import SoftmaxResult
@@ -179,4 +180,22 @@ def plot_cost(r: CostResult, out: Path) -> Path:
     b.set_ylabel("MiB")
     b.set_title(f"KV cache, {m.context:,} tokens, {m.dtype} (orange: the model)")
     b.grid(axis="y", alpha=0.3)
+    return _save(fig, plt, out)
+
+
+def plot_positions(r: PositionsResult, out: Path) -> Path:
+    """qkv's sinusoidal table as an image (the 'continuous binary code') and PE(0)·PE(k) against k."""
+    plt = _pyplot()
+    fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4), dpi=120)
+    im = a.imshow(r.table, aspect="auto", cmap="RdBu", vmin=-1, vmax=1, interpolation="nearest")
+    a.set_xlabel("channel (sin even, cos odd; frequency falls to the right)")
+    a.set_ylabel("position p")
+    a.set_title(f"sinusoidal PE, width {r.dim}")
+    fig.colorbar(im, ax=a, fraction=0.046)
+    b.plot(range(len(r.curve)), r.curve)
+    b.set_xscale("symlog", linthresh=8)
+    b.set_xlabel("distance k")
+    b.set_ylabel("PE(p)·PE(p + k)  (the same for every p)")
+    b.set_title("the inner product falls with distance, not monotonically")
+    b.grid(alpha=0.3)
     return _save(fig, plt, out)

@@ -141,3 +141,62 @@ def test_a_16k_context_model_on_a_million_tokens() -> None:
     assert (a.score_flops, b.score_flops) == (4 * a.n**2 * d, 4 * b.n**2 * d)  # QKᵀ and AV, 2 FLOPs a MAC
     rc, out, _ = call(["explain", "cost", "--model", "tiny"])
     assert rc == 0 and f"{b.score_flops / a.score_flops:,.0f}x" in out and "61.0x" in out
+
+
+def test_positions_against_the_formulas_by_hand() -> None:
+    from qkv.explain import explain_positions
+
+    dim, n = 16, 64
+    r = explain_positions(dim=dim, positions=n, seed=1)
+    omega = [10000.0 ** (-2 * i / dim) for i in range(dim // 2)]
+    for k, dot in r.decay:  # PE(p)·PE(p+k) = Σ_i sin·sin + cos·cos = Σ_i cos(k·ω_i), for any p
+        assert math.isclose(dot, sum(math.cos(k * w) for w in omega), abs_tol=1e-5)
+    curve = [sum(math.cos(k * w) for w in omega) for k in range(len(r.curve))]
+    assert r.first_rise == next(k for k in range(1, len(curve)) if curve[k] > curve[k - 1])
+    assert r.decay_p_spread < 1e-5 and all(err < 1e-6 for _, err in r.rotation)
+    rows = {q.encoding.split(" (")[0]: q for q in r.requirements}
+    sin, learned, integer = rows["sinusoidal"], rows["learned table"], rows["integer p"]
+    assert sin.unique and sin.bounded and sin.relative and sin.any_length and sin.largest <= 1
+    assert not learned.relative and learned.shift_error > 0.1
+    assert learned.reach == n and not learned.any_length
+    assert not integer.bounded and integer.largest == 100_000 - 1 and not integer.relative
+    for row in r.integer:  # ‖x‖ = 1 and r = p in one coordinate: p² / (1 + p²) of ‖x + r‖² (x ⟂ r on average)
+        assert math.isclose(row.position_share, row.position**2 / (1 + row.position**2))
+    assert r.concat_vs_add < 1e-12 and r.alibi_error == 0
+    for d, cos, want in r.cosines:  # E|cos| of a random direction against a fixed one ≈ √(2/(πd))
+        assert abs(cos - want) < 0.15 * want + 0.02, (d, cos, want)
+    for _, rope, added in r.rope_spread:  # RoPE: qᵀk depends on m − n only; added PEs do not
+        assert rope < 1e-5 and added > 1  # qkv keeps its angle table in float32
+
+
+def test_rope_offsets_by_hand() -> None:
+    """The topic's RoPE claim, independently: rotate q to m and k to n with 2x2 rotations written
+    here (pairs i, i + D/2 as qkv's rotate-half layout), the score equals the one at (m − n, 0)."""
+    from qkv.attention import RotaryEmbedding
+
+    D = 8
+    q, k = torch.randn(D, dtype=torch.float64), torch.randn(D, dtype=torch.float64)
+
+    def rot(x: torch.Tensor, p: int) -> torch.Tensor:
+        out = x.clone()
+        for i in range(D // 2):
+            a = p * 10000.0 ** (-2 * i / D)
+            out[i] = x[i] * math.cos(a) - x[i + D // 2] * math.sin(a)
+            out[i + D // 2] = x[i] * math.sin(a) + x[i + D // 2] * math.cos(a)
+        return out
+
+    rope = RotaryEmbedding(D, 64).double()
+    qs, ks = rope(q.expand(1, 1, 64, D).contiguous())[0, 0], rope(k.expand(1, 1, 64, D).contiguous())[0, 0]
+    for m, n in ((5, 2), (40, 37), (63, 60)):
+        torch.testing.assert_close(qs[m], rot(q, m), atol=1e-6, rtol=0)
+        assert math.isclose(float(qs[m] @ ks[n]), float(rot(q, 3) @ k), abs_tol=1e-5)
+
+
+def test_positions_cli_and_bad_input(tmp_path) -> None:
+    png = tmp_path / "p.png"
+    rc, out, err = call(["explain", "positions", "--dim", "8", "--positions", "32", "--plot", str(png)])
+    assert rc == 0 and "sinusoidal" in out and "R_k" in out and png.stat().st_size > 1000, err
+    rc, _, err = call(["explain", "positions", "--dim", "7"])
+    assert "dim must be even" in assert_one_line_error(rc, err)
+    rc, _, err = call(["explain", "positions", "--dim", "64", "--positions", "100"])
+    assert "at least 2 x dim" in assert_one_line_error(rc, err)
