@@ -33,6 +33,9 @@ class MultiHeadAttention(nn.Module):
             (default ``bias``; True with ``bias=False`` is Qwen2's layout, Bai et al. 2023).
         dropout: on the attention weights, in training.
         backend: default backend, overridable per call.
+        tie_qk: one matrix for queries and keys, W_Q = W_K (self-attention with K = H only): the
+            scores s_ij = (W x_i)·(W x_j) are then symmetric (CS189 Lec 21: why Q ≠ K). The fused
+            projection then holds [q heads | v heads].
 
     Self-attention uses one fused projection ``qkv`` (one matmul instead of three); cross
     uses ``q_proj`` and a fused ``kv_proj``. The output projection is ``out_proj``.
@@ -51,9 +54,13 @@ class MultiHeadAttention(nn.Module):
         qkv_bias: bool | None = None,
         dropout: float = 0.0,
         backend: Backend = "sdpa",
+        tie_qk: bool = False,
     ) -> None:
         super().__init__()
         n_kv_heads = n_heads if n_kv_heads is None else n_kv_heads
+        if tie_qk and (cross or n_kv_heads != n_heads):
+            raise ValueError("tie_qk (W_Q = W_K) needs self-attention with as many key heads as query heads "
+                             f"(got n_heads {n_heads}, n_kv_heads {n_kv_heads}{', cross' if cross else ''})")
         if n_heads < 1 or n_kv_heads < 1:
             raise ValueError(f"n_heads ({n_heads}) and n_kv_heads ({n_kv_heads}) must be >= 1")
         if n_heads % n_kv_heads:
@@ -71,14 +78,14 @@ class MultiHeadAttention(nn.Module):
             raise ValueError("kv_dim is only meaningful with cross=True")
         self.n_heads, self.n_kv_heads = n_heads, n_kv_heads
         self.head_dim = dim // n_heads if head_dim is None else head_dim
-        self.cross, self.dropout, self.backend = cross, dropout, backend
+        self.cross, self.dropout, self.backend, self.tie_qk = cross, dropout, backend, tie_qk
         q_width, kv_width = n_heads * self.head_dim, n_kv_heads * self.head_dim
         in_bias = bias if qkv_bias is None else qkv_bias
         if cross:
             self.q_proj = Linear(dim, q_width, bias=in_bias)
             self.kv_proj = Linear(dim if kv_dim is None else kv_dim, 2 * kv_width, bias=in_bias)
         else:
-            self.qkv = Linear(dim, q_width + 2 * kv_width, bias=in_bias)
+            self.qkv = Linear(dim, q_width + (1 if tie_qk else 2) * kv_width, bias=in_bias)
         self.out_proj = Linear(q_width, dim, bias=bias)
 
     def _project(
@@ -99,6 +106,11 @@ class MultiHeadAttention(nn.Module):
             return q, k, v  # k, v: (B, K, S, Dh)
         if context is not None:
             raise ValueError("self-attention takes no context; build with cross=True")
+        if self.tie_qk:  # [q heads | v heads]; the keys are the queries
+            q, v = self.qkv(x).view(B, T, 2 * H, Dh).transpose(1, 2).split([H, H], dim=1)
+            if rope is not None:
+                q = rope(q, offset)
+            return q, q, v
         # The fused projection lays out [q heads | k heads | v heads]: view it as H + 2K
         # heads, so that RoPE rotates q and k in one call.
         qkv = self.qkv(x).view(B, T, H + 2 * K, Dh).transpose(1, 2)  # (B, H+2K, T, Dh)

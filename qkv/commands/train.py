@@ -33,8 +33,9 @@ def add_train_parser(sub) -> None:
         q = fam.add_parser(name, help=f.help, description=f.description + " The defaults shown are "
                            "the config classes' own, which the preset changes.",
                            formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-        q.add_argument("--preset", default=f.default_preset,
-                       help=f"named config: {', '.join(f.presets)}")
+        q.add_argument("--preset", default=None,
+                       help=f"named config: {', '.join(f.presets)} (default: {f.default_preset}"
+                       + ("; with --task copy or substitute, copy-cpu" if name == "seq2seq" else "") + ")")
         q.add_argument("--resume", metavar="RUN_DIR", default=None,
                        help="continue a run exactly where it stopped (step, optimiser, RNG, data position)")
         f.add_options(q)
@@ -99,18 +100,19 @@ def configs(f: Family, args: argparse.Namespace) -> tuple[Any, TrainConfig, Any,
     train_over = overrides(args, TrainConfig)
     if args.resume:
         return _resumed_configs(f, args, train_over)
-    preset = get_preset(f.name, args.preset, f.presets)
+    name = args.preset or f.preset_for(overrides(args, f.data_config))
+    preset = get_preset(f.name, name, f.presets)
     model = f.model_config(**f.draft_model({**preset.get("model", {}), **overrides(args, f.model_config)}))
     merged = {**preset.get("train", {}), **train_over}
     asked = merged.get("optimizer", "auto")
     kind, fp32_ns = resolve_optimizer(asked), fp32_newton_schulz(merged.get("device", "auto"))
     train = {**preset_train(preset, kind, fp32_ns), **train_over}
-    train.setdefault("out_dir", default_run_dir(f.name, args.preset))  # a new folder per run
+    train.setdefault("out_dir", default_run_dir(f.name, name))  # a new folder per run
     data = f.data_config(**{**preset.get("data", {}), **overrides(args, f.data_config)})
     overlay, why = preset_overlay(preset, kind, fp32_ns)
     if why and asked == "auto" and kind == "adamw":
         why += " (--optimizer auto: this torch has no Muon)"
-    return model, TrainConfig(**train), data, PresetChoice(args.preset, overlay, why)
+    return model, TrainConfig(**train), data, PresetChoice(name, overlay, why)
 
 
 def _preset_words(preset: PresetChoice | None, resumed: bool) -> str:

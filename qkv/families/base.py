@@ -44,6 +44,11 @@ class Family(RunFamily, Protocol):
         """Options of `qkv train FAMILY` beyond the config fields (none for most)."""
         ...
 
+    def preset_for(self, data_args: dict[str, Any]) -> str:
+        """The preset when none is named, given the data options asked for (a task may bring its
+        own: `qkv train seq2seq --task copy` means the copy preset)."""
+        ...
+
     def draft_model(self, model_args: dict[str, Any]) -> dict[str, Any]:
         """Model arguments valid before the data is seen (fields the data sets get placeholders)."""
         ...
@@ -76,6 +81,9 @@ class FamilyBase:
         from qkv.presets import PRESETS
 
         return PRESETS.get(self.name, {})
+
+    def preset_for(self, data_args: dict[str, Any]) -> str:
+        return self.default_preset  # type: ignore[attr-defined]
 
     def add_options(self, parser: argparse.ArgumentParser) -> None:
         return None

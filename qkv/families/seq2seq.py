@@ -207,6 +207,10 @@ class Seq2SeqFamily(FamilyBase):
     from_data = ("max_src_len", "max_tgt_len", "src_vocab", "tgt_vocab")
     default_preset = "dates-cpu"
 
+    def preset_for(self, data_args: dict[str, Any]) -> str:
+        """--task copy and substitute bring their own preset (random strings of 5-60 letters)."""
+        return "copy-cpu" if data_args.get("task") in ("copy", "substitute") else self.default_preset
+
     def prepare(self, model_cfg: Seq2SeqOptions, data_cfg: Seq2SeqDataConfig, resume_dir,
                 on_note) -> Prepared:
         """Vocabularies and length limits from the training pairs (generated strings: from every

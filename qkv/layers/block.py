@@ -50,6 +50,7 @@ class BlockConfig:
     causal: bool = False
     cross_attention: bool = False
     kv_dim: int | None = None  # width of the cross-attention context (default dim)
+    tie_qk: bool = False  # self-attention with W_Q = W_K (symmetric scores; CS189 Lec 21)
 
     def __post_init__(self) -> None:
         if self.norm_position not in ("pre", "post"):
@@ -78,13 +79,15 @@ class TransformerBlock(nn.Module):
         attn_kw = dict(head_dim=cfg.head_dim, bias=cfg.bias, qkv_bias=cfg.qkv_bias,
                        dropout=cfg.attn_dropout, backend=cfg.backend)
         self.norm1 = make_norm(cfg.norm, cfg.dim, cfg.norm_eps, cfg.bias)
-        self.attn = MultiHeadAttention(cfg.dim, cfg.n_heads, cfg.n_kv_heads, **attn_kw)
+        self.attn = MultiHeadAttention(cfg.dim, cfg.n_heads, cfg.n_kv_heads, tie_qk=cfg.tie_qk, **attn_kw)
         if cfg.cross_attention:
             self.norm_cross = make_norm(cfg.norm, cfg.dim, cfg.norm_eps, cfg.bias)
             self.cross_attn = MultiHeadAttention(
                 cfg.dim, cfg.n_heads, cfg.n_kv_heads, cross=True, kv_dim=cfg.kv_dim, **attn_kw
             )
-        self.norm2 = make_norm(cfg.norm, cfg.dim, cfg.norm_eps, cfg.bias)
+        # --mlp none: no MLP and so no norm before (pre-LN) or after (post-LN) it
+        none = cfg.mlp == "none"
+        self.norm2 = nn.Identity() if none else make_norm(cfg.norm, cfg.dim, cfg.norm_eps, cfg.bias)
         self.mlp = make_mlp(cfg.mlp, cfg.dim, cfg.mlp_hidden, cfg.bias)
         self.drop = nn.Dropout(cfg.dropout)
 

@@ -18,7 +18,7 @@ from torch import Tensor, nn
 
 from qkv.nn.linear import Linear
 
-MLPKind = Literal["gelu", "gelu_tanh", "relu", "swiglu", "geglu_tanh"]
+MLPKind = Literal["gelu", "gelu_tanh", "relu", "swiglu", "geglu_tanh", "none"]
 
 _ACTIVATIONS = {
     "gelu": F.gelu,
@@ -84,13 +84,25 @@ class GeGLU(_GatedMLP):
         return F.gelu(x, approximate="tanh")
 
 
+class NoMLP(nn.Module):
+    """``--mlp none``: an attention-only block. The MLP sublayer adds nothing (zeros), so the
+    block is x + Attn(x) and softmax is its only non-linearity (CS189 Lec 22: the MLP is the other
+    one). Kept as a module so the MLP's place in the block (and hooks on it) stays the same."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        return x.new_zeros(()).expand_as(x)
+
+
 def make_mlp(kind: MLPKind, dim: int, hidden_dim: int, bias: bool = True) -> nn.Module:
     """Build the feed-forward network named ``kind`` (dropout, if any, is the block's, on the
     residual branch)."""
+    if kind == "none":
+        return NoMLP()
     if kind == "swiglu":
         return SwiGLU(dim, hidden_dim, bias)
     if kind == "geglu_tanh":
         return GeGLU(dim, hidden_dim, bias)
     if kind not in _ACTIVATIONS:
-        raise ValueError(f"mlp must be one of {[*_ACTIVATIONS, 'swiglu', 'geglu_tanh']}, got {kind!r}")
+        kinds = [*_ACTIVATIONS, "swiglu", "geglu_tanh", "none"]
+        raise ValueError(f"mlp must be one of {kinds}, got {kind!r}")
     return MLP(dim, hidden_dim, kind, bias)

@@ -62,6 +62,7 @@ class GPTConfig:
     dropout: float = 0.0  # dropout on embeddings, attention weights and residual branches
     bias: bool = True  # biases in linear layers and LayerNorm
     qkv_bias: bool | None = None  # biases on the q/k/v projections only (Qwen2); none = bias
+    tie_qk: bool = False  # one matrix for queries and keys, W_Q = W_K: symmetric scores (CS189 Lec 21)
     backend: Backend = "sdpa"  # attention implementation: sdpa (fast), chunked, reference
 
     def __post_init__(self) -> None:
@@ -78,6 +79,12 @@ class GPTConfig:
                 "positions must be one of learned, sinusoidal, rope, alibi, none; "
                 f"got {self.positions!r}"
             )
+        if self.tie_qk and kv != self.n_heads:
+            raise ValueError(f"tie_qk (W_Q = W_K) needs as many key/value heads as query heads: leave out "
+                             f"n_kv_heads (got {kv} for {self.n_heads} query heads)")
+        if self.mlp == "none" and self.mlp_hidden is not None:
+            raise ValueError(f"mlp_hidden ({self.mlp_hidden}) has no effect with mlp none (attention-only "
+                             "blocks); leave it out")
         if self.norm_placement not in ("pre", "post"):
             raise ValueError(f"norm_placement must be pre or post, got {self.norm_placement!r}")
         if self.backend not in BACKENDS:
@@ -98,7 +105,7 @@ class GPTConfig:
             dim=self.dim, n_heads=self.n_heads, n_kv_heads=self.n_kv_heads,
             head_dim=self.head_dim, mlp_hidden=self.mlp_hidden, mlp=self.mlp, norm=self.norm,
             norm_position=self.norm_placement, norm_eps=self.norm_eps, bias=self.bias, qkv_bias=self.qkv_bias,
-            dropout=self.dropout,
+            dropout=self.dropout, tie_qk=self.tie_qk,
             attn_dropout=self.dropout, backend=self.backend, causal=True,
         )
 

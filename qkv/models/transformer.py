@@ -5,9 +5,13 @@
     target ids -> embedding·√d + sinusoidal positions -> decoder blocks: causal self-attention,
                   cross-attention to the memory (source padding masked), MLP -> logits
 
-Pre-LN blocks (a final norm on each stack). Decoding one token at a time reuses the decoder's
-self-attention keys and values from a :class:`~qkv.attention.KVCache`; cross-attention reads
-the memory, which does not change.
+Pre-LN blocks (a final norm on each stack) by default; ``norm_placement="post"`` is the paper's
+block (a norm after each residual sum). ``positions`` chooses how order gets in: the paper's
+sinusoids added to the embeddings (default), a learned table per side, RoPE or ALiBi inside every
+self-attention (cross-attention then matches by content alone), or none — for the length-
+extrapolation experiment (``benchmarks/length_extrapolation.py``). Decoding one token at a time
+reuses the decoder's self-attention keys and values from a :class:`~qkv.attention.KVCache`;
+cross-attention reads the memory, which does not change.
 
 Lectures: CS231N Lec 8 (the encoder-decoder Transformer, cross-attention), CS189 Lec 22.
 Shapes: B batch, S source length, T target length, d width, H heads, V vocabularies.
@@ -22,7 +26,7 @@ from typing import Literal
 import torch
 from torch import Tensor, nn
 
-from qkv.attention import KVCache, sinusoidal_table
+from qkv.attention import ALiBi, KVCache, LearnedPositionalEmbedding, RotaryEmbedding, sinusoidal_table
 from qkv.attention.functional import Backend
 from qkv.layers import BlockConfig, decoder_stack, encoder_stack
 from qkv.models.config_checks import check_choices
@@ -46,6 +50,8 @@ class TransformerSeq2SeqConfig:
     src_vocab: int = 0  # set from the data
     tgt_vocab: int = 0  # set from the data
     backend: Backend = "sdpa"  # Transformer: attention backend while training (pictures: reference)
+    positions: Literal["sinusoidal", "learned", "rope", "alibi", "none"] = "sinusoidal"  # Transformer: order
+    norm_placement: Literal["pre", "post"] = "pre"  # Transformer: norm before each sublayer or after each sum
 
     def __post_init__(self) -> None:
         check_choices(self)
@@ -79,12 +85,18 @@ class TransformerSeq2Seq(nn.Module):
         dim = cfg.dim
         self.dim, self.max_src_len, self.max_tgt_len = dim, cfg.max_src_len, cfg.max_tgt_len
         block = BlockConfig(dim=dim, n_heads=cfg.n_heads, mlp_hidden=cfg.mlp_hidden, mlp="gelu",
-                            norm_position="pre", dropout=cfg.dropout, attn_dropout=cfg.dropout,
+                            norm_position=cfg.norm_placement, dropout=cfg.dropout, attn_dropout=cfg.dropout,
                             backend=cfg.backend)
         self.src_emb = nn.Embedding(cfg.src_vocab, dim, padding_idx=PAD)
         self.tgt_emb = nn.Embedding(cfg.tgt_vocab, dim, padding_idx=PAD)
-        self.register_buffer("pos", sinusoidal_table(max(cfg.max_src_len, cfg.max_tgt_len), dim),
-                             persistent=False)
+        longest = max(cfg.max_src_len, cfg.max_tgt_len)
+        sinusoids = sinusoidal_table(longest, dim) if cfg.positions == "sinusoidal" else None
+        self.register_buffer("pos", sinusoids, persistent=False)
+        learned = cfg.positions == "learned"  # one table per side, as BART
+        self.src_pos = LearnedPositionalEmbedding(cfg.max_src_len, dim) if learned else None
+        self.tgt_pos = LearnedPositionalEmbedding(cfg.max_tgt_len, dim) if learned else None
+        self.rope = RotaryEmbedding(dim // cfg.n_heads, longest) if cfg.positions == "rope" else None
+        self.alibi = ALiBi(cfg.n_heads) if cfg.positions == "alibi" else None
         self.drop = nn.Dropout(cfg.dropout)
         self.encoder = encoder_stack(block, cfg.enc_layers)
         self.decoder = decoder_stack(block, cfg.dec_layers, cross_attention=True)
@@ -96,14 +108,25 @@ class TransformerSeq2Seq(nn.Module):
 
     def _embed(self, emb: nn.Embedding, ids: Tensor, offset: int = 0) -> Tensor:
         T = ids.shape[1]
-        return self.drop(emb(ids) * math.sqrt(self.dim) + self.pos[offset:offset + T].to(emb.weight.dtype))
+        x = emb(ids) * math.sqrt(self.dim)
+        if self.pos is not None:
+            x = x + self.pos[offset:offset + T].to(x.dtype)
+        table = self.src_pos if emb is self.src_emb else self.tgt_pos
+        if table is not None:
+            x = x + table(T, offset).to(x.dtype)
+        return self.drop(x)
+
+    def _bias(self, T: int, S: int) -> Tensor | None:
+        """ALiBi's −m_h·|i − j| for T queries ending at key S (self-attention only), else None."""
+        return None if self.alibi is None else self.alibi(T, S)
 
     def encode(self, src: Tensor, *, return_weights: bool = False):
         """src (B, S) -> memory (B, S, d), source mask (B, 1, 1, S) [, encoder weights]."""
         if src.shape[1] > self.max_src_len:
             raise ValueError(f"source has {src.shape[1]} tokens; this model reads at most {self.max_src_len}")
         mask = (src != PAD)[:, None, None, :]
-        out = self.encoder(self._embed(self.src_emb, src), mask=mask,
+        S = src.shape[1]
+        out = self.encoder(self._embed(self.src_emb, src), mask=mask, rope=self.rope, bias=self._bias(S, S),
                            backend="reference" if return_weights else None, return_weights=return_weights)
         return out.x, mask, out.self_weights
 
@@ -114,8 +137,9 @@ class TransformerSeq2Seq(nn.Module):
             raise ValueError(f"target has {tgt_in.shape[1]} tokens; this model writes at most "
                              f"{self.max_tgt_len}")
         memory, mask, _ = self.encode(src)
-        out = self.decoder(self._embed(self.tgt_emb, tgt_in), memory, context_mask=mask,
-                           backend="reference" if return_weights else None,
+        T = tgt_in.shape[1]
+        out = self.decoder(self._embed(self.tgt_emb, tgt_in), memory, context_mask=mask, rope=self.rope,
+                           bias=self._bias(T, T), backend="reference" if return_weights else None,
                            return_weights=return_weights)
         logits = self.head(out.x)
         return Seq2SeqOutput(logits, seq2seq_loss(logits, tgt_out), out.cross_weights)
@@ -136,7 +160,7 @@ class TransformerSeq2Seq(nn.Module):
         if pos >= self.max_tgt_len:
             raise ValueError(f"this model writes at most {self.max_tgt_len} tokens")
         x = self._embed(self.tgt_emb, prev[:, None], offset=pos)
-        out = self.decoder(x, state.memory, context_mask=state.mask, cache=state.cache,
-                           backend="reference", return_weights=True)
+        out = self.decoder(x, state.memory, context_mask=state.mask, cache=state.cache, rope=self.rope,
+                           bias=self._bias(1, pos + 1), backend="reference", return_weights=True)
         assert out.cross_weights is not None
         return self.head(out.x[:, -1]), out.cross_weights[-1][:, :, -1].mean(1)

@@ -74,6 +74,10 @@ def hf_architecture(cfg: GPTConfig) -> str:
         raise refuse("--embed_scale true (embeddings x sqrt(dim))")
     if cfg.norm_placement == "post":
         raise refuse("--norm_placement post (a norm after each residual sum, none at the end)")
+    if cfg.mlp == "none":
+        raise refuse("--mlp none (attention-only blocks)")
+    if cfg.tie_qk:
+        raise refuse("--tie_qk true (one matrix for queries and keys)")
     if cfg.positions == "learned":
         if cfg.norm != "layernorm":
             raise refuse(f"--norm {cfg.norm} with --positions learned")

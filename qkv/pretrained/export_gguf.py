@@ -83,6 +83,10 @@ def check_gguf(model: GPT, tok: Any) -> None:
     if cfg.norm_placement == "post":
         raise ValueError("--format gguf: --norm_placement post (a norm after each residual sum, none at the "
                          "end) has no counterpart in llama.cpp's gpt2, llama or qwen2")
+    for flag, on in (("--mlp none (attention-only blocks)", cfg.mlp == "none"),
+                     ("--tie_qk true (one matrix for queries and keys)", cfg.tie_qk)):
+        if on:
+            raise ValueError(f"--format gguf: {flag} has no counterpart in llama.cpp's gpt2, llama or qwen2")
     arch = gguf_architecture(cfg)
     if arch == "gpt2" and cfg.mlp not in ("gelu", "gelu_tanh"):
         raise ValueError(f"--format gguf: --mlp {cfg.mlp} with --positions learned has no counterpart in "

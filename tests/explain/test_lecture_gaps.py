@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import math
 
+import pytest
 import torch
 from helpers import assert_one_line_error, call
 
@@ -200,3 +201,152 @@ def test_positions_cli_and_bad_input(tmp_path) -> None:
     assert "dim must be even" in assert_one_line_error(rc, err)
     rc, _, err = call(["explain", "positions", "--dim", "64", "--positions", "100"])
     assert "at least 2 x dim" in assert_one_line_error(rc, err)
+
+
+def test_attention_only_blocks_by_hand_train_attend_and_are_not_exported(tmp_path) -> None:
+    """--mlp none: each block is x + Attn(LN(x)) only (softmax its one non-linearity), checked by
+    hand on a 1-layer model; the parameters are the full model's less each MLP and its norm; `qkv
+    train gpt --mlp none` trains, `qkv lens --attribute` reads it (the MLPs write nothing) and
+    export refuses in one line; --mlp_hidden beside it is refused."""
+    import torch.nn.functional as F
+    from helpers import TINY_TEXT, flags, tiny_train
+
+    from qkv.models.gpt import GPT, GPTConfig
+
+    torch.manual_seed(0)
+    kw = dict(vocab_size=20, max_seq_len=16, dim=16, n_layers=1, n_heads=2)
+    m = GPT(GPTConfig(**kw, mlp="none")).eval()
+    x = torch.randint(0, 20, (1, 7))
+    blk = m.stack.blocks[0]
+    with torch.no_grad():
+        h = m.tok_emb(x) + m.pos_emb.weight[:7]
+        q, k, v = blk.attn.qkv(blk.norm1(h)).view(1, 7, 3, 2, 8).permute(2, 0, 3, 1, 4)
+        a = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(1, 7, 16)
+        h = h + blk.attn.out_proj(a)  # and nothing else: no MLP, no second norm
+        torch.testing.assert_close(m(x).logits, m.lm_head(m.stack.norm(h)), atol=1e-5, rtol=0)
+    full = GPT(GPTConfig(**kw))
+    mlp_and_norm = sum(p.numel() for n, p in full.named_parameters() if ".mlp." in n or ".norm2." in n)
+    assert mlp_and_norm == 2 * 16 * 64 + 64 + 16 + 2 * 16  # fc_in, biases, fc_out's bias, LN
+    assert m.num_params() == full.num_params() - mlp_and_norm
+    with pytest.raises(ValueError, match="mlp_hidden"):
+        GPTConfig(**kw, mlp="none", mlp_hidden=32)
+
+    (tmp_path / "text.txt").write_text(TINY_TEXT)
+    run = tmp_path / "attn-only"
+    rc, out, err = call(["train", "gpt", "--preset", "tiny", "--mlp", "none", "--data",
+                         str(tmp_path / "text.txt"), "--out_dir", str(run), "--no-progress",
+                         *flags(tiny_train("gpt"))])
+    assert rc == 0, out + err
+    rc, out, err = call(["lens", str(run), "--prompt", "the king", "--attribute", "e", "--json"])
+    assert rc == 0, err
+    mlps = [v for v in _numbers_named(json.loads(out), "mlp")]
+    assert mlps and all(abs(v) < 1e-6 for v in mlps), mlps
+    for fmt in ("hf", "gguf"):
+        rc, _, err = call(["export", str(run), "--format", fmt, "-o", str(tmp_path / f"out-{fmt}")])
+        assert "--mlp none" in assert_one_line_error(rc, err)
+    rc, _, err = call(["train", "gpt", "--preset", "tiny", "--mlp", "none", "--mlp_hidden", "64", "--data",
+                       str(tmp_path / "text.txt"), "--out_dir", str(tmp_path / "bad")])
+    assert "mlp_hidden" in assert_one_line_error(rc, err)
+
+
+def _numbers_named(tree: object, word: str) -> list[float]:
+    """Every number in a JSON tree under a key containing ``word`` (lists of them included)."""
+    out: list[float] = []
+    if isinstance(tree, dict):
+        for k, v in tree.items():
+            named = word in str(k).lower()
+            if named and isinstance(v, (int, float)):
+                out.append(float(v))
+            elif named and isinstance(v, list) and all(isinstance(e, (int, float)) for e in v):
+                out += [float(e) for e in v]
+            else:
+                out += _numbers_named(v, word)
+    elif isinstance(tree, list):
+        for v in tree:
+            out += _numbers_named(v, word)
+    return out
+
+
+@pytest.mark.parametrize("positions", ["learned", "rope", "alibi"])
+def test_tied_queries_and_keys_make_the_models_scores_symmetric(positions: str) -> None:
+    """--tie_qk: the keys are the queries, W x (RoPE rotates both by their own positions, and
+    (R_m q)·(R_n k) = qᵀR_{n−m}k is still symmetric for k = q; ALiBi's −m|i − j| is symmetric);
+    the model's causal weights are softmax(S + M) of a symmetric S computed here from W_Q alone."""
+    from qkv.models.gpt import GPT, GPTConfig
+
+    torch.manual_seed(1)
+    m = GPT(GPTConfig(vocab_size=20, max_seq_len=16, dim=16, n_layers=1, n_heads=2, tie_qk=True,
+                      positions=positions)).eval()
+    blk = m.stack.blocks[0]
+    assert blk.attn.qkv.weight.shape == (2 * 16, 16)  # [W_Q | W_V]: no W_K
+    x = torch.randint(0, 20, (1, 6))
+    with torch.no_grad():
+        h = m.tok_emb(x) + (m.pos_emb.weight[:6] if positions == "learned" else 0)
+        wq, bq = blk.attn.qkv.weight[:16], blk.attn.qkv.bias[:16]
+        q = (blk.norm1(h) @ wq.T + bq).view(1, 6, 2, 8).transpose(1, 2)  # (1, H, T, Dh)
+        if positions == "rope":
+            q = m.rope(q)
+        S = q @ q.transpose(-1, -2) / math.sqrt(8)
+        if positions == "alibi":
+            S = S + m.alibi(6)
+        assert (S - S.transpose(-1, -2)).abs().max() < 1e-5  # s_ij = s_ji before the mask
+        want = torch.softmax(S.masked_fill(torch.ones(6, 6).triu(1).bool(), float("-inf")), -1)
+        got = m(x, backend="reference", return_weights=True).weights[0]
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
+
+
+def test_tie_qk_refuses_grouped_heads_and_export(tmp_path) -> None:
+    from helpers import TINY_TEXT, flags, tiny_train
+
+    (tmp_path / "text.txt").write_text(TINY_TEXT)
+    base = ["train", "gpt", "--preset", "tiny", "--data", str(tmp_path / "text.txt"), "--no-progress"]
+    rc, _, err = call([*base, "--tie_qk", "true", "--n_kv_heads", "1", "--out_dir", str(tmp_path / "bad")])
+    assert "tie_qk" in assert_one_line_error(rc, err)
+    run = tmp_path / "tied"
+    rc, out, err = call([*base, "--tie_qk", "true", "--out_dir", str(run), *flags(tiny_train("gpt"))])
+    assert rc == 0, out + err
+    assert json.loads((run / "config.json").read_text())["model"]["tie_qk"] is True
+    rc, _, err = call(["export", str(run), "--format", "hf", "-o", str(tmp_path / "hf")])
+    assert "--tie_qk" in assert_one_line_error(rc, err)
+
+
+@pytest.mark.parametrize("positions", ["sinusoidal", "learned", "rope", "alibi", "none"])
+@pytest.mark.parametrize("placement", ["pre", "post"])
+def test_seq2seq_transformer_positions_and_norm_placement(positions: str, placement: str) -> None:
+    """The copy experiment's encoder-decoder: token-by-token decoding with its KV cache equals the
+    teacher-forced pass for every position kind and norm placement; without positions the encoder
+    is permutation-equivariant (attention alone), with any of them it is not."""
+    from qkv.models.transformer import TransformerSeq2Seq, TransformerSeq2SeqConfig
+
+    torch.manual_seed(0)
+    m = TransformerSeq2Seq(TransformerSeq2SeqConfig(
+        dim=32, n_heads=4, enc_layers=1, dec_layers=2, max_src_len=12, max_tgt_len=12, src_vocab=10,
+        tgt_vocab=10, positions=positions, norm_placement=placement)).eval()
+    assert (m.decoder.norm is None) == (placement == "post")
+    src = torch.randint(3, 10, (2, 9))
+    src[1, 7:] = 0  # padding
+    tgt = torch.randint(3, 10, (2, 8))
+    tgt[:, 0] = 1
+    with torch.no_grad():
+        full = m(src, tgt).logits
+        state = m.start(src)
+        for t in range(7):
+            logits, _ = m.step(state, tgt[:, t])
+            torch.testing.assert_close(logits, full[:, t], atol=1e-5, rtol=0)
+        perm = torch.tensor([3, 0, 8, 1, 5, 2, 7, 4, 6])
+        memory, _, _ = m.encode(src[:1])
+        shuffled, _, _ = m.encode(src[:1, perm])
+    moved = float((shuffled - memory[:, perm]).abs().max())
+    assert (moved < 1e-5) == (positions == "none"), moved
+
+
+def test_copy_task_brings_its_own_preset(tmp_path) -> None:
+    base = ["train", "seq2seq", "--arch", "transformer", "--max_iters", "2", "--eval_interval", "2",
+            "--eval_iters", "1", "--n_train", "100", "--n_val", "5", "--n_test", "5", "--n_heldout", "5",
+            "--no-progress", "--compile", "false", "--dtype", "fp32"]
+    rc, out, err = call([*base, "--task", "copy", "--positions", "alibi", "--out_dir", str(tmp_path / "c")])
+    assert rc == 0 and "preset copy-cpu" in out and "lengths 5-60" in out, out + err
+    cfg = json.loads((tmp_path / "c" / "config.json").read_text())
+    assert cfg["model"]["positions"] == "alibi" and cfg["train"]["batch_size"] == 64  # copy-cpu's batch
+    rc, out, err = call([*base, "--out_dir", str(tmp_path / "d")])
+    assert rc == 0 and "preset dates-cpu" in out, out + err
