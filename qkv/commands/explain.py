@@ -65,6 +65,8 @@ def add_explain_parser(sub) -> None:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("topic", nargs="?", metavar="TOPIC", help=f"one of: {', '.join(TOPICS)}")
+    p.add_argument("--lectures", action="store_true",
+                   help="the lecture index: each section of the notes and the command that shows it")
     p.add_argument("options", nargs=argparse.REMAINDER, metavar="...", help="the topic's options")
     p.set_defaults(func=cmd_explain)
 
@@ -385,6 +387,44 @@ def _run_positions(a: argparse.Namespace) -> Any:
     return explain_positions(a.dim, a.positions, a.seed)
 
 
+def _derivation_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--dim", type=int, default=16, help="width of the random word vectors (2-1024)")
+    p.add_argument("--seed", type=int, default=0, help="seeds the word vectors and the weights")
+
+
+def _run_derivation(a: argparse.Namespace) -> Any:
+    from qkv.explain import explain_derivation
+
+    return explain_derivation(a.dim, a.seed)
+
+
+def _cnn_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--size", type=int, default=28, help="side of the test image in pixels (5-128)")
+    p.add_argument("--channels", type=int, default=64, help="channels in and out of the 3x3 convolution")
+
+
+def _run_cnn(a: argparse.Namespace) -> Any:
+    from qkv.explain import explain_cnn
+
+    _check(a.channels >= 1, "--channels must be >= 1")
+    return explain_cnn(a.size, a.channels)
+
+
+def _architectures_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--d", type=int, default=64, help="token width (even)")
+    p.add_argument("--kernel", type=int, default=3, help="the convolution's width")
+    p.add_argument("--lengths", type=int, nargs="+", default=[64, 256, 1024], metavar="N",
+                   help="sequence lengths timed (2-8192)")
+    p.add_argument("--batch", type=int, default=4, help="sequences per timed call")
+
+
+def _run_architectures(a: argparse.Namespace) -> Any:
+    from qkv.explain import explain_architectures
+
+    _check(a.batch >= 1 and a.d <= 4096, "--batch must be >= 1 and --d at most 4096")
+    return explain_architectures(a.d, a.kernel, tuple(a.lengths), a.batch)
+
+
 def _heads_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dim", type=int, default=768, help="model width d (a multiple of --heads)")
     p.add_argument("--heads", type=int, default=12, help="query heads h")
@@ -414,6 +454,9 @@ CLI: dict[str, tuple[Callable[[argparse.ArgumentParser], None], Callable[[argpar
     "qk": (_small_layer_options, _run_qk),
     "heads": (_heads_options, _run_heads),
     "cost": (_cost_options, _run_cost),
+    "derivation": (_derivation_options, _run_derivation),
+    "cnn": (_cnn_options, _run_cnn),
+    "architectures": (_architectures_options, _run_architectures),
     "context": (_context_options, _run_context),
     "bottleneck": (_bottleneck_options, _run_bottleneck),
     "addressing": (_addressing_options, _run_addressing),
@@ -424,10 +467,20 @@ CLI: dict[str, tuple[Callable[[argparse.ArgumentParser], None], Callable[[argpar
 def cmd_explain(args: argparse.Namespace) -> int:
     from qkv.explain import TOPICS
 
+    if args.lectures:
+        if args.topic is not None:
+            raise ValueError(f"--lectures takes no topic (got {args.topic!r}): `qkv explain --lectures`")
+        from rich.console import Console
+
+        from qkv.explain.lectures import render_lectures
+
+        render_lectures(Console())
+        return 0
     if args.topic is None:
         print("qkv explain TOPIC: the lectures' worked examples, computed live.\n")
         print(_topic_list())
-        print(f"\n{EPILOG} `qkv explain TOPIC --help` lists a topic's options.")
+        print(f"\n{EPILOG} `qkv explain TOPIC --help` lists a topic's options; `qkv explain --lectures` "
+              "lists the lectures' sections and the command that shows each.")
         return 0
     if args.topic not in TOPICS:
         raise ValueError(f"unknown topic {args.topic!r}; choose from: {', '.join(TOPICS)}")

@@ -9,12 +9,15 @@ tables, and, where a picture helps, a plot function (``--plot out.png``):
     retrieval       bag of words, TF-IDF and MiniLM retrieval; then attention over the documents
     scaling         Var(qᵀk) grows like d; dividing by √d keeps the softmax soft (Discussion 10)
     worked-example  Discussion 10's three tokens, step by step and as softmax(QKᵀ/√d)V
+    derivation      attention built up in the notes' order: average, raw vectors, W_Q/W_K, W_V and √d
     equivariance    permuting tokens permutes outputs; positions break it
     positions       the notes' four requirements on every encoding; integers; add vs concat; R_k; RoPE
     masking         the causal mask: E + M with 0 / −∞, rows renormalised over what they may see
     qk              why W_Q ≠ W_K: one matrix makes the scores symmetric
     heads           multi-head parameters both ways: h full-width heads (3hd²) vs width d/h (3d²), GQA
     cost            parameters, FLOPs and KV-cache bytes of attention
+    cnn             an MLP on P pixels needs P² weights; a CNN sees locally (receptive fields measured)
+    architectures   RNN vs CNN vs self-attention: FLOPs, sequential steps, path length, timed here
     context         MiniLM: "bank" by a river and at a bank; where "it" looks
     bottleneck      copying strings with one fixed context vector vs with attention
     addressing      location-based vs content-based addressing (Lecture 21's last slide)
@@ -29,6 +32,7 @@ from collections.abc import Callable
 from typing import Any, NamedTuple
 
 from qkv.explain import plots
+from qkv.explain.architectures import explain_architectures, explain_cnn, render_architectures, render_cnn
 from qkv.explain.attention_claims import (
     explain_addressing,
     explain_bottleneck,
@@ -39,6 +43,7 @@ from qkv.explain.attention_claims import (
 )
 from qkv.explain.context import explain_context, render_context
 from qkv.explain.cost import explain_cost, render_cost
+from qkv.explain.derivation import explain_derivation, render_derivation
 from qkv.explain.equivariance import explain_equivariance, render_equivariance
 from qkv.explain.heads import explain_heads, render_heads
 from qkv.explain.lookup import explain_lookup, render_lookup
@@ -72,6 +77,8 @@ TOPICS: dict[str, Topic] = {
                      explain_scaling, render_scaling, plots.plot_scaling),
     "worked-example": Topic("Discussion 10's three tokens by hand, checked against softmax(QKᵀ/√d)V",
                             explain_worked_example, render_worked_example, plots.plot_worked_example),
+    "derivation": Topic("attention in the notes' order: average all values, raw vectors, W_Q/W_K, W_V, √d",
+                        explain_derivation, render_derivation),
     "equivariance": Topic("permuting tokens permutes the outputs; adding positions breaks it",
                           explain_equivariance, render_equivariance),
     "positions": Topic("4 requirements on each encoding; integer positions; add vs concat; R_k; RoPE",
@@ -84,6 +91,10 @@ TOPICS: dict[str, Topic] = {
                    explain_heads, render_heads),
     "cost": Topic("parameters and FLOPs vs a dense layer (3D² vs N²D²); KV cache of MHA/GQA/MQA",
                   explain_cost, render_cost, plots.plot_cost),
+    "cnn": Topic("Lecture 21's motivation: P² weights of an MLP on pixels; a CNN's receptive field, measured",
+                 explain_cnn, render_cnn),
+    "architectures": Topic("RNN vs CNN vs self-attention: FLOPs, sequential steps, path length, ms here",
+                           explain_architectures, render_architectures),
     "context": Topic('MiniLM: "bank" by the river vs at the bank; which tokens "it" attends to',
                      explain_context, render_context, plots.plot_context, needs_minilm=True),
     "bottleneck": Topic("copy random strings: one fixed context vector vs attention, exact by length",
@@ -98,9 +109,12 @@ __all__ = [
     "TOPICS",
     "Topic",
     "explain_addressing",
+    "explain_architectures",
     "explain_bottleneck",
+    "explain_cnn",
     "explain_context",
     "explain_cost",
+    "explain_derivation",
     "explain_equivariance",
     "explain_hard_attention",
     "explain_heads",

@@ -196,6 +196,14 @@ class HardAttentionResult:
     trials: int
     samples: int
     estimates: dict[str, tuple[list[float], float]]  # name -> (mean gradient, mean std per entry)
+    # The notes' 2x2 feature map a, b, c, d with weights 0.1, 0.2, 0.7, 0 (CS189 Lec 21): the soft
+    # z = 0.1a + 0.2b + 0.7c, how often ``trials`` hard draws pick each cell, and the largest
+    # |mean of the drawn vectors − soft z| (the hard z's expectation is the soft z).
+    grid_weights: tuple[float, ...] = (0.1, 0.2, 0.7, 0.0)
+    grid_cells: list[list[float]] | None = None  # a, b, c, d
+    grid_soft: list[float] | None = None
+    grid_hard_share: list[float] | None = None
+    grid_hard_mean_error: float = 0.0
 
 
 def explain_hard_attention(cells: int = 5, samples: int = 4, trials: int = 2000, seed: int = 0
@@ -222,11 +230,32 @@ def explain_hard_attention(cells: int = 5, samples: int = 4, trials: int = 2000,
     for name, b in baselines.items():
         est = ((r - b)[..., None] * score).mean(1)  # (N, cells): one estimate per trial
         out[name] = (est.mean(0).tolist(), float(est.std(0).mean()))
-    return HardAttentionResult(alpha.tolist(), logp.tolist(), exact.tolist(), trials, samples, out)
+    w = torch.tensor(HardAttentionResult.grid_weights, dtype=torch.float64)
+    cells_abcd = torch.randn(4, 3, generator=g, dtype=torch.float64)  # a, b, c, d: one feature vector each
+    soft = w @ cells_abcd
+    drawn = torch.multinomial(w, trials, replacement=True, generator=g)
+    share = torch.bincount(drawn, minlength=4).double() / trials
+    error = float((cells_abcd[drawn].mean(0) - soft).abs().max())
+    return HardAttentionResult(alpha.tolist(), logp.tolist(), exact.tolist(), trials, samples, out,
+                               grid_cells=cells_abcd.tolist(), grid_soft=soft.tolist(),
+                               grid_hard_share=share.tolist(),
+                               grid_hard_mean_error=error)
 
 
 def render_hard_attention(r: HardAttentionResult, console: Console) -> None:
     from qkv.explain._render import add_row, say, table
+
+    if r.grid_soft is not None and r.grid_hard_share is not None:
+        t = table("the notes' 2x2 feature map (CS189 Lec 21): soft z = 0.1a + 0.2b + 0.7c vs hard draws",
+                  ["", "a", "b", "c", "d"])
+        add_row(t, "attention weight", *(f"{x:.1f}" for x in r.grid_weights))
+        add_row(t, f"hard: share of {r.trials:,} draws", *(f"{x:.3f}" for x in r.grid_hard_share))
+        console.print(t)
+        soft = ", ".join(f"{x:.3f}" for x in r.grid_soft)
+        say(console, f"Soft attention passes z = 0.1a + 0.2b + 0.7c = [{soft}] (random 3-wide a..d) and is "
+            "differentiable; hard attention passes one cell, c seven times in ten, and its average over "
+            f"the draws is the soft z (largest difference {r.grid_hard_mean_error:.3f}, shrinking like "
+            "1/√draws). Sampling has no gradient: hence REINFORCE below.", "dim")
 
     cols = [f"e_{i}" for i in range(len(r.alpha))]
     t = table("one word, hard attention: ∇ of E_s[log p(y | a_s)] w.r.t. the scores e, s ~ softmax(e)",

@@ -28,7 +28,7 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import FileResponse, JSONResponse
+from fastapi.responses import FileResponse, HTMLResponse, JSONResponse
 from fastapi.staticfiles import StaticFiles
 
 from qkv.serve.api import Explorer
@@ -112,6 +112,12 @@ def create_app(config: ServeConfig | None = None, **overrides: Any) -> FastAPI:
     @app.get("/", include_in_schema=False)
     def page() -> FileResponse:
         return FileResponse(STATIC / "index.html", media_type="text/html")
+
+    @app.get("/lectures", include_in_schema=False)
+    def lectures() -> HTMLResponse:
+        from qkv.explain.lectures import lectures_html
+
+        return HTMLResponse(lectures_html())
 
     app.mount("/static", StaticFiles(directory=STATIC), name="static")
 

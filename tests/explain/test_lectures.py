@@ -1,0 +1,106 @@
+"""The lecture index (issue 28): every command it lists runs, it is printed by `qkv explain
+--lectures` and served at /lectures; and the topics it added (cnn, architectures), each against a
+computation written out here."""
+
+from __future__ import annotations
+
+import math
+import re
+from pathlib import Path
+
+import pytest
+import torch
+from helpers import assert_one_line_error, call
+
+from qkv.explain.lectures import LECTURES
+
+DEMOS = [d for lec in LECTURES for s in lec.sections for d in s.demos]
+REPO = Path(__file__).resolve().parents[2]
+
+
+@pytest.mark.parametrize("demo", DEMOS, ids=[d.command[:60] for d in DEMOS])
+def test_every_listed_command_runs(demo, tmp_path, monkeypatch) -> None:
+    monkeypatch.chdir(tmp_path)  # runs/ and pictures land here
+    rc, _, err = call([*demo.argv(), *demo.quick])
+    assert rc == 0, f"{demo.command}: {err[-500:]}"
+
+
+def test_the_index_names_real_benchmarks_and_says_why_a_section_has_none() -> None:
+    for lec in LECTURES:
+        assert lec.sections
+        for s in lec.sections:
+            assert bool(s.demos) != bool(s.missing), s.title  # a command, or the reason there is none
+            if s.measured:
+                assert (REPO / "benchmarks" / s.measured).is_file(), s.measured
+
+
+def test_lectures_cli_and_page() -> None:
+    rc, out, err = call(["explain", "--lectures"])
+    flat = " ".join(out.split())
+    assert rc == 0 and "CS231N Lecture 8" in flat and "qkv explain positions" in flat, err
+    assert "not shown:" in flat
+    rc, _, err = call(["explain", "--lectures", "softmax"])
+    assert "--lectures takes no topic" in assert_one_line_error(rc, err)
+    pytest.importorskip("httpx")
+    from fastapi.testclient import TestClient
+
+    from qkv.serve import create_app
+
+    with TestClient(create_app()) as client:
+        r = client.get("/lectures")
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/html")
+    assert "<script" not in r.text
+    for d in DEMOS:  # every command, HTML-escaped
+        assert d.command.replace("&", "&amp;").replace('"', "&quot;").replace("'", "&#x27;") in r.text
+
+
+def test_cnn_counts_and_receptive_fields_by_hand() -> None:
+    from qkv.explain import explain_cnn
+
+    r = explain_cnn(size=15, channels=8)
+    for row in r.images:
+        assert row.mlp_weights == row.pixels**2 and row.conv_weights == 9 * 8 * 8
+    assert r.images[0].pixels == 784 and r.mlp_checked == 784 * 784 + 784
+    for layers, width in r.receptive:  # each width-3 layer adds a pixel on either side
+        assert width == min(2 * layers + 1, 15)
+    assert r.layers_to_see_all == math.ceil((15 - 1) / 2)
+    assert r.attention_sees == 15 * 15 and r.other_size_conv
+    assert "shapes cannot be multiplied" in r.other_size_mlp
+
+
+def test_architectures_paths_by_hand() -> None:
+    from qkv.explain import explain_architectures
+
+    r = explain_architectures(d=16, kernel=3, lengths=(8, 16), batch=1, repeats=1, path_n=20)
+    rnn, cnn, attn = r.rows
+    assert rnn.path_measured == 19 and cnn.path_measured == math.ceil(19 / 2) and attn.path_measured == 1
+    r5 = explain_architectures(d=16, kernel=5, lengths=(8,), batch=1, repeats=1, path_n=20)
+    assert r5.rows[1].path_measured == math.ceil(19 / 4)  # width k reaches k − 1 further per layer
+    assert all(len(row.ms) == 2 and all(v > 0 for v in row.ms) for row in r.rows)
+    rc, out, err = call(["explain", "architectures", "--lengths", "8", "16", "--d", "16"])
+    assert rc == 0 and re.search(r"self-attention", out), err
+    rc, _, err = call(["explain", "cnn", "--size", "3"])
+    assert "size must be in 5..128" in assert_one_line_error(rc, err)
+
+
+def test_attention_depends_on_every_input_in_one_layer() -> None:
+    """The claim behind the path column, independently: one output's Jacobian row is dense."""
+    from qkv.attention import MultiHeadAttention
+
+    torch.manual_seed(0)
+    attn = MultiHeadAttention(8, 2).double()
+    x = torch.randn(1, 10, 8, dtype=torch.float64, requires_grad=True)
+    attn(x).out[0, 0].sum().backward()
+    assert (x.grad[0].abs().sum(-1) > 0).all()
+
+
+def test_the_notes_two_by_two_soft_and_hard_attention() -> None:
+    """CS189 Lec 21: z = 0.1a + 0.2b + 0.7c (soft) vs one sampled cell (hard), whose mean is z."""
+    from qkv.explain import explain_hard_attention
+
+    r = explain_hard_attention(trials=20_000, seed=3)
+    a, b, c, _ = (torch.tensor(v, dtype=torch.float64) for v in r.grid_cells)
+    torch.testing.assert_close(torch.tensor(r.grid_soft, dtype=torch.float64), 0.1 * a + 0.2 * b + 0.7 * c)
+    for share, w in zip(r.grid_hard_share, (0.1, 0.2, 0.7, 0.0), strict=True):
+        assert abs(share - w) < 4 * math.sqrt(w * (1 - w) / 20_000) + 1e-12  # binomial, 4 sigma
+    assert r.grid_hard_share[3] == 0 and r.grid_hard_mean_error < 0.05
