@@ -6,9 +6,11 @@ with pip, builds only the ``llama-bench`` target with CMake (~10 minutes on 2 co
 ``$QKV_CACHE_DIR/llama.cpp`` (default ``~/.cache/qkv/llama.cpp``), and runs it on a GGUF.
 
 Build flags: a portable build (``GGML_NATIVE=OFF``) with AVX2/FMA/F16C, AVX-512 where the CPU
-has it, and AMX off; and, asked for (``native=True``), a ``GGML_NATIVE=ON`` build in
-``llama.cpp/native/`` where the CPU has no AMX: a native build died with an illegal instruction
-on an AMX Xeon (issue 14), and the Python binding's own build segfaulted on first decode there.
+has it, and AMX off; and, asked for (``native=True``), the build for this CPU in
+``llama.cpp/native/``: ``GGML_NATIVE=ON`` where the CPU has no AMX; on an AMX Xeon, where a
+native build died with an illegal instruction (issue 14) and the Python binding's own build
+segfaulted on first decode, every other instruction set the CPU has, named one by one (AVX-512
+VNNI/BF16/VBMI, AVX-VNNI), with AMX off.
 """
 
 from __future__ import annotations
@@ -42,11 +44,9 @@ def _cpu_flags() -> set[str]:
     return set()
 
 
-def native_allowed() -> str | None:
-    """None where a ``GGML_NATIVE=ON`` build (``-march=native``: every instruction this CPU has,
-    VNNI and avx512_bf16 included) may be made here, else why not: on an AMX Xeon such a build
-    died with an illegal instruction (issue 14)."""
-    return "this CPU has AMX, where a native build crashed (issue 14)" if "amx_tile" in _cpu_flags() else None
+# /proc/cpuinfo flag -> ggml's CMake option, for the AMX Xeon's build without -march=native
+_EXTRA_ISA = {"avx512_vnni": "GGML_AVX512_VNNI", "avx512_bf16": "GGML_AVX512_BF16",
+              "avx512vbmi": "GGML_AVX512_VBMI", "avx_vnni": "GGML_AVX_VNNI"}
 
 
 def cmake_flags(native: bool = False, server: bool = False) -> list[str]:
@@ -54,23 +54,22 @@ def cmake_flags(native: bool = False, server: bool = False) -> list[str]:
     common = ["-DCMAKE_BUILD_TYPE=Release", "-DBUILD_SHARED_LIBS=OFF", "-DGGML_OPENMP=ON", "-DLLAMA_CURL=OFF",
               "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=ON", "-DLLAMA_BUILD_TOOLS=ON",
               f"-DLLAMA_BUILD_SERVER={'ON' if server else 'OFF'}"]
-    if native:
-        return [*common, "-DGGML_NATIVE=ON"]
     flags = _cpu_flags()
+    if native and "amx_tile" not in flags:
+        return [*common, "-DGGML_NATIVE=ON"]
     avx512 = all(f in flags for f in ("avx512f", "avx512bw", "avx512vl", "avx512dq"))
     return [
         *common, "-DGGML_NATIVE=OFF",
         "-DGGML_AVX=ON", "-DGGML_AVX2=ON", "-DGGML_FMA=ON", "-DGGML_F16C=ON",
         f"-DGGML_AVX512={'ON' if avx512 else 'OFF'}",
         "-DGGML_AMX_TILE=OFF", "-DGGML_AMX_INT8=OFF", "-DGGML_AMX_BF16=OFF",
+        *([f"-D{opt}=ON" for flag, opt in _EXTRA_ISA.items() if flag in flags] if native else []),
     ]
 
 
 def llama_bench(build: bool = True, log=print, native: bool = False) -> tuple[Path | None, str]:
     """(path of llama-bench, how it was found), or (None, why it is not available); ``native``:
-    the ``GGML_NATIVE=ON`` build (kept apart, in ``native/``), where :func:`native_allowed`."""
-    if native and (why := native_allowed()) is not None:
-        return None, why
+    the build for this CPU (kept apart, in ``native/``; see :func:`cmake_flags`)."""
     return llama_tool("llama-bench", build, log, native=native)
 
 
