@@ -55,6 +55,11 @@ class WordVectors:
     cosine: list[list[list[float]]]
     within: list[float] | None
     across: list[float] | None
+    # The notes' "about 0.9 river bank + 0.1 money bank": with two senses of >= 2 sentences each,
+    # share[l][i] is the w in [0, 1] that brings w·A + (1 − w)·B closest to sentence i's vector after
+    # layer l, A and B the mean vectors of each sense's other sentences (i left out), A the first sense.
+    share: list[list[float]] | None = None
+    sense_names: tuple[str, str] | None = None
 
 
 @dataclass
@@ -127,8 +132,27 @@ def word_vectors(encoder: SentenceEncoder, word: str = "bank",
         if (same & off).any():
             within = cos[:, same & off].mean(dim=1).tolist()
         across = cos[:, ~same].mean(dim=1).tolist()
+    share, names = _sense_shares(torch.stack(per_sentence), senses)
     return WordVectors(word, [t for _, t in sentences], senses if within is not None else None,
-                       positions, cos.tolist(), within, across)
+                       positions, cos.tolist(), within, across, share, names)
+
+
+def _sense_shares(states: torch.Tensor, senses: list[str | None]
+                  ) -> tuple[list[list[float]] | None, tuple[str, str] | None]:
+    """states (S, L+1, dim): each sentence's vector as a mix of the two senses' mean vectors (leaving
+    the sentence itself out): w = clip(((v − B)·(A − B)) / ‖A − B‖², 0, 1), per layer."""
+    names = list(dict.fromkeys(senses))
+    if len(names) != 2 or None in names or any(senses.count(n) < 2 for n in names):
+        return None, None
+    out = []
+    for i in range(len(senses)):
+        others = [[j for j, t in enumerate(senses) if t == n and j != i] for n in names]
+        a, b = (states[idx].mean(0) for idx in others)  # (L+1, dim)
+        d = a - b
+        w = ((states[i] - b) * d).sum(-1) / (d * d).sum(-1).clamp_min(1e-12)
+        out.append(w.clamp(0, 1).tolist())
+    shares = [[out[i][layer] for i in range(len(senses))] for layer in range(states.shape[1])]
+    return shares, (str(names[0]), str(names[1]))
 
 
 def it_attention(encoder: SentenceEncoder, sentence: str, pronoun: str = "it") -> ItAttention:
@@ -191,6 +215,21 @@ def render_context(r: ContextResult, console: Console) -> None:
                       f"{b.within[layer] - b.across[layer]:+.3f}"]
         add_row(t, *cells)
     console.print(t)
+    if b.share is not None and b.sense_names is not None:
+        first, second = b.sense_names
+        t = table(f"each {b.word!r} as w·({first} sense) + (1 − w)·({second} sense), the senses' means from "
+                  "the other sentences", ["sentence", "after the embeddings", f"after layer {n_layers}"])
+        for i, s in enumerate(b.sentences):
+            w0, w1 = b.share[0][i], b.share[-1][i]
+            add_row(t, f"{i + 1}. {s[:48]}", f"{w0:.2f} {first} + {1 - w0:.2f} {second}",
+                    f"{w1:.2f} {first} + {1 - w1:.2f} {second}")
+        console.print(t)
+        w0, w1 = b.share[0][0], b.share[-1][0]
+        say(console, "The notes: after attention, 'bank' in the river sentence is 'about 0.9 river bank + "
+            "0.1 bank' (CS189 Lec 22). Measured in MiniLM for sentence 1 (the closest point on the line "
+            f"between the two senses' mean vectors): {w0:.2f} {first} after the embeddings, {w1:.2f} after "
+            f"layer {n_layers}. Context moves it towards its sense; the notes' 0.9 is an illustration, not "
+            "this model's number.", "yellow")
     last = table(f"cosines after layer {n_layers}", ["", *(str(i + 1) for i in range(len(b.sentences)))])
     for i, row in enumerate(b.cosine[-1]):
         add_row(last, str(i + 1), *(f"{c:.3f}" for c in row))

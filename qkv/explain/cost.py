@@ -154,6 +154,36 @@ class LayerFlops:
 
 
 @dataclass
+class CacheSaving:
+    """One layer generating ``t`` tokens one at a time (Discussion 11's question, the KV cache's
+    saving): rows pushed through the projections and MLP, (query, key) pairs scored, and FLOPs,
+    with a KV cache (each step: the new token only) and without (each step: the whole prefix again,
+    causal scores)."""
+
+    t: int
+    rows_cached: int  # T
+    rows_recomputed: int  # Σ_t t = T(T+1)/2
+    pairs_cached: int  # Σ_t t: the new query against every key so far
+    pairs_recomputed: int  # Σ_t t(t+1)/2 = T(T+1)(T+2)/6
+    flops_cached: int
+    flops_recomputed: int
+
+
+def cache_savings(cfg: GPTConfig, ts: list[int]) -> list[CacheSaving]:
+    """:class:`CacheSaving` of one of ``cfg``'s layers for each T in ``ts``: per-row FLOPs (the four
+    projections and the MLP) counted on one token, per-pair FLOPs 4·H·head_dim (q·k and the weighted
+    value sum)."""
+    one = layer_flops(cfg, 1)
+    row, pair = one.proj + one.mlp, 4 * cfg.n_heads * cfg.resolved_head_dim
+    out = []
+    for t in ts:
+        rows_full, pairs_full = t * (t + 1) // 2, t * (t + 1) * (t + 2) // 6
+        out.append(CacheSaving(t, t, rows_full, t * (t + 1) // 2, pairs_full,
+                               t * row + (t * (t + 1) // 2) * pair, rows_full * row + pairs_full * pair))
+    return out
+
+
+@dataclass
 class ModelCost:
     name: str
     config: GPTConfig
@@ -164,6 +194,7 @@ class ModelCost:
     layers: list[LayerFlops]
     crossover_scores: float  # T above which QKᵀ + AV cost more than the MLP
     crossover_attn: float  # T above which the whole attention sublayer costs more (0: always)
+    saved: list[CacheSaving] | None = None  # what the KV cache saves (Discussion 11)
 
 
 def kv_cache_rows(cfg: GPTConfig, context: int, dtype: str = "bfloat16", batch: int = 1) -> list[KVRow]:
@@ -207,8 +238,9 @@ def model_cost(name: str, context: int | None = None, dtype: str = "bfloat16", b
     cross_scores = b / a
     cross_attn = max(0.0, (b - c) / a)
     ts = sorted({context // 16, context // 4, context, math.ceil(cross_scores)} - {0})
+    saved = cache_savings(cfg, sorted({16, 256, context} & set(range(1, context + 1))))
     return ModelCost(name, cfg, context, dtype, batch, kv_cache_rows(cfg, context, dtype, batch),
-                     [layer_flops(cfg, t) for t in ts], cross_scores, cross_attn)
+                     [layer_flops(cfg, t) for t in ts], cross_scores, cross_attn, saved)
 
 
 @dataclass
@@ -286,3 +318,16 @@ def render_cost(r: CostResult, console: Console) -> None:
              else f"from T ≈ {m.crossover_attn:,.0f}")
     say(console, f"QKᵀ + AV overtake the MLP at T ≈ {m.crossover_scores:,.0f} tokens; the whole attention "
         f"sublayer (with its projections) overtakes it {whole}.")
+    if m.saved:
+        sv = table("what the KV cache saves: one layer generating T tokens one at a time (Discussion 11)",
+                   ["T", "rows through W_Q..W_O + MLP", "(query, key) pairs", "FLOPs", "saved"])
+        for s in m.saved:
+            add_row(sv, f"{s.t:,}", f"{s.rows_cached:,} vs {s.rows_recomputed:,}",
+                    f"{s.pairs_cached:,} vs {s.pairs_recomputed:,}",
+                    f"{human_count(s.flops_cached)} vs {human_count(s.flops_recomputed)}",
+                    f"{s.flops_recomputed / s.flops_cached:,.1f}x")
+        console.print(sv)
+        say(console, "With the cache each step projects only the new token and scores it against the keys "
+            "kept (T rows, T(T+1)/2 pairs); without it every step runs the whole prefix again (T(T+1)/2 "
+            "rows, T(T+1)(T+2)/6 causal pairs). Old tokens' keys and values never change, so both give "
+            "the same tokens (tested: cached decoding = recomputing).", "dim")

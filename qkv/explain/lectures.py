@@ -101,7 +101,8 @@ LECTURES: tuple[Lecture, ...] = (
                 (_d("qkv explain worked-example", "Discussion 10's tokens by hand and as matrices"),
                  _d("qkv explain scaling", "why √d"))),
         Section("2.3 Contextualisation: what 'it' refers to, 'bank' by a river or with money",
-                (_d("qkv explain context", "MiniLM's vectors of 'bank' and where 'it' looks"),
+                (_d("qkv explain context", "MiniLM's 'bank' as w·river + (1 − w)·money per sentence, and "
+                    "where 'it' looks"),
                  _d("qkv attend minilm \"The animal didn't cross the street because it was too tired.\" "
                     "--layer 2 -o it.png", "the attention of every head of one layer"))),
         Section("Cost: parameters O(d²) whatever n, compute O(n²); a 16K model on 1M tokens",
@@ -134,7 +135,8 @@ LECTURES: tuple[Lecture, ...] = (
         Section("Q2: E[qᵀk], Var(qᵀk) = d, the scale factor √d",
                 (_d("qkv explain scaling --mu 0.5", "the variance with a mean, sampled and by formula"),)),
         Section("(Discussion 11, forward reference) the products a KV cache saves",
-                (_d("qkv explain cost --model smollm2", "the KV cache's bytes per layout"),),
+                (_d("qkv explain cost --model smollm2", "rows, (query, key) pairs and FLOPs with and "
+                    "without the cache; its bytes per layout"),),
                 measured="pretrained_speed.py"),
     )),
     Lecture("CS231N Lecture 8: attention and Transformers", "004_67faf0a0c339d51f.txt", (
@@ -146,6 +148,9 @@ LECTURES: tuple[Lecture, ...] = (
         Section("Attention in four steps (Bahdanau): scores, softmax, weighted sum, output; alignments",
                 (_d("qkv train seq2seq --arch rnn", "GRU + Bahdanau attention on dates, an alignment plot",
                     TINY_SEQ2SEQ),), measured="seq2seq_dates.py"),
+        Section("The English–French alignment (Bahdanau et al. 2015, Fig. 3): diagonal, reordering, blocks",
+                missing="no parallel English–French text offline (ASSETS.md); the same alignment picture is "
+                "drawn for dates and for the copy task: `qkv attend RUN TEXT` on a seq2seq run"),
         Section("Three generalisations: scaled dot product, many queries at once, keys apart from values",
                 (_d("qkv explain scaling", "dot products grow like d: divide by √d"),
                  _d("qkv explain derivation", "all queries at once, keys and values apart, step by step"))),

@@ -18,6 +18,12 @@ So every row decodes exactly as it would alone (:func:`qkv.generation.generate` 
 ``compile=False``), up to float rounding of a batched product: the same greedy tokens, and with
 the same seed the same samples. The attention of each new token is available per row.
 
+A row that is *alone* in the batch (and asks for no attention weights) steps through the model's
+saved decoding step (:mod:`qkv.generation.aot`) where one exists, as ``generate`` alone would:
+its keys and values are copied into the step's own cache when it starts, and back into the batch
+when another request joins (a copy of the row's tokens, milliseconds). So one client of
+``qkv serve`` decodes at the saved step's speed, several share the batched eager step.
+
 The threads around it (a request waiting for a row, a stream to a client) live in
 :mod:`qkv.serve.batching`; this module is synchronous.
 
@@ -33,7 +39,7 @@ from typing import NamedTuple, overload
 import torch
 from torch import Tensor
 
-from qkv.attention import BatchKVCache
+from qkv.attention import BatchKVCache, KVCache
 from qkv.generation.sampling import check_sampling, make_generator, sample_next
 from qkv.models.gpt import GPT
 
@@ -121,9 +127,10 @@ class Batch:
         rows: the most requests decoding at once (R).
         cache_len: the longest prompt + new tokens a row can hold (S); a longer request grows
             the cache (a copy), never past the model's context.
+        saved_step: let a row that is alone step through the model's saved step, if it has one.
     """
 
-    def __init__(self, model: GPT, rows: int, cache_len: int) -> None:
+    def __init__(self, model: GPT, rows: int, cache_len: int, saved_step: bool = True) -> None:
         if rows < 1:
             raise ValueError(f"rows must be >= 1, got {rows}")
         self.model = model.eval()
@@ -131,6 +138,9 @@ class Batch:
         self.context = model.cfg.max_seq_len
         self.live: list[Row] = []
         self._cache = self._make_cache(min(max(cache_len, 2), self.context))
+        self.saved_step = saved_step
+        self._solo: tuple[Row, object, KVCache] | None = None  # (the row, its saved step, the step's cache)
+        self.solo_steps = 0  # steps taken through the saved step (a count for tests and benchmarks)
 
     def __len__(self) -> int:
         return len(self.live)
@@ -170,6 +180,41 @@ class Batch:
         row.last = nxt
         return nxt
 
+    def _solo_logits(self, row: Row) -> Tensor | None:
+        """(1, V) logits of ``row``'s next token from the saved step, when the row may use it
+        (alone, no attention weights asked, the step's cache long enough); else None."""
+        if not self.saved_step or row.request.weights:
+            return None
+        if self._solo is None:
+            from qkv.generation import aot
+
+            step, _ = aot.saved_step(self.model)
+            n = self._cache.lengths[row.slot]
+            if step is None or not step.fits(n + row.request.max_new_tokens - len(row.new) + 1):
+                return None
+            cache = step.make_cache(1)
+            cache.k[:, :, :, :n] = self._cache.k[:, row.slot : row.slot + 1, :, :n]
+            cache.v[:, :, :, :n] = self._cache.v[:, row.slot : row.slot + 1, :, :n]
+            cache.pos = n
+            self._solo = (row, step, cache)
+        _, step, cache = self._solo
+        x = torch.tensor([[row.last]], device=self.model.tok_emb.weight.device)
+        self.solo_steps += 1
+        return step.step(x, cache)[:, -1]  # type: ignore[attr-defined]
+
+    def _flush(self) -> None:
+        """Back from the saved step: its row's keys and values into the batch's cache."""
+        if self._solo is None:
+            return
+        row, step, cache = self._solo
+        self._solo = None
+        if not row.done:
+            n = cache.pos
+            self._cache.k[:, row.slot, :, :n] = cache.k[:, 0, :, :n]
+            self._cache.v[:, row.slot, :, :n] = cache.v[:, 0, :, :n]
+            self._cache.set_length(row.slot, n)
+        step.release(cache)  # type: ignore[attr-defined]
+
     @torch.inference_mode()
     def join(self, request: Request) -> tuple[Row, Token | None]:
         """Prefill ``request``'s prompt alone into a free row; (the row, its first token or None
@@ -178,6 +223,7 @@ class Batch:
         if len(self.live) >= self.rows:
             raise ValueError(f"the batch is full ({self.rows} rows); wait for a row to leave")
         request.check(self.context)
+        self._flush()
         need = len(request.ids) + request.max_new_tokens
         if need > self.cache_len:
             self._grow(need)
@@ -206,6 +252,14 @@ class Batch:
         rows = list(self.live)
         if not rows:
             return []
+        if len(rows) == 1 and (logits := self._solo_logits(rows[0])) is not None:
+            row = rows[0]
+            nxt = self._take(row, logits)
+            solo = None if nxt is None else Token(nxt, None)
+            if solo is None or len(row.new) >= row.request.max_new_tokens:
+                self.leave(row)
+            return [(row, solo)]
+        self._flush()
         n = len(rows)
         cache = self._cache.head(n)
         lengths = cache.lengths  # before the step (advance makes a new list): row b's token at lengths[b]
@@ -233,6 +287,8 @@ class Batch:
         if row.done:
             return
         row.done = True
+        if self._solo is not None and self._solo[0] is row:
+            self._flush()  # the row is done: only its cache goes back to the step
         if row not in self.live:
             return
         i, last = row.slot, len(self.live) - 1

@@ -370,6 +370,12 @@ def test_context_numbers(minilm) -> None:
             assert r.bank.cosine[-1][i][j] == pytest.approx(c, abs=1e-5)
     assert r.bank.within is not None and r.bank.across is not None
     assert r.bank.within[-1] > r.bank.across[-1]  # context separates the two senses
+    # "about 0.9 river + 0.1 money" (the notes): sentence 1's last vector projected on the line
+    # between the other river sentence and the mean of the two money sentences, by hand
+    a, b = vecs[1], (vecs[2] + vecs[3]) / 2
+    w = float(torch.dot(vecs[0] - b, a - b) / torch.dot(a - b, a - b))
+    assert r.bank.share[-1][0] == pytest.approx(min(max(w, 0.0), 1.0), abs=1e-5)
+    assert r.bank.sense_names == ("river", "money")
     assert abs(r.bank.within[0] - r.bank.across[0]) < 0.01  # the embeddings barely do
     # Layer 1's attention of "it", by hand from the embeddings and the first block's weights.
     it = r.it[0]

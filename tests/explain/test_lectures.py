@@ -104,3 +104,23 @@ def test_the_notes_two_by_two_soft_and_hard_attention() -> None:
     for share, w in zip(r.grid_hard_share, (0.1, 0.2, 0.7, 0.0), strict=True):
         assert abs(share - w) < 4 * math.sqrt(w * (1 - w) / 20_000) + 1e-12  # binomial, 4 sigma
     assert r.grid_hard_share[3] == 0 and r.grid_hard_mean_error < 0.05
+
+
+def test_what_the_kv_cache_saves_counted_step_by_step() -> None:
+    """Discussion 11: generate T tokens one at a time, counting by a loop what each step computes."""
+    from qkv.explain.cost import cache_savings, layer_flops
+    from qkv.models.gpt import GPTConfig
+
+    cfg = GPTConfig(vocab_size=50, max_seq_len=64, dim=32, n_layers=2, n_heads=4, n_kv_heads=2)
+    one = layer_flops(cfg, 1)
+    row, pair = one.proj + one.mlp, 4 * cfg.n_heads * cfg.resolved_head_dim
+    for s in cache_savings(cfg, [1, 7, 40]):
+        rows_c = rows_r = pairs_c = pairs_r = 0
+        for t in range(1, s.t + 1):  # step t: the prefix holds t tokens
+            rows_c, pairs_c = rows_c + 1, pairs_c + t  # the new token; its query against t keys
+            rows_r, pairs_r = rows_r + t, pairs_r + t * (t + 1) // 2  # everything again, causally
+        assert (s.rows_cached, s.rows_recomputed, s.pairs_cached, s.pairs_recomputed) == (rows_c, rows_r,
+                                                                                          pairs_c, pairs_r)
+        assert s.flops_cached == rows_c * row + pairs_c * pair
+        assert s.flops_recomputed == rows_r * row + pairs_r * pair
+    assert layer_flops(cfg, 3).proj == 3 * one.proj  # projections are per row: the counts above hold

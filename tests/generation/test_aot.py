@@ -128,6 +128,41 @@ print(json.dumps({"load_s": t2 - t1, "logits": out[0, -1].tolist(),
 """
 
 
+def test_a_row_alone_in_a_running_batch_steps_through_the_saved_step(built):
+    """qkv serve's batch: a request alone decodes through the saved step (its keys copied into
+    the step's cache), goes back to the batched eager step when another joins (copied back), and
+    to the saved step when it is alone again; every row's tokens are the eager ones alone. A row
+    that asks for attention weights, or a batch told not to, stays eager."""
+    from qkv.generation.batch import Batch, Request
+
+    m = model()
+    prompts = [torch.randint(0, V, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in (5, 4)]
+    want = [[int(t[0]) for t in generate(m, torch.tensor([p]), n, temperature=0.0, compile=False)]
+            for p, n in zip(prompts, (24, 6), strict=True)]
+    b = Batch(m, 4, 40)
+    first, _ = b.join(Request(prompts[0], 24))
+    for _ in range(5):
+        b.step()
+    alone = b.solo_steps
+    assert alone == 5  # the first row, alone: the saved step
+    second, _ = b.join(Request(prompts[1], 6))
+    while not second.done:
+        b.step()  # two rows: the batched eager step
+    assert b.solo_steps == alone
+    while not first.done:
+        b.step()  # alone again: the saved step again
+    assert b.solo_steps > alone
+    assert [first.new, second.new] == want
+
+    for kw, req in ((dict(saved_step=False), Request(prompts[0], 8)),
+                    ({}, Request(prompts[0], 8, weights=True))):
+        b = Batch(m, 2, 40, **kw)
+        row, _ = b.join(req)
+        while not row.done:
+            b.step()
+        assert b.solo_steps == 0 and row.new == want[0][:8]
+
+
 def test_a_second_process_loads_it_without_compiling(built, tmp_path):
     from safetensors.torch import save_file
 
