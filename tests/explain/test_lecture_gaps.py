@@ -306,6 +306,9 @@ def test_tie_qk_refuses_grouped_heads_and_export(tmp_path) -> None:
     rc, out, err = call([*base, "--tie_qk", "true", "--out_dir", str(run), *flags(tiny_train("gpt"))])
     assert rc == 0, out + err
     assert json.loads((run / "config.json").read_text())["model"]["tie_qk"] is True
+    png = tmp_path / "tied.png"
+    rc, _, err = call(["attend", str(run), "the king", "--layer", "0", "-o", str(png)])
+    assert rc == 0 and png.stat().st_size > 1000, err
     rc, _, err = call(["export", str(run), "--format", "hf", "-o", str(tmp_path / "hf")])
     assert "--tie_qk" in assert_one_line_error(rc, err)
 
