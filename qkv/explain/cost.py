@@ -41,7 +41,15 @@ if TYPE_CHECKING:
     from rich.console import Console
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-MODELS = ("smollm2", *GPT_PRESETS)
+# Published shapes for the notes' "from a dozen blocks to GPT-3's 96" (CS231N Lec 8): GPT-2 small
+# (Radford et al. 2019) and GPT-3 175B (Brown et al. 2020, Table 2.1), as qkv's GPT (learned
+# positions, pre-LN, GELU MLP of 4·d, tied embeddings, biases). GPT-3's alternating sparse
+# attention is not modelled: its parameters and dense FLOPs are the same.
+PUBLISHED = {
+    "gpt2": dict(vocab_size=50257, max_seq_len=1024, dim=768, n_layers=12, n_heads=12),
+    "gpt3-175b": dict(vocab_size=50257, max_seq_len=2048, dim=12288, n_layers=96, n_heads=96),
+}
+MODELS = ("smollm2", *PUBLISHED, *GPT_PRESETS)
 
 
 def _flops(fn, *args) -> int:
@@ -122,6 +130,8 @@ def model_config(name: str) -> GPTConfig:
     """The GPTConfig of SmolLM2-135M (read from its installed GGUF) or of a GPT preset."""
     if name == "smollm2":
         return _smollm2_config()
+    if name in PUBLISHED:
+        return GPTConfig(**PUBLISHED[name])
     if name in GPT_PRESETS:
         return GPTConfig(**GPT_PRESETS[name]["model"])
     raise ValueError(f"unknown model {name!r}; choose from: {', '.join(MODELS)}")
@@ -195,6 +205,7 @@ class ModelCost:
     crossover_scores: float  # T above which QKᵀ + AV cost more than the MLP
     crossover_attn: float  # T above which the whole attention sublayer costs more (0: always)
     saved: list[CacheSaving] | None = None  # what the KV cache saves (Discussion 11)
+    params: int = 0  # every parameter of the model (counted on a meta-device copy; tied counted once)
 
 
 def kv_cache_rows(cfg: GPTConfig, context: int, dtype: str = "bfloat16", batch: int = 1) -> list[KVRow]:
@@ -239,8 +250,12 @@ def model_cost(name: str, context: int | None = None, dtype: str = "bfloat16", b
     cross_attn = max(0.0, (b - c) / a)
     ts = sorted({context // 16, context // 4, context, math.ceil(cross_scores)} - {0})
     saved = cache_savings(cfg, sorted({16, 256, context} & set(range(1, context + 1))))
+    from qkv.models.gpt import GPT
+
+    with torch.device("meta"):
+        params = sum(p.numel() for p in GPT(cfg).parameters())
     return ModelCost(name, cfg, context, dtype, batch, kv_cache_rows(cfg, context, dtype, batch),
-                     [layer_flops(cfg, t) for t in ts], cross_scores, cross_attn, saved)
+                     [layer_flops(cfg, t) for t in ts], cross_scores, cross_attn, saved, params)
 
 
 @dataclass
@@ -298,9 +313,9 @@ def render_cost(r: CostResult, console: Console) -> None:
     if r.model is None:
         return
     m, cfg = r.model, r.model.config
-    say(console, f"\n{m.name}: {cfg.n_layers} layers, width {cfg.dim}, {cfg.n_heads} query heads of "
-        f"{cfg.resolved_head_dim}, {cfg.resolved_kv_heads} key/value heads, {cfg.mlp} MLP of "
-        f"{cfg.mlp_hidden or 4 * cfg.dim}", "bold")
+    say(console, f"\n{m.name}: {human_count(m.params)} parameters, {cfg.n_layers} layers, width {cfg.dim}, "
+        f"{cfg.n_heads} query heads of {cfg.resolved_head_dim}, {cfg.resolved_kv_heads} key/value heads, "
+        f"{cfg.mlp} MLP of {cfg.mlp_hidden or 4 * cfg.dim}", "bold")
     kv = table(f"KV cache for {m.context:,} tokens, batch {m.batch}, {m.dtype}: 2 · layers · K · head dim · "
                "T · bytes", ["layout", "K heads", "queries per K", "bytes", "per token"])
     for row in m.kv:

@@ -124,3 +124,17 @@ def test_what_the_kv_cache_saves_counted_step_by_step() -> None:
         assert s.flops_cached == rows_c * row + pairs_c * pair
         assert s.flops_recomputed == rows_r * row + pairs_r * pair
     assert layer_flops(cfg, 3).proj == 3 * one.proj  # projections are per row: the counts above hold
+
+
+def test_published_model_sizes() -> None:
+    """CS231N Lec 8's scale: GPT-2 small has 124,439,808 parameters (Hugging Face's count, tied
+    head); GPT-3 175B, 12·L·d² + 13·L·d + V·d + T·d + 2d with L = 96, d = 12288 by hand."""
+    from qkv.explain.cost import model_cost
+
+    assert model_cost("gpt2").params == 124_439_808
+    L, d, V, T = 96, 12288, 50257, 2048
+    gpt3 = model_cost("gpt3-175b")
+    assert gpt3.params == L * (12 * d * d + 13 * d) + V * d + T * d + 2 * d
+    assert abs(gpt3.params / 175e9 - 1) < 0.01
+    mha = next(row for row in gpt3.kv if row.actual)
+    assert mha.bytes == 2 * L * 96 * 128 * T * 2  # k and v, 96 heads of 128, bf16
