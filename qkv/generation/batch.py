@@ -50,6 +50,8 @@ class Request:
 
     ``weights``: also return, for each new token, the attention of the position that chose it
     (one (H, S) tensor per layer; the explicit ``reference`` backend computes every step then).
+    ``layers``: with ``weights``, only these layers' attention (what a page showing one layer
+    needs: the other layers keep the fast backend); None: every layer.
     ``seed``: the row's own random generator (None: fresh entropy), as
     :func:`qkv.generation.sampling.make_generator` makes it for a request decoded alone.
     """
@@ -62,6 +64,7 @@ class Request:
     seed: int | None = None
     stop_ids: Sequence[int] = ()
     weights: bool = False
+    layers: tuple[int, ...] | None = None
 
     def check(self, context: int) -> None:
         """ValueError (one line) for a request no row can decode."""
@@ -94,7 +97,10 @@ class RowWeights(Sequence[Tensor]):
     def __getitem__(self, i: int | slice) -> Tensor | list[Tensor]:
         if isinstance(i, slice):
             return [self[j] for j in range(len(self))[i]]
-        return self._weights[i][self._b, :, -1, : self._n]
+        w = self._weights[i]
+        if w is None:
+            raise ValueError(f"layer {i}'s attention was not computed: ask for it in Request.layers")
+        return w[self._b, :, -1, : self._n]
 
 
 class Token(NamedTuple):
@@ -166,8 +172,16 @@ class Batch:
         new.sync()
         self._cache = new
 
-    def _extra(self, weights: bool) -> dict[str, object]:
-        return {"backend": "reference", "return_weights": True} if weights else {}
+    def _extra(self, requests: Sequence[Request]) -> dict[str, object]:
+        """The forward's options for a step of ``requests``: the weights of the layers any of
+        them asks for, on the explicit reference backend (every layer if one asks for all)."""
+        asked = [r for r in requests if r.weights]
+        if not asked:
+            return {}
+        if any(r.layers is None for r in asked):
+            return {"backend": "reference", "return_weights": True}
+        n = self.model.cfg.n_layers
+        return {"return_weights": True, "weights_layers": {i % n for r in asked for i in r.layers or ()}}
 
     def _take(self, row: Row, logits: Tensor) -> int | None:
         """Sample row's next id from its (1, V) logits; None if it is a stop id (the row ends
@@ -233,7 +247,7 @@ class Batch:
             return row, None
         cache = self._cache.row(row.slot)
         ids = torch.tensor([list(request.ids)], device=self.model.tok_emb.weight.device)
-        out = self.model(ids, cache=cache, last_only=True, **self._extra(request.weights))
+        out = self.model(ids, cache=cache, last_only=True, **self._extra([request]))
         self._cache.set_length(row.slot, len(request.ids))
         self.live.append(row)
         nxt = self._take(row, out.logits[:, -1])
@@ -263,10 +277,9 @@ class Batch:
         n = len(rows)
         cache = self._cache.head(n)
         lengths = cache.lengths  # before the step (advance makes a new list): row b's token at lengths[b]
-        weights = any(r.request.weights for r in rows)
         dev = self.model.tok_emb.weight.device
         x = torch.tensor([[r.last] for r in rows], device=dev)  # (n, 1)
-        out = self.model(x, cache=cache, last_only=True, **self._extra(weights))
+        out = self.model(x, cache=cache, last_only=True, **self._extra([r.request for r in rows]))
         self._cache.sync()
         events: list[tuple[Row, Token | None]] = []
         for b, row in enumerate(rows):

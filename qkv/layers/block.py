@@ -15,6 +15,7 @@ Shapes: B batch, T length, S context length, dim model width.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Collection
 from dataclasses import dataclass
 from typing import Literal, NamedTuple
 
@@ -181,20 +182,25 @@ class TransformerStack(nn.Module):
         cache: KVCache | None = None,
         backend: Backend | None = None,
         return_weights: bool = False,
+        weights_layers: Collection[int] | None = None,
     ) -> StackOutput:
         """Run every block. With a ``cache``, each block stores its new keys/values and,
         once all blocks have run, the cache is advanced by T (the stack is the one place
-        that knows every layer is done)."""
+        that knows every layer is done). ``weights_layers``: with ``return_weights``, only these
+        blocks compute their weights (with the explicit ``reference`` backend); the others run
+        ``backend`` and give None in the weights list."""
         if cache is not None and cache.n_layers != len(self.blocks):
             raise ValueError(
                 f"KVCache has {cache.n_layers} layers, this stack has {len(self.blocks)}"
             )
         ws, wc = [], []
         for i, block in enumerate(self.blocks):
+            rw = return_weights and (weights_layers is None or i in weights_layers)
             x, w_self, w_cross = block(
                 x, context, mask=mask, context_mask=context_mask, bias=bias, rope=rope,
-                cache=None if cache is None else cache.layer(i), backend=backend,
-                return_weights=return_weights,
+                cache=None if cache is None else cache.layer(i),
+                backend="reference" if rw and weights_layers is not None else backend,
+                return_weights=rw,
             )
             ws.append(w_self)
             wc.append(w_cross)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Collection
 from dataclasses import dataclass
 from typing import Literal, NamedTuple
 
@@ -192,6 +193,7 @@ class GPT(nn.Module):
         last_only: bool = False,
         backend: Backend | None = None,
         return_weights: bool = False,
+        weights_layers: Collection[int] | None = None,
     ) -> GPTOutput:
         """idx (B, T) token ids -> GPTOutput(logits, loss, weights).
 
@@ -200,6 +202,8 @@ class GPT(nn.Module):
             cache: decode incrementally: idx holds only the new tokens, which sit at
                 positions cache.pos onwards; the cache is advanced by T.
             last_only: compute logits for the last position only (generation).
+            weights_layers: with ``return_weights``, only these layers compute weights (the
+                explicit reference attention), the rest run ``backend``; their entries are None.
         """
         if idx.ndim != 2:
             raise ValueError(f"idx must be (B, T) token ids, got shape {tuple(idx.shape)}")
@@ -228,7 +232,7 @@ class GPT(nn.Module):
         if self.training and self.cfg.dropout > 0:
             x = self.drop(x)
         out = self.stack(x, bias=bias, rope=self.rope, cache=cache, backend=backend,
-                         return_weights=return_weights)
+                         return_weights=return_weights, weights_layers=weights_layers)
         h = out.x[:, -1:] if last_only else out.x
         logits = self.lm_head(h)  # (B, T, V)
         loss = None

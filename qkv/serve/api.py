@@ -351,7 +351,8 @@ class Explorer(LensEndpoints):
             assert tok.weights is not None
             return tok.id, text.head_row(tok.weights[layer], head)
 
-        request = Request(ids, n_new, req.temperature, req.top_k, None, req.seed, lm.stop_ids, weights=True)
+        request = Request(ids, n_new, req.temperature, req.top_k, None, req.seed, lm.stop_ids, weights=True,
+                          layers=(layer,))  # the one layer the page shows: the others stay fast
         return engine.submit(request, pick)
 
     def image_attention(self, model: Annotated[str, Form(max_length=256)],

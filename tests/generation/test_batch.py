@@ -113,6 +113,25 @@ def test_each_rows_attention_is_what_it_is_alone():
                 torch.testing.assert_close(a, b, atol=1e-5, rtol=0)  # fp32 products of 1 vs n rows
 
 
+def test_rows_asking_for_one_layer_get_that_layers_attention_and_the_same_tokens():
+    """qkv serve's rows ask for the one layer the page shows (negative indices count from the
+    end): that layer's rows are the ones computed alone with every layer's weights, the other
+    layers keep the fast backend and are not there to read."""
+    m = model()
+    reqs = [Request(ids(n, n), 6, weights=True, layers=(layer,)) for n, layer in ((2, 1), (9, -2), (5, 0))]
+    got = batched(m, reqs, rows=3)
+    for r, g in zip(reqs, got, strict=True):
+        w = alone(m, r, weights=True)
+        assert [t for t, _ in g] == [t for t, _ in w]
+        layer = r.layers[0]
+        for (_, gw), (_, ww) in zip(g, w, strict=True):
+            torch.testing.assert_close(gw[layer], ww[layer], atol=1e-5, rtol=0)
+    b = Batch(m, 1, 20)
+    _, tok = b.join(Request(ids(4, 4), 3, weights=True, layers=(1,)))
+    with pytest.raises(ValueError, match="layer 0's attention was not computed"):
+        tok.weights[0]
+
+
 @pytest.mark.parametrize("weights", ["q4", "int8", "bf16"])
 def test_quantised_rows_decode_as_alone(weights):
     """The int4/int8 products are row by row, and each row attends on its own: the same tokens."""
