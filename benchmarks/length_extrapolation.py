@@ -23,16 +23,14 @@ import argparse
 import dataclasses
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import _common as C
 import torch
+from _seq2seq import train_and_score
 
-from qkv.families.seq2seq import Seq2SeqDataConfig, Seq2SeqFamily, Seq2SeqOptions, evaluate
+from qkv.families.seq2seq import Seq2SeqDataConfig, Seq2SeqOptions
 from qkv.presets import get_preset
-from qkv.training.run import train_run
-from qkv.training.trainer import TrainConfig
 from qkv.viz import plot_by_length
 
 NAME = "length_extrapolation"
@@ -75,22 +73,12 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as tmp:
         for label in args.model or MODELS:
             model_cfg = Seq2SeqOptions(**{**preset["model"], **MODELS[label]})
-            train_cfg = TrainConfig(**{**train_over, "out_dir": str(Path(tmp) / label.replace(" ", "_"))})
-            t0 = time.perf_counter()
-            run = train_run(Seq2SeqFamily(), model_cfg, train_cfg, data, evaluate=False)
-            seconds = time.perf_counter() - t0
-            st = run.prepared.state
-            ev = evaluate(run.model, run.prepared.model_cfg.model_config(), st.src, st.tgt, st.pairs)
-            test, longer = ev["test"], ev["heldout"]
+            out = Path(tmp) / label.replace(" ", "_")
             row = {"model": label, "options": MODELS[label],
-                   "params": sum(q.numel() for q in run.model.parameters()),
-                   "steps": run.result.step, "train_s": round(seconds, 1),
-                   "test_exact": test["exact"], "test_token_accuracy": test["token_accuracy"],
-                   "longer_exact": longer["exact"], "longer_token_accuracy": longer["token_accuracy"],
-                   "by_length": {**test["by_length"], **longer["by_length"]}}
+                   **train_and_score(model_cfg, train_over, data, out)}
             rows.append(row)
             print(f"{label}: trained lengths {row['test_exact']:.1%} exact, longer {row['longer_exact']:.1%} "
-                  f"({row['longer_token_accuracy']:.1%} of positions), {seconds:.0f} s", flush=True)
+                  f"({row['longer_token_accuracy']:.1%} of positions), {row['train_s']:.0f} s", flush=True)
     C.print_table(f"copy: exact match within and beyond the training lengths ({data.min_len}-"
                   f"{data.max_len}), {train_over['max_iters']} steps each",
                   ["model", "params", "train time", f"{data.min_len}-{data.max_len}",

@@ -20,16 +20,14 @@ import argparse
 import dataclasses
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import _common as C
 import torch
+from _seq2seq import train_and_score
 
-from qkv.families.seq2seq import Seq2SeqDataConfig, Seq2SeqFamily, Seq2SeqOptions, evaluate
+from qkv.families.seq2seq import Seq2SeqDataConfig, Seq2SeqOptions
 from qkv.presets import get_preset
-from qkv.training.run import train_run
-from qkv.training.trainer import TrainConfig
 from qkv.viz import plot_by_length
 
 NAME = "seq2seq_copy"
@@ -62,22 +60,10 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as tmp:
         for arch in args.arch or ARCHS:
             model_cfg = Seq2SeqOptions(**{**preset["model"], "arch": arch})
-            train_cfg = TrainConfig(**{**train_over, "out_dir": str(Path(tmp) / arch)})
-            t0 = time.perf_counter()
-            run = train_run(Seq2SeqFamily(), model_cfg, train_cfg, data, evaluate=False)
-            seconds = time.perf_counter() - t0
-            st = run.prepared.state
-            ev = evaluate(run.model, run.prepared.model_cfg.model_config(), st.src, st.tgt, st.pairs)
-            row = {"arch": arch, "params": sum(q.numel() for q in run.model.parameters()),
-                   "steps": run.result.step, "train_s": round(seconds, 1),
-                   "test_exact": ev["test"]["exact"], "test_token_accuracy": ev["test"]["token_accuracy"],
-                   "longer_exact": ev["heldout"]["exact"],
-                   "longer_token_accuracy": ev["heldout"]["token_accuracy"],
-                   "by_length": {**ev["test"]["by_length"], **ev["heldout"]["by_length"]},
-                   "wrong_examples": ev["test"]["examples_wrong"][:3]}
+            row = {"arch": arch, **train_and_score(model_cfg, train_over, data, Path(tmp) / arch)}
             rows.append(row)
             print(f"{arch}: test {row['test_exact']:.2%} exact ({row['test_token_accuracy']:.2%} of "
-                  f"positions), longer {row['longer_exact']:.2%}, {seconds:.0f} s", flush=True)
+                  f"positions), longer {row['longer_exact']:.2%}, {row['train_s']:.0f} s", flush=True)
     C.print_table(f"{args.task}: exact match (whole string right) and training time, "
                   f"{torch.get_num_threads()} threads",
                   ["arch", "params", "steps", "train time", f"test (5-{data.max_len})",

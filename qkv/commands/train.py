@@ -33,9 +33,9 @@ def add_train_parser(sub) -> None:
         q = fam.add_parser(name, help=f.help, description=f.description + " The defaults shown are "
                            "the config classes' own, which the preset changes.",
                            formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+        by_task = "".join(f"; with --task {t}, {p}" for t, p in f.task_presets.items())
         q.add_argument("--preset", default=None,
-                       help=f"named config: {', '.join(f.presets)} (default: {f.default_preset}"
-                       + ("; with --task copy or substitute, copy-cpu" if name == "seq2seq" else "") + ")")
+                       help=f"named config: {', '.join(f.presets)} (default: {f.default_preset}{by_task})")
         q.add_argument("--resume", metavar="RUN_DIR", default=None,
                        help="continue a run exactly where it stopped (step, optimiser, RNG, data position)")
         f.add_options(q)

@@ -253,7 +253,7 @@ def model_cost(name: str, context: int | None = None, dtype: str = "bfloat16", b
     from qkv.models.gpt import GPT
 
     with torch.device("meta"):
-        params = sum(p.numel() for p in GPT(cfg).parameters())
+        params = param_count(GPT(cfg))
     return ModelCost(name, cfg, context, dtype, batch, kv_cache_rows(cfg, context, dtype, batch),
                      [layer_flops(cfg, t) for t in ts], cross_scores, cross_attn, saved, params)
 

@@ -38,6 +38,7 @@ class Family(RunFamily, Protocol):
     data_config: type  # its data's config dataclass
     from_data: tuple[str, ...]  # model fields set from the data, not options
     default_preset: str
+    task_presets: dict[str, str]  # data task -> the preset it brings when none is named
     presets: dict[str, dict[str, dict[str, Any]]]  # name -> {"model": .., "train": .., "data": ..}
 
     def add_options(self, parser: argparse.ArgumentParser) -> None:
@@ -45,8 +46,8 @@ class Family(RunFamily, Protocol):
         ...
 
     def preset_for(self, data_args: dict[str, Any]) -> str:
-        """The preset when none is named, given the data options asked for (a task may bring its
-        own: `qkv train seq2seq --task copy` means the copy preset)."""
+        """The preset when none is named, given the data options asked for: the asked ``task``'s
+        in :attr:`task_presets` (`qkv train seq2seq --task copy` means copy-cpu), else the default."""
         ...
 
     def draft_model(self, model_args: dict[str, Any]) -> dict[str, Any]:
@@ -73,6 +74,7 @@ class FamilyBase:
 
     name: ClassVar[str]
     kind: ClassVar[Kind]
+    task_presets: ClassVar[dict[str, str]] = {}
     unit: ClassVar[str] = "item"
     from_data: ClassVar[tuple[str, ...]] = ()
 
@@ -83,7 +85,7 @@ class FamilyBase:
         return PRESETS.get(self.name, {})
 
     def preset_for(self, data_args: dict[str, Any]) -> str:
-        return self.default_preset  # type: ignore[attr-defined]
+        return self.task_presets.get(data_args.get("task"), self.default_preset)  # type: ignore[attr-defined]
 
     def add_options(self, parser: argparse.ArgumentParser) -> None:
         return None

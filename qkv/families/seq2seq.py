@@ -19,7 +19,7 @@ import shlex
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 import torch
 from torch import Tensor, nn
@@ -206,10 +206,8 @@ class Seq2SeqFamily(FamilyBase):
     data_config = Seq2SeqDataConfig
     from_data = ("max_src_len", "max_tgt_len", "src_vocab", "tgt_vocab")
     default_preset = "dates-cpu"
-
-    def preset_for(self, data_args: dict[str, Any]) -> str:
-        """--task copy and substitute bring their own preset (random strings of 5-60 letters)."""
-        return "copy-cpu" if data_args.get("task") in ("copy", "substitute") else self.default_preset
+    # --task copy and substitute bring their own preset (random strings of 5-60 letters)
+    task_presets: ClassVar[dict[str, str]] = {"copy": "copy-cpu", "substitute": "copy-cpu"}
 
     def prepare(self, model_cfg: Seq2SeqOptions, data_cfg: Seq2SeqDataConfig, resume_dir,
                 on_note) -> Prepared:

@@ -21,8 +21,8 @@ the same seed the same samples. The attention of each new token is available per
 A row that is *alone* in the batch (and asks for no attention weights) steps through the model's
 saved decoding step (:mod:`qkv.generation.aot`) where one exists, as ``generate`` alone would:
 its keys and values are copied into the step's own cache when it starts, and back into the batch
-when another request joins (a copy of the row's tokens, milliseconds). So one client of
-``qkv serve`` decodes at the saved step's speed, several share the batched eager step.
+when another request joins (a copy of the row's tokens, milliseconds). (``qkv serve``'s rows ask
+for one layer's attention, which the saved step does not return: they stay on the batched step.)
 
 The threads around it (a request waiting for a row, a stream to a client) live in
 :mod:`qkv.serve.batching`; this module is synchronous.
@@ -34,7 +34,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import NamedTuple, overload
+from typing import TYPE_CHECKING, NamedTuple, overload
 
 import torch
 from torch import Tensor
@@ -42,6 +42,9 @@ from torch import Tensor
 from qkv.attention import BatchKVCache, KVCache
 from qkv.generation.sampling import check_sampling, make_generator, sample_next
 from qkv.models.gpt import GPT
+
+if TYPE_CHECKING:
+    from qkv.generation.aot import SavedStep
 
 
 @dataclass(frozen=True)
@@ -145,7 +148,8 @@ class Batch:
         self.live: list[Row] = []
         self._cache = self._make_cache(min(max(cache_len, 2), self.context))
         self.saved_step = saved_step
-        self._solo: tuple[Row, object, KVCache] | None = None  # (the row, its saved step, the step's cache)
+        self._solo: tuple[Row, SavedStep, KVCache] | None = None  # the row, its saved step, the step's cache
+        self._not_solo: Row | None = None  # the last row the saved step could not take (not asked again)
         self.solo_steps = 0  # steps taken through the saved step (a count for tests and benchmarks)
 
     def __len__(self) -> int:
@@ -197,7 +201,7 @@ class Batch:
     def _solo_logits(self, row: Row) -> Tensor | None:
         """(1, V) logits of ``row``'s next token from the saved step, when the row may use it
         (alone, no attention weights asked, the step's cache long enough); else None."""
-        if not self.saved_step or row.request.weights:
+        if not self.saved_step or row.request.weights or row is self._not_solo:
             return None
         if self._solo is None:
             from qkv.generation import aot
@@ -205,6 +209,7 @@ class Batch:
             step, _ = aot.saved_step(self.model)
             n = self._cache.lengths[row.slot]
             if step is None or not step.fits(n + row.request.max_new_tokens - len(row.new) + 1):
+                self._not_solo = row  # a decision per row, not per token
                 return None
             cache = step.make_cache(1)
             cache.k[:, :, :, :n] = self._cache.k[:, row.slot : row.slot + 1, :, :n]
@@ -214,7 +219,7 @@ class Batch:
         _, step, cache = self._solo
         x = torch.tensor([[row.last]], device=self.model.tok_emb.weight.device)
         self.solo_steps += 1
-        return step.step(x, cache)[:, -1]  # type: ignore[attr-defined]
+        return step.step(x, cache)[:, -1]
 
     def _flush(self) -> None:
         """Back from the saved step: its row's keys and values into the batch's cache."""
@@ -227,7 +232,7 @@ class Batch:
             self._cache.k[:, row.slot, :, :n] = cache.k[:, 0, :, :n]
             self._cache.v[:, row.slot, :, :n] = cache.v[:, 0, :, :n]
             self._cache.set_length(row.slot, n)
-        step.release(cache)  # type: ignore[attr-defined]
+        step.release(cache)
 
     @torch.inference_mode()
     def join(self, request: Request) -> tuple[Row, Token | None]:

@@ -106,12 +106,14 @@ class TransformerSeq2Seq(nn.Module):
             with torch.no_grad():
                 emb.weight[PAD].zero_()
 
-    def _embed(self, emb: nn.Embedding, ids: Tensor, offset: int = 0) -> Tensor:
+    def _embed(self, emb: nn.Embedding, table: LearnedPositionalEmbedding | None, ids: Tensor,
+               offset: int = 0) -> Tensor:
+        """ids (B, T) at positions offset.. -> emb(ids)·√d + the positions added to inputs (the
+        sinusoids, or ``table``, this side's learned rows); RoPE and ALiBi act inside attention."""
         T = ids.shape[1]
         x = emb(ids) * math.sqrt(self.dim)
         if self.pos is not None:
             x = x + self.pos[offset:offset + T].to(x.dtype)
-        table = self.src_pos if emb is self.src_emb else self.tgt_pos
         if table is not None:
             x = x + table(T, offset).to(x.dtype)
         return self.drop(x)
@@ -126,7 +128,8 @@ class TransformerSeq2Seq(nn.Module):
             raise ValueError(f"source has {src.shape[1]} tokens; this model reads at most {self.max_src_len}")
         mask = (src != PAD)[:, None, None, :]
         S = src.shape[1]
-        out = self.encoder(self._embed(self.src_emb, src), mask=mask, rope=self.rope, bias=self._bias(S, S),
+        x = self._embed(self.src_emb, self.src_pos, src)
+        out = self.encoder(x, mask=mask, rope=self.rope, bias=self._bias(S, S),
                            backend="reference" if return_weights else None, return_weights=return_weights)
         return out.x, mask, out.self_weights
 
@@ -138,7 +141,8 @@ class TransformerSeq2Seq(nn.Module):
                              f"{self.max_tgt_len}")
         memory, mask, _ = self.encode(src)
         T = tgt_in.shape[1]
-        out = self.decoder(self._embed(self.tgt_emb, tgt_in), memory, context_mask=mask, rope=self.rope,
+        x = self._embed(self.tgt_emb, self.tgt_pos, tgt_in)
+        out = self.decoder(x, memory, context_mask=mask, rope=self.rope,
                            bias=self._bias(T, T), backend="reference" if return_weights else None,
                            return_weights=return_weights)
         logits = self.head(out.x)
@@ -159,7 +163,7 @@ class TransformerSeq2Seq(nn.Module):
         pos = state.cache.pos
         if pos >= self.max_tgt_len:
             raise ValueError(f"this model writes at most {self.max_tgt_len} tokens")
-        x = self._embed(self.tgt_emb, prev[:, None], offset=pos)
+        x = self._embed(self.tgt_emb, self.tgt_pos, prev[:, None], offset=pos)
         out = self.decoder(x, state.memory, context_mask=state.mask, cache=state.cache, rope=self.rope,
                            bias=self._bias(1, pos + 1), backend="reference", return_weights=True)
         assert out.cross_weights is not None
