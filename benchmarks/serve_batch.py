@@ -4,9 +4,11 @@ Three servers on the same SmolLM2 GGUF (Q4_1), each a subprocess on 127.0.0.1, m
 same rounds, one server at a time (the others idle):
 
 - ``qkv serve`` as it is now: requests on one model decode together in one running batch
-  (``--batch-rows 8``, :mod:`qkv.serve.batching`);
-- ``qkv serve --batch-rows 0``: each request decodes alone in its own work slot (at most 2 per
-  model at once, the rest wait): how qkv served before;
+  (``--batch-rows 8``, :mod:`qkv.serve.batching`); a request alone in it decodes through the
+  model's saved step (built first, as ``qkv generate smollm2 --compile on`` builds it; the
+  attention row the page shows comes from the step's kept queries);
+- ``qkv serve --batch-rows 0`` with saved steps off: each request decodes alone and eagerly in its
+  own work slot (at most 2 per model at once, the rest wait): how qkv served before;
 - llama.cpp's ``llama-server`` (``-np 8``: 8 slots, continuous batching; ``-t 2``), where it builds
   (``--build-llama-cpp`` builds it once, ~10 minutes).
 
@@ -93,9 +95,10 @@ class Server:
 
 
 class QkvServer(Server):
-    def __init__(self, name: str, runs: Path, batch_rows: int) -> None:
+    def __init__(self, name: str, runs: Path, batch_rows: int, saved_step: bool) -> None:
         port = free_port()
-        env = {**os.environ, "QKV_SAVED_STEP": "off"}  # the server decodes eagerly either way
+        env = {**os.environ, "QKV_SAVED_STEP": "on" if saved_step else "off",
+               "QKV_SAVED_STEP_BACKGROUND": "off"}
         argv = [sys.executable, "-m", "qkv", "serve", "--port", str(port), "--runs", str(runs),
                 "--batch-rows", str(batch_rows), "--max-queued", "8"]  # every client waits: none is refused
         super().__init__(name, argv, "/api/models", port, env)
@@ -152,8 +155,13 @@ def main() -> int:
     runs = Path(tempfile.mkdtemp(prefix="qkv-serve-batch-"))
     binary, how = L.llama_tool("llama-server", build=args.build_llama_cpp)
     print(f"llama-server: {how}")
-    servers: list[Server] = [QkvServer("qkv serve (batched)", runs, 8),
-                             QkvServer("qkv serve --batch-rows 0 (each alone)", runs, 0)]
+    t0 = time.perf_counter()  # the step the batched server's lone rows take (built once per machine)
+    built = subprocess.run([sys.executable, "-m", "qkv", "generate", "smollm2", "--compile", "on", "--prompt",
+                            "The", "--max-new-tokens", "1"], capture_output=True, text=True)
+    step_note = built.stderr.strip().splitlines()[-1] if built.stderr.strip() else f"rc {built.returncode}"
+    print(f"saved step: {step_note} ({time.perf_counter() - t0:.0f} s)")
+    servers: list[Server] = [QkvServer("qkv serve (batched)", runs, 8, True),
+                             QkvServer("qkv serve --batch-rows 0 (each alone, eager)", runs, 0, False)]
     if binary is not None:
         servers.append(LlamaServer(binary, gguf))
     rounds: list[dict] = []
@@ -187,7 +195,7 @@ def main() -> int:
                   f"{args.rounds} rounds)",
                   ["clients", *names, "batched / alone", "batched / llama-server"], table)
     out = C.write_json(NAME, {"machine": machine, "new_tokens": NEW, "rounds": rounds, "summary": summary,
-                              "llama_server": how}, args.out)
+                              "llama_server": how, "saved_step": step_note}, args.out)
     print(f"wrote {out}")
     return 0
 

@@ -52,18 +52,33 @@ class KVCache:
                              device=device)
         self.pos = 0  # tokens stored so far (the same for every layer once a step is done)
         self._layers: list[LayerKVCache] = []  # built on first use (after k/v exist)
+        self.queries: Tensor | None = None  # (L, B, H, 1, D): each layer's last query, when kept
 
     @classmethod
-    def wrap(cls, k: Tensor, v: Tensor, pos: int = 0) -> KVCache:
+    def wrap(cls, k: Tensor, v: Tensor, pos: int = 0, queries: Tensor | None = None) -> KVCache:
         """A cache around existing (L, B, K, S_max, D) buffers, written in place. ``pos`` may be
         symbolic (``marker.shape[0]`` inside :mod:`qkv.generation.aot`'s exported step, whose
-        position is an input rather than Python state)."""
+        position is an input rather than Python state). ``queries``: see :meth:`keep_queries`."""
         if k.ndim != 5 or v.ndim != 5 or v.shape[:4] != k.shape[:4]:
             raise ValueError(f"KVCache.wrap: k and v must be (L, B, K, S_max, D), got "
                              f"{tuple(k.shape)} and {tuple(v.shape)}")
         self = cls.__new__(cls)
-        self.k, self.v, self.pos, self._layers = k, v, pos, []
+        self.k, self.v, self.pos, self._layers, self.queries = k, v, pos, [], None
+        if queries is not None:
+            self.keep_queries(queries)
         return self
+
+    def keep_queries(self, queries: Tensor) -> None:
+        """Have every attention layer write its last query, after RoPE, into ``queries``
+        (L, B, H, 1, D), written in place at each step: with the keys stored here, that is all it
+        takes to compute any layer's attention row afterwards (softmax(q·Kᵀ/√D), as the reference
+        backend does), without the step itself returning weights. A decoding step compiled ahead
+        of time (:mod:`qkv.generation.aot`) keeps its queries this way."""
+        L, B = self.k.shape[:2]
+        if queries.ndim != 5 or tuple(queries.shape[:2]) != (L, B) or queries.shape[3] != 1:
+            raise ValueError(f"KVCache.keep_queries: queries must be ({L}, {B}, H, 1, D), got "
+                             f"{tuple(queries.shape)}")
+        self.queries = queries
 
     @property
     def max_seq_len(self) -> int:
@@ -136,7 +151,7 @@ class BatchKVCache(KVCache):
         if not isinstance(pos, Tensor) or pos.shape != (k.shape[1],):
             raise ValueError(f"BatchKVCache.wrap: pos must be a ({k.shape[1]},) tensor")
         self = cls.__new__(cls)
-        self.k, self.v, self.pos, self._layers = k, v, pos, []
+        self.k, self.v, self.pos, self._layers, self.queries = k, v, pos, [], None
         self._index = None
         self.lengths = pos.tolist()
         return self
@@ -221,6 +236,12 @@ class LayerKVCache:
         # This layer's buffers as views, so code that reads them (and torch.compile's guards)
         # depends on tensors, not on the layer number: one compiled block serves every layer.
         self.k, self.v = cache.k[index], cache.v[index]  # (B, K, S_max, D)
+
+    def keep_query(self, q: Tensor) -> None:
+        """Write the last of q (B, H, T, D) into the cache's kept queries, if it keeps them."""
+        kept = self.cache.queries
+        if kept is not None:
+            kept[self.index].copy_(q[:, :, -1:])
 
     @property
     def pos(self) -> int | Tensor:

@@ -154,6 +154,7 @@ class MultiHeadAttention(nn.Module):
             raise ValueError(f"x must be (B, T, dim), got shape {tuple(x.shape)}")
         q, k, v = self._project(x, context, rope, 0 if cache is None else cache.pos)
         if cache is not None:
+            cache.keep_query(q)  # kept only where the cache asks (a saved step's attention rows)
             k, v = cache.update(k, v)  # (B, K, pos + T, Dh)
         kw = dict(is_causal=is_causal, dropout_p=self.dropout if self.training else 0.0, bias=bias,
                   return_weights=return_weights, backend=self.backend if backend is None else backend)

@@ -121,18 +121,6 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
-def build_command(ref: ModelRef, lm: CausalLM, device: str) -> list[str]:
-    """The command that builds ``lm``'s saved step in another process, as this one opened it:
-    ``qkv generate REF --weights W --threads N --compile on`` for one token (``--compile on``
-    builds first; the same weights and thread count give the same key)."""
-    import torch
-
-    name = ref.name if ref.source == "bundled" else str(ref.path.resolve())
-    prompt = [] if ref.source == "run" else ["--prompt", "The"]  # a run continues its newline
-    return [sys.executable, "-m", "qkv", "generate", name, "--weights", lm.weights, "--device", device,
-            "--compile", "on", "--max-new-tokens", "1", *prompt, "--threads", str(torch.get_num_threads())]
-
-
 def _start(lm: CausalLM, prompt: str, chat: bool, loaded: str) -> None:
     """What goes out before the first new text, once the request is known to be good (an error
     is then the only line): how the model loaded, notes on the request, then the prompt (a chat
@@ -187,7 +175,9 @@ def decode_mode(args: argparse.Namespace, lm: CausalLM, ref: ModelRef, st) -> st
             return (f"KV cache (decoded eagerly: prompt + new tokens exceed the saved step's "
                     f"{cache_len_for(model)})")
         if args.compile == "auto" and note == aot.NO_STEP:
-            later = aot.build_in_background(model, build_command(ref, lm, args.device))
+            from qkv.inference.steps import build_command
+
+            later = aot.build_in_background(model, build_command(ref, lm))
             return f"KV cache ({note}: decoded eagerly; {later})"
         return f"KV cache ({note or 'saved step not used'}: decoded eagerly; --compile builds one)"
     from qkv.generation.compiled import compiled_decoder

@@ -9,13 +9,20 @@ takes milliseconds and imports neither dynamo nor inductor.
 
 The step as exported::
 
-    step(tok (B, 1) int64, k, v (L, B, K, S, D) written in place, marker (pos,)) -> (B, 1, V)
+    step(tok (B, 1) int64, k, v (L, B, K, S, D) and q (L, B, H, 1, D) written in place,
+         marker (pos,)) -> (B, 1, V)
 
 The position is the *length* of ``marker`` (a dynamic dimension of the exported program), so
 the KV-cache position is an input, not Python state; K/V are written with one ``index_put_``
 on the whole cache (:meth:`qkv.attention.kv_cache.LayerKVCache.update`), which Inductor turns
 into a write of slot ``pos`` only. Positions 0, 1 and S - 1 fall outside the exported range
 and decode eagerly; the step itself does not check bounds, so :meth:`SavedStep.step` does.
+
+The step returns no attention weights (the fused attention never forms them), but it keeps
+each layer's query after RoPE in ``q`` (:meth:`qkv.attention.KVCache.keep_queries`): with the
+keys already in the cache, :meth:`SavedStep.attention` computes any layer's row afterwards by
+the reference backend's formula, so a page that shows attention (``qkv serve``) still decodes
+through the saved step, paying one small product per layer it shows.
 
 Where a package may run is decided by its key, never by the package: CPU vendor, family, model
 and flag set (Inductor builds with ``-march=native``), thread count, torch version and build,
@@ -44,6 +51,7 @@ import threading
 import time
 import weakref
 import zipfile
+from collections.abc import Collection
 from pathlib import Path
 from typing import Any
 
@@ -51,11 +59,12 @@ import torch
 from torch import Tensor, nn
 
 from qkv.attention import KVCache
+from qkv.attention.functional import scaled_dot_product_attention
 from qkv.generation.compiled import fingerprint, shape_signature
 from qkv.models.gpt import GPT
 from qkv.paths import cache_root
 
-STEP_VERSION = 1  # bump when the exported step's contract changes
+STEP_VERSION = 2  # bump when the exported step's contract changes
 DEFAULT_CACHE_LEN = 2048
 PACKAGE = "step.pt2"
 META = "step.json"
@@ -156,20 +165,28 @@ class _Step(nn.Module):
         super().__init__()
         self.model = model
 
-    def forward(self, tok: Tensor, k: Tensor, v: Tensor, marker: Tensor) -> Tensor:
-        cache = KVCache.wrap(k, v, marker.shape[0])
+    def forward(self, tok: Tensor, k: Tensor, v: Tensor, q: Tensor, marker: Tensor) -> Tensor:
+        cache = KVCache.wrap(k, v, marker.shape[0], queries=q)
         return self.model(tok, cache=cache, last_only=True).logits
 
 
 def _export(model: GPT, cache_len: int, batch: int) -> torch.export.ExportedProgram:
-    cache = model.make_cache(batch, cache_len)  # the buffers every request will pass
-    k, v = cache.k, cache.v
+    cache = _make_cache(model, batch, cache_len)  # the buffers every request will pass
+    k, v, q = cache.k, cache.v, cache.queries
     tok = torch.zeros(batch, 1, dtype=torch.long, device=k.device)
     marker = torch.zeros(cache_len, dtype=torch.uint8)[:3]
     pos = torch.export.Dim("pos", min=2, max=cache_len - 2)  # S - 1 would break a guard on S
     with torch.no_grad():
-        return torch.export.export(_Step(model).eval(), (tok, k, v, marker),
-                                   dynamic_shapes=({}, {}, {}, {0: pos}), strict=False)
+        return torch.export.export(_Step(model).eval(), (tok, k, v, q, marker),
+                                   dynamic_shapes=({}, {}, {}, {}, {0: pos}), strict=False)
+
+
+def _make_cache(model: GPT, batch: int, cache_len: int) -> KVCache:
+    """A cache for the step: keys, values and each layer's kept query (L, B, H, 1, D)."""
+    cache = model.make_cache(batch, cache_len)
+    cfg = model.cfg
+    cache.keep_queries(cache.k.new_zeros(cfg.n_layers, batch, cfg.n_heads, 1, cfg.resolved_head_dim))
+    return cache
 
 
 def _made_constants(package: Path, model: GPT) -> dict[str, int]:
@@ -349,7 +366,7 @@ class SavedStep:
             self.requests += 1
             cache = self._free.pop() if self._free else None
         if cache is None:
-            return self.model.make_cache(batch_size, self.cache_len)
+            return _make_cache(self.model, batch_size, self.cache_len)
         cache.reset()
         return cache
 
@@ -366,10 +383,40 @@ class SavedStep:
                              f"cache; got {tuple(tok.shape)} and {cache.max_seq_len}")
         if not 2 <= pos <= self.cache_len - 2:
             return self.model(tok, cache=cache, last_only=True).logits
+        if cache.queries is None:
+            raise ValueError("a saved step's cache keeps its queries: make it with SavedStep.make_cache")
         with self._run_lock:  # one runner: requests in other threads take turns, token by token
-            out = self._loader.boxed_run([tok, cache.k, cache.v, self._marker[:pos]])[0]
+            out = self._loader.boxed_run([tok, cache.k, cache.v, cache.queries, self._marker[:pos]])[0]
         cache.advance(1)
         return out
+
+    def attention(self, cache: KVCache, layers: Collection[int] | None = None) -> list[Tensor | None]:
+        """The attention of the token just stepped (see :func:`attention_rows`)."""
+        return attention_rows(self.model, cache, layers)
+
+
+def attention_rows(model: GPT, cache: KVCache, layers: Collection[int] | None = None) -> list[Tensor | None]:
+    """The attention of the last token fed through ``cache``, in ``layers`` (None: every layer),
+    from the queries the cache kept (:meth:`qkv.attention.KVCache.keep_queries`) and its keys:
+    per layer (B, H, 1, n) weights, n = ``cache.pos`` (None for a layer not asked), as the
+    eager model's reference backend returns them: softmax(q·Kᵀ/√D + ALiBi's bias).
+    Lecture: CS189 Lec 21-22, the scores of one query against every stored key."""
+    q, n = cache.queries, cache.pos
+    if q is None:
+        raise ValueError("this cache keeps no queries: make it with SavedStep.make_cache")
+    if not isinstance(n, int) or n < 1:
+        raise ValueError(f"no token has been fed through this cache yet (pos {n})")
+    L = model.cfg.n_layers
+    want = set(range(L)) if layers is None else {i % L for i in layers}
+    bias = None if model.alibi is None else model.alibi(1, n)  # (H, 1, n)
+    out: list[Tensor | None] = []
+    for i in range(L):
+        if i not in want:
+            out.append(None)
+            continue
+        k, v = cache.k[i, :, :, :n], cache.v[i, :, :, :n]
+        out.append(scaled_dot_product_attention(q[i], k, v, bias=bias, return_weights=True).weights)
+    return out
 
 
 def load(model: GPT, cache_len: int | None = None, batch: int = 1) -> SavedStep | None:

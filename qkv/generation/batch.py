@@ -18,11 +18,12 @@ So every row decodes exactly as it would alone (:func:`qkv.generation.generate` 
 ``compile=False``), up to float rounding of a batched product: the same greedy tokens, and with
 the same seed the same samples. The attention of each new token is available per row.
 
-A row that is *alone* in the batch (and asks for no attention weights) steps through the model's
-saved decoding step (:mod:`qkv.generation.aot`) where one exists, as ``generate`` alone would:
-its keys and values are copied into the step's own cache when it starts, and back into the batch
-when another request joins (a copy of the row's tokens, milliseconds). (``qkv serve``'s rows ask
-for one layer's attention, which the saved step does not return: they stay on the batched step.)
+A row that is *alone* in the batch steps through the model's saved decoding step
+(:mod:`qkv.generation.aot`) where one exists, as ``generate`` alone would: its keys and values
+are copied into the step's own cache when it starts, and back into the batch when another
+request joins (a copy of the row's tokens, milliseconds). A row that asks for attention (``qkv
+serve``'s rows ask for the one layer the page shows) gets it from the step's kept queries and
+the cached keys (:meth:`qkv.generation.aot.SavedStep.attention`), only in the layers it asks for.
 
 The threads around it (a request waiting for a row, a stream to a client) live in
 :mod:`qkv.serve.batching`; this module is synchronous.
@@ -85,7 +86,7 @@ class RowWeights(Sequence[Tensor]):
     """One row's attention in every layer, cut from the step's (B, H, 1, S) tensors only when a
     layer is read (a server that shows one layer reads one): ``[layer]`` -> (H, n)."""
 
-    def __init__(self, weights: Sequence[Tensor], b: int, n: int) -> None:
+    def __init__(self, weights: Sequence[Tensor | None], b: int, n: int) -> None:
         self._weights, self._b, self._n = weights, b, n
 
     def __len__(self) -> int:
@@ -198,10 +199,11 @@ class Batch:
         row.last = nxt
         return nxt
 
-    def _solo_logits(self, row: Row) -> Tensor | None:
-        """(1, V) logits of ``row``'s next token from the saved step, when the row may use it
-        (alone, no attention weights asked, the step's cache long enough); else None."""
-        if not self.saved_step or row.request.weights or row is self._not_solo:
+    def _solo_step(self, row: Row) -> tuple[Tensor, RowWeights | None] | None:
+        """((1, V) logits of ``row``'s next token, its attention in the layers it asks for or
+        None) from the saved step, when the row may use it (alone, the step's cache long
+        enough); else None."""
+        if not self.saved_step or row is self._not_solo:
             return None
         if self._solo is None:
             from qkv.generation import aot
@@ -219,7 +221,9 @@ class Batch:
         _, step, cache = self._solo
         x = torch.tensor([[row.last]], device=self.model.tok_emb.weight.device)
         self.solo_steps += 1
-        return step.step(x, cache)[:, -1]
+        logits = step.step(x, cache)[:, -1]
+        req = row.request
+        return logits, RowWeights(step.attention(cache, req.layers), 0, cache.pos) if req.weights else None
 
     def _flush(self) -> None:
         """Back from the saved step: its row's keys and values into the batch's cache."""
@@ -271,10 +275,12 @@ class Batch:
         rows = list(self.live)
         if not rows:
             return []
-        if len(rows) == 1 and (logits := self._solo_logits(rows[0])) is not None:
-            row = rows[0]
+        if len(rows) == 1 and (got := self._solo_step(rows[0])) is not None:
+            row, (logits, weights) = rows[0], got
             nxt = self._take(row, logits)
-            solo = None if nxt is None else Token(nxt, None)
+            solo = None
+            if nxt is not None:
+                solo = Token(nxt, weights)
             if solo is None or len(row.new) >= row.request.max_new_tokens:
                 self.leave(row)
             return [(row, solo)]

@@ -113,14 +113,15 @@ def generate(
             (tens of seconds to minutes, once per model and machine); ``"jit"``: through
             ``torch.compile`` in this process (:mod:`qkv.generation.compiled`); ``False``:
             eagerly. Requests longer than a step's fixed cache (prompt + new tokens > 2,048)
-            and ``return_weights`` decode eagerly.
+            decode eagerly; ``return_weights`` with the saved step computes each layer's row
+            from the step's kept queries (:meth:`qkv.generation.aot.SavedStep.attention`).
     """
     if prompt.ndim != 2 or prompt.shape[1] < 1:
         raise ValueError(f"prompt must be (B, T) with T >= 1, got shape {tuple(prompt.shape)}")
     if compile not in (True, False, "auto", "jit"):
         raise ValueError(f"compile must be True, False, 'auto' or 'jit', got {compile!r}")
-    if return_weights and compile in (True, "jit"):
-        raise ValueError("the compiled step returns no attention weights; use compile=False")
+    if return_weights and compile == "jit":
+        raise ValueError("the torch.compile step returns no attention weights; use compile='auto' or False")
     model.eval()
     if generator is None and seed is not None:
         generator = make_generator(prompt.device, seed)
@@ -139,7 +140,7 @@ def generate(
         from qkv.generation.compiled import compiled_decoder
 
         dec = compiled_decoder(model)
-    elif compile in (True, "auto") and use_cache and not return_weights and tokens.shape[0] == 1:
+    elif compile in (True, "auto") and use_cache and tokens.shape[0] == 1:
         from qkv.generation.aot import cache_len_for, saved_step
 
         if tokens.shape[1] + max_new_tokens <= cache_len_for(model):  # else: eager, nothing built
@@ -157,17 +158,19 @@ def generate(
                 fed = start
                 if cache is not None:
                     cache.reset()
-            out = None
+            out, weights = None, None
             if cache is None:
                 out = model(tokens[:, start:], last_only=True, **extra)
             elif step is not None and tokens.shape[1] - fed == 1:
                 logits = step(tokens[:, fed:], cache)
                 fed = tokens.shape[1]
+                if return_weights:
+                    weights = dec.attention(cache)
             else:
                 out = model(tokens[:, fed:], cache=cache, last_only=True, **extra)
                 fed = tokens.shape[1]
             if out is not None:
-                logits = out.logits
+                logits, weights = out.logits, out.weights
             nxt = sample_next(logits[:, -1], temperature, top_k, top_p, generator)  # (B,)
             if len(stops):
                 nxt = torch.where(stopped, stop_tok, nxt)
@@ -176,7 +179,7 @@ def generate(
                 if bool(stopped.all()):
                     return
             tokens = torch.cat([tokens, nxt.unsqueeze(1)], dim=1)
-            yield (nxt, [w[:, :, -1] for w in out.weights]) if return_weights else nxt
+            yield (nxt, [w[:, :, -1] for w in weights]) if return_weights else nxt
     finally:
         if step is not None:
             dec.release(cache)  # the next request reuses it

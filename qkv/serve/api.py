@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import re
+import sys
 import threading
 import time
 import weakref
@@ -25,8 +26,11 @@ from fastapi import File, Form, HTTPException, UploadFile
 from fastapi.responses import StreamingResponse
 
 from qkv.errors import InputError, UnknownModelError
+from qkv.generation import aot
 from qkv.generation.batch import Request, Token
 from qkv.generation.decode import decode_after
+from qkv.inference import ModelRef
+from qkv.inference.steps import build_later
 from qkv.pipelines import CausalLM, ImageCaptioner, ImageClassifier, Translator, check_layer_head
 from qkv.pipelines import attention as text
 from qkv.serve.batching import BatchEngine, RowStream
@@ -298,7 +302,7 @@ class Explorer(LensEndpoints):
                 n_new = min(req.max_new_tokens, self.cfg.max_new_tokens, total - len(ids))
                 steps: Iterator[text.GenerationStep]
                 if batched:
-                    row = self._join_batch(req, lm, ids, n_new, layer, head, total)
+                    row = self._join_batch(req, lease.ref, lm, ids, n_new, layer, head, total)
                     held.append(_Cancel(row))
                     steps = text.batch_steps(lm, ids, row)  # type: ignore[arg-type]
                 else:
@@ -335,12 +339,17 @@ class Explorer(LensEndpoints):
 
         return _ReleasingResponse(_Stream(events(), release), media_type="application/x-ndjson")
 
-    def _join_batch(self, req: GenerateRequest, lm: CausalLM, ids: list[int], n_new: int, layer: int,
-                    head: int | None, total: int) -> RowStream:
-        """A row of ``lm``'s running batch for this request (BusyError: a 503)."""
+    def _join_batch(self, req: GenerateRequest, ref: ModelRef, lm: CausalLM, ids: list[int], n_new: int,
+                    layer: int, head: int | None, total: int) -> RowStream:
+        """A row of ``lm``'s running batch for this request (BusyError: a 503). The model's
+        first request also starts building its saved step in the background if this machine has
+        none (a lone row decodes through it once it is built; :mod:`qkv.inference.steps`)."""
         with self._engines_lock:
             engine = self._engines.get(id(lm))
             if engine is None:
+                later = build_later(ref, lm)
+                if later is not None:
+                    print(f"qkv serve: {req.model}: {aot.NO_STEP}: {later}", file=sys.stderr, flush=True)
                 engine = BatchEngine(lm.model, rows=self.cfg.batch_rows, cache_len=total,
                                      queued=self.cfg.max_queued, max_wait_s=self.cfg.max_wait_s,
                                      slot=lambda: self.work.acquire(req.model), name=req.model)

@@ -131,8 +131,9 @@ print(json.dumps({"load_s": t2 - t1, "logits": out[0, -1].tolist(),
 def test_a_row_alone_in_a_running_batch_steps_through_the_saved_step(built):
     """qkv serve's batch: a request alone decodes through the saved step (its keys copied into
     the step's cache), goes back to the batched eager step when another joins (copied back), and
-    to the saved step when it is alone again; every row's tokens are the eager ones alone. A row
-    that asks for attention weights, or a batch told not to, stays eager."""
+    to the saved step when it is alone again; every row's tokens are the eager ones alone. A batch
+    told not to stays eager; a row that asks for one layer's attention (as qkv serve's do) takes
+    the saved step too, with that layer's rows equal to the eager reference backend's."""
     from qkv.generation.batch import Batch, Request
 
     m = model()
@@ -154,13 +155,46 @@ def test_a_row_alone_in_a_running_batch_steps_through_the_saved_step(built):
     assert b.solo_steps > alone
     assert [first.new, second.new] == want
 
-    for kw, req in ((dict(saved_step=False), Request(prompts[0], 8)),
-                    ({}, Request(prompts[0], 8, weights=True))):
-        b = Batch(m, 2, 40, **kw)
-        row, _ = b.join(req)
+    b = Batch(m, 2, 40, saved_step=False)
+    row, _ = b.join(Request(prompts[0], 8))
+    while not row.done:
+        b.step()
+    assert b.solo_steps == 0 and row.new == want[0][:8]
+
+    # attention asked for: the saved step, and the eager reference backend's rows for that layer
+    eager = list(generate(m, torch.tensor([prompts[0]]), 30, temperature=0.0, compile=False,
+                          return_weights=True))
+    ref = [[lw[0] for lw in w] for _, w in eager]  # per token: [layer] -> (H, S)
+    for layers in ((1,), None):
+        b = Batch(m, 2, 40)
+        row, first = b.join(Request(prompts[0], 30, weights=True, layers=layers))
+        toks = [first]
         while not row.done:
-            b.step()
-        assert b.solo_steps == 0 and row.new == want[0][:8]
+            toks += [t for _, t in b.step()]
+        assert b.solo_steps == 29 and row.new == [int(t[0]) for t, _ in eager]
+        for tok, w in zip(toks, ref, strict=True):
+            for i in (1,) if layers else (0, 1):
+                torch.testing.assert_close(tok.weights[i], w[i], rtol=1e-5, atol=1e-6)
+        if layers:
+            with pytest.raises(ValueError, match="layer 0's attention was not computed"):
+                toks[5].weights[0]
+
+
+def test_generate_with_attention_weights_takes_the_saved_step(built):
+    """generate(return_weights=True) through the saved step: the same tokens and, per layer,
+    the eager reference backend's weights; and the step was taken (its request count)."""
+    m, _ = built
+    x = torch.randint(0, V, (1, 4), generator=torch.Generator().manual_seed(8))
+    want = list(generate(m, x, 30, temperature=0.0, compile=False, return_weights=True))
+    step, _ = aot.saved_step(m)
+    assert step is not None
+    before = step.requests
+    got = list(generate(m, x, 30, temperature=0.0, return_weights=True))
+    assert step.requests == before + 1
+    assert [int(t) for t, _ in got] == [int(t) for t, _ in want]
+    for (_, gw), (_, ww) in zip(got, want, strict=True):
+        for g, w in zip(gw, ww, strict=True):
+            torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-6)
 
 
 def test_a_second_process_loads_it_without_compiling(built, tmp_path):
@@ -333,6 +367,62 @@ def test_qkv_generate_builds_then_loads_and_says_why_when_it_cannot(tiny_run, tm
     monkeypatch.setenv("QKV_CACHE_DIR", str(blocked))
     rc, out, err = call([*argv, "--compile"])
     assert rc == 0 and out == eager and "cannot use" in err and "Traceback" not in err
+
+
+def test_qkv_serve_starts_a_build_that_its_next_lone_request_takes(tiny_run, tmp_path, monkeypatch):
+    """A model's first request on `qkv serve` starts building its saved step (the process faked,
+    its command run here): the command builds the very key the server's model has, and the
+    server's next lone request decodes through the step, with the page's layer row and the text
+    of an eager server."""
+    from fastapi.testclient import TestClient
+    from helpers import call
+
+    from qkv.serve import create_app
+
+    runs = tiny_run("gpt").parent
+    name = f"runs/{tiny_run('gpt').name}"
+    body = {"model": name, "prompt": "ROMEO:", "max_new_tokens": 12, "layer": 1, "head": 0}
+
+    def ask(app):
+        events = [json.loads(x) for x in TestClient(app).post("/api/generate", json=body).text.splitlines()]
+        assert events[-1]["event"] == "done", events[-1]
+        return events
+
+    monkeypatch.setenv("QKV_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setenv("QKV_SAVED_STEP", "off")
+    eager = ask(create_app(runs_dir=runs))
+    monkeypatch.delenv("QKV_SAVED_STEP")
+    monkeypatch.setenv("QKV_SAVED_STEP_BACKGROUND", "on")
+    started = []
+
+    class FakeProcess:
+        pid = 4343
+
+        def __init__(self, cmd, **kw):
+            started.append(cmd)
+
+    app = create_app(runs_dir=runs)
+    with monkeypatch.context() as mp:
+        mp.setattr(aot.subprocess, "Popen", FakeProcess)
+        for _ in range(2):  # decoded eagerly meanwhile: the eager server's tokens
+            assert [e.get("id") for e in ask(app)] == [e.get("id") for e in eager]
+    (cmd,) = started  # once per model, not per request
+    assert cmd[1:4] == ["-m", "qkv", "generate"] and "--compile" in cmd
+    rc, _, err = call(cmd[3:])  # what the background process runs
+    assert rc == 0 and "saved step built in" in err, err
+    monkeypatch.setattr(aot, "RECHECK_S", 0.0)  # the server looks again at once (30 s otherwise)
+    from qkv.generation.batch import Batch
+
+    steps = []
+    real = Batch._solo_step
+    monkeypatch.setattr(Batch, "_solo_step", lambda self, row: steps.append(r := real(self, row)) or r)
+    got = ask(app)
+    assert sum(r is not None for r in steps) == 11  # every token after the prefill's first
+    for g, e in zip(got[:-1], eager[:-1], strict=True):  # tokens and the layer's row
+        assert g.keys() == e.keys() and g.get("id") == e.get("id") and g.get("tokens") == e.get("tokens")
+        if "weights" in e:
+            assert g["weights"] == pytest.approx(e["weights"], abs=1e-5)
+    assert got[-1]["text"] == eager[-1]["text"]
 
 
 BUILD_IN_CHILD = """

@@ -1,0 +1,40 @@
+"""Saved decoding steps for opened models: the command that builds one in another process, and
+starting it in the background where a model has none yet (:mod:`qkv.generation.aot`).
+
+``qkv generate`` (after an eager run) and ``qkv serve`` (when a model's first request arrives)
+start the build; the process that started it keeps decoding eagerly, and the next one, or the
+same server's next lone request once the build is done, loads the step.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import torch
+
+from qkv.generation import aot
+from qkv.inference.resolve import ModelRef
+from qkv.pipelines.text import CausalLM
+
+
+def build_command(ref: ModelRef, lm: CausalLM) -> list[str]:
+    """The command that builds ``lm``'s saved step in another process, as this one opened it:
+    ``qkv generate REF --weights W --device D --threads N --compile on`` for one token
+    (``--compile on`` builds first; the same weights and thread count give the same key)."""
+    name = ref.name if ref.source == "bundled" else str(ref.path.resolve())
+    prompt = [] if ref.source == "run" else ["--prompt", "The"]  # a run continues its newline
+    device = lm.model.tok_emb.weight.device.type
+    return [sys.executable, "-m", "qkv", "generate", name, "--weights", lm.weights, "--device", device,
+            "--compile", "on", "--max-new-tokens", "1", *prompt, "--threads", str(torch.get_num_threads())]
+
+
+def build_later(ref: ModelRef, lm: CausalLM) -> str | None:
+    """Start building ``lm``'s saved step in the background if it has none on this machine
+    (:func:`qkv.generation.aot.build_in_background`); what was done, or None when it has one
+    (or saved steps, or background builds, are off)."""
+    if not aot.background_enabled():
+        return None
+    step, note = aot.saved_step(lm.model)
+    if step is not None or note != aot.NO_STEP:
+        return None
+    return aot.build_in_background(lm.model, build_command(ref, lm))
