@@ -4,9 +4,10 @@ Three servers on the same SmolLM2 GGUF (Q4_1), each a subprocess on 127.0.0.1, m
 same rounds, one server at a time (the others idle):
 
 - ``qkv serve`` as it is now: requests on one model decode together in one running batch
-  (``--batch-rows 8``, :mod:`qkv.serve.batching`); a request alone in it decodes through the
-  model's saved step (built first, as ``qkv generate smollm2 --compile on`` builds it; the
-  attention row the page shows comes from the step's kept queries);
+  (``--batch-rows 8``, :mod:`qkv.serve.batching`) through the model's saved steps: one for a
+  request alone, one for a running batch of 2-8 rows (built first, as the server's own background
+  build makes them: ``qkv generate smollm2 --compile on --batch-step 8:256``); the attention row
+  the page shows comes from the steps' kept queries;
 - ``qkv serve --batch-rows 0`` with saved steps off: each request decodes alone and eagerly in its
   own work slot (at most 2 per model at once, the rest wait): how qkv served before;
 - llama.cpp's ``llama-server`` (``-np 8``: 8 slots, continuous batching; ``-t 2``), where it builds
@@ -45,6 +46,7 @@ PROMPTS = ["Once upon a time, in a small village by the sea,", "The history of t
            "The best way to learn a new language is", "In 1969, the first humans walked on",
            "A recipe for bread needs flour, water,", "The three laws of motion state that"]
 NEW = 64
+MAX_TOKENS = 256  # qkv serve's --max-tokens default: its batch's cache length
 
 
 def free_port() -> int:
@@ -157,8 +159,10 @@ def main() -> int:
     print(f"llama-server: {how}")
     t0 = time.perf_counter()  # the step the batched server's lone rows take (built once per machine)
     built = subprocess.run([sys.executable, "-m", "qkv", "generate", "smollm2", "--compile", "on", "--prompt",
-                            "The", "--max-new-tokens", "1"], capture_output=True, text=True)
-    step_note = built.stderr.strip().splitlines()[-1] if built.stderr.strip() else f"rc {built.returncode}"
+                            "The", "--max-new-tokens", "1", "--batch-step", f"8:{MAX_TOKENS}"],
+                           capture_output=True, text=True)
+    lines = [x for x in built.stderr.splitlines() if x.startswith("[")]  # qkv generate's closing lines
+    step_note = " ".join(lines) or f"rc {built.returncode}"
     print(f"saved step: {step_note} ({time.perf_counter() - t0:.0f} s)")
     servers: list[Server] = [QkvServer("qkv serve (batched)", runs, 8, True),
                              QkvServer("qkv serve --batch-rows 0 (each alone, eager)", runs, 0, False)]

@@ -140,25 +140,46 @@ class BatchKVCache(KVCache):
         self.pos = torch.zeros(batch_size, dtype=torch.long, device=self.k.device)  # type: ignore[assignment]
         self.lengths = [0] * batch_size  # pos as Python ints (each layer's attention reads them)
         self._index: tuple | None = None  # (key, write indices) of the current step
+        self._span: int | None = None
 
     @classmethod
-    def wrap(cls, k: Tensor, v: Tensor, pos: int | Tensor = 0) -> BatchKVCache:
+    def wrap(cls, k: Tensor, v: Tensor, pos: int | Tensor = 0, span: int | None = None,
+             queries: Tensor | None = None) -> BatchKVCache:
         """A batch cache around existing (L, B, K, S_max, D) buffers and (B,) positions (views
-        are written in place, so :meth:`head` shares its parent's storage)."""
+        are written in place, so :meth:`head` shares its parent's storage).
+
+        ``span`` given (max(pos), possibly symbolic): a *masked* view, as a decoding step
+        compiled ahead of time sees the running batch (:mod:`qkv.generation.aot`): the positions
+        are never read back into Python, every row attends over the first ``span + T`` keys
+        with the keys past its own masked out (:meth:`LayerKVCache.row_mask`), and the caller,
+        not the step, advances the positions. Its ``pos`` may be shorter than the buffers' B:
+        the step runs the first ``len(pos)`` rows (written in place in the whole buffers).
+        ``queries``: see :meth:`KVCache.keep_queries`."""
         if k.ndim != 5 or v.ndim != 5 or v.shape[:4] != k.shape[:4]:
             raise ValueError(f"BatchKVCache.wrap: k and v must be (L, B, K, S_max, D), got "
                              f"{tuple(k.shape)} and {tuple(v.shape)}")
-        if not isinstance(pos, Tensor) or pos.shape != (k.shape[1],):
+        if not isinstance(pos, Tensor) or pos.ndim != 1 or (
+                pos.shape[0] > k.shape[1] if span is not None else pos.shape[0] != k.shape[1]):
             raise ValueError(f"BatchKVCache.wrap: pos must be a ({k.shape[1]},) tensor")
         self = cls.__new__(cls)
         self.k, self.v, self.pos, self._layers, self.queries = k, v, pos, [], None
         self._index = None
-        self.lengths = pos.tolist()
+        self._span = span
+        self.lengths = pos.tolist() if span is None else None  # type: ignore[assignment]
+        if queries is not None:
+            self.keep_queries(queries)
         return self
+
+    @property
+    def masked(self) -> bool:
+        """A masked view (see :meth:`wrap`): positions known to the tensors only."""
+        return self.lengths is None
 
     @property
     def span(self) -> int:
         """max(pos): how far a step must read."""
+        if self.lengths is None:
+            return self._span  # type: ignore[return-value]
         return max(self.lengths, default=0)
 
     @property
@@ -170,7 +191,8 @@ class BatchKVCache(KVCache):
         advances this cache's rows too: call :meth:`sync` after it)."""
         if not 1 <= n <= self.batch_size:
             raise ValueError(f"BatchKVCache.head: n must be in [1, {self.batch_size}], got {n}")
-        return BatchKVCache.wrap(self.k[:, :n], self.v[:, :n], self.pos[:n])
+        return BatchKVCache.wrap(self.k[:, :n], self.v[:, :n], self.pos[:n],
+                                 queries=None if self.queries is None else self.queries[:, :n])
 
     def sync(self) -> None:
         """Re-read the positions after a step on a :meth:`head` view (which advanced them in the
@@ -201,16 +223,19 @@ class BatchKVCache(KVCache):
     def write_index(self, T: int) -> tuple[Tensor, Tensor, Tensor]:
         """Indices of (B, K, S_max, D) where a step's (B, K, T, D) new keys go: row b at
         ``pos[b] .. pos[b] + T - 1``. Built once per step, shared by every layer."""
-        key = (tuple(self.lengths), T)
-        if self._index is None or self._index[0] != key:
-            B, K, dev = self.k.shape[1], self.k.shape[2], self.k.device
+        key = None if self.lengths is None else (tuple(self.lengths), T)
+        if key is None or self._index is None or self._index[0] != key:
+            B, K, dev = self.pos.shape[0], self.k.shape[2], self.k.device
             self._index = (key, (torch.arange(B, device=dev).view(B, 1, 1),
                                  torch.arange(K, device=dev).view(1, K, 1),
                                  (self.pos.view(B, 1) + torch.arange(T, device=dev)).view(B, 1, T)))
         return self._index[1]
 
     def advance(self, n: int) -> None:
-        """Every row stored ``n`` more tokens (a step feeds the same count to each row)."""
+        """Every row stored ``n`` more tokens (a step feeds the same count to each row). A
+        masked view leaves this to its caller."""
+        if self.lengths is None:
+            return
         if self.span + n > self.max_seq_len:
             raise ValueError(f"KVCache overflow: a row at position {self.span} + {n} new tokens > "
                              f"max_seq_len {self.max_seq_len}; allocate a larger cache")
@@ -241,7 +266,7 @@ class LayerKVCache:
         """Write the last of q (B, H, T, D) into the cache's kept queries, if it keeps them."""
         kept = self.cache.queries
         if kept is not None:
-            kept[self.index].copy_(q[:, :, -1:])
+            kept[self.index, : q.shape[0]].copy_(q[:, :, -1:])  # a masked batch may run fewer rows
 
     @property
     def pos(self) -> int | Tensor:
@@ -294,15 +319,27 @@ class LayerKVCache:
     def row_lengths(self, T: int) -> list[int] | None:
         """After :meth:`update` of ``T`` tokens, how many keys each row holds (a
         :class:`BatchKVCache`'s rows differ), or None when every row holds the same."""
-        if isinstance(self.cache, BatchKVCache):
+        if isinstance(self.cache, BatchKVCache) and self.cache.lengths is not None:
             return [n + T for n in self.cache.lengths]
         return None
+
+    def row_mask(self, T: int) -> Tensor | None:
+        """For a masked :class:`BatchKVCache` view, after :meth:`update` of ``T`` tokens: which
+        of the ``span + T`` keys each row's queries may attend, (B, 1, T, span + T) bool (row b's
+        query t sees keys 0 .. pos[b] + t: its own, causally); None for any other cache."""
+        cache = self.cache
+        if not isinstance(cache, BatchKVCache) or cache.lengths is not None:
+            return None
+        dev = self.k.device
+        last = cache.pos.view(-1, 1, 1, 1) + torch.arange(T, device=dev).view(1, 1, T, 1)  # (B, 1, T, 1)
+        return torch.arange(cache.span + T, device=dev).view(1, 1, 1, -1) <= last
 
     def _update_rows(self, k: Tensor, v: Tensor, span: int) -> tuple[Tensor, Tensor]:
         """:meth:`update` for a :class:`BatchKVCache`: row b's T new keys/values go to
         ``pos[b] .. pos[b] + T - 1``; returns (B, K, span + T, D), the longest row's worth (each
         row's attention reads its own first :meth:`row_lengths` keys of it)."""
-        B, K, S_max, D = self.k.shape
+        _, K, S_max, D = self.k.shape
+        B = self.cache.pos.shape[0]  # a masked view may run fewer rows than its buffers hold
         if k.ndim != 4 or k.shape[0] != B or k.shape[1] != K or k.shape[3] != D or v.shape[:3] != k.shape[:3]:
             raise ValueError(f"KVCache: new keys/values have shapes {tuple(k.shape)}, {tuple(v.shape)}; "
                              f"expected (B={B}, K={K}, T, D={D})")
@@ -311,6 +348,11 @@ class LayerKVCache:
             raise ValueError(f"KVCache overflow: a row at position {span} + {T} new tokens > max_seq_len "
                              f"{S_max}; allocate a larger cache")
         idx = self.cache.write_index(T)
-        self.k.index_put_(idx, k)
-        self.v.index_put_(idx, v)
-        return self.k[:, :, : span + T], self.v[:, :, : span + T]
+        if torch.compiler.is_exporting():  # on the whole buffer, in place (see update)
+            layer = torch.full((1, 1, 1), self.index, dtype=torch.long, device=k.device)
+            self.cache.k.index_put_((layer, *idx), k)
+            self.cache.v.index_put_((layer, *idx), v)
+        else:
+            self.k.index_put_(idx, k)
+            self.v.index_put_(idx, v)
+        return self.k[:B, :, : span + T], self.v[:B, :, : span + T]

@@ -159,6 +159,9 @@ class MultiHeadAttention(nn.Module):
         kw = dict(is_causal=is_causal, dropout_p=self.dropout if self.training else 0.0, bias=bias,
                   return_weights=return_weights, backend=self.backend if backend is None else backend)
         lengths = None if cache is None else cache.row_lengths(q.shape[2])
+        rows = None if cache is None or lengths is not None else cache.row_mask(q.shape[2])
+        if rows is not None:  # a masked running batch: each row's own keys, causally
+            mask, kw["is_causal"] = (rows if mask is None else mask & rows), False
         if lengths is None:
             out, weights = attention(q, k, v, mask=mask, **kw)  # type: ignore[arg-type]
         else:

@@ -23,7 +23,7 @@ from torch import Tensor, nn
 
 def _check_range(kind: str, offset: int | Tensor, T: int, limit: int) -> None:
     if isinstance(offset, Tensor):  # one offset per row (a running batch): check the extremes
-        if not len(offset):
+        if torch.compiler.is_exporting() or not len(offset):  # exported: its caller checks
             return
         lo, hi = int(offset.min()), int(offset.max())
         if lo < 0 or hi + T > limit:
@@ -147,6 +147,9 @@ class RotaryEmbedding(nn.Module):
         """cos and sin (B, 1, T, D) at each row's positions. Every layer of one decoding step
         asks for the same positions: the gather is done once per step (the last one is kept,
         with a copy of the positions it was made for)."""
+        if torch.compiler.is_exporting():  # no state kept inside an exported program
+            at = positions(offset, T)
+            return self.cos[at].unsqueeze(1), self.sin[at].unsqueeze(1)
         memo = self._memo
         if (memo is not None and memo[1] == T and memo[0].shape == offset.shape
                 and memo[0].device == offset.device and torch.equal(memo[0], offset)):

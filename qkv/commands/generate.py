@@ -50,6 +50,8 @@ def add_generate_parser(sub) -> None:
     p.add_argument("--threads", type=int, default=None,
                    help="CPU threads PyTorch decodes with (default: one per core); a saved step is "
                    "built for a thread count")
+    p.add_argument("--batch-step", default=None, metavar="ROWS:LEN", help=argparse.SUPPRESS)  # qkv serve's
+    # background build: also the saved step of a running batch of up to ROWS rows, LEN positions
     p.add_argument("--chat", action="store_true",
                    help="(pretrained) wrap the prompt in the model's chat template and print the reply")
     p.add_argument("--system", default=None, help="(pretrained, --chat) a system message")
@@ -118,7 +120,26 @@ def cmd_generate(args: argparse.Namespace) -> int:
     print(f"[{st.new_tokens} tokens in {st.seconds:.2f} s after a {st.prompt_tokens}-token prompt, "
           f"{st.tokens_per_s:.1f} tok/s, {decode_mode(args, lm, ref, st)}]",
           file=sys.stderr)
+    if args.batch_step:
+        print(f"[{batch_step(lm, args.batch_step)}]", file=sys.stderr)
     return 0
+
+
+def batch_step(lm: CausalLM, spec: str) -> str:
+    """Build (or find) the saved step of a running batch, ``spec`` = ``ROWS:LEN`` (what ``qkv
+    serve``'s background build asks for besides the one-row step)."""
+    from qkv.generation import aot
+
+    try:
+        rows, length = (int(x) for x in spec.split(":"))
+    except ValueError:
+        raise ValueError(f"--batch-step takes ROWS:LEN, got {spec!r}") from None
+    if not 2 <= rows <= 64 or length < 8:
+        raise ValueError(f"--batch-step: 2..64 rows and at least 8 positions, got {spec!r}")
+    step, note = aot.saved_step(lm.model, build_missing=True, rows=rows, cache_len=length)
+    if step is None:
+        return f"no saved step for {rows} rows: {note}"
+    return f"saved step for up to {rows} rows of {step.cache_len} positions: {note or 'already built'}"
 
 
 def _start(lm: CausalLM, prompt: str, chat: bool, loaded: str) -> None:

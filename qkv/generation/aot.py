@@ -58,7 +58,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from qkv.attention import KVCache
+from qkv.attention import BatchKVCache, KVCache
 from qkv.attention.functional import scaled_dot_product_attention
 from qkv.generation.compiled import fingerprint, shape_signature
 from qkv.models.gpt import GPT
@@ -170,6 +170,21 @@ class _Step(nn.Module):
         return self.model(tok, cache=cache, last_only=True).logits
 
 
+class _RowsStep(nn.Module):
+    """What is exported for a running batch of up to R rows: the first n = ``len(pos)`` rows
+    of the cache (n a dynamic dimension, 2..R), row b's token at its own position ``pos[b]``,
+    attending over its own keys among the first ``marker.shape[0]`` (= max(pos) + 1) (a masked
+    :class:`~qkv.attention.BatchKVCache` view; the caller advances the positions)."""
+
+    def __init__(self, model: GPT) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, tok: Tensor, k: Tensor, v: Tensor, q: Tensor, pos: Tensor, marker: Tensor) -> Tensor:
+        cache = BatchKVCache.wrap(k, v, pos, span=marker.shape[0] - 1, queries=q)
+        return self.model(tok, cache=cache, last_only=True).logits
+
+
 def _export(model: GPT, cache_len: int, batch: int) -> torch.export.ExportedProgram:
     cache = _make_cache(model, batch, cache_len)  # the buffers every request will pass
     k, v, q = cache.k, cache.v, cache.queries
@@ -177,16 +192,33 @@ def _export(model: GPT, cache_len: int, batch: int) -> torch.export.ExportedProg
     marker = torch.zeros(cache_len, dtype=torch.uint8)[:3]
     pos = torch.export.Dim("pos", min=2, max=cache_len - 2)  # S - 1 would break a guard on S
     with torch.no_grad():
-        return torch.export.export(_Step(model).eval(), (tok, k, v, q, marker),
-                                   dynamic_shapes=({}, {}, {}, {}, {0: pos}), strict=False)
+        if batch == 1:
+            return torch.export.export(_Step(model).eval(), (tok, k, v, q, marker),
+                                       dynamic_shapes=({}, {}, {}, {}, {0: pos}), strict=False)
+        n = torch.export.Dim("rows", min=2, max=batch)
+        at = torch.tensor([2, 0], dtype=torch.long, device=k.device)
+        return torch.export.export(_RowsStep(model).eval(), (tok[:2], k, v, q, at, marker),
+                                   dynamic_shapes=({0: n}, {}, {}, {}, {0: n}, {0: pos}), strict=False)
 
 
 def _make_cache(model: GPT, batch: int, cache_len: int) -> KVCache:
-    """A cache for the step: keys, values and each layer's kept query (L, B, H, 1, D)."""
-    cache = model.make_cache(batch, cache_len)
-    cfg = model.cfg
-    cache.keep_queries(cache.k.new_zeros(cfg.n_layers, batch, cfg.n_heads, 1, cfg.resolved_head_dim))
+    """A cache for the step: keys, values and each layer's kept query (L, B, H, 1, D); for
+    more than one row, a running batch's (a :class:`~qkv.attention.BatchKVCache`)."""
+    cfg, p = model.cfg, model.tok_emb.weight
+    if batch == 1:
+        cache = model.make_cache(batch, cache_len)
+    else:
+        cache = BatchKVCache(cfg.n_layers, batch, cfg.resolved_kv_heads, cache_len, cfg.resolved_head_dim,
+                             dtype=p.dtype, device=p.device)
+    keep_queries(model, cache)
     return cache
+
+
+def keep_queries(model: GPT, cache: KVCache) -> None:
+    """Give ``cache`` a buffer for each layer's last query (L, B, H, 1, D), as a saved step's
+    cache has (:meth:`qkv.attention.KVCache.keep_queries`)."""
+    cfg, B = model.cfg, cache.k.shape[1]
+    cache.keep_queries(cache.k.new_zeros(cfg.n_layers, B, cfg.n_heads, 1, cfg.resolved_head_dim))
 
 
 def _made_constants(package: Path, model: GPT) -> dict[str, int]:
@@ -390,32 +422,71 @@ class SavedStep:
         cache.advance(1)
         return out
 
-    def attention(self, cache: KVCache, layers: Collection[int] | None = None) -> list[Tensor | None]:
+    def step_rows(self, tok: Tensor, cache: BatchKVCache) -> Tensor:
+        """A running batch's step: (n, 1) ids for its first n rows (2 <= n <= R), row b's at
+        ``cache.pos[b]`` -> (n, 1, V) logits; those rows advance. ``cache``: the batch's cache
+        of R rows, with kept queries. A span the package was not exported for runs the batch's
+        eager step instead (every row on its own keys)."""
+        R, S, n = self.batch, self.cache_len, tok.shape[0]
+        if cache.max_seq_len != S or cache.k.shape[1] != R or tok.ndim != 2 or tok.shape[1] != 1 \
+                or not 2 <= n <= R:
+            raise ValueError(f"a saved step of up to {R} rows takes (2..{R}, 1) tokens and a {S}-position "
+                             f"cache of {R} rows; got {tuple(tok.shape)}, {cache.max_seq_len} and "
+                             f"{cache.k.shape[1]}")
+        if cache.queries is None:
+            raise ValueError("a saved step's cache keeps its queries: aot.keep_queries(model, cache)")
+        span = max(cache.lengths[:n])
+        if not 1 <= span <= S - 3:
+            out = self.model(tok, cache=cache.head(n), last_only=True).logits
+            cache.sync()
+            return out
+        with self._run_lock:
+            out = self._loader.boxed_run([tok, cache.k, cache.v, cache.queries, cache.pos[:n],
+                                          self._marker[: span + 1]])[0]
+        cache.pos[:n] += 1
+        cache.sync()
+        return out
+
+    def attention(self, cache: KVCache, layers: Collection[int] | None = None,
+                  rows: int | None = None) -> list[Tensor | None]:
         """The attention of the token just stepped (see :func:`attention_rows`)."""
-        return attention_rows(self.model, cache, layers)
+        return attention_rows(self.model, cache, layers, rows)
 
 
-def attention_rows(model: GPT, cache: KVCache, layers: Collection[int] | None = None) -> list[Tensor | None]:
+def attention_rows(model: GPT, cache: KVCache, layers: Collection[int] | None = None,
+                   rows: int | None = None) -> list[Tensor | None]:
     """The attention of the last token fed through ``cache``, in ``layers`` (None: every layer),
     from the queries the cache kept (:meth:`qkv.attention.KVCache.keep_queries`) and its keys:
     per layer (B, H, 1, n) weights, n = ``cache.pos`` (None for a layer not asked), as the
-    eager model's reference backend returns them: softmax(q·Kᵀ/√D + ALiBi's bias).
+    eager model's reference backend returns them: softmax(q·Kᵀ/√D + ALiBi's bias). For a
+    :class:`~qkv.attention.BatchKVCache`, its first ``rows`` rows (default all), each over its
+    own ``pos[b]`` keys: (rows, H, 1, max pos), zero past each row's keys.
     Lecture: CS189 Lec 21-22, the scores of one query against every stored key."""
-    q, n = cache.queries, cache.pos
+    q = cache.queries
     if q is None:
         raise ValueError("this cache keeps no queries: make it with SavedStep.make_cache")
-    if not isinstance(n, int) or n < 1:
-        raise ValueError(f"no token has been fed through this cache yet (pos {n})")
     L = model.cfg.n_layers
     want = set(range(L)) if layers is None else {i % L for i in layers}
-    bias = None if model.alibi is None else model.alibi(1, n)  # (H, 1, n)
+    if isinstance(cache, BatchKVCache):
+        B = cache.batch_size if rows is None else rows
+        lengths = cache.lengths[:B]
+        n = max(lengths, default=0)
+        at = cache.pos[:B] - 1  # each row's last token
+        mask = torch.arange(n, device=at.device).view(1, 1, 1, n) <= at.view(B, 1, 1, 1)
+        bias = None if model.alibi is None else model.alibi.rows(at, 1, n)  # (B, H, 1, n)
+    else:
+        B, n, mask = q.shape[1], cache.pos, None
+        bias = None if model.alibi is None else model.alibi(1, n)  # (H, 1, n)
+    if not isinstance(n, int) or n < 1:
+        raise ValueError(f"no token has been fed through this cache yet (pos {n})")
     out: list[Tensor | None] = []
     for i in range(L):
         if i not in want:
             out.append(None)
             continue
-        k, v = cache.k[i, :, :, :n], cache.v[i, :, :, :n]
-        out.append(scaled_dot_product_attention(q[i], k, v, bias=bias, return_weights=True).weights)
+        k, v = cache.k[i, :B, :, :n], cache.v[i, :B, :, :n]
+        w = scaled_dot_product_attention(q[i, :B], k, v, mask=mask, bias=bias, return_weights=True).weights
+        out.append(w)
     return out
 
 
@@ -441,25 +512,29 @@ def load(model: GPT, cache_len: int | None = None, batch: int = 1) -> SavedStep 
     return step
 
 
-_LOADED: weakref.WeakKeyDictionary[GPT, tuple[SavedStep | None, float, str | None]] = \
+_LOADED: weakref.WeakKeyDictionary[GPT, dict[tuple[int, int], tuple[SavedStep | None, float, str | None]]] = \
     weakref.WeakKeyDictionary()
 RECHECK_S = 30.0  # how long "no saved step for this model" is believed before the folder is read again
 
 
-def saved_step(model: GPT, build_missing: bool = False) -> tuple[SavedStep | None, str | None]:
+def saved_step(model: GPT, build_missing: bool = False, rows: int = 1,
+               cache_len: int | None = None) -> tuple[SavedStep | None, str | None]:
     """(the model's saved step or None, why not / what was done) for the decoding loop: loaded
     once per model and kept; with ``build_missing``, built first when there is none (the
-    caller's ``--compile``). Any failure leaves decoding eager, with the reason."""
+    caller's ``--compile``). Any failure leaves decoding eager, with the reason. ``rows`` > 1:
+    the step of a running batch of up to that many rows (:meth:`SavedStep.step_rows`) with a
+    ``cache_len``-position cache (default :func:`cache_len_for`)."""
     with _LOADING:  # one load per model, however many threads ask at once
-        return _saved_step(model, build_missing)
+        return _saved_step(model, build_missing, rows, cache_len_for(model, cache_len))
 
 
 _LOADING = threading.RLock()
 
 
-def _saved_step(model: GPT, build_missing: bool) -> tuple[SavedStep | None, str | None]:
+def _saved_step(model: GPT, build_missing: bool, rows: int, S: int) -> tuple[SavedStep | None, str | None]:
     now = time.monotonic()
-    got = _LOADED.get(model)
+    known = _LOADED.setdefault(model, {})
+    got = known.get((rows, S))
     held = got[0] if got is not None else None
     if held is not None and step_key(model, held.cache_len, held.batch)[0] != held.key:
         got = None  # the model was cast, quantised or changed shape, or the thread count changed
@@ -467,15 +542,15 @@ def _saved_step(model: GPT, build_missing: bool) -> tuple[SavedStep | None, str 
         return got[0], got[2]
     note = None
     try:
-        step = load(model)
+        step = load(model, S, rows)
         if step is None and build_missing and enabled():
             t0 = time.perf_counter()
-            build(model)
-            step = load(model)
+            build(model, S, rows)
+            step = load(model, S, rows)
             note = f"saved step built in {time.perf_counter() - t0:.0f} s"
     except Exception as e:  # a compiler error is not one exception type: any failure decodes eagerly
         step, note = None, f"no saved step ({type(e).__name__}: {' '.join(str(e).split())[:200]})"
     if step is None and note is None:
         note = NO_STEP if enabled() else "saved steps are off"
-    _LOADED[model] = (step, now, note)
+    known[(rows, S)] = (step, now, note)
     return step, note

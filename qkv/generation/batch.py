@@ -33,6 +33,7 @@ Shapes: R rows, S cache length, H heads, V vocabulary.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, NamedTuple, overload
@@ -152,6 +153,9 @@ class Batch:
         self._solo: tuple[Row, SavedStep, KVCache] | None = None  # the row, its saved step, the step's cache
         self._not_solo: Row | None = None  # the last row the saved step could not take (not asked again)
         self.solo_steps = 0  # steps taken through the saved step (a count for tests and benchmarks)
+        self._rows_step: SavedStep | None = None  # the saved step for several rows, once found
+        self._rows_asked = -float("inf")  # when it was last looked for (monotonic seconds)
+        self.rows_steps = 0  # steps of several rows taken through it (a count for tests and benchmarks)
 
     def __len__(self) -> int:
         return len(self.live)
@@ -162,9 +166,14 @@ class Batch:
 
     @torch.inference_mode()
     def _make_cache(self, length: int) -> BatchKVCache:
+        from qkv.generation import aot
+
         cfg, p = self.model.cfg, self.model.tok_emb.weight
-        return BatchKVCache(cfg.n_layers, self.rows, cfg.resolved_kv_heads, length, cfg.resolved_head_dim,
-                            dtype=p.dtype, device=p.device)
+        cache = BatchKVCache(cfg.n_layers, self.rows, cfg.resolved_kv_heads, length, cfg.resolved_head_dim,
+                             dtype=p.dtype, device=p.device)
+        if self.rows > 1 and aot.enabled():  # what a saved step of several rows reads and writes
+            aot.keep_queries(self.model, cache)
+        return cache
 
     def _grow(self, length: int) -> None:
         """Room for ``length`` tokens per row (the live rows' tokens are copied over)."""
@@ -224,6 +233,34 @@ class Batch:
         logits = step.step(x, cache)[:, -1]
         req = row.request
         return logits, RowWeights(step.attention(cache, req.layers), 0, cache.pos) if req.weights else None
+
+    def _several(self, rows: list[Row]) -> tuple[Tensor, list[Tensor | None] | None] | None:
+        """((n, 1, V) logits, the attention of the layers the rows ask for or None) of a step
+        of ``rows`` (the batch's first n) through the model's saved step for a running batch of
+        up to ``self.rows`` rows with this cache length, when there is one; else None. Looked
+        for once, and again every :data:`qkv.generation.aot.RECHECK_S` seconds while missing."""
+        if not self.saved_step or self._cache.queries is None or len(rows) < 2:
+            return None
+        if self._rows_step is None or self._rows_step.cache_len != self.cache_len:
+            from qkv.generation import aot
+
+            now = time.monotonic()
+            if now - self._rows_asked < aot.RECHECK_S and self._rows_step is None:
+                return None
+            self._rows_asked = now
+            self._rows_step, _ = aot.saved_step(self.model, rows=self.rows, cache_len=self.cache_len)
+            if self._rows_step is None:
+                return None
+            self._rows_step.begin()
+        step = self._rows_step
+        x = torch.tensor([[r.last] for r in rows], device=self.model.tok_emb.weight.device)
+        logits = step.step_rows(x, self._cache)
+        self.rows_steps += 1
+        asked = [r.request for r in rows if r.request.weights]
+        if not asked:
+            return logits, None
+        layers = None if any(r.layers is None for r in asked) else {i for r in asked for i in r.layers or ()}
+        return logits, step.attention(self._cache, layers, rows=len(rows))
 
     def _flush(self) -> None:
         """Back from the saved step: its row's keys and values into the batch's cache."""
@@ -286,18 +323,21 @@ class Batch:
             return [(row, solo)]
         self._flush()
         n = len(rows)
-        cache = self._cache.head(n)
-        lengths = cache.lengths  # before the step (advance makes a new list): row b's token at lengths[b]
-        dev = self.model.tok_emb.weight.device
-        x = torch.tensor([[r.last] for r in rows], device=dev)  # (n, 1)
-        out = self.model(x, cache=cache, last_only=True, **self._extra([r.request for r in rows]))
-        self._cache.sync()
+        lengths = self._cache.lengths[:n]  # before the step: row b's token at lengths[b]
+        got = self._several(rows)
+        if got is None:
+            x = torch.tensor([[r.last] for r in rows], device=self.model.tok_emb.weight.device)  # (n, 1)
+            out = self.model(x, cache=self._cache.head(n), last_only=True,
+                             **self._extra([r.request for r in rows]))
+            self._cache.sync()
+            got = out.logits, out.weights
+        logits, weights = got
         events: list[tuple[Row, Token | None]] = []
         for b, row in enumerate(rows):
-            nxt = self._take(row, out.logits[b : b + 1, -1])
+            nxt = self._take(row, logits[b : b + 1, -1])
             tok = None
             if nxt is not None:
-                tok = Token(nxt, RowWeights(out.weights, b, lengths[b] + 1) if row.request.weights else None)
+                tok = Token(nxt, RowWeights(weights, b, lengths[b] + 1) if row.request.weights else None)
             events.append((row, tok))
         for row, tok in events:
             if tok is None or len(row.new) >= row.request.max_new_tokens:

@@ -347,7 +347,7 @@ class Explorer(LensEndpoints):
         with self._engines_lock:
             engine = self._engines.get(id(lm))
             if engine is None:
-                later = build_later(ref, lm)
+                later = build_later(ref, lm, self.cfg.batch_rows, total)
                 if later is not None:
                     print(f"qkv serve: {req.model}: {aot.NO_STEP}: {later}", file=sys.stderr, flush=True)
                 engine = BatchEngine(lm.model, rows=self.cfg.batch_rows, cache_len=total,

@@ -180,6 +180,52 @@ def test_a_row_alone_in_a_running_batch_steps_through_the_saved_step(built):
                 toks[5].weights[0]
 
 
+def test_a_running_batch_of_several_rows_steps_through_its_saved_step(tmp_path, monkeypatch):
+    """The step exported for a running batch of up to 4 rows (n rows a dynamic dimension, each
+    at its own position): rows of different lengths joining and leaving, greedy and seeded
+    sampling, a row that stops early, rows asking for one layer's attention or every layer's;
+    every row's tokens are its request's decoded alone eagerly (generate, compile=False), its
+    attention rows the eager reference backend's; the steps of several rows went through it."""
+    from qkv.generation.batch import Batch, Request
+
+    monkeypatch.setenv("QKV_CACHE_DIR", str(tmp_path / "cache"))
+    m = model(seed=4)
+    aot.build(m, cache_len=40, batch=4)
+    prompts = [torch.randint(0, V, (n,), generator=torch.Generator().manual_seed(20 + n)).tolist()
+               for n in (5, 3, 8, 2, 6)]
+    reqs = [Request(prompts[0], 34, weights=True, layers=(1,)),
+            Request(prompts[1], 12, temperature=1.0, seed=7),
+            Request(prompts[2], 32, weights=True),  # to position 38: past the exported span (eager)
+            Request(prompts[3], 14, temperature=0.8, top_k=5, seed=3),
+            Request(prompts[4], 10, stop_ids=())]
+    want = []
+    for r in reqs:
+        got = list(generate(m, torch.tensor([list(r.ids)]), r.max_new_tokens, temperature=r.temperature,
+                            top_k=r.top_k, seed=r.seed, compile=False, return_weights=True))
+        want.append(([int(t[0]) for t, _ in got], [[w[0] for w in ws] for _, ws in got]))
+    b = Batch(m, 4, 40)
+    rows = {}
+    toks: dict[int, list] = {i: [] for i in range(len(reqs))}
+    waiting = list(range(len(reqs)))
+    while waiting or len(b):
+        while waiting and len(b) < 3 + (len(waiting) == 1):  # three at first, the fifth into a freed row
+            i = waiting.pop(0)
+            row, tok = b.join(reqs[i])
+            rows[row] = i
+            toks[i].append(tok)
+        for row, tok in b.step():
+            if tok is not None:
+                toks[rows[row]].append(tok)
+    assert b.rows_steps > 10
+    for i, r in enumerate(reqs):
+        ids, weights = want[i]
+        assert [t.id for t in toks[i]] == ids, i
+        if r.weights:
+            for t, w in zip(toks[i], weights, strict=True):
+                for layer in r.layers or range(len(w)):
+                    torch.testing.assert_close(t.weights[layer], w[layer], rtol=1e-5, atol=1e-6)
+
+
 def test_generate_with_attention_weights_takes_the_saved_step(built):
     """generate(return_weights=True) through the saved step: the same tokens and, per layer,
     the eager reference backend's weights; and the step was taken (its request count)."""
@@ -408,8 +454,9 @@ def test_qkv_serve_starts_a_build_that_its_next_lone_request_takes(tiny_run, tmp
             assert [e.get("id") for e in ask(app)] == [e.get("id") for e in eager]
     (cmd,) = started  # once per model, not per request
     assert cmd[1:4] == ["-m", "qkv", "generate"] and "--compile" in cmd
+    assert cmd[cmd.index("--batch-step") + 1].startswith("8:")  # serve: 8 rows
     rc, _, err = call(cmd[3:])  # what the background process runs
-    assert rc == 0 and "saved step built in" in err, err
+    assert rc == 0 and "saved step built in" in err and "saved step for up to 8 rows" in err, err
     monkeypatch.setattr(aot, "RECHECK_S", 0.0)  # the server looks again at once (30 s otherwise)
     from qkv.generation.batch import Batch
 

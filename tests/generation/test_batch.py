@@ -202,3 +202,39 @@ def test_two_growths_before_a_step_keep_every_row():
                 got[id(row)].append(t.id)
     assert batch.cache_len >= 44
     assert [got[id(r)] for r in rows] == [alone(m, r) for r in reqs]
+
+
+@pytest.mark.parametrize("positions", ["rope", "learned", "alibi"])
+def test_a_masked_view_of_the_batch_equals_each_row_alone(positions):
+    """The view a saved step of several rows runs on (BatchKVCache.wrap(..., span=)): the first
+    n of R rows, each attending over its own keys by a mask, not a call per row; logits against
+    each row's own batch-1 step, keys written in place in the whole buffers; the attention rows
+    recomputed from its kept queries (aot.attention_rows) against the reference backend's."""
+    from qkv.generation.aot import attention_rows, keep_queries
+
+    m = model(positions)
+    lens, new = [5, 11, 2], torch.tensor([[7], [1], [30]])
+    cache = BatchKVCache(2, 4, 2, 32, 8)  # a spare 4th row, not run
+    keep_queries(m, cache)
+    want = []
+    with torch.inference_mode():
+        for b, n in enumerate(lens):
+            p = torch.tensor([ids(n, b)])
+            m(p, cache=cache.row(b))
+            cache.set_length(b, n)
+            solo = m.make_cache(1, 32)
+            m(p, cache=solo)
+            want.append(m(new[b : b + 1], cache=solo, backend="reference", return_weights=True))
+        view = BatchKVCache.wrap(cache.k, cache.v, cache.pos[:3], span=11, queries=cache.queries)
+        got = m(new, cache=view, last_only=True)
+        assert cache.pos.tolist() == [5, 11, 2, 0]  # a masked view leaves advancing to its caller
+        cache.pos[:3] += 1
+        cache.sync()
+        rows = attention_rows(m, cache, rows=3)
+    for b, n in enumerate(lens):
+        torch.testing.assert_close(got.logits[b], want[b].logits[0, -1:], atol=1e-5, rtol=0)
+        for layer in range(2):
+            w = rows[layer][b, :, 0]
+            torch.testing.assert_close(w[:, : n + 1], want[b].weights[layer][0, :, 0], atol=1e-6, rtol=1e-5)
+            assert not w[:, n + 1 :].any()  # nothing past the row's own keys
+    assert not cache.k[:, 3].any()  # the spare row was not written
