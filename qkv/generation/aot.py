@@ -18,6 +18,15 @@ on the whole cache (:meth:`qkv.attention.kv_cache.LayerKVCache.update`), which I
 into a write of slot ``pos`` only. Positions 0, 1 and S - 1 fall outside the exported range
 and decode eagerly; the step itself does not check bounds, so :meth:`SavedStep.step` does.
 
+A running batch (:mod:`qkv.generation.batch`) has a step of its own, exported once for up to R
+rows with the number of rows n and the longest row's length as dynamic dimensions::
+
+    step(tok (n, 1), k, v (L, R, K, S, D) and q (L, R, H, 1, D) written in place,
+         pos (n,) each row's position, marker (max(pos) + 1,)) -> (n, 1, V)
+
+each row attending over its own keys by a mask (a masked :class:`~qkv.attention.BatchKVCache`
+view), keyed like the one-row step with R and S (``saved_step(model, rows=R, cache_len=S)``).
+
 The step returns no attention weights (the fused attention never forms them), but it keeps
 each layer's query after RoPE in ``q`` (:meth:`qkv.attention.KVCache.keep_queries`): with the
 keys already in the cache, :meth:`SavedStep.attention` computes any layer's row afterwards by

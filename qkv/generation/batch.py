@@ -21,9 +21,13 @@ the same seed the same samples. The attention of each new token is available per
 A row that is *alone* in the batch steps through the model's saved decoding step
 (:mod:`qkv.generation.aot`) where one exists, as ``generate`` alone would: its keys and values
 are copied into the step's own cache when it starts, and back into the batch when another
-request joins (a copy of the row's tokens, milliseconds). A row that asks for attention (``qkv
-serve``'s rows ask for the one layer the page shows) gets it from the step's kept queries and
-the cached keys (:meth:`qkv.generation.aot.SavedStep.attention`), only in the layers it asks for.
+request joins (a copy of the row's tokens, milliseconds). Two or more rows step through the
+model's saved step for a running batch of up to R rows and this cache length, where one was
+built (``qkv serve`` builds it in the background), in place in the batch's own cache: each row
+masked to its own keys, so a row's numbers equal its eager ones to float rounding rather than
+bit for bit. A row that asks for attention (``qkv serve``'s rows ask for the one layer the page
+shows) gets it from the steps' kept queries and the cached keys
+(:meth:`qkv.generation.aot.SavedStep.attention`), only in the layers it asks for.
 
 The threads around it (a request waiting for a row, a stream to a client) live in
 :mod:`qkv.serve.batching`; this module is synchronous.
