@@ -21,7 +21,11 @@ def add_serve_parser(sub) -> None:
         "on a loopback address, requests naming another host are refused (DNS rebinding); "
         "uploads and other POSTs from another web site are refused (Origin, Sec-Fetch-Site); at "
         "most --max-busy requests compute at once, a few wait, the rest get 503 + Retry-After; "
-        "generation requests on one model decode together in one running batch (--batch-rows). "
+        "generation requests on one model decode together in one running batch (--batch-rows), "
+        "through the model's saved decoding steps (compiled ahead of time, kept in qkv's cache "
+        "folder) once built: a model's first request starts building them in the background, "
+        "about a minute each (QKV_SAVED_STEP=off: eager decoding; QKV_SAVED_STEP_BACKGROUND=off: "
+        "no build; `qkv generate MODEL --compile` builds the one-request step). "
         "Needs `pip install 'qkv[serve]'`.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
@@ -43,8 +47,8 @@ def add_serve_parser(sub) -> None:
                    help="seconds a request waits for a slot before a 503")
     p.add_argument("--batch-rows", type=int, default=8,
                    help="generation requests decoded together on one model (continuous batching: a "
-                   "request joins the running batch between two steps, and decodes exactly as it "
-                   "would alone); 0 = each request decodes alone, in its own work slot")
+                   "request joins the running batch between two steps, and decodes as it would "
+                   "alone, to float rounding); 0 = each request decodes alone, in its own work slot")
     p.set_defaults(func=cmd_serve)
 
 
