@@ -138,7 +138,8 @@ class BatchKVCache(KVCache):
                  *, dtype: torch.dtype = torch.float32, device: torch.device | str | None = None) -> None:
         super().__init__(n_layers, batch_size, n_kv_heads, max_seq_len, head_dim, dtype=dtype, device=device)
         self.pos = torch.zeros(batch_size, dtype=torch.long, device=self.k.device)  # type: ignore[assignment]
-        self.lengths = [0] * batch_size  # pos as Python ints (each layer's attention reads them)
+        # pos as Python ints (each layer's attention reads them); None on a masked view (see wrap)
+        self.lengths: list[int] | None = [0] * batch_size
         self._index: tuple | None = None  # (key, write indices) of the current step
         self._span: int | None = None
 
@@ -169,11 +170,6 @@ class BatchKVCache(KVCache):
         if queries is not None:
             self.keep_queries(queries)
         return self
-
-    @property
-    def masked(self) -> bool:
-        """A masked view (see :meth:`wrap`): positions known to the tensors only."""
-        return self.lengths is None
 
     @property
     def span(self) -> int:
@@ -265,8 +261,16 @@ class LayerKVCache:
     def keep_query(self, q: Tensor) -> None:
         """Write the last of q (B, H, T, D) into the cache's kept queries, if it keeps them."""
         kept = self.cache.queries
-        if kept is not None:
-            kept[self.index, : q.shape[0]].copy_(q[:, :, -1:])  # a masked batch may run fewer rows
+        if kept is None:
+            return
+        B = q.shape[0]  # a masked batch may run fewer rows than the buffer holds
+        if torch.compiler.is_exporting():  # one index_put_ on the whole buffer, in place (see update)
+            dev = q.device
+            idx = (torch.full((1, 1), self.index, dtype=torch.long, device=dev),
+                   torch.arange(B, device=dev).view(1, B))
+            kept.index_put_(idx, q[:, :, -1:].unsqueeze(0))
+        else:
+            kept[self.index, :B].copy_(q[:, :, -1:])
 
     @property
     def pos(self) -> int | Tensor:

@@ -83,6 +83,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     if args.system is not None and not args.chat:
         raise ValueError("--system is a chat message: add --chat")
     check_compile(args)
+    batch = parse_batch_step(args.batch_step) if args.batch_step else None
     if args.threads is not None:
         if args.threads < 1:
             raise ValueError(f"--threads must be >= 1, got {args.threads}")
@@ -120,22 +121,27 @@ def cmd_generate(args: argparse.Namespace) -> int:
     print(f"[{st.new_tokens} tokens in {st.seconds:.2f} s after a {st.prompt_tokens}-token prompt, "
           f"{st.tokens_per_s:.1f} tok/s, {decode_mode(args, lm, ref, st)}]",
           file=sys.stderr)
-    if args.batch_step:
-        print(f"[{batch_step(lm, args.batch_step)}]", file=sys.stderr)
+    if batch is not None:
+        print(f"[{batch_step(lm, *batch)}]", file=sys.stderr)
     return 0
 
 
-def batch_step(lm: CausalLM, spec: str) -> str:
-    """Build (or find) the saved step of a running batch, ``spec`` = ``ROWS:LEN`` (what ``qkv
-    serve``'s background build asks for besides the one-row step)."""
-    from qkv.generation import aot
-
+def parse_batch_step(spec: str) -> tuple[int, int]:
+    """``ROWS:LEN`` -> (rows, positions), checked (ValueError: one line)."""
     try:
         rows, length = (int(x) for x in spec.split(":"))
     except ValueError:
         raise ValueError(f"--batch-step takes ROWS:LEN, got {spec!r}") from None
     if not 2 <= rows <= 64 or length < 8:
         raise ValueError(f"--batch-step: 2..64 rows and at least 8 positions, got {spec!r}")
+    return rows, length
+
+
+def batch_step(lm: CausalLM, rows: int, length: int) -> str:
+    """Build (or find) the saved step of a running batch of up to ``rows`` rows and ``length``
+    positions (what ``qkv serve``'s background build asks for besides the one-row step)."""
+    from qkv.generation import aot
+
     step, note = aot.saved_step(lm.model, build_missing=True, rows=rows, cache_len=length)
     if step is None:
         return f"no saved step for {rows} rows: {note}"

@@ -204,10 +204,10 @@ def _export(model: GPT, cache_len: int, batch: int) -> torch.export.ExportedProg
         if batch == 1:
             return torch.export.export(_Step(model).eval(), (tok, k, v, q, marker),
                                        dynamic_shapes=({}, {}, {}, {}, {0: pos}), strict=False)
-        n = torch.export.Dim("rows", min=2, max=batch)
+        rows: dict[int, Any] = {0: torch.export.Dim("rows", min=2, max=batch)} if batch > 2 else {}
         at = torch.tensor([2, 0], dtype=torch.long, device=k.device)
         return torch.export.export(_RowsStep(model).eval(), (tok[:2], k, v, q, at, marker),
-                                   dynamic_shapes=({0: n}, {}, {}, {}, {0: n}, {0: pos}), strict=False)
+                                   dynamic_shapes=(rows, {}, {}, {}, rows, {0: pos}), strict=False)
 
 
 def _make_cache(model: GPT, batch: int, cache_len: int) -> KVCache:
@@ -308,29 +308,35 @@ def background_enabled() -> bool:
     return enabled() and not off
 
 
-def build_in_background(model: GPT, cmd: list[str]) -> str:
+def build_in_background(model: GPT, cmd: list[str], rows: int = 1, cache_len: int | None = None) -> str:
     """Start ``cmd``, a command that builds ``model``'s step in another process (``qkv generate
-    REF --compile on`` with this process's weights and thread count: the same key), detached and
-    at low priority (``nice`` 15), and return at once with what the closing line of an eager
-    ``qkv generate`` says; the next process loads the step. Its output goes to ``<key>.log``
-    beside the packages. Nothing is started when a build of this key is already running (it
-    holds the key's lock), without a compiler, or when background builds are off."""
+    REF --compile on`` with this process's weights and thread count: the same key; with ``rows``
+    > 1 also the step of a running batch of that many rows and ``cache_len`` positions),
+    detached and at low priority (``nice -n 15``), and return at once with what the closing
+    line of an eager ``qkv generate`` says; the next process loads the step. Its output goes to
+    ``<key>.log`` beside the packages (the last key it builds). Nothing is started when a build
+    of one of its keys is already running (it holds that key's lock), without a compiler, or
+    when background builds are off."""
     if not background_enabled():
         return "background builds are off"
     if compiler() is None:
         return "no C++ compiler found: no saved step can be built here"
     try:
-        key, _ = step_key(model, cache_len_for(model), 1)
+        keys = [step_key(model, cache_len_for(model), 1)[0]]
+        if rows > 1:
+            keys.append(step_key(model, cache_len_for(model, cache_len), rows)[0])
         root = folder()
-        with (root / f"{key}.lock").open("a") as f:  # a build in progress holds this lock
-            try:
-                fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                return "a build of it is already running"
-            fcntl.flock(f, fcntl.LOCK_UN)
-        with (root / f"{key}.log").open("w") as out:
-            proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
-                                    start_new_session=True, preexec_fn=lambda: os.nice(15))
+        for key in keys:
+            with (root / f"{key}.lock").open("a") as f:  # a build in progress holds this lock
+                try:
+                    fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                except BlockingIOError:
+                    return "a build of it is already running"
+                fcntl.flock(f, fcntl.LOCK_UN)
+        nice = ["nice", "-n", "15"] if shutil.which("nice") else []  # not preexec_fn: unsafe with threads
+        with (root / f"{keys[-1]}.log").open("w") as out:
+            proc = subprocess.Popen([*nice, *cmd], stdin=subprocess.DEVNULL, stdout=out,
+                                    stderr=subprocess.STDOUT, start_new_session=True)
     except (OSError, SavedStepError) as e:
         return f"could not start a background build ({' '.join(str(e).split())[:200]})"
     return f"building one now in the background (pid {proc.pid}, about a minute, once): later runs load it"
@@ -366,6 +372,7 @@ class SavedStep:
         self._bound: tuple = ()
         self.load_seconds = 0.0
         self.requests = 0  # requests decoded through it (make_cache calls)
+        self.runs = 0  # steps of a running batch through the package (step_rows, the eager fallback not)
         self._marker = torch.zeros(cache_len, dtype=torch.uint8)
         self._free: list[KVCache] = []
         self._lock = threading.Lock()
@@ -418,6 +425,8 @@ class SavedStep:
     def step(self, tok: Tensor, cache: KVCache) -> Tensor:
         """(B, 1) ids at ``cache.pos`` -> (B, 1, V) logits; advances the cache. Positions the
         package was not exported for (0, 1, the last) run eagerly."""
+        if self.batch != 1:
+            raise ValueError(f"this is the step of a running batch of up to {self.batch} rows: use step_rows")
         pos = cache.pos
         if cache.max_seq_len != self.cache_len or tuple(tok.shape) != (self.batch, 1):
             raise ValueError(f"a saved step takes ({self.batch}, 1) tokens and a {self.cache_len}-position "
@@ -452,6 +461,7 @@ class SavedStep:
         with self._run_lock:
             out = self._loader.boxed_run([tok, cache.k, cache.v, cache.queries, cache.pos[:n],
                                           self._marker[: span + 1]])[0]
+            self.runs += 1
         cache.pos[:n] += 1
         cache.sync()
         return out

@@ -142,7 +142,9 @@ class Batch:
         rows: the most requests decoding at once (R).
         cache_len: the longest prompt + new tokens a row can hold (S); a longer request grows
             the cache (a copy), never past the model's context.
-        saved_step: let a row that is alone step through the model's saved step, if it has one.
+        saved_step: let a row that is alone step through the model's saved step, and two or more
+            rows through its saved step for a running batch of ``rows`` rows and this cache
+            length, where they were built.
     """
 
     def __init__(self, model: GPT, rows: int, cache_len: int, saved_step: bool = True) -> None:

@@ -43,4 +43,4 @@ def build_later(ref: ModelRef, lm: CausalLM, rows: int = 1, cache_len: int | Non
         notes.append(aot.saved_step(lm.model, rows=rows, cache_len=cache_len)[1])
     if aot.NO_STEP not in notes:
         return None
-    return aot.build_in_background(lm.model, build_command(ref, lm, rows, cache_len))
+    return aot.build_in_background(lm.model, build_command(ref, lm, rows, cache_len), rows, cache_len)

@@ -180,16 +180,23 @@ def test_a_row_alone_in_a_running_batch_steps_through_the_saved_step(built):
                 toks[5].weights[0]
 
 
-def test_a_running_batch_of_several_rows_steps_through_its_saved_step(tmp_path, monkeypatch):
+@pytest.mark.parametrize("positions", ["rope", "learned"])
+def test_a_running_batch_of_several_rows_steps_through_its_saved_step(positions, tmp_path, monkeypatch):
     """The step exported for a running batch of up to 4 rows (n rows a dynamic dimension, each
     at its own position): rows of different lengths joining and leaving, greedy and seeded
     sampling, a row that stops early, rows asking for one layer's attention or every layer's;
     every row's tokens are its request's decoded alone eagerly (generate, compile=False), its
-    attention rows the eager reference backend's; the steps of several rows went through it."""
+    attention rows the eager reference backend's; the steps of several rows went through the
+    package (its own count, not the batch's), and a batch past the exported span took the eager
+    step. Llama-like (RoPE, GQA) and GPT-2-like (learned positions, the default of gpt runs)."""
     from qkv.generation.batch import Batch, Request
 
     monkeypatch.setenv("QKV_CACHE_DIR", str(tmp_path / "cache"))
     m = model(seed=4)
+    if positions == "learned":
+        torch.manual_seed(4)
+        m = GPT(GPTConfig(**{**CFG, "positions": "learned", "norm": "layernorm", "mlp": "gelu",
+                             "bias": True, "n_kv_heads": None})).eval()
     aot.build(m, cache_len=40, batch=4)
     prompts = [torch.randint(0, V, (n,), generator=torch.Generator().manual_seed(20 + n)).tolist()
                for n in (5, 3, 8, 2, 6)]
@@ -216,7 +223,8 @@ def test_a_running_batch_of_several_rows_steps_through_its_saved_step(tmp_path, 
         for row, tok in b.step():
             if tok is not None:
                 toks[rows[row]].append(tok)
-    assert b.rows_steps > 10
+    step, _ = aot.saved_step(m, rows=4, cache_len=40)
+    assert step is not None and step.runs > 10 and b.rows_steps > step.runs  # the last span: eager
     for i, r in enumerate(reqs):
         ids, weights = want[i]
         assert [t.id for t in toks[i]] == ids, i
@@ -224,6 +232,14 @@ def test_a_running_batch_of_several_rows_steps_through_its_saved_step(tmp_path, 
             for t, w in zip(toks[i], weights, strict=True):
                 for layer in r.layers or range(len(w)):
                     torch.testing.assert_close(t.weights[layer], w[layer], rtol=1e-5, atol=1e-6)
+
+
+def test_a_batch_of_two_rows_exports_with_a_fixed_row_count():
+    """torch.export refuses a dynamic dimension with min == max: a 2-row batch's step fixes the
+    row count (it once failed to build for `qkv serve --batch-rows 2`)."""
+    ep = aot._export(model(), 40, 2)
+    tok = [n for n in ep.graph.nodes if n.op == "placeholder" and n.name.endswith("tok")]
+    assert tok and tuple(tok[0].meta["val"].shape) == (2, 1)
 
 
 def test_generate_with_attention_weights_takes_the_saved_step(built):
@@ -386,7 +402,8 @@ def test_qkv_generate_builds_then_loads_and_says_why_when_it_cannot(tiny_run, tm
         pid = 4242
 
         def __init__(self, cmd, **kw):
-            started.append((cmd, kw))
+            assert cmd[:3] == ["nice", "-n", "15"]  # low priority, without preexec_fn (threads)
+            started.append((cmd[3:], kw))
 
     with monkeypatch.context() as mp:
         mp.setattr(aot.subprocess, "Popen", FakeProcess)
@@ -445,7 +462,8 @@ def test_qkv_serve_starts_a_build_that_its_next_lone_request_takes(tiny_run, tmp
         pid = 4343
 
         def __init__(self, cmd, **kw):
-            started.append(cmd)
+            assert cmd[:3] == ["nice", "-n", "15"]
+            started.append(cmd[3:])
 
     app = create_app(runs_dir=runs)
     with monkeypatch.context() as mp:
