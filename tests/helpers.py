@@ -305,3 +305,20 @@ def decode_alone(m, req, weights: bool = False) -> list:
         else:
             out.append(int(item[0]))
     return out
+
+
+def byte_lm(context: int = 16, dim: int = 16, n_layers: int = 1, seed: int = 0):
+    """A CausalLM around a tiny random GPT and a byte tokenizer: one token per byte (a
+    byte-level BPE with no merges), so prompt lengths are exact."""
+    tk = pytest.importorskip("tokenizers")
+    from qkv.models.gpt import GPT, GPTConfig
+    from qkv.pipelines.text import CausalLM
+    from qkv.tokenizers.hf import HFTokenizer
+
+    alphabet = sorted(tk.pre_tokenizers.ByteLevel.alphabet())
+    tok = tk.Tokenizer(tk.models.BPE(vocab={c: i for i, c in enumerate(alphabet)}, merges=[]))
+    tok.pre_tokenizer = tk.pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = tk.decoders.ByteLevel()
+    torch.manual_seed(seed)
+    gpt = GPT(GPTConfig(vocab_size=256, max_seq_len=context, dim=dim, n_layers=n_layers, n_heads=2)).eval()
+    return CausalLM("tiny", gpt, HFTokenizer(tok), chat_template=None, stop_ids=())

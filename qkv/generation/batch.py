@@ -371,14 +371,41 @@ class Batch:
         self._cache.set_length(last, 0)
 
 
-def generate_batch(model: GPT, requests: Sequence[Request], rows: int = 8) -> Iterator[tuple[int, Token]]:
+CACHE_LENGTHS = (256, 512, 1024, 2048)  # a batch's cache length is rounded up to one of these
+
+
+def batch_cache_len(model: GPT, need: int) -> int:
+    """The cache length of a batch whose longest request needs ``need`` positions: the smallest
+    of 256, 512, 1,024, 2,048 that holds it (or ``need``, or the model's context, past those),
+    so that batches of different requests share one saved step (keyed by its cache length;
+    ``qkv serve``'s is 256, its ``--max-tokens`` default)."""
+    ctx = model.cfg.max_seq_len
+    return min(ctx, next((n for n in CACHE_LENGTHS if n >= need), need))
+
+
+def generate_batch(model: GPT, requests: Sequence[Request], rows: int = 8,
+                   compile: bool | str = "auto") -> Iterator[tuple[int, Token]]:
     """Decode every request, ``rows`` at a time (the next waiting one joins as soon as a row
-    leaves): yields (index of the request, its next token) in the order they are produced."""
+    leaves): yields (index of the request, its next token) in the order they are produced.
+
+    ``compile``: ``"auto"`` steps through the model's saved steps where they were built (one row
+    alone; two or more through the step of a running batch of ``rows`` rows and the cache length
+    :func:`batch_cache_len` gives), ``True`` builds them first if missing (about a minute each,
+    once per model and machine), ``False`` decodes eagerly."""
+    if compile not in (True, False, "auto"):
+        raise ValueError(f"compile must be True, False or 'auto', got {compile!r}")
     waiting = list(enumerate(requests))
     for _, r in waiting:
         r.check(model.cfg.max_seq_len)
     need = max((len(r.ids) + r.max_new_tokens for r in requests), default=2)
-    batch = Batch(model, max(1, min(rows, len(requests))), need)
+    cache_len = batch_cache_len(model, need)
+    if compile is True:
+        from qkv.generation import aot
+
+        aot.saved_step(model, build_missing=True)
+        if rows > 1:
+            aot.saved_step(model, build_missing=True, rows=rows, cache_len=cache_len)
+    batch = Batch(model, rows, cache_len, saved_step=compile is not False)
     index: dict[Row, int] = {}  # row -> its request's index
     waiting.reverse()
     while waiting or len(batch):

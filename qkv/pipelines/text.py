@@ -392,13 +392,15 @@ class CausalLM(LayersAndHeads):
     def generate_many(self, prompts: Sequence[str], max_new_tokens: int = 128, *, chat: bool = False,
                       system: str | None = None, temperature: float = 0.0, top_k: int | None = None,
                       top_p: float | None = None, seed: int | Sequence[int | None] | None = None,
-                      stop_at_eos: bool = True, rows: int = 8) -> list[str]:
+                      stop_at_eos: bool = True, rows: int = 8, compile: bool | str = "auto") -> list[str]:
         """Continue every prompt, decoded together: up to ``rows`` at once in one running batch,
         the next prompt joining as soon as one ends (:mod:`qkv.generation.batch`). Each
         continuation is the one :meth:`generate` gives for that prompt alone (the same greedy
-        tokens; sampled, the same tokens for the same seed). ``seed``: one for every prompt, or
-        one per prompt. Each is bounded by the context as in :meth:`stream` (without ``slide``);
-        the steps run eagerly (no saved step: it decodes one row)."""
+        tokens, to float rounding; sampled, the same tokens for the same seed). ``seed``: one for
+        every prompt, or one per prompt. Each is bounded by the context as in :meth:`stream`
+        (without ``slide``). ``compile``: ``"auto"`` steps through the model's saved steps where
+        they were built (a lone row, and the running batch's own step), ``True`` builds them
+        first (about a minute each, once per model, ``rows`` and machine), ``False``: eagerly."""
         from qkv.generation.batch import Request, generate_batch
 
         if isinstance(prompts, str):
@@ -414,7 +416,7 @@ class CausalLM(LayersAndHeads):
         reqs = [Request(i, min(max_new_tokens, self.context - len(i)), temperature, top_k, top_p, s, stops)
                 for i, s in zip(ids, seeds, strict=True)]
         new: list[list[int]] = [[] for _ in prompts]
-        for i, tok in generate_batch(self.model, reqs, rows):
+        for i, tok in generate_batch(self.model, reqs, rows, compile=compile):
             new[i].append(tok.id)
         return ["".join(text_pieces(self.tokenizer.decode, n, context=i))
                 for n, i in zip(new, ids, strict=True)]

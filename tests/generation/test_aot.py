@@ -234,6 +234,35 @@ def test_a_running_batch_of_several_rows_steps_through_its_saved_step(positions,
                     torch.testing.assert_close(t.weights[layer], w[layer], rtol=1e-5, atol=1e-6)
 
 
+def test_generate_batch_builds_and_takes_the_batch_step(tmp_path, monkeypatch):
+    """generate_batch(compile=True), what CausalLM.generate over a list runs: builds the lone
+    row's step and the running batch's (4 rows, the cache length batch_cache_len rounds to),
+    decodes through them, and gives every request's tokens decoded alone eagerly; a second call
+    with compile="auto" finds both; compile=False takes neither."""
+    from qkv.generation.batch import Request, batch_cache_len, generate_batch
+
+    monkeypatch.setenv("QKV_CACHE_DIR", str(tmp_path / "cache"))
+    m = model(seed=6)
+    prompts = [torch.randint(0, V, (n,), generator=torch.Generator().manual_seed(40 + n)).tolist()
+               for n in (4, 7, 3)]
+    reqs = [Request(p, 14) for p in prompts]
+    want = [[int(t[0]) for t in generate(m, torch.tensor([p]), 14, temperature=0.0, compile=False)]
+            for p in prompts]
+    assert batch_cache_len(m, 21) == 40  # the context (40) is below 256
+    for compile in (True, "auto", False):
+        got: list[list[int]] = [[] for _ in reqs]
+        for i, tok in generate_batch(m, reqs, rows=4, compile=compile):
+            got[i].append(tok.id)
+        assert got == want, compile
+        step, _ = aot.saved_step(m, rows=4, cache_len=40)
+        assert step is not None
+        runs = step.runs
+        if compile is not False:
+            assert runs > 5
+        step.runs = 0
+    assert runs == 0  # compile=False: the package was not run
+
+
 def test_a_batch_of_two_rows_exports_with_a_fixed_row_count():
     """torch.export refuses a dynamic dimension with min == max: a 2-row batch's step fixes the
     row count (it once failed to build for `qkv serve --batch-rows 2`)."""

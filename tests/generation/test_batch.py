@@ -238,3 +238,22 @@ def test_a_masked_view_of_the_batch_equals_each_row_alone(positions):
             torch.testing.assert_close(w[:, : n + 1], want[b].weights[layer][0, :, 0], atol=1e-6, rtol=1e-5)
             assert not w[:, n + 1 :].any()  # nothing past the row's own keys
     assert not cache.k[:, 3].any()  # the spare row was not written
+
+
+def test_causal_lm_generate_over_a_list_equals_each_prompt_alone():
+    """CausalLM.generate([...]): text in, text out, each continuation the one generate gives
+    that prompt alone (greedy; and sampled with one seed per prompt), prompts of different
+    lengths, more prompts than rows (the rest join as rows leave), eagerly and with
+    compile="auto" (no saved step built in the tests' cache: the same path)."""
+    from helpers import byte_lm
+
+    lm = byte_lm(context=48, dim=32, n_layers=2, seed=5)
+    prompts = ["ROMEO:", "a", "To be, or not", "xyz", "What light"]
+    want = [lm.generate(p, 12) for p in prompts]
+    assert all(want) and len(set(want)) > 1
+    for compile in (False, "auto"):
+        assert lm.generate(prompts, 12, rows=3, compile=compile) == want
+    sampled = [lm.generate(p, 10, temperature=1.0, seed=s) for p, s in zip(prompts, range(5), strict=True)]
+    assert lm.generate(prompts, 10, temperature=1.0, seed=list(range(5)), rows=2) == sampled
+    with pytest.raises(ValueError, match="compile must be"):
+        lm.generate(prompts, 4, compile="jit")

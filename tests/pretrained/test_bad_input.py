@@ -12,17 +12,15 @@ import shutil
 from pathlib import Path
 
 import pytest
-import torch
+from helpers import byte_lm
 
 import qkv
 from qkv import assets
 from qkv.assets import AssetMissingError, asset_path
-from qkv.models.gpt import GPT, GPTConfig
 from qkv.pipelines import CausalLM
 from qkv.pretrained import PretrainedFormatError
 from qkv.pretrained.gguf_models import load_gguf_decoder as load_smollm2
 from qkv.pretrained.minilm import load_minilm
-from qkv.tokenizers.hf import HFTokenizer
 
 MB = 1 << 20
 GGUF_FIX = r"complete .*GGUF file|qkv assets install smollm2"
@@ -151,16 +149,8 @@ W = 16  # the tiny model's context
 
 @pytest.fixture(scope="module")
 def tiny_lm() -> CausalLM:
-    """A CausalLM around a tiny random GPT (context 16) and a byte tokenizer: one token per
-    byte (a byte-level BPE with no merges), so prompt lengths are exact."""
-    tk = pytest.importorskip("tokenizers")
-    alphabet = sorted(tk.pre_tokenizers.ByteLevel.alphabet())
-    tok = tk.Tokenizer(tk.models.BPE(vocab={c: i for i, c in enumerate(alphabet)}, merges=[]))
-    tok.pre_tokenizer = tk.pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = tk.decoders.ByteLevel()
-    torch.manual_seed(0)
-    gpt = GPT(GPTConfig(vocab_size=256, max_seq_len=W, dim=16, n_layers=1, n_heads=2)).eval()
-    return CausalLM("tiny", gpt, HFTokenizer(tok), chat_template=None, stop_ids=())
+    """A CausalLM around a tiny random GPT (context 16) and a byte tokenizer (helpers.byte_lm)."""
+    return byte_lm(W)
 
 
 def _count_steps(lm: CausalLM, prompt: str, max_new_tokens: int, use_cache: bool) -> int:
