@@ -23,8 +23,9 @@ def add_serve_parser(sub) -> None:
         "most --max-busy requests compute at once, a few wait, the rest get 503 + Retry-After; "
         "generation requests on one model decode together in one running batch (--batch-rows), "
         "through the model's saved decoding steps (compiled ahead of time, kept in qkv's cache "
-        "folder) once built: a model's first request starts building them in the background, "
-        "about a minute each (QKV_SAVED_STEP=off: eager decoding; QKV_SAVED_STEP_BACKGROUND=off: "
+        "folder) once built: the server builds them in the background while it is idle (a "
+        "request stops the build, the next pause starts it again; about a minute each, once per "
+        "model and machine; QKV_SAVED_STEP=off: eager decoding; QKV_SAVED_STEP_BACKGROUND=off: "
         "no build; `qkv generate MODEL --compile` builds the one-request step). "
         "Needs `pip install 'qkv[serve]'`.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,

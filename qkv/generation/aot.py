@@ -54,6 +54,7 @@ import os
 import platform
 import re
 import shutil
+import signal
 import subprocess
 import tempfile
 import threading
@@ -279,6 +280,8 @@ def build(model: GPT, cache_len: int | None = None, batch: int = 1) -> Path:
     with _lock(root / f"{key}.lock"):
         if _valid(final, key, info) is not None:
             return final
+        for left in root.glob(f".{key}-*"):  # a build of this key that was killed (we hold its lock)
+            shutil.rmtree(left, ignore_errors=True)
         tmp = Path(tempfile.mkdtemp(dir=root, prefix=f".{key}-"))
         try:
             from torch._inductor import aoti_compile_and_package
@@ -312,7 +315,7 @@ def build_in_background(model: GPT, cmd: list[str], rows: int = 1, cache_len: in
     """Start ``cmd``, a command that builds ``model``'s step in another process (``qkv generate
     REF --compile on`` with this process's weights and thread count: the same key; with ``rows``
     > 1 also the step of a running batch of that many rows and ``cache_len`` positions),
-    detached and at low priority (``nice -n 15``), and return at once with what the closing
+    detached and at the lowest priority (:func:`lower_priority`), and return at once with what the closing
     line of an eager ``qkv generate`` says; the next process loads the step. Its output goes to
     ``<key>.log`` beside the packages (the last key it builds). Nothing is started when a build
     of one of its keys is already running (it holds that key's lock), without a compiler, or
@@ -333,13 +336,72 @@ def build_in_background(model: GPT, cmd: list[str], rows: int = 1, cache_len: in
                 except BlockingIOError:
                     return "a build of it is already running"
                 fcntl.flock(f, fcntl.LOCK_UN)
-        nice = ["nice", "-n", "15"] if shutil.which("nice") else []  # not preexec_fn: unsafe with threads
         with (root / f"{keys[-1]}.log").open("w") as out:
-            proc = subprocess.Popen([*nice, *cmd], stdin=subprocess.DEVNULL, stdout=out,
-                                    stderr=subprocess.STDOUT, start_new_session=True)
+            proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
+                                    start_new_session=True)
+        lower_priority(proc.pid)
+        with _BUILDS_LOCK:
+            _BUILDS.append(proc)
     except (OSError, SavedStepError) as e:
         return f"could not start a background build ({' '.join(str(e).split())[:200]})"
     return f"building one now in the background (pid {proc.pid}, about a minute, once): later runs load it"
+
+
+_BUILDS: list[subprocess.Popen] = []  # background builds this process started
+_BUILDS_LOCK = threading.Lock()
+
+
+def building() -> bool:
+    """Whether a background build this process started is still running."""
+    with _BUILDS_LOCK:
+        _BUILDS[:] = [p for p in _BUILDS if p.poll() is None]
+        return bool(_BUILDS)
+
+
+def stop_background_builds() -> int:
+    """End every background build this process started that is still running (SIGTERM to its
+    process group: the build and its compilers; the build removes its half-written folder, and
+    the next build of the key removes what a harder kill left). ``qkv serve`` calls this when a
+    request arrives: on two cores a build beside decoding slows it many times over, whatever
+    its priority. Returns how many were stopped."""
+    with _BUILDS_LOCK:
+        live = [p for p in _BUILDS if p.poll() is None]
+        _BUILDS.clear()
+    for p in live:
+        with contextlib.suppress(OSError):
+            os.killpg(p.pid, signal.SIGTERM)
+        threading.Thread(target=_reap, args=(p,), daemon=True).start()  # never waits in the caller
+    return len(live)
+
+
+def _reap(proc: subprocess.Popen, grace_s: float = 10.0) -> None:
+    """Wait for a stopped build; kill its group if SIGTERM did not end it in ``grace_s``."""
+    try:
+        proc.wait(grace_s)
+    except subprocess.TimeoutExpired:
+        with contextlib.suppress(OSError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+
+
+def lower_priority(pid: int) -> str:
+    """Let process ``pid`` (and the compilers it starts, which inherit it) run only when a core
+    is idle: Linux's SCHED_IDLE, else the lowest nice. Set from outside, after the start
+    (``preexec_fn`` is unsafe in a threaded server). Even so a build beside decoding slows it on
+    two cores (each slice it takes stalls an OpenMP thread at the next barrier; by hand, SmolLM2
+    in ``qkv serve``, 32 tokens: 1.2 s alone, 7-22 s beside a SCHED_IDLE build, 35 s beside one
+    at nice 15), so ``qkv serve`` also stops its builds while requests run
+    (:func:`stop_background_builds`). Returns what was set."""
+    try:
+        os.sched_setscheduler(pid, os.SCHED_IDLE, os.sched_param(0))  # type: ignore[attr-defined]
+        return "idle"
+    except (AttributeError, OSError):
+        pass
+    try:
+        os.setpriority(os.PRIO_PROCESS, pid, 19)
+        return "nice 19"
+    except (AttributeError, OSError):
+        return "unchanged"
 
 
 def _valid(path: Path, key: str, info: dict[str, Any]) -> dict[str, Any] | None:

@@ -1,9 +1,10 @@
 """Saved decoding steps for opened models: the command that builds one in another process, and
 starting it in the background where a model has none yet (:mod:`qkv.generation.aot`).
 
-``qkv generate`` (after an eager run) and ``qkv serve`` (when a model's first request arrives)
-start the build; the process that started it keeps decoding eagerly, and the next one, or the
-same server's next lone request once the build is done, loads the step.
+``qkv generate`` (after an eager run) and ``qkv serve`` (when a model's batch empties; stopped
+when the next request arrives) start the build; the process that started it keeps decoding
+eagerly, and the next one, or the same server's next requests once the build is done, load the
+steps.
 """
 
 from __future__ import annotations
@@ -35,8 +36,9 @@ def build_later(ref: ModelRef, lm: CausalLM, rows: int = 1, cache_len: int | Non
     """Start building ``lm``'s saved step in the background if it has none on this machine
     (:func:`qkv.generation.aot.build_in_background`), and with ``rows`` > 1 the step of a
     running batch of up to that many rows (``cache_len`` positions); what was done, or None
-    when it has them (or saved steps, or background builds, are off)."""
-    if not aot.background_enabled():
+    when it has them, when a build this process started is still running, or when saved steps
+    or background builds are off."""
+    if not aot.background_enabled() or aot.building():
         return None
     notes = [aot.saved_step(lm.model)[1]]
     if rows > 1:

@@ -341,18 +341,29 @@ class Explorer(LensEndpoints):
 
     def _join_batch(self, req: GenerateRequest, ref: ModelRef, lm: CausalLM, ids: list[int], n_new: int,
                     layer: int, head: int | None, total: int) -> RowStream:
-        """A row of ``lm``'s running batch for this request (BusyError: a 503). The model's
-        first request also starts building its saved step in the background if this machine has
-        none (a lone row decodes through it once it is built; :mod:`qkv.inference.steps`)."""
+        """A row of ``lm``'s running batch for this request (BusyError: a 503). When the batch
+        empties, the model's saved steps are built in the background if this machine has none
+        (:mod:`qkv.inference.steps`), and the build is stopped when a request arrives: on two
+        cores a build beside decoding slows it many times over (it starts again at the next
+        pause; a lone row and the batch decode through the steps once they are built)."""
         with self._engines_lock:
             engine = self._engines.get(id(lm))
             if engine is None:
-                later = build_later(ref, lm, self.cfg.batch_rows, total)
-                if later is not None:
-                    print(f"qkv serve: {req.model}: {aot.NO_STEP}: {later}", file=sys.stderr, flush=True)
+                model, lm_ref, rows, said = req.model, weakref.ref(lm), self.cfg.batch_rows, []
+
+                def on_idle() -> None:
+                    held = lm_ref()
+                    later = None if held is None else build_later(ref, held, rows, total)
+                    if later is not None and later.startswith("building") and not said:
+                        said.append(later)  # once per model: a build restarts at every pause
+                        print(f"qkv serve: {model}: {aot.NO_STEP} yet: building the saved steps while "
+                              f"the server is idle (a request stops the build, the next pause starts it "
+                              f"again; about a minute each, once per machine)", file=sys.stderr, flush=True)
+
                 engine = BatchEngine(lm.model, rows=self.cfg.batch_rows, cache_len=total,
                                      queued=self.cfg.max_queued, max_wait_s=self.cfg.max_wait_s,
-                                     slot=lambda: self.work.acquire(req.model), name=req.model)
+                                     slot=lambda: self.work.acquire(req.model), name=req.model,
+                                     on_busy=aot.stop_background_builds, on_idle=on_idle)
                 self._engines[id(lm)] = engine
                 weakref.finalize(lm, self._engines.pop, id(lm), None)
 

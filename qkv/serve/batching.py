@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import atexit
 import collections
+import contextlib
 import queue
 import threading
 import time
@@ -86,14 +87,20 @@ class BatchEngine:
         queued: requests that may wait for a row; max_wait_s: how long each may wait.
         slot: takes a slot of the work queue for the batch's thread (may raise BusyError).
         name: the model's id, for messages.
+        on_busy: called when the batch starts (a first request after a pause); on_idle: called
+            by the batch's thread when the batch has emptied, after it gave its slot back
+            (``qkv serve`` stops its background builds on one and starts them on the other).
     """
 
     def __init__(self, model: GPT, *, rows: int, cache_len: int, queued: int, max_wait_s: float,
-                 slot: Callable[[], Ticket], name: str) -> None:
+                 slot: Callable[[], Ticket], name: str, on_busy: Callable[[], object] | None = None,
+                 on_idle: Callable[[], object] | None = None) -> None:
         if rows < 1:
             raise ValueError(f"a batch needs >= 1 row, got {rows}")
         self.model, self.rows, self.cache_len = model, rows, cache_len
         self.queued, self.max_wait_s, self.slot, self.name = queued, max_wait_s, slot, name
+        self.on_busy, self.on_idle = on_busy, on_idle
+        self._hooks = threading.Lock()  # on_busy / on_idle, one at a time, never under self._lock
         self._lock = threading.Lock()
         self._pending: collections.deque[RowStream] = collections.deque()
         self._live: dict[Row, RowStream] = {}
@@ -139,11 +146,15 @@ class BatchEngine:
         with self._lock:
             if len(self._live) + len(self._joining) + len(self._pending) >= self.rows + self.queued:
                 raise self._busy(f"{len(self._live)} requests decoding and {len(self._pending)} waiting")
-            if self._thread is None:  # start the batch: it holds a work slot while it runs
+            started = self._thread is None
+            if started:  # start the batch: it holds a work slot while it runs
                 self._ticket = self.slot()
                 self._thread = threading.Thread(target=self._run, daemon=True, name=f"qkv-batch-{self.name}")
                 self._thread.start()
             self._pending.append(stream)
+        if started and self.on_busy is not None:
+            with self._hooks:  # after the start is recorded: an on_idle that ran before saw none
+                self.on_busy()
         if not stream.joined.wait(self.max_wait_s):
             with self._lock:
                 if stream in self._pending:
@@ -210,6 +221,18 @@ class BatchEngine:
             self._deliver(row, stream, tok)
 
     def _run(self) -> None:
+        try:
+            self._steps()
+        finally:
+            if self.on_idle is not None:
+                with self._hooks:  # serialised with on_busy; a batch started since is seen here
+                    with self._lock:
+                        idle = self._thread is None
+                    if idle:
+                        with contextlib.suppress(Exception):  # a failed build start costs speed only
+                            self.on_idle()
+
+    def _steps(self) -> None:
         me = threading.current_thread()
         try:
             with torch.inference_mode():

@@ -263,6 +263,44 @@ def test_generate_batch_builds_and_takes_the_batch_step(tmp_path, monkeypatch):
     assert runs == 0  # compile=False: the package was not run
 
 
+def test_a_background_build_runs_only_on_idle_cores_and_stops_with_its_children(tmp_path, monkeypatch):
+    """A real background process (a stand-in for the build that starts a child, as the build
+    starts compilers): scheduled SCHED_IDLE (Linux), seen as building, and stopped by
+    stop_background_builds with its child (SIGTERM to its process group)."""
+    import time
+
+    monkeypatch.setenv("QKV_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setenv("QKV_SAVED_STEP_BACKGROUND", "on")
+    child = tmp_path / "child.pid"
+    code = ("import subprocess, sys, time; c = subprocess.Popen([sys.executable, '-c', 'import time; "
+            f"time.sleep(120)']); open({str(child)!r}, 'w').write(str(c.pid)); time.sleep(120)")
+    note = aot.build_in_background(model(), [sys.executable, "-c", code])
+    assert note.startswith("building one now"), note
+    assert aot.building()
+    (proc,) = aot._BUILDS
+    deadline = time.monotonic() + 20
+    while not child.exists() or not child.read_text():
+        assert time.monotonic() < deadline, "the stand-in's child did not start"
+        time.sleep(0.05)
+    kid = int(child.read_text())
+    if hasattr(os, "SCHED_IDLE"):
+        assert os.sched_getscheduler(proc.pid) == os.SCHED_IDLE
+        assert os.sched_getscheduler(kid) == os.SCHED_IDLE  # inherited by what it starts
+    assert aot.stop_background_builds() == 1 and not aot.building()
+    proc.wait(15)
+
+    def alive(pid: int) -> bool:
+        try:
+            return Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
+        except OSError:
+            return False
+
+    deadline = time.monotonic() + 15
+    while alive(kid):
+        assert time.monotonic() < deadline, "the build's child outlived it"
+        time.sleep(0.05)
+
+
 def test_a_batch_of_two_rows_exports_with_a_fixed_row_count():
     """torch.export refuses a dynamic dimension with min == max: a 2-row batch's step fixes the
     row count (it once failed to build for `qkv serve --batch-rows 2`)."""
@@ -431,16 +469,22 @@ def test_qkv_generate_builds_then_loads_and_says_why_when_it_cannot(tiny_run, tm
         pid = 4242
 
         def __init__(self, cmd, **kw):
-            assert cmd[:3] == ["nice", "-n", "15"]  # low priority, without preexec_fn (threads)
-            started.append((cmd[3:], kw))
+            assert "preexec_fn" not in kw  # unsafe in a threaded server: priority is set from outside
+            started.append((cmd, kw))
 
+        def poll(self):
+            return 0
+
+    lowered = []
     with monkeypatch.context() as mp:
         mp.setattr(aot.subprocess, "Popen", FakeProcess)
+        mp.setattr(aot, "lower_priority", lowered.append)  # (not on a pid that may exist here)
         rc, out, err = call(argv)
         assert rc == 0 and out == eager and "building one now in the background (pid 4242" in err, err
         (cmd, kw), = started
         assert cmd[1:4] == ["-m", "qkv", "generate"] and kw["start_new_session"] and "--compile" in cmd
         assert cmd[cmd.index("--threads") + 1] == str(torch.get_num_threads())
+        assert lowered == [4242]
         key = next((tmp_path / "cache" / "steps").glob("*.log")).stem
         with open(tmp_path / "cache" / "steps" / f"{key}.lock", "a") as held:
             import fcntl
@@ -462,12 +506,13 @@ def test_qkv_generate_builds_then_loads_and_says_why_when_it_cannot(tiny_run, tm
 
 
 def test_qkv_serve_starts_a_build_that_its_next_lone_request_takes(tiny_run, tmp_path, monkeypatch):
-    """A model's first request on `qkv serve` starts building its saved step (the process faked,
-    its command run here): the command builds the very key the server's model has, and the
+    """`qkv serve` builds a model's saved steps in the background when its batch empties, and
+    stops the build (SIGTERM to its group) when a request arrives (the process faked, its
+    command run here): the command builds the very keys the server's model has, and the
     server's next lone request decodes through the step, with the page's layer row and the text
     of an eager server."""
     from fastapi.testclient import TestClient
-    from helpers import call
+    from helpers import call, wait_until
 
     from qkv.serve import create_app
 
@@ -491,15 +536,26 @@ def test_qkv_serve_starts_a_build_that_its_next_lone_request_takes(tiny_run, tmp
         pid = 4343
 
         def __init__(self, cmd, **kw):
-            assert cmd[:3] == ["nice", "-n", "15"]
-            started.append(cmd[3:])
+            started.append(cmd)
 
+        def poll(self):
+            return None  # still building
+
+    stopped = []
     app = create_app(runs_dir=runs)
     with monkeypatch.context() as mp:
         mp.setattr(aot.subprocess, "Popen", FakeProcess)
-        for _ in range(2):  # decoded eagerly meanwhile: the eager server's tokens
+        mp.setattr(aot, "lower_priority", lambda pid: None)
+        mp.setattr(aot.os, "killpg", lambda pid, sig: stopped.append((pid, sig)))
+        mp.setattr(aot, "_reap", lambda proc: None)
+        for i in range(2):  # decoded eagerly meanwhile: the eager server's tokens
             assert [e.get("id") for e in ask(app)] == [e.get("id") for e in eager]
-    (cmd,) = started  # once per model, not per request
+            # the build starts when the batch empties (not beside it), and a request stops it
+            wait_until(lambda n=i + 1: len(started) == n, "a build started when the batch emptied")
+            assert stopped == [(4343, aot.signal.SIGTERM)] * i
+        aot.stop_background_builds()
+    cmd = started[0]
+    assert started == [cmd, cmd]
     assert cmd[1:4] == ["-m", "qkv", "generate"] and "--compile" in cmd
     assert cmd[cmd.index("--batch-step") + 1].startswith("8:")  # serve: 8 rows
     rc, _, err = call(cmd[3:])  # what the background process runs

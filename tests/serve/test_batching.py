@@ -135,3 +135,33 @@ def test_concurrent_http_generations_equal_the_same_requests_alone(runs_dir):
         assert [i for i, _ in g] == [i for i, _ in w]
         for (_, a), (_, b) in zip(g, w, strict=True):
             torch.testing.assert_close(torch.tensor(a), torch.tensor(b), atol=2e-5, rtol=0)
+
+
+def test_busy_and_idle_are_called_around_each_busy_period_never_inside_one():
+    """on_busy when a batch starts, on_idle once its thread has emptied it and given its slot
+    back (what qkv serve stops and starts its background builds with): two requests at once
+    share one busy period; a later one opens another; no on_idle while a row is decoding."""
+    m = model()
+    work = WorkQueue()
+    calls: list[tuple[str, int]] = []
+    e = BatchEngine(m, rows=4, cache_len=48, queued=4, max_wait_s=10.0, slot=lambda: work.acquire("m"),
+                    name="m", on_busy=lambda: calls.append(("busy", e.running())),
+                    on_idle=lambda: calls.append(("idle", e.running() + work.running())))
+    start = threading.Barrier(2)
+
+    def ask(r: Request) -> list[int]:
+        start.wait()
+        return [t.id for t in e.submit(r)]
+
+    with ThreadPoolExecutor(2) as pool:
+        list(pool.map(ask, [Request(ids(3, 1), 12), Request(ids(4, 2), 12)]))
+    deadline = time.monotonic() + 5
+    while len(calls) < 2 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert [c for c, _ in calls] in (["busy", "idle"], ["busy", "idle", "busy", "idle"])
+    n = len(calls)
+    assert [t.id for t in e.submit(Request(ids(5, 3), 6))] == alone(m, Request(ids(5, 3), 6))
+    while len(calls) < n + 2 and time.monotonic() < deadline + 5:
+        time.sleep(0.01)
+    assert [c for c, _ in calls[n:]] == ["busy", "idle"]
+    assert all(k == 0 for c, k in calls if c == "idle")  # nothing decoding, the slot given back
