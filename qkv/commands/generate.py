@@ -68,22 +68,7 @@ def add_generate_parser(sub) -> None:
 
 def cmd_generate(args: argparse.Namespace) -> int:
     """One decoding path for every decoder: a run, a bundled model, a GGUF file or a Hugging
-    Face folder is opened as a :class:`~qkv.pipelines.CausalLM` and streamed by it. With
-    ``--compile on`` (what a background build runs), SIGTERM (``qkv serve`` stopping a build when
-    a request arrives) exits through Python, so the build removes its half-written folder."""
-    import signal
-    import threading
-
-    if args.compile != "on" or threading.current_thread() is not threading.main_thread():
-        return _generate(args)
-    old = signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
-    try:
-        return _generate(args)
-    finally:
-        signal.signal(signal.SIGTERM, old)
-
-
-def _generate(args: argparse.Namespace) -> int:
+    Face folder is opened as a :class:`~qkv.pipelines.CausalLM` and streamed by it."""
     from qkv.device import check_device
     from qkv.generation.sampling import check_sampling
     from qkv.inference import open_model, resolve

@@ -359,29 +359,20 @@ def building() -> bool:
 
 
 def stop_background_builds() -> int:
-    """End every background build this process started that is still running (SIGTERM to its
-    process group: the build and its compilers; the build removes its half-written folder, and
-    the next build of the key removes what a harder kill left). ``qkv serve`` calls this when a
-    request arrives: on two cores a build beside decoding slows it many times over, whatever
-    its priority. Returns how many were stopped."""
+    """End every background build this process started that is still running, at once (SIGKILL
+    to its process group: the build and its compilers; its half-written folder is removed by the
+    next build of the key, which holds the key's lock). ``qkv serve`` calls this when a request
+    arrives: on two cores a build beside decoding slows it many times over, whatever its
+    priority, and one given SIGTERM kept a core for a second or more while it unwound. Returns
+    how many were stopped."""
     with _BUILDS_LOCK:
         live = [p for p in _BUILDS if p.poll() is None]
         _BUILDS.clear()
     for p in live:
         with contextlib.suppress(OSError):
-            os.killpg(p.pid, signal.SIGTERM)
-        threading.Thread(target=_reap, args=(p,), daemon=True).start()  # never waits in the caller
+            os.killpg(p.pid, signal.SIGKILL)
+        threading.Thread(target=p.wait, daemon=True).start()  # reaped, never waited for here
     return len(live)
-
-
-def _reap(proc: subprocess.Popen, grace_s: float = 10.0) -> None:
-    """Wait for a stopped build; kill its group if SIGTERM did not end it in ``grace_s``."""
-    try:
-        proc.wait(grace_s)
-    except subprocess.TimeoutExpired:
-        with contextlib.suppress(OSError):
-            os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
 
 
 def lower_priority(pid: int) -> str:

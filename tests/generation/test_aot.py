@@ -266,7 +266,7 @@ def test_generate_batch_builds_and_takes_the_batch_step(tmp_path, monkeypatch):
 def test_a_background_build_runs_only_on_idle_cores_and_stops_with_its_children(tmp_path, monkeypatch):
     """A real background process (a stand-in for the build that starts a child, as the build
     starts compilers): scheduled SCHED_IDLE (Linux), seen as building, and stopped by
-    stop_background_builds with its child (SIGTERM to its process group)."""
+    stop_background_builds with its child (SIGKILL to its process group)."""
     import time
 
     monkeypatch.setenv("QKV_CACHE_DIR", str(tmp_path / "cache"))
@@ -507,7 +507,7 @@ def test_qkv_generate_builds_then_loads_and_says_why_when_it_cannot(tiny_run, tm
 
 def test_qkv_serve_starts_a_build_that_its_next_lone_request_takes(tiny_run, tmp_path, monkeypatch):
     """`qkv serve` builds a model's saved steps in the background when its batch empties, and
-    stops the build (SIGTERM to its group) when a request arrives (the process faked, its
+    stops the build (SIGKILL to its group) when a request arrives (the process faked, its
     command run here): the command builds the very keys the server's model has, and the
     server's next lone request decodes through the step, with the page's layer row and the text
     of an eager server."""
@@ -547,12 +547,12 @@ def test_qkv_serve_starts_a_build_that_its_next_lone_request_takes(tiny_run, tmp
         mp.setattr(aot.subprocess, "Popen", FakeProcess)
         mp.setattr(aot, "lower_priority", lambda pid: None)
         mp.setattr(aot.os, "killpg", lambda pid, sig: stopped.append((pid, sig)))
-        mp.setattr(aot, "_reap", lambda proc: None)
+        mp.setattr(FakeProcess, "wait", lambda self: None, raising=False)
         for i in range(2):  # decoded eagerly meanwhile: the eager server's tokens
             assert [e.get("id") for e in ask(app)] == [e.get("id") for e in eager]
             # the build starts when the batch empties (not beside it), and a request stops it
             wait_until(lambda n=i + 1: len(started) == n, "a build started when the batch emptied")
-            assert stopped == [(4343, aot.signal.SIGTERM)] * i
+            assert stopped == [(4343, aot.signal.SIGKILL)] * i
         aot.stop_background_builds()
     cmd = started[0]
     assert started == [cmd, cmd]
