@@ -352,6 +352,9 @@ class Explorer(LensEndpoints):
                 model, lm_ref, rows, said = req.model, weakref.ref(lm), self.cfg.batch_rows, []
 
                 def on_idle() -> None:
+                    with self._engines_lock:  # builds start only when no model is decoding
+                        if any(e.running() or e.waiting() for e in self._engines.values()):
+                            return
                     held = lm_ref()
                     later = None if held is None else build_later(ref, held, rows, total)
                     if later is not None and later.startswith("building") and not said:

@@ -101,6 +101,7 @@ class BatchEngine:
         self.queued, self.max_wait_s, self.slot, self.name = queued, max_wait_s, slot, name
         self.on_busy, self.on_idle = on_busy, on_idle
         self._hooks = threading.Lock()  # on_busy / on_idle, one at a time, never under self._lock
+        self._closing = False
         self._lock = threading.Lock()
         self._pending: collections.deque[RowStream] = collections.deque()
         self._live: dict[Row, RowStream] = {}
@@ -116,6 +117,7 @@ class BatchEngine:
         """Cancel every request and wait (at most ``timeout`` s) for the batch's thread to end
         (at exit: a thread still inside a kernel when the interpreter goes aborts the process)."""
         with self._lock:
+            self._closing = True  # no on_idle (no build started) as the cancelled batch empties
             for stream in [*self._live.values(), *self._joining, *self._pending]:
                 stream.cancel()
             thread = self._thread
@@ -153,8 +155,8 @@ class BatchEngine:
                 self._thread.start()
             self._pending.append(stream)
         if started and self.on_busy is not None:
-            with self._hooks:  # after the start is recorded: an on_idle that ran before saw none
-                self.on_busy()
+            with self._hooks, contextlib.suppress(Exception):  # after the start is recorded: an
+                self.on_busy()  # on_idle before it saw none; its failure costs speed, not the request
         if not stream.joined.wait(self.max_wait_s):
             with self._lock:
                 if stream in self._pending:
@@ -227,7 +229,7 @@ class BatchEngine:
             if self.on_idle is not None:
                 with self._hooks:  # serialised with on_busy; a batch started since is seen here
                     with self._lock:
-                        idle = self._thread is None
+                        idle = self._thread is None and not self._closing
                     if idle:
                         with contextlib.suppress(Exception):  # a failed build start costs speed only
                             self.on_idle()

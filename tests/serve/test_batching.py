@@ -153,15 +153,24 @@ def test_busy_and_idle_are_called_around_each_busy_period_never_inside_one():
         start.wait()
         return [t.id for t in e.submit(r)]
 
+    def settled() -> None:  # the batch's thread has ended and its on_idle has run
+        deadline = time.monotonic() + 5
+        while (e._thread is not None or not calls or calls[-1][0] != "idle") and time.monotonic() < deadline:
+            time.sleep(0.01)
+        with e._hooks:
+            pass
+
     with ThreadPoolExecutor(2) as pool:
         list(pool.map(ask, [Request(ids(3, 1), 12), Request(ids(4, 2), 12)]))
-    deadline = time.monotonic() + 5
-    while len(calls) < 2 and time.monotonic() < deadline:
-        time.sleep(0.01)
-    assert [c for c, _ in calls] in (["busy", "idle"], ["busy", "idle", "busy", "idle"])
+    settled()
     n = len(calls)
     assert [t.id for t in e.submit(Request(ids(5, 3), 6))] == alone(m, Request(ids(5, 3), 6))
-    while len(calls) < n + 2 and time.monotonic() < deadline + 5:
-        time.sleep(0.01)
+    settled()
     assert [c for c, _ in calls[n:]] == ["busy", "idle"]
-    assert all(k == 0 for c, k in calls if c == "idle")  # nothing decoding, the slot given back
+    kinds = [c for c, _ in calls]
+    # every busy period opens with on_busy and the last closes with on_idle; an on_idle is never
+    # followed by another without a busy between, and sees nothing decoding, the slot given back
+    assert kinds[0] == "busy" and kinds[-1] == "idle" and "idle,idle" not in ",".join(kinds)
+    assert all(k == 0 for c, k in calls if c == "idle")
+    e.close()  # closing: the cancelled batch empties without an on_idle
+    assert calls[-1][0] == "idle" and len(calls) == n + 2
