@@ -36,6 +36,7 @@ import time
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 import _common as C
 import _llama_cpp as L
@@ -79,10 +80,10 @@ def wait_ready(url: str, proc: subprocess.Popen, timeout: float = 120) -> None:
 class Server:
     """A server subprocess and how to ask it for one completion (returns the tokens received)."""
 
-    def __init__(self, name: str, argv: list[str], health: str, port: int, env: dict | None = None) -> None:
+    def __init__(self, name: str, argv: list[str], health: str, port: int, env: dict | None = None,
+                 stderr: Any = subprocess.PIPE) -> None:
         self.name, self.port = name, port
-        self.proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-                                     env=env)
+        self.proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=stderr, text=True, env=env)
         wait_ready(f"http://127.0.0.1:{port}{health}", self.proc)
 
     def complete(self, prompt: str) -> int:

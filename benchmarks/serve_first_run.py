@@ -25,7 +25,6 @@ import argparse
 import json
 import os
 import shutil
-import subprocess
 import sys
 import tempfile
 import time
@@ -35,7 +34,9 @@ HERE = Path(__file__).resolve()
 sys.path.insert(0, str(HERE.parent))
 
 import _common as C  # noqa: E402
-from serve_batch import free_port, post, wait_ready  # noqa: E402
+from serve_batch import Server, free_port, post  # noqa: E402
+
+from qkv.paths import cache_root  # noqa: E402
 
 NAME = "serve_first_run"
 BODY = {
@@ -47,9 +48,11 @@ BODY = {
 }
 
 
-class Server:
+class FirstRunServer(Server):
+    """``qkv serve`` in its own cache folder, its stderr (what it says of its builds) in a log."""
+
     def __init__(self, cache: Path, runs: Path, saved_steps: bool) -> None:
-        self.port = free_port()
+        port = free_port()
         env = {
             **os.environ,
             "QKV_CACHE_DIR": str(cache),
@@ -57,13 +60,8 @@ class Server:
             "QKV_SAVED_STEP_BACKGROUND": "on",
         }
         self.log = cache / "serve.log"
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "qkv", "serve", "--port", str(self.port), "--runs", str(runs)],
-            stdout=subprocess.DEVNULL,
-            stderr=self.log.open("w"),
-            env=env,
-        )
-        wait_ready(f"http://127.0.0.1:{self.port}/api/models", self.proc)
+        argv = [sys.executable, "-m", "qkv", "serve", "--port", str(port), "--runs", str(runs)]
+        super().__init__("qkv serve", argv, "/api/models", port, env, stderr=self.log.open("w"))
 
     def ask(self) -> float:
         t = time.perf_counter()
@@ -74,22 +72,12 @@ class Server:
             raise RuntimeError(f"the server said {events[-1]}")
         return round(time.perf_counter() - t, 3)
 
-    def close(self) -> None:
-        self.proc.terminate()
-        try:
-            self.proc.wait(20)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-
-
 def fresh_cache(root: Path, name: str) -> Path:
     cache = root / name
     cache.mkdir()
-    converted = Path.home() / ".cache" / "qkv" / "converted"
-    if os.environ.get("QKV_CACHE_DIR"):
-        converted = Path(os.environ["QKV_CACHE_DIR"]) / "converted"
-    if converted.is_dir():
-        shutil.copytree(converted, cache / "converted")
+    mine = cache_root()  # this machine's qkv cache: its converted weights, if any
+    if mine is not None and (mine / "converted").is_dir():
+        shutil.copytree(mine / "converted", cache / "converted")
     return cache
 
 
@@ -119,7 +107,7 @@ def main() -> int:
         runs.mkdir()
         for name, saved in (("eager", False), ("default", True)):
             cache = fresh_cache(root, name)
-            server = Server(cache, runs, saved)
+            server = FirstRunServer(cache, runs, saved)
             try:
                 during = []
                 for _ in range(args.requests):

@@ -147,16 +147,15 @@ class RotaryEmbedding(nn.Module):
         """cos and sin (B, 1, T, D) at each row's positions. Every layer of one decoding step
         asks for the same positions: the gather is done once per step (the last one is kept,
         with a copy of the positions it was made for)."""
-        if torch.compiler.is_exporting():  # no state kept inside an exported program
-            at = positions(offset, T)
-            return self.cos[at].unsqueeze(1), self.sin[at].unsqueeze(1)
-        memo = self._memo
+        exporting = torch.compiler.is_exporting()  # no state kept inside an exported program
+        memo = None if exporting else self._memo
         if (memo is not None and memo[1] == T and memo[0].shape == offset.shape
                 and memo[0].device == offset.device and torch.equal(memo[0], offset)):
             return memo[2], memo[3]
         at = positions(offset, T)  # (B, T)
         cos, sin = self.cos[at].unsqueeze(1), self.sin[at].unsqueeze(1)
-        self._memo = (offset.clone(), T, cos, sin)
+        if not exporting:
+            self._memo = (offset.clone(), T, cos, sin)
         return cos, sin
 
 

@@ -380,8 +380,8 @@ def lower_priority(pid: int) -> str:
     is idle: Linux's SCHED_IDLE, else the lowest nice. Set from outside, after the start
     (``preexec_fn`` is unsafe in a threaded server). Even so a build beside decoding slows it on
     two cores (each slice it takes stalls an OpenMP thread at the next barrier; by hand, SmolLM2
-    in ``qkv serve``, 32 tokens: 1.2 s alone, 7-22 s beside a SCHED_IDLE build, 35 s beside one
-    at nice 15), so ``qkv serve`` also stops its builds while requests run
+    in ``qkv serve``, 32 tokens: 1.2 s alone, 7-22 s beside a SCHED_IDLE build, 18-36 s beside
+    one at nice 15), so ``qkv serve`` also stops its builds while requests run
     (:func:`stop_background_builds`). Returns what was set."""
     try:
         os.sched_setscheduler(pid, os.SCHED_IDLE, os.sched_param(0))  # type: ignore[attr-defined]

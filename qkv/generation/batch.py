@@ -37,7 +37,6 @@ Shapes: R rows, S cache length, H heads, V vocabulary.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, NamedTuple, overload
@@ -160,7 +159,6 @@ class Batch:
         self._not_solo: Row | None = None  # the last row the saved step could not take (not asked again)
         self.solo_steps = 0  # steps taken through the saved step (a count for tests and benchmarks)
         self._rows_step: SavedStep | None = None  # the saved step for several rows, once found
-        self._rows_asked = -float("inf")  # when it was last looked for (monotonic seconds)
         self.rows_steps = 0  # steps of several rows taken through it (a count for tests and benchmarks)
 
     def __len__(self) -> int:
@@ -192,16 +190,26 @@ class Batch:
         new.sync()
         self._cache = new
 
+    def _layers(self, requests: Sequence[Request]) -> set[int] | bool | None:
+        """The layers whose attention any of ``requests`` asks for: False (none asks), None
+        (one asks for every layer) or their indices."""
+        asked = [r for r in requests if r.weights]
+        if not asked:
+            return False
+        if any(r.layers is None for r in asked):
+            return None
+        n = self.model.cfg.n_layers
+        return {i % n for r in asked for i in r.layers or ()}
+
     def _extra(self, requests: Sequence[Request]) -> dict[str, object]:
         """The forward's options for a step of ``requests``: the weights of the layers any of
         them asks for, on the explicit reference backend (every layer if one asks for all)."""
-        asked = [r for r in requests if r.weights]
-        if not asked:
+        layers = self._layers(requests)
+        if layers is False:
             return {}
-        if any(r.layers is None for r in asked):
+        if layers is None:
             return {"backend": "reference", "return_weights": True}
-        n = self.model.cfg.n_layers
-        return {"return_weights": True, "weights_layers": {i % n for r in asked for i in r.layers or ()}}
+        return {"return_weights": True, "weights_layers": layers}
 
     def _take(self, row: Row, logits: Tensor) -> int | None:
         """Sample row's next id from its (1, V) logits; None if it is a stop id (the row ends
@@ -243,17 +251,13 @@ class Batch:
     def _several(self, rows: list[Row]) -> tuple[Tensor, list[Tensor | None] | None] | None:
         """((n, 1, V) logits, the attention of the layers the rows ask for or None) of a step
         of ``rows`` (the batch's first n) through the model's saved step for a running batch of
-        up to ``self.rows`` rows with this cache length, when there is one; else None. Looked
-        for once, and again every :data:`qkv.generation.aot.RECHECK_S` seconds while missing."""
+        up to ``self.rows`` rows with this cache length, when there is one; else None (while
+        missing, :func:`qkv.generation.aot.saved_step` answers from its own memory)."""
         if not self.saved_step or self._cache.queries is None or len(rows) < 2:
             return None
         if self._rows_step is None or self._rows_step.cache_len != self.cache_len:
             from qkv.generation import aot
 
-            now = time.monotonic()
-            if now - self._rows_asked < aot.RECHECK_S and self._rows_step is None:
-                return None
-            self._rows_asked = now
             self._rows_step, _ = aot.saved_step(self.model, rows=self.rows, cache_len=self.cache_len)
             if self._rows_step is None:
                 return None
@@ -262,10 +266,9 @@ class Batch:
         x = torch.tensor([[r.last] for r in rows], device=self.model.tok_emb.weight.device)
         logits = step.step_rows(x, self._cache)
         self.rows_steps += 1
-        asked = [r.request for r in rows if r.request.weights]
-        if not asked:
+        layers = self._layers([r.request for r in rows])
+        if layers is False:
             return logits, None
-        layers = None if any(r.layers is None for r in asked) else {i for r in asked for i in r.layers or ()}
         return logits, step.attention(self._cache, layers, rows=len(rows))
 
     def _flush(self) -> None:

@@ -35,26 +35,36 @@ def batched(m: GPT, reqs: list[Request], rows: int) -> list[list]:
     return got
 
 
+LENS, NEW = [5, 11, 2], torch.tensor([[7], [1], [30]])  # three rows' prompt lengths, each row's next token
+
+
+def prefill_rows_and_alone(m: GPT, cache: BatchKVCache, backend: str) -> list:
+    """Prefill row b of ``cache`` with a prompt of LENS[b] tokens, and the same prompt alone
+    into its own batch-1 cache; returns each row's next step (NEW[b]) decoded alone (with
+    weights on the reference backend): what a step of the batch must equal."""
+    want = []
+    for b, n in enumerate(LENS):
+        p = torch.tensor([ids(n, b)])
+        m(p, cache=cache.row(b))
+        cache.set_length(b, n)
+        solo = m.make_cache(1, 32)
+        m(p, cache=solo)
+        want.append(m(NEW[b : b + 1], cache=solo, backend=backend, return_weights=backend == "reference"))
+    return want
+
+
 @pytest.mark.parametrize("positions", ["rope", "learned", "sinusoidal", "alibi", "none"])
 @pytest.mark.parametrize("backend", ["sdpa", "reference"])
 def test_one_step_of_rows_at_different_positions_equals_each_row_alone(positions, backend):
     """The step's logits per row against the same row's step with its own batch-1 cache; with the
     reference backend, the weights too (and zero past the row's own keys)."""
     m = model(positions)
-    lens, new = [5, 11, 2], torch.tensor([[7], [1], [30]])
     cache = BatchKVCache(2, 4, 2, 32, 8)  # a spare 4th row
-    want = []
     with torch.inference_mode():
-        for b, n in enumerate(lens):
-            p = torch.tensor([ids(n, b)])
-            m(p, cache=cache.row(b))
-            cache.set_length(b, n)
-            solo = m.make_cache(1, 32)
-            m(p, cache=solo)
-            want.append(m(new[b : b + 1], cache=solo, backend=backend, return_weights=backend == "reference"))
-        got = m(new, cache=cache.head(3), backend=backend, return_weights=backend == "reference")
+        want = prefill_rows_and_alone(m, cache, backend)
+        got = m(NEW, cache=cache.head(3), backend=backend, return_weights=backend == "reference")
     assert cache.pos.tolist() == [6, 12, 3, 0]  # the step advanced the three rows, in the parent
-    for b, n in enumerate(lens):
+    for b, n in enumerate(LENS):
         torch.testing.assert_close(got.logits[b], want[b].logits[0], atol=1e-5, rtol=0)
         if backend == "reference":
             for layer in range(2):
@@ -213,25 +223,17 @@ def test_a_masked_view_of_the_batch_equals_each_row_alone(positions):
     from qkv.generation.aot import attention_rows, keep_queries
 
     m = model(positions)
-    lens, new = [5, 11, 2], torch.tensor([[7], [1], [30]])
     cache = BatchKVCache(2, 4, 2, 32, 8)  # a spare 4th row, not run
     keep_queries(m, cache)
-    want = []
     with torch.inference_mode():
-        for b, n in enumerate(lens):
-            p = torch.tensor([ids(n, b)])
-            m(p, cache=cache.row(b))
-            cache.set_length(b, n)
-            solo = m.make_cache(1, 32)
-            m(p, cache=solo)
-            want.append(m(new[b : b + 1], cache=solo, backend="reference", return_weights=True))
+        want = prefill_rows_and_alone(m, cache, "reference")
         view = BatchKVCache.wrap(cache.k, cache.v, cache.pos[:3], span=11, queries=cache.queries)
-        got = m(new, cache=view, last_only=True)
+        got = m(NEW, cache=view, last_only=True)
         assert cache.pos.tolist() == [5, 11, 2, 0]  # a masked view leaves advancing to its caller
         cache.pos[:3] += 1
         cache.sync()
         rows = attention_rows(m, cache, rows=3)
-    for b, n in enumerate(lens):
+    for b, n in enumerate(LENS):
         torch.testing.assert_close(got.logits[b], want[b].logits[0, -1:], atol=1e-5, rtol=0)
         for layer in range(2):
             w = rows[layer][b, :, 0]
