@@ -1,12 +1,16 @@
-"""`qkv serve [--host 127.0.0.1] [--port 8000] [--runs DIR]`: the attention explorer page."""
+"""`qkv serve [--host 127.0.0.1] [--port 8000] [--runs DIR] [--build-steps MODEL ...]`: the
+attention explorer page."""
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import ipaddress
 import socket
 import sys
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 
 def add_serve_parser(sub) -> None:
@@ -26,7 +30,7 @@ def add_serve_parser(sub) -> None:
         "folder) once built: the server builds them in the background while it is idle (a "
         "request stops the build, the next pause starts it again; about a minute each, once per "
         "model and machine; QKV_SAVED_STEP=off: eager decoding; QKV_SAVED_STEP_BACKGROUND=off: "
-        "no build; `qkv generate MODEL --compile` builds the one-request step). "
+        "no build; --build-steps MODEL builds them before the server listens). "
         "Needs `pip install 'qkv[serve]'`.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
@@ -50,6 +54,12 @@ def add_serve_parser(sub) -> None:
                    help="generation requests decoded together on one model (continuous batching: a "
                    "request joins the running batch between two steps, and decodes as it would "
                    "alone, to float rounding); 0 = each request decodes alone, in its own work slot")
+    p.add_argument("--build-steps", nargs="+", default=[], metavar="MODEL",
+                   help="before listening, build the saved decoding steps these models lack on this "
+                   "machine (names as the page lists them: smollm2, runs/NAME): the one-request step "
+                   "and the running batch's (--batch-rows rows x --max-tokens positions); about a "
+                   "minute each, once per model and machine, so that a busy server decodes fast from "
+                   "its first request (without it, steps are built only while the server is idle)")
     p.set_defaults(func=cmd_serve)
 
 
@@ -73,6 +83,47 @@ def _check_port_free(host: str, port: int) -> None:
                              "or --host") from None
 
 
+@contextlib.contextmanager
+def _status(text: str) -> Iterator[None]:
+    """A spinner with ``text`` on a terminal (rich), the line alone otherwise."""
+    if sys.stderr.isatty():
+        with contextlib.suppress(ImportError):
+            from rich.console import Console
+
+            with Console(stderr=True).status(text):
+                yield
+            return
+    print(text, file=sys.stderr, flush=True)
+    yield
+
+
+def build_steps(registry: Any, cfg: Any, names: list[str]) -> None:
+    """``--build-steps``: every name checked first (one line, exit 2, before any build), then
+    each decoder loaded and its missing saved steps built (:func:`qkv.inference.steps.build_now`),
+    with one line per step; a step that cannot be built is said, and serving goes on eagerly.
+    ``registry``: the app's :class:`~qkv.serve.registry.Registry`; ``cfg``: its ServeConfig."""
+    from qkv.inference.steps import build_now, missing
+    from qkv.pipelines.text import CausalLM
+
+    for name in names:
+        registry.resolve(name)  # UnknownModelError, InvalidNameError, AssetMissingError: one line
+    for name in dict.fromkeys(names):
+        ref = registry.resolve(name)
+        lm = registry.get(name)
+        if not isinstance(lm, CausalLM):
+            raise ValueError(f"--build-steps {name}: a {ref.label} model has no decoding steps; name a "
+                             "decoder (smollm2, a gpt run, a GGUF or Hugging Face decoder)")
+        total = cfg.longest(lm.context)
+        building = (_status(f"qkv serve: {name}: building the saved decoding steps this machine lacks "
+                            "(about a minute each, once per model and machine)")
+                    if missing(lm, cfg.batch_rows, total) else contextlib.nullcontext())
+        with building:
+            done = build_now(lm, cfg.batch_rows, total)
+        for b in done:
+            print(f"qkv serve: {name}: saved step for {b.what}: {b.note}"
+                  f"{'' if b.ready else ' (its requests decode eagerly)'}", file=sys.stderr, flush=True)
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
     try:
         import uvicorn
@@ -94,6 +145,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
                       max_queued=args.max_queued, max_wait_s=args.max_wait, batch_rows=args.batch_rows)
     app = create_app(cfg)
     _check_port_free(args.host, args.port)
+    build_steps(app.state.registry, cfg, args.build_steps)
     if not _is_loopback(args.host):
         print(f"qkv: warning: serving on {args.host}: anyone who can reach this machine can use "
               "the page and its models", file=sys.stderr)

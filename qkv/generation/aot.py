@@ -59,6 +59,7 @@ import subprocess
 import tempfile
 import threading
 import time
+import warnings
 import weakref
 import zipfile
 from collections.abc import Collection
@@ -286,10 +287,12 @@ def build(model: GPT, cache_len: int | None = None, batch: int = 1) -> Path:
         try:
             from torch._inductor import aoti_compile_and_package
 
-            ep = _export(model, S, batch)
             pkg = tmp / PACKAGE
-            aoti_compile_and_package(ep, package_path=str(pkg),
-                                     inductor_configs={"aot_inductor.package_constants_in_so": False})
+            with warnings.catch_warnings():  # torch's own deprecation notice inside export, not the user's
+                warnings.filterwarnings("ignore", message=".*LeafSpec.*", category=FutureWarning)
+                ep = _export(model, S, batch)
+                aoti_compile_and_package(ep, package_path=str(pkg),
+                                         inductor_configs={"aot_inductor.package_constants_in_so": False})
             meta = {"key": key, "info": info, "sha256": _sha256(pkg), "made": _made_constants(pkg, model),
                     "built": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
             (tmp / META).write_text(json.dumps(meta, indent=1))

@@ -297,7 +297,7 @@ class Explorer(LensEndpoints):
                     raise InputError(f"{req.model} is a {lease.ref.label} model: only GPT models (smollm2, "
                                      "gpt runs) generate")
                 layer, head = check_layer_head(lm.n_layers, lm.n_heads, req.layer, req.head)
-                total = min(self.cfg.max_tokens, lm.context)
+                total = self.cfg.longest(lm.context)
                 ids, notes = text.encode_text(lm, req.prompt, max(1, total - 1), keep="last")
                 n_new = min(req.max_new_tokens, self.cfg.max_new_tokens, total - len(ids))
                 steps: Iterator[text.GenerationStep]
@@ -361,7 +361,8 @@ class Explorer(LensEndpoints):
                         said.append(later)  # once per model: a build restarts at every pause
                         print(f"qkv serve: {model}: {aot.NO_STEP} yet: building the saved steps while "
                               f"the server is idle (a request stops the build, the next pause starts it "
-                              f"again; about a minute each, once per machine)", file=sys.stderr, flush=True)
+                              f"again; about a minute each, once per machine; --build-steps {model} "
+                              f"builds them before the server listens)", file=sys.stderr, flush=True)
 
                 engine = BatchEngine(lm.model, rows=self.cfg.batch_rows, cache_len=total,
                                      queued=self.cfg.max_queued, max_wait_s=self.cfg.max_wait_s,

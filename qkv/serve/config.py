@@ -32,6 +32,12 @@ class ServeConfig:
     # loopback names only (DNS rebinding), on any other address any name
     allowed_hosts: Sequence[str] | None = field(default=None)
 
+    def longest(self, context: int) -> int:
+        """The most tokens a request's text and new tokens take together on a model of
+        ``context`` positions: also the cache length of that model's running batch (and so of
+        the saved step ``qkv serve --build-steps`` builds for it)."""
+        return min(self.max_tokens, context)
+
     def __post_init__(self) -> None:
         self.runs_dir = Path(self.runs_dir)
         if self.max_tokens < 2:
