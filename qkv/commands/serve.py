@@ -104,6 +104,7 @@ def build_steps(registry: Any, cfg: Any, names: list[str]) -> None:
     ``registry``: the app's :class:`~qkv.serve.registry.Registry`; ``cfg``: its ServeConfig."""
     from qkv.inference.steps import build_now, missing
     from qkv.pipelines.text import CausalLM
+    from qkv.serve.threads import in_passing_thread
 
     for name in names:
         registry.resolve(name)  # UnknownModelError, InvalidNameError, AssetMissingError: one line
@@ -114,11 +115,12 @@ def build_steps(registry: Any, cfg: Any, names: list[str]) -> None:
             raise ValueError(f"--build-steps {name}: a {ref.label} model has no decoding steps; name a "
                              "decoder (smollm2, a gpt run, a GGUF or Hugging Face decoder)")
         total = cfg.longest(lm.context)
+        # in threads that end with them, not this one, which serves: see qkv.serve.threads
         building = (_status(f"qkv serve: {name}: building the saved decoding steps this machine lacks "
                             "(about a minute each, once per model and machine)")
-                    if missing(lm, cfg.batch_rows, total) else contextlib.nullcontext())
+                    if in_passing_thread(missing, lm, cfg.batch_rows, total) else contextlib.nullcontext())
         with building:
-            done = build_now(lm, cfg.batch_rows, total)
+            done = in_passing_thread(build_now, lm, cfg.batch_rows, total)
         for b in done:
             print(f"qkv serve: {name}: saved step for {b.what}: {b.note}"
                   f"{'' if b.ready else ' (its requests decode eagerly)'}", file=sys.stderr, flush=True)

@@ -31,6 +31,7 @@ from qkv.serve.schemas import (
     RolloutCells,
     TokenCandidate,
 )
+from qkv.serve.threads import in_passing_thread
 
 if TYPE_CHECKING:
     from qkv.serve.registry import Lease
@@ -146,6 +147,9 @@ class LensEndpoints:
     def lens(self, req: LensRequest) -> LensResponse:
         """What a text model does with ``text``: next-token logits (with ``ablate``'s heads
         knocked out), the logit lens, every head's thumbnail and scores (:mod:`qkv.lens`)."""
+        return in_passing_thread(self._lens, req)  # every tensor op in a thread that ends (threads.py)
+
+    def _lens(self, req: LensRequest) -> LensResponse:
         self._check_text(req.text)
         with self._model(req.model) as lease:
             lm = self._text_model(lease, req.model)
@@ -171,12 +175,18 @@ class LensEndpoints:
 
     def qk(self, req: QKRequest) -> QKResponse:
         """One head's attention row for one query token, term by term (q·k, / √d, softmax)."""
+        return in_passing_thread(self._qk, req)  # every tensor op in a thread that ends (threads.py)
+
+    def _qk(self, req: QKRequest) -> QKResponse:
         self._check_text(req.text)
         with self._model(req.model) as lease:
             return qk_response(self._text_model(lease, req.model), req, self.cfg.max_tokens)
 
     def patch(self, req: PatchRequest) -> PatchResponse:
         """Activation patching from ``clean`` into ``corrupt`` (decoders)."""
+        return in_passing_thread(self._patch, req)  # every tensor op in a thread that ends (threads.py)
+
+    def _patch(self, req: PatchRequest) -> PatchResponse:
         self._check_text(req.clean)
         self._check_text(req.corrupt)
         with self._model(req.model) as lease:

@@ -31,6 +31,7 @@ from typing import Any, TypeVar
 from qkv.errors import UnknownModelError
 from qkv.inference import Loaded, ModelRef, open_model, resolve
 from qkv.pipelines.attention import TextAttention
+from qkv.serve.threads import in_passing_thread
 from qkv.serve.work import BusyError, Ticket
 
 T = TypeVar("T")
@@ -39,31 +40,6 @@ RUN_PREFIX = "runs/"
 _RUN_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._-]{0,199}")
 _RUN_FILES = ("config.json", "model.safetensors", "tokenizer.json")
 
-
-
-def in_passing_thread(fn: Callable[..., T], *args: Any) -> T:
-    """``fn(*args)`` in a thread that ends with it (its exception raised here).
-
-    Loading a model runs OpenMP-parallel code, and OpenMP keeps a pool of worker threads for
-    every thread that ran some, as long as that thread lives. The server's handler threads live
-    on, and while two pools are alive there are more OpenMP threads than cores, so libgomp makes
-    every pool's workers sleep instead of spinning between parallel regions: each region of
-    every later step then pays a wake-up, and the running batch decoded at half speed (SmolLM2
-    q4, 2 cores: 18 against 34 tok/s). A thread that ends takes its pool with it."""
-    box: dict[str, Any] = {}
-
-    def run() -> None:
-        try:
-            box["value"] = fn(*args)
-        except BaseException as e:
-            box["error"] = e
-
-    t = threading.Thread(target=run, name="qkv-load")
-    t.start()
-    t.join()
-    if "error" in box:
-        raise box["error"]
-    return box["value"]
 
 class InvalidNameError(ValueError):
     """A model id that could never name a model (path separators, ``..``, control characters)."""

@@ -148,21 +148,3 @@ def test_one_load_per_model_however_many_ask(runs, loader) -> None:
     with ThreadPoolExecutor(max_workers=12) as pool:
         srcs = list(pool.map(lambda _: reg.get("runs/r5"), range(12)))
     assert loader.loads == 1 and all(s is srcs[0] for s in srcs)
-
-
-def test_models_load_in_a_thread_that_ends_with_the_load():
-    """OpenMP keeps a worker pool for every thread that ran parallel code; loading in a passing
-    thread leaves none behind in the server's long-lived handler threads (see in_passing_thread)."""
-    import threading
-
-    from qkv.serve.registry import in_passing_thread
-
-    names = []
-    assert in_passing_thread(lambda a, b: names.append(threading.current_thread().name) or a + b, 2, 3) == 5
-    assert names == ["qkv-load"] and "qkv-load" not in {t.name for t in threading.enumerate()}
-
-    def fail():
-        raise ValueError("bad file")
-
-    with pytest.raises(ValueError, match="bad file"):
-        in_passing_thread(fail)
