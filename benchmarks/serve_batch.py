@@ -16,7 +16,8 @@ same rounds, one server at a time (the others idle):
 Each client sends one request for 64 new tokens (greedy, a different prompt each; qkv's also
 ask for one layer's attention row per token, as the page does: llama.cpp computes none), all
 clients at once; aggregate tok/s = every token received / wall time from the first request to
-the last response. Each (server, clients) cell is the median over ``--rounds`` rounds, and the
+the last response. Before the rounds each qkv server answers one attention and one lens request
+on the model, as the page does. Each (server, clients) cell is the median over ``--rounds`` rounds, and the
 ratios are taken within each round.
 
     python benchmarks/serve_batch.py                    # ~6 minutes on 2 cores
@@ -89,6 +90,10 @@ class Server:
     def complete(self, prompt: str) -> int:
         raise NotImplementedError
 
+    def warm(self) -> None:
+        """Load the model and answer once before the timed rounds."""
+        self.complete("Hello")
+
     def close(self) -> None:
         self.proc.terminate()
         try:
@@ -105,6 +110,15 @@ class QkvServer(Server):
         argv = [sys.executable, "-m", "qkv", "serve", "--port", str(port), "--runs", str(runs),
                 "--batch-rows", str(batch_rows), "--max-queued", "8"]  # every client waits: none is refused
         super().__init__(name, argv, "/api/models", port, env)
+
+    def warm(self) -> None:
+        """What the page does before it generates: one layer's attention over a text and the lens
+        (computed in threads that end with them: a pool of OpenMP workers left in a request
+        thread had halved every later decoding step, see qkv/serve/threads.py)."""
+        text = "The quick brown fox jumps over the lazy dog. " * 12
+        post(f"http://127.0.0.1:{self.port}/api/attention", {"model": "smollm2", "text": text})
+        post(f"http://127.0.0.1:{self.port}/api/lens", {"model": "smollm2", "text": text[:200]})
+        super().warm()
 
     def complete(self, prompt: str) -> int:
         body = {"model": "smollm2", "prompt": prompt, "max_new_tokens": NEW, "layer": -1, "head": None}
@@ -171,8 +185,8 @@ def main() -> int:
         servers.append(LlamaServer(binary, gguf))
     rounds: list[dict] = []
     try:
-        for s in servers:  # load the model, warm up
-            s.complete("Hello")
+        for s in servers:  # load the model, warm up (qkv: as the page does, attention first)
+            s.warm()
         for r in range(args.rounds):
             row: dict = {}
             for n in counts:
