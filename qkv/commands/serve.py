@@ -57,7 +57,8 @@ def add_serve_parser(sub) -> None:
     p.add_argument("--build-steps", nargs="+", default=[], metavar="MODEL",
                    help="before listening, build the saved decoding steps these models lack on this "
                    "machine (names as the page lists them: smollm2, runs/NAME): the one-request step "
-                   "and the running batch's (--batch-rows rows x --max-tokens positions); about a "
+                   "and, with --batch-rows 2 or more, the running batch's (that many rows x --max-tokens "
+                   "positions, or the model's context if shorter); about a "
                    "minute each, once per model and machine, so that a busy server decodes fast from "
                    "its first request (without it, steps are built only while the server is idle)")
     p.set_defaults(func=cmd_serve)
@@ -86,15 +87,18 @@ def _check_port_free(host: str, port: int) -> None:
 @contextlib.contextmanager
 def _status(text: str) -> Iterator[None]:
     """A spinner with ``text`` on a terminal (rich), the line alone otherwise."""
+    console = None
     if sys.stderr.isatty():
         with contextlib.suppress(ImportError):
             from rich.console import Console
 
-            with Console(stderr=True).status(text):
-                yield
-            return
-    print(text, file=sys.stderr, flush=True)
-    yield
+            console = Console(stderr=True)
+    if console is None:
+        print(text, file=sys.stderr, flush=True)
+        yield
+        return
+    with console.status(text):
+        yield
 
 
 def build_steps(registry: Any, cfg: Any, names: list[str]) -> None:
@@ -106,14 +110,19 @@ def build_steps(registry: Any, cfg: Any, names: list[str]) -> None:
     from qkv.pipelines.text import CausalLM
     from qkv.serve.threads import in_passing_thread
 
-    for name in names:
-        registry.resolve(name)  # UnknownModelError, InvalidNameError, AssetMissingError: one line
+    def not_a_decoder(name: str, label: str) -> ValueError:
+        return ValueError(f"--build-steps {name}: a {label} model has no decoding steps; name a decoder "
+                          "(smollm2, a gpt run, a GGUF or Hugging Face decoder)")
+
+    for name in names:  # UnknownModelError, InvalidNameError, AssetMissingError: one line, before any build
+        ref = registry.resolve(name)
+        if ref.kind != "decoder":
+            raise not_a_decoder(name, ref.label)
     for name in dict.fromkeys(names):
         ref = registry.resolve(name)
         lm = registry.get(name)
         if not isinstance(lm, CausalLM):
-            raise ValueError(f"--build-steps {name}: a {ref.label} model has no decoding steps; name a "
-                             "decoder (smollm2, a gpt run, a GGUF or Hugging Face decoder)")
+            raise not_a_decoder(name, ref.label)
         total = cfg.longest(lm.context)
         # in threads that end with them, not this one, which serves: see qkv.serve.threads
         building = (_status(f"qkv serve: {name}: building the saved decoding steps this machine lacks "
@@ -147,7 +156,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
                       max_queued=args.max_queued, max_wait_s=args.max_wait, batch_rows=args.batch_rows)
     app = create_app(cfg)
     _check_port_free(args.host, args.port)
-    build_steps(app.state.registry, cfg, args.build_steps)
+    if args.build_steps:
+        build_steps(app.state.registry, cfg, args.build_steps)
+        _check_port_free(args.host, args.port)  # again: the builds took minutes
     if not _is_loopback(args.host):
         print(f"qkv: warning: serving on {args.host}: anyone who can reach this machine can use "
               "the page and its models", file=sys.stderr)

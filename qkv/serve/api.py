@@ -171,7 +171,7 @@ class _ReleasingResponse(StreamingResponse):
             await super().__call__(scope, receive, send)
         finally:
             self.stream.release()
-            with contextlib.suppress(ValueError):  # still running a step in a worker thread
+            with contextlib.suppress(ValueError):  # a worker thread is still in it (waiting for a step)
                 self.stream.events.close()
 
 
@@ -309,10 +309,18 @@ class Explorer(LensEndpoints):
                     row = self._join_batch(req, lease.ref, lm, ids, n_new, layer, head, total)
                     held.append(_Cancel(row))
                     steps = text.batch_steps(lm, ids, row)  # type: ignore[arg-type]
-                else:  # decoded in a thread of its own that ends with the reply (qkv.serve.threads)
-                    own = OwnThread(text.generate_steps(lm, ids, n_new, layer=layer, head=head,
-                                                        temperature=req.temperature, top_k=req.top_k,
-                                                        seed=req.seed))
+                else:  # decoded in a thread of its own that ends with the reply (qkv.serve.threads),
+                    # which gives the work slot and the model back once its last step is over
+                    gen = text.generate_steps(lm, ids, n_new, layer=layer, head=head,
+                                              temperature=req.temperature, top_k=req.top_k, seed=req.seed)
+                    with lock:
+                        parts, held[:] = list(held), []
+                    try:
+                        own = OwnThread(gen, on_end=lambda: [p.release() for p in reversed(parts)])
+                    except BaseException:
+                        for p in reversed(parts):
+                            p.release()
+                        raise
                     held.append(own)
                     steps = own
         except BaseException:

@@ -26,15 +26,13 @@ from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 from qkv.errors import UnknownModelError
 from qkv.inference import Loaded, ModelRef, open_model, resolve
 from qkv.pipelines.attention import TextAttention
 from qkv.serve.threads import in_passing_thread
 from qkv.serve.work import BusyError, Ticket
-
-T = TypeVar("T")
 
 RUN_PREFIX = "runs/"
 _RUN_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._-]{0,199}")

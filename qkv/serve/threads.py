@@ -33,7 +33,7 @@ def in_passing_thread(fn: Callable[..., T], *args: Any) -> T:
         except BaseException as e:
             box["error"] = e
 
-    t = threading.Thread(target=run, name="qkv-compute")
+    t = threading.Thread(target=run, name="qkv-compute", daemon=True)  # Ctrl-C need not wait for it
     t.start()
     t.join()
     if "error" in box:
@@ -56,28 +56,38 @@ class OwnThread(Iterator[T], Generic[T]):
     The thread runs ahead of the reader (a token is small; a reply is at most a few hundred).
     :meth:`release` (the client left, or the response is over) makes it stop before its next
     item and returns at once: the step in progress, if any, finishes first (no wait on the
-    caller's thread, which may be the event loop's). The generator is closed in its own thread.
+    caller's thread, which may be the event loop's). The generator is closed in its own thread,
+    then ``on_end`` runs there (give back what the computation held: its work slot, its model),
+    then the reader sees the end.
     """
 
-    def __init__(self, items: Iterable[T], name: str = "qkv-steps") -> None:
+    def __init__(self, items: Iterable[T], name: str = "qkv-steps",
+                 on_end: Callable[[], object] | None = None) -> None:
         self._items: queue.SimpleQueue[object] = queue.SimpleQueue()
         self._stop = threading.Event()
+        self._on_end = on_end
         self._thread = threading.Thread(target=self._run, args=(iter(items),), name=name, daemon=True)
         self._thread.start()
 
     def _run(self, it: Iterator[T]) -> None:
         try:
-            for item in it:
-                if self._stop.is_set():
-                    break
-                self._items.put(item)
-        except BaseException as e:
+            try:
+                for item in it:
+                    if self._stop.is_set():
+                        break
+                    self._items.put(item)
+            finally:
+                close = getattr(it, "close", None)
+                if close is not None:
+                    close()
+        except BaseException as e:  # from a step or from closing
             self._items.put(_Failed(e))
         finally:
-            close = getattr(it, "close", None)
-            if close is not None:
-                close()
-            self._items.put(_END)
+            try:
+                if self._on_end is not None:
+                    self._on_end()
+            finally:
+                self._items.put(_END)
 
     def __next__(self) -> T:
         item = self._items.get()

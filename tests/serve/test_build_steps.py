@@ -63,8 +63,13 @@ def test_the_built_step_is_the_one_the_first_request_decodes_through(runs_dir, p
 
 def test_the_batch_step_is_asked_for_with_the_servers_rows_and_cache_length(runs_dir, monkeypatch):
     """--batch-rows 8 and --max-tokens 24: the lone request's step (the model's default cache) and
-    the running batch's step of 8 rows x 24 positions, the (rows, cache length) the server's
-    BatchEngine is made with for this model (api.py: ServeConfig.longest)."""
+    the running batch's step of 8 rows x 24 positions, the (rows, cache length) the server's own
+    running batch is made with (and asks its step for)."""
+    from fastapi.testclient import TestClient
+
+    from qkv.serve import api
+    from qkv.serve.batching import BatchEngine
+
     asked: list[tuple[int, int | None, bool]] = []
 
     def saved_step(model, build_missing=False, rows=1, cache_len=None):
@@ -76,9 +81,16 @@ def test_the_batch_step_is_asked_for_with_the_servers_rows_and_cache_length(runs
     lm = app.state.registry.get("runs/gpt-tiny")
     assert lm.context > 24
     done = build_now(lm, cfg.batch_rows, cfg.longest(lm.context))
-    assert [(r, c) for r, c, b in asked if b] == [(1, None), (8, 24)]
+    built = [(r, c) for r, c, b in asked if b]
+    assert built == [(1, None), (8, 24)]
     assert [b.what for b in done] == ["one request", "a batch of up to 8 rows x 24 positions"]
     assert not any(b.ready for b in done) and done[1].note == "no saved step (SavedStepError: test)"
+    engines = []
+    monkeypatch.setattr(api, "BatchEngine", lambda *a, **k: engines.append(k) or BatchEngine(*a, **k))
+    with TestClient(app) as c:  # the server's running batch for this model: made with the same two
+        r = c.post("/api/generate", json={"model": "runs/gpt-tiny", "prompt": "ROMEO", "max_new_tokens": 4})
+    assert r.status_code == 200, r.text
+    assert [(k["rows"], k["cache_len"]) for k in engines] == [(8, 24)]
 
 
 def test_every_name_is_checked_before_anything_is_loaded_or_built(runs_dir, private_cache):
@@ -91,7 +103,8 @@ def test_every_name_is_checked_before_anything_is_loaded_or_built(runs_dir, priv
     assert app.state.registry.in_memory() == 0
     assert not (private_cache / "steps").exists() or not any((private_cache / "steps").iterdir())
     with pytest.raises(ValueError, match="vit model has no decoding steps; name a decoder"):
-        build_steps(app.state.registry, cfg, ["runs/vit-tiny"])
+        build_steps(app.state.registry, cfg, ["runs/gpt-tiny", "runs/vit-tiny"])
+    assert app.state.registry.in_memory() == 0  # refused before the decoder was loaded or built
 
 
 def test_no_compiler_is_one_line_and_serving_goes_on(runs_dir, private_cache, monkeypatch, capsys):

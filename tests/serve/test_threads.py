@@ -77,6 +77,39 @@ def test_an_error_reaches_the_reader_and_release_stops_the_stream_before_its_nex
     assert closed.is_set() and made == [0] and list(own) == []
 
 
+def test_what_the_stream_held_is_given_back_in_its_thread_before_the_reader_sees_the_end():
+    """on_end runs after the generator is closed, in the stream's thread, before the end is
+    read; a generator whose closing fails still ends, with that error."""
+    order: list[str] = []
+
+    def steps():
+        try:
+            yield 1
+            yield 2
+        finally:
+            order.append("closed")
+
+    own = OwnThread(steps(), on_end=lambda: order.append(f"on_end in {threading.current_thread().name}"))
+    assert list(own) == [1, 2]
+    assert order == ["closed", "on_end in qkv-steps"]
+
+    class BadClose:
+        def __iter__(self):
+            return self
+
+        def __next__(self):
+            raise StopIteration
+
+        def close(self):
+            raise OSError("cannot close")
+
+    ended = threading.Event()
+    own = OwnThread(BadClose(), on_end=ended.set)
+    with pytest.raises(OSError, match="cannot close"):
+        next(own)
+    assert ended.is_set() and list(own) == []
+
+
 @pytest.fixture
 def forwards(monkeypatch):
     """The threads every module's forward pass ran in, from now on (a global forward pre-hook)."""
