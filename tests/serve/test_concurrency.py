@@ -140,21 +140,33 @@ def test_a_generation_holds_its_slot_until_the_stream_ends(runs_dir, batch_rows)
 
 @pytest.mark.parametrize("batch_rows", [1, 0])
 def test_a_client_that_leaves_mid_stream_frees_the_slot(runs_dir, monkeypatch, batch_rows) -> None:
-    """Alone: the request's work slot; in a batch of one row: the row and the batch's slot."""
+    """Alone: the request's work slot; in a batch of one row: the row and the batch's slot. The
+    decoding itself is slowed (each step 50 ms: 20 take a second), so the request is still
+    decoding when the second one asks and when its client leaves (slowing the reader instead
+    let the batch finish a tiny model's 20 tokens first, now and then, and admit the second)."""
     import httpx
 
+    from qkv.generation.batch import Batch
     from qkv.pipelines import attention as sources
     from qkv.serve import create_app
 
-    name = "batch_steps" if batch_rows else "generate_steps"
-    real = getattr(sources, name)
+    if batch_rows:
+        real_step = Batch.step
 
-    def slow(*args, **kwargs):
-        for step in real(*args, **kwargs):
-            time.sleep(0.05)  # long enough that the client leaves before the end
-            yield step
+        def slow_step(self):
+            time.sleep(0.05)
+            return real_step(self)
 
-    monkeypatch.setattr(sources, name, slow)
+        monkeypatch.setattr(Batch, "step", slow_step)
+    else:
+        real = sources.generate_steps
+
+        def slow(*args, **kwargs):
+            for step in real(*args, **kwargs):
+                time.sleep(0.05)
+                yield step
+
+        monkeypatch.setattr(sources, "generate_steps", slow)
     app = create_app(runs_dir=runs_dir, max_busy_per_model=1, max_queued=0, batch_rows=batch_rows)
     body = {"model": "runs/gpt-tiny", "prompt": "ROMEO", "max_new_tokens": 20}
     with serving(app) as url, httpx.Client(base_url=url, timeout=30) as c:
