@@ -114,8 +114,15 @@ def build_steps(registry: Any, cfg: Any, names: list[str]) -> None:
         return ValueError(f"--build-steps {name}: a {label} model has no decoding steps; name a decoder "
                           "(smollm2, a gpt run, a GGUF or Hugging Face decoder)")
 
-    for name in names:  # UnknownModelError, InvalidNameError, AssetMissingError: one line, before any build
-        ref = registry.resolve(name)
+    for name in names:  # one line, exit 2, before anything is loaded or built
+        try:
+            ref = registry.resolve(name)
+        except ValueError as e:  # unknown or malformed: say which names there are
+            decoders = [x.id for x in registry.entries() if x.kind == "decoder"]
+            shown = ", ".join(decoders[:8]) + (", ..." if len(decoders) > 8 else "")
+            shown = shown or "none (qkv assets install smollm2, or a gpt run in --runs)"
+            why = str(e).split("; ")[0]
+            raise ValueError(f"--build-steps {name}: {why}; the decoders here: {shown}") from None
         if ref.kind != "decoder":
             raise not_a_decoder(name, ref.label)
     for name in dict.fromkeys(names):

@@ -95,10 +95,9 @@ def test_the_batch_step_is_asked_for_with_the_servers_rows_and_cache_length(runs
 
 def test_every_name_is_checked_before_anything_is_loaded_or_built(runs_dir, private_cache):
     from qkv.commands.serve import build_steps
-    from qkv.errors import UnknownModelError
 
     app, cfg = _app(runs_dir)
-    with pytest.raises(UnknownModelError, match="nosuch"):
+    with pytest.raises(ValueError, match="--build-steps nosuch: unknown model 'nosuch'"):
         build_steps(app.state.registry, cfg, ["runs/gpt-tiny", "nosuch"])
     assert app.state.registry.in_memory() == 0
     assert not (private_cache / "steps").exists() or not any((private_cache / "steps").iterdir())
@@ -127,4 +126,5 @@ def test_the_command_exits_2_in_one_line_before_listening(runs_dir, capsys):
     argv = ["serve", "--runs", str(runs_dir), "--port", str(free_port()), "--build-steps", "nosuch"]
     assert main(argv) == 2
     err = capsys.readouterr().err.strip()
-    assert err.startswith("qkv: error: unknown model 'nosuch'") and "\n" not in err
+    assert err.startswith("qkv: error: --build-steps nosuch: unknown model 'nosuch'; the decoders here: ")
+    assert "runs/gpt-tiny" in err and "runs/vit-tiny" not in err and "\n" not in err
