@@ -10,7 +10,11 @@ import socket
 import sys
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from qkv.serve import ServeConfig
+    from qkv.serve.registry import Registry
 
 
 def add_serve_parser(sub) -> None:
@@ -101,11 +105,11 @@ def _status(text: str) -> Iterator[None]:
         yield
 
 
-def build_steps(registry: Any, cfg: Any, names: list[str]) -> None:
+def build_steps(registry: Registry, cfg: ServeConfig, names: list[str]) -> None:
     """``--build-steps``: every name checked first (one line, exit 2, before any build), then
     each decoder loaded and its missing saved steps built (:func:`qkv.inference.steps.build_now`),
     with one line per step; a step that cannot be built is said, and serving goes on eagerly.
-    ``registry``: the app's :class:`~qkv.serve.registry.Registry`; ``cfg``: its ServeConfig."""
+    ``registry`` and ``cfg``: the app's (``app.state``)."""
     from qkv.inference.steps import build_now, missing
     from qkv.pipelines.text import CausalLM
     from qkv.serve.threads import in_passing_thread
