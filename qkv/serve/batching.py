@@ -30,6 +30,7 @@ from collections.abc import Callable, Iterator
 
 import torch
 
+from qkv.attention import BatchKVCache
 from qkv.generation.batch import Batch, Request, Row, Token
 from qkv.models.gpt import GPT
 from qkv.serve.work import BusyError, Ticket
@@ -109,6 +110,8 @@ class BatchEngine:
         self._thread: threading.Thread | None = None
         self._ticket: Ticket | None = None  # the running batch's work slot
         self._seconds = 1.0  # a running mean of how long a request holds a row, for Retry-After
+        self._batch: Batch | None = None  # the running batch (under _lock)
+        self._spare: BatchKVCache | None = None  # the last batch's cache, for the next one (under _lock)
         self.steps = 0  # batched steps run (for tests and /health)
         self.peak_rows = 0  # the most rows decoded by one step
         _ENGINES.add(self)
@@ -118,6 +121,7 @@ class BatchEngine:
         (at exit: a thread still inside a kernel when the interpreter goes aborts the process)."""
         with self._lock:
             self._closing = True  # no on_idle (no build started) as the cancelled batch empties
+            self._spare = None
             for stream in [*self._live.values(), *self._joining, *self._pending]:
                 stream.cancel()
             thread = self._thread
@@ -170,7 +174,11 @@ class BatchEngine:
     # last one ends, so a finished stream finds the slot free. A later request starts a new one.
 
     def _stop(self) -> None:
-        """Under the lock: the batch is empty; give its work slot back now."""
+        """Under the lock: the batch is empty; keep its cache for the next one and give its work
+        slot back now."""
+        if self._batch is not None:
+            self._keep(self._batch)
+            self._batch = None
         self._thread = None
         ticket, self._ticket = self._ticket, None
         if ticket is not None:
@@ -222,6 +230,12 @@ class BatchEngine:
         else:
             self._deliver(row, stream, tok)
 
+    def _keep(self, batch: Batch) -> None:
+        """Under the lock: an emptied batch's cache waits for the next batch (zeroed and reused,
+        not allocated again: ~20 ms of page faults per busy period on SmolLM2's 8 x 256)."""
+        if not len(batch) and not self._closing:
+            self._spare = batch.take_cache()
+
     def _run(self) -> None:
         try:
             self._steps()
@@ -238,7 +252,11 @@ class BatchEngine:
         me = threading.current_thread()
         try:
             with torch.inference_mode():
-                batch = Batch(self.model, self.rows, self.cache_len)
+                with self._lock:
+                    spare, self._spare = self._spare, None
+                batch = Batch(self.model, self.rows, self.cache_len, cache=spare)
+                with self._lock:
+                    self._batch = batch
                 while True:
                     with self._lock:
                         if self._thread is not me:  # stopped: the slot is given back

@@ -259,3 +259,39 @@ def test_causal_lm_generate_over_a_list_equals_each_prompt_alone():
     assert lm.generate(prompts, 10, temperature=1.0, seed=list(range(5)), rows=2) == sampled
     with pytest.raises(ValueError, match="compile must be"):
         lm.generate(prompts, 4, compile="jit")
+
+
+def _drain(batch: Batch, reqs: list[Request]) -> list[list[int]]:
+    """Every request joins ``batch`` at once; their tokens, stepped until all have left."""
+    got: dict[int, list[int]] = {}
+    rows = {}
+    for i, r in enumerate(reqs):
+        row, tok = batch.join(r)
+        rows[id(row)] = i
+        got[i] = [] if tok is None else [tok.id]
+    while len(batch):
+        for row, tok in batch.step():
+            if tok is not None:
+                got[rows[id(row)]].append(tok.id)
+    return [got[i] for i in range(len(reqs))]
+
+
+def test_a_later_batch_reuses_an_emptied_batchs_cache_zeroed_and_decodes_as_alone():
+    """take_cache hands an empty batch's buffers to the next batch of the same shape (what the
+    server's engine does between busy periods): the same storage, emptied and zeroed, and its
+    rows decode as their requests alone; a batch of another shape makes its own."""
+    m = model()
+    first = Batch(m, 3, 48, saved_step=False)
+    assert _drain(first, [Request(ids(n, 10 + n), 9) for n in (4, 7)]) == \
+        [alone(m, Request(ids(n, 10 + n), 9)) for n in (4, 7)]
+    cache = first.take_cache()
+    assert bool(cache.k.abs().sum() > 0)  # the old rows' keys are still in the buffers
+    second = Batch(m, 3, 48, saved_step=False, cache=cache)
+    assert second._cache is cache and float(cache.k.abs().sum()) == 0.0 and cache.lengths == [0, 0, 0]
+    reqs = [Request(ids(n, 20 + n), 12, temperature=0.9, seed=n) for n in (6, 2, 9)]
+    assert _drain(second, reqs) == [alone(m, r) for r in reqs]
+    assert Batch(m, 2, 48, saved_step=False, cache=second.take_cache())._cache is not cache  # 2 rows, not 3
+    busy = Batch(m, 2, 48, saved_step=False)
+    busy.join(Request(ids(3, 1), 5))
+    with pytest.raises(ValueError, match="still has 1 rows"):
+        busy.take_cache()

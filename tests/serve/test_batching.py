@@ -14,6 +14,7 @@ import torch
 from helpers import decode_alone as alone
 from helpers import random_decoder as model
 from helpers import token_ids as ids
+from helpers import wait_until
 
 from qkv.generation.batch import Request
 from qkv.serve.batching import BatchEngine
@@ -174,3 +175,22 @@ def test_busy_and_idle_are_called_around_each_busy_period_never_inside_one():
     assert all(k == 0 for c, k in calls if c == "idle")
     e.close()  # closing: the cancelled batch empties without an on_idle
     assert calls[-1][0] == "idle" and len(calls) == n + 2
+
+
+def test_a_new_busy_period_reuses_the_last_batchs_cache(monkeypatch):
+    """Requests one after another (each its own busy period: the batch empties, its thread ends)
+    allocate the batch's cache once and still decode as alone; closing lets it go."""
+    from qkv.generation import batch as batch_mod
+
+    made = []
+    real = batch_mod.Batch._make_cache
+    monkeypatch.setattr(batch_mod.Batch, "_make_cache", lambda self, n: made.append(n) or real(self, n))
+    m = model()
+    e = engine(m, rows=2)
+    for n in (3, 6, 4):
+        r = Request(ids(n, 30 + n), 7)
+        assert [t.id for t in e.submit(r)] == alone(m, r)
+        wait_until(lambda: e._thread is None, "the batch to empty")
+    assert made == [48]
+    e.close()
+    assert e._spare is None
