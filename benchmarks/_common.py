@@ -249,6 +249,20 @@ def write_json(name: str, payload: dict, path: str | None = None) -> Path:
     return out
 
 
+def have_assets(name: str, assets: Sequence[str]) -> bool:
+    """Whether ``assets`` are installed (benchmarks of qkv alone, no reference packages); if not,
+    say which is missing and how to install it."""
+    from qkv.assets import AssetMissingError, asset_path
+
+    try:
+        for a in assets:
+            asset_path(a)
+    except AssetMissingError as e:
+        print(f"{name}: needs qkv assets install {' '.join(assets)} ({e})", file=sys.stderr)
+        return False
+    return True
+
+
 def have_reference(name: str, assets: Sequence[str] = ("minilm", "smollm2")) -> bool:
     """Whether the reference packages (transformers, sentence-transformers) and ``assets`` are
     installed; if not, say which is missing and how to install it (the caller exits 2)."""

@@ -78,8 +78,7 @@ def main() -> int:
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
-    if not C.have_reference("smollm2", ("smollm2",)):
-        print("smollm2 is not installed: qkv assets install smollm2")
+    if not C.have_assets(NAME, ("smollm2",)):  # qkv and llama.cpp only: no reference packages
         return 1
     machine = C.machine_info()
     print(C.machine_line(machine))

@@ -17,8 +17,8 @@ Each client sends one request for 64 new tokens (greedy, a different prompt each
 ask for one layer's attention row per token, as the page does: llama.cpp computes none), all
 clients at once; aggregate tok/s = every token received / wall time from the first request to
 the last response. Before the rounds each qkv server answers one attention and one lens request
-on the model, as the page does. Each (server, clients) cell is the median over ``--rounds`` rounds, and the
-ratios are taken within each round.
+on the model, as the page does. Each (server, clients) cell is the median over ``--rounds``
+rounds, and the ratios are taken within each round.
 
     python benchmarks/serve_batch.py                    # ~6 minutes on 2 cores
     python benchmarks/serve_batch.py --build-llama-cpp  # also llama-server (built once)
@@ -159,8 +159,7 @@ def main() -> int:
     ap.add_argument("--build-llama-cpp", action="store_true", help="build llama-server if it is not built")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
-    if not C.have_reference("smollm2", ("smollm2",)):
-        print("smollm2 is not installed: qkv assets install smollm2")
+    if not C.have_assets(NAME, ("smollm2",)):  # qkv and llama.cpp only: no reference packages
         return 1
     from qkv.assets import asset_path
 

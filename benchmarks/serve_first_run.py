@@ -95,8 +95,7 @@ def main() -> int:
     ap.add_argument("--wait", type=float, default=400.0, help="most seconds to wait for the steps")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
-    if not C.have_reference("smollm2", ("smollm2",)):
-        print("smollm2 is not installed: qkv assets install smollm2")
+    if not C.have_assets(NAME, ("smollm2",)):  # qkv and llama.cpp only: no reference packages
         return 1
     machine = C.machine_info()
     print(C.machine_line(machine))

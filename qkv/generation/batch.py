@@ -181,25 +181,34 @@ class Batch:
         return self._cache.max_seq_len
 
     @torch.inference_mode()
+    def _cache_shape(self, length: int) -> tuple[int, ...]:
+        """(L, R, K, S, D) of the batch's key (and value) buffers for ``length`` positions."""
+        cfg = self.model.cfg
+        return (cfg.n_layers, self.rows, cfg.resolved_kv_heads, length, cfg.resolved_head_dim)
+
+    def _keeps_queries(self) -> bool:
+        """Whether the cache keeps each layer's query: what a saved step of several rows reads
+        and writes."""
+        from qkv.generation import aot
+
+        return self.rows > 1 and aot.enabled()
+
     def _make_cache(self, length: int) -> BatchKVCache:
         from qkv.generation import aot
 
-        cfg, p = self.model.cfg, self.model.tok_emb.weight
-        cache = BatchKVCache(cfg.n_layers, self.rows, cfg.resolved_kv_heads, length, cfg.resolved_head_dim,
-                             dtype=p.dtype, device=p.device)
-        if self.rows > 1 and aot.enabled():  # what a saved step of several rows reads and writes
+        p = self.model.tok_emb.weight
+        L, R, K, S, D = self._cache_shape(length)
+        cache = BatchKVCache(L, R, K, S, D, dtype=p.dtype, device=p.device)
+        if self._keeps_queries():
             aot.keep_queries(self.model, cache)
         return cache
 
     def _fits(self, cache: BatchKVCache, length: int) -> bool:
         """Whether ``cache`` is what :meth:`_make_cache` would make for ``length`` positions."""
-        from qkv.generation import aot
-
-        cfg, p = self.model.cfg, self.model.tok_emb.weight
-        want = (cfg.n_layers, self.rows, cfg.resolved_kv_heads, length, cfg.resolved_head_dim)
-        queries = self.rows > 1 and aot.enabled()
-        return (tuple(cache.k.shape) == want and cache.k.dtype == p.dtype and cache.k.device == p.device
-                and (cache.queries is not None) == queries and cache.lengths is not None)
+        p = self.model.tok_emb.weight
+        return (tuple(cache.k.shape) == self._cache_shape(length) and cache.k.dtype == p.dtype
+                and cache.k.device == p.device and (cache.queries is not None) == self._keeps_queries()
+                and cache.lengths is not None)
 
     def take_cache(self) -> BatchKVCache:
         """The cache, for a later batch of the same shape (``Batch(..., cache=)``); this batch

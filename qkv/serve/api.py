@@ -286,10 +286,13 @@ class Explorer(LensEndpoints):
         held: list[Any] = [] if ticket is None else [ticket]
         lock = threading.Lock()
 
-        def release() -> None:
+        def take() -> list[Any]:  # what the request holds, taken (each part is given back once)
             with lock:
                 parts, held[:] = list(held), []
-            for t in reversed(parts):
+            return parts
+
+        def release(parts: list[Any] | None = None) -> None:
+            for t in reversed(take() if parts is None else parts):
                 t.release()
 
         try:
@@ -313,13 +316,11 @@ class Explorer(LensEndpoints):
                     # which gives the work slot and the model back once its last step is over
                     gen = text.generate_steps(lm, ids, n_new, layer=layer, head=head,
                                               temperature=req.temperature, top_k=req.top_k, seed=req.seed)
-                    with lock:
-                        parts, held[:] = list(held), []
+                    parts = take()
                     try:
-                        own = OwnThread(gen, on_end=lambda: [p.release() for p in reversed(parts)])
+                        own = OwnThread(gen, on_end=lambda: release(parts))
                     except BaseException:
-                        for p in reversed(parts):
-                            p.release()
+                        release(parts)
                         raise
                     held.append(own)
                     steps = own
