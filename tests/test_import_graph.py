@@ -17,6 +17,8 @@ ROOT = Path(__file__).resolve().parent.parent / "qkv"
 # folders in one layer are independent of each other. "qkv" is the package root (qkv.load).
 LAYERS: tuple[tuple[str, ...], ...] = (
     ("version", "errors", "figures", "fileio", "paths", "device", "presets", "assets"),  # helpers
+    ("native",),  # native code built on this machine: keys, private folders, locks
+    ("kernels",),  # qkv's own CPU kernels (compiled on first use)
     ("nn",),
     ("attention",),
     ("layers",),

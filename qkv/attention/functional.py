@@ -251,6 +251,8 @@ def sdpa_attention(
     """
     _check_inputs(q, k, v, mask, bias)
     T, S = q.shape[2], k.shape[2]
+    if T == 1 and bias is None and dropout_p == 0.0 and torch.compiler.is_compiling():
+        return AttentionOutput(_one_query_attention(q, k, v, mask, scale))
     gqa = q.shape[1] != k.shape[1]
     if mask is None and bias is None and (not is_causal or T == S):
         # Fast path: the kernel handles causality (top-left == bottom-right when T == S).
@@ -270,6 +272,34 @@ def sdpa_attention(
     if allowed is not None:  # rows with nothing to attend to: zeros on every kernel
         out = out.masked_fill(~allowed.any(dim=-1, keepdim=True), 0.0)
     return AttentionOutput(out)
+
+
+def _one_query_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None,
+                         scale: float | None) -> Tensor:
+    """One query per head (a decoding step), written as multiply-and-sum for a compiler.
+
+    q (B, H, 1, D), k and v (B, K, S, D), mask bool broadcastable to (B, H, 1, S) -> (B, H, 1, D).
+    The same formula as :func:`scaled_dot_product_attention`, in fp32, the G = H / K query heads
+    of a key/value head side by side (no copies of the keys). Inside ``torch.compile`` or
+    ``torch.export`` + AOTInductor the products, the softmax and the weighted sum become a few
+    fused loops of generated code, where PyTorch's fused kernel (or two batched matrix
+    products) is a library call with a fixed cost of its own, paid 30 times a token for
+    SmolLM2 (a quarter of a saved step's time outside the weight products; BENCHMARKS.md).
+    Eagerly it would build (B, K, G, S, D) products in memory: compiled steps only.
+    """
+    B, H, _, D = q.shape
+    K = k.shape[1]
+    scale = 1.0 / math.sqrt(D) if scale is None else scale
+    qg = q.float().view(B, K, H // K, 1, D)  # (B, K, G, 1, D)
+    scores = (qg * k.float().unsqueeze(2)).sum(-1) * scale  # (B, K, G, S)
+    if mask is not None:
+        allowed = mask.expand(B, H, 1, k.shape[2]).reshape(B, K, H // K, k.shape[2])
+        scores = scores.masked_fill(~allowed, float("-inf"))
+    p = torch.softmax(scores, dim=-1)  # (B, K, G, S)
+    out = (p.unsqueeze(-1) * v.float().unsqueeze(2)).sum(-2)  # (B, K, G, D)
+    if mask is not None:  # rows with nothing to attend to: zeros, as on every other path
+        out = out.masked_fill(~allowed.any(dim=-1, keepdim=True), 0.0)
+    return out.reshape(B, H, 1, D).to(q.dtype)
 
 
 def chunked_attention(

@@ -51,12 +51,9 @@ import functools
 import hashlib
 import json
 import os
-import platform
 import re
-import shutil
 import signal
 import subprocess
-import tempfile
 import threading
 import time
 import warnings
@@ -73,13 +70,15 @@ from qkv.attention import BatchKVCache, KVCache
 from qkv.attention.functional import scaled_dot_product_attention
 from qkv.generation.compiled import fingerprint, shape_signature
 from qkv.models.gpt import GPT
+from qkv.native import NativeError, build_once, compiler, cpu_identity, private_folder, sha256
 from qkv.paths import cache_root
 
 STEP_VERSION = 2  # bump when the exported step's contract changes
 DEFAULT_CACHE_LEN = 2048
 PACKAGE = "step.pt2"
 META = "step.json"
-_SOURCES = ("qkv/generation/aot.py", "qkv/attention", "qkv/layers", "qkv/models/gpt.py", "qkv/nn")
+_SOURCES = ("qkv/generation/aot.py", "qkv/attention", "qkv/layers", "qkv/models/gpt.py", "qkv/nn",
+            "qkv/kernels")
 
 
 class SavedStepError(RuntimeError):
@@ -94,48 +93,13 @@ def enabled() -> bool:
 
 def folder() -> Path:
     """The private folder of saved steps (``<cache>/steps``, mode 0700, owned by this user)."""
-    root = cache_root()
-    if root is None:
-        raise SavedStepError("qkv's cache is off (QKV_CACHE_DIR=off)")
-    path = root / "steps"
     try:
-        path.mkdir(parents=True, exist_ok=True, mode=0o700)
-        st = path.stat()
-    except OSError as e:
-        raise SavedStepError(f"cannot use {path}: {e.strerror or e}") from None
-    if st.st_uid != os.getuid() or st.st_mode & 0o077:
-        raise SavedStepError(f"{path} is not private to this user (mode {st.st_mode & 0o777:o}); a saved "
-                             "step is native code: chmod 700 it or remove it")
-    return path
+        return private_folder("steps")
+    except NativeError as e:
+        raise SavedStepError(str(e)) from None
 
 
 # --------------------------------------------------------------------------- the key
-
-
-def _cpu() -> dict[str, str]:
-    """Vendor, family, model, model name and a digest of the flag set of this CPU."""
-    info: dict[str, str] = {"machine": platform.machine()}
-    with contextlib.suppress(OSError):
-        block = Path("/proc/cpuinfo").read_text().split("\n\n")[0]
-        fields = dict(line.split(":", 1) for line in block.splitlines() if ":" in line)
-        fields = {k.strip(): v.strip() for k, v in fields.items()}
-        for name in ("vendor_id", "cpu family", "model", "model name"):
-            info[name] = fields.get(name, "")
-        info["flags"] = hashlib.sha256(" ".join(sorted(fields.get("flags", "").split())).encode()).hexdigest()
-    return info
-
-
-@functools.cache
-def compiler() -> str | None:
-    """The C++ compiler Inductor would use, as its ``--version`` first line (None: none found)."""
-    cxx = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++")
-    if cxx is None:
-        return None
-    try:
-        out = subprocess.run([cxx, "--version"], capture_output=True, text=True, timeout=30).stdout
-    except (OSError, subprocess.SubprocessError):
-        return None
-    return out.splitlines()[0] if out else None
 
 
 @functools.cache
@@ -145,7 +109,7 @@ def _code_digest() -> str:
     h = hashlib.sha256()
     for rel in _SOURCES:
         p = base / rel
-        for f in sorted(p.rglob("*.py")) if p.is_dir() else [p]:
+        for f in sorted([*p.rglob("*.py"), *p.rglob("*.cpp")]) if p.is_dir() else [p]:
             h.update(str(f.relative_to(base)).encode())
             h.update(f.read_bytes())
     return h.hexdigest()
@@ -153,7 +117,7 @@ def _code_digest() -> str:
 
 def step_key(model: GPT, cache_len: int, batch: int = 1) -> tuple[str, dict[str, Any]]:
     """(digest, what it digests) of the step of ``model`` on this machine (see the module doc)."""
-    info = {"step_version": STEP_VERSION, "code": _code_digest(), "cpu": _cpu(),
+    info = {"step_version": STEP_VERSION, "code": _code_digest(), "cpu": cpu_identity(),
             "threads": torch.get_num_threads(), "torch": torch.__version__,
             "torch_git": torch.version.git_version, "compiler": compiler(),
             "model": hashlib.sha256(shape_signature(model).encode()).hexdigest(),
@@ -248,24 +212,6 @@ def _made_constants(package: Path, model: GPT) -> dict[str, int]:
     return out
 
 
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with path.open("rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
-
-
-@contextlib.contextmanager
-def _lock(path: Path):
-    with path.open("a") as f:
-        fcntl.flock(f, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(f, fcntl.LOCK_UN)
-
-
 def build(model: GPT, cache_len: int | None = None, batch: int = 1) -> Path:
     """Export and compile the step of ``model`` (tens of seconds to minutes) into the saved-step
     folder, unless a valid one is there already; returns its folder. Two processes building at
@@ -276,32 +222,19 @@ def build(model: GPT, cache_len: int | None = None, batch: int = 1) -> Path:
     if S < 8:
         raise SavedStepError(f"a context of {S} tokens is too short for a saved step")
     key, info = step_key(model, S, batch)
-    root = folder()
-    final = root / key
-    with _lock(root / f"{key}.lock"):
-        if _valid(final, key, info) is not None:
-            return final
-        for left in root.glob(f".{key}-*"):  # a build of this key that was killed (we hold its lock)
-            shutil.rmtree(left, ignore_errors=True)
-        tmp = Path(tempfile.mkdtemp(dir=root, prefix=f".{key}-"))
-        try:
-            from torch._inductor import aoti_compile_and_package
 
-            pkg = tmp / PACKAGE
-            with warnings.catch_warnings():  # torch's own deprecation notice inside export, not the user's
-                warnings.filterwarnings("ignore", message=".*LeafSpec.*", category=FutureWarning)
-                ep = _export(model, S, batch)
-                aoti_compile_and_package(ep, package_path=str(pkg),
-                                         inductor_configs={"aot_inductor.package_constants_in_so": False})
-            meta = {"key": key, "info": info, "sha256": _sha256(pkg), "made": _made_constants(pkg, model),
-                    "built": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
-            (tmp / META).write_text(json.dumps(meta, indent=1))
-            if final.exists():
-                shutil.rmtree(final)  # damaged or foreign: replaced
-            os.replace(tmp, final)
-        finally:
-            shutil.rmtree(tmp, ignore_errors=True)
-    return final
+    def make(tmp: Path) -> dict[str, Any]:
+        from torch._inductor import aoti_compile_and_package
+
+        pkg = tmp / PACKAGE
+        with warnings.catch_warnings():  # torch's own deprecation notice inside export, not the user's
+            warnings.filterwarnings("ignore", message=".*LeafSpec.*", category=FutureWarning)
+            ep = _export(model, S, batch)
+            aoti_compile_and_package(ep, package_path=str(pkg),
+                                     inductor_configs={"aot_inductor.package_constants_in_so": False})
+        return {"key": key, "info": info, "sha256": sha256(pkg), "made": _made_constants(pkg, model)}
+
+    return build_once(folder(), key, META, lambda path: _valid(path, key, info) is not None, make)
 
 
 NO_STEP = "no saved step for this model here"
@@ -404,7 +337,7 @@ def _valid(path: Path, key: str, info: dict[str, Any]) -> dict[str, Any] | None:
         meta = json.loads((path / META).read_text())
         if meta.get("key") != key or meta.get("info") != json.loads(json.dumps(info)):
             return None
-        if _sha256(path / PACKAGE) != meta.get("sha256"):
+        if sha256(path / PACKAGE) != meta.get("sha256"):
             return None
         return meta
     except (OSError, ValueError):

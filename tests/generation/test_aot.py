@@ -356,7 +356,7 @@ def test_another_key_finds_nothing_and_a_damaged_package_is_refused(built, monke
     other_shape = GPT(GPTConfig(**{**CFG, "max_seq_len": 48})).eval()
     assert aot.load(other_shape) is None
     assert aot.step_key(m, 40)[0] != aot.step_key(m, 40, batch=2)[0]
-    monkeypatch.setattr(aot, "_cpu", lambda: {"vendor_id": "SomeoneElse"})  # another CPU
+    monkeypatch.setattr(aot, "cpu_identity", lambda: {"vendor_id": "SomeoneElse"})  # another CPU
     assert aot.load(m) is None
     monkeypatch.undo()
     data = (path / aot.PACKAGE).read_bytes()
@@ -408,19 +408,26 @@ def test_a_cache_folder_that_is_not_private_or_not_writable_decodes_eagerly(tmp_
     assert aot.load(m) is None and not aot.enabled()
 
 
-@pytest.mark.parametrize("weights", ["q4", "int8", "bf16"])
-def test_quantised_saved_steps_agree_with_eager(weights):
-    """SmolLM2's decoding formats on a tiny Llama-style model (q4: the int4 products' group sizes
-    are constants Inductor adds, recorded beside the package); logits agree to bf16 rounding
-    and the greedy token is the same."""
+@pytest.mark.parametrize("weights", ["q4", "q4 on PyTorch's kernel", "int8", "bf16"])
+def test_quantised_saved_steps_agree_with_eager(weights, monkeypatch):
+    """SmolLM2's decoding formats on a tiny Llama-style model (q4 on qkv's 4-bit kernel, a
+    custom op the package calls; on PyTorch's, the int4 products' group sizes are constants
+    Inductor adds, recorded beside the package); logits agree to bf16 rounding and the greedy
+    token is the same."""
+    import qkv.layers.quant as quant
     from qkv.pipelines import CausalLM
 
+    if weights == "q4 on PyTorch's kernel":
+        monkeypatch.setattr(quant, "_qkv_int4_op", lambda: None)
     torch.manual_seed(11)
     m = GPT(GPTConfig(vocab_size=64, max_seq_len=32, dim=64, n_layers=2, n_heads=4, n_kv_heads=2,
                       mlp="swiglu", mlp_hidden=128, **{k: v for k, v in LLAMA.items() if k != "mlp"})).eval()
-    lm = CausalLM("tiny", m, tokenizer=None, stored_as=("Q4_1",)).quantize(weights)
+    lm = CausalLM("tiny", m, tokenizer=None, stored_as=("Q4_1",)).quantize(weights.split()[0])
+    kernels = {mod.kernel for mod in lm.model.modules() if isinstance(mod, quant.Int4Linear)}
+    assert kernels == ({"aten"} if "PyTorch" in weights else {"qkv"} if weights == "q4" else set())
     path = aot.build(lm.model)
-    assert bool(json.loads((path / aot.META).read_text())["made"]) == (weights == "q4")  # the group sizes
+    made = json.loads((path / aot.META).read_text())["made"]
+    assert bool(made) == (kernels == {"aten"})  # the group sizes of PyTorch's int4 products
     step = aot.load(lm.model)
     x = torch.randint(0, 64, (1, 6), generator=torch.Generator().manual_seed(12))
     with torch.inference_mode():

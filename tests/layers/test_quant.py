@@ -36,7 +36,7 @@ def test_int4_matches_the_dequantised_matrix_in_float64(N: int, K: int, rows: in
     kernel's product equals x·Wᵀ of that matrix, with x and the scales rounded to bf16 as the
     kernel reads them, to bf16 output precision."""
     q, d, m = codes_scales(N, K)
-    layer = Int4Linear(q, d, m + 8 * d, 32)
+    layer = Int4Linear(q, d, m + 8 * d, 32, kernel="aten")
     # Our own dequantisation, written from the Q4_1 formula (not from the layer's):
     d16, z16 = d.bfloat16().double(), (m + 8 * d).bfloat16().double()
     w = ((q.double().view(N, K // 32, 32) - 8) * d16[..., None] + z16[..., None]).view(N, K)
@@ -51,6 +51,29 @@ def test_int4_matches_the_dequantised_matrix_in_float64(N: int, K: int, rows: in
     exact = x.double() @ ((q.double().view(N, K // 32, 32) * d.double()[..., None]
                            + m.double()[..., None]).view(N, K)).T
     assert (y.double() - exact).abs().max().item() < 3e-2 * exact.abs().max().item()
+
+
+@pytest.mark.parametrize(("N", "K"), [(96, 64), (64, 192), (48, 32)])
+@pytest.mark.parametrize("rows", [1, 5])
+def test_int4_with_qkvs_kernel_is_the_file_matrix_in_float16(N: int, K: int, rows: int) -> None:
+    """qkv's kernel (the default where it builds) keeps a Q4_1 group's d and m in float16, as
+    the file stores them (d = scale, m = zero − 8·scale), and its product is x·Wᵀ of that matrix
+    within the rounding of the activations (to dx/256 of each group's scale, tests/kernels),
+    ~100x closer than bf16 activations get."""
+    q, d, m = codes_scales(N, K)
+    d, m = d.half().float(), m.half().float()  # a file's float16 d and m
+    layer = Int4Linear(q, d, m + 8 * d, 32, kernel="qkv")
+    assert layer.kernel == "qkv" and not hasattr(layer, "packed")
+    w = (q.double().view(N, K // 32, 32) * d.double()[..., None] + m.double()[..., None]).view(N, K)
+    torch.testing.assert_close(layer.dequantize().double(), w, rtol=0, atol=1e-12)
+    x = torch.randn(rows, K, generator=gen(4))
+    y = layer(x)
+    assert y.dtype == torch.float32 and y.shape == (rows, N)
+    exact = x.double() @ w.T
+    size = x.double().abs() @ w.abs().T
+    assert ((y.double() - exact).abs() <= 2.0**-8 / 127 * size + 1e-6).all()
+    bf16 = Int4Linear(q, d, m + 8 * d, 32, kernel="aten")(x).double()
+    assert (y.double() - exact).abs().max() < (bf16 - exact).abs().max() / 20
 
 
 def test_int4_keeps_leading_dims_and_input_dtype() -> None:

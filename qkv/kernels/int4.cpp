@@ -1,0 +1,226 @@
+// qkv's 4-bit matrix product for decoding: y = x Wᵀ with W in groups of 32 weights that share a
+// scale d and an offset m (w = d·q + m, q in 0..15: GGUF's Q4_1 grid; Q4_0 is m = −8d), and x
+// quantised on the fly to int8 per group of 32 (x ≈ dx·xq, dx = max|x| / 127): llama.cpp's own
+// trick, integer dot products of the 4-bit codes with the 8-bit activations (AVX512-VNNI's
+// vpdpbusd: 64 products per instruction; AVX2's vpmaddubsw), then one float multiply-add per group:
+//
+//   y[n] = Σ_g d[n,g]·dx[g]·Σ_i q[n,g,i]·xq[g,i]  +  m[n,g]·Σ_i x[g,i]
+//
+// (the offset term uses the exact float sum of each group's activations). Decoding one token
+// reads every weight once: PyTorch's own 4-bit kernel widens each code to a float first and
+// is bound by that arithmetic, not by memory (BENCHMARKS.md). Built by qkv/kernels/__init__.py
+// with -march=native for the CPU it runs on, loaded with torch.ops.load_library.
+//
+// Packed layout (qkv/kernels/__init__.py: pack_int4), 16 output rows per block:
+//   w  uint8   (N/16, K/32, 4, 64): block, group, chunk c of 8 inputs; byte 4j + b holds row j's
+//              code for input 8c + b in its low nibble and for input 8c + 4 + b in its high one
+//   dm float16 (N/16, K/32, 2, 16): the 16 rows' d, then their m
+// Shapes: x (M, K) float32 or bfloat16 -> y (M, N) float32.
+
+#include <torch/library.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/Parallel.h>
+#include <ATen/ops/empty.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <vector>
+
+namespace {
+
+constexpr int64_t ROWS = 16, GROUP = 32;
+
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512F__)
+constexpr const char* PATH = "avx512-vnni";
+#elif defined(__AVX2__) && defined(__F16C__) && defined(__FMA__)
+constexpr const char* PATH = "avx2";
+#else
+constexpr const char* PATH = "scalar";
+#endif
+
+// Each row of x (M, K) and each group of 32: x ≈ dx·(xq + xr/256), two int8 codes per value (the
+// second the rounding residual of the first, in steps of dx/256), the scale dx = max|x| / 127
+// and the float sum. One int8 code alone (llama.cpp's Q8 activations) rounds each value by up
+// to dx/2, which on a real model's activations (a few large channels set dx) moves the next-token
+// distribution ~20x further from the float model's than bf16 does; with the residual, x is
+// carried to dx/512, finer than bf16 (measured in BENCHMARKS.md).
+template <typename T>
+void quantize_rows(const T* x, int64_t M, int64_t K, int8_t* xq, int8_t* xr, float* dx, float* sx) {
+  const int64_t G = K / GROUP;
+  for (int64_t m = 0; m < M; ++m) {
+    for (int64_t g = 0; g < G; ++g) {
+      const T* p = x + m * K + g * GROUP;
+      float v[GROUP];
+      float amax = 0.f, s = 0.f;
+      for (int i = 0; i < GROUP; ++i) {
+        v[i] = static_cast<float>(p[i]);
+        amax = std::max(amax, std::fabs(v[i]));
+        s += v[i];
+      }
+      const float d = amax / 127.f, inv = d > 0.f ? 1.f / d : 0.f;
+      int8_t* q = xq + m * K + g * GROUP;
+      int8_t* r = xr + m * K + g * GROUP;
+      for (int i = 0; i < GROUP; ++i) {
+        const float u = v[i] * inv, c = std::nearbyint(u);
+        q[i] = static_cast<int8_t>(c);
+        r[i] = static_cast<int8_t>(std::clamp(std::nearbyint((u - c) * 256.f), -127.f, 127.f));
+      }
+      dx[m * G + g] = d;
+      sx[m * G + g] = s;
+    }
+  }
+}
+
+// One block of 16 output rows for every row m of x; out (M, 16) accumulates.
+void block(const uint8_t* w, const c10::Half* dm, const int8_t* xq, const int8_t* xr, const float* dx,
+           const float* sx, int64_t M, int64_t K, float* out) {
+  const int64_t G = K / GROUP;
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512F__)
+  const __m512i low = _mm512_set1_epi8(0x0F);
+  for (int64_t g = 0; g < G; ++g) {
+    const uint8_t* wp = w + g * 256;
+    __m512i lo[4], hi[4];
+    for (int c = 0; c < 4; ++c) {
+      const __m512i v = _mm512_loadu_si512(wp + c * 64);
+      lo[c] = _mm512_and_si512(v, low);
+      hi[c] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
+    }
+    const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(dm + g * 32)));
+    const __m512 z = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(dm + g * 32 + 16)));
+    for (int64_t m = 0; m < M; ++m) {
+      int32_t xw[8], rw[8];
+      std::memcpy(xw, xq + m * K + g * GROUP, sizeof(xw));
+      std::memcpy(rw, xr + m * K + g * GROUP, sizeof(rw));
+      __m512i a0 = _mm512_setzero_si512(), a1 = _mm512_setzero_si512();
+      __m512i r0 = _mm512_setzero_si512(), r1 = _mm512_setzero_si512();
+      for (int c = 0; c < 4; ++c) {
+        a0 = _mm512_dpbusd_epi32(a0, lo[c], _mm512_set1_epi32(xw[2 * c]));
+        a1 = _mm512_dpbusd_epi32(a1, hi[c], _mm512_set1_epi32(xw[2 * c + 1]));
+        r0 = _mm512_dpbusd_epi32(r0, lo[c], _mm512_set1_epi32(rw[2 * c]));
+        r1 = _mm512_dpbusd_epi32(r1, hi[c], _mm512_set1_epi32(rw[2 * c + 1]));
+      }
+      // 256·<q, xq> + <q, xr>: |.| <= 257·60,960, well inside int32
+      const __m512i both =
+          _mm512_add_epi32(_mm512_slli_epi32(_mm512_add_epi32(a0, a1), 8), _mm512_add_epi32(r0, r1));
+      __m512 acc = _mm512_loadu_ps(out + m * ROWS);
+      acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(both), _mm512_mul_ps(d, _mm512_set1_ps(dx[m * G + g] * (1.f / 256.f))),
+                            acc);
+      acc = _mm512_fmadd_ps(z, _mm512_set1_ps(sx[m * G + g]), acc);
+      _mm512_storeu_ps(out + m * ROWS, acc);
+    }
+  }
+#elif defined(__AVX2__) && defined(__F16C__) && defined(__FMA__)
+  const __m256i low = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+  for (int64_t g = 0; g < G; ++g) {
+    const uint8_t* wp = w + g * 256;
+    __m256i lo[4][2], hi[4][2];
+    for (int c = 0; c < 4; ++c)
+      for (int h = 0; h < 2; ++h) {  // rows 0-7, rows 8-15
+        const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wp + c * 64 + h * 32));
+        lo[c][h] = _mm256_and_si256(v, low);
+        hi[c][h] = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
+      }
+    __m256 d[2], z[2];
+    for (int h = 0; h < 2; ++h) {
+      d[h] = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(dm + g * 32 + 8 * h)));
+      z[h] = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(dm + g * 32 + 16 + 8 * h)));
+    }
+    for (int64_t m = 0; m < M; ++m) {
+      int32_t xw[8], rw[8];
+      std::memcpy(xw, xq + m * K + g * GROUP, sizeof(xw));
+      std::memcpy(rw, xr + m * K + g * GROUP, sizeof(rw));
+      const __m256 scale = _mm256_set1_ps(dx[m * G + g] * (1.f / 256.f)), sum = _mm256_set1_ps(sx[m * G + g]);
+      for (int h = 0; h < 2; ++h) {
+        __m256i acc = _mm256_setzero_si256(), res = _mm256_setzero_si256();
+        for (int c = 0; c < 4; ++c) {
+          // code (0..15) x activation (-127..127), pairs summed in int16 (|.| <= 7,620), then in int32
+          const __m256i p = _mm256_add_epi16(_mm256_maddubs_epi16(lo[c][h], _mm256_set1_epi32(xw[2 * c])),
+                                             _mm256_maddubs_epi16(hi[c][h], _mm256_set1_epi32(xw[2 * c + 1])));
+          const __m256i r = _mm256_add_epi16(_mm256_maddubs_epi16(lo[c][h], _mm256_set1_epi32(rw[2 * c])),
+                                             _mm256_maddubs_epi16(hi[c][h], _mm256_set1_epi32(rw[2 * c + 1])));
+          acc = _mm256_add_epi32(acc, _mm256_madd_epi16(p, ones));
+          res = _mm256_add_epi32(res, _mm256_madd_epi16(r, ones));
+        }
+        const __m256i both = _mm256_add_epi32(_mm256_slli_epi32(acc, 8), res);
+        __m256 o = _mm256_loadu_ps(out + m * ROWS + 8 * h);
+        o = _mm256_fmadd_ps(_mm256_cvtepi32_ps(both), _mm256_mul_ps(d[h], scale), o);
+        o = _mm256_fmadd_ps(z[h], sum, o);
+        _mm256_storeu_ps(out + m * ROWS + 8 * h, o);
+      }
+    }
+  }
+#else
+  for (int64_t g = 0; g < G; ++g) {
+    const uint8_t* wp = w + g * 256;
+    for (int j = 0; j < ROWS; ++j) {
+      const float d = static_cast<float>(dm[g * 32 + j]), z = static_cast<float>(dm[g * 32 + 16 + j]);
+      for (int64_t m = 0; m < M; ++m) {
+        const int8_t* xp = xq + m * K + g * GROUP;
+        const int8_t* rp = xr + m * K + g * GROUP;
+        int32_t acc = 0, res = 0;
+        for (int c = 0; c < 4; ++c)
+          for (int b = 0; b < 4; ++b) {
+            const uint8_t byte = wp[c * 64 + j * 4 + b];
+            acc += (byte & 0x0F) * xp[c * 8 + b] + (byte >> 4) * xp[c * 8 + 4 + b];
+            res += (byte & 0x0F) * rp[c * 8 + b] + (byte >> 4) * rp[c * 8 + 4 + b];
+          }
+        out[m * ROWS + j] += static_cast<float>(acc * 256 + res) * (d * (dx[m * G + g] * (1.f / 256.f))) +
+                             z * sx[m * G + g];
+      }
+    }
+  }
+#endif
+}
+
+at::Tensor int4_mm(const at::Tensor& x, const at::Tensor& w, const at::Tensor& dm) {
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "qkv::int4_mm: x must be a contiguous (M, K) matrix");
+  TORCH_CHECK(w.dim() == 4 && w.scalar_type() == at::kByte && w.size(2) == 4 && w.size(3) == 64 &&
+                  w.is_contiguous(),
+              "qkv::int4_mm: w must be packed as (N/16, K/32, 4, 64) uint8");
+  const int64_t M = x.size(0), K = x.size(1), NB = w.size(0), G = w.size(1), N = NB * ROWS;
+  TORCH_CHECK(K == G * GROUP, "qkv::int4_mm: x has ", K, " columns, the weight ", G * GROUP);
+  TORCH_CHECK(dm.scalar_type() == at::kHalf && dm.numel() == NB * G * 32 && dm.is_contiguous(),
+              "qkv::int4_mm: dm must be (N/16, K/32, 2, 16) float16");
+  std::vector<int8_t> xq(M * K), xr(M * K);
+  std::vector<float> dx(M * G), sx(M * G);
+  if (x.scalar_type() == at::kFloat)
+    quantize_rows(x.data_ptr<float>(), M, K, xq.data(), xr.data(), dx.data(), sx.data());
+  else if (x.scalar_type() == at::kBFloat16)
+    quantize_rows(x.data_ptr<c10::BFloat16>(), M, K, xq.data(), xr.data(), dx.data(), sx.data());
+  else
+    TORCH_CHECK(false, "qkv::int4_mm: x must be float32 or bfloat16");
+  at::Tensor y = at::empty({M, N}, x.options().dtype(at::kFloat));
+  const uint8_t* wp = w.data_ptr<uint8_t>();
+  const c10::Half* dmp = dm.data_ptr<c10::Half>();
+  float* yp = y.data_ptr<float>();
+  at::parallel_for(0, NB, 1, [&](int64_t b0, int64_t b1) {
+    std::vector<float> out(M * ROWS);
+    for (int64_t b = b0; b < b1; ++b) {
+      std::fill(out.begin(), out.end(), 0.f);
+      block(wp + b * G * 256, dmp + b * G * 32, xq.data(), xr.data(), dx.data(), sx.data(), M, K, out.data());
+      for (int64_t m = 0; m < M; ++m) std::memcpy(yp + m * N + b * ROWS, out.data() + m * ROWS, ROWS * sizeof(float));
+    }
+  });
+  return y;
+}
+
+std::string int4_path() { return PATH; }
+
+}  // namespace
+
+// The namespace is qkv unless the build names another (the tests load every code path at once).
+#ifndef QKV_NAMESPACE
+#define QKV_NAMESPACE qkv
+#endif
+#define QKV_LIBRARY(ns, m) TORCH_LIBRARY(ns, m)
+#define QKV_LIBRARY_IMPL(ns, key, m) TORCH_LIBRARY_IMPL(ns, key, m)
+
+QKV_LIBRARY(QKV_NAMESPACE, m) {
+  m.def("int4_mm(Tensor x, Tensor w, Tensor dm) -> Tensor");
+  m.def("int4_path() -> str", &int4_path);
+}
+QKV_LIBRARY_IMPL(QKV_NAMESPACE, CPU, m) { m.impl("int4_mm", &int4_mm); }

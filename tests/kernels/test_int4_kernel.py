@@ -1,0 +1,182 @@
+"""qkv's 4-bit kernel (qkv/kernels/int4.cpp) on every code path it has (AVX512-VNNI, AVX2,
+plain C++), against two references written here: the kernel's arithmetic emulated in float64
+from its definition (activations to int8 plus an int8 residual per group of 32, the weights'
+float16 d and m), and the exact float64 product x·Wᵀ within the bound the activations'
+rounding allows, derived by hand. Plus the build: keyed, checked, rebuilt when damaged, and
+PyTorch's kernel where qkv's is switched off."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+import qkv.kernels as K
+from qkv.kernels import compile_library, pack_int4
+from qkv.native import NativeError, compiler
+
+pytestmark = pytest.mark.skipif(compiler() is None,
+                                reason="qkv's kernels need a C++ compiler (apt-get install g++)")
+
+
+def _cpu_flags() -> set[str]:
+    for line in Path("/proc/cpuinfo").read_text().splitlines():
+        if line.startswith("flags"):
+            return set(line.split(":", 1)[1].split())
+    return set()
+
+
+@pytest.fixture(scope="module")
+def paths(tmp_path_factory: pytest.TempPathFactory) -> dict[str, object]:
+    """Every code path as its own op: this CPU's (the library qkv builds and loads), AVX2 and
+    plain C++ (built here for older CPUs under namespaces of their own)."""
+    ops = {"native": K.int4_op()}
+    assert ops["native"] is not None, K.int4_status()
+    folder = tmp_path_factory.mktemp("int4")
+    for name, flags in (("avx2", ("-march=haswell",)), ("scalar", ("-march=x86-64",))):
+        ns = f"qkv_test_{name}"
+        if not hasattr(getattr(torch.ops, ns), "int4_mm"):
+            compile_library(folder / f"{name}.so", flags, namespace=ns)
+            torch.ops.load_library(str(folder / f"{name}.so"))
+        ops[name] = getattr(torch.ops, ns).int4_mm
+    return ops
+
+
+def test_each_build_runs_the_code_path_it_names(paths: dict[str, object]) -> None:
+    assert torch.ops.qkv_test_avx2.int4_path() == "avx2"
+    assert torch.ops.qkv_test_scalar.int4_path() == "scalar"
+    flags = _cpu_flags()
+    want = ("avx512-vnni" if {"avx512_vnni", "avx512bw", "avx512f"} <= flags
+            else "avx2" if {"avx2", "f16c", "fma"} <= flags else "scalar")
+    assert torch.ops.qkv.int4_path() == want
+    assert K.int4_status() == f"qkv's ({want})"
+
+
+def _problem(N: int, Kd: int, M: int, seed: int, outliers: bool = False):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randint(0, 16, (N, Kd), generator=g)
+    d = torch.rand(N, Kd // 32, generator=g) * 0.05 + 0.005
+    m = torch.randn(N, Kd // 32, generator=g) * 0.1
+    x = torch.randn(M, Kd, generator=g)
+    if outliers:  # a real model's activations: a few channels far larger than the rest
+        x[:, :: 37] *= 40
+    if M > 1:
+        x[-1, :32] = 0  # a group of zeros (scale 0)
+    return q, d, m, x
+
+
+def _emulate(q: torch.Tensor, d16: torch.Tensor, m16: torch.Tensor, x: torch.Tensor):
+    """The kernel's definition in float32 steps where it rounds, summed in float64."""
+    M, Kd = x.shape
+    G = Kd // 32
+    xg = x.float().view(M, G, 32)
+    dx = xg.abs().amax(-1) / 127  # float32, as the kernel
+    inv = torch.where(dx > 0, 1 / dx, torch.zeros_like(dx))
+    u = xg * inv[..., None]
+    c = torch.round(u)  # half to even, as nearbyint
+    r = torch.clamp(torch.round((u - c) * 256), -127, 127)
+    sx = xg.double().sum(-1)  # (M, G)
+    qg = q.double().view(-1, G, 32)  # (N, G, 32)
+    dot = torch.einsum("ngi,mgi->mng", qg, c.double() * 256 + r.double())  # exact integers
+    y = (dot * (d16.double() * (dx.double() / 256)[:, None, :])).sum(-1)
+    y = y + (m16.double() * sx[:, None, :]).sum(-1)
+    return y, dx
+
+
+@pytest.mark.parametrize("path", ["native", "avx2", "scalar"])
+@pytest.mark.parametrize(("N", "Kd", "M"), [(16, 32, 1), (48, 64, 3), (96, 576, 1), (32, 1536, 17)])
+@pytest.mark.parametrize("outliers", [False, True])
+def test_int4_mm_is_its_definition_and_close_to_the_exact_product(
+        paths: dict[str, object], path: str, N: int, Kd: int, M: int, outliers: bool) -> None:
+    q, d, m, x = _problem(N, Kd, M, seed=N + Kd + M, outliers=outliers)
+    w, dm = pack_int4(q, d, m)
+    y = paths[path](x, w, dm).double()
+    assert y.shape == (M, N)
+    d16, m16 = d.half(), m.half()
+    ref, dx = _emulate(q, d16, m16, x)
+    W = (q.double().view(N, -1, 32) * d16.double()[..., None] + m16.double()[..., None]).view(N, Kd)
+    scale = x.double().abs() @ W.abs().T  # (M, N): the size of the sums, for float32 rounding
+    assert ((y - ref).abs() <= 2e-6 * scale + 1e-9).all(), (y - ref).abs().max()
+    # The exact product of x with the float16 d, m matrix: each activation is carried to within
+    # dx/256 of its group's scale (dx/512 unless the residual is clipped at ±127).
+    exact = x.double() @ W.T
+    bound = (W.abs().view(N, -1, 32).sum(-1) @ (dx.double() / 256).T).T  # (M, N)
+    assert ((y - exact).abs() <= bound + 2e-6 * scale + 1e-9).all()
+    assert (bound <= 0.01 * scale + 1e-9).all()  # and that bound is small: ~2^-8 of the sums
+
+
+def test_bf16_activations_are_read_as_their_float_values(paths: dict[str, object]) -> None:
+    q, d, m, x = _problem(32, 64, 2, seed=7)
+    w, dm = pack_int4(q, d, m)
+    for op in paths.values():
+        torch.testing.assert_close(op(x.bfloat16(), w, dm), op(x.bfloat16().float(), w, dm), rtol=0, atol=0)
+
+
+def test_the_kernel_refuses_what_it_cannot_read(paths: dict[str, object]) -> None:
+    q, d, m, x = _problem(32, 64, 1, seed=8)
+    w, dm = pack_int4(q, d, m)
+    op = paths["native"]
+    with pytest.raises(RuntimeError, match="columns"):
+        op(torch.randn(1, 32), w, dm)
+    with pytest.raises(RuntimeError, match="float16"):
+        op(x, w, dm.float())
+    with pytest.raises(RuntimeError, match="float32 or bfloat16"):
+        op(x.double(), w, dm)
+    with pytest.raises(ValueError, match="N % 16"):
+        pack_int4(q[:8], d[:8], m[:8])
+
+
+def test_pack_int4_puts_each_code_where_the_layout_says() -> None:
+    """Byte 4j + b of chunk c of group g of block nb: row 16·nb + j, input 32g + 8c + b in the
+    low nibble and 32g + 8c + 4 + b in the high one (int4.cpp's layout, read back by hand)."""
+    g = torch.Generator().manual_seed(3)
+    q = torch.randint(0, 16, (32, 64), generator=g)
+    d, m = torch.rand(32, 2, generator=g), torch.randn(32, 2, generator=g)
+    w, dm = pack_int4(q, d, m)
+    assert w.shape == (2, 2, 4, 64) and dm.shape == (2, 2, 2, 16) and dm.dtype == torch.float16
+    for nb, gi, c, j, b in [(0, 0, 0, 0, 0), (1, 1, 3, 15, 3), (0, 1, 2, 7, 1), (1, 0, 1, 9, 2)]:
+        byte = int(w[nb, gi, c, 4 * j + b])
+        n, k = 16 * nb + j, 32 * gi + 8 * c + b
+        assert byte & 0xF == int(q[n, k]) and byte >> 4 == int(q[n, k + 4])
+        assert dm[nb, gi, 0, j] == d[n, gi].half() and dm[nb, gi, 1, j] == m[n, gi].half()
+
+
+def test_the_library_is_built_once_checked_and_rebuilt_when_damaged(tmp_path: Path,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("QKV_CACHE_DIR", str(tmp_path))
+    lib = K.build()
+    assert lib.parent.parent == tmp_path / "kernels" and (tmp_path / "kernels").stat().st_mode & 0o077 == 0
+    meta = json.loads((lib.parent / K.META).read_text())
+    assert meta["info"]["cpu"]["flags"] and meta["info"]["torch"] == torch.__version__
+    made = lib.stat().st_mtime_ns
+    assert K.build() == lib and lib.stat().st_mtime_ns == made  # found, not rebuilt
+    lib.write_bytes(lib.read_bytes()[:1000])  # damaged: refused, rebuilt
+    assert K.build() == lib and lib.stat().st_size > 1000
+    assert K.sha256(lib) == json.loads((lib.parent / K.META).read_text())["sha256"]
+
+
+def test_without_the_kernel_the_layer_uses_pytorchs(monkeypatch: pytest.MonkeyPatch) -> None:
+    from qkv.layers.quant import Int4Linear
+
+    monkeypatch.setattr(K, "_state", {"op": None, "status": None})
+    monkeypatch.setenv("QKV_INT4_KERNEL", "off")
+    assert K.int4_op() is None and K.int4_status() == "PyTorch's (QKV_INT4_KERNEL=off)"
+    q, d, m, _ = _problem(32, 64, 1, seed=9)
+    assert Int4Linear(q, d, m + 8 * d, 32).kernel == "aten"
+    with pytest.raises(ValueError, match="not available"):
+        Int4Linear(q, d, m + 8 * d, 32, kernel="qkv")
+    monkeypatch.setattr(K, "_state", {"op": None, "status": None})
+    monkeypatch.setenv("QKV_INT4_KERNEL", "on")
+    monkeypatch.setenv("QKV_CACHE_DIR", "off")
+    monkeypatch.setattr(K, "_loaded", lambda: False)  # as in a fresh process
+    op, status = K._load()
+    assert op is None and status.startswith("PyTorch's (qkv's could not be built: qkv's cache is off")
+
+
+def test_a_compiler_error_is_one_line(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(K, "SOURCE", tmp_path / "broken.cpp")
+    (tmp_path / "broken.cpp").write_text("this is not C++\n")
+    with pytest.raises(NativeError, match="the compiler failed"):
+        compile_library(tmp_path / "x.so")
