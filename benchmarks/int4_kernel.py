@@ -1,4 +1,4 @@
-"""qkv's 4-bit kernel (``qkv/kernels/int4.cpp``) beside PyTorch's (``_weight_int4pack_mm_for_cpu``)
+"""qkv's 4-bit kernel (``qkv/kernels/qmatmul.cpp``) beside PyTorch's (``_weight_int4pack_mm_for_cpu``)
 on SmolLM2-135M's matrices, and what each does to the model's predictions.
 
 - ``speed``: every 4-bit product of a token (30 layers x qkv, out, gate|up, down; random codes of

@@ -1,12 +1,14 @@
 """qkv's own CPU kernels, compiled on first use for the CPU they run on.
 
-Today one: ``qkv::int4_mm`` (``int4.cpp``), the 4-bit matrix product of decoding with int8
-activations and integer dot products (AVX512-VNNI, else AVX2, else plain C++). PyTorch's own
-4-bit kernel widens each code to a float and is bound by that arithmetic on one token; this
-one reads the same bytes 1.7x faster (BENCHMARKS.md). :func:`int4_op` builds it once per
-machine (``g++ -O3 -march=native``, ~5 s) into ``<cache>/kernels``, keyed by the CPU, the
-compiler, torch's version and the source, and loads it into the process
-(``torch.ops.load_library``); :class:`~qkv.layers.quant.Int4Linear` uses it where it loaded.
+``qmatmul.cpp``: the quantised matrix products of decoding, with activations rounded to int8
+twice per group of 32 (a code and its residual) and integer dot products (AVX512-VNNI, else
+AVX2, else plain C++): ``qkv::int4_mm`` (4-bit groups, GGUF's Q4_0/Q4_1) and ``qkv::q8_mm``
+(8-bit groups, GGUF's Q8_0). PyTorch's own kernels widen each weight to a float and are bound
+by that arithmetic on one token; these read the same bytes faster (BENCHMARKS.md).
+:func:`int4_op` builds the library once per machine (``g++ -O3 -march=native``, ~5 s) into
+``<cache>/kernels``, keyed by the CPU, the compiler, torch's version and the source, and loads
+it into the process (``torch.ops.load_library``); :class:`~qkv.layers.quant.Int4Linear` and
+:class:`~qkv.layers.quant.Q8Linear` (a decoder's output head) use it where it loaded.
 
 ``QKV_INT4_KERNEL=off`` (or ``QKV_CACHE_DIR=off``, or no compiler) keeps PyTorch's kernel;
 :func:`int4_status` says which is in use and why.
@@ -31,9 +33,9 @@ from torch import Tensor
 
 from qkv.native import NativeError, build_once, compiler, cpu_identity, cxx, private_folder, sha256
 
-SOURCE = Path(__file__).with_name("int4.cpp")
-LIBRARY = "int4.so"
-META = "int4.json"
+SOURCE = Path(__file__).with_name("qmatmul.cpp")
+LIBRARY = "qmatmul.so"
+META = "qmatmul.json"
 GROUP, ROWS = 32, 16
 
 _state: dict[str, Any] = {"op": None, "status": None}
@@ -53,7 +55,7 @@ def _key(flags: tuple[str, ...]) -> tuple[str, dict[str, Any]]:
 
 
 def compile_library(out: Path, flags: tuple[str, ...] = ("-march=native",), namespace: str = "qkv") -> None:
-    """Compile ``int4.cpp`` into the shared library ``out`` (NativeError with the compiler's
+    """Compile ``qmatmul.cpp`` into the shared library ``out`` (NativeError with the compiler's
     last lines if it fails). ``namespace``: the ops' namespace (``torch.ops.<namespace>``)."""
     path = cxx()
     if path is None or compiler() is None:
@@ -103,6 +105,11 @@ def int4_op() -> Any | None:
         return _state["op"]
 
 
+def q8_op() -> Any | None:
+    """``torch.ops.qkv.q8_mm`` (the same library as :func:`int4_op`), or None."""
+    return None if int4_op() is None else torch.ops.qkv.q8_mm
+
+
 def int4_status() -> str:
     """Which 4-bit kernel decodes here, and why: "qkv's (avx512-vnni)" or "PyTorch's (...)"."""
     int4_op()
@@ -135,12 +142,16 @@ def register_fake(namespace: str) -> None:
     def _fake(x: Tensor, w: Tensor, dm: Tensor) -> Tensor:
         return x.new_empty(x.shape[0], w.shape[0] * ROWS, dtype=torch.float32)
 
+    def _fake8(x: Tensor, w: Tensor, ds: Tensor) -> Tensor:
+        return x.new_empty(x.shape[0], w.shape[0] * ROWS, dtype=torch.float32)
+
     torch.library.register_fake(f"{namespace}::int4_mm", _fake)
+    torch.library.register_fake(f"{namespace}::q8_mm", _fake8)
 
 
 def pack_int4(q: Tensor, d: Tensor, m: Tensor) -> tuple[Tensor, Tensor]:
     """Codes q (N, K) in 0..15 and per-group d, m (N, K/32) (``w = d·q + m``) -> the kernel's
-    w (N/16, K/32, 4, 64) uint8 and dm (N/16, K/32, 2, 16) float16 (see int4.cpp)."""
+    w (N/16, K/32, 4, 64) uint8 and dm (N/16, K/32, 2, 16) float16 (see qmatmul.cpp)."""
     N, K = q.shape
     if N % ROWS or K % GROUP or d.shape != (N, K // GROUP) or m.shape != d.shape:
         raise ValueError(f"pack_int4: q {tuple(q.shape)} needs N % 16 == 0, K % 32 == 0 and d, m of shape "
@@ -151,3 +162,17 @@ def pack_int4(q: Tensor, d: Tensor, m: Tensor) -> tuple[Tensor, Tensor]:
     w = byte.permute(0, 2, 3, 1, 4).contiguous().view(N // ROWS, G, 4, 64)
     dm = torch.stack([d, m]).view(2, N // ROWS, ROWS, G).permute(1, 3, 0, 2).to(torch.float16).contiguous()
     return w, dm
+
+
+def pack_q8(q: Tensor, d: Tensor) -> tuple[Tensor, Tensor]:
+    """Codes q (N, K) in -127..127 and per-group d (N, K/32) (``w = d·q``, GGUF's Q8_0) -> the
+    kernel's w (N/16, K/32, 8, 64) uint8 (q + 128) and ds (N/16, K/32, 16) float16."""
+    N, K = q.shape
+    if N % ROWS or K % GROUP or d.shape != (N, K // GROUP):
+        raise ValueError(f"pack_q8: q {tuple(q.shape)} needs N % 16 == 0, K % 32 == 0 and d of shape "
+                         f"({N}, {K // GROUP})")
+    G = K // GROUP
+    u = (q.to(torch.int16) + 128).to(torch.uint8).view(N // ROWS, ROWS, G, 8, 4)  # (block, j, group, c, b)
+    w = u.permute(0, 2, 3, 1, 4).contiguous().view(N // ROWS, G, 8, 64)
+    ds = d.view(N // ROWS, ROWS, G).permute(0, 2, 1).to(torch.float16).contiguous()
+    return w, ds

@@ -34,7 +34,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from qkv.kernels import int4_op as _qkv_int4_op
-from qkv.kernels import int4_status, pack_int4
+from qkv.kernels import int4_status, pack_int4, pack_q8
+from qkv.kernels import q8_op as _qkv_q8_op
 from qkv.layers.mlp import SwiGLU
 
 INT4_INNER_K_TILES = 2  # the packing PyTorch's CPU kernel reads fastest for K a multiple of 64
@@ -112,7 +113,7 @@ class Int4Linear(nn.Module):
         if kernel == "qkv" and op is None:
             raise ValueError(f"qkv's 4-bit kernel is not available here: {int4_status()}")
         if op is not None and bool(torch.isfinite(d.half()).all() and torch.isfinite(m.half()).all()):
-            # qkv's kernel (qkv/kernels/int4.cpp): int8 activations, integer dot products;
+            # qkv's kernel (qkv/kernels/qmatmul.cpp): int8 activations, integer dot products;
             # d and m in float16, as a Q4_0/Q4_1 file stores them.
             self.kernel = "qkv"
             w4, dm = pack_int4(q, d, m)
@@ -221,6 +222,56 @@ class Int8Linear(nn.Module):
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, act_dtype={self.act_dtype}"
+
+
+class Q8Linear(nn.Module):
+    """``x Wᵀ`` with W in 8-bit groups of 32 inputs, ``w = d·q`` (GGUF's Q8_0: q in -127..127,
+    d in float16), on qkv's kernel (:mod:`qkv.kernels`: activations rounded to int8 twice per
+    group, integer dot products). A Q8_0 file's codes and scales are recovered exactly from its
+    dequantised weights (:meth:`from_float`), so the product is the file's matrix."""
+
+    def __init__(self, q: Tensor, d: Tensor, bias: Tensor | None = None) -> None:
+        """q (N, K) integers in -127..127; d (N, K/32) floats; ``bias`` (N,), kept in float32.
+        ValueError where qkv's kernel is not available (:func:`qkv.kernels.int4_status`)."""
+        super().__init__()
+        N, K = q.shape
+        if _qkv_q8_op() is None:
+            raise ValueError(f"qkv's 8-bit kernel is not available here: {int4_status()}")
+        if int(q.min()) < -127 or int(q.max()) > 127:
+            raise ValueError("8-bit codes must lie in -127..127")
+        self.in_features, self.out_features = K, N
+        w8, ds = pack_q8(q, d)
+        self.register_buffer("w8", w8)
+        self.register_buffer("ds", ds)
+        self.register_buffer("bias", _float_bias(bias, N))
+
+    @classmethod
+    def from_float(cls, weight: Tensor, bias: Tensor | None = None) -> Q8Linear:
+        """llama.cpp's Q8_0 quantiser: per group of 32, d = max|w| / 127 (rounded to float16),
+        q = round(w / d)."""
+        N, K = weight.shape
+        w = weight.detach().float().view(N, K // 32, 32)
+        d = (w.abs().amax(-1) / 127).half().float()
+        inv = torch.where(d > 0, 1 / d, torch.zeros_like(d))
+        q = (w * inv[..., None]).round().clamp(-127, 127).view(N, K)
+        return cls(q, d, bias)
+
+    def dequantize(self) -> Tensor:
+        """The (N, K) float32 matrix this layer multiplies by."""
+        N, K = self.out_features, self.in_features
+        q = (self.w8.to(torch.int16) - 128).view(N // 16, K // 32, 8, 16, 4).permute(0, 3, 1, 2, 4)
+        d = self.ds.float().permute(0, 2, 1)  # (N/16, 16, G)
+        return (q.reshape(N // 16, 16, K // 32, 32).float() * d[..., None]).reshape(N, K)
+
+    def forward(self, x: Tensor) -> Tensor:
+        shape = x.shape
+        x2 = x.reshape(-1, self.in_features)
+        x2 = x2 if x2.dtype in (torch.float32, torch.bfloat16) else x2.float()
+        y = torch.ops.qkv.q8_mm(x2.contiguous(), self.w8, self.ds)  # (M, N) float32
+        return _plus_bias(y.view(*shape[:-1], self.out_features).to(x.dtype), self.bias)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}"
 
 
 class Int4SwiGLU(nn.Module):

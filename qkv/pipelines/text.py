@@ -218,11 +218,19 @@ class CausalLM(LayersAndHeads):
           Only for files stored in 4 bits (Q4_0/Q4_1), whose own codes it keeps.
         - "auto": q4 where the file is stored in 4 bits and PyTorch has the kernels, else fp32.
 
-        int8 and q4 give the output head int8 rows whose 64 largest logits are recomputed in
-        fp32 (:class:`~qkv.layers.quant.TopKRefinedLinear`). The embedding table, norms and the
+        int8 and q4 give the output head 8-bit groups (Q8_0's, on qkv's kernel where it builds,
+        else int8 rows on PyTorch's) whose 64 largest logits are recomputed in fp32
+        (:class:`~qkv.layers.quant.TopKRefinedLinear`). The embedding table, norms and the
         attention arithmetic stay float32.
         """
-        from qkv.layers.quant import TopKRefinedLinear, int4_kernels_available, quantize_linears
+        from qkv.kernels import q8_op
+        from qkv.layers.quant import (
+            Int8Linear,
+            Q8Linear,
+            TopKRefinedLinear,
+            int4_kernels_available,
+            quantize_linears,
+        )
 
         if weights not in WEIGHTS:
             raise ValueError(f"weights must be one of {', '.join(WEIGHTS)}, got {weights!r}")
@@ -245,10 +253,18 @@ class CausalLM(LayersAndHeads):
         self.model.to(torch.float32)
         if weights == "q4":
             quantize_linears(self.model, "q4", skip=("lm_head",), symmetric=types == ["Q4_0"])
-        head = self.model.lm_head.weight.detach()  # (V, dim) float32, the tied embedding
-        quantize_linears(self.model, "int8")
-        # bf16 logits from the int8 kernel would round near-ties: recompute the top 64 in fp32.
-        self.model.lm_head = TopKRefinedLinear(self.model.lm_head, head)
+        lin = self.model.lm_head
+        head = lin.weight.detach()  # (V, dim) float32, the tied embedding
+        quantize_linears(self.model, "int8", skip=("lm_head",))
+        V, D = head.shape
+        if q8_op() is not None and V % 16 == 0 and D % 32 == 0:
+            # the file's Q8_0 blocks where it stores the head so (SmolLM2), on qkv's kernel
+            approx: torch.nn.Module = Q8Linear.from_float(head, bias=lin.bias)
+        else:
+            approx = Int8Linear.from_float(head, bias=lin.bias)
+        # Near-ties in the approximate logits (bf16 ones from PyTorch's int8 kernel round to
+        # 0.125 steps) could swap: recompute the top 64 in fp32.
+        self.model.lm_head = TopKRefinedLinear(approx, head)
         self.weights = weights
         return self
 

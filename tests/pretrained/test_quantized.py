@@ -48,28 +48,37 @@ def test_formats_replace_the_projections(formats) -> None:
     q4 = formats["q4"].model
     kinds = {type(m) for name, m in q4.named_modules() if name.startswith("stack.blocks.")}
     assert Int4Linear in kinds and Int4SwiGLU in kinds and nn.Linear not in kinds
-    assert isinstance(q4.lm_head, TopKRefinedLinear) and isinstance(q4.lm_head.approx, Int8Linear)
+    from qkv.kernels import q8_op
+    from qkv.layers.quant import Q8Linear
+
+    head = Q8Linear if q8_op() is not None else Int8Linear  # the file's Q8_0 blocks on qkv's kernel
+    assert isinstance(q4.lm_head, TopKRefinedLinear) and isinstance(q4.lm_head.approx, head)
     assert q4.lm_head.weight.data_ptr() == q4.tok_emb.weight.data_ptr()  # shared, not copied
     assert all(not isinstance(m, nn.Linear) for m in formats["int8"].model.modules())
     assert formats["q4"].weights == "q4"
 
 
 # Measured on 1,000 positions of the same text, these 300 first (benchmarks/pretrained_parity.py,
-# BENCHMARKS.md): q4 99.3%, int8 96.9%, and the bf16 model 97.6%. int8 rows cannot hold
-# SmolLM2's 4-bit groups as they are (each row's range spans many groups): its top-1 agreement
-# misses the 99% that q4 meets.
+# BENCHMARKS.md), on PyTorch's kernels (bf16 activations): q4 99.3%, int8 96.9%, and the bf16
+# model 97.6%. int8 rows cannot hold SmolLM2's 4-bit groups as they are (each row's range spans
+# many groups): its top-1 agreement misses the 99% that q4 meets. On qkv's kernels (the file's
+# float16 scales, activations carried to 1/256 of an int8 step, the head in the file's Q8_0
+# blocks) q4 is the fp32 model to rounding: 300 of 300 here, perplexity -0.02%.
 TOP1 = {"q4": 0.99, "int8": 0.965}
 
 
 @pytest.mark.parametrize("weights", ["int8", "q4"])
 def test_quantized_agrees_with_fp32_on_held_text(smollm2, formats, held_ids, weights: str) -> None:
+    from qkv.kernels import int4_op
+
     ref, got = logits(smollm2, held_ids), logits(formats[weights], held_ids)
     top1 = (ref.argmax(-1) == got.argmax(-1)).float().mean().item()
     ppl_ref, ppl = perplexity(ref, held_ids), perplexity(got, held_ids)
     print(f"{weights}: top-1 agreement {top1:.2%} over {POSITIONS} positions; perplexity {ppl:.3f} "
           f"vs fp32 {ppl_ref:.3f} ({ppl / ppl_ref - 1:+.2%})")
-    assert top1 >= TOP1[weights]
-    assert abs(ppl / ppl_ref - 1) <= 0.01
+    exact = weights == "q4" and int4_op() is not None
+    assert top1 >= (0.997 if exact else TOP1[weights])
+    assert abs(ppl / ppl_ref - 1) <= (0.001 if exact else 0.01)
 
 
 def _reference_output(mod: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, float]:

@@ -1,9 +1,9 @@
-"""qkv's 4-bit kernel (qkv/kernels/int4.cpp) on every code path it has (AVX512-VNNI, AVX2,
-plain C++), against two references written here: the kernel's arithmetic emulated in float64
-from its definition (activations to int8 plus an int8 residual per group of 32, the weights'
-float16 d and m), and the exact float64 product x·Wᵀ within the bound the activations'
-rounding allows, derived by hand. Plus the build: keyed, checked, rebuilt when damaged, and
-PyTorch's kernel where qkv's is switched off."""
+"""qkv's quantised products (qkv/kernels/qmatmul.cpp: 4-bit and 8-bit groups) on every code
+path it has (AVX512-VNNI, AVX2, plain C++), against two references written here: the kernel's
+arithmetic emulated in float64 from its definition (activations to int8 plus an int8 residual
+per group of 32, the weights' float16 scales), and the exact float64 product x·Wᵀ within the
+bound the activations' rounding allows, derived by hand. Plus the build: keyed, checked, rebuilt
+when damaged, and PyTorch's kernels where qkv's are switched off."""
 
 from __future__ import annotations
 
@@ -130,7 +130,7 @@ def test_the_kernel_refuses_what_it_cannot_read(paths: dict[str, object]) -> Non
 
 def test_pack_int4_puts_each_code_where_the_layout_says() -> None:
     """Byte 4j + b of chunk c of group g of block nb: row 16·nb + j, input 32g + 8c + b in the
-    low nibble and 32g + 8c + 4 + b in the high one (int4.cpp's layout, read back by hand)."""
+    low nibble and 32g + 8c + 4 + b in the high one (qmatmul.cpp's layout, read back by hand)."""
     g = torch.Generator().manual_seed(3)
     q = torch.randint(0, 16, (32, 64), generator=g)
     d, m = torch.rand(32, 2, generator=g), torch.randn(32, 2, generator=g)
@@ -180,3 +180,65 @@ def test_a_compiler_error_is_one_line(tmp_path: Path, monkeypatch: pytest.Monkey
     (tmp_path / "broken.cpp").write_text("this is not C++\n")
     with pytest.raises(NativeError, match="the compiler failed"):
         compile_library(tmp_path / "x.so")
+
+
+# ---------------------------------------------------------------- 8-bit groups (GGUF's Q8_0)
+
+
+def _emulate8(q: torch.Tensor, d16: torch.Tensor, x: torch.Tensor):
+    M, Kd = x.shape
+    G = Kd // 32
+    xg = x.float().view(M, G, 32)
+    dx = xg.abs().amax(-1) / 127
+    inv = torch.where(dx > 0, 1 / dx, torch.zeros_like(dx))
+    u = xg * inv[..., None]
+    c = torch.round(u)
+    r = torch.clamp(torch.round((u - c) * 256), -127, 127)
+    dot = torch.einsum("ngi,mgi->mng", q.double().view(-1, G, 32), c.double() * 256 + r.double())
+    return (dot * (d16.double() * (dx.double() / 256)[:, None, :])).sum(-1), dx
+
+
+@pytest.mark.parametrize("path", ["native", "avx2", "scalar"])
+@pytest.mark.parametrize(("N", "Kd", "M"), [(16, 32, 1), (48, 64, 3), (96, 576, 1), (32, 1536, 17)])
+def test_q8_mm_is_its_definition_and_close_to_the_exact_product(
+        paths: dict[str, object], path: str, N: int, Kd: int, M: int) -> None:
+    g = torch.Generator().manual_seed(N * Kd + M)
+    q = torch.randint(-127, 128, (N, Kd), generator=g)
+    q[0, :32] = -127  # the extremes of the codes
+    q[-1, -32:] = 127
+    d = torch.rand(N, Kd // 32, generator=g) * 0.01 + 1e-4
+    x = torch.randn(M, Kd, generator=g)
+    x[:, ::37] *= 40
+    op = getattr(torch.ops, "qkv" if path == "native" else f"qkv_test_{path}").q8_mm
+    w, ds = K.pack_q8(q, d)
+    y = op(x, w, ds).double()
+    d16 = d.half()
+    ref, dx = _emulate8(q, d16, x)
+    W = (q.double().view(N, -1, 32) * d16.double()[..., None]).view(N, Kd)
+    scale = x.double().abs() @ W.abs().T
+    assert ((y - ref).abs() <= 2e-6 * scale + 1e-9).all(), (y - ref).abs().max()
+    bound = (W.abs().view(N, -1, 32).sum(-1) @ (dx.double() / 256).T).T
+    assert ((y - x.double() @ W.T).abs() <= bound + 2e-6 * scale + 1e-9).all()
+
+
+def test_q8_linear_holds_a_q8_0_files_own_blocks() -> None:
+    """gguf's own Q8_0 quantiser and dequantiser as the reference: the layer built from the
+    dequantised matrix holds its codes and float16 scales bit for bit."""
+    gguf = pytest.importorskip("gguf")
+    import numpy as np
+
+    from qkv.layers.quant import Q8Linear
+
+    kind = gguf.GGMLQuantizationType.Q8_0
+    a = np.random.default_rng(0).standard_normal((64, 128)).astype(np.float32)
+    raw = gguf.quants.quantize(a, kind)
+    w = gguf.quants.dequantize(raw, kind)
+    layer = Q8Linear.from_float(torch.from_numpy(w))
+    np.testing.assert_array_equal(layer.dequantize().numpy(), w)
+    blocks = raw.reshape(-1, 34)  # [d f16][32 int8]
+    d = blocks[:, :2].copy().view(np.float16)[:, 0]
+    np.testing.assert_array_equal(layer.ds.permute(0, 2, 1).reshape(-1).numpy(), d)
+    x = torch.randn(3, 128)
+    exact = x.double() @ torch.from_numpy(w).double().T
+    size = x.double().abs() @ torch.from_numpy(w).double().abs().T
+    assert ((layer(x).double() - exact).abs() <= 2.0**-8 / 127 * size + 1e-6).all()

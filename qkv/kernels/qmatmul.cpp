@@ -1,21 +1,26 @@
-// qkv's 4-bit matrix product for decoding: y = x Wᵀ with W in groups of 32 weights that share a
-// scale d and an offset m (w = d·q + m, q in 0..15: GGUF's Q4_1 grid; Q4_0 is m = −8d), and x
-// quantised on the fly to int8 per group of 32 (x ≈ dx·xq, dx = max|x| / 127): llama.cpp's own
-// trick, integer dot products of the 4-bit codes with the 8-bit activations (AVX512-VNNI's
-// vpdpbusd: 64 products per instruction; AVX2's vpmaddubsw), then one float multiply-add per group:
+// qkv's quantised matrix products for decoding, y = x Wᵀ, W stored as GGUF stores it:
 //
-//   y[n] = Σ_g d[n,g]·dx[g]·Σ_i q[n,g,i]·xq[g,i]  +  m[n,g]·Σ_i x[g,i]
+// - int4_mm: groups of 32 weights that share a scale d and an offset m (w = d·q + m, q in 0..15:
+//   Q4_1; Q4_0 is m = −8d);
+// - q8_mm: groups of 32 with one scale (w = d·q, q in −127..127: Q8_0).
 //
-// (the offset term uses the exact float sum of each group's activations). Decoding one token
-// reads every weight once: PyTorch's own 4-bit kernel widens each code to a float first and
-// is bound by that arithmetic, not by memory (BENCHMARKS.md). Built by qkv/kernels/__init__.py
-// with -march=native for the CPU it runs on, loaded with torch.ops.load_library.
+// x is rounded on the fly per group of 32 to int8 twice, x ≈ dx·(xq + xr/256) (quantize_rows),
+// and multiplied by integer dot products (AVX512-VNNI's vpdpbusd: 64 products an instruction;
+// AVX2's vpmaddubsw), then one float multiply-add per group:
 //
-// Packed layout (qkv/kernels/__init__.py: pack_int4), 16 output rows per block:
+//   int4: y[n] = Σ_g d[n,g]·dx[g]/256·(256·<q, xq> + <q, xr>)  +  m[n,g]·Σ_i x[g,i]
+//
+// (the offset term uses the exact float sum of the group's activations). llama.cpp's trick,
+// without its coarser activations (one int8 code). Decoding one token reads every weight once:
+// PyTorch's own kernels widen each weight to a float first and are bound by that arithmetic,
+// not by memory (BENCHMARKS.md). Built by qkv/kernels/__init__.py with -march=native for the
+// CPU it runs on, loaded with torch.ops.load_library.
+//
+// 4-bit packed layout (qkv/kernels/__init__.py: pack_int4), 16 output rows per block:
 //   w  uint8   (N/16, K/32, 4, 64): block, group, chunk c of 8 inputs; byte 4j + b holds row j's
 //              code for input 8c + b in its low nibble and for input 8c + 4 + b in its high one
 //   dm float16 (N/16, K/32, 2, 16): the 16 rows' d, then their m
-// Shapes: x (M, K) float32 or bfloat16 -> y (M, N) float32.
+// (8-bit layout: above q8_mm.) Shapes: x (M, K) float32 or bfloat16 -> y (M, N) float32.
 
 #include <torch/library.h>
 #include <ATen/core/Tensor.h>
@@ -208,6 +213,138 @@ at::Tensor int4_mm(const at::Tensor& x, const at::Tensor& w, const at::Tensor& d
   return y;
 }
 
+// ---------------------------------------------------------------- 8-bit weights (GGUF's Q8_0)
+//
+// w = d·q, q in -127..127, one float16 d per group of 32 inputs of a row (the file's own blocks).
+// Packed, 16 output rows per block:
+//   w  uint8   (N/16, K/32, 8, 64): block, group, chunk c of 4 inputs; byte 4j + b holds
+//              q + 128 for row j, input 4c + b (unsigned, as vpdpbusd's first operand wants)
+//   ds float16 (N/16, K/32, 16): the 16 rows' d
+// y[n] = Σ_g d[n,g]·dx[g]/256·(256·<q, xq> + <q, xr>), where <q + 128, x> − 128·Σx = <q, x>.
+
+void block8(const uint8_t* w, const c10::Half* ds, const int8_t* xq, const int8_t* xr, const float* dx,
+            const int32_t* sq, const int32_t* sr, int64_t M, int64_t K, float* out) {
+  const int64_t G = K / GROUP;
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512F__)
+  for (int64_t g = 0; g < G; ++g) {
+    const uint8_t* wp = w + g * 512;
+    __m512i v[8];
+    for (int c = 0; c < 8; ++c) v[c] = _mm512_loadu_si512(wp + c * 64);
+    const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(ds + g * 16)));
+    for (int64_t m = 0; m < M; ++m) {
+      int32_t xw[8], rw[8];
+      std::memcpy(xw, xq + m * K + g * GROUP, sizeof(xw));
+      std::memcpy(rw, xr + m * K + g * GROUP, sizeof(rw));
+      __m512i a0 = _mm512_setzero_si512(), a1 = _mm512_setzero_si512();
+      __m512i r0 = _mm512_setzero_si512(), r1 = _mm512_setzero_si512();
+      for (int c = 0; c < 8; c += 2) {
+        a0 = _mm512_dpbusd_epi32(a0, v[c], _mm512_set1_epi32(xw[c]));
+        a1 = _mm512_dpbusd_epi32(a1, v[c + 1], _mm512_set1_epi32(xw[c + 1]));
+        r0 = _mm512_dpbusd_epi32(r0, v[c], _mm512_set1_epi32(rw[c]));
+        r1 = _mm512_dpbusd_epi32(r1, v[c + 1], _mm512_set1_epi32(rw[c + 1]));
+      }
+      // 256·(<q+128, xq> − 128·Σxq) + <q+128, xr> − 128·Σxr: |.| < 2^29
+      const int32_t offset = 128 * (256 * sq[m * G + g] + sr[m * G + g]);
+      const __m512i both = _mm512_sub_epi32(
+          _mm512_add_epi32(_mm512_slli_epi32(_mm512_add_epi32(a0, a1), 8), _mm512_add_epi32(r0, r1)),
+          _mm512_set1_epi32(offset));
+      __m512 acc = _mm512_loadu_ps(out + m * ROWS);
+      acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(both), _mm512_mul_ps(d, _mm512_set1_ps(dx[m * G + g] * (1.f / 256.f))),
+                            acc);
+      _mm512_storeu_ps(out + m * ROWS, acc);
+    }
+  }
+#elif defined(__AVX2__) && defined(__F16C__) && defined(__FMA__)
+  const __m256i flip = _mm256_set1_epi8(static_cast<char>(0x80)), ones = _mm256_set1_epi16(1);
+  for (int64_t g = 0; g < G; ++g) {
+    const uint8_t* wp = w + g * 512;
+    __m256 d[2];
+    for (int h = 0; h < 2; ++h)
+      d[h] = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(ds + g * 16 + 8 * h)));
+    for (int64_t m = 0; m < M; ++m) {
+      int32_t xw[8], rw[8];
+      std::memcpy(xw, xq + m * K + g * GROUP, sizeof(xw));
+      std::memcpy(rw, xr + m * K + g * GROUP, sizeof(rw));
+      const __m256 scale = _mm256_set1_ps(dx[m * G + g] * (1.f / 256.f));
+      for (int h = 0; h < 2; ++h) {
+        __m256i acc = _mm256_setzero_si256(), res = _mm256_setzero_si256();
+        for (int c = 0; c < 8; ++c) {
+          // signed weights; |x| times w with x's sign (llama.cpp's trick): pairs <= 32,258 in int16
+          const __m256i ws = _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(wp + c * 64 + h * 32)), flip);
+          const __m256i xb = _mm256_set1_epi32(xw[c]), rb = _mm256_set1_epi32(rw[c]);
+          acc = _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_abs_epi8(xb), _mm256_sign_epi8(ws, xb)), ones));
+          res = _mm256_add_epi32(res, _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_abs_epi8(rb), _mm256_sign_epi8(ws, rb)), ones));
+        }
+        const __m256i both = _mm256_add_epi32(_mm256_slli_epi32(acc, 8), res);
+        __m256 o = _mm256_loadu_ps(out + m * ROWS + 8 * h);
+        o = _mm256_fmadd_ps(_mm256_cvtepi32_ps(both), _mm256_mul_ps(d[h], scale), o);
+        _mm256_storeu_ps(out + m * ROWS + 8 * h, o);
+      }
+    }
+  }
+#else
+  (void)sq;
+  (void)sr;
+  for (int64_t g = 0; g < G; ++g) {
+    const uint8_t* wp = w + g * 512;
+    for (int j = 0; j < ROWS; ++j) {
+      const float d = static_cast<float>(ds[g * 16 + j]);
+      for (int64_t m = 0; m < M; ++m) {
+        const int8_t* xp = xq + m * K + g * GROUP;
+        const int8_t* rp = xr + m * K + g * GROUP;
+        int32_t acc = 0, res = 0;
+        for (int c = 0; c < 8; ++c)
+          for (int b = 0; b < 4; ++b) {
+            const int32_t q = static_cast<int32_t>(wp[c * 64 + j * 4 + b]) - 128;
+            acc += q * xp[c * 4 + b];
+            res += q * rp[c * 4 + b];
+          }
+        out[m * ROWS + j] += static_cast<float>(acc * 256 + res) * (d * (dx[m * G + g] * (1.f / 256.f)));
+      }
+    }
+  }
+#endif
+}
+
+at::Tensor q8_mm(const at::Tensor& x, const at::Tensor& w, const at::Tensor& ds) {
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "qkv::q8_mm: x must be a contiguous (M, K) matrix");
+  TORCH_CHECK(w.dim() == 4 && w.scalar_type() == at::kByte && w.size(2) == 8 && w.size(3) == 64 &&
+                  w.is_contiguous(),
+              "qkv::q8_mm: w must be packed as (N/16, K/32, 8, 64) uint8");
+  const int64_t M = x.size(0), K = x.size(1), NB = w.size(0), G = w.size(1), N = NB * ROWS;
+  TORCH_CHECK(K == G * GROUP, "qkv::q8_mm: x has ", K, " columns, the weight ", G * GROUP);
+  TORCH_CHECK(ds.scalar_type() == at::kHalf && ds.numel() == NB * G * 16 && ds.is_contiguous(),
+              "qkv::q8_mm: ds must be (N/16, K/32, 16) float16");
+  std::vector<int8_t> xq(M * K), xr(M * K);
+  std::vector<float> dx(M * G), sx(M * G);
+  if (x.scalar_type() == at::kFloat)
+    quantize_rows(x.data_ptr<float>(), M, K, xq.data(), xr.data(), dx.data(), sx.data());
+  else if (x.scalar_type() == at::kBFloat16)
+    quantize_rows(x.data_ptr<c10::BFloat16>(), M, K, xq.data(), xr.data(), dx.data(), sx.data());
+  else
+    TORCH_CHECK(false, "qkv::q8_mm: x must be float32 or bfloat16");
+  std::vector<int32_t> sq(M * G, 0), sr(M * G, 0);
+  for (int64_t i = 0; i < M * G; ++i)
+    for (int k = 0; k < GROUP; ++k) {
+      sq[i] += xq[i * GROUP + k];
+      sr[i] += xr[i * GROUP + k];
+    }
+  at::Tensor y = at::empty({M, N}, x.options().dtype(at::kFloat));
+  const uint8_t* wp = w.data_ptr<uint8_t>();
+  const c10::Half* dsp = ds.data_ptr<c10::Half>();
+  float* yp = y.data_ptr<float>();
+  at::parallel_for(0, NB, 1, [&](int64_t b0, int64_t b1) {
+    std::vector<float> out(M * ROWS);
+    for (int64_t b = b0; b < b1; ++b) {
+      std::fill(out.begin(), out.end(), 0.f);
+      block8(wp + b * G * 512, dsp + b * G * 16, xq.data(), xr.data(), dx.data(), sq.data(), sr.data(), M, K,
+             out.data());
+      for (int64_t m = 0; m < M; ++m) std::memcpy(yp + m * N + b * ROWS, out.data() + m * ROWS, ROWS * sizeof(float));
+    }
+  });
+  return y;
+}
+
 std::string int4_path() { return PATH; }
 
 }  // namespace
@@ -221,6 +358,10 @@ std::string int4_path() { return PATH; }
 
 QKV_LIBRARY(QKV_NAMESPACE, m) {
   m.def("int4_mm(Tensor x, Tensor w, Tensor dm) -> Tensor");
+  m.def("q8_mm(Tensor x, Tensor w, Tensor ds) -> Tensor");
   m.def("int4_path() -> str", &int4_path);
 }
-QKV_LIBRARY_IMPL(QKV_NAMESPACE, CPU, m) { m.impl("int4_mm", &int4_mm); }
+QKV_LIBRARY_IMPL(QKV_NAMESPACE, CPU, m) {
+  m.impl("int4_mm", &int4_mm);
+  m.impl("q8_mm", &q8_mm);
+}
