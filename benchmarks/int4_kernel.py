@@ -6,7 +6,8 @@ on SmolLM2-135M's matrices, and what each does to the model's predictions.
   rounds; rows/s and the rate the weights are read at (0.625 bytes per weight, both kernels).
 - ``quality``: SmolLM2's GGUF in q4 with each kernel against the same file in fp32 (its exact
   float weights) on 300 positions of held text: how often the top-1 token agrees, the mean
-  KL(fp32 || q4) and the mean negative log-likelihood of the text.
+  KL(fp32 || q4) and the mean negative log-likelihood of the text. (With qkv's kernels the
+  output head is the file's Q8_0 blocks on ``qkv::q8_mm``; with PyTorch's, int8 rows.)
 
 PyTorch's kernel takes bf16 activations; qkv's takes float32 ones and rounds each group of 32 to
 int8 twice (a code and its residual: to 1/256 of the int8 step), then multiplies by integer dot

@@ -347,13 +347,16 @@ class TopKRefinedLinear(nn.Module):
 
 
 def quantize_linears(model: nn.Module, weights: str, skip: tuple[str, ...] = (),
-                     group_size: int = 32, symmetric: bool = False) -> nn.Module:
+                     group_size: int = 32, symmetric: bool = False, kernel: str | None = None) -> nn.Module:
     """Replace every ``nn.Linear`` of ``model`` (but those whose name ends in ``skip``) by its
     int8 (``weights="int8"``) or 4-bit (``"q4"``) form, in place (4-bit: each bias-free
     SwiGLU as one :class:`Int4SwiGLU`); returns the model.
 
-    A layer's bias stays float32 and is added after the quantised product. ``symmetric``: the
-    4-bit groups on Q4_0's grid rather than Q4_1's (:meth:`Int4Linear.from_float`).
+    int8 is :class:`Q8Linear` (groups of 32, GGUF's Q8_0) on qkv's kernel where it is available
+    and the shape fits (outputs a multiple of 16, inputs of 32), else :class:`Int8Linear` (rows,
+    PyTorch's kernel). ``kernel="aten"`` takes PyTorch's kernels for both formats. A layer's
+    bias stays float32 and is added after the quantised product. ``symmetric``: the 4-bit
+    groups on Q4_0's grid rather than Q4_1's (:meth:`Int4Linear.from_float`).
     """
     if weights not in ("int8", "q4"):
         raise ValueError(f"weights must be int8 or q4 here, got {weights!r}")
@@ -361,13 +364,18 @@ def quantize_linears(model: nn.Module, weights: str, skip: tuple[str, ...] = (),
         for name, module in list(model.named_modules()):
             if (isinstance(module, SwiGLU) and not name.endswith(skip)
                     and all(m.bias is None for m in (module.w_gate, module.w_up, module.w_down))):
-                set_submodule(model, name, Int4SwiGLU.from_swiglu(module, group_size, symmetric))
+                set_submodule(model, name, Int4SwiGLU.from_swiglu(module, group_size, symmetric, kernel))
+    q8 = weights == "int8" and kernel != "aten" and _qkv_q8_op() is not None
     for name, module in list(model.named_modules()):
         if not isinstance(module, nn.Linear) or name.endswith(skip):
             continue
         w, b = module.weight, module.bias
-        q = (Int8Linear.from_float(w, bias=b) if weights == "int8"
-             else Int4Linear.from_float(w, group_size, bias=b, symmetric=symmetric))
+        if weights == "q4":
+            q: nn.Module = Int4Linear.from_float(w, group_size, bias=b, symmetric=symmetric, kernel=kernel)
+        elif q8 and w.shape[0] % 16 == 0 and w.shape[1] % 32 == 0:
+            q = Q8Linear.from_float(w, bias=b)
+        else:
+            q = Int8Linear.from_float(w, bias=b)
         set_submodule(model, name, q)
     return model
 

@@ -138,11 +138,19 @@ def test_refined_head_is_exact_on_its_top_k() -> None:
 
 
 def test_quantize_linears_replaces_every_linear_but_the_skipped() -> None:
-    model = nn.Sequential(nn.Linear(64, 32, bias=False), nn.ReLU(), nn.Linear(32, 64, bias=False))
-    quantize_linears(model, "q4", skip=("2",))
+    from qkv.kernels import q8_op
+    from qkv.layers.quant import Q8Linear
+
+    model = nn.Sequential(nn.Linear(64, 32, bias=False), nn.ReLU(), nn.Linear(32, 64, bias=False),
+                          nn.Linear(64, 24, bias=False))
+    quantize_linears(model, "q4", skip=("2", "3"))
     assert isinstance(model[0], Int4Linear) and isinstance(model[2], nn.Linear)
     quantize_linears(model, "int8")
-    assert isinstance(model[2], Int8Linear)
+    # int8: groups of 32 on qkv's kernel where it builds; rows where the shape does not fit (24 outputs)
+    assert isinstance(model[2], Q8Linear if q8_op() is not None else Int8Linear)
+    assert isinstance(model[3], Int8Linear)
+    model = quantize_linears(nn.Sequential(nn.Linear(64, 32)), "int8", kernel="aten")
+    assert isinstance(model[0], Int8Linear)
 
 
 @pytest.mark.parametrize("weights", ["int8", "q4"])
@@ -153,9 +161,11 @@ def test_a_linear_with_a_bias_keeps_it_in_float32(weights: str) -> None:
     lin = nn.Linear(64, 32)
     with torch.no_grad():
         lin.bias.mul_(20)  # a bias large beside the product, so that dropping it shows
+    from qkv.layers.quant import Q8Linear
+
     model = quantize_linears(nn.Sequential(lin), weights)
     layer = model[0]
-    assert isinstance(layer, Int8Linear if weights == "int8" else Int4Linear)
+    assert isinstance(layer, (Int8Linear, Q8Linear) if weights == "int8" else Int4Linear)
     assert layer.bias.dtype == torch.float32 and torch.equal(layer.bias, lin.bias.detach())
     x = torch.randn(5, 64, generator=gen(12))
     product = x.bfloat16().double() @ layer.dequantize().double().T

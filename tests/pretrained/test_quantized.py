@@ -108,7 +108,9 @@ def test_every_layer_equals_a_plain_product_of_its_weights(formats, held_ids, we
             seen.append((name, err / ref.abs().max().item(), tol))
         return hook
 
-    kinds = (Int4Linear, Int8Linear, Int4SwiGLU)
+    from qkv.layers.quant import Q8Linear
+
+    kinds = (Int4Linear, Int8Linear, Q8Linear, Int4SwiGLU)
     hooks = [m.register_forward_hook(check(n)) for n, m in lm.model.named_modules()
              if isinstance(m, kinds) and n.startswith("stack.")
              and not n.endswith(("mlp.gate_up", "mlp.down"))]  # inside Int4SwiGLU
