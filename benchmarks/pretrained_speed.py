@@ -62,16 +62,16 @@ def memory_bandwidth(gib: float = 1.0, repeats: int = 5) -> float:
 
 def decode_bytes_per_token(model: torch.nn.Module) -> int:
     """Bytes of weights one decoding step reads: every projection in its stored form (float
-    matrix, int8 rows + scales, or packed 4-bit groups + scales/zeros; the tied output matrix
-    once) plus one embedding row and the norms."""
-    from qkv.layers.quant import Int4Linear, Int8Linear
+    matrix, int8 rows + scales, 8-bit groups + scales, or packed 4-bit groups + scales/zeros;
+    the tied output matrix once) plus one embedding row and the norms."""
+    from qkv.layers.quant import Int4Linear, Int8Linear, Q8Linear
 
     seen, total = set(), 0
     for m in model.modules():
         if isinstance(m, torch.nn.Linear) and id(m.weight) not in seen:
             seen.add(id(m.weight))
             total += m.weight.numel() * m.weight.element_size()
-        elif isinstance(m, (Int4Linear, Int8Linear)):
+        elif isinstance(m, (Int4Linear, Int8Linear, Q8Linear)):
             total += sum(b.numel() * b.element_size() for n, b in m.named_buffers() if n != "codes")
     norms = sum(p.numel() * p.element_size() for n, p in model.named_parameters() if p.ndim == 1)
     return total + norms

@@ -324,10 +324,16 @@ class TopKRefinedLinear(nn.Module):
         k: how many of the largest logits are recomputed exactly.
     """
 
-    def __init__(self, approx: nn.Module, weight: Tensor, k: int = 64) -> None:
+    def __init__(self, approx: nn.Module, weight: Tensor, k: int = 64, owned: bool = False) -> None:
+        """``owned``: the matrix is this head's alone (an untied output layer), kept as a buffer
+        (not saved in checkpoints) so that an exported step finds it by name; a tied embedding
+        (the default) is the embedding's, shared, not a buffer here."""
         super().__init__()
         self.approx, self.k = approx, k
-        self.weight = weight  # not a buffer of its own: shared with the embedding, not saved twice
+        if owned:
+            self.register_buffer("weight", weight, persistent=False)
+        else:
+            self.weight = weight  # shared with the embedding, not saved twice
         self.in_features, self.out_features = weight.shape[1], weight.shape[0]
 
     def forward(self, x: Tensor) -> Tensor:

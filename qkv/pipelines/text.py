@@ -264,7 +264,8 @@ class CausalLM(LayersAndHeads):
             approx = Int8Linear.from_float(head, bias=lin.bias)
         # Near-ties in the approximate logits (bf16 ones from PyTorch's int8 kernel round to
         # 0.125 steps) could swap: recompute the top 64 in fp32.
-        self.model.lm_head = TopKRefinedLinear(approx, head)
+        tied = head.data_ptr() == self.model.tok_emb.weight.data_ptr()
+        self.model.lm_head = TopKRefinedLinear(approx, head, owned=not tied)
         self.weights = weights
         return self
 
