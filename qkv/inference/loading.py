@@ -56,6 +56,10 @@ def open_model(ref: ModelRef | str | os.PathLike[str], *, device: str = "cpu",
     if family is not None and ref.family != family:
         raise ValueError(f"{ref.name} is {ref.description}; give a run directory of `qkv train {family}`")
     _check_options(ref, weights, dtype)  # before anything loads
+    if ref.kind == "decoder" and weights in (None, "auto", "q4", "int8") and device == "cpu":
+        from qkv.kernels import prepare
+
+        prepare()  # qkv's quantised kernels: compiled (once per machine) while the model loads
     loaded = _read(ref, device, cache)
     if isinstance(loaded, CausalLM):
         loaded.model.to(device)
