@@ -278,7 +278,8 @@ def _one_query_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None,
                          scale: float | None) -> Tensor:
     """One query per head (a decoding step), written as multiply-and-sum for a compiler.
 
-    q (B, H, 1, D), k and v (B, K, S, D), mask bool broadcastable to (B, H, 1, S) -> (B, H, 1, D).
+    q (B, H, 1, D), k (B, K, S, D), v (B, K, S, Dv), mask bool broadcastable to (B, H, 1, S)
+    -> (B, H, 1, Dv).
     The same formula as :func:`scaled_dot_product_attention`, in fp32, the G = H / K query heads
     of a key/value head side by side (no copies of the keys). Inside ``torch.compile`` or
     ``torch.export`` + AOTInductor the products, the softmax and the weighted sum become a few
@@ -299,7 +300,7 @@ def _one_query_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None,
     out = (p.unsqueeze(-1) * v.float().unsqueeze(2)).sum(-2)  # (B, K, G, D)
     if mask is not None:  # rows with nothing to attend to: zeros, as on every other path
         out = out.masked_fill(~allowed.any(dim=-1, keepdim=True), 0.0)
-    return out.reshape(B, H, 1, D).to(q.dtype)
+    return out.reshape(B, H, 1, v.shape[-1]).to(q.dtype)
 
 
 def chunked_attention(

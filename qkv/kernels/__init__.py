@@ -23,6 +23,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import platform
 import subprocess
 import threading
 from pathlib import Path
@@ -62,7 +63,7 @@ def compile_library(out: Path, flags: tuple[str, ...] = ("-march=native",), name
         raise NativeError("no C++ compiler found (c++ or g++)")
     from torch.utils import cpp_extension
 
-    cmd = [path, "-O3", *flags, "-std=c++20", "-shared", "-fPIC", "-fopenmp", "-w",
+    cmd = [path, "-O3", *flags, "-std=c++17", "-shared", "-fPIC", "-fopenmp", "-w",
            f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}", f"-DQKV_NAMESPACE={namespace}",
            *[f"-I{p}" for p in cpp_extension.include_paths()], str(SOURCE), "-o", str(out),
            *[f"-L{p}" for p in cpp_extension.library_paths()], "-lc10", "-ltorch_cpu"]
@@ -135,12 +136,17 @@ def _load() -> tuple[Any | None, str]:
         return None, "PyTorch's (QKV_INT4_KERNEL=off)"
     if _loaded():
         return torch.ops.qkv.int4_mm, f"qkv's ({torch.ops.qkv.int4_path()})"
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        return None, f"PyTorch's (qkv's kernels are written for x86-64, this is {platform.machine()})"
     try:
         path = build()
-        torch.ops.load_library(str(path))
     except (NativeError, OSError, RuntimeError) as e:
         return None, f"PyTorch's (qkv's could not be built: {' '.join(str(e).split())[:200]})"
-    register_fake("qkv")
+    try:
+        torch.ops.load_library(str(path))
+        register_fake("qkv")
+    except (OSError, RuntimeError) as e:
+        return None, f"PyTorch's (qkv's were built but could not be loaded: {' '.join(str(e).split())[:200]})"
     return torch.ops.qkv.int4_mm, f"qkv's ({torch.ops.qkv.int4_path()})"
 
 

@@ -28,11 +28,14 @@
 #include <ATen/ops/empty.h>
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
+#if defined(__x86_64__) || defined(__i386__)
 #include <immintrin.h>
+#endif
 
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <limits>
 #include <vector>
 
 namespace {
@@ -66,11 +69,18 @@ void quantize_rows(const T* x, int64_t M, int64_t K, int8_t* xq, int8_t* xr, flo
         amax = std::max(amax, std::fabs(v[i]));
         s += v[i];
       }
-      const float d = amax / 127.f, inv = d > 0.f ? 1.f / d : 0.f;
       int8_t* q = xq + m * K + g * GROUP;
       int8_t* r = xr + m * K + g * GROUP;
+      if (!std::isfinite(s) || !std::isfinite(amax)) {  // a NaN or inf activation: NaN out, as a float product
+        std::fill(q, q + GROUP, 0);
+        std::fill(r, r + GROUP, 0);
+        dx[m * G + g] = std::numeric_limits<float>::quiet_NaN();
+        sx[m * G + g] = std::numeric_limits<float>::quiet_NaN();
+        continue;
+      }
+      const float d = amax / 127.f, inv = d >= std::numeric_limits<float>::min() ? 1.f / d : 0.f;
       for (int i = 0; i < GROUP; ++i) {
-        const float u = v[i] * inv, c = std::nearbyint(u);
+        const float u = std::clamp(v[i] * inv, -127.f, 127.f), c = std::nearbyint(u);
         q[i] = static_cast<int8_t>(c);
         r[i] = static_cast<int8_t>(std::clamp(std::nearbyint((u - c) * 256.f), -127.f, 127.f));
       }

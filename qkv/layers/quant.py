@@ -1,28 +1,31 @@
-"""Weight-only quantised linear layers for decoding: 4-bit groups and 8-bit rows.
+"""Weight-only quantised linear layers for decoding: 4-bit groups, 8-bit groups and 8-bit rows.
 
 Decoding one token multiplies one activation row by every weight matrix, so its time is the
-time to read the weights. Storing them in fewer bits reads fewer bytes; PyTorch's own CPU
-kernels multiply straight from the packed form, without widening the matrix first:
+time to read the weights. Storing them in fewer bits reads fewer bytes; the kernels multiply
+straight from the packed form, without widening the matrix first:
 
 - :class:`Int4Linear`: groups of ``group_size`` weights along the input share a scale and a
   zero point, ``w = (q − 8)·scale + zero`` with q ∈ {0..15} (asymmetric, as llama.cpp's Q4_1:
   ``w = d·q + m`` is scale d, zero m + 8d). Two kernels compute ``x Wᵀ`` from the packed
   nibbles. qkv's own (:mod:`qkv.kernels`, built for the CPU on first use; the default where it
-  builds): d and m in float16 as a Q4_0/Q4_1 file stores them, x rounded to int8 per group of
-  32 and multiplied by integer dot products, llama.cpp's arithmetic (~1% relative error from
-  the activations' rounding), 1.7x faster than PyTorch's on a token's products. PyTorch's
-  ``torch.ops.aten._weight_int4pack_mm_for_cpu``: fast with bf16 activations (scales and
-  zeros then round to bf16: ~3e-3 relative), slow with fp32 ones, so activations are cast to
-  bf16 for the product and back.
+  builds): d and m in float16 as a Q4_0/Q4_1 file stores them, each group of 32 activations
+  rounded to int8 twice (a code and its residual: to 1/256 of an int8 step, finer than bf16) and
+  multiplied by integer dot products, 1.56x PyTorch's kernel on a token's products
+  (``benchmarks/int4_kernel.py``). PyTorch's ``torch.ops.aten._weight_int4pack_mm_for_cpu``:
+  fast with bf16 activations (scales and zeros then round to bf16: ~3e-3 relative), slow with
+  fp32 ones, so activations are cast to bf16 for the product and back.
+- :class:`Q8Linear`: groups of 32 with one float16 scale, ``w = d·q`` (GGUF's Q8_0, whose blocks
+  it recovers exactly), on qkv's kernel with the same activations.
 - :class:`Int8Linear`: symmetric per-output-row int8, ``w = q·scale``,
-  ``torch.ops.aten._weight_int8pack_mm``. It too takes bf16 activations by default: with fp32
-  ones the kernel is ~17× slower (281 µs vs 16 µs for a 1536×576 row product, 2 cores).
+  ``torch.ops.aten._weight_int8pack_mm`` (where qkv's kernel is not available). It too takes
+  bf16 activations: with fp32 ones the kernel is ~17× slower (281 µs vs 16 µs for a 1536×576
+  row product, 2 cores).
 
-Both keep ``in_features``/``out_features`` like ``nn.Linear`` and have ``dequantize()`` (the
+All keep ``in_features``/``out_features`` like ``nn.Linear`` and have ``dequantize()`` (the
 float matrix they stand for), which the tests use as the reference. :class:`Int4SwiGLU` fuses
 a SwiGLU's gate and up matrices into one 4-bit product (a decode step is bound by the number
-of calls, not by bytes), and :class:`TopKRefinedLinear` keeps an int8 output head's top logits
-exact.
+of calls, not by bytes), and :class:`TopKRefinedLinear` keeps a quantised output head's top
+logits exact.
 
 Shapes: x (..., K) -> (..., N); W (N, K); G = K / group_size groups per row.
 """
@@ -81,6 +84,14 @@ def _q4_0_scales(w: Tensor) -> Tensor:
     return scale
 
 
+def _fits_float16(t: Tensor) -> bool:
+    """Every value of ``t`` kept in float16 to 1e-3 relative, or within float16's smallest step
+    (2^-24) of it (no overflow; only values too small to matter flush to zero): what qkv's kernels
+    store scales in (a GGUF's are float16 already)."""
+    h = t.half().float()
+    return bool(torch.isfinite(h).all() and ((h - t).abs() <= 1e-3 * t.abs() + 2.0**-24).all())
+
+
 def _plus_bias(y: Tensor, bias: Tensor | None) -> Tensor:
     return y if bias is None else y + bias.to(y.dtype)
 
@@ -112,7 +123,7 @@ class Int4Linear(nn.Module):
         op = _qkv_int4_op() if group_size == 32 and kernel != "aten" else None
         if kernel == "qkv" and op is None:
             raise ValueError(f"qkv's 4-bit kernel is not available here: {int4_status()}")
-        if op is not None and bool(torch.isfinite(d.half()).all() and torch.isfinite(m.half()).all()):
+        if op is not None and _fits_float16(d) and _fits_float16(m):
             # qkv's kernel (qkv/kernels/qmatmul.cpp): int8 activations, integer dot products;
             # d and m in float16, as a Q4_0/Q4_1 file stores them.
             self.kernel = "qkv"
@@ -184,7 +195,7 @@ class Int4Linear(nn.Module):
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
-                f"group_size={self.group_size}, act_dtype={self.act_dtype}")
+                f"group_size={self.group_size}, kernel={self.kernel}, act_dtype={self.act_dtype}")
 
 
 class Int8Linear(nn.Module):
@@ -244,6 +255,13 @@ class Q8Linear(nn.Module):
         self.register_buffer("w8", w8)
         self.register_buffer("ds", ds)
         self.register_buffer("bias", _float_bias(bias, N))
+
+    @staticmethod
+    def fits(weight: Tensor) -> bool:
+        """Whether every group's scale max|w| / 127 keeps in float16 (a Q8_0 file's do; a matrix
+        of tiny or huge weights, e.g. a qkv run's, may not: then int8 rows instead)."""
+        N, K = weight.shape
+        return _fits_float16(weight.detach().float().view(N, K // 32, 32).abs().amax(-1) / 127)
 
     @classmethod
     def from_float(cls, weight: Tensor, bias: Tensor | None = None) -> Q8Linear:
@@ -342,7 +360,11 @@ class TopKRefinedLinear(nn.Module):
         y2, x2 = y.reshape(-1, self.out_features), x.reshape(-1, self.in_features).float()  # (M, N), (M, K)
         idx = y2.topk(min(self.k, self.out_features), dim=-1).indices  # (M, k)
         rows = self.weight.float()[idx]  # (M, k, K): the only float rows read
-        y2.scatter_(1, idx, torch.bmm(rows, x2.unsqueeze(-1)).squeeze(-1))  # exact fp32 logits
+        exact = torch.bmm(rows, x2.unsqueeze(-1)).squeeze(-1)  # (M, k) fp32 logits
+        bias = getattr(self.approx, "bias", None)
+        if bias is not None:
+            exact = exact + bias.float()[idx]
+        y2.scatter_(1, idx, exact)
         return y2.view(shape).to(x.dtype)
 
     def dequantize(self) -> Tensor:
@@ -378,7 +400,7 @@ def quantize_linears(model: nn.Module, weights: str, skip: tuple[str, ...] = (),
         w, b = module.weight, module.bias
         if weights == "q4":
             q: nn.Module = Int4Linear.from_float(w, group_size, bias=b, symmetric=symmetric, kernel=kernel)
-        elif q8 and w.shape[0] % 16 == 0 and w.shape[1] % 32 == 0:
+        elif q8 and w.shape[0] % 16 == 0 and w.shape[1] % 32 == 0 and Q8Linear.fits(w):
             q = Q8Linear.from_float(w, bias=b)
         else:
             q = Int8Linear.from_float(w, bias=b)

@@ -212,10 +212,12 @@ class CausalLM(LayersAndHeads):
         """Store the weights as ``weights``, in place, for faster decoding:
 
         - "fp32": as converted (exact to the reference implementation); "bf16": cast.
-        - "int8": every projection as int8 rows (PyTorch's int8 kernel).
-        - "q4": the decoder blocks' projections in 4-bit groups of 32 (PyTorch's int4 kernel,
-          bf16 activations; each SwiGLU's gate and up matrices as one, its hidden in bf16).
-          Only for files stored in 4 bits (Q4_0/Q4_1), whose own codes it keeps.
+        - "int8": every projection in 8-bit groups of 32 (GGUF's Q8_0 grid) on qkv's kernel
+          (:mod:`qkv.kernels`), or as int8 rows on PyTorch's where that is not available.
+        - "q4": the decoder blocks' projections in 4-bit groups of 32, the file's own codes and
+          float16 scales (each SwiGLU's gate and up matrices as one), on qkv's kernel (int8
+          activations with their residual), or PyTorch's int4 kernel (bf16 activations) where
+          that is not available. Only for files stored in 4 bits (Q4_0/Q4_1).
         - "auto": q4 where the file is stored in 4 bits and PyTorch has the kernels, else fp32.
 
         int8 and q4 give the output head 8-bit groups (Q8_0's, on qkv's kernel where it builds,
@@ -257,8 +259,9 @@ class CausalLM(LayersAndHeads):
         head = lin.weight.detach()  # (V, dim) float32, the tied embedding
         quantize_linears(self.model, "int8", skip=("lm_head",))
         V, D = head.shape
-        if q8_op() is not None and V % 16 == 0 and D % 32 == 0:
-            # the file's Q8_0 blocks where it stores the head so (SmolLM2), on qkv's kernel
+        if q8_op() is not None and V % 16 == 0 and D % 32 == 0 and Q8Linear.fits(head):
+            # 8-bit groups of 32 on qkv's kernel: the file's own Q8_0 blocks where it stores the
+            # head so (SmolLM2), else the head re-quantised to them
             approx: torch.nn.Module = Q8Linear.from_float(head, bias=lin.bias)
         else:
             approx = Int8Linear.from_float(head, bias=lin.bias)

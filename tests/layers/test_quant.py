@@ -60,6 +60,10 @@ def test_int4_with_qkvs_kernel_is_the_file_matrix_in_float16(N: int, K: int, row
     the file stores them (d = scale, m = zero − 8·scale), and its product is x·Wᵀ of that matrix
     within the rounding of the activations (to dx/256 of each group's scale, tests/kernels),
     ~100x closer than bf16 activations get."""
+    from qkv.kernels import int4_op, int4_status
+
+    if int4_op() is None:
+        pytest.skip(f"qkv's kernel is not available here: {int4_status()}")
     q, d, m = codes_scales(N, K)
     d, m = d.half().float(), m.half().float()  # a file's float16 d and m
     layer = Int4Linear(q, d, m + 8 * d, 32, kernel="qkv")
@@ -70,8 +74,9 @@ def test_int4_with_qkvs_kernel_is_the_file_matrix_in_float16(N: int, K: int, row
     y = layer(x)
     assert y.dtype == torch.float32 and y.shape == (rows, N)
     exact = x.double() @ w.T
-    size = x.double().abs() @ w.abs().T
-    assert ((y.double() - exact).abs() <= 2.0**-8 / 127 * size + 1e-6).all()
+    dx = x.double().view(rows, K // 32, 32).abs().amax(-1) / 127  # each group's activation step
+    bound = (w.abs().view(N, K // 32, 32).sum(-1) @ (dx / 256).T).T  # to dx/256 per value
+    assert ((y.double() - exact).abs() <= bound + 1e-6 * (x.double().abs() @ w.abs().T)).all()
     bf16 = Int4Linear(q, d, m + 8 * d, 32, kernel="aten")(x).double()
     assert (y.double() - exact).abs().max() < (bf16 - exact).abs().max() / 20
 
