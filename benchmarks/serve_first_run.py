@@ -5,9 +5,11 @@ Two servers on SmolLM2, one after the other (never both at once), each in a fres
 folder (SmolLM2's converted weights are copied in when this machine has them, so both start from
 the same load time; the saved steps are not):
 
-- **eager**: ``QKV_SAVED_STEP=off``, the server as it decoded before issue 27;
+- **eager**: ``QKV_SAVED_STEP=off QKV_INT4_KERNEL=off``, the server as it decoded before issue 27;
 - **default**: saved steps on, background builds on: the server builds its steps while idle and
-  stops the build when a request arrives (``qkv/serve/api.py``, ``aot.stop_background_builds``).
+  stops the build when a request arrives (``qkv/serve/api.py``, ``aot.stop_background_builds``);
+  qkv's own 4-bit kernels are compiled when the model loads (``qkv.kernels.prepare``), so its
+  first request pays for that.
 
 Each gets ``--requests`` requests (64 new tokens, greedy, one layer's attention rows, as the
 page asks) spaced ``--gap`` seconds apart (idle gaps in which the default server builds); then
@@ -58,6 +60,9 @@ class FirstRunServer(Server):
             "QKV_CACHE_DIR": str(cache),
             "QKV_SAVED_STEP": "on" if saved_steps else "off",
             "QKV_SAVED_STEP_BACKGROUND": "on",
+            # the eager server as before issue 27: PyTorch's 4-bit kernels too (the default
+            # compiles qkv's own, once per machine, when it loads the model)
+            "QKV_INT4_KERNEL": "on" if saved_steps else "off",
         }
         self.log = cache / "serve.log"
         argv = [sys.executable, "-m", "qkv", "serve", "--port", str(port), "--runs", str(runs)]

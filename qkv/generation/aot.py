@@ -234,6 +234,8 @@ def build(model: GPT, cache_len: int | None = None, batch: int = 1) -> Path:
                                      inductor_configs={"aot_inductor.package_constants_in_so": False})
         return {"key": key, "info": info, "sha256": sha256(pkg), "made": _made_constants(pkg, model)}
 
+    if _held(folder() / f"{key}.lock"):  # a build of this key is running: it may be paused
+        resume_builds()
     return build_once(folder(), key, META, lambda path: _valid(path, key, info) is not None, make)
 
 
@@ -265,17 +267,14 @@ def build_in_background(model: GPT, cmd: list[str], rows: int = 1, cache_len: in
         if rows > 1:
             keys.append(step_key(model, cache_len_for(model, cache_len), rows)[0])
         root = folder()
-        for key in keys:
-            with (root / f"{key}.lock").open("a") as f:  # a build in progress holds this lock
-                try:
-                    fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                except BlockingIOError:
-                    return "a build of it is already running"
-                fcntl.flock(f, fcntl.LOCK_UN)
+        running = {k for _, ks in _live_builds() for k in ks}  # started, maybe not yet at the lock
+        if running & set(keys) or any(_held(root / f"{key}.lock") for key in keys):
+            return "a build of it is already running"
         with (root / f"{keys[-1]}.log").open("w") as out:
             proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
                                     start_new_session=True)
         lower_priority(proc.pid)
+        _record_build(root, proc.pid, keys)
         with _BUILDS_LOCK:
             _BUILDS.append(proc)
     except (OSError, SavedStepError) as e:
@@ -309,6 +308,106 @@ def stop_background_builds() -> int:
             os.killpg(p.pid, signal.SIGKILL)
         threading.Thread(target=p.wait, daemon=True).start()  # reaped, never waited for here
     return len(live)
+
+
+def _held(lock: Path) -> bool:
+    """Whether another process holds the lock file ``lock`` (a build in progress holds its key's)."""
+    with lock.open("a") as f:
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return True
+        fcntl.flock(f, fcntl.LOCK_UN)
+        return False
+
+
+def _started_at(pid: int) -> str | None:
+    """When process ``pid`` started (field 22 of ``/proc/<pid>/stat``, in clock ticks since boot),
+    or None if it is gone: a pid and its start time name one process, even after pid reuse."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    return stat.rsplit(")", 1)[1].split()[19]
+
+
+def _record_build(root: Path, pid: int, keys: list[str]) -> None:
+    """Write ``root/.bg-<pid>.json`` (pid, start time, the keys it builds) for a background build,
+    so that a later process can find it: to pause it while decoding (:func:`paused_builds`), and
+    not to start a second build of the same keys while this one still loads its model."""
+    started = _started_at(pid)
+    if started is None:
+        return
+    tmp = root / f".bg-{pid}.json.tmp"
+    with contextlib.suppress(OSError):
+        tmp.write_text(json.dumps({"pid": pid, "started": started, "keys": keys}))
+        os.replace(tmp, root / f".bg-{pid}.json")
+
+
+def _live_builds() -> list[tuple[int, list[str]]]:
+    """(pid, keys) of the background builds still running on this machine, started by any
+    process of this user (:func:`build_in_background`); the records of ended ones are removed."""
+    try:
+        root = folder()
+    except (SavedStepError, NativeError):
+        return []
+    live = []
+    for rec in root.glob(".bg-*.json"):
+        try:
+            info = json.loads(rec.read_text())
+            pid = int(info["pid"])
+            alive = _started_at(pid) == info["started"]
+            keys = [str(k) for k in info.get("keys", [])]
+        except (OSError, ValueError, KeyError, TypeError):
+            alive = False
+        if alive:
+            live.append((pid, keys))
+        else:
+            with contextlib.suppress(OSError):
+                rec.unlink()
+    return live
+
+
+def background_builds() -> list[int]:
+    """The process groups of the background builds running on this machine (not this process's
+    own: a build never pauses itself)."""
+    own = os.getpgid(0)
+    return [pid for pid, _ in _live_builds() if pid != own]
+
+
+def _signal_builds(pids: list[int], sig: int) -> list[int]:
+    done = []
+    for pid in pids:
+        try:
+            os.killpg(pid, sig)  # the build and the compilers it started (its own session)
+            done.append(pid)
+        except OSError:  # ended meanwhile, or not ours
+            pass
+    return done
+
+
+@contextlib.contextmanager
+def paused_builds():
+    """Stop (SIGSTOP) every background build running on this machine while the block decodes,
+    and let them go on (SIGCONT) after it, whatever ends the block.
+
+    On two cores a build beside decoding slows it many times over, whatever its priority
+    (:func:`lower_priority`): ``qkv generate`` run again while the previous run's build went on
+    decoded SmolLM2 q4 at 5 tok/s instead of ~100. Paused, a build keeps its work and goes on in
+    the pauses between runs. A process killed (SIGKILL) inside the block leaves the builds
+    stopped until the next block ends, or :func:`resume_builds`. Yields the pids paused."""
+    paused = _signal_builds(background_builds(), signal.SIGSTOP)
+    try:
+        yield paused
+    finally:
+        _signal_builds(paused, signal.SIGCONT)
+
+
+def resume_builds() -> int:
+    """Let every background build go on (SIGCONT), as a build that waits on one's lock must
+    (one left stopped by a decoding process that was killed would hold it forever). Returns how
+    many were signalled."""
+    return len(_signal_builds(background_builds(), signal.SIGCONT))
 
 
 def lower_priority(pid: int) -> str:

@@ -489,6 +489,7 @@ def test_qkv_generate_builds_then_loads_and_says_why_when_it_cannot(tiny_run, tm
     with monkeypatch.context() as mp:
         mp.setattr(aot.subprocess, "Popen", FakeProcess)
         mp.setattr(aot, "lower_priority", lowered.append)  # (not on a pid that may exist here)
+        mp.setattr(aot, "_record_build", lambda *a: None)  # (nor recorded for later runs to pause)
         rc, out, err = call(argv)
         assert rc == 0 and out == eager and "building one now in the background (pid 4242" in err, err
         (cmd, kw), = started
@@ -513,6 +514,121 @@ def test_qkv_generate_builds_then_loads_and_says_why_when_it_cannot(tiny_run, tm
     monkeypatch.setenv("QKV_CACHE_DIR", str(blocked))
     rc, out, err = call([*argv, "--compile"])
     assert rc == 0 and out == eager and "cannot use" in err and "Traceback" not in err
+
+
+def _state(pid: int) -> str:
+    """A process's state letter from /proc (T: stopped), '' once it is gone."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return ""
+
+
+@pytest.fixture
+def stand_in(tmp_path, monkeypatch):
+    """A real background "build" (a sleeping process in its own session, as builds are started)
+    recorded as building key "k" in a fresh cache folder; killed after the test."""
+    monkeypatch.setenv("QKV_CACHE_DIR", str(tmp_path / "cache"))
+    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"], start_new_session=True)
+    aot._record_build(aot.folder(), proc.pid, ["k"])
+    yield proc
+    os.killpg(proc.pid, 9)
+    proc.wait(15)
+
+
+def test_a_decoding_block_pauses_background_builds_and_always_lets_them_go_on(stand_in):
+    """paused_builds SIGSTOPs every recorded build (state T in /proc, the kernel's own word) and
+    SIGCONTs it after the block, also when the block raises; records of ended processes, of a
+    reused pid (another start time) and of this process's own group are never signalled."""
+    from helpers import wait_until
+
+    pid = stand_in.pid
+    assert aot.background_builds() == [pid]
+    with aot.paused_builds() as paused:
+        assert paused == [pid]
+        wait_until(lambda: _state(pid) == "T", "the build stopped")
+    wait_until(lambda: _state(pid) not in ("T", ""), "the build going on")
+    with pytest.raises(KeyboardInterrupt), aot.paused_builds():
+        wait_until(lambda: _state(pid) == "T", "the build stopped")
+        raise KeyboardInterrupt
+    wait_until(lambda: _state(pid) not in ("T", ""), "the build going on after an interrupt")
+    # left stopped by a decoding process that was killed: resume_builds lets it go on
+    os.killpg(pid, aot.signal.SIGSTOP)
+    wait_until(lambda: _state(pid) == "T", "the build stopped by hand")
+    assert aot.resume_builds() == 1
+    wait_until(lambda: _state(pid) not in ("T", ""), "the build resumed")
+    root = aot.folder()
+    gone = subprocess.Popen([sys.executable, "-c", "pass"], start_new_session=True)
+    aot._record_build(root, gone.pid, ["g"])
+    gone.wait(15)
+    reused = root / f".bg-{pid}-old.json"  # the same pid, started at another time: someone else
+    reused.write_text(json.dumps({"pid": pid, "started": "1", "keys": ["r"]}))
+    own = os.getpgid(0)
+    record = {"pid": own, "started": aot._started_at(own), "keys": ["o"]}
+    (root / ".bg-own.json").write_text(json.dumps(record))
+    assert sorted(aot._live_builds()) == sorted([(pid, ["k"]), (own, ["o"])])
+    assert aot.background_builds() == [pid]  # a build never pauses itself
+    assert not (root / f".bg-{gone.pid}.json").exists() and not reused.exists()
+
+
+def test_a_second_run_does_not_start_a_build_that_is_still_loading(stand_in, monkeypatch):
+    """A build started by an earlier run that has not reached its key's lock yet (it loads the
+    model first) is found by its record: no second build of the same keys; other keys do start."""
+    m = model()
+    key = aot.step_key(m, aot.cache_len_for(m), 1)[0]
+    aot._record_build(aot.folder(), stand_in.pid, [key])
+    monkeypatch.setenv("QKV_SAVED_STEP_BACKGROUND", "on")
+    started = []
+    monkeypatch.setattr(aot.subprocess, "Popen", lambda cmd, **kw: started.append(cmd))
+    assert aot.build_in_background(m, ["build"]) == "a build of it is already running" and started == []
+    m2 = GPT(GPTConfig(**{**CFG, "dim": 16})).eval()
+    monkeypatch.setattr(aot, "lower_priority", lambda pid: None)
+    monkeypatch.setattr(aot, "_record_build", lambda *a: None)
+    with pytest.raises(AttributeError):  # got as far as the process (the fake returns None)
+        aot.build_in_background(m2, ["build"])
+    assert started == [["build"]]
+
+
+def test_qkv_generate_decodes_with_the_builds_paused(stand_in, tiny_run, monkeypatch):
+    """`qkv generate` (the default, and --compile off) decodes while a previous run's build is
+    stopped, and lets it go on after (on two cores a build beside decoding slowed SmolLM2 from
+    ~100 to 5 tok/s)."""
+    from helpers import call
+
+    from qkv.pipelines.text import CausalLM
+
+    seen = []
+    real = CausalLM.stream
+
+    def stream(self, *a, **kw):
+        for piece in real(self, *a, **kw):
+            seen.append(_state(stand_in.pid))
+            yield piece
+
+    monkeypatch.setattr(CausalLM, "stream", stream)
+    monkeypatch.setenv("QKV_SAVED_STEP_BACKGROUND", "off")
+    for flags in ([], ["--compile", "off"]):
+        seen.clear()
+        argv = ["generate", str(tiny_run("gpt")), "--prompt", "RO", "--max-new-tokens", "4", *flags]
+        rc, _, err = call(argv)
+        assert rc == 0, err
+        assert seen and set(seen) == {"T"}
+        assert _state(stand_in.pid) not in ("T", "")
+
+
+def test_a_foreground_build_lets_a_paused_build_of_its_key_go_on(monkeypatch, tmp_path):
+    """build() waits for a running build of its key (under the key's lock); one left stopped
+    would hold it forever, so it is let go on first."""
+    monkeypatch.setenv("QKV_CACHE_DIR", str(tmp_path / "cache"))
+    resumed = []
+    monkeypatch.setattr(aot, "resume_builds", lambda: resumed.append(1) or 0)
+    monkeypatch.setattr(aot, "build_once", lambda *a: tmp_path)
+    monkeypatch.setattr(aot, "_held", lambda lock: False)
+    aot.build(model())
+    assert resumed == []
+    monkeypatch.setattr(aot, "_held", lambda lock: True)
+    aot.build(model())
+    assert resumed == [1]
 
 
 def test_qkv_serve_starts_a_build_that_its_next_lone_request_takes(tiny_run, tmp_path, monkeypatch):
@@ -556,6 +672,7 @@ def test_qkv_serve_starts_a_build_that_its_next_lone_request_takes(tiny_run, tmp
     with monkeypatch.context() as mp:
         mp.setattr(aot.subprocess, "Popen", FakeProcess)
         mp.setattr(aot, "lower_priority", lambda pid: None)
+        mp.setattr(aot, "_record_build", lambda *a: None)
         mp.setattr(aot.os, "killpg", lambda pid, sig: stopped.append((pid, sig)))
         mp.setattr(FakeProcess, "wait", lambda self: None, raising=False)
         for i in range(2):  # decoded eagerly meanwhile: the eager server's tokens
