@@ -386,6 +386,17 @@ def _signal_builds(pids: list[int], sig: int) -> list[int]:
     return done
 
 
+def pause_builds() -> list[int]:
+    """Stop (SIGSTOP) every background build running on this machine; returns the process
+    groups stopped, for :func:`continue_builds`. See :func:`paused_builds`."""
+    return _signal_builds(background_builds(), signal.SIGSTOP)
+
+
+def continue_builds(pids: Collection[int]) -> None:
+    """Let the builds :func:`pause_builds` stopped go on (SIGCONT)."""
+    _signal_builds(list(pids), signal.SIGCONT)
+
+
 @contextlib.contextmanager
 def paused_builds():
     """Stop (SIGSTOP) every background build running on this machine while the block decodes,
@@ -396,11 +407,11 @@ def paused_builds():
     decoded SmolLM2 q4 at 5 tok/s instead of ~100. Paused, a build keeps its work and goes on in
     the pauses between runs. A process killed (SIGKILL) inside the block leaves the builds
     stopped until the next block ends, or :func:`resume_builds`. Yields the pids paused."""
-    paused = _signal_builds(background_builds(), signal.SIGSTOP)
+    paused = pause_builds()
     try:
         yield paused
     finally:
-        _signal_builds(paused, signal.SIGCONT)
+        continue_builds(paused)
 
 
 def resume_builds() -> int:

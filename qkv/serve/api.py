@@ -10,6 +10,7 @@ a filesystem path (see :class:`PathScrubber`).
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import hashlib
 import re
@@ -189,6 +190,17 @@ class Explorer(LensEndpoints):
         self.head_scores: dict[Any, Any] = {}  # a model file's version -> its heads' scores
         self._engines: dict[int, BatchEngine] = {}  # id(a loaded decoder) -> its running batch
         self._engines_lock = threading.Lock()
+        self._paused: set[int] = set()  # background builds of other processes stopped while busy
+        atexit.register(aot.continue_builds, self._paused)  # never left stopped by a server that ends
+
+    def _on_busy(self) -> None:
+        """A batch starts: kill this server's own background build (it starts again at the next
+        pause) and stop any other process's (a ``qkv generate`` run's) until no model decodes:
+        on two cores a build beside decoding slows it many times over."""
+        aot.stop_background_builds()
+        paused = aot.pause_builds()
+        with self._engines_lock:
+            self._paused.update(paused)
 
     def _errors(self) -> contextlib.AbstractContextManager[None]:
         return http_errors(self.scrub)
@@ -374,6 +386,9 @@ class Explorer(LensEndpoints):
                     with self._engines_lock:  # builds start only when no model is decoding
                         if any(e.running() or e.waiting() for e in self._engines.values()):
                             return
+                        paused = set(self._paused)
+                        self._paused.clear()
+                    aot.continue_builds(paused)
                     held = lm_ref()
                     later = None if held is None else build_later(ref, held, rows, total)
                     if later is not None and later.startswith("building") and not said:
@@ -386,7 +401,7 @@ class Explorer(LensEndpoints):
                 engine = BatchEngine(lm.model, rows=self.cfg.batch_rows, cache_len=total,
                                      queued=self.cfg.max_queued, max_wait_s=self.cfg.max_wait_s,
                                      slot=lambda: self.work.acquire(req.model), name=req.model,
-                                     on_busy=aot.stop_background_builds, on_idle=on_idle)
+                                     on_busy=self._on_busy, on_idle=on_idle)
                 self._engines[id(lm)] = engine
                 weakref.finalize(lm, self._engines.pop, id(lm), None)
 

@@ -616,6 +616,29 @@ def test_qkv_generate_decodes_with_the_builds_paused(stand_in, tiny_run, monkeyp
         assert _state(stand_in.pid) not in ("T", "")
 
 
+def test_qkv_serve_stops_other_processes_builds_while_it_decodes(stand_in, tiny_run, monkeypatch):
+    """A `qkv generate` run's background build is stopped while the server's batch decodes and
+    goes on once no model decodes (its own builds it kills, as the test above shows)."""
+    from fastapi.testclient import TestClient
+    from helpers import wait_until
+
+    from qkv.generation.batch import Batch
+    from qkv.serve import create_app
+
+    monkeypatch.setenv("QKV_SAVED_STEP_BACKGROUND", "off")
+    seen = []
+    real = Batch._solo_step
+    pid = stand_in.pid
+    monkeypatch.setattr(Batch, "_solo_step", lambda self, row: seen.append(_state(pid)) or real(self, row))
+    app = create_app(runs_dir=tiny_run("gpt").parent)
+    body = {"model": f"runs/{tiny_run('gpt').name}", "prompt": "ROMEO:", "max_new_tokens": 6, "layer": 1}
+    events = [json.loads(x) for x in TestClient(app).post("/api/generate", json=body).text.splitlines()]
+    assert events[-1]["event"] == "done", events[-1]
+    # stopped from just after the batch starts (on_busy runs beside its first step)
+    assert len(seen) >= 4 and set(seen[-3:]) == {"T"}, seen
+    wait_until(lambda: _state(stand_in.pid) not in ("T", ""), "the build going on once the batch is idle")
+
+
 def test_a_foreground_build_lets_a_paused_build_of_its_key_go_on(monkeypatch, tmp_path):
     """build() waits for a running build of its key (under the key's lock); one left stopped
     would hold it forever, so it is let go on first."""
