@@ -26,7 +26,7 @@ builds left running are killed before the next sequence.
 from __future__ import annotations
 
 import argparse
-import json
+import contextlib
 import os
 import re
 import signal
@@ -42,6 +42,8 @@ sys.path.insert(0, str(HERE.parent))
 import _common as C  # noqa: E402
 from serve_first_run import fresh_cache  # noqa: E402
 
+from qkv.generation import aot  # noqa: E402
+
 NAME = "first_runs"
 PROMPT = ("Once upon a time, in a small village by the sea, there lived an old fisherman who "
           "every morning walked down to the harbour and")
@@ -50,14 +52,11 @@ STATS = re.compile(r"\[(\d+) tokens in ([\d.]+) s after a (\d+)-token prompt, ([
 
 def kill_builds(cache: Path) -> int:
     """Kill the background builds recorded in ``cache`` (their process groups)."""
-    n = 0
-    for rec in (cache / "steps").glob(".bg-*.json") if (cache / "steps").is_dir() else []:
-        try:
-            os.killpg(int(json.loads(rec.read_text())["pid"]), signal.SIGKILL)
-            n += 1
-        except (OSError, ValueError, KeyError):
-            pass
-    return n
+    live = aot._live_builds(cache / "steps")
+    for pid, _ in live:
+        with contextlib.suppress(OSError):
+            os.killpg(pid, signal.SIGKILL)
+    return len(live)
 
 
 def generate(env: dict[str, str]) -> dict:
@@ -73,17 +72,6 @@ def generate(env: dict[str, str]) -> dict:
     how = m.group(5)
     return {"wall_s": wall, "tok_s": float(m.group(4)), "saved_step": how.startswith("KV cache, saved step"),
             "how": how[:160]}
-
-
-def builds_running(cache: Path) -> bool:
-    """Whether a background build recorded in ``cache`` is still running."""
-    for rec in (cache / "steps").glob(".bg-*.json") if (cache / "steps").is_dir() else []:
-        try:
-            os.kill(int(json.loads(rec.read_text())["pid"]), 0)
-            return True
-        except (OSError, ValueError, KeyError):
-            pass
-    return False
 
 
 def main() -> int:
@@ -127,7 +115,7 @@ def main() -> int:
                     time.sleep(args.gap)
                 if name != "before":  # then idle until the build is done, and once more
                     t = time.monotonic()
-                    while builds_running(cache) and time.monotonic() - t < args.wait:
+                    while aot._live_builds(cache / "steps") and time.monotonic() - t < args.wait:
                         time.sleep(1)
                     seq["idle_wait_s"] = round(time.monotonic() - t, 1)
                     seq["after"] = generate(env)

@@ -344,13 +344,15 @@ def _record_build(root: Path, pid: int, keys: list[str]) -> None:
         os.replace(tmp, root / f".bg-{pid}.json")
 
 
-def _live_builds() -> list[tuple[int, list[str]]]:
+def _live_builds(root: Path | None = None) -> list[tuple[int, list[str]]]:
     """(pid, keys) of the background builds still running on this machine, started by any
-    process of this user (:func:`build_in_background`); the records of ended ones are removed."""
-    try:
-        root = folder()
-    except (SavedStepError, NativeError):
-        return []
+    process of this user (:func:`build_in_background`); the records of ended ones are removed.
+    ``root``: the saved-step folder (default :func:`folder`; a benchmark names another cache's)."""
+    if root is None:
+        try:
+            root = folder()
+        except (SavedStepError, NativeError):
+            return []
     live = []
     for rec in root.glob(".bg-*.json"):
         try:
@@ -404,9 +406,10 @@ def paused_builds():
 
     On two cores a build beside decoding slows it many times over, whatever its priority
     (:func:`lower_priority`): ``qkv generate`` run again while the previous run's build went on
-    decoded SmolLM2 q4 at 5 tok/s instead of ~100. Paused, a build keeps its work and goes on in
-    the pauses between runs. A process killed (SIGKILL) inside the block leaves the builds
-    stopped until the next block ends, or :func:`resume_builds`. Yields the pids paused."""
+    decoded SmolLM2 q4 at 6 tok/s instead of ~90 (``benchmarks/first_runs.py``). Paused, a
+    build keeps its work and goes on in the pauses between runs. A process killed (SIGKILL)
+    inside the block leaves the builds stopped until the next block ends, or
+    :func:`resume_builds`. Yields the pids paused."""
     paused = pause_builds()
     try:
         yield paused
