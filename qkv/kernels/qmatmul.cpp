@@ -20,7 +20,11 @@
 //   w  uint8   (N/16, K/32, 4, 64): block, group, chunk c of 8 inputs; byte 4j + b holds row j's
 //              code for input 8c + b in its low nibble and for input 8c + 4 + b in its high one
 //   dm float16 (N/16, K/32, 2, 16): the 16 rows' d, then their m
-// (8-bit layout: above q8_mm.) Shapes: x (M, K) float32 or bfloat16 -> y (M, N) float32.
+// (8-bit layout: above block8.) Shapes: x (M, K) float32 or bfloat16 -> y (M, N) float32.
+//
+// Both ops are one function, qmatmul<Format>: the argument checks, x's quantisation, y and the
+// threads over blocks of 16 output rows; a Format (Q4, Q8) gives its layout's sizes and the
+// kernel of one block (block4, block8), each compiled for AVX512-VNNI, AVX2 or plain C++.
 
 #include <torch/library.h>
 #include <ATen/core/Tensor.h>
@@ -90,9 +94,86 @@ void quantize_rows(const T* x, int64_t M, int64_t K, int8_t* xq, int8_t* xr, flo
   }
 }
 
+// x quantised once per call and read by every block of output rows: per value its int8 code xq
+// and residual xr (M, K); per row and group of 32 (M, K/32) the scale dx, the float sum sx and,
+// for a format whose weight codes are stored offset (8-bit: q + 128), the code sums sq = Σxq
+// and sr = Σxr (empty otherwise).
+struct Activations {
+  int64_t M, K, G;
+  std::vector<int8_t> xq, xr;
+  std::vector<float> dx, sx;
+  std::vector<int32_t> sq, sr;
+};
+
+// x (M, K) float32 or bfloat16 -> its Activations; op names the caller in the message.
+Activations quantize(const at::Tensor& x, bool code_sums, const char* op) {
+  const int64_t M = x.size(0), K = x.size(1), G = K / GROUP;
+  Activations a{M, K, G, std::vector<int8_t>(M * K), std::vector<int8_t>(M * K), std::vector<float>(M * G),
+                std::vector<float>(M * G), {}, {}};
+  if (x.scalar_type() == at::kFloat)
+    quantize_rows(x.data_ptr<float>(), M, K, a.xq.data(), a.xr.data(), a.dx.data(), a.sx.data());
+  else if (x.scalar_type() == at::kBFloat16)
+    quantize_rows(x.data_ptr<c10::BFloat16>(), M, K, a.xq.data(), a.xr.data(), a.dx.data(), a.sx.data());
+  else
+    TORCH_CHECK(false, op, ": x must be float32 or bfloat16");
+  if (code_sums) {
+    a.sq.assign(M * G, 0);
+    a.sr.assign(M * G, 0);
+    for (int64_t i = 0; i < M * G; ++i)
+      for (int k = 0; k < GROUP; ++k) {
+        a.sq[i] += a.xq[i * GROUP + k];
+        a.sr[i] += a.xr[i * GROUP + k];
+      }
+  }
+  return a;
+}
+
+// ---------------------------------------------------------------- the front both ops share
+//
+// y = x Wᵀ for one weight format. What differs between formats is a Format's (Q4, Q8 below):
+//   NAME                      the op, for messages ("qkv::int4_mm")
+//   CHUNKS                    w's third dimension: 64-byte chunks per group of a block
+//   SCALES                    float16 scales per group of a block
+//   SCALES_ARG, SCALES_SHAPE  the scales' argument name and layout, for messages
+//   CODE_SUMS                 whether its block reads the code sums sq, sr (Activations)
+//   block(w, scales, a, out)  one block of 16 output rows: out (M, 16) += w's products with x
+// Format::block is resolved at compile time (a template argument, not a function pointer), so
+// each op's hot loop is compiled and inlined as if written out for it alone.
+template <class Format>
+at::Tensor qmatmul(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scales) {
+  constexpr const char* op = Format::NAME;
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), op, ": x must be a contiguous (M, K) matrix");
+  TORCH_CHECK(w.dim() == 4 && w.scalar_type() == at::kByte && w.size(2) == Format::CHUNKS && w.size(3) == 64 &&
+                  w.is_contiguous(),
+              op, ": w must be packed as (N/16, K/32, ", Format::CHUNKS, ", 64) uint8");
+  const int64_t M = x.size(0), K = x.size(1), NB = w.size(0), G = w.size(1), N = NB * ROWS;
+  TORCH_CHECK(K == G * GROUP, op, ": x has ", K, " columns, the weight ", G * GROUP);
+  TORCH_CHECK(scales.scalar_type() == at::kHalf && scales.numel() == NB * G * Format::SCALES &&
+                  scales.is_contiguous(),
+              op, ": ", Format::SCALES_ARG, " must be ", Format::SCALES_SHAPE, " float16");
+  const Activations a = quantize(x, Format::CODE_SUMS, op);
+  at::Tensor y = at::empty({M, N}, x.options().dtype(at::kFloat));
+  const uint8_t* wp = w.data_ptr<uint8_t>();
+  const c10::Half* sp = scales.data_ptr<c10::Half>();
+  float* yp = y.data_ptr<float>();
+  // The NB blocks of 16 output rows are shared among threads; each block's outputs for every row
+  // of x accumulate in the thread's out (M, 16), then go to their 16 columns of y.
+  at::parallel_for(0, NB, 1, [&](int64_t b0, int64_t b1) {
+    std::vector<float> out(M * ROWS);
+    for (int64_t b = b0; b < b1; ++b) {
+      std::fill(out.begin(), out.end(), 0.f);
+      Format::block(wp + b * G * Format::CHUNKS * 64, sp + b * G * Format::SCALES, a, out.data());
+      for (int64_t m = 0; m < M; ++m) std::memcpy(yp + m * N + b * ROWS, out.data() + m * ROWS, ROWS * sizeof(float));
+    }
+  });
+  return y;
+}
+
+// ---------------------------------------------------------------- 4-bit weights (GGUF's Q4_0, Q4_1)
+
 // One block of 16 output rows for every row m of x; out (M, 16) accumulates.
-void block(const uint8_t* w, const c10::Half* dm, const int8_t* xq, const int8_t* xr, const float* dx,
-           const float* sx, int64_t M, int64_t K, float* out) {
+void block4(const uint8_t* w, const c10::Half* dm, const int8_t* xq, const int8_t* xr, const float* dx,
+            const float* sx, int64_t M, int64_t K, float* out) {
   const int64_t G = K / GROUP;
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512F__)
   const __m512i low = _mm512_set1_epi8(0x0F);
@@ -191,37 +272,18 @@ void block(const uint8_t* w, const c10::Half* dm, const int8_t* xq, const int8_t
 #endif
 }
 
-at::Tensor int4_mm(const at::Tensor& x, const at::Tensor& w, const at::Tensor& dm) {
-  TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "qkv::int4_mm: x must be a contiguous (M, K) matrix");
-  TORCH_CHECK(w.dim() == 4 && w.scalar_type() == at::kByte && w.size(2) == 4 && w.size(3) == 64 &&
-                  w.is_contiguous(),
-              "qkv::int4_mm: w must be packed as (N/16, K/32, 4, 64) uint8");
-  const int64_t M = x.size(0), K = x.size(1), NB = w.size(0), G = w.size(1), N = NB * ROWS;
-  TORCH_CHECK(K == G * GROUP, "qkv::int4_mm: x has ", K, " columns, the weight ", G * GROUP);
-  TORCH_CHECK(dm.scalar_type() == at::kHalf && dm.numel() == NB * G * 32 && dm.is_contiguous(),
-              "qkv::int4_mm: dm must be (N/16, K/32, 2, 16) float16");
-  std::vector<int8_t> xq(M * K), xr(M * K);
-  std::vector<float> dx(M * G), sx(M * G);
-  if (x.scalar_type() == at::kFloat)
-    quantize_rows(x.data_ptr<float>(), M, K, xq.data(), xr.data(), dx.data(), sx.data());
-  else if (x.scalar_type() == at::kBFloat16)
-    quantize_rows(x.data_ptr<c10::BFloat16>(), M, K, xq.data(), xr.data(), dx.data(), sx.data());
-  else
-    TORCH_CHECK(false, "qkv::int4_mm: x must be float32 or bfloat16");
-  at::Tensor y = at::empty({M, N}, x.options().dtype(at::kFloat));
-  const uint8_t* wp = w.data_ptr<uint8_t>();
-  const c10::Half* dmp = dm.data_ptr<c10::Half>();
-  float* yp = y.data_ptr<float>();
-  at::parallel_for(0, NB, 1, [&](int64_t b0, int64_t b1) {
-    std::vector<float> out(M * ROWS);
-    for (int64_t b = b0; b < b1; ++b) {
-      std::fill(out.begin(), out.end(), 0.f);
-      block(wp + b * G * 256, dmp + b * G * 32, xq.data(), xr.data(), dx.data(), sx.data(), M, K, out.data());
-      for (int64_t m = 0; m < M; ++m) std::memcpy(yp + m * N + b * ROWS, out.data() + m * ROWS, ROWS * sizeof(float));
-    }
-  });
-  return y;
-}
+// The 4-bit layout for qmatmul: w (N/16, K/32, 4, 64): 256 bytes per group of a block;
+// dm (N/16, K/32, 2, 16): 16 d then 16 m per group; the offset term reads the float sums sx.
+struct Q4 {
+  static constexpr const char* NAME = "qkv::int4_mm";
+  static constexpr int64_t CHUNKS = 4, SCALES = 32;
+  static constexpr const char* SCALES_ARG = "dm";
+  static constexpr const char* SCALES_SHAPE = "(N/16, K/32, 2, 16)";
+  static constexpr bool CODE_SUMS = false;
+  static void block(const uint8_t* w, const c10::Half* dm, const Activations& a, float* out) {
+    block4(w, dm, a.xq.data(), a.xr.data(), a.dx.data(), a.sx.data(), a.M, a.K, out);
+  }
+};
 
 // ---------------------------------------------------------------- 8-bit weights (GGUF's Q8_0)
 //
@@ -316,44 +378,22 @@ void block8(const uint8_t* w, const c10::Half* ds, const int8_t* xq, const int8_
 #endif
 }
 
-at::Tensor q8_mm(const at::Tensor& x, const at::Tensor& w, const at::Tensor& ds) {
-  TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "qkv::q8_mm: x must be a contiguous (M, K) matrix");
-  TORCH_CHECK(w.dim() == 4 && w.scalar_type() == at::kByte && w.size(2) == 8 && w.size(3) == 64 &&
-                  w.is_contiguous(),
-              "qkv::q8_mm: w must be packed as (N/16, K/32, 8, 64) uint8");
-  const int64_t M = x.size(0), K = x.size(1), NB = w.size(0), G = w.size(1), N = NB * ROWS;
-  TORCH_CHECK(K == G * GROUP, "qkv::q8_mm: x has ", K, " columns, the weight ", G * GROUP);
-  TORCH_CHECK(ds.scalar_type() == at::kHalf && ds.numel() == NB * G * 16 && ds.is_contiguous(),
-              "qkv::q8_mm: ds must be (N/16, K/32, 16) float16");
-  std::vector<int8_t> xq(M * K), xr(M * K);
-  std::vector<float> dx(M * G), sx(M * G);
-  if (x.scalar_type() == at::kFloat)
-    quantize_rows(x.data_ptr<float>(), M, K, xq.data(), xr.data(), dx.data(), sx.data());
-  else if (x.scalar_type() == at::kBFloat16)
-    quantize_rows(x.data_ptr<c10::BFloat16>(), M, K, xq.data(), xr.data(), dx.data(), sx.data());
-  else
-    TORCH_CHECK(false, "qkv::q8_mm: x must be float32 or bfloat16");
-  std::vector<int32_t> sq(M * G, 0), sr(M * G, 0);
-  for (int64_t i = 0; i < M * G; ++i)
-    for (int k = 0; k < GROUP; ++k) {
-      sq[i] += xq[i * GROUP + k];
-      sr[i] += xr[i * GROUP + k];
-    }
-  at::Tensor y = at::empty({M, N}, x.options().dtype(at::kFloat));
-  const uint8_t* wp = w.data_ptr<uint8_t>();
-  const c10::Half* dsp = ds.data_ptr<c10::Half>();
-  float* yp = y.data_ptr<float>();
-  at::parallel_for(0, NB, 1, [&](int64_t b0, int64_t b1) {
-    std::vector<float> out(M * ROWS);
-    for (int64_t b = b0; b < b1; ++b) {
-      std::fill(out.begin(), out.end(), 0.f);
-      block8(wp + b * G * 512, dsp + b * G * 16, xq.data(), xr.data(), dx.data(), sq.data(), sr.data(), M, K,
-             out.data());
-      for (int64_t m = 0; m < M; ++m) std::memcpy(yp + m * N + b * ROWS, out.data() + m * ROWS, ROWS * sizeof(float));
-    }
-  });
-  return y;
-}
+// The 8-bit layout for qmatmul: w (N/16, K/32, 8, 64): 512 bytes per group of a block;
+// ds (N/16, K/32, 16): 16 d per group; the codes' offset (q + 128) takes the code sums sq, sr.
+struct Q8 {
+  static constexpr const char* NAME = "qkv::q8_mm";
+  static constexpr int64_t CHUNKS = 8, SCALES = 16;
+  static constexpr const char* SCALES_ARG = "ds";
+  static constexpr const char* SCALES_SHAPE = "(N/16, K/32, 16)";
+  static constexpr bool CODE_SUMS = true;
+  static void block(const uint8_t* w, const c10::Half* ds, const Activations& a, float* out) {
+    block8(w, ds, a.xq.data(), a.xr.data(), a.dx.data(), a.sq.data(), a.sr.data(), a.M, a.K, out);
+  }
+};
+
+// The ops: torch calls these (schemas below).
+at::Tensor int4_mm(const at::Tensor& x, const at::Tensor& w, const at::Tensor& dm) { return qmatmul<Q4>(x, w, dm); }
+at::Tensor q8_mm(const at::Tensor& x, const at::Tensor& w, const at::Tensor& ds) { return qmatmul<Q8>(x, w, ds); }
 
 std::string int4_path() { return PATH; }
 
