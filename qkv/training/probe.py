@@ -9,6 +9,27 @@ is untouched), and keeps the faster. The answer is cached per machine and shape 
 ``~/.cache/qkv/speed_probe.json`` (``$QKV_CACHE_DIR`` moves it, ``=off`` turns it off), so
 the next run of the same shape starts at once.
 
+A measurement is only as good as the machine was quiet while it ran. Beside other programs a
+step can take 6× as long (issue 39: ``bf16 405 ms/step vs fp32 427`` at load 5 on two cores,
+against ~70 ms quiet), and not evenly between fp32 and bf16. So the probe watches how the CPU
+was shared while it measured (:class:`Watch`): Linux keeps, for every thread, the time it ran
+on a CPU and the time it waited, runnable, for one (``/proc/self/task/*/schedstat``), and the
+fraction of the CPU time this process's threads wanted that they got is the contention itself,
+however many threads the step keeps busy. Measured on two cores (real probes of GPTs of dim
+16–256, 1 or 2 threads): alone 0.99–1.00 (at most 2 ms waited); beside two CPU hogs 0.55–0.63;
+2 threads beside another program's test run (a core's worth) 0.50–0.54, the probe then taking
+0.3–11 s instead of 0.1 s and reading the same model's fp32/bf16 ratio anywhere from 0.05× to
+7.95× (0.62× alone). A share below :data:`MIN_CPU_SHARE` (0.9) makes the measurement *busy*:
+the run says so in one line, nothing is cached (the next run measures again), and this run
+takes the safe choice instead of what it read: fp32 (exact; the busy ratios above would have
+picked bf16 as often as not) and no compiling (a busy step time overstates what compiling can
+save). Other signals were weaker: the process's CPU time against wall time × threads is
+0.54–0.59 on a quiet machine already (a small model's step does not keep two threads busy),
+against 0.34–0.37 beside two hogs; the one-minute load average lags (it rose only from 0.75
+to 1.4 during a series of 2-s probes beside two hogs) and counts this process too. It judges
+only where the kernel keeps no schedstat (macOS): busy when it exceeds this process's threads
+by the number of cores, i.e. other programs alone filled every core.
+
 Compilation is judged by its cost: a cold ``torch.compile`` of a small GPT takes ~40 s on two
 CPU cores and saves ~10% of a step (BENCHMARKS.md). Auto compiles on a CPU only when the run
 is long enough that a 10% saving of the measured step time could repay that compile time.
@@ -38,6 +59,13 @@ from qkv.paths import cache_root
 # Below this speed-up bf16 is not worth its rounding: fp32 is the exact choice, so a tie
 # (within the probe's noise, about ±3% between rounds on a quiet machine) goes to fp32.
 MIN_BF16_GAIN = 1.03
+# Below this share of the CPU time its threads wanted, a measurement is not trusted (see the
+# module's docstring): a quiet machine gives 0.99-1.00, one program taking a core beside a
+# 2-thread probe ~0.5; a tenth lost is already more than the ±3% the bf16 choice tolerates.
+MIN_CPU_SHARE = 0.9
+# A window in which the threads wanted less CPU than this is too short to judge (a timeslice
+# lost is several percent of it): taken as quiet. A real probe wants ~0.1 s or more.
+MIN_WANTED_S = 0.05
 COMPILE_SAVING = 0.10  # the per-step saving assumed before compile has been measured here
 COLD_COMPILE_S = 40.0  # assumed cold compile time on a CPU before it has been measured here
 
@@ -47,7 +75,8 @@ class SpeedChoice:
     """What --dtype / --compile came to and why, in the words the run prints first.
 
     ``step_ms``: the eager time of one optimiser step as measured (None: not measured), which
-    the compile meter compares compiled steps with.
+    the compile meter compares compiled steps with. ``cpu_share`` and ``busy``: how the CPU was
+    shared while measuring (:class:`Sharing`); a busy measurement is neither trusted nor cached.
     """
 
     dtype: str  # "fp32", "bf16" or "fp16"
@@ -57,6 +86,8 @@ class SpeedChoice:
     cached: bool = False  # the dtype came from the probe cache
     step_ms: float | None = None
     recorded: bool = False  # a resumed run's own record (config.json), not measured again
+    cpu_share: float | None = None  # of the CPU its threads wanted while measuring, what they got
+    busy: str = ""  # why the measurement was neither trusted nor cached ("": quiet, or not measured)
 
     @property
     def reason(self) -> str:
@@ -133,6 +164,90 @@ def write_cache(key: str, entry: dict) -> None:
         pass
 
 
+def thread_times() -> dict[int, tuple[int, int]] | None:
+    """Each thread of this process: (ns it ran on a CPU, ns it waited runnable for one), from
+    Linux's ``/proc/self/task/*/schedstat``; None where the kernel keeps no such file."""
+    tasks = Path("/proc/self/task")
+    try:
+        tids = os.listdir(tasks)
+    except OSError:
+        return None
+    times = {}
+    for tid in tids:
+        try:
+            ran, waited, _ = (tasks / tid / "schedstat").read_text().split()
+        except (OSError, ValueError):
+            continue  # the thread ended meanwhile (or no schedstat here)
+        times[int(tid)] = (int(ran), int(waited))
+    return times or None
+
+
+def load_average() -> float | None:
+    """The one-minute load average (None where the OS has none)."""
+    try:
+        return os.getloadavg()[0]
+    except (OSError, AttributeError):
+        return None
+
+
+@dataclass(frozen=True)
+class Sharing:
+    """How the CPU was shared while something was measured (see :class:`Watch`).
+
+    share: of the CPU time this process's threads wanted, the fraction they got (None: the
+    kernel does not say); wanted_s: that CPU time in seconds; load: the one-minute load average
+    at the end; cores, threads: the machine's cores and the threads torch computes with.
+    """
+
+    share: float | None
+    wanted_s: float | None
+    load: float | None
+    cores: int
+    threads: int
+
+    @property
+    def busy(self) -> bool:
+        """Whether other programs took enough of the CPU that the measurement cannot be trusted."""
+        if self.share is not None and self.wanted_s is not None:
+            return self.wanted_s >= MIN_WANTED_S and self.share < MIN_CPU_SHARE
+        return self.load is not None and self.load - self.threads >= self.cores
+
+    def describe(self) -> str:
+        """'this process got 35% of the CPU its 2 threads wanted; load 4.9 on 2 cores'."""
+        load = "" if self.load is None else f"load {self.load:.1f} on {self.cores} cores"
+        if self.share is None:
+            return f"{load} with {self.threads} threads of this process" if load else "not known here"
+        threads = f"{self.threads} thread{'s' * (self.threads != 1)}"
+        got = f"this process got {100 * self.share:.0f}% of the CPU its {threads} wanted"
+        return f"{got}; {load}" if load else got
+
+    def note(self) -> str:
+        """The run's line about a busy measurement."""
+        return (f"the machine was busy while measuring ({self.describe()}): not cached, measured "
+                "again next run")
+
+
+class Watch:
+    """Started before measuring; :meth:`stop` says how the CPU was shared since."""
+
+    def __init__(self) -> None:
+        self.start = thread_times()
+
+    def stop(self) -> Sharing:
+        end = thread_times()
+        share = wanted = None
+        if self.start is not None and end is not None:
+            ran = waited = 0
+            for tid, (r, w) in end.items():  # threads started meanwhile count from zero
+                r0, w0 = self.start.get(tid, (0, 0))
+                if r < r0 or w < w0:  # a new thread under a finished one's id
+                    r0 = w0 = 0
+                ran, waited = ran + r - r0, waited + w - w0
+            wanted = (ran + waited) / 1e9
+            share = ran / (ran + waited) if ran + waited > 0 else 1.0
+        return Sharing(share, wanted, load_average(), os.cpu_count() or 1, torch.get_num_threads())
+
+
 def time_options(
     step: Callable[[str], None],
     options: tuple[str, ...],
@@ -155,12 +270,13 @@ def time_options(
     return {o: statistics.median(v) for o, v in times.items()}
 
 
-def choose_dtype(ms: dict[str, float]) -> tuple[str, str]:
-    """(dtype, reason) from measured fp32 and bf16 step times."""
+def choose_dtype(ms: dict[str, float], busy: bool = False) -> tuple[str, str]:
+    """(dtype, reason) from measured fp32 and bf16 step times; fp32 whatever they say when they
+    were measured on a busy machine (``busy``)."""
     ratio = ms["fp32"] / ms["bf16"]  # > 1: bf16 is faster
-    pick = "bf16" if ratio >= MIN_BF16_GAIN else "fp32"
+    pick = "bf16" if ratio >= MIN_BF16_GAIN and not busy else "fp32"
     return pick, (f"bf16 autocast {ms['bf16']:.1f} ms/step vs fp32 {ms['fp32']:.1f} "
-                  f"({ratio:.2f}x) here -> {pick}")
+                  f"({ratio:.2f}x) {'on a busy machine' if busy else 'here'} -> {pick}")
 
 
 def compile_worth_trying(ms_per_step: float, max_iters: int, entry: dict | None) -> tuple[bool, str]:

@@ -14,7 +14,9 @@ excess of compiling steps is compile time paid, the shortfall of the others is t
 When a recompile comes and the compile time paid exceeds what the measured saving can still
 win over the remaining steps, the run goes on with the eager model (same weights, same
 optimiser: the training is the same), says so, and writes both numbers into the probe cache
-for the next run's decision.
+for the next run's decision. Like the probe's, those numbers are only written when the machine
+was quiet while the meter measured (:class:`qkv.training.probe.Watch`, from the meter's start
+to the write): other programs' time would count as compile time paid and as saving lost.
 """
 
 from __future__ import annotations
@@ -75,6 +77,8 @@ class Chosen:
     cpu: dict[str, Any] = field(default_factory=dict)  # probe.machine(): model, isa, native_bf16, threads...
     gpu: str | None = None  # the GPU's name when the device is one
     compile_stopped_at: int | None = None  # the step from which the meter trained eagerly
+    cpu_share: float | None = None  # of the CPU its threads wanted while the probe measured, what they got
+    busy: bool = False  # the machine was busy while the probe measured: the safe choice, not cached
 
     def describe(self) -> str:
         """'bf16, compile off, muon (Newton–Schulz in bf16) on cpu: AMD EPYC 9R14 (AVX512, bf16
@@ -97,11 +101,16 @@ class Chosen:
                   "optimizer": lambda v: v in ("adamw", "muon"),
                   "muon_ns_dtype": lambda v: v is None or v in ("fp32", "bf16"),
                   "step_ms": lambda v: v is None or isinstance(v, int | float)}
+        optional = {"busy": lambda v: isinstance(v, bool),  # records from before issue 39 lack them
+                    "cpu_share": lambda v: v is None or isinstance(v, int | float)}
         if not isinstance(rec, dict):
             raise ValueError("its \"chosen\" section is not an object")
         for name, ok in checks.items():
             if name not in rec or not ok(rec[name]):
                 raise ValueError(f"chosen.{name} is {rec.get(name, 'missing')!r}")
+        for name, ok in optional.items():
+            if name in rec and not ok(rec[name]):
+                raise ValueError(f"chosen.{name} is {rec[name]!r}")
         known = {f for f in cls.__dataclass_fields__}
         return cls(**{"dtype_why": "", "compile_why": "", "device": "",
                       **{k: v for k, v in rec.items() if k in known}})
@@ -177,36 +186,50 @@ def _recorded(rec: Chosen, cfg: TrainConfig, dtype: str) -> probe.SpeedChoice:
         compile_, compile_why = rec.compile, rec.compile_why
     else:
         compile_, compile_why = cfg.compile, f"compile {_on(cfg.compile)} as asked"
-    return probe.SpeedChoice(dtype, compile_, dtype_why, compile_why, step_ms=rec.step_ms, recorded=True)
+    return probe.SpeedChoice(dtype, compile_, dtype_why, compile_why, step_ms=rec.step_ms, recorded=True,
+                             cpu_share=rec.cpu_share, busy="busy when the run measured" if rec.busy else "")
 
 
 def _measured(cfg: TrainConfig, dtype: str, native_bf16: bool, key: str | None,
               measure: Callable[[tuple[str, ...], int], dict[str, float]]) -> probe.SpeedChoice:
     """Auto on a CPU: bf16 against fp32 by timing real steps (or the cache), then compile if
-    the run is long enough to repay it."""
+    the run is long enough to repay it. Timings taken on a busy machine are not cached, and the
+    choice they would make is replaced by the safe one: fp32, compile off."""
     entry = (probe.read_cache(key) if key else None) or {}
-    cached = False
+    cached, seen = False, []  # seen: how the CPU was shared during each measurement
+
+    def timed(options: tuple[str, ...], rounds: int) -> dict[str, float]:
+        watch = probe.Watch()
+        ms = measure(options, rounds)
+        seen.append(watch.stop())
+        return ms
+
+    known: dict[str, float] = entry.get("ms") or {}
     if cfg.dtype == "auto" and native_bf16:
         if "dtype" in entry:
             dtype, cached = entry["dtype"], True
             dtype_why = entry["dtype_reason"] + " (cached)"
         else:
-            ms = measure(("fp32", "bf16"), 3)
-            dtype, dtype_why = probe.choose_dtype(ms)
-            entry.update(dtype=dtype, dtype_reason=dtype_why, ms=ms)
-            if key:
-                probe.write_cache(key, entry)
+            known = timed(("fp32", "bf16"), 3)
+            dtype, dtype_why = probe.choose_dtype(known, busy=seen[-1].busy)
+            if key and not seen[-1].busy:
+                probe.write_cache(key, {**entry, "dtype": dtype, "dtype_reason": dtype_why, "ms": known})
     elif cfg.dtype == "auto":
         dtype_why = "no bf16 instructions on this CPU (bf16 products are emulated) -> fp32"
     else:
         dtype_why = f"{dtype} as asked"
     if cfg.compile is not None:
-        return probe.SpeedChoice(dtype, cfg.compile, dtype_why, f"compile {_on(cfg.compile)} as asked",
-                                 cached)
-    ms_step = (entry.get("ms") or {}).get(dtype) or measure((dtype,), 1)[dtype]
-    step_ms = round(ms_step * cfg.grad_accum, 2)
-    compile_, compile_why = probe.compile_worth_trying(step_ms, cfg.max_iters, entry)
-    return probe.SpeedChoice(dtype, compile_, dtype_why, compile_why, cached, step_ms)
+        compile_, compile_why, step_ms = cfg.compile, f"compile {_on(cfg.compile)} as asked", None
+    else:
+        step_ms = round((known.get(dtype) or timed((dtype,), 1)[dtype]) * cfg.grad_accum, 2)
+        if any(s.busy for s in seen):  # the step time is inflated, and by how much is not known
+            compile_, compile_why = False, "compile off: the step was timed on a busy machine"
+        else:
+            compile_, compile_why = probe.compile_worth_trying(step_ms, cfg.max_iters, entry)
+    shares = [s.share for s in seen if s.share is not None]
+    return probe.SpeedChoice(dtype, compile_, dtype_why, compile_why, cached, step_ms,
+                             cpu_share=round(min(shares), 2) if shares else None,
+                             busy=next((s.note() for s in seen if s.busy), ""))
 
 
 def measure_steps(model: nn.Module, cfg: TrainConfig, optimizer: tuple[str, torch.dtype], device: str,
@@ -256,7 +279,8 @@ class CompileMeter:
     """Measures what compiling costs and saves in this run, against the eager step time.
 
     eager_s: seconds per eager optimiser step (the probe's); max_iters: the run's last step;
-    saving_prior: the fraction of a step compiling is assumed to save until measured here.
+    saving_prior: the fraction of a step compiling is assumed to save until measured here;
+    watch: how the CPU is shared from the meter's start (what it measures is kept only if quiet).
     """
 
     eager_s: float
@@ -266,6 +290,7 @@ class CompileMeter:
     compile_steps: int = 0  # steps during which something was (re)compiled
     fast: list[float] = field(default_factory=list)  # seconds of compiled steps that did not compile
     seen: set[tuple[int, ...]] = field(default_factory=set)  # input shapes compiled steps have run
+    watch: probe.Watch = field(default_factory=lambda: probe.Watch())  # probe.Watch as it is then
 
     def saving(self) -> float:
         """Fraction of an eager step a compiled step saves: measured once there are enough
@@ -318,12 +343,16 @@ class CompileMeter:
         n = self.compile_steps
         return f"compiling cost ~{self.spent_s:.0f} s ({n} step{'s' * (n != 1)} that compiled); {said}"
 
-    def cache_entry(self) -> dict[str, float]:
-        """What the probe cache keeps for the next run's decision (see probe.compile_worth_trying)."""
+    def cache_entry(self) -> tuple[dict[str, float] | None, str]:
+        """(what the probe cache keeps for the next run's decision, see probe.compile_worth_trying;
+        None when the machine was busy since the meter started, with the line that says so)."""
+        sharing = self.watch.stop()
+        if sharing.busy:
+            return None, f"not kept: the machine was busy ({sharing.describe()})"
         entry = {"compile_s": round(self.spent_s, 1)}
         if (saving := self.measured_saving()) is not None:
             entry["compile_saving"] = round(saving, 3)
-        return entry
+        return entry, "kept for the next run's choice"
 
 
 def is_compile_error(e: Exception) -> bool:

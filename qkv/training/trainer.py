@@ -139,7 +139,8 @@ class Trainer:
             muon_ns_dtype=speed.DTYPE_NAMES[self.ns_dtype] if self.optimizer_kind == "muon" else None,
             device=str(self.device), cpu=probe.machine(self.native_bf16),
             gpu=torch.cuda.get_device_name(dev) if dev.type == "cuda" else None,
-            compile_stopped_at=self.compile_stopped_at,
+            compile_stopped_at=self.compile_stopped_at, cpu_share=self.speed.cpu_share,
+            busy=bool(self.speed.busy),
         )
 
     def _maybe_compile(self, model: nn.Module) -> nn.Module:
@@ -177,15 +178,21 @@ class Trainer:
         self.compile_stopped_at = done = self.step + (when == "after")  # steps trained compiled
         self.train_model = wrap_model(self.model, self.dist)
         self.speed.compile_why = f"compile stopped after step {done}: {self.meter.summary()}; {why}"
-        self._note(f"{self.speed.compile_why}; training on eagerly (the same weights and optimiser)")
-        self._record_compile()
+        fate = self._record_compile()
+        self._note(f"{self.speed.compile_why}; training on eagerly (the same weights and optimiser)"
+                   + (f"; compile time {fate}" if fate else ""))
         if self.dist.is_main:
             self.on_choice(self.chosen())
 
-    def _record_compile(self) -> None:
-        """What compiling cost and saved here, into the probe cache for the next run's choice."""
-        if self.meter is not None and self.meter.compile_steps and self._probe_key and self.dist.is_main:
-            probe.write_cache(self._probe_key, self.meter.cache_entry())
+    def _record_compile(self) -> str:
+        """What compiling cost and saved here, into the probe cache for the next run's choice
+        unless the machine was busy meanwhile; what became of it, in words ("": nothing to keep)."""
+        if self.meter is None or not self.meter.compile_steps or not self._probe_key or not self.dist.is_main:
+            return ""
+        entry, fate = self.meter.cache_entry()
+        if entry is not None:
+            probe.write_cache(self._probe_key, entry)
+        return fate
 
     # ------------------------------------------------------------------ checkpoints
 
@@ -335,6 +342,8 @@ class Trainer:
         if self.dist.is_main:
             signal.signal(signal.SIGINT, self._request_stop)
         self._note(f"speed: {self.speed.reason}")  # what the run trains with, why, and on what
+        if self.speed.busy and not self.speed.recorded:
+            self._note(f"speed: {self.speed.busy}")  # measured beside other programs: not cached
         self._note(f"using: {self.chosen().describe()}")
         t0 = time.perf_counter()
         tokens, loss = 0, math.nan
@@ -362,8 +371,8 @@ class Trainer:
             if not done:
                 self._evaluate_and_save(loss)
             if self.meter is not None and self.compiled:
-                self._note(f"compile: {self.meter.summary()} (kept for the next run's choice)")
-                self._record_compile()
+                fate = self._record_compile()
+                self._note(f"compile: {self.meter.summary()}" + (f" ({fate})" if fate else ""))
         finally:
             if self.dist.is_main:
                 signal.signal(signal.SIGINT, prev_handler)

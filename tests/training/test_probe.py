@@ -1,9 +1,14 @@
 """--dtype auto / --compile auto: the probe picks what a (fake) clock says is faster, caches
-it, leaves the run untouched, and an explicit choice always wins."""
+it, leaves the run untouched, and an explicit choice always wins; a measurement taken while
+other programs took the CPU (a fake watch, and once real CPU hogs) is neither trusted nor cached."""
 
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
+import threading
 import warnings
 from pathlib import Path
 
@@ -17,11 +22,33 @@ from qkv.training import trainer as trainer_mod
 from qkv.training.trainer import TrainConfig, Trainer
 
 pytestmark = pytest.mark.usefixtures("one_thread")
+RealWatch = probe.Watch  # the ``machine`` fixture replaces probe.Watch
 
 
 @pytest.fixture(autouse=True)
 def fresh_cache(tmp_path, monkeypatch) -> None:
     monkeypatch.setenv("QKV_CACHE_DIR", str(tmp_path / "cache"))
+
+
+class FakeWatch:
+    """probe.Watch's stand-in: every measurement saw this process get ``share`` of the CPU it
+    wanted (over a second of it)."""
+
+    share = 1.0
+
+    def stop(self) -> probe.Sharing:
+        return probe.Sharing(type(self).share, 1.0, 0.5, 2, torch.get_num_threads())
+
+
+@pytest.fixture(autouse=True)
+def machine(request, monkeypatch) -> type[FakeWatch] | None:
+    """A quiet machine, whatever this one is doing (set ``machine.share`` to make it busy);
+    a test that starts real CPU hogs (the ``hogs`` fixture) watches the real one instead."""
+    if "hogs" in request.fixturenames:
+        return None
+    watch = type("Watch", (FakeWatch,), {"share": 1.0})
+    monkeypatch.setattr(probe, "Watch", watch)
+    return watch
 
 
 class RandomBatches:
@@ -234,7 +261,7 @@ def test_one_cold_compile_is_never_undone() -> None:
     assert all(m.observe(s, 0.8, compiled=0, shapes=[(8, 16)]) is None for s in range(1, 50))
     assert m.skip(50, [(8, 16)]) is None  # the shape it compiled for: nothing more to pay
     assert m.measured_saving() == pytest.approx(0.2) and m.spent_s == pytest.approx(40.0)
-    assert m.cache_entry() == {"compile_s": 40.0, "compile_saving": 0.2}
+    assert m.cache_entry() == ({"compile_s": 40.0, "compile_saving": 0.2}, "kept for the next run's choice")
 
 
 def test_a_new_shape_is_run_eagerly_once_a_compile_costs_more_than_is_left_to_save() -> None:
@@ -257,7 +284,7 @@ def test_a_recompile_stops_compiling_once_it_costs_more_than_it_can_still_save()
     assert m.observe(2, 41.0, compiled=1) is None  # 80 s paid < 99.7 s still to win
     assert m.observe(3, 41.0, compiled=1) == "more than the ~100 s compiling can still save"  # 120 s paid
     assert m.compile_steps == 3 and m.spent_s == pytest.approx(120.0)
-    assert m.cache_entry() == {"compile_s": 120.0}  # one fast step: the saving is not measured
+    assert m.cache_entry()[0] == {"compile_s": 120.0}  # one fast step: the saving is not measured
 
 
 def test_compiled_steps_no_faster_than_eager_stop_compiling() -> None:
@@ -381,3 +408,155 @@ def test_a_recorded_bf16_on_a_cpu_that_emulates_it_warns(tmp_path, monkeypatch) 
     assert t.dtype == torch.bfloat16  # the record is kept, with the cost said
     text = " ".join(str(w.message) for w in caught)
     assert "as this run recorded; --dtype fp32 changes it" in text and "as long as fp32" in text
+
+
+# --------------------------------------------------------------------------- a busy machine
+
+
+def test_the_watch_sums_what_every_thread_ran_and_waited(monkeypatch) -> None:
+    ms = 1_000_000
+    readings = iter([{1: (100 * ms, 0), 2: (50 * ms, 10 * ms)},  # thread 2 ends, thread 3 starts
+                     {1: (400 * ms, 300 * ms), 3: (100 * ms, 100 * ms)}])
+    monkeypatch.setattr(probe, "thread_times", lambda: next(readings))
+    monkeypatch.setattr(probe, "load_average", lambda: 4.9)
+    s = RealWatch().stop()
+    assert (s.share, s.wanted_s, s.load) == (pytest.approx(0.5), pytest.approx(0.8), 4.9)
+    assert s.busy and s.threads == torch.get_num_threads()
+    assert s.note() == (f"the machine was busy while measuring (this process got 50% of the CPU its "
+                        f"{s.threads} thread{'s' * (s.threads != 1)} wanted; load 4.9 on {s.cores} cores): "
+                        "not cached, measured again next run")
+
+
+@pytest.mark.parametrize(("sharing", "busy"), [
+    (probe.Sharing(0.95, 1.0, 0.2, 2, 2), False),   # a quiet machine: 0.97-1.00 measured
+    (probe.Sharing(0.60, 1.0, 0.2, 2, 2), True),    # beside CPU hogs: 0.25-0.63 measured
+    (probe.Sharing(0.30, 0.01, 0.2, 2, 2), False),  # 10 ms wanted: too short to judge
+    (probe.Sharing(None, None, 4.5, 2, 2), True),   # no schedstat: others' load fills both cores
+    (probe.Sharing(None, None, 3.5, 2, 2), False),  # ... or may be this process's own 2 threads
+    (probe.Sharing(None, None, None, 2, 2), False),  # nothing known: trusted, as before
+])
+def test_what_counts_as_busy(sharing: probe.Sharing, busy: bool) -> None:
+    assert sharing.busy is busy
+
+
+def test_the_watch_reads_this_process_threads() -> None:
+    times = probe.thread_times()
+    if times is None:
+        pytest.skip("this kernel keeps no per-thread schedstat")
+    assert times[threading.get_native_id()][0] > 0  # this thread has run
+
+
+def test_a_busy_measurement_is_not_trusted_nor_cached(tmp_path, monkeypatch, machine) -> None:
+    calls = force_probe(monkeypatch, {"fp32": 10.0, "bf16": 6.0})  # bf16 measured 1.67x faster
+    machine.share = 0.35
+    notes: list[str] = []
+    t = Trainer(gpt(), cfg(tmp_path, max_iters=2, eval_interval=2), RandomBatches(), tmp_path,
+                on_log=lambda rec: notes.append(rec.get("note", "")))
+    assert t.dtype == torch.float32 and not t.compiled and len(calls) == 1
+    assert t.speed.dtype_why == "bf16 autocast 6.0 ms/step vs fp32 10.0 (1.67x) on a busy machine -> fp32"
+    assert t.speed.compile_why == "compile off: the step was timed on a busy machine"
+    assert probe.cache_path() is not None and not probe.cache_path().exists()
+    rec = t.chosen()
+    assert (rec.busy, rec.cpu_share, rec.step_ms) == (True, 0.35, 10.0)
+    t.fit()
+    busy = [n for n in notes if "busy while measuring" in n]
+    assert busy == ["speed: the machine was busy while measuring (this process got 35% of the CPU its 1 "
+                    "thread wanted; load 0.5 on 2 cores): not cached, measured again next run"]
+    # The next run, on a quiet machine, measures again, trusts it and caches it.
+    machine.share = 1.0
+    t2 = Trainer(gpt(), cfg(tmp_path, compile=False), RandomBatches(), tmp_path)
+    assert t2.dtype == torch.bfloat16 and len(calls) == 2 and not t2.speed.busy
+    assert (t2.chosen().busy, t2.chosen().cpu_share) == (False, 1.0)
+    assert next(iter(json.loads(probe.cache_path().read_text()).values()))["dtype"] == "bf16"
+
+
+def test_a_busy_record_is_kept_on_resume_and_checked(tmp_path, monkeypatch) -> None:
+    from qkv.training.speed import Chosen
+
+    monkeypatch.setattr(trainer_mod, "cpu_has_native_bf16", lambda: True)
+    forbid_probe(monkeypatch)
+    rec = Chosen(dtype="fp32", dtype_why="busy then", compile=False, compile_why="off then", step_ms=3.0,
+                 optimizer="adamw", muon_ns_dtype=None, device="cpu", cpu_share=0.4, busy=True)
+    t = Trainer(gpt(), cfg(tmp_path), RandomBatches(), tmp_path, recorded=rec)
+    assert (t.chosen().busy, t.chosen().cpu_share) == (True, 0.4)
+    saved = {"chosen": {**{k: getattr(rec, k) for k in rec.__dataclass_fields__}}}
+    assert Chosen.read(saved) == rec
+    with pytest.raises(ValueError, match=r"chosen\.busy is 'yes'"):
+        Chosen.read({"chosen": {**saved["chosen"], "busy": "yes"}})
+    old = {k: v for k, v in saved["chosen"].items() if k not in ("busy", "cpu_share")}
+    assert Chosen.read({"chosen": old}).busy is False  # a record from before issue 39
+
+
+def test_compile_time_measured_on_a_busy_machine_is_not_kept(tmp_path, monkeypatch, machine) -> None:
+    from qkv.training import speed
+
+    clock, frames, made = FakeClock({}), [0], []
+
+    def fake_compile(model, **kw):
+        made.append(FakeCompiled(model, clock, frames, new_shape))
+        return made[-1]
+
+    monkeypatch.setattr(speed, "clock", clock)
+    monkeypatch.setattr(speed, "compile_count", lambda: frames[0])
+    monkeypatch.setattr(torch, "compile", fake_compile)
+    forbid_probe(monkeypatch)
+    c = cfg(tmp_path, dtype="fp32", max_iters=10, eval_interval=10)
+    on_file = {"ms": {"fp32": 10.0}, "compile_s": 0.01, "compile_saving": 0.5}
+    key = put_cache(gpt(), c, RandomBatches(), on_file)
+    notes: list[str] = []
+    t = Trainer(gpt(), c, RandomBatches(), tmp_path, on_log=lambda rec: notes.append(rec.get("note", "")))
+    assert t.compiled and t.meter is not None
+    machine.share = 0.3  # other programs start while it trains
+    t.fit()
+    assert t.meter.compile_steps == 1 and t.meter.spent_s == pytest.approx(50.0, abs=0.1)
+    assert json.loads(probe.cache_path().read_text())[key] == on_file  # not the busy 50 s
+    assert [n for n in notes if n.startswith("compile:")] == [
+        f"compile: {t.meter.summary()} (not kept: the machine was busy (this process got 30% of the CPU "
+        "its 1 thread wanted; load 0.5 on 2 cores))"]
+
+
+class Tokens:
+    """Batches of a GPT big enough that the probe wants ~0.5 s of CPU."""
+
+    def get_batch(self, split, batch_size, generator):
+        x = torch.randint(0, 64, (batch_size, 32), generator=generator)
+        return x, torch.roll(x, -1, dims=1)
+
+
+@pytest.fixture
+def hogs():
+    """Two processes that spin on the core this thread is pinned to (its affinity restored after):
+    one core, shared three ways, whatever the machine's size."""
+    if probe.thread_times() is None or not hasattr(os, "sched_setaffinity"):
+        pytest.skip("needs Linux's per-thread schedstat and CPU affinity")
+    before = os.sched_getaffinity(0)
+    core = {min(before)}
+    spin = "import sys\nprint('spinning', flush=True)\nwhile True: pass"
+    procs: list[subprocess.Popen] = []
+    try:
+        os.sched_setaffinity(0, core)  # this thread only (Linux): the one torch computes on
+        for _ in range(2):
+            procs.append(subprocess.Popen([sys.executable, "-c", spin], stdout=subprocess.PIPE, text=True))
+            os.sched_setaffinity(procs[-1].pid, core)
+        for p in procs:
+            assert p.stdout is not None and p.stdout.readline() == "spinning\n"
+        yield procs
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()
+            if p.stdout:
+                p.stdout.close()
+        os.sched_setaffinity(0, before)
+
+
+def test_a_probe_beside_cpu_hogs_is_not_cached(tmp_path, monkeypatch, hogs) -> None:
+    monkeypatch.setattr(trainer_mod, "cpu_has_native_bf16", lambda: True)  # measure both ways
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=64, max_seq_len=32, dim=64, n_layers=2, n_heads=4))
+    t = Trainer(model, cfg(tmp_path, batch_size=8), Tokens(), tmp_path)
+    assert all(p.poll() is None for p in hogs)  # still spinning: the probe shared its core
+    assert t.speed.busy.startswith("the machine was busy while measuring (this process got ")
+    assert t.speed.cpu_share is not None and t.speed.cpu_share < probe.MIN_CPU_SHARE
+    assert t.dtype == torch.float32 and not t.compiled and t.chosen().busy
+    assert not probe.cache_path().exists()
