@@ -1,35 +1,34 @@
-"""`qkv generate` on a machine that has no saved step yet: the first runs, one after the other, as
-a student tries prompts. Is any of them slower than qkv's eager default before issue 27?
+"""What a user waits, once, and what every decoding process then runs at, beside llama.cpp.
 
-Three sequences, one after the other (never two at once), each in a fresh qkv cache folder
-(SmolLM2's converted weights copied in when this machine has them, so every sequence starts from
-the same load time; no kernels, no saved steps):
+The documented set-up of the bundled decoder is ``qkv assets install smollm2``: it installs the
+weights, compiles qkv's decoding kernels for this CPU and prepares the model (``qkv prepare
+smollm2``: its saved decoding steps, the one-request step and ``qkv serve``'s running batch of
+8 x 256). This script measures, in a fresh qkv cache folder:
 
-- **before**: ``QKV_SAVED_STEP=off QKV_INT4_KERNEL=off``: eager on PyTorch's kernels, as before;
-- **default**: nothing set: the first run compiles qkv's kernels (~5 s, once per machine) while
-  the model loads and waits for what is left, decodes eagerly, and starts the saved step's build
-  in the background for later runs; later runs pause that build while they decode and load the
-  step once it exists;
-- **prepared**: the same after ``qkv assets install smollm2``, which builds the kernels (timed
-  on its own).
+- **set-up**: the seconds ``qkv assets install smollm2`` takes there (the GGUF converted, the
+  kernels compiled, both steps built), once;
+- **before set-up** (a second fresh cache, nothing prepared): one Python process and one ``qkv
+  generate`` decoding eagerly, for reference;
+- then ``--rounds`` rounds, each of fresh processes one after the other, never two at once: the
+  default Python API (``qkv.load("smollm2").stream(prompt, 128)``, nothing else asked), ``qkv
+  generate smollm2`` (greedy, 128 new tokens), and llama.cpp's ``llama-bench -t 2`` on the same
+  GGUF (the faster of its portable and native builds, ``--build-llama-cpp`` builds them once):
+  the first round's processes are the first after set-up.
 
-Each sequence: ``--runs`` runs of ``qkv generate smollm2`` (32-token prompt, 128 new tokens,
-greedy) with ``--gap`` idle seconds between them. Reported per run: wall seconds of the whole
-command, decoding tok/s and how it decoded (eager or the saved step), from its closing line.
-After the runs of the default sequences the machine is left idle until the background build
-has finished (at most ``--wait`` s), and one more run shows what later runs get. Background
-builds left running are killed before the next sequence.
+Reported per process: decoding tok/s and which decoder ran (the stream's typed decision), and
+each qkv rate over llama.cpp's in the same round.
 
-    python benchmarks/first_runs.py            # ~5 minutes on 2 cores
+    python benchmarks/first_runs.py                    # ~5 minutes on 2 cores (set-up included)
+    python benchmarks/first_runs.py --build-llama-cpp  # also builds llama.cpp (~20 minutes, once)
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
+import json
 import os
 import re
-import signal
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -40,29 +39,37 @@ HERE = Path(__file__).resolve()
 sys.path.insert(0, str(HERE.parent))
 
 import _common as C  # noqa: E402
-from serve_first_run import fresh_cache  # noqa: E402
-
-from qkv.generation import aot  # noqa: E402
+import _llama_cpp as L  # noqa: E402
 
 NAME = "first_runs"
 PROMPT = ("Once upon a time, in a small village by the sea, there lived an old fisherman who "
           "every morning walked down to the harbour and")
+NEW = 128
 STATS = re.compile(r"\[(\d+) tokens in ([\d.]+) s after a (\d+)-token prompt, ([\d.]+) tok/s, (.*)\]$")
+PYTHON = f"""
+import json, time
+t0 = time.perf_counter()
+import qkv
+lm = qkv.load("smollm2")
+text = "".join(lm.stream({PROMPT!r}, {NEW}))
+st = lm.last_stats
+print(json.dumps({{"tok_s": round(st.tokens_per_s, 1), "tokens": st.new_tokens, "kind": st.decision.kind,
+                  "says": st.decision.says(), "wall_s": round(time.perf_counter() - t0, 2)}}))
+"""
 
 
-def kill_builds(cache: Path) -> int:
-    """Kill the background builds recorded in ``cache`` (their process groups)."""
-    live = aot._live_builds(cache / "steps")
-    for pid, _ in live:
-        with contextlib.suppress(OSError):
-            os.killpg(pid, signal.SIGKILL)
-    return len(live)
+def python_api(env: dict[str, str]) -> dict:
+    r = subprocess.run([sys.executable, "-c", PYTHON], env=env, capture_output=True, text=True, timeout=600)
+    if r.returncode != 0:
+        raise RuntimeError(f"the Python process failed: {r.stderr.strip()[-500:]}")
+    return json.loads(r.stdout.strip().splitlines()[-1])
 
 
-def generate(env: dict[str, str]) -> dict:
+def qkv_generate(env: dict[str, str]) -> dict:
     t = time.perf_counter()
     r = subprocess.run([sys.executable, "-m", "qkv", "generate", "smollm2", "--prompt", PROMPT,
-                        "--max-new-tokens", "128"], env=env, capture_output=True, text=True, timeout=600)
+                        "--max-new-tokens", str(NEW), "--temperature", "0"], env=env, capture_output=True,
+                       text=True, timeout=600)
     wall = round(time.perf_counter() - t, 2)
     if r.returncode != 0:
         raise RuntimeError(f"qkv generate failed: {r.stderr.strip()[-500:]}")
@@ -70,81 +77,96 @@ def generate(env: dict[str, str]) -> dict:
     if m is None:
         raise RuntimeError(f"no closing stats line in: {r.stderr.strip()[-500:]}")
     how = m.group(5)
-    return {"wall_s": wall, "tok_s": float(m.group(4)), "saved_step": how.startswith("KV cache, saved step"),
-            "how": how[:160]}
+    return {"wall_s": wall, "tok_s": float(m.group(4)), "kind": "saved" if "saved step" in how else "eager",
+            "says": how[:200]}
+
+
+def fresh_cache(root: Path, name: str, converted: bool) -> Path:
+    """``root/name`` as an empty qkv cache; ``converted``: with this machine's converted weights
+    (so that load times are alike), else truly empty (the set-up converts too)."""
+    from qkv.paths import cache_root
+
+    cache = root / name
+    cache.mkdir()
+    mine = cache_root()
+    if converted and mine is not None and (mine / "converted").is_dir():
+        shutil.copytree(mine / "converted", cache / "converted")
+    return cache
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--runs", type=int, default=6)
-    ap.add_argument("--gap", type=float, default=3.0, help="idle seconds between runs")
-    ap.add_argument("--wait", type=float, default=300.0,
-                    help="most idle seconds to wait for the background build after the runs")
-    ap.add_argument("--quick", action="store_true", help="3 runs 2 s apart (a smoke run)")
+    ap.add_argument("--rounds", type=int, default=4)
+    ap.add_argument("--build-llama-cpp", action="store_true", help="build llama.cpp if it is not built")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
-    if args.quick:
-        args.runs, args.gap = 3, 2.0
-        args.out = args.out or str(HERE.parent / "results" / f"{NAME}_quick.json")
     if not C.have_assets(NAME, ("smollm2",)):
         return 1
+    from qkv.assets import asset_path
+
+    gguf = Path(asset_path("smollm2"))
+    gguf = gguf if gguf.is_file() else next(gguf.rglob("*.gguf"))
     machine = C.machine_info()
     print(C.machine_line(machine))
-    result: dict = {"machine": machine, "runs": args.runs, "gap_s": args.gap, "new_tokens": 128}
-    sequences = (("before", {"QKV_SAVED_STEP": "off", "QKV_INT4_KERNEL": "off"}, False),
-                 ("default", {}, False), ("prepared", {}, True))
+    llamas = []
+    for native in (False, True):
+        binary, how = L.llama_tool("llama-bench", build=args.build_llama_cpp, native=native)
+        print(f"llama-bench ({'native' if native else 'portable'}): {how}")
+        if binary is not None:
+            llamas.append(binary)
+    result: dict = {"machine": machine, "new_tokens": NEW, "rounds": [],
+                    "llama_bench": [str(b) for b in llamas]}
+    base = {k: v for k, v in os.environ.items() if k not in ("QKV_SAVED_STEP", "QKV_INT4_KERNEL")}
     with tempfile.TemporaryDirectory(prefix="qkv-first-runs-") as tmp:
-        for name, extra, prepare in sequences:
-            cache = fresh_cache(Path(tmp), name)
-            env = {k: v for k, v in os.environ.items() if k not in ("QKV_SAVED_STEP", "QKV_INT4_KERNEL",
-                                                                    "QKV_SAVED_STEP_BACKGROUND")}
-            env.update(QKV_CACHE_DIR=str(cache), **extra)
-            seq: dict = {"runs": []}
-            try:
-                if prepare:
-                    t = time.perf_counter()
-                    subprocess.run([sys.executable, "-m", "qkv", "assets", "install", "smollm2"], env=env,
-                                   check=True, capture_output=True, timeout=600)
-                    seq["prepare_s"] = round(time.perf_counter() - t, 2)
-                    print(f"{name}: qkv assets install smollm2 (builds the kernels): {seq['prepare_s']} s")
-                for i in range(args.runs):
-                    run = generate(env)
-                    seq["runs"].append(run)
-                    print(f"{name} run {i + 1}: {run['wall_s']:.2f} s, {run['tok_s']:.1f} tok/s, "
-                          f"{run['how']}", flush=True)
-                    time.sleep(args.gap)
-                if name != "before":  # then idle until the build is done, and once more
-                    t = time.monotonic()
-                    while aot._live_builds(cache / "steps") and time.monotonic() - t < args.wait:
-                        time.sleep(1)
-                    seq["idle_wait_s"] = round(time.monotonic() - t, 1)
-                    seq["after"] = generate(env)
-                    print(f"{name}, after {seq['idle_wait_s']} s idle: {seq['after']['wall_s']:.2f} s, "
-                          f"{seq['after']['tok_s']:.1f} tok/s, {seq['after']['how']}", flush=True)
-            finally:
-                seq["builds_killed"] = kill_builds(cache)
-            result[name] = seq
-    before = result["before"]["runs"]
-    rows, summary = [], {}
-    for name, *_ in sequences:
-        runs = result[name]["runs"]
-        ratio = C.median([r["tok_s"] / b["tok_s"] for r, b in zip(runs, before, strict=True)])
-        worst = min(r["tok_s"] / b["tok_s"] for r, b in zip(runs, before, strict=True))
-        summary[name] = {"first_wall_s": runs[0]["wall_s"],
-                         "median_wall_s": C.median([r["wall_s"] for r in runs]),
-                         "tok_s": [r["tok_s"] for r in runs], "over_before_median": round(ratio, 2),
-                         "over_before_worst": round(worst, 2),
-                         "saved_step_runs": sum(r["saved_step"] for r in runs)}
-        after, idle = result[name].get("after"), result[name].get("idle_wait_s")
-        once = "-" if after is None else (f"{after['tok_s']:.0f} after {idle:.0f} s "
-                                          f"({'saved step' if after['saved_step'] else 'eager'})")
-        rows.append([name, f"{runs[0]['wall_s']:.2f}", " ".join(f"{r['tok_s']:.0f}" for r in runs),
-                     f"{ratio:.2f} ({worst:.2f})", str(summary[name]["saved_step_runs"]), once])
-    result["summary"] = summary
-    C.print_table(f"qkv generate smollm2, {args.runs} runs {args.gap:g} s apart from a fresh cache "
-                  f"(128 new tokens)", ["sequence", "first run, s", "tok/s per run",
-                                        "/ before, median (worst)", "runs on the saved step",
-                                        "tok/s once idle"], rows)
+        env = {**base, "QKV_CACHE_DIR": str(fresh_cache(Path(tmp), "set-up", converted=False))}
+        t = time.perf_counter()
+        r = subprocess.run([sys.executable, "-m", "qkv", "assets", "install", "smollm2"], env=env,
+                           capture_output=True, text=True, timeout=1800)
+        if r.returncode != 0:
+            raise RuntimeError(f"the set-up failed: {r.stdout[-500:]} {r.stderr[-500:]}")
+        setup = round(time.perf_counter() - t, 1)
+        result["setup_s"], result["setup_says"] = setup, r.stdout.strip().splitlines()[-8:]
+        print(f"set-up: qkv assets install smollm2 in a fresh cache: {setup} s")
+        for line in result["setup_says"]:
+            print(f"  {line}")
+        unprepared = {**base, "QKV_CACHE_DIR": str(fresh_cache(Path(tmp), "none", converted=True))}
+        result["before_setup"] = {"python": python_api(unprepared), "generate": qkv_generate(unprepared)}
+        b = result["before_setup"]
+        print(f"before set-up: Python {b['python']['tok_s']} tok/s, qkv generate "
+              f"{b['generate']['tok_s']} tok/s ({b['generate']['says']})")
+        for i in range(args.rounds):
+            rd: dict = {"python": python_api(env), "generate": qkv_generate(env)}
+            if llamas:
+                runs = [L.run_llama_bench(b, gguf, prompt=32, new=NEW, reps=2)["decode"]["tokens_per_s"]
+                        for b in llamas]
+                rd["llama_cpp"] = max(runs)
+                rd["python_over_llama"] = round(rd["python"]["tok_s"] / rd["llama_cpp"], 2)
+                rd["generate_over_llama"] = round(rd["generate"]["tok_s"] / rd["llama_cpp"], 2)
+            result["rounds"].append(rd)
+            print(f"round {i + 1}: Python {rd['python']['tok_s']} tok/s ({rd['python']['kind']}), "
+                  f"qkv generate {rd['generate']['tok_s']} tok/s ({rd['generate']['kind']}), llama.cpp "
+                  f"{rd.get('llama_cpp', '-')} tok/s", flush=True)
+    rounds = result["rounds"]
+    rows = [[str(i + 1), f"{rd['python']['tok_s']:.1f} ({rd['python']['kind']})",
+             f"{rd['generate']['tok_s']:.1f} ({rd['generate']['kind']})", f"{rd.get('llama_cpp', '-')}",
+             f"{rd.get('python_over_llama', '-')}x", f"{rd.get('generate_over_llama', '-')}x"]
+            for i, rd in enumerate(rounds)]
+    b = result["before_setup"]
+    rows.insert(0, ["before set-up", f"{b['python']['tok_s']:.1f} ({b['python']['kind']})",
+                    f"{b['generate']['tok_s']:.1f} ({b['generate']['kind']})", "", "", ""])
+    if llamas:
+        result["summary"] = {
+            "setup_s": setup,
+            "first_python_over_llama": rounds[0]["python_over_llama"],
+            "python_over_llama_median": C.median([rd["python_over_llama"] for rd in rounds]),
+            "python_over_llama_min": min(rd["python_over_llama"] for rd in rounds),
+            "generate_over_llama_median": C.median([rd["generate_over_llama"] for rd in rounds]),
+            "generate_over_llama_min": min(rd["generate_over_llama"] for rd in rounds),
+            "all_saved": all(rd["python"]["kind"] == rd["generate"]["kind"] == "saved" for rd in rounds)}
+    C.print_table(f"decoding SmolLM2 ({NEW} new tokens) in fresh processes after `qkv assets install "
+                  f"smollm2` ({setup:.0f} s, once)",
+                  ["round", "Python API tok/s", "qkv generate tok/s", "llama.cpp tok/s", "Python / llama.cpp",
+                   "generate / llama.cpp"], rows)
     out = C.write_json(NAME, result, args.out)
     print(f"wrote {out}")
     return 0

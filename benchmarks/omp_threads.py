@@ -1,5 +1,5 @@
-"""Decoding from a thread while another thread holds an OpenMP pool: why `qkv serve` computes
-every request in a thread that ends with it (``qkv/serve/threads.py``).
+"""Decoding from a thread while another thread holds an OpenMP pool: why `qkv serve` runs every
+model computation on one compute loop, one thread (``qkv/serve/loop.py``).
 
 PyTorch's CPU kernels (and qkv's saved decoding steps) use OpenMP; libgomp keeps a pool of worker
 threads for every thread that ever ran a parallel region, for as long as that thread lives, and
@@ -11,7 +11,8 @@ this machine has one, else eagerly), greedy, 64 new tokens after a 12-token prom
 - ``other thread, a pool alive``: loaded in the main thread (its pool stays), decoded in another
   thread (a web handler after a load at start-up);
 - ``other thread, no pool alive``: loaded in a thread that has ended, decoded in another (what
-  ``qkv serve`` does: every computation in a thread that ends with it).
+  ``qkv serve`` did before its compute loop: every computation in a thread that ends with it;
+  the loop now loads and decodes in one thread, which the ``main`` case stands for).
 
 Rounds alternate; the median of ``--rounds`` is reported, with every sample.
 

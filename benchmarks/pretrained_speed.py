@@ -7,7 +7,7 @@ min_new_tokens=128)`` (its default dynamic KV cache), fp32 and bf16. qkv:
 ``qkv.load(..., weights=)``: fp32 (its one-row projections split the weight rows over both
 cores, ``qkv/nn/linear.py``; also shown with plain ``F.linear``), bf16, int8 rows and
 the GGUF's own 4-bit groups (q4); and each format again through the compiled decoding step
-(``generate(compile="jit")``, ``qkv/generation/compiled.py``), whose compile is timed on a
+(``generate(mode="jit")``, ``qkv/generation/compiled.py``), whose compile is timed on a
 fresh inductor cache (what a first ``--compile`` on a machine pays) and once more in a second
 process that finds the cache warm. Decode tok/s counts the tokens after the first (the time of
 prompt + first token is measured separately: that is the prefill rate). The generated tokens
@@ -132,7 +132,7 @@ def bench_decoding(args: argparse.Namespace, bandwidth: float, llama=None) -> tu
         return lambda n: [int(t[0]) for t in generate(q.model, x, n, temperature=0.0)]
 
     def compiled(q):
-        return lambda n: [int(t[0]) for t in generate(q.model, x, n, temperature=0.0, compile="jit")]
+        return lambda n: [int(t[0]) for t in generate(q.model, x, n, temperature=0.0, mode="jit")]
 
     def plain(n: int) -> list[int]:  # fp32 with every projection a plain F.linear
         fast = Linear.forward
@@ -223,7 +223,7 @@ def compile_probe(weights: str) -> dict:
     lm = qkv.load("smollm2", weights=weights)
     x = _prompt_ids(lm.tokenizer, 32)
     t = time.perf_counter()
-    for _ in generate(lm.model, x, 8, temperature=0.0, compile="jit"):
+    for _ in generate(lm.model, x, 8, temperature=0.0, mode="jit"):
         pass
     dec = compiled_decoder(lm.model)
     return {"weights": weights, "compile_s": round(dec.compile_seconds, 2),

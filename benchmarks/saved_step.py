@@ -123,12 +123,12 @@ def main() -> None:
     x = torch.tensor([lm.tokenizer.encode(TEXT)[:32]])
     n_new = args.new_tokens
 
-    def run(compile):
+    def run(mode):
         def go(n: int) -> list[int]:
-            return [int(t[0]) for t in generate(m, x, n, temperature=0.0, compile=compile)]
+            return [int(t[0]) for t in generate(m, x, n, temperature=0.0, mode=mode)]
         return go
 
-    contenders = {"qkv eager": run(False), "qkv saved step": run("auto")}
+    contenders = {"qkv eager": run("eager"), "qkv saved step": run("auto")}
     from _llama_cpp import llama_bench, run_llama_bench
 
     from qkv.assets import asset_path

@@ -133,12 +133,12 @@ def main() -> int:
                         rates[peer].append(out["decode"]["tokens_per_s"])
                         prefill[peer].append(out["prefill"]["tokens_per_s"])
                 mm, compiled, n_new = contenders[name]
-                mode = True if compiled else False
+                mode = "build" if compiled else "eager"
                 t = time.perf_counter()
-                next(iter(generate(mm, x, 1, temperature=0.0, compile=mode)))
+                next(iter(generate(mm, x, 1, temperature=0.0, mode=mode)))
                 first = time.perf_counter() - t
                 t = time.perf_counter()
-                n = sum(1 for _ in generate(mm, x, n_new, temperature=0.0, compile=mode))
+                n = sum(1 for _ in generate(mm, x, n_new, temperature=0.0, mode=mode))
                 rates[name].append((n - 1) / max(time.perf_counter() - t - first, 1e-9))
                 prefill[name].append(x.shape[1] / first)
             line = ", ".join(f"{k} {v[-1]:.1f}" for k, v in rates.items())

@@ -3,13 +3,13 @@
 Three servers on the same SmolLM2 GGUF (Q4_1), each a subprocess on 127.0.0.1, measured in the
 same rounds, one server at a time (the others idle):
 
-- ``qkv serve`` as it is now: requests on one model decode together in one running batch
-  (``--batch-rows 8``, :mod:`qkv.serve.batching`) through the model's saved steps: one for a
-  request alone, one for a running batch of 2-8 rows (built first, as the server's own background
-  build makes them: ``qkv generate smollm2 --compile on --batch-step 8:256``); the attention row
-  the page shows comes from the steps' kept queries;
-- ``qkv serve --batch-rows 0`` with saved steps off: each request decodes alone and eagerly in its
-  own work slot (at most 2 per model at once, the rest wait): how qkv served before;
+- ``qkv serve`` as it is now: every computation on one compute loop, requests on one model
+  decoding together in one running batch (``--batch-rows 8``, :mod:`qkv.serve.batching`) through
+  the model's saved steps: one for a request alone, one for a running batch of 2-8 rows (built
+  first by the documented set-up, ``qkv prepare smollm2``, which ``qkv assets install smollm2``
+  runs); the attention row the page shows comes from the steps' kept queries;
+- ``qkv serve --batch-rows 1`` with saved steps off: one request at a time, eagerly, the rest
+  waiting (what a server without set-up and without batching gives);
 - llama.cpp's ``llama-server`` (``-np 8``: 8 slots, continuous batching; ``-t 2``), where it builds
   (``--build-llama-cpp`` builds it once, ~10 minutes).
 
@@ -105,16 +105,15 @@ class Server:
 class QkvServer(Server):
     def __init__(self, name: str, runs: Path, batch_rows: int, saved_step: bool) -> None:
         port = free_port()
-        env = {**os.environ, "QKV_SAVED_STEP": "on" if saved_step else "off",
-               "QKV_SAVED_STEP_BACKGROUND": "off"}
+        env = {**os.environ, "QKV_SAVED_STEP": "on" if saved_step else "off"}
         argv = [sys.executable, "-m", "qkv", "serve", "--port", str(port), "--runs", str(runs),
                 "--batch-rows", str(batch_rows), "--max-queued", "8"]  # every client waits: none is refused
         super().__init__(name, argv, "/api/models", port, env)
 
     def warm(self) -> None:
         """What the page does before it generates: one layer's attention over a text and the lens
-        (computed in threads that end with them: a pool of OpenMP workers left in a request
-        thread had halved every later decoding step, see qkv/serve/threads.py)."""
+        (in the server's one compute loop: a pool of OpenMP workers left in another thread had
+        halved every later decoding step, see qkv/serve/loop.py)."""
         text = "The quick brown fox jumps over the lazy dog. " * 12
         post(f"http://127.0.0.1:{self.port}/api/attention", {"model": "smollm2", "text": text})
         post(f"http://127.0.0.1:{self.port}/api/lens", {"model": "smollm2", "text": text[:200]})
@@ -171,15 +170,14 @@ def main() -> int:
     runs = Path(tempfile.mkdtemp(prefix="qkv-serve-batch-"))
     binary, how = L.llama_tool("llama-server", build=args.build_llama_cpp)
     print(f"llama-server: {how}")
-    t0 = time.perf_counter()  # the step the batched server's lone rows take (built once per machine)
-    built = subprocess.run([sys.executable, "-m", "qkv", "generate", "smollm2", "--compile", "on", "--prompt",
-                            "The", "--max-new-tokens", "1", "--batch-step", f"8:{MAX_TOKENS}"],
-                           capture_output=True, text=True)
-    lines = [x for x in built.stderr.splitlines() if x.startswith("[")]  # qkv generate's closing lines
+    t0 = time.perf_counter()  # the documented set-up: the saved steps the server decodes with
+    built = subprocess.run([sys.executable, "-m", "qkv", "prepare", "smollm2", "--batch-rows", "8",
+                            "--max-tokens", str(MAX_TOKENS)], capture_output=True, text=True)
+    lines = [x for x in built.stderr.splitlines() if "saved step for" in x]
     step_note = " ".join(lines) or f"rc {built.returncode}"
-    print(f"saved step: {step_note} ({time.perf_counter() - t0:.0f} s)")
+    print(f"qkv prepare smollm2: {step_note} ({time.perf_counter() - t0:.0f} s)")
     servers: list[Server] = [QkvServer("qkv serve (batched)", runs, 8, True),
-                             QkvServer("qkv serve --batch-rows 0 (each alone, eager)", runs, 0, False)]
+                             QkvServer("qkv serve --batch-rows 1 (one at a time, eager)", runs, 1, False)]
     if binary is not None:
         servers.append(LlamaServer(binary, gguf))
     rounds: list[dict] = []

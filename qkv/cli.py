@@ -41,6 +41,7 @@ def build_parser() -> argparse.ArgumentParser:
     from qkv.commands.export import add_export_parser
     from qkv.commands.generate import add_generate_parser
     from qkv.commands.lens import add_lens_parser
+    from qkv.commands.prepare import add_prepare_parser
     from qkv.commands.pretrained import add_embed_parser, add_similarity_parser
     from qkv.commands.seq2seq import add_translate_parser
     from qkv.commands.serve import add_serve_parser
@@ -50,6 +51,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_bench_parser(sub)
     add_train_parser(sub)
     add_generate_parser(sub)
+    add_prepare_parser(sub)
     add_embed_parser(sub)
     add_similarity_parser(sub)
     add_classify_parser(sub)

@@ -183,14 +183,12 @@ def _qkv_cache(tmp_path_factory):
     """Everything qkv caches under $QKV_CACHE_DIR goes to a temporary folder for the session,
     not ~/.cache: the trainer's dtype/compile probe answers (the user's must not steer the
     tests) and converted checkpoints (the first SmolLM2 load converts and stores it there,
-    later loads, e.g. tests/pretrained/test_cache.py, read it back). An eager ``qkv generate``
-    starts no background build of a saved step (QKV_SAVED_STEP_BACKGROUND=off): a test asks for
-    one where it checks one (tests/generation/test_aot.py)."""
+    later loads, e.g. tests/pretrained/test_cache.py, read it back), and the saved decoding
+    steps (none is there until a test builds one: tests/generation/test_aot.py)."""
     import os
 
     old = os.environ.get("QKV_CACHE_DIR")
     os.environ["QKV_CACHE_DIR"] = str(tmp_path_factory.mktemp("qkv-cache"))
-    os.environ["QKV_SAVED_STEP_BACKGROUND"] = "off"
     yield
     if old is None:
         os.environ.pop("QKV_CACHE_DIR", None)

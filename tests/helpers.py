@@ -298,7 +298,7 @@ def decode_alone(m, req, weights: bool = False) -> list:
     out = []
     for item in generate(m, torch.tensor([list(req.ids)]), req.max_new_tokens, temperature=req.temperature,
                          top_k=req.top_k, top_p=req.top_p, generator=gen, stop_ids=req.stop_ids,
-                         return_weights=weights, compile=False):
+                         return_weights=weights, mode="eager"):
         if weights:
             nxt, ws = item
             out.append((int(nxt[0]), [w[0] for w in ws]))

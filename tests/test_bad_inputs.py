@@ -36,6 +36,12 @@ CASES: list[tuple[str, str]] = [
     ("train|seq2seq|--preset|tiny|--task|copy|--max_len|100000", "max_len"),
     ("train|captioner|--preset|tiny|--data|{root}/nope", "nope"),
     ("train|vit|--preset|tiny|--dataset|nope", "nope"),
+    # prepare
+    ("prepare|{root}/nope", "nope"),
+    ("prepare|{vit}", "only decoders have decoding steps"),
+    ("prepare|{gpt}|--threads|0", "--threads must be >= 1"),
+    ("prepare|{gpt}|--max-tokens|4", "--max-tokens >= 8"),
+    ("prepare|{gpt}|--weights|q4", "weights q4 decodes from a file's own 4-bit groups"),
     # generate
     ("generate|{gpt}|--device|foo", "--device 'foo' is not a device"),
     ("generate|{gpt}|--device|meta", "not on meta"),

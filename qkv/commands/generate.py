@@ -4,14 +4,13 @@ GGUF file of a decoder architecture), eagerly or through the compiled decoding s
 from __future__ import annotations
 
 import argparse
-import contextlib
 import sys
 import time
+import warnings
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from qkv.inference import ModelRef
-    from qkv.pipelines.text import CausalLM
+    from qkv.pipelines.text import CausalLM, StreamStats
 
 
 def add_generate_parser(sub) -> None:
@@ -40,19 +39,17 @@ def add_generate_parser(sub) -> None:
     p.add_argument("--no-cache", action="store_true", help="recompute the whole context every step (slow)")
     p.add_argument("--compile", nargs="?", const="on", default="auto", choices=("auto", "on", "off", "jit"),
                    help="how each new token is computed. auto (default): through the model's saved "
-                   "step when one was built on this machine (a step compiled ahead of time, loaded in "
-                   "milliseconds: ~2x eager per token), else eagerly, and a low-priority process "
-                   "builds one in the background for later runs (QKV_SAVED_STEP_BACKGROUND=off: not); "
-                   "on (or a bare --compile): build "
-                   "the saved step first if there is none (about a minute, once per model, weight "
-                   "format and machine; kept in qkv's cache folder); off: eagerly; jit: torch.compile "
+                   "step when one was built on this machine (`qkv prepare MODEL`, or `qkv assets "
+                   "install smollm2` for the bundled model: a step compiled ahead of time, loaded in "
+                   "milliseconds, ~2x eager per token), else eagerly (the closing line says why and how "
+                   "to build one); on (or a bare --compile): build the saved step first if there is "
+                   "none (about a minute, in the foreground, once per model, weight format, thread "
+                   "count and machine; kept in qkv's cache folder); off: eagerly; jit: torch.compile "
                    "in this process (~7-65 s each time). QKV_SAVED_STEP=off also turns saved steps off")
     p.add_argument("--device", default="cpu", help="cpu or cuda")
     p.add_argument("--threads", type=int, default=None,
                    help="CPU threads PyTorch decodes with (default: one per core); a saved step is "
                    "built for a thread count")
-    p.add_argument("--batch-step", default=None, metavar="ROWS:LEN", help=argparse.SUPPRESS)  # qkv serve's
-    # background build: also the saved step of a running batch of up to ROWS rows, LEN positions
     p.add_argument("--chat", action="store_true",
                    help="(pretrained) wrap the prompt in the model's chat template and print the reply")
     p.add_argument("--system", default=None, help="(pretrained, --chat) a system message")
@@ -71,7 +68,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     """One decoding path for every decoder: a run, a bundled model, a GGUF file or a Hugging
     Face folder is opened as a :class:`~qkv.pipelines.CausalLM` and streamed by it."""
     from qkv.device import check_device
-    from qkv.generation import aot
+    from qkv.generation.builds import EagerDecodingWarning
     from qkv.generation.sampling import check_sampling
     from qkv.inference import open_model, resolve
     from qkv.pipelines.text import CausalLM
@@ -85,7 +82,6 @@ def cmd_generate(args: argparse.Namespace) -> int:
     if args.system is not None and not args.chat:
         raise ValueError("--system is a chat message: add --chat")
     check_compile(args)
-    batch = parse_batch_step(args.batch_step) if args.batch_step else None
     if args.threads is not None:
         if args.threads < 1:
             raise ValueError(f"--threads must be >= 1, got {args.threads}")
@@ -97,9 +93,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
         raise ValueError(f"{args.run} continues a prompt: give --prompt TEXT (with --chat: your message)")
     if ref.note:
         print(f"qkv: note: {ref.note}", file=sys.stderr)
-    # a previous run's background build would slow this one many times (a build-first run,
-    # --compile on, as background builds are, lets them go on: it may wait for one of them)
-    with aot.paused_builds() if args.compile != "on" else contextlib.nullcontext():
+    with warnings.catch_warnings():  # the closing line says why decoding was eager, every run
+        warnings.simplefilter("ignore", EagerDecodingWarning)
         t0 = time.perf_counter()
         weights = args.weights or {"float32": "fp32", "bfloat16": "bf16", None: None}[args.dtype]
         lm = open_model(ref, device=args.device, weights=weights, kinds=("decoder",))
@@ -110,7 +105,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
             raise ValueError(f"{args.run} continues a prompt: give --prompt TEXT (with --chat: your message)")
         pieces = lm.stream(prompt, args.max_new_tokens, chat=args.chat, system=args.system,
                            temperature=args.temperature, top_k=args.top_k or None, top_p=args.top_p,
-                           seed=args.seed, use_cache=not args.no_cache, compile=COMPILE[args.compile],
+                           seed=args.seed, use_cache=not args.no_cache, mode=MODES[args.compile],
                            slide=not args.chat)
         started = False  # notes and the echoed prompt come once generation has started (errors first)
         for piece in pieces:
@@ -124,33 +119,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
     sys.stdout.write("\n")
     st = lm.last_stats
     print(f"[{st.new_tokens} tokens in {st.seconds:.2f} s after a {st.prompt_tokens}-token prompt, "
-          f"{st.tokens_per_s:.1f} tok/s, {decode_mode(args, lm, ref, st)}]",
+          f"{st.tokens_per_s:.1f} tok/s, {decode_mode(args, lm, st)}]",
           file=sys.stderr)
-    if batch is not None:
-        print(f"[{batch_step(lm, *batch)}]", file=sys.stderr)
     return 0
-
-
-def parse_batch_step(spec: str) -> tuple[int, int]:
-    """``ROWS:LEN`` -> (rows, positions), checked (ValueError: one line)."""
-    try:
-        rows, length = (int(x) for x in spec.split(":"))
-    except ValueError:
-        raise ValueError(f"--batch-step takes ROWS:LEN, got {spec!r}") from None
-    if not 2 <= rows <= 64 or length < 8:
-        raise ValueError(f"--batch-step: 2..64 rows and at least 8 positions, got {spec!r}")
-    return rows, length
-
-
-def batch_step(lm: CausalLM, rows: int, length: int) -> str:
-    """Build (or find) the saved step of a running batch of up to ``rows`` rows and ``length``
-    positions (what ``qkv serve``'s background build asks for besides the one-row step)."""
-    from qkv.generation import aot
-
-    step, note = aot.saved_step(lm.model, build_missing=True, rows=rows, cache_len=length)
-    if step is None:
-        return f"no saved step for {rows} rows: {note}"
-    return f"saved step for up to {rows} rows of {step.cache_len} positions: {note or 'already built'}"
 
 
 def _start(lm: CausalLM, prompt: str, chat: bool, loaded: str) -> None:
@@ -164,7 +135,7 @@ def _start(lm: CausalLM, prompt: str, chat: bool, loaded: str) -> None:
         sys.stdout.write(prompt)
 
 
-COMPILE: dict[str, bool | str] = {"auto": "auto", "on": True, "off": False, "jit": "jit"}
+MODES: dict[str, str] = {"auto": "auto", "on": "build", "off": "eager", "jit": "jit"}  # --compile: mode
 
 
 def bare_compile(argv: list[str]) -> list[str]:
@@ -175,7 +146,7 @@ def bare_compile(argv: list[str]) -> list[str]:
     out: list[str] = []
     for i, a in enumerate(argv):
         out.append(a)
-        if a == "--compile" and (i + 1 == len(argv) or argv[i + 1] not in COMPILE):
+        if a == "--compile" and (i + 1 == len(argv) or argv[i + 1] not in MODES):
             out.append("on")
     return out
 
@@ -185,40 +156,32 @@ def check_compile(args: argparse.Namespace) -> None:
         raise ValueError("--compile compiles the KV-cache step; drop --no-cache")
 
 
-def decode_mode(args: argparse.Namespace, lm: CausalLM, ref: ModelRef, st) -> str:
-    """'KV cache', 'no cache', the saved step (or why not: with ``--compile auto`` and none built
-    yet, one is started in the background for later runs), or the jit-compiled step's compile
-    time and rate after it, for the closing stats line (``st``: the stream's StreamStats)."""
-    model = lm.model
+def decode_mode(args: argparse.Namespace, lm: CausalLM, st: StreamStats) -> str:
+    """'KV cache, saved step (loaded in 14 ms)', 'KV cache, eager: none built ...; qkv prepare ...',
+    'no cache', or the jit-compiled step's compile time and rate after it: the closing stats
+    line, read from the stream's typed decision (``st.decision``), never from message text."""
     if args.no_cache:
         return "no cache"
-    if args.compile == "off":
+    d = st.decision
+    if d is None:  # nothing was decoded (0 new tokens asked)
         return "KV cache"
-    n_tokens, seconds = st.new_tokens, st.seconds
-    if args.compile in ("auto", "on"):
-        from qkv.generation import aot
-        from qkv.generation.aot import cache_len_for, saved_step
+    if d.kind == "jit":
+        from qkv.generation.compiled import compiled_decoder
 
-        step, note = saved_step(model)
-        if step is not None and step.requests:
-            return (f"KV cache, saved step ({note + ', ' if note else ''}loaded in "
-                    f"{step.load_seconds * 1000:.0f} ms)")
-        if st.prompt_tokens + args.max_new_tokens > cache_len_for(model):
-            return (f"KV cache (decoded eagerly: prompt + new tokens exceed the saved step's "
-                    f"{cache_len_for(model)})")
-        if args.compile == "auto" and note == aot.NO_STEP:
-            from qkv.inference.steps import build_command
+        dec = compiled_decoder(lm.model)
+        if dec.failed:
+            return "KV cache (could not compile: decoded eagerly)"
+        rest = st.seconds - dec.compile_seconds
+        return (f"KV cache, compiled step: {dec.compile_seconds:.1f} s compiling, then "
+                f"{st.new_tokens / max(rest, 1e-9):.1f} tok/s")
+    import shlex
 
-            later = aot.build_in_background(model, build_command(ref, lm))
-            return f"KV cache ({note}: decoded eagerly; {later})"
-        return f"KV cache ({note or 'saved step not used'}: decoded eagerly; --compile builds one)"
-    from qkv.generation.compiled import compiled_decoder
+    import torch
 
-    dec = compiled_decoder(model)
-    if dec.failed:
-        return "KV cache (could not compile: decoded eagerly)"
-    if not dec.compilations:  # the request did not fit the compiled step's fixed cache
-        return f"KV cache (decoded eagerly: prompt + new tokens exceed the compiled step's {dec.cache_len})"
-    rest = seconds - dec.compile_seconds
-    return (f"KV cache, compiled step: {dec.compile_seconds:.1f} s compiling, then "
-            f"{n_tokens / max(rest, 1e-9):.1f} tok/s")
+    from qkv.generation.builds import Why
+
+    said = f"KV cache, {d.says()}"
+    if d.why in (Why.NOT_BUILT, Why.OTHER_KEY):
+        threads = f" --threads {torch.get_num_threads()}" if d.why is Why.OTHER_KEY else ""
+        said += f"; `qkv prepare {shlex.quote(args.run)}{threads}` builds one (once) for ~2x"
+    return said

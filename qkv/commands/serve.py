@@ -4,17 +4,11 @@ attention explorer page."""
 from __future__ import annotations
 
 import argparse
-import contextlib
 import ipaddress
 import socket
 import sys
-from collections.abc import Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    from qkv.serve import ServeConfig
-    from qkv.serve.registry import Registry
+from typing import Any
 
 
 def add_serve_parser(sub) -> None:
@@ -27,15 +21,14 @@ def add_serve_parser(sub) -> None:
         "upload an image for ViT and captioner runs. A JSON API backs the page (its schema: "
         "/openapi.json). Listens on the loopback interface only, unless --host says otherwise; "
         "on a loopback address, requests naming another host are refused (DNS rebinding); "
-        "uploads and other POSTs from another web site are refused (Origin, Sec-Fetch-Site); at "
-        "most --max-busy requests compute at once, a few wait, the rest get 503 + Retry-After; "
-        "generation requests on one model decode together in one running batch (--batch-rows), "
-        "through the model's saved decoding steps (compiled ahead of time, kept in qkv's cache "
-        "folder) once built: the server builds them in the background while it is idle (a "
-        "request stops the build, the next pause starts it again; about a minute each, once per "
-        "model and machine; QKV_SAVED_STEP=off: eager decoding; QKV_SAVED_STEP_BACKGROUND=off: "
-        "no build; --build-steps MODEL builds them before the server listens). "
-        "Needs `pip install 'qkv[serve]'`.",
+        "uploads and other POSTs from another web site are refused (Origin, Sec-Fetch-Site). Every "
+        "model computation runs on one compute loop, requests first come, first served (up to "
+        "--max-queued wait, the rest get 503 + Retry-After); generation requests on one model "
+        "decode together in one running batch (--batch-rows), through the model's saved decoding "
+        "steps where this machine has them (`qkv prepare MODEL --batch-rows R --max-tokens T`, or "
+        "--build-steps MODEL before listening; `qkv assets install smollm2` prepares the bundled "
+        "model for the defaults), else eagerly (about half the speed; the server says so once). "
+        "The server starts no other process. Needs `pip install 'qkv[serve]'`.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     p.add_argument("--host", default="127.0.0.1",
@@ -47,24 +40,22 @@ def add_serve_parser(sub) -> None:
     p.add_argument("--max-tokens", type=int, default=256,
                    help="longest text (in tokens) a request may show; longer text is truncated, with a note")
     p.add_argument("--max-upload-mb", type=float, default=5.0, help="largest image upload, in MB")
-    p.add_argument("--max-busy-per-model", type=int, default=2,
-                   help="requests computing on one model at once")
-    p.add_argument("--max-busy", type=int, default=4, help="requests computing on all models at once")
-    p.add_argument("--max-queued", type=int, default=4,
-                   help="requests waiting per model; beyond that a 503 with Retry-After")
+    p.add_argument("--max-queued", type=int, default=32,
+                   help="requests that may wait for the compute loop (and generations for a row of a "
+                   "model's batch); beyond that a 503 with Retry-After")
     p.add_argument("--max-wait", type=float, default=30.0,
-                   help="seconds a request waits for a slot before a 503")
+                   help="seconds a request may wait to start before a 503")
     p.add_argument("--batch-rows", type=int, default=8,
                    help="generation requests decoded together on one model (continuous batching: a "
                    "request joins the running batch between two steps, and decodes as it would "
-                   "alone, to float rounding); 0 = each request decodes alone, in its own work slot")
+                   "alone, to float rounding); 1 = one at a time")
     p.add_argument("--build-steps", nargs="+", default=[], metavar="MODEL",
                    help="before listening, build the saved decoding steps these models lack on this "
                    "machine (names as the page lists them: smollm2, runs/NAME): the one-request step "
                    "and, with --batch-rows 2 or more, the running batch's (that many rows x --max-tokens "
-                   "positions, or the model's context if shorter); about a "
-                   "minute each, once per model and machine, so that a busy server decodes fast from "
-                   "its first request (without it, steps are built only while the server is idle)")
+                   "positions, or the model's context if shorter), as `qkv prepare` does; about a "
+                   "minute each, once per model and machine, so that the server decodes fast from "
+                   "its first request")
     p.set_defaults(func=cmd_serve)
 
 
@@ -88,31 +79,18 @@ def _check_port_free(host: str, port: int) -> None:
                              "or --host") from None
 
 
-@contextlib.contextmanager
-def _status(text: str) -> Iterator[None]:
-    """A spinner with ``text`` on a terminal (rich), the line alone otherwise."""
-    console = None
-    if sys.stderr.isatty():
-        with contextlib.suppress(ImportError):
-            from rich.console import Console
-
-            console = Console(stderr=True)
-    if console is None:
-        print(text, file=sys.stderr, flush=True)
-        yield
-        return
-    with console.status(text):
-        yield
-
-
-def build_steps(registry: Registry, cfg: ServeConfig, names: list[str]) -> None:
+def build_steps(app: Any, names: list[str]) -> None:
     """``--build-steps``: every name checked first (one line, exit 2, before any build), then
-    each decoder loaded and its missing saved steps built (:func:`qkv.inference.steps.build_now`),
-    with one line per step; a step that cannot be built is said, and serving goes on eagerly.
-    ``registry`` and ``cfg``: the app's (``app.state``)."""
-    from qkv.inference.steps import build_now, missing
+    each decoder loaded and its missing saved steps built, as ``qkv prepare NAME --batch-rows
+    ROWS --max-tokens TOKENS`` would (:func:`qkv.commands.prepare.prepare`), in the server's
+    compute loop (the thread that will decode with them); a step that cannot be built is said,
+    and serving goes on eagerly. ``app``: the server's (its ``state`` holds the registry, the
+    config and the loop)."""
+    from qkv.assets import AssetMissingError
+    from qkv.commands.prepare import prepare
     from qkv.pipelines.text import CausalLM
-    from qkv.serve.threads import in_passing_thread
+
+    registry, cfg, loop = app.state.registry, app.state.config, app.state.loop
 
     def not_a_decoder(name: str, label: str) -> ValueError:
         return ValueError(f"--build-steps {name}: a {label} model has no decoding steps; name a decoder "
@@ -121,29 +99,25 @@ def build_steps(registry: Registry, cfg: ServeConfig, names: list[str]) -> None:
     for name in names:  # one line, exit 2, before anything is loaded or built
         try:
             ref = registry.resolve(name)
-        except ValueError as e:  # unknown or malformed: say which names there are
+        except AssetMissingError:
+            raise ValueError(f"--build-steps {name}: not installed: qkv assets install {name}") from None
+        except ValueError:  # unknown or malformed: say which names there are
             decoders = [x.id for x in registry.entries() if x.kind == "decoder"]
             shown = ", ".join(decoders[:8]) + (", ..." if len(decoders) > 8 else "")
             shown = shown or "none (qkv assets install smollm2, or a gpt run in --runs)"
-            why = str(e).split("; ")[0]
-            raise ValueError(f"--build-steps {name}: {why}; the decoders here: {shown}") from None
+            raise ValueError(f"--build-steps {name}: no such model here; the decoders here: "
+                             f"{shown}") from None
         if ref.kind != "decoder":
             raise not_a_decoder(name, ref.label)
-    for name in dict.fromkeys(names):
-        ref = registry.resolve(name)
+
+    def build(name: str) -> None:
         lm = registry.get(name)
         if not isinstance(lm, CausalLM):
-            raise not_a_decoder(name, ref.label)
-        total = cfg.longest(lm.context)
-        # in threads that end with them, not this one, which serves: see qkv.serve.threads
-        building = (_status(f"qkv serve: {name}: building the saved decoding steps this machine lacks "
-                            "(about a minute each, once per model and machine)")
-                    if in_passing_thread(missing, lm, cfg.batch_rows, total) else contextlib.nullcontext())
-        with building:
-            done = in_passing_thread(build_now, lm, cfg.batch_rows, total)
-        for b in done:
-            print(f"qkv serve: {name}: saved step for {b.what}: {b.note}"
-                  f"{'' if b.ready else ' (its requests decode eagerly)'}", file=sys.stderr, flush=True)
+            raise not_a_decoder(name, registry.resolve(name).label)
+        prepare(f"qkv serve: {name}", lm, cfg.batch_rows, cfg.longest(lm.context))
+
+    for name in dict.fromkeys(names):
+        loop.call(build, name, label="build")
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
@@ -163,12 +137,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
     # elsewhere cannot reach it through a DNS name it controls (DNS rebinding).
     cfg = ServeConfig(runs_dir=Path(args.runs), max_tokens=args.max_tokens,
                       max_upload_bytes=int(args.max_upload_mb * 1_000_000), host=args.host,
-                      max_busy_per_model=args.max_busy_per_model, max_busy=args.max_busy,
                       max_queued=args.max_queued, max_wait_s=args.max_wait, batch_rows=args.batch_rows)
     app = create_app(cfg)
     _check_port_free(args.host, args.port)
     if args.build_steps:
-        build_steps(app.state.registry, cfg, args.build_steps)
+        build_steps(app, args.build_steps)
         _check_port_free(args.host, args.port)  # again: the builds took minutes
     if not _is_loopback(args.host):
         print(f"qkv: warning: serving on {args.host}: anyone who can reach this machine can use "

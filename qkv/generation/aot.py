@@ -25,7 +25,7 @@ rows with the number of rows n and the longest row's length as dynamic dimension
          pos (n,) each row's position, marker (max(pos) + 1,)) -> (n, 1, V)
 
 each row attending over its own keys by a mask (a masked :class:`~qkv.attention.BatchKVCache`
-view), keyed like the one-row step with R and S (``saved_step(model, rows=R, cache_len=S)``).
+view), keyed like the one-row step with R and S (``load(model, cache_len=S, batch=R)``).
 
 The step returns no attention weights (the fused attention never forms them), but it keeps
 each layer's query after RoPE in ``q`` (:meth:`qkv.attention.KVCache.keep_queries`): with the
@@ -35,31 +35,32 @@ through the saved step, paying one small product per layer it shows.
 
 Where a package may run is decided by its key, never by the package: CPU vendor, family, model
 and flag set (Inductor builds with ``-march=native``), thread count, torch version and build,
-the C++ compiler, the source of every module the step runs, the model's shape, module types and
-weight formats, the cache length and batch size. A package is written under a lock into a
+the C++ compiler, the source of every module the step runs (:func:`step_sources`, derived from
+the imports), the model's shape, module types and weight formats, the cache length and batch
+size. A package is written under a lock into a
 private folder (0700) and renamed into place; its SHA-256 is recorded beside it and checked on
 load, so a damaged or foreign package is refused (and rebuilt by the next build).
 
-``QKV_CACHE_DIR=off`` or ``QKV_SAVED_STEP=off`` turns saved steps off.
+This module exports, keys, stores and loads; *when* a step is built and whether a request
+uses it is decided in :mod:`qkv.generation.builds`. ``QKV_CACHE_DIR=off`` or
+``QKV_SAVED_STEP=off`` turns saved steps off.
 """
 
 from __future__ import annotations
 
-import contextlib
+import ast
 import fcntl
 import functools
 import hashlib
 import json
 import os
 import re
-import signal
-import subprocess
 import threading
 import time
 import warnings
 import weakref
 import zipfile
-from collections.abc import Collection
+from collections.abc import Callable, Collection
 from pathlib import Path
 from typing import Any
 
@@ -67,8 +68,8 @@ import torch
 from torch import Tensor, nn
 
 from qkv.attention import BatchKVCache, KVCache
-from qkv.attention.functional import scaled_dot_product_attention
 from qkv.generation.compiled import fingerprint, shape_signature
+from qkv.generation.decoders import attention_rows, keep_queries
 from qkv.models.gpt import GPT
 from qkv.native import NativeError, build_once, compiler, cpu_identity, private_folder, sha256
 from qkv.paths import cache_root
@@ -77,8 +78,10 @@ STEP_VERSION = 2  # bump when the exported step's contract changes
 DEFAULT_CACHE_LEN = 2048
 PACKAGE = "step.pt2"
 META = "step.json"
-_SOURCES = ("qkv/generation/aot.py", "qkv/attention", "qkv/layers", "qkv/models/gpt.py", "qkv/nn",
-            "qkv/kernels")
+# Where the sources that key a step start: this module (the exported wrapper), the model and
+# every layer it may hold (quantised ones included), and the kernels; :func:`step_sources`
+# follows their imports.
+_ROOTS = ("qkv.generation.aot", "qkv.models.gpt", "qkv.layers.quant", "qkv.kernels")
 
 
 class SavedStepError(RuntimeError):
@@ -102,16 +105,64 @@ def folder() -> Path:
 # --------------------------------------------------------------------------- the key
 
 
+def _module_file(name: str, base: Path) -> Path | None:
+    """The source file of qkv module ``name`` (a package's ``__init__.py``), None if not qkv's."""
+    rel = Path(*name.split("."))
+    for p in (base / rel / "__init__.py", base / rel.with_suffix(".py")):
+        if p.is_file():
+            return p
+    return None
+
+
+def _imports(path: Path, name: str) -> set[str]:
+    """The qkv modules ``path`` (module ``name``) imports anywhere in it, functions included:
+    ``from qkv.x import y`` names both qkv.x and, where it is a module, qkv.x.y."""
+    out: set[str] = set()
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            out |= {a.name for a in node.names}
+        elif isinstance(node, ast.ImportFrom):
+            mod = node.module or ""
+            if node.level:
+                parts = package.split(".")
+                mod = ".".join(parts[: len(parts) - node.level + 1] + ([mod] if mod else []))
+            out.add(mod)
+            out |= {f"{mod}.{a.name}" for a in node.names}
+    return {m for m in out if m == "qkv" or m.startswith("qkv.")}
+
+
+@functools.cache
+def step_sources() -> tuple[Path, ...]:
+    """Every source file of qkv that the step runs, derived, not listed by hand: the modules
+    :data:`_ROOTS` import, followed transitively (a superset of what one step executes, so a
+    change anywhere it could reach rebuilds the step), and the kernels' C++ files.
+    ``tests/generation/test_aot.py`` traces a decoding step and fails if it ran a file
+    missing here."""
+    base = Path(__file__).resolve().parents[2]
+    seen: dict[str, Path] = {}
+    todo = list(_ROOTS)
+    while todo:
+        name = todo.pop()
+        if name in seen:
+            continue
+        path = _module_file(name, base)
+        if path is None:
+            continue
+        seen[name] = path
+        todo += sorted(_imports(path, name) - seen.keys())
+    kernels = sorted((base / "qkv" / "kernels").glob("*.cpp"))
+    return tuple(sorted(set(seen.values()))) + tuple(kernels)
+
+
 @functools.cache
 def _code_digest() -> str:
     """SHA-256 over the source of every module the step runs (a change rebuilds the step)."""
     base = Path(__file__).resolve().parents[2]
     h = hashlib.sha256()
-    for rel in _SOURCES:
-        p = base / rel
-        for f in sorted([*p.rglob("*.py"), *p.rglob("*.cpp")]) if p.is_dir() else [p]:
-            h.update(str(f.relative_to(base)).encode())
-            h.update(f.read_bytes())
+    for f in step_sources():
+        h.update(str(f.relative_to(base)).encode())
+        h.update(f.read_bytes())
     return h.hexdigest()
 
 
@@ -189,13 +240,6 @@ def _make_cache(model: GPT, batch: int, cache_len: int) -> KVCache:
     return cache
 
 
-def keep_queries(model: GPT, cache: KVCache) -> None:
-    """Give ``cache`` a buffer for each layer's last query (L, B, H, 1, D), as a saved step's
-    cache has (:meth:`qkv.attention.KVCache.keep_queries`)."""
-    cfg, B = model.cfg, cache.k.shape[1]
-    cache.keep_queries(cache.k.new_zeros(cfg.n_layers, B, cfg.n_heads, 1, cfg.resolved_head_dim))
-
-
 def _made_constants(package: Path, model: GPT) -> dict[str, int]:
     """Constants Inductor adds that are not the model's: on CPU each int4 product's group size
     (a 0-d int64 tensor ``constantNNN``), whose values a weight-less package does not hold."""
@@ -212,10 +256,13 @@ def _made_constants(package: Path, model: GPT) -> dict[str, int]:
     return out
 
 
-def build(model: GPT, cache_len: int | None = None, batch: int = 1) -> Path:
+def build(model: GPT, cache_len: int | None = None, batch: int = 1,
+          on_stage: Callable[[Any], object] | None = None) -> Path:
     """Export and compile the step of ``model`` (tens of seconds to minutes) into the saved-step
     folder, unless a valid one is there already; returns its folder. Two processes building at
-    once: one builds, the other waits and finds it."""
+    once: one builds, the other waits and finds it. ``on_stage("exporting")`` and
+    ``on_stage("compiling")`` as each stage begins. Everything runs in this process and
+    returns when done (:mod:`qkv.generation.builds` owns when a build happens)."""
     if compiler() is None:
         raise SavedStepError("no C++ compiler found (c++ or g++): the step cannot be compiled here")
     S = cache_len_for(model, cache_len)
@@ -229,89 +276,26 @@ def build(model: GPT, cache_len: int | None = None, batch: int = 1) -> Path:
         pkg = tmp / PACKAGE
         with warnings.catch_warnings():  # torch's own deprecation notice inside export, not the user's
             warnings.filterwarnings("ignore", message=".*LeafSpec.*", category=FutureWarning)
+            if on_stage is not None:
+                on_stage("exporting")
             ep = _export(model, S, batch)
+            if on_stage is not None:
+                on_stage("compiling")
             aoti_compile_and_package(ep, package_path=str(pkg),
                                      inductor_configs={"aot_inductor.package_constants_in_so": False})
         return {"key": key, "info": info, "sha256": sha256(pkg), "made": _made_constants(pkg, model)}
 
-    if _held(folder() / f"{key}.lock"):  # a build of this key is running: it may be paused
-        resume_builds()
     return build_once(folder(), key, META, lambda path: _valid(path, key, info) is not None, make)
 
 
-NO_STEP = "no saved step for this model here"
-
-
-def background_enabled() -> bool:
-    """Building in the background after an eager run is on unless ``QKV_SAVED_STEP_BACKGROUND=off``
-    (or saved steps are off)."""
-    off = os.environ.get("QKV_SAVED_STEP_BACKGROUND", "").lower() in ("off", "0", "false")
-    return enabled() and not off
-
-
-def build_in_background(model: GPT, cmd: list[str], rows: int = 1, cache_len: int | None = None) -> str:
-    """Start ``cmd``, a command that builds ``model``'s step in another process (``qkv generate
-    REF --compile on`` with this process's weights and thread count: the same key; with ``rows``
-    > 1 also the step of a running batch of that many rows and ``cache_len`` positions),
-    detached and at the lowest priority (:func:`lower_priority`), and return at once with what the closing
-    line of an eager ``qkv generate`` says; the next process loads the step. Its output goes to
-    ``<key>.log`` beside the packages (the last key it builds). Nothing is started when a build
-    of one of its keys is already running (it holds that key's lock), without a compiler, or
-    when background builds are off."""
-    if not background_enabled():
-        return "background builds are off"
-    if compiler() is None:
-        return "no C++ compiler found: no saved step can be built here"
+def building(key: str) -> bool:
+    """Whether a build of ``key`` is running now (another process, or thread, holds its lock)."""
     try:
-        keys = [step_key(model, cache_len_for(model), 1)[0]]
-        if rows > 1:
-            keys.append(step_key(model, cache_len_for(model, cache_len), rows)[0])
-        root = folder()
-        running = {k for _, ks in _live_builds() for k in ks}  # started, maybe not yet at the lock
-        if running & set(keys) or any(_held(root / f"{key}.lock") for key in keys):
-            return "a build of it is already running"
-        with (root / f"{keys[-1]}.log").open("w") as out:
-            proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
-                                    start_new_session=True)
-        lower_priority(proc.pid)
-        _record_build(root, proc.pid, keys)
-        with _BUILDS_LOCK:
-            _BUILDS.append(proc)
-    except (OSError, SavedStepError) as e:
-        return f"could not start a background build ({' '.join(str(e).split())[:200]})"
-    return f"building one now in the background (pid {proc.pid}, about a minute, once): later runs load it"
-
-
-_BUILDS: list[subprocess.Popen] = []  # background builds this process started
-_BUILDS_LOCK = threading.Lock()
-
-
-def building() -> bool:
-    """Whether a background build this process started is still running."""
-    with _BUILDS_LOCK:
-        _BUILDS[:] = [p for p in _BUILDS if p.poll() is None]
-        return bool(_BUILDS)
-
-
-def stop_background_builds() -> int:
-    """End every background build this process started that is still running, at once (SIGKILL
-    to its process group: the build and its compilers; its half-written folder is removed by the
-    next build of the key, which holds the key's lock). ``qkv serve`` calls this when a request
-    arrives: on two cores a build beside decoding slows it many times over, whatever its
-    priority, and one given SIGTERM kept a core for a second or more while it unwound. Returns
-    how many were stopped."""
-    with _BUILDS_LOCK:
-        live = [p for p in _BUILDS if p.poll() is None]
-        _BUILDS.clear()
-    for p in live:
-        with contextlib.suppress(OSError):
-            os.killpg(p.pid, signal.SIGKILL)
-        threading.Thread(target=p.wait, daemon=True).start()  # reaped, never waited for here
-    return len(live)
-
-
-def _held(lock: Path) -> bool:
-    """Whether another process holds the lock file ``lock`` (a build in progress holds its key's)."""
+        lock = folder() / f"{key}.lock"
+    except SavedStepError:
+        return False
+    if not lock.exists():
+        return False
     with lock.open("a") as f:
         try:
             fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -319,129 +303,6 @@ def _held(lock: Path) -> bool:
             return True
         fcntl.flock(f, fcntl.LOCK_UN)
         return False
-
-
-def _started_at(pid: int) -> str | None:
-    """When process ``pid`` started (field 22 of ``/proc/<pid>/stat``, in clock ticks since boot),
-    or None if it is gone: a pid and its start time name one process, even after pid reuse."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return None
-    return stat.rsplit(")", 1)[1].split()[19]
-
-
-def _record_build(root: Path, pid: int, keys: list[str]) -> None:
-    """Write ``root/.bg-<pid>.json`` (pid, start time, the keys it builds) for a background build,
-    so that a later process can find it: to pause it while decoding (:func:`paused_builds`), and
-    not to start a second build of the same keys while this one still loads its model."""
-    started = _started_at(pid)
-    if started is None:
-        return
-    tmp = root / f".bg-{pid}.json.tmp"
-    with contextlib.suppress(OSError):
-        tmp.write_text(json.dumps({"pid": pid, "started": started, "keys": keys}))
-        os.replace(tmp, root / f".bg-{pid}.json")
-
-
-def _live_builds(root: Path | None = None) -> list[tuple[int, list[str]]]:
-    """(pid, keys) of the background builds still running on this machine, started by any
-    process of this user (:func:`build_in_background`); the records of ended ones are removed.
-    ``root``: the saved-step folder (default :func:`folder`; a benchmark names another cache's)."""
-    if root is None:
-        try:
-            root = folder()
-        except (SavedStepError, NativeError):
-            return []
-    live = []
-    for rec in root.glob(".bg-*.json"):
-        try:
-            info = json.loads(rec.read_text())
-            pid = int(info["pid"])
-            alive = _started_at(pid) == info["started"]
-            keys = [str(k) for k in info.get("keys", [])]
-        except (OSError, ValueError, KeyError, TypeError):
-            alive = False
-        if alive:
-            live.append((pid, keys))
-        else:
-            with contextlib.suppress(OSError):
-                rec.unlink()
-    return live
-
-
-def background_builds() -> list[int]:
-    """The process groups of the background builds running on this machine (not this process's
-    own: a build never pauses itself)."""
-    own = os.getpgid(0)
-    return [pid for pid, _ in _live_builds() if pid != own]
-
-
-def _signal_builds(pids: list[int], sig: int) -> list[int]:
-    done = []
-    for pid in pids:
-        try:
-            os.killpg(pid, sig)  # the build and the compilers it started (its own session)
-            done.append(pid)
-        except OSError:  # ended meanwhile, or not ours
-            pass
-    return done
-
-
-def pause_builds() -> list[int]:
-    """Stop (SIGSTOP) every background build running on this machine; returns the process
-    groups stopped, for :func:`continue_builds`. See :func:`paused_builds`."""
-    return _signal_builds(background_builds(), signal.SIGSTOP)
-
-
-def continue_builds(pids: Collection[int]) -> None:
-    """Let the builds :func:`pause_builds` stopped go on (SIGCONT)."""
-    _signal_builds(list(pids), signal.SIGCONT)
-
-
-@contextlib.contextmanager
-def paused_builds():
-    """Stop (SIGSTOP) every background build running on this machine while the block decodes,
-    and let them go on (SIGCONT) after it, whatever ends the block.
-
-    On two cores a build beside decoding slows it many times over, whatever its priority
-    (:func:`lower_priority`): ``qkv generate`` run again while the previous run's build went on
-    decoded SmolLM2 q4 at 6 tok/s instead of ~90 (``benchmarks/first_runs.py``). Paused, a
-    build keeps its work and goes on in the pauses between runs. A process killed (SIGKILL)
-    inside the block leaves the builds stopped until the next block ends, or
-    :func:`resume_builds`. Yields the pids paused."""
-    paused = pause_builds()
-    try:
-        yield paused
-    finally:
-        continue_builds(paused)
-
-
-def resume_builds() -> int:
-    """Let every background build go on (SIGCONT), as a build that waits on one's lock must
-    (one left stopped by a decoding process that was killed would hold it forever). Returns how
-    many were signalled."""
-    return len(_signal_builds(background_builds(), signal.SIGCONT))
-
-
-def lower_priority(pid: int) -> str:
-    """Let process ``pid`` (and the compilers it starts, which inherit it) run only when a core
-    is idle: Linux's SCHED_IDLE, else the lowest nice. Set from outside, after the start
-    (``preexec_fn`` is unsafe in a threaded server). Even so a build beside decoding slows it on
-    two cores (each slice it takes stalls an OpenMP thread at the next barrier; by hand, SmolLM2
-    in ``qkv serve``, 32 tokens: 1.2 s alone, 7-22 s beside a SCHED_IDLE build, 18-36 s beside
-    one at nice 15), so ``qkv serve`` also stops its builds while requests run
-    (:func:`stop_background_builds`). Returns what was set."""
-    try:
-        os.sched_setscheduler(pid, os.SCHED_IDLE, os.sched_param(0))  # type: ignore[attr-defined]
-        return "idle"
-    except (AttributeError, OSError):
-        pass
-    try:
-        os.setpriority(os.PRIO_PROCESS, pid, 19)
-        return "nice 19"
-    except (AttributeError, OSError):
-        return "unchanged"
 
 
 def _valid(path: Path, key: str, info: dict[str, Any]) -> dict[str, Any] | None:
@@ -461,9 +322,12 @@ def _valid(path: Path, key: str, info: dict[str, Any]) -> dict[str, Any] | None:
 
 
 class SavedStep:
-    """A loaded step of one model (see the module doc); the interface of
-    :class:`qkv.generation.compiled.CompiledDecoder` (``fits``, ``begin``, ``make_cache``,
-    ``step``, ``release``). It holds its model weakly: it lives as long as the model does."""
+    """A loaded step of one model (see the module doc), a
+    :class:`~qkv.generation.decoders.StepDecoder` (``fits``, ``begin``, ``make_cache``,
+    ``step``, ``attention``, ``release``) and, for a running batch, :meth:`step_rows`. It holds
+    its model weakly: it lives as long as the model does."""
+
+    kind = "saved"
 
     def __init__(self, model: GPT, cache_len: int, batch: int, path: Path, loader: Any,
                  made: dict[str, Tensor]) -> None:
@@ -554,7 +418,7 @@ class SavedStep:
                              f"cache of {R} rows; got {tuple(tok.shape)}, {cache.max_seq_len} and "
                              f"{cache.k.shape[1]}")
         if cache.queries is None:
-            raise ValueError("a saved step's cache keeps its queries: aot.keep_queries(model, cache)")
+            raise ValueError("a saved step's cache keeps its queries: decoders.keep_queries(model, cache)")
         span = max(cache.lengths[:n])
         if not 1 <= span <= S - 3:
             out = self.model(tok, cache=cache.head(n), last_only=True).logits
@@ -572,43 +436,6 @@ class SavedStep:
                   rows: int | None = None) -> list[Tensor | None]:
         """The attention of the token just stepped (see :func:`attention_rows`)."""
         return attention_rows(self.model, cache, layers, rows)
-
-
-def attention_rows(model: GPT, cache: KVCache, layers: Collection[int] | None = None,
-                   rows: int | None = None) -> list[Tensor | None]:
-    """The attention of the last token fed through ``cache``, in ``layers`` (None: every layer),
-    from the queries the cache kept (:meth:`qkv.attention.KVCache.keep_queries`) and its keys:
-    per layer (B, H, 1, n) weights, n = ``cache.pos`` (None for a layer not asked), as the
-    eager model's reference backend returns them: softmax(q·Kᵀ/√D + ALiBi's bias). For a
-    :class:`~qkv.attention.BatchKVCache`, its first ``rows`` rows (default all), each over its
-    own ``pos[b]`` keys: (rows, H, 1, max pos), zero past each row's keys.
-    Lecture: CS189 Lec 21-22, the scores of one query against every stored key."""
-    q = cache.queries
-    if q is None:
-        raise ValueError("this cache keeps no queries: make it with SavedStep.make_cache")
-    L = model.cfg.n_layers
-    want = set(range(L)) if layers is None else {i % L for i in layers}
-    if isinstance(cache, BatchKVCache):
-        B = cache.batch_size if rows is None else rows
-        lengths = cache.lengths[:B]
-        n = max(lengths, default=0)
-        at = cache.pos[:B] - 1  # each row's last token
-        mask = torch.arange(n, device=at.device).view(1, 1, 1, n) <= at.view(B, 1, 1, 1)
-        bias = None if model.alibi is None else model.alibi.rows(at, 1, n)  # (B, H, 1, n)
-    else:
-        B, n, mask = q.shape[1], cache.pos, None
-        bias = None if model.alibi is None else model.alibi(1, n)  # (H, 1, n)
-    if not isinstance(n, int) or n < 1:
-        raise ValueError(f"no token has been fed through this cache yet (pos {n})")
-    out: list[Tensor | None] = []
-    for i in range(L):
-        if i not in want:
-            out.append(None)
-            continue
-        k, v = cache.k[i, :B, :, :n], cache.v[i, :B, :, :n]
-        w = scaled_dot_product_attention(q[i, :B], k, v, mask=mask, bias=bias, return_weights=True).weights
-        out.append(w)
-    return out
 
 
 def load(model: GPT, cache_len: int | None = None, batch: int = 1) -> SavedStep | None:
@@ -631,47 +458,3 @@ def load(model: GPT, cache_len: int | None = None, batch: int = 1) -> SavedStep 
     step = SavedStep(model, S, batch, path, loader, made)
     step.load_seconds = time.perf_counter() - t0
     return step
-
-
-_LOADED: weakref.WeakKeyDictionary[GPT, dict[tuple[int, int], tuple[SavedStep | None, float, str | None]]] = \
-    weakref.WeakKeyDictionary()
-RECHECK_S = 30.0  # how long "no saved step for this model" is believed before the folder is read again
-
-
-def saved_step(model: GPT, build_missing: bool = False, rows: int = 1,
-               cache_len: int | None = None) -> tuple[SavedStep | None, str | None]:
-    """(the model's saved step or None, why not / what was done) for the decoding loop: loaded
-    once per model and kept; with ``build_missing``, built first when there is none (the
-    caller's ``--compile``). Any failure leaves decoding eager, with the reason. ``rows`` > 1:
-    the step of a running batch of up to that many rows (:meth:`SavedStep.step_rows`) with a
-    ``cache_len``-position cache (default :func:`cache_len_for`)."""
-    with _LOADING:  # one load per model, however many threads ask at once
-        return _saved_step(model, build_missing, rows, cache_len_for(model, cache_len))
-
-
-_LOADING = threading.RLock()
-
-
-def _saved_step(model: GPT, build_missing: bool, rows: int, S: int) -> tuple[SavedStep | None, str | None]:
-    now = time.monotonic()
-    known = _LOADED.setdefault(model, {})
-    got = known.get((rows, S))
-    held = got[0] if got is not None else None
-    if held is not None and step_key(model, held.cache_len, held.batch)[0] != held.key:
-        got = None  # the model was cast, quantised or changed shape, or the thread count changed
-    if got is not None and (got[0] is not None or (not build_missing and now - got[1] < RECHECK_S)):
-        return got[0], got[2]
-    note = None
-    try:
-        step = load(model, S, rows)
-        if step is None and build_missing and enabled():
-            t0 = time.perf_counter()
-            build(model, S, rows)
-            step = load(model, S, rows)
-            note = f"saved step built in {time.perf_counter() - t0:.0f} s"
-    except Exception as e:  # a compiler error is not one exception type: any failure decodes eagerly
-        step, note = None, f"no saved step ({type(e).__name__}: {' '.join(str(e).split())[:200]})"
-    if step is None and note is None:
-        note = NO_STEP if enabled() else "saved steps are off"
-    known[(rows, S)] = (step, now, note)
-    return step, note

@@ -15,7 +15,7 @@ lengths, share those steps:
   moves into its place, so the live rows are always ``0 .. n - 1``.
 
 So every row decodes exactly as it would alone (:func:`qkv.generation.generate` with
-``compile=False``), up to float rounding of a batched product: the same greedy tokens, and with
+``mode="eager"``), up to float rounding of a batched product: the same greedy tokens, and with
 the same seed the same samples. The attention of each new token is available per row.
 
 A row that is *alone* in the batch steps through the model's saved decoding step
@@ -45,6 +45,9 @@ import torch
 from torch import Tensor
 
 from qkv.attention import BatchKVCache, KVCache
+from qkv.generation import aot
+from qkv.generation.builds import decide
+from qkv.generation.decoders import DecodeMode, keep_queries
 from qkv.generation.sampling import check_sampling, make_generator, sample_next
 from qkv.models.gpt import GPT
 
@@ -141,12 +144,13 @@ class Batch:
         rows: the most requests decoding at once (R).
         cache_len: the longest prompt + new tokens a row can hold (S); a longer request grows
             the cache (a copy), never past the model's context.
-        saved_step: let a row that is alone step through the model's saved step, and two or more
-            rows through its saved step for a running batch of ``rows`` rows and this cache
-            length, where they were built.
+        mode: ``auto`` lets a row that is alone step through the model's saved step, and two
+            or more rows through its saved step for a running batch of ``rows`` rows and this
+            cache length, where they were built (:func:`qkv.generation.builds.decide` decides);
+            ``eager``: neither. (``build`` is ``auto`` here: :func:`generate_batch` builds first.)
     """
 
-    def __init__(self, model: GPT, rows: int, cache_len: int, saved_step: bool = True,
+    def __init__(self, model: GPT, rows: int, cache_len: int, mode: DecodeMode | str = DecodeMode.AUTO,
                  cache: BatchKVCache | None = None) -> None:
         """``cache``: an earlier batch's (:meth:`take_cache`), reused (emptied and zeroed) when it
         has this batch's shape: SmolLM2's 8 x 256 cache takes ~20 ms to allocate, ~2 to zero."""
@@ -156,6 +160,10 @@ class Batch:
         self.rows = rows
         self.context = model.cfg.max_seq_len
         self.live: list[Row] = []
+        mode = DecodeMode.of(mode)
+        if mode is DecodeMode.JIT:
+            raise ValueError("a running batch steps eagerly or through saved steps: mode 'auto' or 'eager'")
+        self.mode = DecodeMode.AUTO if mode is DecodeMode.BUILD else mode
         length = min(max(cache_len, 2), self.context)
         if cache is not None and self._fits(cache, length):
             with torch.inference_mode():  # its buffers were made in it (_make_cache)
@@ -166,7 +174,6 @@ class Batch:
             self._cache = cache
         else:
             self._cache = self._make_cache(length)
-        self.saved_step = saved_step
         self._solo: tuple[Row, SavedStep, KVCache] | None = None  # the row, its saved step, the step's cache
         self._not_solo: Row | None = None  # the last row the saved step could not take (not asked again)
         self.solo_steps = 0  # steps taken through the saved step (a count for tests and benchmarks)
@@ -189,18 +196,14 @@ class Batch:
     def _keeps_queries(self) -> bool:
         """Whether the cache keeps each layer's query: what a saved step of several rows reads
         and writes."""
-        from qkv.generation import aot
-
-        return self.rows > 1 and aot.enabled()
+        return self.rows > 1 and self.mode is not DecodeMode.EAGER and aot.enabled()
 
     def _make_cache(self, length: int) -> BatchKVCache:
-        from qkv.generation import aot
-
         p = self.model.tok_emb.weight
         L, R, K, S, D = self._cache_shape(length)
         cache = BatchKVCache(L, R, K, S, D, dtype=p.dtype, device=p.device)
         if self._keeps_queries():
-            aot.keep_queries(self.model, cache)
+            keep_queries(self.model, cache)
         return cache
 
     def _fits(self, cache: BatchKVCache, length: int) -> bool:
@@ -264,14 +267,12 @@ class Batch:
         """((1, V) logits of ``row``'s next token, its attention in the layers it asks for or
         None) from the saved step, when the row may use it (alone, the step's cache long
         enough); else None."""
-        if not self.saved_step or row is self._not_solo:
+        if self.mode is DecodeMode.EAGER or row is self._not_solo:
             return None
         if self._solo is None:
-            from qkv.generation import aot
-
-            step, _ = aot.saved_step(self.model)
             n = self._cache.lengths[row.slot]
-            if step is None or not step.fits(n + row.request.max_new_tokens - len(row.new) + 1):
+            step = decide(self.model, self.mode, need=n + row.request.max_new_tokens - len(row.new) + 1).step
+            if step is None:
                 self._not_solo = row  # a decision per row, not per token
                 return None
             cache = step.make_cache(1)
@@ -290,13 +291,11 @@ class Batch:
         """((n, 1, V) logits, the attention of the layers the rows ask for or None) of a step
         of ``rows`` (the batch's first n) through the model's saved step for a running batch of
         up to ``self.rows`` rows with this cache length, when there is one; else None (while
-        missing, :func:`qkv.generation.aot.saved_step` answers from its own memory)."""
-        if not self.saved_step or self._cache.queries is None or len(rows) < 2:
+        missing, :func:`qkv.generation.builds.status` answers from its own memory)."""
+        if self.mode is DecodeMode.EAGER or self._cache.queries is None or len(rows) < 2:
             return None
         if self._rows_step is None or self._rows_step.cache_len != self.cache_len:
-            from qkv.generation import aot
-
-            self._rows_step, _ = aot.saved_step(self.model, rows=self.rows, cache_len=self.cache_len)
+            self._rows_step = decide(self.model, self.mode, rows=self.rows, cache_len=self.cache_len).step
             if self._rows_step is None:
                 return None
             self._rows_step.begin()
@@ -425,28 +424,25 @@ def batch_cache_len(model: GPT, need: int) -> int:
 
 
 def generate_batch(model: GPT, requests: Sequence[Request], rows: int = 8,
-                   compile: bool | str = "auto") -> Iterator[tuple[int, Token]]:
+                   mode: DecodeMode | str = DecodeMode.AUTO) -> Iterator[tuple[int, Token]]:
     """Decode every request, ``rows`` at a time (the next waiting one joins as soon as a row
     leaves): yields (index of the request, its next token) in the order they are produced.
 
-    ``compile``: ``"auto"`` steps through the model's saved steps where they were built (one row
+    ``mode``: ``auto`` steps through the model's saved steps where they were built (one row
     alone; two or more through the step of a running batch of ``rows`` rows and the cache length
-    :func:`batch_cache_len` gives), ``True`` builds them first if missing (about a minute each,
-    once per model and machine), ``False`` decodes eagerly."""
-    if compile not in (True, False, "auto"):
-        raise ValueError(f"compile must be True, False or 'auto', got {compile!r}")
+    :func:`batch_cache_len` gives), ``build`` builds them first if missing (about a minute each,
+    once per model and machine), ``eager`` decodes eagerly."""
+    mode = DecodeMode.of(mode)
     waiting = list(enumerate(requests))
     for _, r in waiting:
         r.check(model.cfg.max_seq_len)
     need = max((len(r.ids) + r.max_new_tokens for r in requests), default=2)
     cache_len = batch_cache_len(model, need)
-    if compile is True:
-        from qkv.generation import aot
-
-        aot.saved_step(model, build_missing=True)
+    if mode is DecodeMode.BUILD:
+        decide(model, mode)
         if rows > 1:
-            aot.saved_step(model, build_missing=True, rows=rows, cache_len=cache_len)
-    batch = Batch(model, rows, cache_len, saved_step=compile is not False)
+            decide(model, mode, rows=rows, cache_len=cache_len)
+    batch = Batch(model, rows, cache_len, mode)
     index: dict[Row, int] = {}  # row -> its request's index
     waiting.reverse()
     while waiting or len(batch):

@@ -32,7 +32,7 @@ Cost (SmolLM2, 2 cores, BENCHMARKS.md): 34-64 s to compile on a machine whose co
 is empty (two compilations: the position is static in the first), 6.5-7.4 s in a later
 process. Then q4 decodes at 1.69x its eager rate, fp32 1.69x, bf16 1.96x: it pays after
 ~2,000-14,000 tokens, i.e. for long generations and for processes that generate many times;
-``qkv generate`` leaves it off unless ``--compile``.
+``qkv generate`` leaves it off unless ``--compile jit``.
 """
 
 from __future__ import annotations
@@ -44,6 +44,7 @@ import time
 import types
 import warnings
 import weakref
+from collections.abc import Collection
 
 import torch
 from torch import Tensor
@@ -90,13 +91,14 @@ def _cache_len(model: GPT, cache_len: int | None) -> int:
 
 
 class CompiledDecoder:
-    """The compiled 1-token step of one model, with the fixed cache length it was built for.
+    """The compiled 1-token step of one model, with the fixed cache length it was built for (a
+    :class:`~qkv.generation.decoders.StepDecoder`; it gives no attention rows).
 
     Args:
         model: a :class:`~qkv.models.gpt.GPT` (any weight format: fp32, bf16, int8, q4).
         cache_len: tokens per request (prompt + new), at most the model's context.
 
-    Use through :func:`qkv.generation.generate` with ``compile=True``; by hand::
+    Use through :func:`qkv.generation.generate` with ``mode="jit"``; by hand::
 
         dec = compiled_decoder(model)
         dec.begin()
@@ -105,6 +107,8 @@ class CompiledDecoder:
         logits = dec.step(tok, cache)               # (B, 1) -> (B, 1, V)
         dec.release(cache)                          # reused by the next request
     """
+
+    kind = "jit"
 
     def __init__(self, model: GPT, cache_len: int | None = None) -> None:
         self._model = weakref.ref(model)
@@ -163,6 +167,10 @@ class CompiledDecoder:
         """Hand a request's cache back for the next request (its contents are not read again)."""
         with self._lock:
             self._free[cache.k.shape[1]] = cache
+
+    def attention(self, cache: KVCache, layers: Collection[int] | None = None) -> list[Tensor | None]:
+        """The compiled step keeps no queries: ValueError (use the saved step or eager)."""
+        raise ValueError("the torch.compile step returns no attention weights; use mode 'auto' or 'eager'")
 
     def step(self, tok: Tensor, cache: KVCache) -> Tensor:
         """(B, 1) token ids at position ``cache.pos`` -> (B, 1, V) logits; advances the cache."""

@@ -20,6 +20,8 @@ from typing import Any, NamedTuple, Protocol
 import torch
 from torch import Tensor
 
+from qkv.generation.builds import Decision, decoder_for
+from qkv.generation.decoders import DecodeMode
 from qkv.generation.sampling import make_generator, sample_next
 from qkv.models.gpt import GPT
 from qkv.tokenizers.vocab import BOS, EOS, PAD, UNK
@@ -77,111 +79,77 @@ def text_pieces(decode: Callable[[Sequence[int]], str], ids: Iterable[int],
             yield rest
 
 
-@torch.inference_mode()
-def generate(
-    model: GPT,
-    prompt: Tensor,
-    max_new_tokens: int,
-    *,
-    temperature: float = 1.0,
-    top_k: int | None = None,
-    top_p: float | None = None,
-    use_cache: bool = True,
-    generator: torch.Generator | None = None,
-    seed: int | None = None,
-    stop_ids: Iterable[int] = (),
-    return_weights: bool = False,
-    compile: bool | str = "auto",
-) -> Iterator[Any]:
-    """Yield (B,) new token ids one step at a time (so callers can stream them), or, with
-    ``return_weights``, (ids, weights): the attention of the position that chose them, one
-    (B, H, S) tensor per layer (the explicit ``reference`` backend, which can return them).
+class _Stops:
+    """Rows that produced a stop id: they repeat it until every row has stopped."""
 
-    Args:
-        prompt: (B, T0) token ids, T0 >= 1. Longer than the context: cropped (see
-            :func:`crop_prompt`; the caller may warn).
-        temperature / top_k / top_p: see :func:`qkv.generation.sampling.sample_next`.
-        use_cache: decode with a preallocated KV cache (False = full forward each step).
-        generator: RNG for sampling, for reproducible output; ``seed``: a fresh generator
-            seeded with it instead (neither: the global RNG).
-        stop_ids: ids that end a row (chat models' end of turn). Generation ends, without
-            yielding that step, once every row has produced one; a row that stopped earlier
-            repeats its stop id.
-        compile: how the 1-token steps run (the prompt always runs eagerly). ``"auto"``: through
-            the model's saved step (:mod:`qkv.generation.aot`) when one was built on this
-            machine, else eagerly; ``True``: build the saved step first if there is none
-            (tens of seconds to minutes, once per model and machine); ``"jit"``: through
-            ``torch.compile`` in this process (:mod:`qkv.generation.compiled`); ``False``:
-            eagerly. Requests longer than a step's fixed cache (prompt + new tokens > 2,048)
-            decode eagerly; ``return_weights`` with the saved step computes each layer's row
-            from the step's kept queries (:meth:`qkv.generation.aot.SavedStep.attention`).
-    """
+    def __init__(self, stop_ids: Iterable[int], batch: int, device: torch.device) -> None:
+        self.ids = torch.tensor(sorted(set(stop_ids)), dtype=torch.long, device=device)
+        self.stopped = torch.zeros(batch, dtype=torch.bool, device=device)
+        self.tok = torch.zeros(batch, dtype=torch.long, device=device)
+
+    def apply(self, nxt: Tensor) -> tuple[Tensor, bool]:
+        """(the ids to append, whether every row has stopped: generation ends)."""
+        if not len(self.ids):
+            return nxt, False
+        nxt = torch.where(self.stopped, self.tok, nxt)
+        now = torch.isin(nxt, self.ids) & ~self.stopped
+        self.tok, self.stopped = torch.where(now, nxt, self.tok), self.stopped | now
+        return nxt, bool(self.stopped.all())
+
+
+@torch.inference_mode()
+def generate(model: GPT, prompt: Tensor, max_new_tokens: int, *, temperature: float = 1.0,
+             top_k: int | None = None, top_p: float | None = None, use_cache: bool = True,
+             generator: torch.Generator | None = None, seed: int | None = None, stop_ids: Iterable[int] = (),
+             return_weights: bool = False, mode: DecodeMode | str = DecodeMode.AUTO,
+             on_decision: Callable[[Decision], object] | None = None) -> Iterator[Any]:
+    """Yield (B,) new ids one step at a time from ``prompt`` (B, T0), or with ``return_weights``
+    (ids, one (B, H, S) attention row per layer: softmax(q·Kᵀ/√d) of the query that chose them).
+    A prompt longer than the context is cropped (:func:`crop_prompt`); sampling: see
+    :func:`~qkv.generation.sampling.sample_next` (``generator``, or a fresh one from ``seed``);
+    ``stop_ids`` end a row (the others go on; generation ends, without yielding that step, once
+    every row has stopped); ``use_cache`` False recomputes the whole context each step. ``mode``
+    (:class:`~qkv.generation.decoders.DecodeMode`): how the 1-token steps run (the prompt always
+    runs eagerly), decided by :func:`qkv.generation.builds.decoder_for` and told to ``on_decision``."""
     if prompt.ndim != 2 or prompt.shape[1] < 1:
         raise ValueError(f"prompt must be (B, T) with T >= 1, got shape {tuple(prompt.shape)}")
-    if compile not in (True, False, "auto", "jit"):
-        raise ValueError(f"compile must be True, False, 'auto' or 'jit', got {compile!r}")
-    if return_weights and compile == "jit":
-        raise ValueError("the torch.compile step returns no attention weights; use compile='auto' or False")
     model.eval()
-    if generator is None and seed is not None:
-        generator = make_generator(prompt.device, seed)
-    stops = torch.tensor(sorted(set(stop_ids)), dtype=torch.long, device=prompt.device)
-    stopped = torch.zeros(prompt.shape[0], dtype=torch.bool, device=prompt.device)
-    stop_tok = torch.zeros(prompt.shape[0], dtype=torch.long, device=prompt.device)
-    extra = {"backend": "reference", "return_weights": True} if return_weights else {}
+    generator = generator if generator is not None or seed is None else make_generator(prompt.device, seed)
     W = model.cfg.max_seq_len
     tokens, _ = crop_prompt(prompt, W)
-    # The cache never holds more than the context, nor more than this call can produce:
-    # sizing it to the need avoids zeroing a (L, B, K, 8192, D) buffer for a short reply.
-    cache_len = min(W, tokens.shape[1] + max(max_new_tokens, 1))
-    cache, step = None, None  # step: the compiled 1-token step, if asked for and the request fits
-    dec: Any = None
-    if compile == "jit" and use_cache:
-        from qkv.generation.compiled import compiled_decoder
-
-        dec = compiled_decoder(model)
-    elif compile in (True, "auto") and use_cache and tokens.shape[0] == 1:
-        from qkv.generation.aot import cache_len_for, saved_step
-
-        if tokens.shape[1] + max_new_tokens <= cache_len_for(model):  # else: eager, nothing built
-            dec, _ = saved_step(model, build_missing=compile is True)
-    if dec is not None and dec.fits(tokens.shape[1] + max_new_tokens):
+    stops = _Stops(stop_ids, tokens.shape[0], prompt.device)
+    chosen = decoder_for(model, mode if use_cache else DecodeMode.EAGER, batch=tokens.shape[0],
+                         need=tokens.shape[1] + max(max_new_tokens, 1), weights=return_weights)
+    if on_decision is not None:
+        on_decision(chosen)
+    dec = chosen.decoder if use_cache else None
+    if dec is not None:
         dec.begin()
-        cache, step = dec.make_cache(tokens.shape[0]), dec.step
-    if use_cache and cache is None:
-        cache = model.make_cache(tokens.shape[0], cache_len)
-    start, fed = 0, 0  # context = tokens[:, start:]; the cache holds tokens[:, start:fed]
+    cache = dec.make_cache(tokens.shape[0]) if dec is not None else None
+    start = fed = 0  # context = tokens[:, start:]; the cache holds tokens[:, start:fed]
     try:
         for _ in range(max_new_tokens):
             if tokens.shape[1] - start > W:  # outgrew the context: keep the newest half
-                start = tokens.shape[1] - max(1, W // 2)
-                fed = start
+                start = fed = tokens.shape[1] - max(1, W // 2)
                 if cache is not None:
                     cache.reset()
-            out, weights = None, None
-            if cache is None:
+            if dec is None or cache is None:  # no cache: the whole context every step
+                extra = {"backend": "reference", "return_weights": True} if return_weights else {}
                 out = model(tokens[:, start:], last_only=True, **extra)
-            elif step is not None and tokens.shape[1] - fed == 1:
-                logits = step(tokens[:, fed:], cache)
-                fed = tokens.shape[1]
-                if return_weights:
-                    weights = dec.attention(cache)
-            else:
-                out = model(tokens[:, fed:], cache=cache, last_only=True, **extra)
-                fed = tokens.shape[1]
-            if out is not None:
                 logits, weights = out.logits, out.weights
-            nxt = sample_next(logits[:, -1], temperature, top_k, top_p, generator)  # (B,)
-            if len(stops):
-                nxt = torch.where(stopped, stop_tok, nxt)
-                now = torch.isin(nxt, stops) & ~stopped
-                stop_tok, stopped = torch.where(now, nxt, stop_tok), stopped | now
-                if bool(stopped.all()):
-                    return
+            else:
+                new = tokens[:, fed:]  # one token: the decoder's step; more (the prompt): eagerly
+                logits = dec.step(new, cache) if new.shape[1] == 1 else \
+                    model(new, cache=cache, last_only=True).logits
+                fed = tokens.shape[1]
+                weights = dec.attention(cache) if return_weights else None
+            nxt, done = stops.apply(sample_next(logits[:, -1], temperature, top_k, top_p, generator))
+            if done:
+                return
             tokens = torch.cat([tokens, nxt.unsqueeze(1)], dim=1)
-            yield (nxt, [w[:, :, -1] for w in weights]) if return_weights else nxt
+            yield (nxt, [w[:, :, -1] for w in weights]) if weights is not None else nxt
     finally:
-        if step is not None:
+        if dec is not None and cache is not None:
             dec.release(cache)  # the next request reuses it
 
 
@@ -196,7 +164,7 @@ class DecodeState(Protocol):
         ...
 
 
-class StepDecoder(Protocol):
+class Seq2SeqDecoder(Protocol):
     """What :func:`greedy_decode` and :func:`beam_search` decode: RNNSeq2Seq, TransformerSeq2Seq,
     the captioner's adapter. Special ids: :mod:`qkv.tokenizers.vocab`."""
 
@@ -230,7 +198,7 @@ class Decoded(NamedTuple):
 
 
 @torch.no_grad()
-def greedy_decode(model: StepDecoder, src: Tensor, max_len: int) -> Decoded:
+def greedy_decode(model: Seq2SeqDecoder, src: Tensor, max_len: int) -> Decoded:
     """The most likely token at every step, for a batch of sources (B, S), PAD-padded."""
     B = src.shape[0]
     state = model.start(src)
@@ -271,7 +239,7 @@ def _finish(toks: list[list[int]], scores: list[float], weights: Tensor | None) 
 
 
 @torch.no_grad()
-def beam_search(model: StepDecoder, src: Tensor, max_len: int, beam: int = 4,
+def beam_search(model: Seq2SeqDecoder, src: Tensor, max_len: int, beam: int = 4,
                 length_penalty: float = 1.0) -> Decoded:
     """Keep the ``beam`` best unfinished outputs per source; outputs that end (EOS) move to a
     per-source list of the ``beam`` best finished ones, so later, longer candidates can never

@@ -32,7 +32,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from qkv.native import NativeError, build_once, compiler, cpu_identity, cxx, private_folder, sha256
+from qkv.native import NativeError, build_once, compiler, cpu_identity, cxx, private_folder, run_owned, sha256
 
 SOURCE = Path(__file__).with_name("qmatmul.cpp")
 LIBRARY = "qmatmul.so"
@@ -68,7 +68,7 @@ def compile_library(out: Path, flags: tuple[str, ...] = ("-march=native",), name
            *[f"-I{p}" for p in cpp_extension.include_paths()], str(SOURCE), "-o", str(out),
            *[f"-L{p}" for p in cpp_extension.library_paths()], "-lc10", "-ltorch_cpu"]
     try:
-        r = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+        r = run_owned(cmd, timeout=300)  # never outlives this process
     except (OSError, subprocess.SubprocessError) as e:
         raise NativeError(f"the compiler did not run: {e}") from None
     if r.returncode != 0:

@@ -25,7 +25,9 @@ import torch
 from torch import Tensor
 
 from qkv.generation import generate as generate_tokens
+from qkv.generation.builds import Decision, StepStatus, ensure, warn_once
 from qkv.generation.decode import crop_prompt, text_pieces
+from qkv.generation.decoders import DecodeMode
 from qkv.generation.sampling import make_generator
 from qkv.models.encoder import Encoder
 from qkv.models.gpt import GPT
@@ -147,6 +149,7 @@ class StreamStats:
     new_tokens: int = 0
     seconds: float = 0.0
     notes: list[str] = field(default_factory=list)  # what was changed about the request
+    decision: Decision | None = None  # which decoder ran the steps, and why not the saved step
 
     @property
     def tokens_per_s(self) -> float:
@@ -182,6 +185,21 @@ class CausalLM(LayersAndHeads):
     def context(self) -> int:
         """The most tokens read at once (the model's ``max_seq_len``)."""
         return self.model.cfg.max_seq_len
+
+    def prepare(self, batch_rows: int = 0, batch_tokens: int = 256,
+                on_stage: Callable[[str], object] | None = None) -> list[StepStatus]:
+        """Build this model's saved decoding step on this machine if it has none (what ``qkv
+        prepare`` does; tens of seconds to minutes, once per model, weight format, thread count
+        and machine), so that every later process decodes through it from its first token:
+        about twice the eager speed (BENCHMARKS.md). ``batch_rows`` >= 2 also builds the step of
+        a running batch of that many rows over ``batch_tokens`` positions (what ``qkv serve``
+        decodes with: 8 x 256 by default). Returns each step's status (a failure is a status,
+        never an exception); ``on_stage`` is told each stage as it begins."""
+        out = [ensure(self.model, on_stage=on_stage)]
+        if batch_rows >= 2:
+            out.append(ensure(self.model, rows=batch_rows, cache_len=min(batch_tokens, self.context),
+                              on_stage=on_stage))
+        return out
 
     # ------------------------------------------------------------------ how the weights are held
 
@@ -343,7 +361,7 @@ class CausalLM(LayersAndHeads):
         seed: int | None = None,
         use_cache: bool = True,
         stop_at_eos: bool = True,
-        compile: bool | str = "auto",
+        mode: DecodeMode | str = DecodeMode.AUTO,
         slide: bool = False,
     ) -> Iterator[str]:
         """Yield the continuation of ``prompt`` piece by piece (whole characters only).
@@ -353,10 +371,13 @@ class CausalLM(LayersAndHeads):
         refused; with ``slide`` (what ``qkv generate`` asks for a continuation) a long prompt
         keeps its last tokens and generation goes on past the context, which keeps its newest
         half (:func:`qkv.generation.generate`). Notes on either are in ``last_stats.notes``.
-        ``compile``: ``"auto"`` decodes through the model's saved step when one was built on
-        this machine (:mod:`qkv.generation.aot`, loaded in milliseconds), ``True`` builds it
-        first if there is none (once per model and machine), ``"jit"`` compiles in this
-        process (:mod:`qkv.generation.compiled`), ``False`` decodes eagerly.
+        ``mode`` (:class:`~qkv.generation.decoders.DecodeMode`): ``"auto"`` decodes through the
+        model's saved step when one was built on this machine (:meth:`prepare`, ``qkv prepare``;
+        loaded in milliseconds), else eagerly, with an
+        :class:`~qkv.generation.builds.EagerDecodingWarning` once per process saying how to
+        build one; ``"build"`` builds it first if there is none (once per model and machine);
+        ``"jit"`` compiles in this process (:mod:`qkv.generation.compiled`); ``"eager"``. Which
+        decoder ran, and why, is in ``last_stats.decision``.
         """
         if max_new_tokens < 0:
             raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
@@ -370,8 +391,7 @@ class CausalLM(LayersAndHeads):
         def new_ids() -> Iterator[int]:
             t0 = time.perf_counter()
             for tid, _ in self.steps(ids, max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
-                                     seed=seed, use_cache=use_cache, stop_at_eos=stop_at_eos,
-                                     compile=compile):
+                                     seed=seed, use_cache=use_cache, stop_at_eos=stop_at_eos, mode=mode):
                 stats.new_tokens += 1
                 stats.seconds = time.perf_counter() - t0
                 yield tid
@@ -380,18 +400,23 @@ class CausalLM(LayersAndHeads):
 
     def steps(self, ids: Sequence[int], max_new_tokens: int, *, temperature: float = 0.0,
               top_k: int | None = None, top_p: float | None = None, seed: int | None = None,
-              use_cache: bool = True, stop_at_eos: bool = True, compile: bool | str = "auto",
+              use_cache: bool = True, stop_at_eos: bool = True, mode: DecodeMode | str = DecodeMode.AUTO,
               return_weights: bool = False) -> Iterator[tuple[int, list[Tensor] | None]]:
         """The decoding loop under :meth:`stream` and the server's token-by-token attention:
         each new id after ``ids`` and, with ``return_weights``, the attention row of the position
         that chose it, one (1, H, S) tensor per layer. Stops at the model's stop ids
         (``stop_at_eos``); goes past the context by keeping its newest half
-        (:func:`qkv.generation.generate`)."""
+        (:func:`qkv.generation.generate`). Which decoder runs is ``last_stats.decision``."""
         x = torch.tensor([list(ids)], device=self.model.tok_emb.weight.device)
+
+        def decided(d: Decision) -> None:
+            self.last_stats.decision = d
+            warn_once(str(self.run_dir) if self.run_dir is not None else self.name, self.model, d)
+
         for out in generate_tokens(self.model, x, max_new_tokens, temperature=temperature, top_k=top_k,
                                    top_p=top_p, use_cache=use_cache, generator=make_generator(x.device, seed),
-                                   stop_ids=self.stop_ids if stop_at_eos else (), compile=compile,
-                                   return_weights=return_weights):
+                                   stop_ids=self.stop_ids if stop_at_eos else (), mode=mode,
+                                   return_weights=return_weights, on_decision=decided):
             nxt, weights = out if return_weights else (out, None)
             yield int(nxt[0]), weights
 
@@ -412,15 +437,16 @@ class CausalLM(LayersAndHeads):
     def generate_many(self, prompts: Sequence[str], max_new_tokens: int = 128, *, chat: bool = False,
                       system: str | None = None, temperature: float = 0.0, top_k: int | None = None,
                       top_p: float | None = None, seed: int | Sequence[int | None] | None = None,
-                      stop_at_eos: bool = True, rows: int = 8, compile: bool | str = "auto") -> list[str]:
+                      stop_at_eos: bool = True, rows: int = 8,
+                      mode: DecodeMode | str = DecodeMode.AUTO) -> list[str]:
         """Continue every prompt, decoded together: up to ``rows`` at once in one running batch,
         the next prompt joining as soon as one ends (:mod:`qkv.generation.batch`). Each
         continuation is the one :meth:`generate` gives for that prompt alone (the same greedy
         tokens, to float rounding; sampled, the same tokens for the same seed). ``seed``: one for
         every prompt, or one per prompt. Each is bounded by the context as in :meth:`stream`
-        (without ``slide``). ``compile``: ``"auto"`` steps through the model's saved steps where
-        they were built (a lone row, and the running batch's own step), ``True`` builds them
-        first (about a minute each, once per model, ``rows`` and machine), ``False``: eagerly."""
+        (without ``slide``). ``mode``: ``"auto"`` steps through the model's saved steps where
+        they were built (a lone row, and the running batch's own step), ``"build"`` builds them
+        first (about a minute each, once per model, ``rows`` and machine), ``"eager"``."""
         from qkv.generation.batch import Request, generate_batch
 
         if isinstance(prompts, str):
@@ -436,7 +462,7 @@ class CausalLM(LayersAndHeads):
         reqs = [Request(i, min(max_new_tokens, self.context - len(i)), temperature, top_k, top_p, s, stops)
                 for i, s in zip(ids, seeds, strict=True)]
         new: list[list[int]] = [[] for _ in prompts]
-        for i, tok in generate_batch(self.model, reqs, rows, compile=compile):
+        for i, tok in generate_batch(self.model, reqs, rows, mode=mode):
             new[i].append(tok.id)
         return ["".join(text_pieces(self.tokenizer.decode, n, context=i))
                 for n, i in zip(new, ids, strict=True)]

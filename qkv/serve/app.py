@@ -15,10 +15,11 @@
 Errors are JSON ``{"detail": "..."}`` with 400 (malformed model name, or a Host header this
 server does not answer to), 403 (a cross-site POST from a browser page), 404 (unknown model),
 413 (upload or image too large), 415 (not an image), 422 (input the model cannot take),
-503 (the model is busy: ``Retry-After`` says when to retry; or a missing optional
+503 (the server is busy: ``Retry-After`` says when to retry; or a missing optional
 dependency). Models are loaded once and shared, at most ``max_loaded_models`` in memory (see
-registry.py); at most ``max_busy_per_model`` requests compute on one model at once and
-``max_busy`` on all, a few more wait (see work.py). No response names a filesystem path.
+registry.py); every model computation runs on the server's one compute loop, which also steps
+each model's running batch of generations, ``max_queued`` requests at most waiting (see
+loop.py). No response names a filesystem path.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ from fastapi.staticfiles import StaticFiles
 from qkv.serve.api import Explorer
 from qkv.serve.config import ServeConfig
 from qkv.serve.guards import BodyLimit, HostCheck, OriginCheck
+from qkv.serve.loop import ComputeLoop
 from qkv.serve.registry import Registry
 from qkv.serve.schemas import (
     AttentionResponse,
@@ -46,7 +48,6 @@ from qkv.serve.schemas import (
     PatchResponse,
     QKResponse,
 )
-from qkv.serve.work import WorkQueue
 from qkv.version import __version__
 
 STATIC = Path(__file__).resolve().parent / "static"
@@ -72,15 +73,17 @@ ERRORS: dict[int | str, dict[str, Any]] = {
 def create_app(config: ServeConfig | None = None, **overrides: Any) -> FastAPI:
     """The app. ``create_app(runs_dir=...)`` is ``create_app(ServeConfig(runs_dir=...))``."""
     cfg = config or ServeConfig(**overrides)
-    registry = Registry(cfg.runs_dir, cfg.max_loaded_models, max_wait_s=cfg.max_wait_s)
-    work = WorkQueue(cfg.max_busy_per_model, cfg.max_busy, cfg.max_queued, cfg.max_wait_s)
+    # models load in the compute loop, which must never wait inside: a load that finds every
+    # model in use is answered busy at once (503) instead of waiting for rows the loop steps
+    registry = Registry(cfg.runs_dir, cfg.max_loaded_models, max_wait_s=0.0)
+    loop = ComputeLoop(cfg.max_queued, cfg.max_wait_s)
     app = FastAPI(
         title="qkv attention explorer", version=__version__,
         description="See what attention does: per layer and head, as heatmaps and lines, for "
         "pretrained models (MiniLM, SmolLM2) and runs from `qkv train`.",
         docs_url=None, redoc_url=None,  # their pages load scripts from a CDN; the page must not
     )
-    app.state.config, app.state.registry, app.state.work = cfg, registry, work
+    app.state.config, app.state.registry, app.state.loop = cfg, registry, loop
     # the last added runs first: Host, then Origin, then the body's size
     app.add_middleware(BodyLimit, max_bytes=cfg.max_upload_bytes + 256_000)
     app.add_middleware(OriginCheck)
@@ -121,7 +124,7 @@ def create_app(config: ServeConfig | None = None, **overrides: Any) -> FastAPI:
 
     app.mount("/static", StaticFiles(directory=STATIC), name="static")
 
-    api = Explorer(cfg, registry, work)
+    api = Explorer(cfg, registry, loop)
     json_errors = {"responses": ERRORS}
     app.add_api_route("/api/models", api.models, methods=["GET"], response_model=ModelList)
     app.add_api_route("/api/attention", api.attention, methods=["POST"],

@@ -22,11 +22,10 @@ class ServeConfig:
     max_pixels: int = 25_000_000  # largest image, width x height (413 beyond)
     max_loaded_models: int = 4  # models in memory at once, those being loaded included
     cache_bytes: int = 256 * 2**20  # recent attention results, so switching head is instant
-    max_busy_per_model: int = 2  # requests computing on one model at once
-    max_busy: int = 4  # requests computing on all models at once
-    max_queued: int = 4  # requests waiting per model (max_busy x this in all); 503 beyond
-    max_wait_s: float = 30.0  # longest a request waits for a slot or for memory, then 503
-    batch_rows: int = 8  # generation requests decoded together per model (0: each alone)
+    max_queued: int = 32  # computations waiting for the compute loop, and generations waiting for
+    # a row of a model's running batch; 503 (Retry-After) beyond
+    max_wait_s: float = 30.0  # longest a request waits to start, then 503
+    batch_rows: int = 8  # generation requests decoded together per model (1: one at a time)
     host: str | None = None  # the address the server listens on (None: each connection's own)
     # Host headers accepted ("*.example.com" for subdomains); None: on a loopback address
     # loopback names only (DNS rebinding), on any other address any name
@@ -44,11 +43,8 @@ class ServeConfig:
             raise ValueError(f"max_tokens must be >= 2, got {self.max_tokens}")
         if self.max_upload_bytes < 1:
             raise ValueError(f"max upload size must be positive, got {self.max_upload_bytes} bytes")
-        for name in ("max_loaded_models", "max_busy_per_model", "max_busy"):
+        for name in ("max_loaded_models", "batch_rows", "max_queued"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if self.batch_rows < 0:
-            raise ValueError(f"batch_rows must be >= 0 (0: no batching), got {self.batch_rows}")
-        if self.max_queued < 0 or self.max_wait_s < 0:
-            raise ValueError(f"max_queued and max_wait_s must be >= 0, got {self.max_queued} and "
-                             f"{self.max_wait_s}")
+        if self.max_wait_s < 0:
+            raise ValueError(f"max_wait_s must be >= 0, got {self.max_wait_s}")

@@ -7,6 +7,7 @@ knocked out."""
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING, Any
 
@@ -31,7 +32,6 @@ from qkv.serve.schemas import (
     RolloutCells,
     TokenCandidate,
 )
-from qkv.serve.threads import in_passing_thread
 
 if TYPE_CHECKING:
     from qkv.serve.registry import Lease
@@ -131,8 +131,9 @@ def patch_response(lm: CausalLM, req: PatchRequest) -> PatchResponse:
 
 class LensEndpoints:
     """The lens's handlers of :class:`qkv.serve.api.Explorer` (which provides ``cfg``,
-    ``head_scores``, ``registry``, ``_errors`` (errors as 4xx), ``_check_text`` and ``_model``: a
-    model held with a work slot)."""
+    ``head_scores``, ``registry``, ``_errors`` (errors as 4xx), ``_check_text`` and ``_compute``:
+    a function of the held model run in the server's compute loop, where its hooks and edits
+    are seen by no other request's forward pass)."""
 
     cfg: Any
     head_scores: dict[Any, Any]
@@ -142,18 +143,15 @@ class LensEndpoints:
 
     def _check_text(self, text: str) -> None: ...
 
-    def _model(self, model_id: str) -> AbstractContextManager[Lease]: ...
+    def _compute(self, model_id: str, fn: Callable[[Lease], Any], label: str = "request") -> Any: ...
 
     def lens(self, req: LensRequest) -> LensResponse:
         """What a text model does with ``text``: next-token logits (with ``ablate``'s heads
         knocked out), the logit lens, every head's thumbnail and scores (:mod:`qkv.lens`)."""
-        return in_passing_thread(self._lens, req)  # every tensor op in a thread that ends (threads.py)
-
-    def _lens(self, req: LensRequest) -> LensResponse:
         self._check_text(req.text)
-        with self._model(req.model) as lease:
-            lm = self._text_model(lease, req.model)
-            return lens_response(lm, req, self.cfg.max_tokens, self.head_scores, lease.ref.key)
+        return self._compute(req.model, lambda lease: lens_response(
+            self._text_model(lease, req.model), req, self.cfg.max_tokens, self.head_scores, lease.ref.key),
+            "lens")
 
     def history(self, req: HistoryRequest) -> HistoryResponse:
         """A GPT run's head scores at each evaluation (its history.jsonl): the page's step slider."""
@@ -175,26 +173,24 @@ class LensEndpoints:
 
     def qk(self, req: QKRequest) -> QKResponse:
         """One head's attention row for one query token, term by term (q·k, / √d, softmax)."""
-        return in_passing_thread(self._qk, req)  # every tensor op in a thread that ends (threads.py)
-
-    def _qk(self, req: QKRequest) -> QKResponse:
         self._check_text(req.text)
-        with self._model(req.model) as lease:
-            return qk_response(self._text_model(lease, req.model), req, self.cfg.max_tokens)
+        return self._compute(req.model, lambda lease: qk_response(
+            self._text_model(lease, req.model), req, self.cfg.max_tokens), "q·k")
 
     def patch(self, req: PatchRequest) -> PatchResponse:
-        """Activation patching from ``clean`` into ``corrupt`` (decoders)."""
-        return in_passing_thread(self._patch, req)  # every tensor op in a thread that ends (threads.py)
-
-    def _patch(self, req: PatchRequest) -> PatchResponse:
+        """Activation patching from ``clean`` into ``corrupt`` (decoders). Its hooks sit on the
+        shared model only while it runs in the compute loop, where nothing else runs."""
         self._check_text(req.clean)
         self._check_text(req.corrupt)
-        with self._model(req.model) as lease:
+
+        def run(lease: Lease) -> PatchResponse:
             lm = self._text_model(lease, req.model)
             if not isinstance(lm, CausalLM):
                 raise InputError(f"{req.model} is an encoder: patching measures a next-token answer, "
                                  "which it does not predict")
             return patch_response(lm, req)
+
+        return self._compute(req.model, run, "patch")
 
     @staticmethod
     def _text_model(lease: Lease, name: str) -> CausalLM | SentenceEncoder:

@@ -31,8 +31,7 @@ from typing import Any
 from qkv.errors import UnknownModelError
 from qkv.inference import Loaded, ModelRef, open_model, resolve
 from qkv.pipelines.attention import TextAttention
-from qkv.serve.threads import in_passing_thread
-from qkv.serve.work import BusyError, Ticket
+from qkv.serve.loop import BusyError
 
 RUN_PREFIX = "runs/"
 _RUN_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._-]{0,199}")
@@ -86,14 +85,23 @@ class _Model:
     users: int = 0
 
 
-class Lease(Ticket):
+class Lease:
     """A model held in memory for one request (``src``, the typed model; ``ref``, what its id
     names, with the key of the file it was read from); :meth:`release` (once, from any thread)
     lets the registry evict it again."""
 
     def __init__(self, src: Loaded, ref: ModelRef, release: Callable[[], None]) -> None:
-        super().__init__(release)
         self.src, self.ref = src, ref
+        self._release = release
+        self._lock = threading.Lock()
+        self.released = False
+
+    def release(self) -> None:
+        with self._lock:
+            if self.released:
+                return
+            self.released = True
+        self._release()
 
 
 class Registry:
@@ -296,7 +304,7 @@ class Registry:
         m, load = self._claim(model_id, ref.key)
         if load:
             try:
-                src = in_passing_thread(open_model, ref)  # as qkv.load opens it
+                src = open_model(ref)  # as qkv.load opens it (in the server: in its compute loop)
             except BaseException:
                 with self._cond:
                     if self._models.get(model_id) is m:

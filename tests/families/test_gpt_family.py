@@ -197,10 +197,10 @@ def test_compile_longer_than_its_cache_decodes_eagerly_and_says_so(trained) -> N
     rc1, eager, _ = generate(trained[0], *args)
     rc2, out, err = generate(trained[0], *args, "--compile")
     assert rc1 == rc2 == 0 and out == eager
-    assert "decoded eagerly: prompt + new tokens exceed the saved step's 32" in err
+    assert "eager: prompt + new tokens exceed the saved step's 32-token cache" in err
     rc3, out, err = generate(trained[0], *args, "--compile", "jit")
     assert rc3 == 0 and out == eager
-    assert "decoded eagerly: prompt + new tokens exceed the compiled step's 32" in err
+    assert "eager: prompt + new tokens exceed the compiled step's 32-token cache" in err
 
 
 def test_long_prompt_is_cropped_with_a_warning(trained) -> None:

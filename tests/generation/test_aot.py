@@ -16,7 +16,7 @@ import pytest
 import torch
 from helpers import child_env, single_thread
 
-from qkv.generation import aot, generate
+from qkv.generation import aot, builds, generate
 from qkv.models.gpt import GPT, GPTConfig
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # see tests/conftest.py
@@ -68,23 +68,24 @@ def test_the_saved_step_equals_eager_at_every_position(built):
 def test_generate_uses_it_by_default_with_the_eager_tokens(built):
     m, _ = built
     x = torch.randint(0, V, (1, 6), generator=torch.Generator().manual_seed(5))
-    want = [int(t[0]) for t in generate(m, x, 20, temperature=0.0, compile=False)]
-    got = [int(t[0]) for t in generate(m, x, 20, temperature=0.0)]  # compile="auto"
+    want = [int(t[0]) for t in generate(m, x, 20, temperature=0.0, mode="eager")]
+    got = [int(t[0]) for t in generate(m, x, 20, temperature=0.0)]  # mode="auto"
     assert got == want
-    step, _ = aot.saved_step(m)
+    step = builds.status(m).step
     assert step is not None
     # weights changed in place are seen (the package reads the model's own storage)
     other = model(seed=9)
     m2 = model()
     aot.build(m2)  # the same shape: the same package
     m2.load_state_dict(other.state_dict())
-    want = [int(t[0]) for t in generate(other, x, 12, temperature=0.0, compile=False)]
+    want = [int(t[0]) for t in generate(other, x, 12, temperature=0.0, mode="eager")]
     assert [int(t[0]) for t in generate(m2, x, 12, temperature=0.0)] == want
     # cast to another dtype: another key, so no saved step (eager, the same tokens as eager)
     m2.to(torch.float64)
-    want = [int(t[0]) for t in generate(other.to(torch.float64), x, 12, temperature=0.0, compile=False)]
+    want = [int(t[0]) for t in generate(other.to(torch.float64), x, 12, temperature=0.0, mode="eager")]
     assert [int(t[0]) for t in generate(m2, x, 12, temperature=0.0)] == want
-    assert aot.saved_step(m2)[0] is None
+    st = builds.status(m2)
+    assert st.step is None and st.state is builds.State.MISSING and st.why is builds.Why.NOT_BUILT
 
 
 def test_requests_in_several_threads_share_one_loaded_step(built):
@@ -95,7 +96,7 @@ def test_requests_in_several_threads_share_one_loaded_step(built):
     m = model()
     aot.build(m)  # already built: found
     xs = [torch.randint(0, V, (1, n), generator=torch.Generator().manual_seed(n)) for n in (3, 5, 7, 9)]
-    want = [[int(t[0]) for t in generate(m, x, 25, temperature=0.0, compile=False)] for x in xs]
+    want = [[int(t[0]) for t in generate(m, x, 25, temperature=0.0, mode="eager")] for x in xs]
 
     def decode(x):  # one torch thread, as the module runs (the thread count is part of the key)
         return [int(t[0]) for t in generate(m, x, 25, temperature=0.0)]
@@ -103,7 +104,7 @@ def test_requests_in_several_threads_share_one_loaded_step(built):
     for _ in range(2):  # first: the threads race to load it; then: they share the loaded one
         with ThreadPoolExecutor(4) as pool:
             assert list(pool.map(decode, xs)) == want
-    step, _ = aot.saved_step(m)
+    step = builds.status(m).step
     assert step is not None and step.requests == 8
 
 
@@ -138,7 +139,7 @@ def test_a_row_alone_in_a_running_batch_steps_through_the_saved_step(built):
 
     m = model()
     prompts = [torch.randint(0, V, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in (5, 4)]
-    want = [[int(t[0]) for t in generate(m, torch.tensor([p]), n, temperature=0.0, compile=False)]
+    want = [[int(t[0]) for t in generate(m, torch.tensor([p]), n, temperature=0.0, mode="eager")]
             for p, n in zip(prompts, (24, 6), strict=True)]
     b = Batch(m, 4, 40)
     first, _ = b.join(Request(prompts[0], 24))
@@ -155,14 +156,14 @@ def test_a_row_alone_in_a_running_batch_steps_through_the_saved_step(built):
     assert b.solo_steps > alone
     assert [first.new, second.new] == want
 
-    b = Batch(m, 2, 40, saved_step=False)
+    b = Batch(m, 2, 40, mode="eager")
     row, _ = b.join(Request(prompts[0], 8))
     while not row.done:
         b.step()
     assert b.solo_steps == 0 and row.new == want[0][:8]
 
     # attention asked for: the saved step, and the eager reference backend's rows for that layer
-    eager = list(generate(m, torch.tensor([prompts[0]]), 30, temperature=0.0, compile=False,
+    eager = list(generate(m, torch.tensor([prompts[0]]), 30, temperature=0.0, mode="eager",
                           return_weights=True))
     ref = [[lw[0] for lw in w] for _, w in eager]  # per token: [layer] -> (H, S)
     for layers in ((1,), None):
@@ -185,7 +186,7 @@ def test_a_running_batch_of_several_rows_steps_through_its_saved_step(positions,
     """The step exported for a running batch of up to 4 rows (n rows a dynamic dimension, each
     at its own position): rows of different lengths joining and leaving, greedy and seeded
     sampling, a row that stops early, rows asking for one layer's attention or every layer's;
-    every row's tokens are its request's decoded alone eagerly (generate, compile=False), its
+    every row's tokens are its request's decoded alone eagerly (generate, mode="eager"), its
     attention rows the eager reference backend's; the steps of several rows went through the
     package (its own count, not the batch's), and a batch past the exported span took the eager
     step. Llama-like (RoPE, GQA) and GPT-2-like (learned positions, the default of gpt runs)."""
@@ -208,7 +209,7 @@ def test_a_running_batch_of_several_rows_steps_through_its_saved_step(positions,
     want = []
     for r in reqs:
         got = list(generate(m, torch.tensor([list(r.ids)]), r.max_new_tokens, temperature=r.temperature,
-                            top_k=r.top_k, seed=r.seed, compile=False, return_weights=True))
+                            top_k=r.top_k, seed=r.seed, mode="eager", return_weights=True))
         want.append(([int(t[0]) for t, _ in got], [[w[0] for w in ws] for _, ws in got]))
     b = Batch(m, 4, 40)
     rows = {}
@@ -223,7 +224,7 @@ def test_a_running_batch_of_several_rows_steps_through_its_saved_step(positions,
         for row, tok in b.step():
             if tok is not None:
                 toks[rows[row]].append(tok)
-    step, _ = aot.saved_step(m, rows=4, cache_len=40)
+    step = builds.status(m, rows=4, cache_len=40).step
     assert step is not None and step.runs > 10 and b.rows_steps > step.runs  # the last span: eager
     for i, r in enumerate(reqs):
         ids, weights = want[i]
@@ -235,10 +236,10 @@ def test_a_running_batch_of_several_rows_steps_through_its_saved_step(positions,
 
 
 def test_generate_batch_builds_and_takes_the_batch_step(tmp_path, monkeypatch):
-    """generate_batch(compile=True), what CausalLM.generate over a list runs: builds the lone
+    """generate_batch(mode="build"), what CausalLM.generate over a list runs: builds the lone
     row's step and the running batch's (4 rows, the cache length batch_cache_len rounds to),
     decodes through them, and gives every request's tokens decoded alone eagerly; a second call
-    with compile="auto" finds both; compile=False takes neither."""
+    with mode="auto" finds both; mode="eager" takes neither."""
     from qkv.generation.batch import Request, batch_cache_len, generate_batch
 
     monkeypatch.setenv("QKV_CACHE_DIR", str(tmp_path / "cache"))
@@ -246,59 +247,21 @@ def test_generate_batch_builds_and_takes_the_batch_step(tmp_path, monkeypatch):
     prompts = [torch.randint(0, V, (n,), generator=torch.Generator().manual_seed(40 + n)).tolist()
                for n in (4, 7, 3)]
     reqs = [Request(p, 14) for p in prompts]
-    want = [[int(t[0]) for t in generate(m, torch.tensor([p]), 14, temperature=0.0, compile=False)]
+    want = [[int(t[0]) for t in generate(m, torch.tensor([p]), 14, temperature=0.0, mode="eager")]
             for p in prompts]
     assert batch_cache_len(m, 21) == 40  # the context (40) is below 256
-    for compile in (True, "auto", False):
+    for mode in ("build", "auto", "eager"):
         got: list[list[int]] = [[] for _ in reqs]
-        for i, tok in generate_batch(m, reqs, rows=4, compile=compile):
+        for i, tok in generate_batch(m, reqs, rows=4, mode=mode):
             got[i].append(tok.id)
-        assert got == want, compile
-        step, _ = aot.saved_step(m, rows=4, cache_len=40)
+        assert got == want, mode
+        step = builds.status(m, rows=4, cache_len=40).step
         assert step is not None
         runs = step.runs
-        if compile is not False:
+        if mode != "eager":
             assert runs > 5
         step.runs = 0
-    assert runs == 0  # compile=False: the package was not run
-
-
-def test_a_background_build_runs_only_on_idle_cores_and_stops_with_its_children(tmp_path, monkeypatch):
-    """A real background process (a stand-in for the build that starts a child, as the build
-    starts compilers): scheduled SCHED_IDLE (Linux), seen as building, and stopped by
-    stop_background_builds with its child (SIGKILL to its process group)."""
-    import time
-
-    monkeypatch.setenv("QKV_CACHE_DIR", str(tmp_path / "cache"))
-    monkeypatch.setenv("QKV_SAVED_STEP_BACKGROUND", "on")
-    child = tmp_path / "child.pid"
-    code = ("import subprocess, sys, time; c = subprocess.Popen([sys.executable, '-c', 'import time; "
-            f"time.sleep(120)']); open({str(child)!r}, 'w').write(str(c.pid)); time.sleep(120)")
-    note = aot.build_in_background(model(), [sys.executable, "-c", code])
-    assert note.startswith("building one now"), note
-    assert aot.building()
-    (proc,) = aot._BUILDS
-    deadline = time.monotonic() + 20
-    while not child.exists() or not child.read_text():
-        assert time.monotonic() < deadline, "the stand-in's child did not start"
-        time.sleep(0.05)
-    kid = int(child.read_text())
-    if hasattr(os, "SCHED_IDLE"):
-        assert os.sched_getscheduler(proc.pid) == os.SCHED_IDLE
-        assert os.sched_getscheduler(kid) == os.SCHED_IDLE  # inherited by what it starts
-    assert aot.stop_background_builds() == 1 and not aot.building()
-    proc.wait(15)
-
-    def alive(pid: int) -> bool:
-        try:
-            return Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
-        except OSError:
-            return False
-
-    deadline = time.monotonic() + 15
-    while alive(kid):
-        assert time.monotonic() < deadline, "the build's child outlived it"
-        time.sleep(0.05)
+    assert runs == 0  # eager: the package was not run
 
 
 def test_a_batch_of_two_rows_exports_with_a_fixed_row_count():
@@ -314,8 +277,8 @@ def test_generate_with_attention_weights_takes_the_saved_step(built):
     the eager reference backend's weights; and the step was taken (its request count)."""
     m, _ = built
     x = torch.randint(0, V, (1, 4), generator=torch.Generator().manual_seed(8))
-    want = list(generate(m, x, 30, temperature=0.0, compile=False, return_weights=True))
-    step, _ = aot.saved_step(m)
+    want = list(generate(m, x, 30, temperature=0.0, mode="eager", return_weights=True))
+    step = builds.status(m).step
     assert step is not None
     before = step.requests
     got = list(generate(m, x, 30, temperature=0.0, return_weights=True))
@@ -378,11 +341,11 @@ def test_a_cache_folder_that_is_not_private_or_not_writable_decodes_eagerly(tmp_
     monkeypatch.setenv("QKV_CACHE_DIR", str(shared))
     with pytest.raises(aot.SavedStepError, match="not private"):
         aot.folder()
-    step, note = aot.saved_step(m, build_missing=True)
-    assert step is None and "not private" in note
+    st = builds.ensure(m)
+    assert st.step is None and st.why is builds.Why.FOLDER and "not private" in st.message()
     x = torch.tensor([[1, 2, 3]])
-    want = [int(t[0]) for t in generate(m, x, 6, temperature=0.0, compile=False)]
-    assert [int(t[0]) for t in generate(m, x, 6, temperature=0.0, compile=True)] == want
+    want = [int(t[0]) for t in generate(m, x, 6, temperature=0.0, mode="eager")]
+    assert [int(t[0]) for t in generate(m, x, 6, temperature=0.0, mode="build")] == want
     if os.getuid() != 0:  # root writes anywhere
         ro = tmp_path / "ro"
         ro.mkdir(mode=0o500)
@@ -399,10 +362,11 @@ def test_a_cache_folder_that_is_not_private_or_not_writable_decodes_eagerly(tmp_
     import torch._inductor as inductor
 
     monkeypatch.setattr(inductor, "aoti_compile_and_package", full)
-    aot._LOADED.pop(m, None)
-    step, note = aot.saved_step(m, build_missing=True)
-    assert step is None and "No space left on device" in note and "\n" not in note
-    assert [int(t[0]) for t in generate(m, x, 6, temperature=0.0, compile=True)] == want
+    builds.forget(m)
+    st = builds.ensure(m)
+    assert st.step is None and st.state is builds.State.UNAVAILABLE and st.why is builds.Why.FAILED
+    assert "No space left on device" in st.message() and "\n" not in st.message()
+    assert [int(t[0]) for t in generate(m, x, 6, temperature=0.0, mode="build")] == want
     assert [p.name for p in (tmp_path / "full" / "steps").iterdir() if not p.name.endswith(".lock")] == []
     monkeypatch.setenv("QKV_SAVED_STEP", "off")
     assert aot.load(m) is None and not aot.enabled()
@@ -469,274 +433,35 @@ def test_qkv_generate_builds_then_loads_and_says_why_when_it_cannot(tiny_run, tm
     assert rc == 0 and out == eager and "no C++ compiler" in err and "Traceback" not in err
     monkeypatch.undo()
     monkeypatch.setenv("QKV_CACHE_DIR", str(tmp_path / "cache"))
-    # the default with no step yet: eager, and a detached low-priority build for later runs
-    # (its process is faked here and its command run in this one; a build holding the lock:
-    # nothing more is started)
-    monkeypatch.setenv("QKV_SAVED_STEP_BACKGROUND", "on")
+    # the default with no step yet: eager, the reason as the closing line says it, the command
+    # that builds one, and no process started (a build never runs behind the user's back)
+    import qkv.native
+
     started = []
-
-    class FakeProcess:
-        pid = 4242
-
-        def __init__(self, cmd, **kw):
-            assert "preexec_fn" not in kw  # unsafe in a threaded server: priority is set from outside
-            started.append((cmd, kw))
-
-        def poll(self):
-            return 0
-
-    lowered = []
-    with monkeypatch.context() as mp:
-        mp.setattr(aot.subprocess, "Popen", FakeProcess)
-        mp.setattr(aot, "lower_priority", lowered.append)  # (not on a pid that may exist here)
-        mp.setattr(aot, "_record_build", lambda *a: None)  # (nor recorded for later runs to pause)
-        rc, out, err = call(argv)
-        assert rc == 0 and out == eager and "building one now in the background (pid 4242" in err, err
-        (cmd, kw), = started
-        assert cmd[1:4] == ["-m", "qkv", "generate"] and kw["start_new_session"] and "--compile" in cmd
-        assert cmd[cmd.index("--threads") + 1] == str(torch.get_num_threads())
-        assert lowered == [4242]
-        key = next((tmp_path / "cache" / "steps").glob("*.log")).stem
-        with open(tmp_path / "cache" / "steps" / f"{key}.lock", "a") as held:
-            import fcntl
-
-            fcntl.flock(held, fcntl.LOCK_EX)
-            rc, out, err = call(argv)
-            assert rc == 0 and "a build of it is already running" in err and len(started) == 1, err
-    rc, out, err = call(cmd[3:])  # what the background process runs
-    assert rc == 0 and "saved step built in" in err, err
+    monkeypatch.setattr(subprocess, "Popen", lambda *a, **k: started.append(a) or pytest.fail("started"))
+    rc, out, err = call(argv)
+    assert rc == 0 and out == eager and "eager: none built for this model on this machine" in err, err
+    assert f"`qkv prepare {run}` builds one" in err and started == []
+    monkeypatch.undo()
+    monkeypatch.setenv("QKV_CACHE_DIR", str(tmp_path / "cache"))
+    assert qkv.native.compiler() is not None
+    rc, out, err = call(["prepare", run, "--batch-rows", "0"])  # the documented command
+    assert rc == 0 and "saved step for one request: built in" in err, err
     rc, out, err = call(argv)  # the default: loaded, not built
     assert rc == 0 and out == eager and "saved step (loaded in" in err, err
     rc, out, err = call(["generate", "--compile", *argv[1:]])  # the flag before the model: still "on"
     assert rc == 0 and out == eager and "saved step (loaded in" in err, err
+    rc, out, err = call(["prepare", run, "--batch-rows", "0"])
+    assert rc == 0 and "saved step for one request: already built" in err, err
+    with single_thread():  # (--threads changes this process's count: put back after)
+        rc, out, err = call([*argv, "--threads", "2"])  # built for 1 thread: another key, said
+    assert rc == 0 and out == eager and "eager: built for another threads" in err, err
+    assert f"`qkv prepare {run} --threads 2` builds one" in err, err
     blocked = tmp_path / "file"
     blocked.write_text("not a folder")
     monkeypatch.setenv("QKV_CACHE_DIR", str(blocked))
     rc, out, err = call([*argv, "--compile"])
     assert rc == 0 and out == eager and "cannot use" in err and "Traceback" not in err
-
-
-def _state(pid: int) -> str:
-    """A process's state letter from /proc (T: stopped), '' once it is gone."""
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except OSError:
-        return ""
-
-
-@pytest.fixture
-def stand_in(tmp_path, monkeypatch):
-    """A real background "build" (a sleeping process in its own session, as builds are started)
-    recorded as building key "k" in a fresh cache folder; killed after the test."""
-    monkeypatch.setenv("QKV_CACHE_DIR", str(tmp_path / "cache"))
-    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"], start_new_session=True)
-    aot._record_build(aot.folder(), proc.pid, ["k"])
-    yield proc
-    os.killpg(proc.pid, 9)
-    proc.wait(15)
-
-
-def test_a_decoding_block_pauses_background_builds_and_always_lets_them_go_on(stand_in):
-    """paused_builds SIGSTOPs every recorded build (state T in /proc, the kernel's own word) and
-    SIGCONTs it after the block, also when the block raises; records of ended processes, of a
-    reused pid (another start time) and of this process's own group are never signalled."""
-    from helpers import wait_until
-
-    pid = stand_in.pid
-    assert aot.background_builds() == [pid]
-    with aot.paused_builds() as paused:
-        assert paused == [pid]
-        wait_until(lambda: _state(pid) == "T", "the build stopped")
-    wait_until(lambda: _state(pid) not in ("T", ""), "the build going on")
-    with pytest.raises(KeyboardInterrupt), aot.paused_builds():
-        wait_until(lambda: _state(pid) == "T", "the build stopped")
-        raise KeyboardInterrupt
-    wait_until(lambda: _state(pid) not in ("T", ""), "the build going on after an interrupt")
-    # left stopped by a decoding process that was killed: resume_builds lets it go on
-    os.killpg(pid, aot.signal.SIGSTOP)
-    wait_until(lambda: _state(pid) == "T", "the build stopped by hand")
-    assert aot.resume_builds() == 1
-    wait_until(lambda: _state(pid) not in ("T", ""), "the build resumed")
-    root = aot.folder()
-    gone = subprocess.Popen([sys.executable, "-c", "pass"], start_new_session=True)
-    aot._record_build(root, gone.pid, ["g"])
-    gone.wait(15)
-    reused = root / f".bg-{pid}-old.json"  # the same pid, started at another time: someone else
-    reused.write_text(json.dumps({"pid": pid, "started": "1", "keys": ["r"]}))
-    own = os.getpgid(0)
-    record = {"pid": own, "started": aot._started_at(own), "keys": ["o"]}
-    (root / ".bg-own.json").write_text(json.dumps(record))
-    assert sorted(aot._live_builds()) == sorted([(pid, ["k"]), (own, ["o"])])
-    assert aot.background_builds() == [pid]  # a build never pauses itself
-    assert not (root / f".bg-{gone.pid}.json").exists() and not reused.exists()
-
-
-def test_a_second_run_does_not_start_a_build_that_is_still_loading(stand_in, monkeypatch):
-    """A build started by an earlier run that has not reached its key's lock yet (it loads the
-    model first) is found by its record: no second build of the same keys; other keys do start."""
-    m = model()
-    key = aot.step_key(m, aot.cache_len_for(m), 1)[0]
-    aot._record_build(aot.folder(), stand_in.pid, [key])
-    monkeypatch.setenv("QKV_SAVED_STEP_BACKGROUND", "on")
-    started = []
-
-    class FakeProcess:
-        pid = 4545
-
-        def __init__(self, cmd, **kw):
-            started.append(cmd)
-
-    monkeypatch.setattr(aot.subprocess, "Popen", FakeProcess)
-    assert aot.build_in_background(m, ["build"]) == "a build of it is already running" and started == []
-    m2 = GPT(GPTConfig(**{**CFG, "dim": 16})).eval()
-    monkeypatch.setattr(aot, "lower_priority", lambda pid: None)
-    monkeypatch.setattr(aot, "_record_build", lambda *a: None)
-    monkeypatch.setattr(aot, "_BUILDS", [])  # (the fake is not kept for stop_background_builds)
-    aot.build_in_background(m2, ["build"])
-    assert started == [["build"]]
-
-
-def test_qkv_generate_decodes_with_the_builds_paused(stand_in, tiny_run, monkeypatch):
-    """`qkv generate` (the default, and --compile off) decodes while a previous run's build is
-    stopped, and lets it go on after (on two cores a build beside decoding slowed SmolLM2 from
-    ~100 to 5 tok/s)."""
-    from helpers import call
-
-    from qkv.pipelines.text import CausalLM
-
-    seen = []
-    real = CausalLM.stream
-
-    def stream(self, *a, **kw):
-        for piece in real(self, *a, **kw):
-            seen.append(_state(stand_in.pid))
-            yield piece
-
-    monkeypatch.setattr(CausalLM, "stream", stream)
-    monkeypatch.setenv("QKV_SAVED_STEP_BACKGROUND", "off")
-    for flags in ([], ["--compile", "off"]):
-        seen.clear()
-        argv = ["generate", str(tiny_run("gpt")), "--prompt", "RO", "--max-new-tokens", "4", *flags]
-        rc, _, err = call(argv)
-        assert rc == 0, err
-        assert seen and set(seen) == {"T"}
-        assert _state(stand_in.pid) not in ("T", "")
-
-
-def test_qkv_serve_stops_other_processes_builds_while_it_decodes(stand_in, tiny_run, monkeypatch):
-    """A `qkv generate` run's background build is stopped while the server's batch decodes and
-    goes on once no model decodes (its own builds it kills, as the test above shows)."""
-    from fastapi.testclient import TestClient
-    from helpers import wait_until
-
-    from qkv.generation.batch import Batch
-    from qkv.serve import create_app
-
-    monkeypatch.setenv("QKV_SAVED_STEP_BACKGROUND", "off")
-    seen = []
-    real = Batch._solo_step
-    pid = stand_in.pid
-    monkeypatch.setattr(Batch, "_solo_step", lambda self, row: seen.append(_state(pid)) or real(self, row))
-    app = create_app(runs_dir=tiny_run("gpt").parent)
-    body = {"model": f"runs/{tiny_run('gpt').name}", "prompt": "ROMEO:", "max_new_tokens": 6, "layer": 1}
-    events = [json.loads(x) for x in TestClient(app).post("/api/generate", json=body).text.splitlines()]
-    assert events[-1]["event"] == "done", events[-1]
-    # stopped from just after the batch starts (on_busy runs beside its first step)
-    assert len(seen) >= 4 and set(seen[-3:]) == {"T"}, seen
-    wait_until(lambda: _state(stand_in.pid) not in ("T", ""), "the build going on once the batch is idle")
-
-
-def test_a_foreground_build_lets_a_paused_build_of_its_key_go_on(monkeypatch, tmp_path):
-    """build() waits for a running build of its key (under the key's lock); one left stopped
-    would hold it forever, so it is let go on first."""
-    monkeypatch.setenv("QKV_CACHE_DIR", str(tmp_path / "cache"))
-    resumed = []
-    monkeypatch.setattr(aot, "resume_builds", lambda: resumed.append(1) or 0)
-    monkeypatch.setattr(aot, "build_once", lambda *a: tmp_path)
-    monkeypatch.setattr(aot, "_held", lambda lock: False)
-    aot.build(model())
-    assert resumed == []
-    monkeypatch.setattr(aot, "_held", lambda lock: True)
-    aot.build(model())
-    assert resumed == [1]
-
-
-def test_qkv_serve_starts_a_build_that_its_next_lone_request_takes(tiny_run, tmp_path, monkeypatch):
-    """`qkv serve` builds a model's saved steps in the background when its batch empties, and
-    stops the build (SIGKILL to its group) when a request arrives (the process faked, its
-    command run here): the command builds the very keys the server's model has, and the
-    server's next lone request decodes through the step, with the page's layer row and the text
-    of an eager server."""
-    from fastapi.testclient import TestClient
-    from helpers import call, wait_until
-
-    from qkv.serve import create_app
-
-    runs = tiny_run("gpt").parent
-    name = f"runs/{tiny_run('gpt').name}"
-    body = {"model": name, "prompt": "ROMEO:", "max_new_tokens": 12, "layer": 1, "head": 0}
-
-    def ask(app):
-        events = [json.loads(x) for x in TestClient(app).post("/api/generate", json=body).text.splitlines()]
-        assert events[-1]["event"] == "done", events[-1]
-        return events
-
-    monkeypatch.setenv("QKV_CACHE_DIR", str(tmp_path / "cache"))
-    monkeypatch.setenv("QKV_SAVED_STEP", "off")
-    eager = ask(create_app(runs_dir=runs))
-    monkeypatch.delenv("QKV_SAVED_STEP")
-    monkeypatch.setenv("QKV_SAVED_STEP_BACKGROUND", "on")
-    started = []
-
-    class FakeProcess:
-        pid = 4343
-
-        def __init__(self, cmd, **kw):
-            started.append(cmd)
-
-        def poll(self):
-            return None  # still building
-
-    stopped = []
-    app = create_app(runs_dir=runs)
-    with monkeypatch.context() as mp:
-        mp.setattr(aot.subprocess, "Popen", FakeProcess)
-        mp.setattr(aot, "lower_priority", lambda pid: None)
-        mp.setattr(aot, "_record_build", lambda *a: None)
-        mp.setattr(aot.os, "killpg", lambda pid, sig: stopped.append((pid, sig)))
-        mp.setattr(FakeProcess, "wait", lambda self: None, raising=False)
-        for i in range(2):  # decoded eagerly meanwhile: the eager server's tokens
-            assert [e.get("id") for e in ask(app)] == [e.get("id") for e in eager]
-            # the build starts when the batch empties (not beside it), and a request stops it
-            wait_until(lambda n=i + 1: len(started) == n, "a build started when the batch emptied")
-            assert stopped == [(4343, aot.signal.SIGKILL)] * i
-        aot.stop_background_builds()
-    cmd = started[0]
-    assert started == [cmd, cmd]
-    assert cmd[1:4] == ["-m", "qkv", "generate"] and "--compile" in cmd
-    assert cmd[cmd.index("--batch-step") + 1].startswith("8:")  # serve: 8 rows
-    rc, _, err = call(cmd[3:])  # what the background process runs
-    assert rc == 0 and "saved step built in" in err and "saved step for up to 8 rows" in err, err
-    monkeypatch.setattr(aot, "RECHECK_S", 0.0)  # the server looks again at once (30 s otherwise)
-    from qkv.generation.batch import Batch
-
-    steps = []
-    real = Batch._solo_step
-    monkeypatch.setattr(Batch, "_solo_step", lambda self, row: steps.append(r := real(self, row)) or r)
-    got = ask(app)
-    assert sum(r is not None for r in steps) == 11  # every token after the prefill's first
-    for g, e in zip(got[:-1], eager[:-1], strict=True):  # tokens and the layer's row
-        assert g.keys() == e.keys() and g.get("id") == e.get("id") and g.get("tokens") == e.get("tokens")
-        if "weights" in e:
-            assert g["weights"] == pytest.approx(e["weights"], abs=1e-5)
-    assert got[-1]["text"] == eager[-1]["text"]
-    from qkv.serve import batching
-
-    # the last request's on_idle has run before the environment is put back (no stray build)
-    wait_until(lambda: all(e._thread is None for e in batching._ENGINES), "the batches emptied")
-    for e in list(batching._ENGINES):
-        with e._hooks:
-            pass
 
 
 BUILD_IN_CHILD = """

@@ -246,19 +246,21 @@ def test_causal_lm_generate_over_a_list_equals_each_prompt_alone():
     """CausalLM.generate([...]): text in, text out, each continuation the one generate gives
     that prompt alone (greedy; and sampled with one seed per prompt), prompts of different
     lengths, more prompts than rows (the rest join as rows leave), eagerly and with
-    compile="auto" (no saved step built in the tests' cache: the same path)."""
+    mode="auto" (no saved step built in the tests' cache: the same path)."""
     from helpers import byte_lm
 
     lm = byte_lm(context=48, dim=32, n_layers=2, seed=5)
     prompts = ["ROMEO:", "a", "To be, or not", "xyz", "What light"]
     want = [lm.generate(p, 12) for p in prompts]
     assert all(want) and len(set(want)) > 1
-    for compile in (False, "auto"):
-        assert lm.generate(prompts, 12, rows=3, compile=compile) == want
+    for mode in ("eager", "auto"):
+        assert lm.generate(prompts, 12, rows=3, mode=mode) == want
     sampled = [lm.generate(p, 10, temperature=1.0, seed=s) for p, s in zip(prompts, range(5), strict=True)]
     assert lm.generate(prompts, 10, temperature=1.0, seed=list(range(5)), rows=2) == sampled
-    with pytest.raises(ValueError, match="compile must be"):
-        lm.generate(prompts, 4, compile="jit")
+    with pytest.raises(ValueError, match="a running batch steps eagerly or through saved steps"):
+        lm.generate(prompts, 4, mode="jit")
+    with pytest.raises(ValueError, match="mode must be one of 'auto', 'build', 'jit', 'eager', got 'fast'"):
+        lm.generate(prompts, 4, mode="fast")
 
 
 def _drain(batch: Batch, reqs: list[Request]) -> list[list[int]]:
@@ -281,17 +283,17 @@ def test_a_later_batch_reuses_an_emptied_batchs_cache_zeroed_and_decodes_as_alon
     server's engine does between busy periods): the same storage, emptied and zeroed, and its
     rows decode as their requests alone; a batch of another shape makes its own."""
     m = model()
-    first = Batch(m, 3, 48, saved_step=False)
+    first = Batch(m, 3, 48, mode="eager")
     assert _drain(first, [Request(ids(n, 10 + n), 9) for n in (4, 7)]) == \
         [alone(m, Request(ids(n, 10 + n), 9)) for n in (4, 7)]
     cache = first.take_cache()
     assert bool(cache.k.abs().sum() > 0)  # the old rows' keys are still in the buffers
-    second = Batch(m, 3, 48, saved_step=False, cache=cache)
+    second = Batch(m, 3, 48, mode="eager", cache=cache)
     assert second._cache is cache and float(cache.k.abs().sum()) == 0.0 and cache.lengths == [0, 0, 0]
     reqs = [Request(ids(n, 20 + n), 12, temperature=0.9, seed=n) for n in (6, 2, 9)]
     assert _drain(second, reqs) == [alone(m, r) for r in reqs]
-    assert Batch(m, 2, 48, saved_step=False, cache=second.take_cache())._cache is not cache  # 2 rows, not 3
-    busy = Batch(m, 2, 48, saved_step=False)
+    assert Batch(m, 2, 48, mode="eager", cache=second.take_cache())._cache is not cache  # 2 rows, not 3
+    busy = Batch(m, 2, 48, mode="eager")
     busy.join(Request(ids(3, 1), 5))
     with pytest.raises(ValueError, match="still has 1 rows"):
         busy.take_cache()

@@ -61,30 +61,30 @@ def test_generate_compile_gives_the_eager_tokens_and_compiles_once_per_model():
     m = model(seed=4)
     x = torch.randint(0, V, (1, 6), generator=torch.Generator().manual_seed(5))
     want = tokens(m, x, 20)
-    assert tokens(m, x, 20, compile="jit") == want
+    assert tokens(m, x, 20, mode="jit") == want
     dec = compiled_decoder(m)
     before = torch._dynamo.utils.counters["stats"]["unique_graphs"]
-    assert tokens(m, x, 20, compile="jit") == want  # a second request: no new compilation
+    assert tokens(m, x, 20, mode="jit") == want  # a second request: no new compilation
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == before
     assert dec.compilations == 1
     # Longer than the fixed cache: decodes eagerly, same tokens.
     small = model(seed=4, ctx=64)
     compiled_decoder(small, cache_len=8)
-    assert tokens(small, x, 20, compile="jit") == want
+    assert tokens(small, x, 20, mode="jit") == want
 
 
 def test_a_model_changed_after_compiling_is_compiled_again():
     m = model(seed=6)
     x = torch.randint(0, V, (1, 4), generator=torch.Generator().manual_seed(7))
-    tokens(m, x, 8, compile="jit")
+    tokens(m, x, 8, mode="jit")
     dec = compiled_decoder(m)
     other = model(seed=9)
     m.load_state_dict(other.state_dict())  # in place: the same tensors, new values
-    assert tokens(m, x, 8, compile="jit") == tokens(other, x, 8)
+    assert tokens(m, x, 8, mode="jit") == tokens(other, x, 8)
     assert dec.compilations == 1  # in-place values need no new compile
     m.to(torch.float64)  # new tensors: the skipped guards would have caught this
     want = tokens(other.to(torch.float64), x, 8)
-    assert tokens(m, x, 8, compile="jit") == want
+    assert tokens(m, x, 8, mode="jit") == want
     assert dec.compilations == 2
 
 

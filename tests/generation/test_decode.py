@@ -222,7 +222,7 @@ def test_returned_weights_are_the_full_forward_passes_last_row(use_cache: bool) 
             torch.testing.assert_close(w, r[:, :, -1], rtol=1e-5, atol=1e-6)
         seen = torch.cat([seen, nxt[:, None]], 1)
     with pytest.raises(ValueError, match=r"torch\.compile step"):
-        next(generate(m, x, 2, return_weights=True, compile="jit"))
+        next(generate(m, x, 2, return_weights=True, mode="jit"))
 
 
 def test_stop_ids_end_each_row_at_its_first_stop() -> None:

@@ -225,7 +225,7 @@ def test_cli_refuses_q4_for_a_run_qkv_trained(tiny_run) -> None:
 
 @pytest.mark.slow  # compiles SmolLM2's decoding step: ~50 s with an empty inductor cache
 def test_compiled_q4_step_agrees_with_the_eager_one_on_held_text(formats, held_ids) -> None:
-    """Teacher-forced through the compiled 1-token step (`generate(compile=True)`) vs the eager
+    """Teacher-forced through the compiled 1-token step (`generate(mode="build")`) vs the eager
     q4 model: the step fuses the bf16 casts around each 4-bit product differently, so the
     logits agree to bf16 rounding and the top-1 token at >= 99% of positions."""
     from qkv.generation.compiled import CompiledDecoder

@@ -12,6 +12,7 @@ import os
 import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -382,13 +383,13 @@ def test_no_response_names_a_filesystem_path(tiny_run, tmp_path, monkeypatch) ->
     def bug(*args, **kwargs):
         raise RuntimeError(f"an unexpected failure reading {root}/gpt-ok/model.safetensors")
 
-    def failing_steps(*args, **kwargs):
+    def failing_step(*args, **kwargs):
         raise ValueError(f"{root.resolve()}/gpt-ok/model.safetensors went away")
-        yield
+
+    from qkv.generation.batch import Batch
 
     monkeypatch.setattr(sources, "text_attention", bug)
-    monkeypatch.setattr(sources, "generate_steps", failing_steps)  # each request alone
-    monkeypatch.setattr(sources, "batch_steps", failing_steps)  # a row of the running batch
+    monkeypatch.setattr(Batch, "step", failing_step)  # the running batch fails after the first token
     got["bug"] = c.post("/api/attention", json={"model": "runs/gpt-ok", "text": "JULIET"})
     got["stream"] = c.post("/api/generate", json={"model": "runs/gpt-ok", "prompt": "ROMEO"})
     for key, r in got.items():
@@ -433,26 +434,27 @@ def test_a_model_whose_attention_is_nan_gets_a_422(runs_dir, monkeypatch) -> Non
     assert detail(r, 422).startswith("the attention weights are not all finite (NaN or inf)")
 
 
-@pytest.mark.parametrize("batch_rows", [8, 0])
+@pytest.mark.parametrize("batch_rows", [8, 1])
 def test_a_generation_whose_attention_turns_nan_ends_with_an_error_event(runs_dir, monkeypatch,
                                                                          batch_rows) -> None:
     """The stream's status line has gone out, so a NaN row becomes an error event, never a
-    token event with nulls in its weights (a row of the running batch, or a request alone)."""
-    from dataclasses import replace
-
+    token event with nulls in its weights."""
     from fastapi.testclient import TestClient
 
     from qkv.serve import create_app
 
-    name = "batch_steps" if batch_rows else "generate_steps"
-    real = getattr(sources, name)
+    real, calls = sources.head_row, []
+    app = create_app(runs_dir=runs_dir, batch_rows=batch_rows)
 
-    def nan_after_one(*args, **kwargs):
-        for i, step in enumerate(real(*args, **kwargs)):
-            yield step if i == 0 else replace(step, weights=torch.full_like(step.weights, float("nan")))
+    def nan_after_one(w, head):
+        row = real(w, head)
+        if threading.current_thread() is not app.state.loop.thread:  # another test's server
+            return row
+        calls.append(1)
+        return row if len(calls) == 1 else torch.full_like(row, float("nan"))
 
-    monkeypatch.setattr(sources, name, nan_after_one)
-    c = TestClient(create_app(runs_dir=runs_dir, batch_rows=batch_rows))
+    monkeypatch.setattr(sources, "head_row", nan_after_one)
+    c = TestClient(app)
     events = _events(c.post("/api/generate", json={"model": "runs/gpt-tiny", "prompt": "ROMEO",
                                                    "max_new_tokens": 4}))
     assert [e["event"] for e in events] == ["start", "token", "error"]
@@ -626,11 +628,12 @@ def test_serve_command_passes_its_options_to_the_app(tmp_path: Path, monkeypatch
     seen = {}
     monkeypatch.setattr(serve_cmd, "_check_port_free", lambda h, p: None)
     monkeypatch.setattr(uvicorn, "run", lambda app, **kw: seen.update(app=app, **kw))
-    assert cli.main(["serve", "--host", host, "--runs", str(tmp_path), "--max-busy", "3",
-                     "--max-busy-per-model", "1", "--max-queued", "2", "--max-wait", "5"]) == 0
-    cfg = seen["app"].state.config
-    got = (cfg.host, cfg.max_busy, cfg.max_busy_per_model, cfg.max_queued, cfg.max_wait_s)
-    assert got == (host, 3, 1, 2, 5.0)
+    assert cli.main(["serve", "--host", host, "--runs", str(tmp_path), "--batch-rows", "3",
+                     "--max-queued", "2", "--max-wait", "5"]) == 0
+    app = seen["app"]
+    cfg, loop = app.state.config, app.state.loop
+    got = (cfg.host, cfg.batch_rows, cfg.max_queued, cfg.max_wait_s, loop.max_queued, loop.max_wait_s)
+    assert got == (host, 3, 2, 5.0, 2, 5.0)
     c = TestClient(seen["app"])
     assert c.get("/api/models", headers={"host": "evil.example"}).status_code == 400
     assert c.get("/api/models", headers={"host": "localhost:8000"}).status_code == 200

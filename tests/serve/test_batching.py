@@ -1,6 +1,7 @@
-"""The running batch of `qkv serve` (qkv.serve.batching): requests from many threads decode
-together and each gets what it gets alone; a client that leaves frees its row; the bounds on
-rows, waiting requests and the work queue's slots hold."""
+"""The running batch of `qkv serve` (qkv.serve.batching), stepped by the compute loop: requests
+from many threads decode together and each gets what it gets alone (reference: the same request
+decoded alone by `generate`, eagerly); a client that leaves frees its row; the bounds on rows
+and waiting requests hold; the batch's cache is allocated once across busy periods."""
 
 from __future__ import annotations
 
@@ -17,22 +18,24 @@ from helpers import token_ids as ids
 from helpers import wait_until
 
 from qkv.generation.batch import Request
-from qkv.serve.batching import BatchEngine
-from qkv.serve.work import BusyError, WorkQueue
+from qkv.serve.batching import ModelBatch
+from qkv.serve.loop import BusyError, ComputeLoop
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # see tests/conftest.py
 
 
-def engine(m, rows=4, queued=4, wait=10.0, work=None) -> BatchEngine:
-    work = work or WorkQueue()
-    return BatchEngine(m, rows=rows, cache_len=48, queued=queued, max_wait_s=wait,
-                       slot=lambda: work.acquire("m"), name="m")
+def engine(m, rows=4, queued=4) -> tuple[ComputeLoop, ModelBatch]:
+    """A loop and one model's running batch in it."""
+    loop = ComputeLoop()
+    b = loop.add_batch("m", lambda: ModelBatch(m, rows=rows, cache_len=48, queued=queued, name="m",
+                                                wake=loop.wake))
+    assert isinstance(b, ModelBatch)
+    return loop, b
 
 
 def test_requests_from_many_threads_decode_together_as_alone():
     m = model()
-    work = WorkQueue()
-    e = engine(m, rows=4, work=work)
+    loop, e = engine(m, rows=4)
     reqs = [Request(ids(3 + 2 * i, i), 8 + i, temperature=0.8 * (i % 2), seed=i) for i in range(6)]
     start = threading.Barrier(6)
 
@@ -45,53 +48,46 @@ def test_requests_from_many_threads_decode_together_as_alone():
     assert got == [alone(m, r) for r in reqs]
     assert e.peak_rows > 1  # they did share steps
     assert e.steps < sum(r.max_new_tokens for r in reqs)
-    deadline = time.monotonic() + 5
-    while (e.running() or work.running()) and time.monotonic() < deadline:
-        time.sleep(0.01)
-    assert (e.running(), e.waiting(), work.running()) == (0, 0, 0)  # the batch gave its slot back
+    wait_until(lambda: not e.busy(), "the batch to empty")
+    assert (e.running(), e.waiting()) == (0, 0)
+    loop.close()
 
 
-def test_a_cancelled_row_leaves_and_frees_its_place():
+def test_a_cancelled_row_leaves_frees_its_place_and_gives_back_what_it_held():
     m = model()
-    e = engine(m, rows=1, queued=1)
+    loop, e = engine(m, rows=1, queued=1)
+    released = []
     first = e.submit(Request(ids(4, 1), 40), lambda t: (time.sleep(0.02), t)[1])
+    first.on_end.append(lambda: released.append(threading.current_thread()))
     it = iter(first)
     next(it)
     first.cancel()
     assert len(list(it)) < 39  # it ended early
+    assert released == [loop.thread]  # given back once, in the loop
     second = [t.id for t in e.submit(Request(ids(5, 2), 6))]  # the row came free
     assert second == alone(m, Request(ids(5, 2), 6))
+    loop.close()
 
 
-def test_full_rows_and_a_full_queue_are_busy():
+def test_full_rows_and_a_full_waiting_room_are_busy():
     m = model()
-    e = engine(m, rows=1, queued=0)
-    stream = e.submit(Request(ids(4, 1), 40), lambda t: (time.sleep(0.05), t)[1])
-    with pytest.raises(BusyError, match="busy"):
-        e.submit(Request(ids(4, 2), 4))
-    stream.cancel()
-    list(stream)
-    e2 = engine(m, rows=1, queued=1, wait=0.2)
-    s2 = e2.submit(Request(ids(4, 1), 40), lambda t: (time.sleep(0.05), t)[1])  # a slow row
-    with pytest.raises(BusyError, match="no row came free"):
-        e2.submit(Request(ids(4, 2), 4))  # it waited 0.2 s in the queue
-    s2.cancel()
-    list(s2)
-
-
-def test_a_server_with_no_free_slot_refuses_before_the_batch_starts():
-    work = WorkQueue(per_model=1, total=1, queued=0)
-    held = work.acquire("m")
-    e = engine(model(), work=work)
-    with pytest.raises(BusyError):
-        e.submit(Request(ids(4, 1), 4))
-    held.release()
-    assert len(list(e.submit(Request(ids(4, 1), 4)))) == 4
+    loop, e = engine(m, rows=1, queued=1)
+    slow = e.submit(Request(ids(4, 1), 40), lambda t: (time.sleep(0.05), t)[1])
+    wait_until(lambda: e.running() == 1, "the first row decoding")
+    waiting = e.submit(Request(ids(4, 2), 4))  # waits for the row
+    busy = r"m is busy \(1 requests decoding and 1 waiting\); try again in"
+    with pytest.raises(BusyError, match=busy) as err:
+        e.submit(Request(ids(4, 3), 4))
+    assert 1 <= err.value.retry_after <= 60
+    assert e.withdraw(waiting) and not e.withdraw(waiting)  # a request that gives up waiting
+    slow.cancel()
+    list(slow)
+    loop.close()
 
 
 def test_a_failing_prefill_reaches_its_request_only(monkeypatch):
     m = model()
-    e = engine(m)
+    loop, e = engine(m)
     from qkv.generation import batch as batch_mod
 
     real = batch_mod.Batch.join
@@ -105,11 +101,12 @@ def test_a_failing_prefill_reaches_its_request_only(monkeypatch):
     with pytest.raises(RuntimeError, match="boom"):
         list(e.submit(Request(ids(7, 1), 4)))
     assert [t.id for t in e.submit(Request(ids(5, 1), 4))] == alone(m, Request(ids(5, 1), 4))
+    loop.close()
 
 
 def test_concurrent_http_generations_equal_the_same_requests_alone(runs_dir):
-    """Four clients at once on the batched server, against the server that decodes each request
-    alone (batch_rows 0): the same tokens and the same attention rows."""
+    """Four clients at once on the batched server, against a server that decodes one request at
+    a time (batch_rows 1): the same tokens and the same attention rows."""
     from fastapi.testclient import TestClient
 
     from qkv.serve import create_app
@@ -126,8 +123,7 @@ def test_concurrent_http_generations_equal_the_same_requests_alone(runs_dir):
         assert events[-1]["event"] == "done", events[-1]
         return [(e["id"], e["weights"]) for e in events if e["event"] == "token"]
 
-    alone_app = create_app(runs_dir=runs_dir, batch_rows=0)
-    with TestClient(alone_app) as c:
+    with TestClient(create_app(runs_dir=runs_dir, batch_rows=1)) as c:
         want = [run(c, b) for b in bodies]
     app = create_app(runs_dir=runs_dir, batch_rows=4)
     with TestClient(app) as c, ThreadPoolExecutor(4) as pool:
@@ -138,59 +134,19 @@ def test_concurrent_http_generations_equal_the_same_requests_alone(runs_dir):
             torch.testing.assert_close(torch.tensor(a), torch.tensor(b), atol=2e-5, rtol=0)
 
 
-def test_busy_and_idle_are_called_around_each_busy_period_never_inside_one():
-    """on_busy when a batch starts, on_idle once its thread has emptied it and given its slot
-    back (what qkv serve stops and starts its background builds with): two requests at once
-    share one busy period; a later one opens another; no on_idle while a row is decoding."""
-    m = model()
-    work = WorkQueue()
-    calls: list[tuple[str, int]] = []
-    e = BatchEngine(m, rows=4, cache_len=48, queued=4, max_wait_s=10.0, slot=lambda: work.acquire("m"),
-                    name="m", on_busy=lambda: calls.append(("busy", e.running())),
-                    on_idle=lambda: calls.append(("idle", e.running() + work.running())))
-    start = threading.Barrier(2)
-
-    def ask(r: Request) -> list[int]:
-        start.wait()
-        return [t.id for t in e.submit(r)]
-
-    def settled() -> None:  # the batch's thread has ended and its on_idle has run
-        deadline = time.monotonic() + 5
-        while (e._thread is not None or not calls or calls[-1][0] != "idle") and time.monotonic() < deadline:
-            time.sleep(0.01)
-        with e._hooks:
-            pass
-
-    with ThreadPoolExecutor(2) as pool:
-        list(pool.map(ask, [Request(ids(3, 1), 12), Request(ids(4, 2), 12)]))
-    settled()
-    n = len(calls)
-    assert [t.id for t in e.submit(Request(ids(5, 3), 6))] == alone(m, Request(ids(5, 3), 6))
-    settled()
-    assert [c for c, _ in calls[n:]] == ["busy", "idle"]
-    kinds = [c for c, _ in calls]
-    # every busy period opens with on_busy and the last closes with on_idle; an on_idle is never
-    # followed by another without a busy between, and sees nothing decoding, the slot given back
-    assert kinds[0] == "busy" and kinds[-1] == "idle" and "idle,idle" not in ",".join(kinds)
-    assert all(k == 0 for c, k in calls if c == "idle")
-    e.close()  # closing: the cancelled batch empties without an on_idle
-    assert calls[-1][0] == "idle" and len(calls) == n + 2
-
-
 def test_a_new_busy_period_reuses_the_last_batchs_cache(monkeypatch):
-    """Requests one after another (each its own busy period: the batch empties, its thread ends)
-    allocate the batch's cache once and still decode as alone; closing lets it go."""
+    """Requests one after another (each its own busy period: the batch empties) allocate the
+    batch's cache once and still decode as alone."""
     from qkv.generation import batch as batch_mod
 
     made = []
     real = batch_mod.Batch._make_cache
     monkeypatch.setattr(batch_mod.Batch, "_make_cache", lambda self, n: made.append(n) or real(self, n))
     m = model()
-    e = engine(m, rows=2)
+    loop, e = engine(m, rows=2)
     for n in (3, 6, 4):
         r = Request(ids(n, 30 + n), 7)
         assert [t.id for t in e.submit(r)] == alone(m, r)
-        wait_until(lambda: e._thread is None, "the batch to empty")
+        wait_until(lambda: e._batch is None, "the batch to empty")
     assert made == [48]
-    e.close()
-    assert e._spare is None
+    loop.close()

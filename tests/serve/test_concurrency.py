@@ -1,7 +1,7 @@
-"""`qkv serve` under concurrent requests: each model loaded once and shared, at most N requests
-computing per model with a few waiting and 503 + Retry-After beyond (never a pile of threads),
-the slot and the model held for a whole generation stream and given back when it ends or the
-client leaves; and a small load test over real sockets (statuses only: no timing is asserted)."""
+"""`qkv serve` under concurrent requests: each model loaded once and shared, every computation
+queued for the one compute loop with a bounded waiting room and 503 + Retry-After beyond, the
+model held for a whole generation stream and given back when it ends or the client leaves; and
+a small load test over real sockets (statuses only: no timing is asserted)."""
 
 from __future__ import annotations
 
@@ -60,7 +60,7 @@ def test_twenty_concurrent_requests_succeed_and_load_each_model_once(runs_dir, m
     for i, (m, r) in enumerate(results):
         if m == "runs/gpt-tiny":
             assert r.json()["query_tokens"] == list(texts[i][:32])  # the context: 32 characters
-    assert (app.state.work.running(), app.state.work.waiting()) == (0, 0)
+    assert app.state.loop.waiting() == 0
 
 
 class Gate:
@@ -85,8 +85,8 @@ def test_a_full_queue_answers_503_with_retry_after(runs_dir, monkeypatch) -> Non
 
     gate = Gate(sources.text_attention)
     monkeypatch.setattr(sources, "text_attention", gate)
-    app = create_app(runs_dir=runs_dir, max_busy_per_model=1, max_queued=1)
-    work, client = app.state.work, TestClient(app)
+    app = create_app(runs_dir=runs_dir, max_queued=1)
+    loop, client = app.state.loop, TestClient(app)
 
     def ask(text: str):
         return client.post("/api/attention", json={"model": "runs/gpt-tiny", "text": text})
@@ -95,96 +95,85 @@ def test_a_full_queue_answers_503_with_retry_after(runs_dir, monkeypatch) -> Non
         first = pool.submit(ask, "ROMEO")
         wait_until(lambda: gate.calls == 1, "the first request at work")
         second = pool.submit(ask, "JULIET")
-        wait_until(lambda: work.waiting("runs/gpt-tiny") == 1, "the second request waiting")
+        wait_until(lambda: loop.waiting() == 1, "the second request waiting")
         message = busy_detail(ask("ROMEO: But"))
-        assert message.startswith("runs/gpt-tiny is busy (1 requests running and 1 waiting); try again in")
+        assert message.startswith("the server is busy (1 requests are waiting); try again in")
         r = client.post("/api/generate", json={"model": "runs/gpt-tiny", "prompt": "R"})
-        assert "runs/gpt-tiny is busy" in busy_detail(r)  # generation shares the model's queue
-        assert client.post("/api/attention", json={"model": "runs/seq2seq-tiny", "text": "8 août 1977"}
-                           ).status_code == 200  # another model is not held up
-        assert client.get("/api/models").status_code == 200  # nor is the rest of the API
+        assert "the server is busy" in busy_detail(r)  # generation waits in the same queue
+        assert client.get("/api/models").status_code == 200  # the rest of the API is not held up
         assert client.post("/api/attention", json={"model": "runs/nope", "text": "R"}).status_code == 404
         gate.open.set()
         assert first.result().status_code == 200 and second.result().status_code == 200
     assert gate.calls == 2  # the refused ones never reached the model
-    # a result already computed needs no slot: switching head while the model is busy
+    # a result already computed needs no turn of the loop: switching head while it is busy
     monkeypatch.setattr(sources, "text_attention", Gate(sources.text_attention))  # closed again
     with ThreadPoolExecutor(max_workers=1) as pool:
         blocked = pool.submit(ask, "ROMEO: But soft")
-        wait_until(lambda: work.running("runs/gpt-tiny") == 1, "a request at work")
+        wait_until(lambda: sources.text_attention.calls == 1, "a request at work")
         r = client.post("/api/attention", json={"model": "runs/gpt-tiny", "text": "ROMEO", "head": 2})
         assert r.status_code == 200 and r.json()["head"] == 2
         sources.text_attention.open.set()
         assert blocked.result().status_code == 200
 
 
-@pytest.mark.parametrize("batch_rows", [8, 0])
-def test_a_generation_holds_its_slot_until_the_stream_ends(runs_dir, batch_rows) -> None:
-    """Alone, a request holds a work slot; in the running batch, the batch holds one while it
-    has rows: either way the slot is free again once the stream has ended."""
+@pytest.mark.parametrize("batch_rows", [8, 1])
+def test_a_generation_holds_its_model_until_the_stream_ends(runs_dir, batch_rows) -> None:
+    """The model is held (never evicted) while a row decodes, and let go once its stream has
+    ended; a request refused before its stream holds nothing."""
     from fastapi.testclient import TestClient
 
     from qkv.serve import create_app
 
-    app = create_app(runs_dir=runs_dir, max_busy_per_model=1, max_queued=0, batch_rows=batch_rows)
+    app = create_app(runs_dir=runs_dir, batch_rows=batch_rows)
     client = TestClient(app)
     for _ in range(3):  # one at a time, each after the last one's stream ended
         r = client.post("/api/generate", json={"model": "runs/gpt-tiny", "prompt": "ROMEO",
                                                "max_new_tokens": 3})
         events = [json.loads(x)["event"] for x in r.text.splitlines()]
         assert events == ["start", "token", "token", "token", "done"]
-        assert (app.state.work.running(), app.state.registry._models["runs/gpt-tiny"].users) == (0, 0)
+        wait_until(lambda: app.state.registry._models["runs/gpt-tiny"].users == 0, "the model let go")
     r = client.post("/api/generate", json={"model": "runs/vit-tiny", "prompt": "R"})
-    assert r.status_code == 422 and app.state.work.running() == 0  # refused before the stream: freed
+    assert r.status_code == 422 and app.state.registry._models["runs/vit-tiny"].users == 0
 
 
-@pytest.mark.parametrize("batch_rows", [1, 0])
-def test_a_client_that_leaves_mid_stream_frees_the_slot(runs_dir, monkeypatch, batch_rows) -> None:
-    """Alone: the request's work slot; in a batch of one row: the row and the batch's slot. The
-    decoding itself is slowed (each step 50 ms: 20 take a second), so the request is still
-    decoding when the second one asks and when its client leaves (slowing the reader instead
-    let the batch finish a tiny model's 20 tokens first, now and then, and admit the second)."""
+def test_a_client_that_leaves_mid_stream_frees_its_row_and_model(runs_dir, monkeypatch) -> None:
+    """A batch of one row: a second request waits for it while the first decodes; the first
+    client leaves, its row and model are given back, and the second one decodes. The decoding
+    is slowed (each step 50 ms), so the first is still decoding when its client leaves."""
     import httpx
 
     from qkv.generation.batch import Batch
-    from qkv.pipelines import attention as sources
     from qkv.serve import create_app
 
-    if batch_rows:
-        real_step = Batch.step
+    real_step = Batch.step
 
-        def slow_step(self):
-            time.sleep(0.05)
-            return real_step(self)
+    def slow_step(self):
+        time.sleep(0.05)
+        return real_step(self)
 
-        monkeypatch.setattr(Batch, "step", slow_step)
-    else:
-        real = sources.generate_steps
-
-        def slow(*args, **kwargs):
-            for step in real(*args, **kwargs):
-                time.sleep(0.05)
-                yield step
-
-        monkeypatch.setattr(sources, "generate_steps", slow)
-    app = create_app(runs_dir=runs_dir, max_busy_per_model=1, max_queued=0, batch_rows=batch_rows)
+    monkeypatch.setattr(Batch, "step", slow_step)
+    app = create_app(runs_dir=runs_dir, batch_rows=1, max_queued=1)
     body = {"model": "runs/gpt-tiny", "prompt": "ROMEO", "max_new_tokens": 20}
-    with serving(app) as url, httpx.Client(base_url=url, timeout=30) as c:
+    with serving(app) as url, httpx.Client(base_url=url, timeout=30) as c, ThreadPoolExecutor(1) as pool:
         with c.stream("POST", "/api/generate", json=body) as r:
             lines = r.iter_lines()
             assert json.loads(next(lines))["event"] == "start"
-            assert app.state.work.running("runs/gpt-tiny") == 1
-            assert "busy" in busy_detail(c.post("/api/generate", json=body))
-        # the connection is closed with the stream unfinished
-        wait_until(lambda: app.state.work.running() == 0, "the slot given back")
+            batch = next(iter(app.state.loop._batches.values()))
+            wait_until(lambda: batch.running() == 1, "the first row decoding")
+            second = pool.submit(lambda: httpx.post(f"{url}/api/generate", json={**body, "max_new_tokens": 3},
+                                                    timeout=30))
+            wait_until(lambda: batch.waiting() == 1, "the second request waiting for the row")
+        # the connection is closed with the stream unfinished: the row comes free
+        events = [json.loads(x)["event"] for x in second.result().text.splitlines()]
+        assert events == ["start", "token", "token", "token", "done"]
+        wait_until(lambda: batch.running() == 0, "the row given back")
         wait_until(lambda: app.state.registry._models["runs/gpt-tiny"].users == 0, "the model let go")
         assert c.post("/api/attention", json={"model": "runs/gpt-tiny", "text": "R"}).status_code == 200
 
 
 def test_a_small_load_over_http_gets_only_2xx_4xx_and_503(server, capsys) -> None:
     """20 clients at once, 100 mixed requests through uvicorn and real sockets; with the default
-    queue (2 at work per model, 4 in all, 4 waiting per model) some may be told to retry (503),
-    none may fail."""
+    queue (32 may wait) every request is served, none fails."""
     import httpx
 
     png = png_bytes()
@@ -216,6 +205,5 @@ def test_a_small_load_over_http_gets_only_2xx_4xx_and_503(server, capsys) -> Non
     assert all(code == 400 for kind, code, _ in results if kind == "bad")
     assert all(code == 200 for kind, code, _ in results if kind == "models")
     assert all(after.isdigit() for _, code, after in results if code == 503)
-    # the first 4 requests for each model always find room in its queue (4 may wait), so are served
     served = sum(code == 200 for kind, code, _ in results if kind in ("attention", "generate", "image"))
-    assert served >= 4 * len({model, "runs/gpt-tiny", "runs/vit-tiny"})
+    assert served == sum(kind in ("attention", "generate", "image") for kind, _, _ in results)

@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 
 import qkv.serve.registry as registry_module
+from qkv.serve.loop import BusyError
 from qkv.serve.registry import Registry
-from qkv.serve.work import BusyError
 
 
 class FakeLoader:

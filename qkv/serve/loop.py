@@ -1,0 +1,222 @@
+"""The server's one compute loop: every model computation of ``qkv serve`` runs on one thread.
+
+HTTP handlers only check a request, queue its computation here and wait for the answer (or, for
+``/api/generate``, stream the tokens a running batch produces); they never run a model. The loop
+owns all compute, as llama.cpp's server does (one loop over its slots) and nanochat's engine:
+
+- each turn it steps every model's running batch once (:mod:`qkv.serve.batching`: each
+  generation request is a row; a row joins by a prefill of its prompt between two steps), then
+  runs one queued computation (attention, lens, q·k, patching, an image, loading a model), so
+  streams keep moving while other requests are served, and no request waits behind more than one
+  computation per turn;
+- a computation runs alone on the model: a hook or an edit one request installs (the lens's
+  ablation and patching put hooks on the shared model object) exists only while it runs, and no
+  other forward pass runs on that model meanwhile;
+- the queue is bounded and first come, first served: at most ``max_queued`` computations wait
+  (beyond: :class:`BusyError`, a 503 with ``Retry-After``), and one that waited ``max_wait_s``
+  without starting is answered 503 instead of being run late.
+
+One thread for all models, not one per model: OpenMP (PyTorch's CPU kernels and the saved
+steps) keeps a worker pool for every thread that computes, and with two pools alive on two cores
+libgomp makes the workers sleep between parallel regions; a running batch then decoded at 50
+instead of 108 tok/s (measured, BENCHMARKS.md). With one compute thread there is one pool, and
+no thread needs to end to give its pool back.
+"""
+
+from __future__ import annotations
+
+import atexit
+import collections
+import math
+import threading
+import time
+import weakref
+from collections.abc import Callable, Hashable
+from concurrent.futures import Future
+from typing import Any, Protocol, TypeVar
+
+T = TypeVar("T")
+
+
+class BusyError(Exception):
+    """Too many requests right now; retry after ``retry_after`` seconds (a 503)."""
+
+    def __init__(self, message: str, retry_after: int) -> None:
+        super().__init__(message)
+        self.retry_after = retry_after
+
+
+class Stepper(Protocol):
+    """What the loop steps each turn: a model's running batch (:class:`~qkv.serve.batching.ModelBatch`)."""
+
+    def busy(self) -> bool:
+        """Whether it has rows decoding or waiting."""
+        ...
+
+    def tick(self) -> None:
+        """Admit waiting rows and take one step (in the loop's thread); never raises."""
+        ...
+
+    def close(self) -> None:
+        """End every row (the server stops)."""
+        ...
+
+
+class _Job:
+    """One queued computation and where its answer goes."""
+
+    def __init__(self, fn: Callable[[], Any], label: str) -> None:
+        self.fn, self.label = fn, label
+        self.queued = time.monotonic()
+        self.future: Future[Any] = Future()
+
+
+_LOOPS: weakref.WeakSet[ComputeLoop] = weakref.WeakSet()
+
+
+@atexit.register
+def _close_all() -> None:  # a thread still inside a kernel when the interpreter goes aborts it
+    for loop in list(_LOOPS):
+        loop.close()
+
+
+class ComputeLoop:
+    """The thread that runs every computation and every running batch of a server.
+
+    Args:
+        max_queued: computations that may wait at once; beyond, :class:`BusyError`.
+        max_wait_s: the longest a computation may wait to start; beyond, :class:`BusyError`.
+    """
+
+    def __init__(self, max_queued: int = 32, max_wait_s: float = 30.0) -> None:
+        if max_queued < 1 or max_wait_s < 0:
+            raise ValueError(f"max_queued must be >= 1 and max_wait_s >= 0, got {max_queued} and "
+                             f"{max_wait_s}")
+        self.max_queued, self.max_wait_s = max_queued, max_wait_s
+        self._cond = threading.Condition()
+        self._jobs: collections.deque[_Job] = collections.deque()
+        self._batches: dict[Hashable, Stepper] = {}
+        self._thread: threading.Thread | None = None
+        self._closing = False
+        self._seconds = 0.5  # a running mean of a computation's time, for Retry-After
+        self.jobs_run = 0  # computations run (tests, benchmarks)
+        self.turns = 0  # turns of the loop that stepped a batch
+        _LOOPS.add(self)
+
+    # ------------------------------------------------------------------ from request threads
+
+    @property
+    def thread(self) -> threading.Thread | None:
+        """The loop's thread (None before the first request)."""
+        return self._thread
+
+    def in_loop(self) -> bool:
+        return threading.current_thread() is self._thread
+
+    def waiting(self) -> int:
+        """Computations queued and not started."""
+        with self._cond:
+            return len(self._jobs)
+
+    def call(self, fn: Callable[..., T], *args: Any, label: str = "request") -> T:
+        """``fn(*args)`` run by the loop; its answer (or its exception) returned here, in the
+        caller's thread, which waits. Called from the loop itself (a computation that needs
+        another), it runs at once. BusyError when the queue is full, or when it waited
+        ``max_wait_s`` without starting."""
+        if self.in_loop():
+            return fn(*args)
+        job = _Job(lambda: fn(*args), label)
+        with self._cond:
+            if self._closing:
+                raise BusyError("the server is stopping", 5)
+            if len(self._jobs) >= self.max_queued:
+                raise self._busy(f"{len(self._jobs)} requests are waiting")
+            self._jobs.append(job)
+            self._start()
+            self._cond.notify_all()
+        return job.future.result()
+
+    def add_batch(self, key: Hashable, make: Callable[[], Stepper]) -> Stepper:
+        """The running batch under ``key`` (a loaded model), made by ``make`` the first time."""
+        with self._cond:
+            b = self._batches.get(key)
+            if b is None:
+                b = self._batches[key] = make()
+            return b
+
+    def drop_batch(self, key: Hashable) -> None:
+        """Forget a model's running batch (its model was unloaded); its rows end."""
+        with self._cond:
+            b = self._batches.pop(key, None)
+        if b is not None:
+            b.close()
+
+    def wake(self) -> None:
+        """A batch has new work (a row waiting): take it at the next turn."""
+        with self._cond:
+            self._start()
+            self._cond.notify_all()
+
+    def close(self, timeout: float = 5.0) -> None:
+        """End every row and every waiting computation (503), and stop the thread (waiting at
+        most ``timeout`` s for the computation in progress)."""
+        with self._cond:
+            self._closing = True
+            jobs, self._jobs = list(self._jobs), collections.deque()
+            batches = list(self._batches.values())
+            self._cond.notify_all()
+            thread = self._thread
+        for job in jobs:
+            job.future.set_exception(BusyError("the server is stopping", 5))
+        for b in batches:
+            b.close()
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(timeout)
+
+    def _busy(self, why: str) -> BusyError:
+        after = max(1, min(60, math.ceil(self._seconds * (1 + len(self._jobs)))))
+        return BusyError(f"the server is busy ({why}); try again in {after} s", after)
+
+    def _start(self) -> None:
+        """Under the lock: the thread, started on first use."""
+        if self._thread is None and not self._closing:
+            self._thread = threading.Thread(target=self._run, name="qkv-compute", daemon=True)
+            self._thread.start()
+
+    # ------------------------------------------------------------------ the loop's thread
+
+    def _next(self) -> tuple[_Job | None, list[Stepper]] | None:
+        """Wait for work: (a computation or None, the batches with rows); None: closing."""
+        with self._cond:
+            while True:
+                if self._closing:
+                    return None
+                active = [b for b in self._batches.values() if b.busy()]
+                if self._jobs or active:
+                    return (self._jobs.popleft() if self._jobs else None), active
+                self._cond.wait()
+
+    def _run(self) -> None:
+        while (got := self._next()) is not None:
+            job, active = got
+            for b in active:  # one step of every running batch (each catches its own errors)
+                b.tick()
+            if active:
+                self.turns += 1
+            if job is not None:
+                self._do(job)
+
+    def _do(self, job: _Job) -> None:
+        waited = time.monotonic() - job.queued
+        if waited > self.max_wait_s:  # too late to be useful: answered busy, not run
+            after = max(1, min(60, math.ceil(self._seconds)))
+            job.future.set_exception(BusyError(f"the server is busy (the {job.label} waited "
+                                               f"{waited:.0f} s); try again in {after} s", after))
+            return
+        t0 = time.monotonic()
+        try:
+            job.future.set_result(job.fn())
+        except BaseException as e:  # the request hears of it, the loop goes on
+            job.future.set_exception(e)
+        self.jobs_run += 1
+        self._seconds = 0.8 * self._seconds + 0.2 * (time.monotonic() - t0)
