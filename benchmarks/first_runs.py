@@ -15,8 +15,9 @@ smollm2``: its saved decoding steps, the one-request step and ``qkv serve``'s ru
   GGUF (the faster of its portable and native builds, ``--build-llama-cpp`` builds them once):
   the first round's processes are the first after set-up.
 
-Reported per process: decoding tok/s and which decoder ran (the stream's typed decision), and
-each qkv rate over llama.cpp's in the same round.
+Reported per process: decoding tok/s after the first token (what llama-bench's tg reports;
+the overall rate, prefill included, is kept too) and which decoder ran (the stream's typed
+decision), and each qkv rate over llama.cpp's in the same round.
 
     python benchmarks/first_runs.py                    # ~5 minutes on 2 cores (set-up included)
     python benchmarks/first_runs.py --build-llama-cpp  # also builds llama.cpp (~20 minutes, once)
@@ -45,7 +46,8 @@ NAME = "first_runs"
 PROMPT = ("Once upon a time, in a small village by the sea, there lived an old fisherman who "
           "every morning walked down to the harbour and")
 NEW = 128
-STATS = re.compile(r"\[(\d+) tokens in ([\d.]+) s after a (\d+)-token prompt, ([\d.]+) tok/s, (.*)\]$")
+STATS = re.compile(r"\[(\d+) tokens in ([\d.]+) s after a (\d+)-token prompt, ([\d.]+) tok/s, "
+                   r"([\d.]+) after the first, (.*)\]$")
 PYTHON = f"""
 import json, time
 t0 = time.perf_counter()
@@ -53,7 +55,9 @@ import qkv
 lm = qkv.load("smollm2")
 text = "".join(lm.stream({PROMPT!r}, {NEW}))
 st = lm.last_stats
-print(json.dumps({{"tok_s": round(st.tokens_per_s, 1), "tokens": st.new_tokens, "kind": st.decision.kind,
+print(json.dumps({{"tok_s": round(st.decode_tokens_per_s, 1), "overall_tok_s": round(st.tokens_per_s, 1),
+                  "first_token_s": round(st.first_token_s, 3), "tokens": st.new_tokens,
+                  "kind": st.decision.kind,
                   "says": st.decision.says(), "wall_s": round(time.perf_counter() - t0, 2)}}))
 """
 
@@ -76,9 +80,9 @@ def qkv_generate(env: dict[str, str]) -> dict:
     m = STATS.search(r.stderr.strip().splitlines()[-1])
     if m is None:
         raise RuntimeError(f"no closing stats line in: {r.stderr.strip()[-500:]}")
-    how = m.group(5)
-    return {"wall_s": wall, "tok_s": float(m.group(4)), "kind": "saved" if "saved step" in how else "eager",
-            "says": how[:200]}
+    how = m.group(6)
+    return {"wall_s": wall, "tok_s": float(m.group(5)), "overall_tok_s": float(m.group(4)),
+            "kind": "saved" if "saved step" in how else "eager", "says": how[:200]}
 
 
 def fresh_cache(root: Path, name: str, converted: bool) -> Path:

@@ -140,7 +140,9 @@ def classroom(url: str, students: int, seconds: float) -> dict:
 
 def run_server(path: Path, students: int, seconds: float) -> dict:
     port = free_port()
-    env = {**os.environ, "PYTHONPATH": str(path)}
+    # QKV_SAVED_STEP_BACKGROUND=off: a checkout from before issue 39 would otherwise start a
+    # background build when idle, which outlives it (this checkout knows no such variable)
+    env = {**os.environ, "PYTHONPATH": str(path), "QKV_SAVED_STEP_BACKGROUND": "off"}
     log = open(os.devnull, "w")  # closed with the process
     proc = subprocess.Popen([sys.executable, "-m", "qkv", "serve", "--port", str(port), "--runs",
                              str(path / "runs-none")], cwd=path, env=env, stdout=log, stderr=subprocess.PIPE,

@@ -43,7 +43,7 @@ def add_generate_parser(sub) -> None:
                    "install smollm2` for the bundled model: a step compiled ahead of time, loaded in "
                    "milliseconds, ~2x eager per token), else eagerly (the closing line says why and how "
                    "to build one); on (or a bare --compile): build the saved step first if there is "
-                   "none (about a minute, in the foreground, once per model, weight format, thread "
+                   "none (1-3 minutes on 2 cores, in the foreground, once per model, weight format, thread "
                    "count and machine; kept in qkv's cache folder); off: eagerly; jit: torch.compile "
                    "in this process (~7-65 s each time). QKV_SAVED_STEP=off also turns saved steps off")
     p.add_argument("--device", default="cpu", help="cpu or cuda")
@@ -118,8 +118,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
             _start(lm, prompt, args.chat, loaded)
     sys.stdout.write("\n")
     st = lm.last_stats
+    rate = f", {st.decode_tokens_per_s:.1f} after the first" if st.new_tokens > 1 else ""
     print(f"[{st.new_tokens} tokens in {st.seconds:.2f} s after a {st.prompt_tokens}-token prompt, "
-          f"{st.tokens_per_s:.1f} tok/s, {decode_mode(args, lm, st)}]",
+          f"{st.tokens_per_s:.1f} tok/s{rate}, {decode_mode(args, lm, st)}]",
           file=sys.stderr)
     return 0
 

@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import argparse
 import ipaddress
+import signal
 import socket
 import sys
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -53,9 +55,9 @@ def add_serve_parser(sub) -> None:
                    help="before listening, build the saved decoding steps these models lack on this "
                    "machine (names as the page lists them: smollm2, runs/NAME): the one-request step "
                    "and, with --batch-rows 2 or more, the running batch's (that many rows x --max-tokens "
-                   "positions, or the model's context if shorter), as `qkv prepare` does; about a "
-                   "minute each, once per model and machine, so that the server decodes fast from "
-                   "its first request")
+                   "positions, or the model's context if shorter), as `qkv prepare` does; 1-3 "
+                   "minutes each on 2 cores, once per model and machine, so that the server decodes fast "
+                   "from its first request")
     p.set_defaults(func=cmd_serve)
 
 
@@ -150,5 +152,25 @@ def cmd_serve(args: argparse.Namespace) -> int:
     print(f"qkv serve: runs from {runs}{'' if runs.is_dir() else ' (missing: pretrained models only)'}")
     url_host = f"[{args.host}]" if ":" in args.host else args.host
     print(f"qkv serve: open http://{url_host}:{args.port}/ (Ctrl-C stops)", flush=True)
-    uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
+    before = _exit_on_sigterm()
+    try:
+        uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
+    finally:
+        if before is not None:
+            signal.signal(signal.SIGTERM, before)
     return 0
+
+
+def _exit_on_sigterm() -> Any:
+    """SIGTERM ends the server as Ctrl-C does: uvicorn shuts down gracefully, then raises the signal
+    again with the handler it found, which here exits through Python (atexit runs: the compute
+    loop stops, a compiler this process started is ended) instead of the default action, which
+    kills the process on the spot and leaves its children running. Returns the handler it
+    replaced (None off the main thread, where signals cannot be handled)."""
+    if threading.current_thread() is not threading.main_thread():
+        return None
+
+    def stop(signum: int, frame: object) -> None:
+        raise SystemExit(128 + signum)
+
+    return signal.signal(signal.SIGTERM, stop)

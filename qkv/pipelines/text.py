@@ -148,12 +148,22 @@ class StreamStats:
     prompt_tokens: int = 0
     new_tokens: int = 0
     seconds: float = 0.0
+    first_token_s: float = 0.0  # the prompt's prefill and the first new token
     notes: list[str] = field(default_factory=list)  # what was changed about the request
     decision: Decision | None = None  # which decoder ran the steps, and why not the saved step
 
     @property
     def tokens_per_s(self) -> float:
+        """New tokens over the whole time, the prompt's prefill included."""
         return self.new_tokens / max(self.seconds, 1e-9)
+
+    @property
+    def decode_tokens_per_s(self) -> float:
+        """The tokens after the first over the time after it: the decoding rate alone (what
+        llama.cpp's ``llama-bench`` reports as tg)."""
+        if self.new_tokens < 2:
+            return 0.0
+        return (self.new_tokens - 1) / max(self.seconds - self.first_token_s, 1e-9)
 
 
 @dataclass
@@ -394,6 +404,8 @@ class CausalLM(LayersAndHeads):
                                      seed=seed, use_cache=use_cache, stop_at_eos=stop_at_eos, mode=mode):
                 stats.new_tokens += 1
                 stats.seconds = time.perf_counter() - t0
+                if stats.new_tokens == 1:
+                    stats.first_token_s = stats.seconds
                 yield tid
 
         yield from text_pieces(self.tokenizer.decode, new_ids(), context=ids)
@@ -446,7 +458,7 @@ class CausalLM(LayersAndHeads):
         every prompt, or one per prompt. Each is bounded by the context as in :meth:`stream`
         (without ``slide``). ``mode``: ``"auto"`` steps through the model's saved steps where
         they were built (a lone row, and the running batch's own step), ``"build"`` builds them
-        first (about a minute each, once per model, ``rows`` and machine), ``"eager"``."""
+        first (1-3 minutes each on 2 cores, once per model, ``rows`` and machine), ``"eager"``."""
         from qkv.generation.batch import Request, generate_batch
 
         if isinstance(prompts, str):

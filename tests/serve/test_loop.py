@@ -206,4 +206,13 @@ def test_concurrent_patch_lens_qk_and_generate_give_what_each_gives_alone(runs_d
             got = [x for xs in pool.map(client, range(8)) for x in xs]
     assert [code for _, code, _ in got] == [200] * len(got), [t for _, code, t in got if code != 200][:3]
     for i, _, answer in got:
-        assert answer == alone[i], requests[i][0]
+        if requests[i][0] != "/api/generate":
+            assert answer == alone[i], requests[i][0]  # alone on the model: exactly the same
+            continue
+        # a row of a running batch equals its request alone to float rounding: the same tokens,
+        # each attention row within 1e-4 (rounded to 6 decimals in the JSON)
+        assert [{k: v for k, v in e.items() if k != "weights"} for e in answer] == \
+            [{k: v for k, v in e.items() if k != "weights"} for e in alone[i]]
+        for g, w in zip(answer, alone[i], strict=True):
+            if "weights" in w:
+                assert max(abs(a - b) for a, b in zip(g["weights"], w["weights"], strict=True)) <= 1e-4
