@@ -40,6 +40,7 @@ def build_parser() -> argparse.ArgumentParser:
     from qkv.commands.explain import add_explain_parser
     from qkv.commands.export import add_export_parser
     from qkv.commands.generate import add_generate_parser
+    from qkv.commands.learn import add_learn_parser
     from qkv.commands.lens import add_lens_parser
     from qkv.commands.prepare import add_prepare_parser
     from qkv.commands.pretrained import add_embed_parser, add_similarity_parser
@@ -60,6 +61,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_attend_parser(sub)
     add_lens_parser(sub)
     add_explain_parser(sub)
+    add_learn_parser(sub)
     add_export_parser(sub)
     add_serve_parser(sub)
     add_assets_parser(sub)

@@ -36,6 +36,12 @@ CASES: list[tuple[str, str]] = [
     ("train|seq2seq|--preset|tiny|--task|copy|--max_len|100000", "max_len"),
     ("train|captioner|--preset|tiny|--data|{root}/nope", "nope"),
     ("train|vit|--preset|tiny|--dataset|nope", "nope"),
+    # learn
+    ("learn|start|nope", "no exercise 'nope'"),
+    ("learn|check|softmax|{root}/nope.py", "is not a file"),
+    ("learn|check|softmax|{file}", "defines no function softmax"),
+    ("learn|hint|attention", "did you mean"),
+    ("learn|start|softmax|--dir|{file}", "is a file, not a folder"),
     # prepare
     ("prepare|{root}/nope", "nope"),
     ("prepare|{vit}", "only decoders have decoding steps"),

@@ -33,6 +33,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("pretrained", "families"),  # foreign checkpoints; model families (training and reading runs)
     ("inference",),  # what a name means, and opening it
     ("explain",),
+    ("learn",),  # exercises: the lectures' functions written by a student, checked in a sandbox
     ("serve",),
     ("commands", "notebook"),
     ("cli", "qkv"),

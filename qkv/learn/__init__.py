@@ -1,0 +1,58 @@
+"""Learn by doing: the lectures' mechanisms as exercises that check themselves.
+
+    qkv learn                      # the exercises, by lecture section, with your progress
+    qkv learn start softmax        # writes ./qkv-exercises/softmax.py: the stub to fill in
+    qkv learn check softmax        # runs its checks on your file (isolated, time and memory limits)
+    qkv learn hint softmax         # the next hint
+
+From Python (a notebook): ``from qkv.learn import check; check("softmax", my_softmax)`` prints
+the same report and returns it. Each check compares with an independent reference (PyTorch's
+own ops, float64 formulas, the lectures' numbers such as Discussion 10's 0.9975), tries the
+edge cases a careless solution breaks, and says what is wrong when it recognises the mistake.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from qkv.errors import InputError
+from qkv.learn.catalog import EXERCISES
+from qkv.learn.exercise import CheckResult, Exercise, Report
+
+
+def get(name: str) -> Exercise:
+    """The exercise called ``name`` (InputError naming the exercises otherwise)."""
+    if name not in EXERCISES:
+        import difflib
+
+        close = difflib.get_close_matches(name, list(EXERCISES), n=1)
+        hint = f"did you mean {close[0]}? " if close else ""
+        raise InputError(f"no exercise {name!r}; {hint}`qkv learn list` shows them: {', '.join(EXERCISES)}")
+    return EXERCISES[name]
+
+
+def run(name: str, fn: Callable[..., Any]) -> Report:
+    """Every check of exercise ``name`` on ``fn``, in this process (no time or memory limit: for
+    a function you wrote in this session; `qkv learn check` isolates a file)."""
+    exercise = get(name)
+    results = []
+    for c in exercise.checks:
+        try:
+            message = c.run(fn)
+        except NotImplementedError:
+            message = f"{name} is not written yet (it raises NotImplementedError)"
+        except Exception as e:
+            message = f"your function raised {type(e).__name__}: {' '.join(str(e).split())[:240]}"
+        results.append(CheckResult(c.name, message is None, message or ""))
+    return Report(name, tuple(results))
+
+
+def check(name: str, fn: Callable[..., Any]) -> Report:
+    """:func:`run`, printed (one line per check, the reason under a failed one), and returned."""
+    report = run(name, fn)
+    print(report.text())
+    return report
+
+
+__all__ = ["EXERCISES", "Exercise", "Report", "check", "get", "run"]

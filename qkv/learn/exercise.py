@@ -1,0 +1,239 @@
+"""What an exercise is, and the pieces its checks are made of.
+
+An :class:`Exercise` names the function a student writes (its name and signature), the lecture
+section it belongs to, a stub (the docstring with the lecture's formula, shapes, conventions,
+what not to call, a worked example), progressive hints, where to see the idea in qkv, and its
+checks: small functions of the student's function that return None (passed) or a message that
+teaches (the smallest failing input, expected vs got, and the likely cause when it is
+recognisable). The references the checks compare with are PyTorch's own ops and float64 formulas
+written in the check, never the student's function and never qkv's implementation under test.
+"""
+
+from __future__ import annotations
+
+import ast
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import Tensor
+
+CheckFn = Callable[[Callable[..., Any]], "str | None"]
+
+
+@dataclass(frozen=True)
+class Check:
+    """One check: its name (what it checks, in words) and the function that runs it."""
+
+    name: str
+    run: CheckFn
+
+
+@dataclass(frozen=True)
+class CheckResult:
+    """The outcome of one check: ``ok`` and, when it failed, the message that says why."""
+
+    name: str
+    ok: bool
+    message: str = ""
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"name": self.name, "ok": self.ok, "message": self.message}
+
+
+@dataclass(frozen=True)
+class Report:
+    """Every check of one exercise on one solution."""
+
+    exercise: str
+    checks: tuple[CheckResult, ...]
+    error: str = ""  # why no check could run (the file raised, timed out, ...): then passed is False
+
+    @property
+    def passed(self) -> bool:
+        return not self.error and bool(self.checks) and all(c.ok for c in self.checks)
+
+    def as_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"passed": self.passed, "checks": [c.as_dict() for c in self.checks]}
+        if self.error:
+            out["error"] = self.error
+        return out
+
+    def text(self) -> str:
+        """The report as a student reads it: one line per check, a verdict last."""
+        lines = [f"{self.exercise}:"]
+        if self.error:
+            lines.append(f"  FAIL  {self.error}")
+        for c in self.checks:
+            lines.append(
+                f"  {'ok  ' if c.ok else 'FAIL'}  {c.name}" + ("" if c.ok else f"\n        {c.message}")
+            )
+        n = sum(c.ok for c in self.checks)
+        lines.append(f"{n}/{len(self.checks)} checks pass" + (": well done" if self.passed else ""))
+        return "\n".join(lines)
+
+
+@dataclass(frozen=True)
+class Exercise:
+    """One function to write. ``section``: the lecture section's title as in
+    :data:`qkv.explain.lectures.LECTURES`; ``difficulty``: 1 (warm-up) to 3; ``forbidden``: calls
+    its solution may not make (by attribute or function name); ``see``: where qkv shows it."""
+
+    name: str
+    section: str
+    difficulty: int
+    signature: str
+    stub: str
+    checks: tuple[Check, ...]
+    hints: tuple[str, ...]
+    see: str
+    forbidden: tuple[str, ...] = ()
+    solution: str = field(default="", repr=False)  # a reference solution, for tests and graders only
+
+    def stub_file(self) -> str:
+        """The file ``qkv learn start`` writes: the function with its docstring and a body to fill."""
+        doc = "\n".join(("    " + line) if line else "" for line in self.stub.strip("\n").splitlines())
+        return (
+            f'"""qkv exercise: {self.name} ({self.section}).\n\nCheck it with `qkv learn check '
+            f'{self.name}`; a hint: `qkv learn hint {self.name}`."""\n\nimport math\n\nimport torch\n\n\n'
+            f'def {self.name}{self.signature}:\n    """\n{doc}\n    """\n'
+            f'    raise NotImplementedError("write {self.name}")\n'
+        )
+
+
+# --------------------------------------------------------------------------- check helpers
+
+
+def gen(seed: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+def randn(*shape: int, seed: int = 0, dtype: torch.dtype = torch.float64) -> Tensor:
+    return torch.randn(*shape, generator=gen(seed), dtype=torch.float64).to(dtype)
+
+
+def show(t: Any, digits: int = 4) -> str:
+    """A small tensor as a student reads it (rounded, at most a few dozen numbers)."""
+    if not isinstance(t, Tensor):
+        return repr(t)
+    if t.dtype == torch.bool:
+        return str(t.int().tolist())
+    flat = t.detach().double()
+    if flat.numel() > 24:
+        first = [round(v, digits) for v in flat.flatten()[:6].tolist()]
+        return f"tensor of shape {tuple(t.shape)}, first values {first}"
+    return str(torch.round(flat, decimals=digits).tolist())
+
+
+def as_tensor(got: Any, what: str) -> Tensor:
+    if not isinstance(got, Tensor):
+        raise CheckError(f"{what} should be a torch.Tensor, got {type(got).__name__}")
+    return got
+
+
+class CheckError(Exception):
+    """Raised inside a check with the message the student reads."""
+
+
+def close(
+    got: Any,
+    want: Tensor,
+    what: str,
+    inputs: str,
+    rtol: float = 1e-6,
+    atol: float = 1e-8,
+    causes: Sequence[tuple[Tensor, str]] = (),
+) -> None:
+    """CheckError unless ``got`` equals ``want`` (shape, dtype and values to ``rtol``/``atol``,
+    CS231N's relative error); ``causes``: (what a common mistake gives, its diagnosis), said when
+    ``got`` matches it."""
+    got = as_tensor(got, what)
+    if tuple(got.shape) != tuple(want.shape):
+        raise CheckError(f"{what} has shape {tuple(got.shape)}, expected {tuple(want.shape)} for {inputs}")
+    if got.dtype != want.dtype:
+        raise CheckError(f"{what} has dtype {got.dtype}, expected {want.dtype} (the input's) for {inputs}")
+    g, w = got.detach().double(), want.double()
+    if torch.isnan(g).any() and not torch.isnan(w).any():
+        raise CheckError(f"{what} has NaN for {inputs}; expected {show(want)}")
+    if torch.allclose(g, w, rtol=rtol, atol=atol, equal_nan=True):
+        return
+    for mistake, why in causes:
+        if tuple(mistake.shape) == tuple(g.shape) and torch.allclose(
+            g, mistake.double(), rtol=1e-4, atol=1e-6
+        ):
+            raise CheckError(f"{what} for {inputs}: expected {show(want)}, got {show(got)}: {why}")
+    err = ((g - w).abs() / (g.abs() + w.abs()).clamp_min(1e-12)).max().item()
+    raise CheckError(
+        f"{what} for {inputs}: expected {show(want)}, got {show(got)} (relative error {err:.1e})"
+    )
+
+
+def calls(fn: Callable[..., Any]) -> set[str]:
+    """The names of library functions ``fn``'s source calls: every ``a.b(...)`` by its attribute
+    ``b``, and a bare ``b(...)`` when ``b`` is bound to something of PyTorch's (imported from it);
+    the student's own functions (their ``scaled_dot_product_attention`` inside their multi-head
+    attention) are not counted. Empty when the source is not available."""
+    import inspect
+    import textwrap
+
+    try:
+        tree = ast.parse(textwrap.dedent(inspect.getsource(fn)))
+    except (OSError, TypeError, SyntaxError):
+        return set()
+    scope = getattr(fn, "__globals__", {})
+    out = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call):
+            f = node.func
+            if isinstance(f, ast.Attribute):
+                out.add(f.attr)
+            elif isinstance(f, ast.Name):
+                bound = scope.get(f.id)
+                if bound is not None and str(getattr(bound, "__module__", "")).startswith("torch"):
+                    out.add(f.id)
+    return out
+
+
+def forbid(*names: str) -> Check:
+    """A check that the solution does not call any of ``names`` (the thing it is to write)."""
+
+    def run(fn: Callable[..., Any]) -> str | None:
+        used = sorted(calls(fn) & set(names))
+        if used:
+            return f"it calls {', '.join(used)}: the exercise is to write that yourself"
+        return None
+
+    return Check(f"does not call {', '.join(names)}", run)
+
+
+def check(name: str) -> Callable[[CheckFn], Check]:
+    """Decorator: a function of the student's function raising CheckError -> a :class:`Check`."""
+
+    def wrap(fn: Callable[[Callable[..., Any]], None]) -> Check:
+        def run(student: Callable[..., Any]) -> str | None:
+            try:
+                fn(student)
+            except CheckError as e:
+                return str(e)
+            return None
+
+        return Check(name, run)  # type: ignore[arg-type]
+
+    return wrap  # type: ignore[return-value]
+
+
+def gradcheck(fn: Callable[..., Any], inputs: tuple[Tensor, ...], what: str) -> None:
+    """CheckError unless ``fn``'s gradients in float64 match finite differences."""
+    ins = tuple(t.detach().clone().requires_grad_(t.is_floating_point()) for t in inputs)
+    try:
+        ok = torch.autograd.gradcheck(lambda *a: fn(*a), ins, eps=1e-6, atol=1e-5, raise_exception=False)
+    except RuntimeError as e:
+        raise CheckError(
+            f"{what}: autograd cannot differentiate it ({' '.join(str(e).split())[:160]}); "
+            "use torch operations on the inputs, not .item(), numpy or in-place tricks"
+        ) from None
+    if not ok:
+        raise CheckError(
+            f"{what}: its gradients do not match finite differences (torch.autograd.gradcheck in float64)"
+        )

@@ -1,0 +1,270 @@
+"""The exercises' checkers can fail: for every exercise, a correct solution written here (not
+qkv's code, not the catalog's own solution) passes every check, and at least two plausible wrong
+solutions are rejected with the specific message that names the mistake. References inside the
+checks are PyTorch's own ops and float64 formulas (qkv/learn/catalog.py)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from qkv.learn import EXERCISES, run
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+# --------------------------------------------------------------------------- correct, written independently
+
+
+def softmax(x, dim=-1):
+    m = torch.max(x, dim=dim, keepdim=True).values
+    e = (x - m).exp()
+    return e / torch.sum(e, dim=dim, keepdim=True)
+
+
+def scaled_dot_product_attention(q, k, v, mask=None):
+    s = torch.einsum("...td,...sd->...ts", q, k) * q.shape[-1] ** -0.5
+    if mask is not None:
+        s = torch.where(mask, s, torch.full_like(s, -math.inf))
+    m = s.amax(-1, keepdim=True).clamp_min(-1e30)
+    e = (s - m).exp()
+    w = e / e.sum(-1, keepdim=True).clamp_min(1e-300)
+    return torch.einsum("...ts,...sd->...td", w, v), w
+
+
+def causal_mask(T):
+    return torch.tril(torch.ones(T, T)).bool()
+
+
+def multi_head_attention(x, w_q, w_k, w_v, w_o, n_heads, causal=False):
+    _, T, D = x.shape
+    d = D // n_heads
+    outs = []
+    for h in range(n_heads):
+        cols = slice(h * d, (h + 1) * d)
+        q, k, v = (x @ w_q)[..., cols], (x @ w_k)[..., cols], (x @ w_v)[..., cols]
+        mask = torch.tril(torch.ones(T, T)).bool() if causal else None
+        outs.append(scaled_dot_product_attention(q, k, v, mask)[0])
+    return torch.cat(outs, -1) @ w_o
+
+
+def sinusoidal_positions(T, d):
+    pe = torch.empty(T, d, dtype=torch.float64)
+    for p in range(T):
+        for i in range(d // 2):
+            a = p / 10000 ** (2 * i / d)
+            pe[p, 2 * i], pe[p, 2 * i + 1] = math.sin(a), math.cos(a)
+    return pe.float()
+
+
+def rope(x, positions, theta=10000.0):
+    half = x.shape[-1] // 2
+    freq = 1.0 / theta ** (torch.arange(half, dtype=torch.float64) / half)
+    ang = torch.outer(positions.double(), freq)
+    rotated = torch.cat([-x[..., half:], x[..., :half]], -1)
+    return (x * torch.cat([ang.cos()] * 2, -1) + rotated * torch.cat([ang.sin()] * 2, -1)).to(x.dtype)
+
+
+def layer_norm(x, weight, bias, eps=1e-5):
+    n = x.shape[-1]
+    mu = x.sum(-1, keepdim=True) / n
+    var = (x * x).sum(-1, keepdim=True) / n - mu * mu
+    return (x - mu) * torch.rsqrt(var + eps) * weight + bias
+
+
+def additive_attention(query, keys, w_q, w_k, v):
+    e = torch.einsum("bta,a->bt", torch.tanh(query.unsqueeze(1) @ w_q + keys @ w_k), v)
+    w = softmax(e, dim=1)
+    return torch.einsum("bt,btd->bd", w, keys), w
+
+
+CORRECT = {f.__name__: f for f in (softmax, scaled_dot_product_attention, causal_mask, multi_head_attention,
+                                     sinusoidal_positions, rope, layer_norm, additive_attention)}
+
+
+@pytest.mark.parametrize("name", sorted(EXERCISES))
+def test_a_correct_solution_passes_every_check(name):
+    report = run(name, CORRECT[name])
+    assert report.passed, report.text()
+
+
+# --------------------------------------------------------------------------- wrong, each with its diagnosis
+
+
+def naive_softmax(x, dim=-1):
+    e = torch.exp(x)
+    return e / e.sum(dim, keepdim=True)
+
+
+def softmax_dim0(x, dim=-1):
+    return softmax(x, 0)
+
+
+def softmax_by_torch(x, dim=-1):
+    return torch.softmax(x, dim)
+
+
+def unscaled_attention(q, k, v, mask=None):
+    s = q @ k.transpose(-1, -2)
+    if mask is not None:
+        s = s.masked_fill(~mask, -math.inf)
+    w = torch.softmax(s, -1).nan_to_num(0.0)
+    return w @ v, w
+
+
+def attention_over_queries(q, k, v, mask=None):
+    w = torch.softmax(q @ k.transpose(-1, -2) / math.sqrt(q.shape[-1]), -2)
+    return w @ v, w
+
+
+def attention_inverted_mask(q, k, v, mask=None):
+    s = q @ k.transpose(-1, -2) / math.sqrt(q.shape[-1])
+    if mask is not None:
+        s = s.masked_fill(mask, -math.inf)
+    w = torch.softmax(s, -1).nan_to_num(0.0)
+    return w @ v, w
+
+
+def attention_nan_rows(q, k, v, mask=None):
+    s = q @ k.transpose(-1, -2) / math.sqrt(q.shape[-1])
+    if mask is not None:
+        s = s.masked_fill(~mask, -math.inf)
+    w = torch.softmax(s, -1)
+    return w @ v, w
+
+
+def mask_strict(T):
+    return torch.ones(T, T, dtype=torch.bool).tril(-1)
+
+
+def mask_upper(T):
+    return torch.ones(T, T, dtype=torch.bool).triu()
+
+
+def mask_additive(T):
+    return torch.zeros(T, T).masked_fill(~torch.ones(T, T, dtype=torch.bool).tril(), -math.inf)
+
+
+def mha_scaled_by_full_width(x, w_q, w_k, w_v, w_o, n_heads, causal=False):
+    B, T, D = x.shape
+    d = D // n_heads
+    sp = lambda t: t.view(B, T, n_heads, d).transpose(1, 2)  # noqa: E731
+    q, k, v = sp(x @ w_q), sp(x @ w_k), sp(x @ w_v)
+    s = q @ k.transpose(-1, -2) / math.sqrt(D)
+    if causal:
+        s = s.masked_fill(~torch.ones(T, T, dtype=torch.bool).tril(), -math.inf)
+    return (torch.softmax(s, -1) @ v).transpose(1, 2).reshape(B, T, D) @ w_o
+
+
+def mha_bad_split(x, w_q, w_k, w_v, w_o, n_heads, causal=False):
+    B, T, D = x.shape
+    d = D // n_heads
+    q, k, v = ((x @ w).reshape(B, n_heads, T, d) for w in (w_q, w_k, w_v))
+    s = q @ k.transpose(-1, -2) / math.sqrt(d)
+    if causal:
+        s = s.masked_fill(~torch.ones(T, T, dtype=torch.bool).tril(), -math.inf)
+    return (torch.softmax(s, -1) @ v).reshape(B, T, D) @ w_o
+
+
+def pos_halves(T, d):
+    p = torch.arange(T, dtype=torch.float64)[:, None]
+    a = p / 10000 ** (torch.arange(0, d, 2, dtype=torch.float64) / d)
+    return torch.cat([a.sin(), a.cos()], 1).float()
+
+
+def pos_exponent_per_column(T, d):
+    p = torch.arange(T, dtype=torch.float64)[:, None]
+    c = torch.arange(d, dtype=torch.float64)
+    a = p / 10000 ** (c / d)
+    return torch.where(torch.arange(d) % 2 == 0, a.sin(), a.cos()).float()
+
+
+def rope_interleaved(x, positions, theta=10000.0):
+    d = x.shape[-1]
+    freq = theta ** (-torch.arange(0, d, 2, dtype=torch.float64) / d)
+    ang = positions.double()[:, None] * freq
+    x1, x2 = x[..., 0::2], x[..., 1::2]
+    out = torch.stack([x1 * ang.cos() - x2 * ang.sin(), x2 * ang.cos() + x1 * ang.sin()], -1)
+    return out.flatten(-2).to(x.dtype)
+
+
+def rope_backwards(x, positions, theta=10000.0):
+    return rope(x, -positions, theta)
+
+
+def ln_unbiased(x, weight, bias, eps=1e-5):
+    return (x - x.mean(-1, keepdim=True)) / torch.sqrt(x.var(-1, keepdim=True) + eps) * weight + bias
+
+
+def ln_eps_outside(x, weight, bias, eps=1e-5):
+    xc = x - x.mean(-1, keepdim=True)
+    return xc / (xc.pow(2).mean(-1, keepdim=True).sqrt() + eps) * weight + bias
+
+
+def ln_by_torch(x, weight, bias, eps=1e-5):
+    return F.layer_norm(x, (x.shape[-1],), weight, bias, eps)
+
+
+def additive_no_tanh(query, keys, w_q, w_k, v):
+    w = torch.softmax(((query @ w_q)[:, None] + keys @ w_k) @ v, 1)
+    return (w[..., None] * keys).sum(1), w
+
+
+def additive_over_batch(query, keys, w_q, w_k, v):
+    w = torch.softmax(torch.tanh((query @ w_q)[:, None] + keys @ w_k) @ v, 0)
+    return (w[..., None] * keys).sum(1), w
+
+
+WRONG = [
+    ("softmax", naive_softmax, "exp(1000) overflows; subtract the maximum"),
+    ("softmax", softmax_dim0, "normalised along dim 0, not along the last dimension"),
+    ("softmax", softmax_by_torch, "it calls softmax: the exercise is to write that yourself"),
+    ("scaled_dot_product_attention", unscaled_attention, "the scores are not divided by √d"),
+    ("scaled_dot_product_attention", attention_over_queries,
+     "your weights sum to 1 over the queries, not the keys"),
+    ("scaled_dot_product_attention", attention_inverted_mask, "the mask is inverted"),
+    ("scaled_dot_product_attention", attention_nan_rows, "qkv's convention is all-zero weights there"),
+    ("causal_mask", mask_strict, "the diagonal is False: a token may attend to itself"),
+    ("causal_mask", mask_upper, "it is transposed: rows are queries"),
+    ("causal_mask", mask_additive, "return bool, True = may attend"),
+    ("multi_head_attention", mha_scaled_by_full_width, "each head's are divided by √(D / n_heads)"),
+    ("multi_head_attention", mha_bad_split, "mixes tokens into heads"),
+    ("sinusoidal_positions", pos_halves, "they interleave: even columns sin, odd columns cos"),
+    ("sinusoidal_positions", pos_exponent_per_column, "it is 2i/d with i the pair's index"),
+    ("rope", rope_interleaved, "pair (i, i + d/2) (rotate half)"),
+    ("rope", rope_backwards, "the rotation goes the other way"),
+    ("layer_norm", ln_unbiased, "the variance is the unbiased one"),
+    ("layer_norm", ln_eps_outside, "eps is added outside the square root"),
+    ("layer_norm", ln_by_torch, "it calls layer_norm"),
+    ("additive_attention", additive_no_tanh, "the scores miss the tanh"),
+    ("additive_attention", additive_over_batch, "the softmax runs over the batch"),
+]
+
+
+@pytest.mark.parametrize(("name", "fn", "says"), WRONG, ids=[f.__name__ for _, f, _ in WRONG])
+def test_a_plausible_wrong_solution_is_rejected_with_its_diagnosis(name, fn, says):
+    report = run(name, fn)
+    assert not report.passed
+    messages = [c.message for c in report.checks if not c.ok]
+    assert any(says in m for m in messages), messages
+
+
+def test_every_exercise_has_two_wrong_solutions_and_a_section_of_the_lecture_index():
+    from collections import Counter
+
+    from qkv.explain.lectures import LECTURES
+
+    titles = {s.title for lec in LECTURES for s in lec.sections}
+    assert all(EXERCISES[n].section in titles for n in EXERCISES)
+    assert min(Counter(n for n, _, _ in WRONG)[n] for n in EXERCISES) >= 2
+    assert all(len(e.hints) >= 2 and e.stub.strip() for e in EXERCISES.values())
+
+
+def test_the_catalogs_own_solutions_pass():
+    for name, e in EXERCISES.items():
+        ns = {"torch": torch, "math": math}
+        exec(e.solution, ns)
+        assert run(name, ns[name]).passed, name
