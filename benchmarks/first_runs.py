@@ -102,8 +102,12 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--rounds", type=int, default=4)
     ap.add_argument("--build-llama-cpp", action="store_true", help="build llama.cpp if it is not built")
+    ap.add_argument("--quick", action="store_true", help="one round (the set-up still takes minutes)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
+    if args.quick:
+        args.rounds = 1
+        args.out = args.out or str(HERE.parent / "results" / f"{NAME}_quick.json")
     if not C.have_assets(NAME, ("smollm2",)):
         return 1
     from qkv.assets import asset_path

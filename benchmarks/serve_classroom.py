@@ -164,8 +164,12 @@ def main() -> int:
     ap.add_argument("--students", type=int, default=8)
     ap.add_argument("--seconds", type=float, default=60.0)
     ap.add_argument("--server-path", default=None, help="also the server of this checkout (a worktree)")
+    ap.add_argument("--quick", action="store_true", help="20 seconds (a smoke run)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
+    if args.quick:
+        args.seconds = min(args.seconds, 20.0)
+        args.out = args.out or str(Path(__file__).resolve().parent / "results" / f"{NAME}_quick.json")
     if not C.have_assets(NAME, ("smollm2",)):
         return 1
     machine = C.machine_info()
