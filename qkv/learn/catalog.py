@@ -883,8 +883,13 @@ def additive_attention(query, keys, w_q, w_k, v):
 )
 
 
-EXERCISES: dict[str, Exercise] = {
-    e.name: e for e in (SOFTMAX, ATTENTION, CAUSAL_MASK, MULTI_HEAD, SINUSOIDAL, ROPE, LAYER_NORM, ADDITIVE)
-}
+def _all() -> dict[str, Exercise]:
+    from qkv.learn.catalog_more import MORE
+
+    first = (SOFTMAX, ATTENTION, CAUSAL_MASK, MULTI_HEAD, SINUSOIDAL, ROPE, LAYER_NORM, ADDITIVE)
+    return {e.name: e for e in (*first, *MORE)}
+
+
+EXERCISES: dict[str, Exercise] = _all()
 
 __all__ = ["EXERCISES", "Check", "Exercise"]

@@ -81,8 +81,51 @@ def additive_attention(query, keys, w_q, w_k, v):
     return torch.einsum("bt,btd->bd", w, keys), w
 
 
+def hardmax(x, dim=-1):
+    hits = torch.isclose(x, x.max(dim=dim, keepdim=True).values, rtol=0, atol=0).double()
+    return (hits / hits.sum(dim, keepdim=True)).to(x.dtype)
+
+
+def soft_lookup(query, keys, values, sharpness=1.0):
+    w = softmax(sharpness * torch.einsum("nd,d->n", keys, query), 0)
+    return torch.einsum("n,n...->...", w, values)
+
+
+def grouped_query_attention(q, k, v):
+    H, K = q.shape[1], k.shape[1]
+    outs = [scaled_dot_product_attention(q[:, h], k[:, h * K // H], v[:, h * K // H])[0] for h in range(H)]
+    return torch.stack(outs, 1)
+
+
+def online_softmax_attention(q, k, v, tile=64):
+    d = q.shape[-1]
+    best = torch.full((*q.shape[:-1], 1), -math.inf, dtype=q.dtype)
+    total = torch.zeros_like(best)
+    acc = torch.zeros((*q.shape[:-1], v.shape[-1]), dtype=q.dtype)
+    for start in range(0, k.shape[-2], tile):
+        scores = torch.einsum("...td,...sd->...ts", q, k[..., start:start + tile, :]) / math.sqrt(d)
+        new_best = torch.maximum(best, scores.max(-1, keepdim=True).values)
+        weights = (scores - new_best).exp()
+        shrink = (best - new_best).exp()
+        total = total * shrink + weights.sum(-1, keepdim=True)
+        acc = acc * shrink + weights @ v[..., start:start + tile, :]
+        best = new_best
+    return acc / total
+
+
+def patchify(images, p):
+    B, _C, H, W = images.shape
+    rows = []
+    for i in range(0, H, p):
+        for j in range(0, W, p):
+            rows.append(images[:, :, i:i + p, j:j + p].reshape(B, -1))
+    return torch.stack(rows, 1)
+
+
 CORRECT = {f.__name__: f for f in (softmax, scaled_dot_product_attention, causal_mask, multi_head_attention,
-                                     sinusoidal_positions, rope, layer_norm, additive_attention)}
+                                     sinusoidal_positions, rope, layer_norm, additive_attention, hardmax,
+                                     soft_lookup, grouped_query_attention, online_softmax_attention,
+                                     patchify)}
 
 
 @pytest.mark.parametrize("name", sorted(EXERCISES))
@@ -218,7 +261,65 @@ def additive_over_batch(query, keys, w_q, w_k, v):
     return (w[..., None] * keys).sum(1), w
 
 
+def hardmax_argmax(x, dim=-1):
+    return F.one_hot(x.argmax(dim), x.shape[dim]).to(x.dtype) if dim in (-1, x.ndim - 1) else hardmax(x, dim)
+
+
+def hardmax_last_dim(x, dim=-1):
+    return hardmax(x, -1)
+
+
+def lookup_no_softmax(query, keys, values, sharpness=1.0):
+    return (keys @ query) @ values
+
+
+def lookup_ignores_sharpness(query, keys, values, sharpness=1.0):
+    return torch.softmax(keys @ query, 0) @ values
+
+
+def gqa_round_robin(q, k, v):
+    H, K = q.shape[1], k.shape[1]
+    k, v = k.repeat(1, H // K, 1, 1), v.repeat(1, H // K, 1, 1)
+    return torch.softmax(q @ k.transpose(-1, -2) / math.sqrt(q.shape[-1]), -1) @ v
+
+
+def gqa_by_torch(q, k, v):
+    return F.scaled_dot_product_attention(q, k, v, enable_gqa=True)
+
+
+def online_no_max(q, k, v, tile=64):
+    l_sum = q.new_zeros((*q.shape[:-1], 1))
+    o = q.new_zeros((*q.shape[:-1], v.shape[-1]))
+    for j in range(0, k.shape[-2], tile):
+        p = torch.exp(q @ k[..., j:j + tile, :].transpose(-1, -2) / math.sqrt(q.shape[-1]))
+        l_sum, o = l_sum + p.sum(-1, keepdim=True), o + p @ v[..., j:j + tile, :]
+    return o / l_sum
+
+
+def online_whole_softmax(q, k, v, tile=64):
+    return torch.softmax(q @ k.transpose(-1, -2) / math.sqrt(q.shape[-1]), -1) @ v
+
+
+def patchify_reshape(images, p):
+    B, C, _H, _W = images.shape
+    return images.reshape(B, -1, C * p * p)
+
+
+def patchify_columns(images, p):
+    return patchify(images.transpose(-1, -2), p)
+
+
 WRONG = [
+    ("hardmax", hardmax_argmax, "argmax picks one of the tied entries"),
+    ("hardmax", hardmax_last_dim, "it always works on the last dimension"),
+    ("soft_lookup", lookup_no_softmax, "not passed through a softmax"),
+    ("soft_lookup", lookup_ignores_sharpness, "the sharpness is not used"),
+    ("grouped_query_attention", gqa_round_robin, "consecutive heads forming a group"),
+    ("grouped_query_attention", gqa_by_torch, "it calls scaled_dot_product_attention"),
+    ("online_softmax_attention", online_no_max, "keep a running maximum m per query"),
+    ("online_softmax_attention", online_whole_softmax, "it calls softmax"),
+    ("patchify", patchify_reshape, "not p x p squares"),
+    ("patchify", patchify_columns, "the patches are in column order"),
     ("softmax", naive_softmax, "exp(1000) overflows; subtract the maximum"),
     ("softmax", softmax_dim0, "normalised along dim 0, not along the last dimension"),
     ("softmax", softmax_by_torch, "it calls softmax: the exercise is to write that yourself"),
