@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import sys
 from pathlib import Path
@@ -38,12 +39,34 @@ def add_learn_parser(sub) -> None:
     ht.add_argument("name")
     ht.add_argument("--all", action="store_true", help="every hint at once")
     sp.add_parser("progress", help="which exercises pass")
+    # The actions whose arguments and work live beside their code in qkv/learn/ (each module keeps
+    # its top level light: torch and the models are imported when the action runs).
+    for name, (module, help_, add, _) in MODULE_ACTIONS.items():
+        getattr(importlib.import_module(module), add)(sp.add_parser(name, help=help_, description=help_))
     p.set_defaults(func=cmd_learn, action=None)
+
+
+# action -> (module, help, its add-arguments function, its main function)
+MODULE_ACTIONS: dict[str, tuple[str, str, str, str]] = {
+    "run": ("qkv.learn.runner", "put your function inside a real qkv model (GPT on Shakespeare, SmolLM2, "
+            "the dates RNN) and compare it with qkv's own", "add_arguments", "main"),
+    "quiz": ("qkv.learn.quiz", "predict, then reveal: questions computed from a model, answered with "
+             "the lens", "add_arguments", "main"),
+    "notebook": ("qkv.learn.notebook", "write one lecture's exercises as a Jupyter notebook with check "
+                 "cells", "add_arguments", "main"),
+    "export": ("qkv.learn.course", "for a course: a student bundle (stubs, notebooks, public checks) and "
+               "a separate grader", "add_export_arguments", "export_main"),
+    "grade": ("qkv.learn.course", "grade a folder of submissions into CSV and JSON (one row per student, "
+              "one column per exercise)", "add_grade_arguments", "grade_main"),
+}
 
 
 def cmd_learn(args: argparse.Namespace) -> int:
     action = args.action or "list"
     actions = {"list": _list, "start": _start, "check": _check, "hint": _hint, "progress": _progress}
+    if action in MODULE_ACTIONS:
+        module, _, _, main = MODULE_ACTIONS[action]
+        return getattr(importlib.import_module(module), main)(args)
     return actions[action](args)
 
 

@@ -884,10 +884,19 @@ def additive_attention(query, keys, w_q, w_k, v):
 
 
 def _all() -> dict[str, Exercise]:
+    from qkv.learn.catalog_cs231n import CS231N
+    from qkv.learn.catalog_lec21 import LEC21
+    from qkv.learn.catalog_lec22 import LEC22
     from qkv.learn.catalog_more import MORE
+    from qkv.learn.handmade import HANDMADE
 
     first = (SOFTMAX, ATTENTION, CAUSAL_MASK, MULTI_HEAD, SINUSOIDAL, ROPE, LAYER_NORM, ADDITIVE)
-    return {e.name: e for e in (*first, *MORE)}
+    out: dict[str, Exercise] = {}
+    for e in (*first, *MORE, *LEC21, *LEC22, *CS231N, *HANDMADE):
+        if e.name in out:
+            raise ValueError(f"two exercises are called {e.name}")
+        out[e.name] = e
+    return out
 
 
 EXERCISES: dict[str, Exercise] = _all()

@@ -12,7 +12,8 @@ written in the check, never the student's function and never qkv's implementatio
 from __future__ import annotations
 
 import ast
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -105,8 +106,24 @@ class Exercise:
 # --------------------------------------------------------------------------- check helpers
 
 
+_SEED_OFFSET = [0]
+
+
+@contextmanager
+def other_inputs(offset: int) -> Iterator[None]:
+    """Within this block every check draws other random inputs (their seeds moved by ``offset``):
+    a course's grader runs the same checks on inputs its students never saw."""
+    before = _SEED_OFFSET[0]
+    _SEED_OFFSET[0] = offset
+    try:
+        yield
+    finally:
+        _SEED_OFFSET[0] = before
+
+
 def gen(seed: int) -> torch.Generator:
-    return torch.Generator().manual_seed(seed)
+    """The generator every check draws its random inputs from (see :func:`other_inputs`)."""
+    return torch.Generator().manual_seed(seed + _SEED_OFFSET[0])
 
 
 def randn(*shape: int, seed: int = 0, dtype: torch.dtype = torch.float64) -> Tensor:
