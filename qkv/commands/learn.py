@@ -8,7 +8,7 @@ import json
 import sys
 from pathlib import Path
 
-DEFAULT_DIR = "qkv-exercises"
+from qkv.learn import DEFAULT_DIR
 
 
 def add_learn_parser(sub) -> None:
@@ -165,6 +165,9 @@ def _progress(args: argparse.Namespace) -> int:
     done = progress.load()
     passed = [n for n in EXERCISES if done.get(n) is not None and done[n].passed]
     print(f"{len(passed)} of {len(EXERCISES)} exercises pass")
+    quiz = progress.quiz_summary()
+    if quiz:
+        print(f"quiz: {quiz}")
     for n in EXERCISES:
         a = done.get(n)
         state = "not checked yet" if a is None else ("passed" if a.passed else f"{a.ok}/{a.total} checks")

@@ -20,6 +20,8 @@ from qkv.errors import InputError
 from qkv.learn.catalog import EXERCISES
 from qkv.learn.exercise import CheckResult, Exercise, Report
 
+DEFAULT_DIR = "qkv-exercises"  # where `qkv learn start` writes and `check`/`run` look
+
 
 def get(name: str) -> Exercise:
     """The exercise called ``name`` (InputError naming the exercises otherwise)."""

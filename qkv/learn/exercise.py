@@ -245,6 +245,8 @@ def gradcheck(fn: Callable[..., Any], inputs: tuple[Tensor, ...], what: str) -> 
     ins = tuple(t.detach().clone().requires_grad_(t.is_floating_point()) for t in inputs)
     try:
         ok = torch.autograd.gradcheck(lambda *a: fn(*a), ins, eps=1e-6, atol=1e-5, raise_exception=False)
+    except NotImplementedError:
+        raise
     except RuntimeError as e:
         raise CheckError(
             f"{what}: autograd cannot differentiate it ({' '.join(str(e).split())[:160]}); "

@@ -1,6 +1,7 @@
-"""Your progress through the exercises: the last check of each, kept in qkv's cache folder
+"""Your progress through the exercises: the last check of each, and the quizzes you played
+(``qkv learn quiz``: date, model, score, total), kept in qkv's cache folder
 (``<cache>/learn/progress.json``, written atomically; ``QKV_CACHE_DIR`` moves it, ``=off`` keeps
-nothing)."""
+nothing). The quizzes sit under the key ``QUIZ_KEY``, beside the exercises' attempts."""
 
 from __future__ import annotations
 
@@ -29,30 +30,93 @@ def path() -> Path | None:
     return None if root is None else root / "learn" / "progress.json"
 
 
-def load() -> dict[str, Attempt]:
-    """Every exercise checked so far (a damaged or missing file: none)."""
+@dataclass(frozen=True)
+class QuizScore:
+    """One quiz played: when, on which model, how many answers were right out of how many."""
+
+    when: str
+    model: str
+    score: int
+    total: int
+
+
+QUIZ_KEY = "__quiz__"  # no exercise has this name (exercises are Python function names)
+QUIZ_KEEP = 200  # the most recent quizzes kept
+
+
+def _raw() -> dict:
     p = path()
     if p is None:
         return {}
     try:
         raw = json.loads(p.read_text())
-        return {k: Attempt(bool(v["passed"]), int(v["ok"]), int(v["total"]), str(v["when"]))
-                for k, v in raw.items()}
-    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+    except (OSError, ValueError):
         return {}
+    return raw if isinstance(raw, dict) else {}
 
 
-def record(report: Report) -> None:
-    """Keep ``report`` as its exercise's last attempt (never an error: a read-only cache is fine)."""
+def _save(raw: dict) -> None:
     p = path()
     if p is None:
         return
-    done = load()
-    done[report.exercise] = Attempt(report.passed, sum(c.ok for c in report.checks), len(report.checks),
-                                    time.strftime("%Y-%m-%d %H:%M"))
     try:
         p.parent.mkdir(parents=True, exist_ok=True)
-        text = json.dumps({k: vars(v) for k, v in done.items()}, indent=1)
+        text = json.dumps(raw, indent=1)
         atomic_write(p, lambda tmp: tmp.write_text(text))
     except OSError:
         pass
+
+
+def load() -> dict[str, Attempt]:
+    """Every exercise checked so far (a damaged or missing file: none; a damaged entry: skipped)."""
+    out = {}
+    for k, v in _raw().items():
+        if k == QUIZ_KEY:
+            continue
+        try:
+            out[k] = Attempt(bool(v["passed"]), int(v["ok"]), int(v["total"]), str(v["when"]))
+        except (KeyError, TypeError, ValueError):
+            continue
+    return out
+
+
+def record(report: Report) -> None:
+    """Keep ``report`` as its exercise's last attempt (never an error: a read-only cache is fine);
+    the quizzes in the file are kept."""
+    raw = _raw()
+    raw[report.exercise] = vars(Attempt(report.passed, sum(c.ok for c in report.checks), len(report.checks),
+                                        time.strftime("%Y-%m-%d %H:%M")))
+    _save(raw)
+
+
+def quizzes() -> list[QuizScore]:
+    """Every quiz kept, oldest first (damaged entries skipped)."""
+    out = []
+    entries = _raw().get(QUIZ_KEY)
+    for v in entries if isinstance(entries, list) else []:
+        try:
+            out.append(QuizScore(str(v["when"]), str(v["model"]), int(v["score"]), int(v["total"])))
+        except (KeyError, TypeError, ValueError):
+            continue
+    return out
+
+
+def record_quiz(model: str, score: int, total: int) -> QuizScore:
+    """Keep a quiz's score beside the exercises' attempts (atomically; never an error)."""
+    q = QuizScore(time.strftime("%Y-%m-%d %H:%M"), model, int(score), int(total))
+    raw = _raw()
+    raw[QUIZ_KEY] = [vars(x) for x in [*quizzes(), q][-QUIZ_KEEP:]]
+    _save(raw)
+    return q
+
+
+def quiz_summary() -> str | None:
+    """One line for ``qkv learn progress``: quizzes played, right answers in all, the last one
+    (None before the first quiz)."""
+    done = quizzes()
+    if not done:
+        return None
+    right, asked = sum(q.score for q in done), sum(q.total for q in done)
+    last = done[-1]
+    return (f"{len(done)} quiz{'zes' if len(done) != 1 else ''} played, {right}/{asked} answers right; "
+            f"last: {last.score}/{last.total} on {last.model} ({last.when})")

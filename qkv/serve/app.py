@@ -10,6 +10,7 @@
     POST /api/qk                one head's attention row for one query, term by term
     POST /api/history           a GPT run's head scores at each evaluation (history.jsonl)
     POST /api/patch             activation patching, clean prompt into corrupt (decoders)
+    POST /api/quiz/question     a question computed from a model; /api/quiz/answer reveals it (quiz_api.py)
     GET  /openapi.json          the schema of all of the above
 
 Errors are JSON ``{"detail": "..."}`` with 400 (malformed model name, or a Host header this
@@ -36,6 +37,7 @@ from qkv.serve.api import Explorer
 from qkv.serve.config import ServeConfig
 from qkv.serve.guards import BodyLimit, HostCheck, OriginCheck
 from qkv.serve.loop import ComputeLoop
+from qkv.serve.quiz_api import mount_quiz
 from qkv.serve.registry import Registry
 from qkv.serve.schemas import (
     AttentionResponse,
@@ -139,4 +141,5 @@ def create_app(config: ServeConfig | None = None, **overrides: Any) -> FastAPI:
     app.add_api_route("/api/patch", api.patch, methods=["POST"], response_model=PatchResponse, **json_errors)
     app.add_api_route("/api/image-attention", api.image_attention, methods=["POST"],
                       response_model=ImageAttentionResponse, **json_errors)
+    mount_quiz(app, api, ERRORS)
     return app

@@ -78,7 +78,8 @@ def test_page_schema_and_headers(client) -> None:
     assert client.get("/static/../app.py").status_code == 404
     schema = client.get("/openapi.json").json()
     assert set(schema["paths"]) == {"/api/models", "/api/attention", "/api/generate", "/api/image-attention",
-                                    "/api/lens", "/api/qk", "/api/patch", "/api/history"}
+                                    "/api/lens", "/api/qk", "/api/patch", "/api/history",
+                                    "/api/quiz/question", "/api/quiz/answer"}
     for name in ("AttentionRequest", "AttentionResponse", "GenerateRequest", "ImageAttentionResponse",
                  "ErrorMessage"):
         assert name in schema["components"]["schemas"]

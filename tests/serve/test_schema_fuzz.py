@@ -48,7 +48,8 @@ def _real_parts(path: str) -> st.SearchStrategy[dict]:
     models = RUNS + ["runs/escape", "runs/notes"] + (["minilm"] if asset_installed("minilm") else [])
     takes = {"/api/generate": ["runs/gpt-tiny"] * 4, "/api/lens": ["runs/gpt-tiny"] * 4,
              "/api/qk": ["runs/gpt-tiny"] * 4, "/api/patch": ["runs/gpt-tiny"] * 6,
-             "/api/history": ["runs/gpt-tiny"] * 4,
+             "/api/history": ["runs/gpt-tiny"] * 4, "/api/quiz/question": ["runs/gpt-tiny"] * 4,
+             "/api/quiz/answer": ["runs/gpt-tiny"] * 4,
              "/api/image-attention": ["runs/vit-tiny", "runs/captioner-tiny"] * 2}.get(path, [])
     images = [png_bytes((8, 8), "L", 128), png_bytes((32, 32), "RGB", 128), png_bytes((64, 64), "RGB", 128),
               b"\x89PNG\r\n\x1a\n broken", b"GIF89a"]

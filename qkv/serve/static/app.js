@@ -50,7 +50,7 @@ function clearError() { $("error").hidden = true; $("error").textContent = ""; }
 
 // Results of an earlier request must not pass for the answer to a new one.
 function clearResults() {
-  for (const id of ["views", "generation", "image-view", "notes", "hover", "lens"]) $(id).hidden = true;
+  for (const id of ["views", "generation", "image-view", "notes", "hover", "lens", "quiz"]) $(id).hidden = true;
   $("timing").textContent = "";
   state.attention = null;
 }
@@ -124,6 +124,7 @@ function onModelChange() {
   $("image-input").hidden = m.input !== "image";
   $("generate-controls").hidden = !m.can_generate;
   $("lens-go").hidden = m.kind !== "decoder" && m.kind !== "encoder";
+  $("quiz-controls").hidden = m.kind !== "decoder";  // the quiz asks about next tokens and heads of a decoder
   $("view-controls").hidden = m.kind === "seq2seq" || m.family === "captioner";
   $("head").parentElement.hidden = m.kind === "image";
   $("show-lines").parentElement.hidden = m.kind === "image";

@@ -27,6 +27,7 @@ async function lookInside() {
     const data = await post("/api/lens", { model: m.id, text: $("text").value, ablate: lensState.ablated });
     lensState.data = data;
     lensState.history = null;
+    $("quiz").hidden = true;
     if (m.id.startsWith("runs/")) {
       try { lensState.history = await post("/api/history", { model: m.id }); } catch (e) { lensState.history = null; }
     }
@@ -80,18 +81,26 @@ function renderBars() {
   for (const r of rows) shown += r.p;
   rows.push({ token: "(all others)", id: -1, p: Math.max(0, 1 - shown), base: null });
   window.qkvBars = rows.map((r) => ({ id: r.id, token: r.token, prob: r.p }));
+  drawBars($("probs"), rows.map((r) => ({ ...r, name: label(r.token),
+    text: `${(100 * r.p).toFixed(2)}%` + (r.base !== null ? ` (was ${(100 * r.base).toFixed(2)}%)` : "") })));
+}
+
+// Horizontal bars, one per row {name, id, p (0..1: the bar's length), base (a grey bar behind, or
+// null), text (beside the bar), mark (outlined: the quiz's truth)}: the next-token probabilities
+// and the quiz's reveals.
+function drawBars(svg, rows) {
   const rowH = 20, labelW = 120, barW = 300, width = labelW + barW + 150, height = rows.length * rowH + 8;
   const parts = [`<rect x="0" y="0" width="${width}" height="${height}" fill="white"/>`];
   rows.forEach((r, i) => {
     const y = 4 + i * rowH;
-    parts.push(`<text x="${labelW - 6}" y="${y + rowH / 2}" text-anchor="end" dominant-baseline="middle">${esc(label(r.token))}</text>`);
-    if (r.base !== null) parts.push(`<rect x="${labelW}" y="${y + 2}" width="${(barW * r.base).toFixed(1)}" height="${rowH - 4}" fill="#ced4da"/>`);
+    parts.push(`<text x="${labelW - 6}" y="${y + rowH / 2}" text-anchor="end" dominant-baseline="middle"` +
+      `${r.mark ? ' font-weight="bold"' : ""}>${esc(r.name)}</text>`);
+    if (r.base !== null && r.base !== undefined) parts.push(`<rect x="${labelW}" y="${y + 2}" width="${(barW * r.base).toFixed(1)}" height="${rowH - 4}" fill="#ced4da"/>`);
     parts.push(`<rect class="bar" data-id="${r.id}" data-p="${r.p}" x="${labelW}" y="${y + 5}" width="${(barW * r.p).toFixed(1)}" ` +
-      `height="${rowH - 10}" fill="${r.id < 0 ? "#adb5bd" : "#3b5bdb"}"/>`);
-    parts.push(`<text x="${labelW + barW * r.p + 4}" y="${y + rowH / 2}" dominant-baseline="middle">${(100 * r.p).toFixed(2)}%` +
-      (r.base !== null ? ` (was ${(100 * r.base).toFixed(2)}%)` : "") + `</text>`);
+      `height="${rowH - 10}" fill="${r.id < 0 ? "#adb5bd" : "#3b5bdb"}"${r.mark ? ' stroke="#e8590c" stroke-width="2"' : ""}/>`);
+    parts.push(`<text x="${labelW + barW * r.p + 4}" y="${y + rowH / 2}" dominant-baseline="middle">${esc(r.text)}</text>`);
   });
-  sizeSvg($("probs"), width, height, parts);
+  sizeSvg(svg, width, height, parts);
 }
 
 // ------------------------------------------------------------------ logit lens table
@@ -403,6 +412,113 @@ async function download(id, format) {
 }
 window.qkvDownloadText = (id) => { const el = $(id); return el.tagName.toLowerCase() === "canvas" ? canvasSvg(el) : svgText(el); };
 
+// ------------------------------------------------------------------ quiz: predict, then reveal
+
+// POST /api/quiz/question asks (without the truth), POST /api/quiz/answer (the same model, kind and
+// seed) reveals it with the lens's numbers, drawn with the views above (bars, a grid of heads). The
+// score counts here.
+const quizState = { question: null, reveal: null, right: 0, answered: 0 };
+
+function publishQuiz() {
+  window.qkvQuiz = { question: quizState.question, reveal: quizState.reveal, right: quizState.right,
+    answered: quizState.answered };
+  $("quiz-score").textContent = `score ${quizState.right}/${quizState.answered}`;
+}
+
+function askQuestion() {
+  return runPanel(async () => {
+    const m = currentModel();
+    if (!m) throw new Error("Choose a model first.");
+    const q = await post("/api/quiz/question", { model: m.id, kind: $("quiz-kind").value || null });
+    clearResults();
+    quizState.question = q;
+    quizState.reveal = null;
+    $("quiz").hidden = false;
+    $("quiz-title").textContent = `${q.model} · ${q.title}`;
+    $("quiz-question").textContent = q.question;
+    const box = $("quiz-choices");
+    box.innerHTML = "";
+    q.choices.forEach((c, i) => {
+      const b = document.createElement("button");
+      b.type = "button";
+      b.className = "quiz-choice";
+      b.dataset.i = String(i);
+      b.textContent = `${i + 1}) ${c}`;
+      b.addEventListener("click", () => answerQuestion(i));
+      box.appendChild(b);
+    });
+    $("quiz-verdict").hidden = true;
+    $("quiz-figure").hidden = true;
+    $("quiz-next").hidden = true;
+    publishQuiz();
+  });
+}
+
+function answerQuestion(i) {
+  return runPanel(async () => {
+    const q = quizState.question;
+    if (!q || quizState.reveal) return;
+    const r = await post("/api/quiz/answer", { model: q.model, kind: q.kind, seed: q.seed, choice: i });
+    quizState.reveal = r;
+    quizState.answered += 1;
+    if (r.correct) quizState.right += 1;
+    for (const b of document.querySelectorAll("#quiz-choices .quiz-choice")) {
+      const j = Number(b.dataset.i);
+      b.disabled = true;
+      b.classList.toggle("truth", j === r.truth);
+      b.classList.toggle("wrong", j === r.choice && !r.correct);
+    }
+    const v = $("quiz-verdict");
+    v.textContent = (r.correct ? "Right: " : `Not quite: the answer is ${r.truth + 1}) ${q.choices[r.truth]}. `) + r.explain;
+    v.className = r.correct ? "right" : "wrong";
+    v.hidden = false;
+    renderReveal(q, r);
+    $("quiz-figure").hidden = false;
+    $("quiz-next").hidden = false;
+    publishQuiz();
+  });
+}
+
+function renderReveal(q, r) {
+  const d = r.reveal, svg = $("quiz-reveal");
+  if (q.kind === "next") {
+    const rows = d.bars.map((b, k) => ({ name: label(b.token), id: b.id, p: b.prob, text: `${(100 * b.prob).toFixed(2)}%`, mark: k === 0 }));
+    for (const c of d.choices) {  // a distractor outside the top ten, with its own probability
+      if (!d.bars.some((b) => b.id === c.id)) rows.push({ name: label(c.token), id: c.id, p: c.prob, text: `${(100 * c.prob).toFixed(4)}% (a choice)` });
+    }
+    $("quiz-caption").textContent = "next token: softmax(logits), the top ten (outlined: the likeliest)";
+    drawBars(svg, rows);
+  } else if (q.kind === "knockout") {
+    const top = Math.max(d.loss, d.loss_without) * 1.15;
+    drawBars(svg, [{ name: "every head", id: 0, p: d.loss / top, text: `${d.loss.toFixed(4)} nats` },
+      { name: `without ${d.head[0]}.${d.head[1]}`, id: 1, p: d.loss_without / top, mark: true,
+        text: `${d.loss_without.toFixed(4)} nats (${d.loss_without >= d.loss ? "+" : ""}${(d.loss_without - d.loss).toFixed(4)})` }]);
+    $("quiz-caption").textContent = "mean next-token cross-entropy over the text, with and without the head (qkv.lens.ablate)";
+  } else if (q.kind === "lens") {
+    drawBars(svg, d.rows.map((name, k) => ({ name: name.replace("the embeddings (before block 0)", "embeddings").replace("after ", ""),
+      id: k, p: d.prob[k], mark: k === d.first, text: `rank ${d.rank[k]} · p ${d.prob[k].toFixed(3)} · top ${label(d.top[k])}` })));
+    $("quiz-caption").textContent = `logit lens: the probability and rank of ${label(d.answer)} after each block (outlined: first ranked top)`;
+  } else {
+    const L = d.scores.length, H = d.scores[0].length, cw = 52, ch = 22, lw = 64, top = 22;
+    const width = lw + H * cw + 4, height = top + L * ch + 4;
+    const parts = [`<rect x="0" y="0" width="${width}" height="${height}" fill="white"/>`];
+    for (let h = 0; h < H; h++) parts.push(`<text x="${lw + h * cw + cw / 2}" y="${top - 6}" text-anchor="middle">head ${h}</text>`);
+    d.scores.forEach((row, l) => {
+      const y = top + l * ch;
+      parts.push(`<text x="${lw - 4}" y="${y + ch / 2}" text-anchor="end" dominant-baseline="middle">layer ${l}</text>`);
+      row.forEach((v, h) => {
+        const best = l === d.best[0] && h === d.best[1];
+        parts.push(`<rect class="quiz-cell" data-l="${l}" data-h="${h}" x="${lw + h * cw}" y="${y}" width="${cw - 2}" height="${ch - 2}" ` +
+          `fill="${rgb(colormap(VIRIDIS, v))}"${best ? ' stroke="#e8590c" stroke-width="3"' : ""}/>`);
+        parts.push(`<text class="${v > 0.5 ? "on-light" : "on-dark"}" x="${lw + h * cw + cw / 2 - 1}" y="${y + ch / 2}" ` +
+          `text-anchor="middle" dominant-baseline="middle" fill="${v > 0.5 ? "black" : "white"}">${v.toFixed(2)}</text>`);
+      });
+    });
+    sizeSvg(svg, width, height, parts);
+    $("quiz-caption").textContent = "induction score of every head (Olsson et al. 2022; outlined: the highest)";
+  }
+}
+
 function initLens() {
   $("lens-go").addEventListener("click", () => { lensState.ablated = []; lookInside(); });
   $("lens-temperature").addEventListener("input", () => lensState.data && lensState.data.logits && renderBars());
@@ -415,6 +531,8 @@ function initLens() {
   $("history-type").addEventListener("change", () => lensState.history && renderHistory());
   $("rollout-sink").addEventListener("change", () => lensState.data && lensState.data.rollout && renderRollout());
   $("patch-go").addEventListener("click", patchPrompts);
+  $("quiz-go").addEventListener("click", askQuestion);
+  $("quiz-next").addEventListener("click", askQuestion);
   for (const b of document.querySelectorAll("button[data-download]")) {
     b.addEventListener("click", () => download(b.dataset.download, b.dataset.format));
   }
