@@ -530,6 +530,9 @@ softmax(Q Kᵀ / √d) V, with a causal mask when ``causal``; concatenate the he
 and multiply by w_o. Returns (B, T, D).
 Do not call F.scaled_dot_product_attention or nn.MultiheadAttention.
 
+Example: x = [[[1, 0], [0, 1]]], every w the 2×2 identity, n_heads = 1, causal=True ->
+[[[1, 0], [0.3302, 0.6698]]] (token 2 weighs itself e^(1/√2) against token 1's e^0).
+
 (CS189 Lec 22 §3.1; CS231N Lec 8: "multi-head attention, and its four matrix multiplications".)
 """,
     checks=(
@@ -612,6 +615,8 @@ The sinusoidal positional encodings of Vaswani et al. (2017): a (T, d) float32 t
     PE[p, 2i+1] = cos(p / 10000^(2i/d))
 
 for positions p = 0..T-1 and pairs i = 0..d/2-1 (d even). Row 0 is [0, 1, 0, 1, ...].
+
+Example: sinusoidal_positions(2, 4) -> [[0, 1, 0, 1], [0.8415, 0.5403, 0.0100, 0.9999]].
 
 (CS189 Lec 22 §四: order must be added; each pair is a rotation at its own frequency.)
 """,
@@ -704,6 +709,9 @@ Pair dimension i with i + d/2 ("rotate half") and rotate each pair (x1, x2) by t
 p·θ^(−2i/d) of its position p:  x1' = x1·cos − x2·sin,  x2' = x2·cos + x1·sin.
 Returns a tensor of x's shape and dtype. Then q_m · k_n depends only on m − n.
 
+Example: rope(torch.tensor([[1., 0, 0, 0]]), torch.tensor([1])) -> [[0.5403, 0, 0.8415, 0]]
+(the pair (0, 2) turned by 1 radian, the pair (1, 3) by 0.01 radian, but it is zero).
+
 (CS231N Lec 8, positional encodings; qkv/attention/positional.py does the same for SmolLM2.)
 """,
     checks=(_rope_values, _rope_relative, _rope_norm),
@@ -792,6 +800,8 @@ with μ and σ² the mean and the biased variance (divided by n) of x's last dim
 Args: x (..., n); weight, bias (n,). Returns x's shape and dtype.
 Do not call F.layer_norm or nn.LayerNorm.
 
+Example: layer_norm(torch.tensor([1., 2, 3]), torch.ones(3), torch.zeros(3)) -> [-1.2247, 0, 1.2247].
+
 (CS189 Lec 22 §3.2, the Transformer layer: residual + LayerNorm + MLP.)
 """,
     checks=(_ln_values, _ln_tiny, _ln_grad, forbid("layer_norm", "LayerNorm")),
@@ -864,6 +874,10 @@ Additive (Bahdanau) attention, one query per row of the batch:
 
 Args: query (B, dq) (the decoder's state), keys (B, T, dk) (the encoder's states), w_q (dq, A),
 w_k (dk, A), v (A,). Returns (context (B, dk), weights (B, T)), each row of weights summing to 1.
+
+Example: query [[1, 0]], keys [[[1, 0], [0, 1]]], w_q = w_k = the identity, v = [1, 1]: the scores
+are tanh(2) + tanh(0) = 0.964 and tanh(1) + tanh(1) = 1.523, so weights [[0.3637, 0.6363]] and
+context [[0.3637, 0.6363]].
 
 (Bahdanau et al. 2015; CS231N Lec 8, "attention in four steps"; qkv's RNN translator uses it.)
 """,

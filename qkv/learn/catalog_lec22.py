@@ -821,6 +821,10 @@ Args: x (B, T, D); attention, mlp, norm1, norm2 callables; pre_ln a bool. Return
 Pre-LN keeps an untouched path from input to output (the residual stream); post-LN normalises
 the stream itself after every sub-layer.
 
+Example: attention = lambda h: 2 * h, mlp = lambda h: h + 1, norm1 = norm2 = lambda h: h / 10,
+x = [[[1.0]]]: pre-LN 1 + 2·0.1 = 1.2, then 1.2 + (0.12 + 1) = 2.32; post-LN (1 + 2) / 10 = 0.3, then
+(0.3 + 1.3) / 10 = 0.16.
+
 (CS189 Lec 22 §3.2; Xiong et al. 2020, "On Layer Normalization in the Transformer Architecture".)
 """,
     checks=(_block_pre, _block_post, _block_order),
@@ -1337,6 +1341,10 @@ Args: q, k, v (B, H, 1, d) for the newest token; k_cache, v_cache (B, H, S, d), 
 an empty cache, the first token). Returns (out (B, H, 1, d), k_cache (B, H, S + 1, d),
 v_cache (B, H, S + 1, d)). Decoding a sequence token by token must equal causal attention over
 the whole of it. (F.scaled_dot_product_attention is allowed; the cache is the exercise.)
+
+Example: with empty caches the first token attends only to itself (out = v). Then, d = 2,
+k1 = [0, 1], v1 = [1], and a new token with q = k2 = [1, 0], v2 = [3]: weights
+softmax([0, 1/√2]) = [0.3302, 0.6698], out = 0.3302·1 + 0.6698·3 = 2.3395.
 
 (CS189 Lec 22, Discussion 10 and 11's forward reference; qkv/attention/kv_cache.py preallocates.)
 """,

@@ -209,6 +209,10 @@ key/value head h // (H / K): heads 0..H/K-1 share key/value head 0, and so on. R
 (B, H, T, dv) = softmax(q kᵀ / √d) v per query head (no mask). K = 1 is multi-query attention.
 Do not call F.scaled_dot_product_attention (its enable_gqa would do it for you).
 
+Example: q of shape (1, 2, 1, 2) with query heads [1, 0] and [0, 1], one key/value head with keys
+[[1, 0], [0, 1]] and values [[1, 2], [3, 4]] -> [[1.6605, 2.6605]] for head 0, [[2.3395, 3.3395]]
+for head 1.
+
 (CS231N Lec 8, multi-head attention; the KV cache shrinks by H / K.)
 """,
     checks=(_gqa_values, forbid("scaled_dot_product_attention")),
@@ -282,6 +286,10 @@ query, the running maximum m, the running sum of exponentials l and the running 
     s = q k_jᵀ / √d;  m' = max(m, max s);  l' = l·e^(m − m') + Σ e^(s − m');
     o' = o·e^(m − m') + e^(s − m') v_j
 and return o / l at the end. Do not call softmax on the whole score matrix.
+
+Example: q = [[1, 0]], k = [[1, 0], [0, 1]], v = [[1, 2], [3, 4]], tile=1: after key 0, m = 0.7071,
+l = 1, o = [1, 2]; after key 1, m stays, l = 1 + e^(-0.7071) = 1.4931, o = [2.4793, 3.9724];
+o / l = [1.6605, 2.6605].
 
 (CS189 Lec 22, the cost of attention: compute O(n²), but memory need not be.)
 """,

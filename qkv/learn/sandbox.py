@@ -2,9 +2,11 @@
 
 The parent (``qkv learn check``) reads the file first (a syntax error is one line with
 file:line, exit 2; a file that defines no function of the exercise's name, exit 2), then runs
-``python -m qkv.learn.sandbox NAME FILE RESULT`` with a timeout. The child limits its own
+``python -m qkv.learn.sandbox NAME FILE RESULT OFFSET`` with a timeout. The child limits its own
 address space (2 GiB above what torch and qkv took to import), keeps the student's prints in a
-bounded buffer, imports the file, runs every check and writes the report as JSON to RESULT. An
+bounded buffer, imports the file, runs every check inside :func:`~qkv.learn.exercise.other_inputs`
+(OFFSET: 0 for the public inputs, a course grader's secret offset for inputs the student never
+saw, :mod:`qkv.learn.grading`) and writes the report as JSON to RESULT. An
 infinite loop, a huge allocation, ``sys.exit``, a print storm or an exception becomes one clear
 failed check, never a hang or a traceback from qkv. The parent never signals anything but the
 child it started (a timeout kills it).
@@ -20,11 +22,12 @@ import subprocess
 import sys
 import tempfile
 import traceback
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from qkv.errors import InputError
-from qkv.learn.exercise import CheckResult, Report
+from qkv.learn.exercise import Check, CheckResult, Report
 
 TIMEOUT_S = 60.0  # every check of one exercise, torch's import included (each check takes ≤ 5 s)
 MEMORY_ABOVE_IMPORT = 2 << 30  # bytes the student's code may allocate
@@ -55,13 +58,15 @@ def read_solution(name: str, path: Path) -> str:
     return source
 
 
-def run_checks(name: str, path: Path, timeout: float = TIMEOUT_S) -> Report:
+def run_checks(name: str, path: Path, timeout: float = TIMEOUT_S, seed_offset: int = 0) -> Report:
     """The report of exercise ``name`` on the function ``name`` of ``path``, computed in a child
-    process (see the module doc)."""
+    process (see the module doc); ``seed_offset``: every check's random inputs moved by it
+    (:func:`~qkv.learn.exercise.other_inputs`; 0: the public inputs)."""
     read_solution(name, path)
     with tempfile.TemporaryDirectory(prefix="qkv-learn-") as tmp:
         result = Path(tmp) / "report.json"
-        cmd = [sys.executable, "-m", "qkv.learn.sandbox", name, str(path.resolve()), str(result)]
+        cmd = [sys.executable, "-m", "qkv.learn.sandbox", name, str(path.resolve()), str(result),
+               str(int(seed_offset))]
         env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
         proc = subprocess.Popen(
             cmd,
@@ -127,12 +132,32 @@ def _where(e: BaseException, path: str) -> str:
     return f" ({Path(path).name}:{frames[-1].lineno})" if frames else ""
 
 
-def _child(name: str, path: str, result: str) -> None:
+def _run_one(c: Check, fn: Callable[..., Any], name: str, path: str) -> str | None:
+    """One check of the student's function: None (passed) or why not, whatever the function does."""
+    try:
+        return c.run(fn)
+    except SystemExit as e:
+        return f"your function called sys.exit({e.code!r})"
+    except MemoryError:
+        return "your function ran out of memory (more than 2 GiB for small inputs)"
+    except NotImplementedError:
+        return f"{name} is not written yet (it raises NotImplementedError)"
+    except BaseException as e:
+        text = " ".join(str(e).split())[:240]
+        if isinstance(e, RuntimeError) and ("alloc" in text.lower() or "memory" in text.lower()):
+            return f"your function ran out of memory: {text}"
+        return f"your function raised {type(e).__name__}: {text}{_where(e, path)}"
+
+
+def _child(name: str, path: str, result: str, offset: str = "0") -> None:
+    """Import the student's file and write the report of every check (run on inputs moved by
+    ``offset``) to ``result``."""
     import runpy
 
     import torch
 
     from qkv.learn.catalog import EXERCISES
+    from qkv.learn.exercise import other_inputs
 
     torch.set_num_threads(1)
     exercise = EXERCISES[name]
@@ -155,22 +180,10 @@ def _child(name: str, path: str, result: str) -> None:
             + _where(e, path)
         )
     else:
-        for c in exercise.checks:
-            try:
-                message = c.run(fn)
-            except SystemExit as e:
-                message = f"your function called sys.exit({e.code!r})"
-            except MemoryError:
-                message = "your function ran out of memory (more than 2 GiB for small inputs)"
-            except NotImplementedError:
-                message = f"{name} is not written yet (it raises NotImplementedError)"
-            except BaseException as e:
-                text = " ".join(str(e).split())[:240]
-                if isinstance(e, RuntimeError) and ("alloc" in text.lower() or "memory" in text.lower()):
-                    message = f"your function ran out of memory: {text}"
-                else:
-                    message = f"your function raised {type(e).__name__}: {text}{_where(e, path)}"
-            report["checks"].append({"name": c.name, "ok": message is None, "message": message or ""})
+        with other_inputs(int(offset)):
+            for c in exercise.checks:
+                message = _run_one(c, fn, name, path)
+                report["checks"].append({"name": c.name, "ok": message is None, "message": message or ""})
     if out.size > PRINT_LIMIT:
         report["checks"].append(
             {
@@ -183,4 +196,4 @@ def _child(name: str, path: str, result: str) -> None:
 
 
 if __name__ == "__main__":
-    _child(*sys.argv[1:4])
+    _child(*sys.argv[1:5])

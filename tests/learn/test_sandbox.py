@@ -1,17 +1,21 @@
 """A student's file runs in a process of its own: bad files are one line (exit 2: a missing file,
 a syntax error with file:line, no function of the exercise's name) before anything runs; an
 infinite loop, a huge allocation, sys.exit, a print storm or an exception are one clear failed
-check, never a hang or qkv's traceback; and the command's exit codes and JSON."""
+check, never a hang or qkv's traceback; a seed offset moves every check's inputs (a function that
+only reproduces the public outputs fails there); and the command's exit codes and JSON."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 from pathlib import Path
 
 import pytest
+import torch
 from helpers import assert_one_line_error, call
 
 from qkv.errors import InputError
+from qkv.learn import run
 from qkv.learn.sandbox import read_solution, run_checks
 
 GOOD = '''
@@ -57,6 +61,44 @@ def test_a_file_that_raises_while_imported_names_its_line(tmp_path):
     p = write(tmp_path, "import torch\nx = 1 / 0\n\ndef softmax(x, dim=-1):\n    return x\n")
     report = run_checks("softmax", p)
     assert not report.passed and "ZeroDivisionError" in report.error and "softmax.py:2" in report.error
+
+
+def test_a_seed_offset_fails_a_solution_that_only_reproduces_the_public_outputs(tmp_path):
+    """The public checks' inputs are recorded (by digest) with softmax's true outputs, taken from
+    torch.softmax in float64; the file returns those and a wrong (smooth) softmax elsewhere."""
+    seen = {}
+
+    def digest(x, dim):
+        return hashlib.sha256(f"{tuple(x.shape)} {dim} {x.dtype}".encode()
+                              + x.detach().double().contiguous().numpy().tobytes()).hexdigest()
+
+    def recorder(x, dim=-1):
+        if not x.requires_grad:
+            seen[digest(x, dim)] = torch.softmax(x.double(), dim=dim).flatten().tolist()
+        return torch.softmax(x, dim=dim)
+
+    assert run("softmax", recorder).passed and len(seen) >= 5
+    p = write(tmp_path, f'''import hashlib
+import torch
+
+SEEN = {seen!r}
+
+
+def softmax(x, dim=-1):
+    key = hashlib.sha256(f"{{tuple(x.shape)}} {{dim}} {{x.dtype}}".encode()
+                         + x.detach().double().contiguous().numpy().tobytes()).hexdigest()
+    if not x.requires_grad and key in SEEN:
+        return torch.tensor(SEEN[key], dtype=torch.float64).to(x.dtype).reshape(x.shape)
+    e = torch.exp(x - x.amax(dim=dim, keepdim=True))
+    return e / (e.sum(dim=dim, keepdim=True) + 1.0)
+''')
+    public = run_checks("softmax", p, timeout=60)
+    assert public.passed, public.text()
+    unseen = run_checks("softmax", p, timeout=60, seed_offset=1234)
+    failed = [c.message for c in unseen.checks if not c.ok]
+    assert not unseen.error and failed and any("expected" in m for m in failed), unseen.text()
+    right = run_checks("softmax", write(tmp_path, GOOD, "good.py"), timeout=60, seed_offset=1234)
+    assert right.passed, right.text()
 
 
 def test_the_command_exit_codes_json_start_and_progress(tmp_path, monkeypatch):
