@@ -15,15 +15,19 @@ def add_learn_parser(sub) -> None:
     p = sub.add_parser(
         "learn",
         help="exercises: write softmax, attention, masks, heads, positions yourself, and have them checked",
-        description="Learn by doing. Each exercise is one function of the lectures (softmax, scaled "
-        "dot-product attention, the causal mask, multi-head attention, sinusoidal positions, RoPE, "
-        "LayerNorm, Bahdanau's additive attention), with a stub that gives the formula, the shapes and "
-        "what not to call, checks that compare it with an independent reference and try the edge cases "
-        "a careless solution breaks, and hints. The workflow: `qkv learn` (the list), `qkv learn start "
-        "NAME` (writes ./qkv-exercises/NAME.py), edit it, `qkv learn check NAME` (exit 0 when every "
-        "check passes, 1 when some fail, 2 for a bad file), `qkv learn hint NAME` when stuck, `qkv learn "
-        "progress`. Your file runs in a process of its own with a time and memory limit. In a notebook: "
-        "`from qkv.learn import check; check('softmax', my_softmax)`.",
+        description="Learn by doing. Each exercise is one function of the lectures (47, at least one for "
+        "every section of `qkv explain --lectures` that has a command: softmax, attention in its forms, "
+        "masks, heads, positions, LayerNorm, the block, the KV cache, RNN cells, REINFORCE, sampling, a "
+        "ViT's patches, and five models whose weights you set by hand), with a stub that gives the "
+        "formula, the shapes, what not to call and an example, checks that compare it with an "
+        "independent reference and try the edge cases a careless solution breaks, and hints. The "
+        "workflow: `qkv learn` (the list, by lecture section), `qkv learn start NAME` (writes "
+        "./qkv-exercises/NAME.py), edit it, `qkv learn check NAME` (exit 0 when every check passes, 1 "
+        "when some fail, 2 for a bad file), `qkv learn hint NAME` when stuck, `qkv learn run NAME` to "
+        "see it inside a real model beside qkv's own, `qkv learn progress`. Your file runs in a process "
+        "of its own with a time and memory limit. Also: `qkv learn quiz` (predict, then reveal), `qkv "
+        "learn notebook LECTURE`, and for teachers `qkv learn export`/`grade` (docs/courses.md). In a "
+        "notebook: `from qkv.learn import check; check('softmax', my_softmax)`.",
     )
     sp = p.add_subparsers(dest="action", metavar="ACTION")
     ls = sp.add_parser("list", help="the exercises, by lecture section, with your progress")
@@ -87,9 +91,16 @@ def _list(args: argparse.Namespace) -> int:
     if getattr(args, "json", False):
         print(json.dumps(rows, ensure_ascii=False, indent=1))
         return 0
-    print("qkv learn: write each function yourself; `qkv learn start NAME`, then `qkv learn check NAME`.\n")
-    for r in rows:
-        print(f"  {r['name']:30s} {'*' * r['difficulty']:3s} {r['status']:22s} {r['section']}")
+    from qkv.explain.lectures import LECTURES
+
+    print("qkv learn: write each function yourself; `qkv learn start NAME`, then `qkv learn check NAME`.")
+    for lec in LECTURES:
+        for section in lec.sections:
+            here = [r for r in rows if r["section"] == section.title]
+            if here:
+                print(f"\n{lec.name.split(':')[0]} · {section.title}")
+            for r in here:
+                print(f"  {r['name']:28s} {'*' * r['difficulty']:3s} {r['status']}")
     return 0
 
 

@@ -9,13 +9,12 @@ attend; a query with no allowed key gets all-zero weights (and a zero output), n
 from __future__ import annotations
 
 import math
-from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from qkv.learn.exercise import Check, CheckError, Exercise, check, close, forbid, gradcheck, randn, show
+from qkv.learn.exercise import Check, CheckError, Exercise, check, close, forbid, gradcheck, pair, randn, show
 
 # --------------------------------------------------------------------------- references
 
@@ -71,12 +70,6 @@ def ref_additive(query: Tensor, keys: Tensor, w_q: Tensor, w_k: Tensor, v: Tenso
     scores = torch.tanh((q @ w_q.double())[:, None] + k @ w_k.double()) @ v.double()  # (B, T)
     w = torch.softmax(scores, dim=-1)
     return (w[:, :, None] * k).sum(1).to(query.dtype), w.to(query.dtype)
-
-
-def pair(got: Any, what: str) -> tuple[Tensor, Tensor]:
-    if not (isinstance(got, tuple | list) and len(got) == 2):
-        raise CheckError(f"{what} should return a pair (out, weights), got {type(got).__name__}")
-    return got[0], got[1]
 
 
 # --------------------------------------------------------------------------- softmax

@@ -30,13 +30,9 @@ from qkv.learn.exercise import (
     randn,
     show,
 )
-
-
-def _pair(got: Any, what: str) -> tuple[Tensor, Tensor]:
-    if not (isinstance(got, tuple | list) and len(got) == 2):
-        raise CheckError(f"{what} should return a pair (out, weights), got {type(got).__name__}")
-    return got[0], got[1]
-
+from qkv.learn.exercise import (
+    pair as _pair,
+)
 
 # --------------------------------------------------------------------------- GRU cell
 

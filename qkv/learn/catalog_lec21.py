@@ -18,13 +18,11 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from qkv.learn.exercise import CheckError, Exercise, check, close, forbid, gen, gradcheck, randn, show
+from qkv.learn.exercise import CheckError, Exercise, check, close, forbid, gen, gradcheck, pair, randn, show
 
 
-def _pair(got: Any, what: str) -> tuple[Tensor, Tensor]:
-    if not (isinstance(got, tuple | list) and len(got) == 2):
-        raise CheckError(f"{what} should return a pair (context, weights), got {type(got).__name__}")
-    return got[0], got[1]
+def _pair(got: Any, what: str) -> tuple[Any, Any]:
+    return pair(got, what, "(context, weights)")
 
 
 # --------------------------------------------------------------------------- conv1d

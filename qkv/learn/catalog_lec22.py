@@ -33,14 +33,11 @@ from qkv.learn.exercise import (
     randn,
     show,
 )
+from qkv.learn.exercise import (
+    pair as _pair,
+)
 
 # --------------------------------------------------------------------------- shared helpers
-
-
-def _pair(got: Any, what: str, names: str = "(out, weights)") -> tuple[Any, Any]:
-    if not (isinstance(got, tuple | list) and len(got) == 2):
-        raise CheckError(f"{what} should return a pair {names}, got {type(got).__name__}")
-    return got[0], got[1]
 
 
 def _softmax64(s: Tensor, dim: int = -1) -> Tensor:

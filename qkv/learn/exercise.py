@@ -149,6 +149,13 @@ def as_tensor(got: Any, what: str) -> Tensor:
     return got
 
 
+def pair(got: Any, what: str, names: str = "(out, weights)") -> tuple[Any, Any]:
+    """The two results of a function that returns a pair (CheckError naming ``names`` otherwise)."""
+    if not (isinstance(got, tuple | list) and len(got) == 2):
+        raise CheckError(f"{what} should return a pair {names}, got {type(got).__name__}")
+    return got[0], got[1]
+
+
 class CheckError(Exception):
     """Raised inside a check with the message the student reads."""
 
