@@ -1,4 +1,5 @@
-"""A course from the exercises: a student bundle, a separate grader, and grading a class.
+"""A course from the exercises: a student bundle and a separate grader (``qkv learn export``), and
+the command that grades a class with it (``qkv learn grade``, whose work is :mod:`qkv.learn.grading`).
 
 ``qkv learn export --course DIR [--exercises a,b | --lecture KEY]`` writes
 
@@ -11,48 +12,29 @@
   ``autograder.zip``) and Otter-Grader test files (``otter/tests/NAME.py``). Keep this folder
   from students: the offset is what makes the inputs unseen.
 
-``qkv learn grade SUBMISSIONS --grader DIR/grader -o OUT`` grades a class: SUBMISSIONS holds one
-folder per student (``NAME.py`` files and/or notebooks, searched in subfolders too) or one
-notebook per student (``STUDENT.ipynb``). From a notebook the top-level imports, functions and
-classes of every code cell are kept (the last definition of a name wins, as when the cells run in
-order); nothing else of the notebook runs. Each exercise of each student runs in a child process
-of its own (:mod:`qkv.learn.sandbox`'s child: time and memory limits, prints bounded) with the
-grader's seed offset; a broken submission (a syntax error, an infinite loop, a missing function,
-an exception) scores 0 for that exercise, with the reason in ``grades.json``, and grading goes
-on. ``OUT/grades.csv`` has one row per student, one column per exercise (the points earned:
-by default all of the exercise's points when every check passes and 0 otherwise, as Otter's OK
-tests score; ``--scoring fraction`` at export: the points times the fraction of checks passed)
-and the total; ``OUT/grades.json`` has every check's outcome. ``--format gradescope`` grades one
-submission (SUBMISSIONS is that submission's folder, /autograder/submission) into
-``OUT/results.json`` in Gradescope's format
-(https://gradescope-autograders.readthedocs.io/en/latest/specs/).
+``qkv learn grade SUBMISSIONS --grader DIR/grader -o OUT`` grades a class into ``OUT/grades.csv``
+and ``OUT/grades.json`` (``--format gradescope``: one submission into ``OUT/results.json``); what
+it reads, runs and writes is described in :mod:`qkv.learn.grading`.
 """
 
 from __future__ import annotations
 
 import argparse
-import ast
-import csv
-import io
 import json
 import os
 import shutil
-import subprocess
-import sys
 import tempfile
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from qkv.errors import InputError
+from qkv.learn.grading import FORMAT, MANIFEST, grade, read_manifest, write_class, write_gradescope
+from qkv.learn.sandbox import TIMEOUT_S
 
 if TYPE_CHECKING:
-    from qkv.learn.exercise import Exercise, Report
+    from qkv.learn.exercise import Exercise
 
-MANIFEST = "manifest.json"
-FORMAT = "qkv-learn-grader"
-TIMEOUT_S = 60.0
 
 
 # --------------------------------------------------------------------------- export
@@ -346,297 +328,7 @@ def export_main(args: argparse.Namespace) -> int:
     return 0
 
 
-# --------------------------------------------------------------------------- reading submissions
-
-
-_KEEP = (ast.Import, ast.ImportFrom, ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)
-
-
-def notebook_source(paths: Sequence[Path]) -> tuple[str, list[str]]:
-    """The top-level imports, functions and classes of the notebooks' code cells, in order, as
-    one module (a later definition of a name overrides an earlier one, as when the cells run in
-    order), and the problems met (a cell that does not parse: notebook, cell and line). IPython
-    lines (``%magic``, ``!shell``) are dropped; nothing else of the notebook runs."""
-    from qkv.learn.notebook import require_nbformat
-
-    nbformat = require_nbformat()
-    parts: list[str] = []
-    problems: list[str] = []
-    for path in paths:
-        try:
-            nb = nbformat.read(str(path), as_version=4)
-        except Exception as e:  # nbformat raises several types for a damaged file
-            problems.append(f"{path.name}: not a readable notebook ({type(e).__name__})")
-            continue
-        n = 0
-        for cell in nb.cells:
-            if cell.get("cell_type") != "code":
-                continue
-            n += 1
-            lines = [ln for ln in cell.source.splitlines() if not ln.lstrip().startswith(("%", "!"))]
-            text = "\n".join(lines)
-            try:
-                tree = ast.parse(text)
-            except SyntaxError as e:
-                problems.append(f"{path.name}, code cell {n}, line {e.lineno}: syntax error: {e.msg}")
-                continue
-            for node in tree.body:
-                if isinstance(node, _KEEP):
-                    decorators = getattr(node, "decorator_list", None)
-                    start = decorators[0].lineno if decorators else node.lineno
-                    parts.append("\n".join(text.splitlines()[start - 1 : node.end_lineno]))
-    return "\n\n".join(parts) + "\n", problems
-
-
-@dataclass
-class Submission:
-    """One student's files: ``NAME.py`` files by exercise, and notebooks."""
-
-    student: str
-    files: dict[str, Path] = field(default_factory=dict)
-    notebooks: list[Path] = field(default_factory=list)
-
-
-def _files(folder: Path, names: Sequence[str]) -> Submission:
-    sub = Submission(folder.name)
-    found = sorted((p for p in folder.rglob("*") if p.is_file() and ".ipynb_checkpoints" not in p.parts),
-                   key=lambda p: (len(p.parts), str(p)))
-    for p in found:
-        if p.suffix == ".py" and p.stem in names and p.stem not in sub.files:
-            sub.files[p.stem] = p
-        elif p.suffix == ".ipynb":
-            sub.notebooks.append(p)
-    return sub
-
-
-def find_submissions(root: Path, names: Sequence[str], single: bool = False) -> list[Submission]:
-    """The students of ``root``: each folder (``NAME.py`` files and/or notebooks, in subfolders
-    too) and each ``STUDENT.ipynb`` directly in it; ``single``: ``root`` is one submission."""
-    if not root.is_dir():
-        raise InputError(f"{root} is not a folder of submissions")
-    if single:
-        sub = _files(root, names)
-        sub.student = "submission"
-        return [sub]
-    subs = []
-    for p in sorted(root.iterdir()):
-        if p.name.startswith((".", "_")):
-            continue
-        if p.is_dir():
-            subs.append(_files(p, names))
-        elif p.suffix == ".ipynb":
-            subs.append(Submission(p.stem, {}, [p]))
-    if not subs:
-        loose = [p.name for p in root.glob("*.py")]
-        hint = (f" (it holds {', '.join(loose[:3])}: one student's files? put each student's in a folder "
-                "of their own, or grade one submission with --format gradescope)") if loose else ""
-        raise InputError(f"{root} holds no student folder and no STUDENT.ipynb{hint}")
-    return subs
-
-
-# --------------------------------------------------------------------------- grading
-
-
-@dataclass(frozen=True)
-class Grade:
-    """One exercise of one student: points earned of ``max_score``, and why when not all."""
-
-    exercise: str
-    score: float
-    max_score: float
-    passed: int
-    total: int
-    reason: str = ""
-    source: str = ""
-    checks: tuple[dict[str, Any], ...] = ()
-    report: str = ""
-
-    def as_dict(self) -> dict[str, Any]:
-        return {"score": self.score, "max_score": self.max_score, "checks_passed": self.passed,
-                "checks_total": self.total, "reason": self.reason, "source": self.source,
-                "checks": list(self.checks)}
-
-
-def run_hidden(name: str, path: Path, seed_offset: int, timeout: float = TIMEOUT_S) -> Report:
-    """:func:`qkv.learn.sandbox.run_checks` with every check's seeds moved by ``seed_offset``:
-    the same parent (a child process, a time limit, the report as JSON), whose child is this
-    module's ``__main__`` (the sandbox's child inside :func:`other_inputs`)."""
-    from qkv.learn.exercise import CheckResult, Report
-    from qkv.learn.sandbox import read_solution
-
-    read_solution(name, path)
-    with tempfile.TemporaryDirectory(prefix="qkv-grade-") as tmp:
-        result = Path(tmp) / "report.json"
-        cmd = [sys.executable, "-m", "qkv.learn.course", name, str(path.resolve()), str(result),
-               str(seed_offset)]
-        env = {**os.environ, "OMP_NUM_THREADS": "1"}
-        proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                                stderr=subprocess.PIPE, env=env, cwd=str(path.resolve().parent))
-        try:
-            _, err = proc.communicate(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.communicate()
-            return Report(name, (), f"it did not finish in {timeout:g} s (an infinite loop?)")
-        if result.is_file():
-            data = json.loads(result.read_text())
-            return Report(name, tuple(CheckResult(**c) for c in data["checks"]), data.get("error", ""))
-        tail = err.decode(errors="replace").strip().splitlines()[-1:] if err else []
-        why = tail[0][:200] if tail else f"exit code {proc.returncode}"
-        if proc.returncode and proc.returncode < 0:
-            why = f"killed by signal {-proc.returncode} (out of memory?)"
-        return Report(name, (), f"the check process ended without a report: {why}")
-
-
-def _grade_one(name: str, points: float, path: Path | None, missing: str, source: str,
-               seed_offset: int, timeout: float, fraction: bool) -> Grade:
-    if path is None:
-        return Grade(name, 0.0, points, 0, 0, missing, source)
-    try:
-        report = run_hidden(name, path, seed_offset, timeout)
-    except InputError as e:
-        return Grade(name, 0.0, points, 0, 0, str(e), source)
-    ok = sum(c.ok for c in report.checks)
-    total = len(report.checks)
-    if report.error:
-        reason = report.error
-    else:
-        failed = [c for c in report.checks if not c.ok]
-        reason = "" if not failed else "; ".join(f"{c.name}: {c.message}" for c in failed[:2])[:600]
-    if report.error or not total:
-        score = 0.0
-    else:
-        score = round(points * ok / total, 3) if fraction else (float(points) if ok == total else 0.0)
-    return Grade(name, score, points, ok, total, reason, source,
-                 tuple(c.as_dict() for c in report.checks), report.text())
-
-
-@dataclass(frozen=True)
-class Job:
-    student: str
-    exercise: str
-    points: float
-    path: Path | None
-    missing: str
-    source: str
-
-
-def _jobs(sub: Submission, exercises: Sequence[dict[str, Any]], work: Path) -> list[Job]:
-    """What to run for one student: per exercise its ``NAME.py``, else the notebooks' functions
-    gathered in one file, else nothing (a 0 with the reason)."""
-    nb_file, problems = None, []
-    if sub.notebooks and any(e["name"] not in sub.files for e in exercises):
-        text, problems = notebook_source(sub.notebooks)
-        folder = work / f"{len(list(work.iterdir()))}"
-        folder.mkdir()
-        nb_file = folder / "notebook.py"
-        nb_file.write_text(text, encoding="utf-8")
-    out = []
-    for e in exercises:
-        name = e["name"]
-        if name in sub.files:
-            out.append(Job(sub.student, name, e["points"], sub.files[name], "", str(sub.files[name])))
-        elif nb_file is not None:
-            defined = {n.name for n in ast.parse(nb_file.read_text()).body if isinstance(n, _KEEP[2:])}
-            if name in defined:
-                src = ", ".join(p.name for p in sub.notebooks)
-                out.append(Job(sub.student, name, e["points"], nb_file, "", src))
-            else:
-                why = f"no {name}.py, and no notebook cell defines {name}(...)" + "".join(
-                    f"; {p}" for p in problems)
-                src = ", ".join(p.name for p in sub.notebooks)
-                out.append(Job(sub.student, name, e["points"], None, why, src))
-        else:
-            out.append(Job(sub.student, name, e["points"], None,
-                           f"no {name}.py (and no notebook) in the submission", ""))
-    return out
-
-
-def read_manifest(grader: Path) -> dict[str, Any]:
-    """The grader's manifest (``grader`` is its folder or the file), checked."""
-    path = grader / MANIFEST if grader.is_dir() else grader
-    try:
-        info = json.loads(path.read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        raise InputError(f"--grader {grader}: no {MANIFEST} (`qkv learn export` writes it)") from None
-    except (OSError, ValueError) as e:
-        raise InputError(f"--grader {grader}: cannot read {path.name} ({e})") from None
-    if not isinstance(info, dict) or info.get("format") != FORMAT or not info.get("exercises"):
-        raise InputError(f"{path} is not a qkv grader manifest; `qkv learn export --course DIR` writes one")
-    from qkv.learn import get
-
-    for e in info["exercises"]:
-        get(e["name"])  # an exercise this qkv does not have: InputError naming them
-    return info
-
-
-def grade(
-    submissions: Path,
-    info: dict[str, Any],
-    jobs: int = 1,
-    timeout: float | None = None,
-    single: bool = False,
-    progress: Callable[[int, int, str], None] | None = None,
-) -> list[tuple[str, list[Grade]]]:
-    """(student, a grade per exercise of the manifest) for every student of ``submissions``."""
-    from concurrent.futures import ThreadPoolExecutor, as_completed
-
-    exercises = info["exercises"]
-    names = [e["name"] for e in exercises]
-    subs = find_submissions(submissions, names, single)
-    limit = float(timeout if timeout is not None else info.get("timeout_s", TIMEOUT_S))
-    with tempfile.TemporaryDirectory(prefix="qkv-grade-") as tmp:
-        todo = [j for sub in subs for j in _jobs(sub, exercises, Path(tmp))]
-        results: dict[tuple[str, str], Grade] = {}
-        if progress is not None:
-            progress(0, len(todo), "")
-        with ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:
-            futures = {pool.submit(_grade_one, j.exercise, j.points, j.path, j.missing, j.source,
-                                   int(info["seed_offset"]), limit, info.get("scoring") == "fraction"): j
-                       for j in todo}
-            for done, fut in enumerate(as_completed(futures), 1):
-                j = futures[fut]
-                results[(j.student, j.exercise)] = fut.result()
-                if progress is not None:
-                    progress(done, len(todo), f"{j.student}: {j.exercise}")
-    return [(s.student, [results[(s.student, n)] for n in names]) for s in subs]
-
-
-def _csv(rows: list[tuple[str, list[Grade]]], names: Sequence[str]) -> str:
-    buf = io.StringIO()
-    w = csv.writer(buf, lineterminator="\n")
-    w.writerow(["student", *names, "total"])
-    for student, grades in rows:
-        w.writerow([student, *(f"{g.score:g}" for g in grades), f"{sum(g.score for g in grades):g}"])
-    return buf.getvalue()
-
-
-def _json(rows: list[tuple[str, list[Grade]]], info: dict[str, Any]) -> dict[str, Any]:
-    max_total = sum(e["points"] for e in info["exercises"])
-    return {
-        "exercises": [{"name": e["name"], "points": e["points"]} for e in info["exercises"]],
-        "max_total": max_total,
-        "students": [
-            {"student": s, "total": round(sum(g.score for g in gs), 3), "max_total": max_total,
-             "exercises": {g.exercise: g.as_dict() for g in gs}}
-            for s, gs in rows
-        ],
-    }
-
-
-def _gradescope(grades: list[Grade]) -> dict[str, Any]:
-    """Gradescope's results.json: a test per exercise (name, score, max_score, output)."""
-    tests = []
-    for g in grades:
-        output = g.report or f"{g.exercise}: 0 points: {g.reason}"
-        tests.append({"name": g.exercise, "score": g.score, "max_score": g.max_score, "output": output})
-    return {"score": round(sum(g.score for g in grades), 3), "tests": tests}
-
-
-def _write(path: Path, text: str) -> None:
-    from qkv.fileio import atomic_write
-
-    atomic_write(path, lambda tmp: tmp.write_text(text, encoding="utf-8"))
+# --------------------------------------------------------------------------- grade (the command)
 
 
 def add_grade_arguments(p: argparse.ArgumentParser) -> None:
@@ -659,6 +351,8 @@ def add_grade_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def grade_main(args: argparse.Namespace) -> int:
+    """``qkv learn grade``: :func:`qkv.learn.grading.grade`, written and summed up (one line per
+    student, the exercises scored 0 named)."""
     if args.jobs < 1:
         raise InputError(f"--jobs {args.jobs}: give at least 1")
     if args.timeout is not None and args.timeout <= 0:
@@ -674,17 +368,15 @@ def grade_main(args: argparse.Namespace) -> int:
     finally:
         if bar is not None:
             bar.stop()
-    names = [e["name"] for e in info["exercises"]]
     if single:
-        _write(out / "results.json", json.dumps(_gradescope(rows[0][1]), indent=1, ensure_ascii=False) + "\n")
         g = rows[0][1]
-        print(f"wrote {out / 'results.json'}: {sum(x.score for x in g):g} of {sum(x.max_score for x in g):g}")
+        path = write_gradescope(out, g)
+        print(f"wrote {path}: {sum(x.score for x in g):g} of {sum(x.max_score for x in g):g}")
         return 0
-    _write(out / "grades.csv", _csv(rows, names))
-    _write(out / "grades.json", json.dumps(_json(rows, info), indent=1, ensure_ascii=False) + "\n")
+    csv_path, json_path = write_class(out, rows, info)
     max_total = sum(e["points"] for e in info["exercises"])
-    print(f"graded {len(rows)} student{'s' if len(rows) != 1 else ''} on {len(names)} exercises "
-          f"(out of {max_total:g} points): wrote {out / 'grades.csv'} and {out / 'grades.json'}")
+    print(f"graded {len(rows)} student{'s' if len(rows) != 1 else ''} on {len(info['exercises'])} exercises "
+          f"(out of {max_total:g} points): wrote {csv_path} and {json_path}")
     for student, grades in rows:
         zeros = [g.exercise for g in grades if g.score == 0]
         zero = f"  (0 on {', '.join(zeros)})" if zeros else ""
@@ -711,17 +403,3 @@ def _progress_bar(show: bool) -> tuple[Any, Callable[[int, int, str], None] | No
 
     return bar, update
 
-
-def _child_main(argv: Sequence[str]) -> None:
-    """The grader's child: the sandbox's child (limits, bounded prints, a JSON report) with
-    every check's seeds moved by the offset."""
-    from qkv.learn.exercise import other_inputs
-    from qkv.learn.sandbox import _child
-
-    name, path, result, offset = argv
-    with other_inputs(int(offset)):
-        _child(name, path, result)
-
-
-if __name__ == "__main__":
-    _child_main(sys.argv[1:5])

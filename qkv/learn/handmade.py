@@ -2,16 +2,15 @@
 so that a head does one job (look at the previous token, at the first token, at earlier copies of
 the same token, average everything, complete a repeat), and the checks read what it does.
 
-The model is the one of Elhage et al. 2021 ("A Mathematical Framework for Transformer Circuits"):
-residual stream x_i = W_E[t_i] + W_pos[i]; each head adds softmax((x W_Q)(x W_K)ᵀ/√d_head) x W_V W_O
-under a causal mask; logits = x W_U (CS189 Lec 22: attention is the only cross-token mixing, the
-MLP the only non-linearity besides softmax, and here there is none). The checks judge behaviour
-only: the attention pattern on random token sequences, measured with a float64 forward pass
-written here; the predictions where the behaviour reaches the output (on [r₁ … r_R r₁ … r_R], the
-induction head of Olsson et al. 2022); and qkv's own lens, :func:`qkv.lens.heads.score_model`,
-run on a real qkv GPT (``--mlp none``) with the student's weights loaded, which must name the
-intended head after its job. Inputs come from :func:`~qkv.learn.exercise.gen`, so a grader moves
-them with ``other_inputs()``.
+The model is the one of Elhage et al. 2021 ("A Mathematical Framework for Transformer Circuits"),
+written out with its float64 forward pass and qkv's lens on it in :mod:`qkv.learn.handmade_model`
+(CS189 Lec 22: attention is the only cross-token mixing, the MLP the only non-linearity besides
+softmax, and here there is none). The checks judge behaviour only: the attention pattern on
+random token sequences, measured with that float64 forward pass; the predictions where the
+behaviour reaches the output (on [r₁ … r_R r₁ … r_R], the induction head of Olsson et al. 2022);
+and qkv's own lens, :func:`qkv.lens.heads.score_model`, run on a real qkv GPT (``--mlp none``)
+with the student's weights loaded, which must name the intended head after its job. Inputs come
+from :func:`~qkv.learn.exercise.gen`, so a grader moves them with ``other_inputs()``.
 
 Shapes: B sequences, T tokens, V vocabulary, N context (n_ctx), D d_model, L layers, H heads,
 Dh d_head.
@@ -21,178 +20,22 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any, Literal
 
 import torch
-from torch import Tensor, nn
+from torch import Tensor
 
 from qkv.learn.exercise import CheckError, Exercise, check, gen
-
-NEED = 0.9  # the share of a query's attention the intended keys must get, every query
-
-
-@dataclass(frozen=True)
-class Hand:
-    """The student's weights in float64, with every head's matrices stacked (L, H, ...)."""
-
-    W_E: Tensor  # (V, D)
-    W_pos: Tensor  # (N, D)
-    W_Q: Tensor  # (L, H, D, Dh)
-    W_K: Tensor  # (L, H, D, Dh)
-    W_V: Tensor  # (L, H, D, Dh)
-    W_O: Tensor  # (L, H, Dh, D)
-    W_U: Tensor  # (D, V)
-
-    @property
-    def n_layers(self) -> int:
-        return self.W_Q.shape[0]
-
-
-def _matrix(got: Any, name: str) -> Tensor | None:
-    """The student's ``name`` (a dict entry or an attribute) in float64, None when absent."""
-    value = got.get(name) if isinstance(got, dict) else getattr(got, name, None)
-    if value is None:
-        return None
-    try:
-        return torch.as_tensor(value).detach().to(torch.float64)
-    except (TypeError, ValueError, RuntimeError):
-        raise CheckError(f"{name} should be a tensor, got {type(value).__name__}") from None
-
-
-def _stacked(m: Tensor, name: str, n_layers: int) -> Tensor:
-    """W_Q, W_K, W_V or W_O as (n_layers, n_heads, ., .): one head of a one-layer model may be a
-    matrix, the heads of a one-layer model a (n_heads, ., .) tensor."""
-    shown = tuple(m.shape)
-    if m.ndim == 2:
-        m = m[None, None]
-    elif m.ndim == 3 and n_layers == 1:
-        m = m[None]
-    if m.ndim != 4 or m.shape[0] != n_layers:
-        dims = "d_head, d_model" if name == "W_O" else "d_model, d_head"
-        raise CheckError(f"{name} has shape {shown}: expected (n_layers={n_layers}, n_heads, {dims})")
-    return m
-
-
-def read_weights(got: Any, vocab: int, n_ctx: int, d_model: int, n_layers: int) -> Hand:
-    """The student's answer (a dict, or anything with attributes W_E, W_pos, ...) as a
-    :class:`Hand`; CheckError naming the first matrix that is missing or of the wrong shape."""
-    if got is None:
-        raise CheckError("it returned None: return a dict {'W_E': ..., 'W_pos': ..., 'W_Q': ..., ...}")
-    mats = {name: _matrix(got, name) for name in ("W_E", "W_pos", "W_Q", "W_K", "W_V", "W_O", "W_U")}
-    need: dict[str, Tensor] = {}
-    for name in ("W_E", "W_pos", "W_Q", "W_K"):
-        m = mats[name]
-        if m is None:
-            raise CheckError(f"no {name} in what it returned: the answer needs W_E, W_pos, W_Q and W_K "
-                             "(W_V, W_O, W_U may be left out where they do not matter: zeros then)")
-        need[name] = m
-    for name, shape in (("W_E", (vocab, d_model)), ("W_pos", (n_ctx, d_model))):
-        if tuple(need[name].shape) != shape:
-            raise CheckError(f"{name} has shape {tuple(need[name].shape)}, expected {shape} for "
-                             f"vocab={vocab}, n_ctx={n_ctx}, d_model={d_model}")
-    W_Q = _stacked(need["W_Q"], "W_Q", n_layers)
-    L, H, _, Dh = W_Q.shape
-    heads = {}
-    for name, shape in (("W_Q", (L, H, d_model, Dh)), ("W_K", (L, H, d_model, Dh)),
-                        ("W_V", (L, H, d_model, Dh)), ("W_O", (L, H, Dh, d_model))):
-        given = mats[name]
-        m = torch.zeros(shape, dtype=torch.float64) if given is None else _stacked(given, name, n_layers)
-        if tuple(m.shape) != shape:
-            dims = "d_head, d_model" if name == "W_O" else "d_model, d_head"
-            raise CheckError(f"{name} has shape {tuple(m.shape)}, expected {shape} (n_layers, n_heads, "
-                             f"{dims}) with d_model={d_model} and d_head={Dh} (W_Q's last dimension)")
-        heads[name] = m
-    W_U = mats["W_U"]
-    W_U = torch.zeros(d_model, vocab, dtype=torch.float64) if W_U is None else W_U
-    if tuple(W_U.shape) != (d_model, vocab):
-        raise CheckError(f"W_U has shape {tuple(W_U.shape)}, expected (d_model, vocab) = {(d_model, vocab)}")
-    hand = Hand(need["W_E"], need["W_pos"], heads["W_Q"], heads["W_K"], heads["W_V"], heads["W_O"], W_U)
-    for name in ("W_E", "W_pos", "W_Q", "W_K", "W_V", "W_O", "W_U"):
-        if not torch.isfinite(getattr(hand, name)).all():
-            raise CheckError(f"{name} holds inf or NaN: use a large finite scale (e.g. 20·√d_head), not inf")
-    return hand
-
-
-@dataclass(frozen=True)
-class Forward:
-    """What the model does on (B, T) tokens: per layer the scores (B, H, T, T) after / √d_head
-    (-inf above the diagonal) and the patterns, and the logits (B, T, V)."""
-
-    scores: list[Tensor]
-    patterns: list[Tensor]
-    logits: Tensor
-
-
-def forward(w: Hand, tokens: Tensor) -> Forward:
-    """The model of the stubs, in float64, written out (not qkv's GPT: the reference)."""
-    T = tokens.shape[1]
-    x = w.W_E[tokens] + w.W_pos[:T]  # (B, T, D)
-    causal = torch.ones(T, T, dtype=torch.bool).tril()
-    scores, patterns = [], []
-    for layer in range(w.n_layers):
-        q = torch.einsum("btd,hde->bhte", x, w.W_Q[layer])
-        k = torch.einsum("btd,hde->bhte", x, w.W_K[layer])
-        v = torch.einsum("btd,hde->bhte", x, w.W_V[layer])
-        s = (q @ k.transpose(-1, -2) / math.sqrt(q.shape[-1])).masked_fill(~causal, -math.inf)
-        a = torch.softmax(s, dim=-1)
-        x = x + torch.einsum("bhts,bhse,hed->btd", a, v, w.W_O[layer])  # every head reads the same x
-        scores.append(s)
-        patterns.append(a)
-    return Forward(scores, patterns, x @ w.W_U)
-
-
-def qkv_gpt(w: Hand) -> nn.Module:
-    """A real qkv GPT (attention only, ``--mlp none``, no biases, learned positions, float64)
-    holding the student's weights. qkv's blocks always normalise; the stubs' model does not
-    (Elhage et al. 2021), so its LayerNorms are replaced by identities."""
-    from qkv.models.gpt import GPT, GPTConfig
-
-    L, H, D, Dh = w.W_Q.shape
-    V, N = w.W_E.shape[0], w.W_pos.shape[0]
-    cfg = GPTConfig(vocab_size=V, max_seq_len=N, dim=D, n_layers=L, n_heads=H, head_dim=Dh, mlp="none",
-                    bias=False, tie_embeddings=False, positions="learned", backend="reference")
-    with torch.random.fork_rng(devices=[]):  # GPT's random init must not move the student's RNG
-        model = GPT(cfg).double().eval()
-    with torch.no_grad():
-        model.tok_emb.weight.copy_(w.W_E)
-        model.pos_emb.weight.copy_(w.W_pos)  # type: ignore[union-attr]
-        for layer, block in enumerate(model.stack.blocks):
-            block.norm1 = nn.Identity()
-            # the fused projection's rows: [q heads | k heads | v heads], head h's Dh rows = W[h]ᵀ
-            rows = [m[layer].transpose(1, 2).reshape(H * Dh, D) for m in (w.W_Q, w.W_K, w.W_V)]
-            block.attn.qkv.weight.copy_(torch.cat(rows))
-            block.attn.out_proj.weight.copy_(w.W_O[layer].reshape(H * Dh, D).T)  # concat(z) @ W_O
-        model.stack.norm = nn.Identity()
-        model.lm_head.weight.copy_(w.W_U.T)
-    return model
-
-
-def lens_scores(w: Hand, seed: int) -> tuple[Any, int]:
-    """qkv's lens on the student's model: :func:`qkv.lens.heads.score_model` on 8 random
-    sequences of R tokens written twice (R = min(n_ctx / 2, vocab): no token twice in a half)."""
-    from qkv.lens.heads import repeated_tokens, score_model
-
-    V, N = w.W_E.shape[0], w.W_pos.shape[0]
-    R = min(N // 2, V)
-    drawn = int(torch.randint(2**31 - 1, (1,), generator=gen(seed)))
-    return score_model(qkv_gpt(w), repeated_tokens(V, R, batch=8, seed=drawn)), R
-
-
-def lens_says(scores: Any, layer: int, head: int) -> str:
-    values = ", ".join(f"{t} {float(getattr(scores, t)[layer, head]):.2f}"
-                       for t in ("previous", "first", "duplicate", "induction"))
-    label = scores.labels[layer][head] or "no type"
-    return f"qkv's lens (qkv.lens.score_model) scores head {layer}.{head}: {values}; it names it {label!r}"
-
-
-def need_lens(w: Hand, layer: int, head: int, kind: str, what: str, seed: int) -> None:
-    """CheckError unless the lens names head ``layer.head`` ``kind`` with a score ≥ NEED."""
-    scores, R = lens_scores(w, seed)
-    got = float(getattr(scores, kind)[layer, head])
-    if scores.labels[layer][head] != kind or got < NEED:
-        raise CheckError(f"{lens_says(scores, layer, head)} (on 8 random sequences of {R} tokens written "
-                         f"twice): a {what} should score ≥ {NEED} as {kind!r}, and that its highest")
+from qkv.learn.handmade_model import (
+    NEED,
+    Forward,
+    Hand,
+    forward,
+    lens_says,
+    lens_scores,
+    need_lens,
+    read_weights,
+)
 
 
 def random_tokens(vocab: int, n_ctx: int, seed: int, batch: int = 8) -> Tensor:
@@ -308,24 +151,47 @@ def _previous_sizes() -> tuple[tuple[int, int, int], ...]:
     return ((10, 16, 26), (14, 24, 41))
 
 
-@check("query i puts ≥ 0.9 of its weight on key i − 1, for every i ≥ 1 (random tokens, two sizes)")
-def _previous_pattern(f) -> None:
+def _one_layer_pattern(f: Callable[..., Any], seed: int, targets: Callable[[Tensor], tuple[Tensor, Tensor]],
+                       what: str, diagnose: Callable[[Tensor], Diagnose]) -> None:
+    """For each size of :func:`_previous_sizes`, on random tokens (seeds ``seed``, ``seed + 1``):
+    CheckError unless every head of the student's one-layer model puts ≥ NEED of each judged
+    query's weight on its targets. ``targets(tokens)``: (B, T, T) the wanted keys and (B, T) the
+    queries judged; ``diagnose(pattern)``: the diagnosis of a failing row, knowing the head's
+    whole pattern (B, T, T)."""
     for n, (V, N, D) in enumerate(_previous_sizes()):
         w = read_weights(f(V, N, D), V, N, D, n_layers=1)
-        tokens = random_tokens(V, N, seed=10 + n)
+        tokens = random_tokens(V, N, seed=seed + n)
         out = forward(w, tokens)
-        target = torch.ones(N, N, dtype=torch.bool).tril(-1).triu(-1).expand(len(tokens), N, N)
-        rows = (torch.arange(N) >= 1).expand(len(tokens), N)
+        target, rows = targets(tokens)
         for h in range(w.W_Q.shape[1]):
             pattern = out.patterns[0][:, h]
-            first_failure(pattern, out.scores[0][:, h], target, rows, tokens, "the previous token",
-                          _previous_why(pattern))
+            first_failure(pattern, out.scores[0][:, h], target, rows, tokens, what, diagnose(pattern))
+
+
+def _one_layer_lens(f: Callable[..., Any], kind: str, what: str, seed: int) -> None:
+    """:func:`need_lens` on head 0.0 of the student's one-layer model (the larger size)."""
+    V, N, D = _previous_sizes()[1]
+    need_lens(read_weights(f(V, N, D), V, N, D, n_layers=1), 0, 0, kind, what, seed=seed)
+
+
+def _after_first(tokens: Tensor) -> Tensor:
+    """(B, T): the queries i ≥ 1 (query 0 can only see itself)."""
+    B, N = tokens.shape
+    return (torch.arange(N) >= 1).expand(B, N)
+
+
+@check("query i puts ≥ 0.9 of its weight on key i − 1, for every i ≥ 1 (random tokens, two sizes)")
+def _previous_pattern(f) -> None:
+    def targets(tokens: Tensor) -> tuple[Tensor, Tensor]:
+        B, N = tokens.shape
+        return torch.ones(N, N, dtype=torch.bool).tril(-1).triu(-1).expand(B, N, N), _after_first(tokens)
+
+    _one_layer_pattern(f, 10, targets, "the previous token", _previous_why)
 
 
 @check("qkv's lens, on a qkv GPT holding your weights, names your head a previous-token head")
 def _previous_lens(f) -> None:
-    V, N, D = _previous_sizes()[1]
-    need_lens(read_weights(f(V, N, D), V, N, D, n_layers=1), 0, 0, "previous", "previous-token head", seed=12)
+    _one_layer_lens(f, "previous", "previous-token head", seed=12)
 
 
 PREVIOUS_TOKEN_HEAD = Exercise(
@@ -392,22 +258,18 @@ def _first_why(row: Tensor, scores: Tensor, i: int, target: Tensor) -> str:
 
 @check("query i puts ≥ 0.9 of its weight on key 0, for every i ≥ 1 (random tokens, two sizes)")
 def _first_pattern(f) -> None:
-    for n, (V, N, D) in enumerate(_previous_sizes()):
-        w = read_weights(f(V, N, D), V, N, D, n_layers=1)
-        tokens = random_tokens(V, N, seed=20 + n)
-        out = forward(w, tokens)
-        target = torch.zeros(len(tokens), N, N, dtype=torch.bool)
+    def targets(tokens: Tensor) -> tuple[Tensor, Tensor]:
+        B, N = tokens.shape
+        target = torch.zeros(B, N, N, dtype=torch.bool)
         target[:, :, 0] = True
-        rows = (torch.arange(N) >= 1).expand(len(tokens), N)
-        for h in range(w.W_Q.shape[1]):
-            first_failure(out.patterns[0][:, h], out.scores[0][:, h], target, rows, tokens,
-                          "the first token", _first_why)
+        return target, _after_first(tokens)
+
+    _one_layer_pattern(f, 20, targets, "the first token", lambda _: _first_why)
 
 
 @check("qkv's lens, on a qkv GPT holding your weights, names your head a first-token head")
 def _first_lens(f) -> None:
-    V, N, D = _previous_sizes()[1]
-    need_lens(read_weights(f(V, N, D), V, N, D, n_layers=1), 0, 0, "first", "first-token head", seed=22)
+    _one_layer_lens(f, "first", "first-token head", seed=22)
 
 
 FIRST_TOKEN_HEAD = Exercise(
@@ -470,23 +332,18 @@ def _duplicate_why(row: Tensor, scores: Tensor, i: int, target: Tensor) -> str:
 
 @check("a query whose token occurred before puts ≥ 0.9 of its weight on those earlier occurrences")
 def _duplicate_pattern(f) -> None:
-    for n, (V, N, D) in enumerate(_previous_sizes()):
-        w = read_weights(f(V, N, D), V, N, D, n_layers=1)
-        tokens = random_tokens(V, N, seed=30 + n)
-        out = forward(w, tokens)
+    def targets(tokens: Tensor) -> tuple[Tensor, Tensor]:
+        N = tokens.shape[1]
         same = tokens[:, :, None] == tokens[:, None, :]  # (B, T, T)
         target = same & torch.ones(N, N, dtype=torch.bool).tril(-1)
-        rows = target.any(-1)
-        for h in range(w.W_Q.shape[1]):
-            first_failure(out.patterns[0][:, h], out.scores[0][:, h], target, rows, tokens,
-                          "earlier occurrences of the same token", _duplicate_why)
+        return target, target.any(-1)  # judged: the queries whose token occurred before
+
+    _one_layer_pattern(f, 30, targets, "earlier occurrences of the same token", lambda _: _duplicate_why)
 
 
 @check("qkv's lens, on a qkv GPT holding your weights, names your head a duplicate-token head")
 def _duplicate_lens(f) -> None:
-    V, N, D = _previous_sizes()[1]
-    need_lens(read_weights(f(V, N, D), V, N, D, n_layers=1), 0, 0, "duplicate", "duplicate-token head",
-              seed=32)
+    _one_layer_lens(f, "duplicate", "duplicate-token head", seed=32)
 
 
 DUPLICATE_TOKEN_HEAD = Exercise(

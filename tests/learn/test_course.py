@@ -19,8 +19,9 @@ import torch
 from helpers import assert_one_line_error, call
 
 from qkv.learn import EXERCISES, run
-from qkv.learn.course import manifest, notebook_source
+from qkv.learn.course import manifest
 from qkv.learn.exercise import other_inputs
+from qkv.learn.grading import notebook_source
 
 nbformat = pytest.importorskip("nbformat")
 pytestmark = pytest.mark.usefixtures("one_thread")

@@ -1,8 +1,8 @@
 """The build-the-weights-by-hand exercises (qkv/learn/handmade.py) can fail: for every exercise a
 construction written here (not the catalog's, laid out differently) passes every check, plausible
 wrong constructions are rejected with the message that names the mistake, and the catalog's own
-solution passes. The model the checks build (a qkv GPT with the student's weights) is compared
-with a forward pass written here in float64."""
+solution passes. The model the checks build (qkv/learn/handmade_model.py: a qkv GPT with the
+student's weights) is compared with a forward pass written here in float64."""
 
 from __future__ import annotations
 
@@ -15,7 +15,8 @@ import torch
 
 from qkv.learn import EXERCISES, run
 from qkv.learn.exercise import CheckError, other_inputs
-from qkv.learn.handmade import HANDMADE, forward, qkv_gpt, read_weights
+from qkv.learn.handmade import HANDMADE
+from qkv.learn.handmade_model import forward, qkv_gpt, read_weights
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

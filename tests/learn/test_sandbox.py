@@ -77,7 +77,8 @@ def test_a_seed_offset_fails_a_solution_that_only_reproduces_the_public_outputs(
             seen[digest(x, dim)] = torch.softmax(x.double(), dim=dim).flatten().tolist()
         return torch.softmax(x, dim=dim)
 
-    assert run("softmax", recorder).passed and len(seen) >= 5
+    run("softmax", recorder)  # fails only its "does not call softmax" check
+    assert len(seen) >= 5
     p = write(tmp_path, f'''import hashlib
 import torch
 
