@@ -102,6 +102,13 @@ def rng():
 
 
 @pytest.fixture
+def private_cache(tmp_path, monkeypatch):
+    """qkv's cache folder (QKV_CACHE_DIR) in this test's temporary folder."""
+    monkeypatch.setenv("QKV_CACHE_DIR", str(tmp_path / "cache"))
+    return tmp_path / "cache"
+
+
+@pytest.fixture
 def one_thread():
     """Tiny matrices: one thread avoids contention on shared CPUs (and is faster).
 

@@ -195,6 +195,12 @@ def wait_until(condition: Callable[[], object], what: str, timeout: float = 20.0
         time.sleep(0.005)
 
 
+def page_wait(page, expression: str) -> None:
+    """Poll ``expression`` in a Playwright page until it is true (within 60 s). (page.wait_for_function
+    compiles its predicate with eval, which the page's Content-Security-Policy rightly forbids.)"""
+    wait_until(lambda: page.evaluate(expression), expression, timeout=60.0)
+
+
 # --------------------------------------------------------------------------- tiny Hugging Face checkpoints
 
 HF_VOCAB = 96  # vocabulary of the tiny checkpoints: ids 0..95 are the words "w0".."w95"

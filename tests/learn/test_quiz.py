@@ -38,12 +38,6 @@ def models(tiny_run, induction_run):
     return {"gpt": qkv.load(tiny_run("gpt")), "induction": qkv.load(induction_run)}
 
 
-@pytest.fixture
-def cache(tmp_path, monkeypatch):
-    monkeypatch.setenv("QKV_CACHE_DIR", str(tmp_path / "cache"))
-    return tmp_path / "cache"
-
-
 def ids_of(lm, text: str) -> list[int]:
     ids = lm.tokenizer.encode(text)
     assert lm.tokenizer.decode(ids) == text
@@ -171,7 +165,7 @@ def quiz_json(run, *extra: str, stdin: str | None = None, monkeypatch=None) -> t
     return rc, (json.loads(out) if rc == 0 else None), err
 
 
-def test_the_score_counts_the_right_answers_and_is_kept(induction_run, cache) -> None:
+def test_the_score_counts_the_right_answers_and_is_kept(induction_run, private_cache) -> None:
     rc, first, err = quiz_json(induction_run, "--seed", "7", "--n", "5", "--answers", "1,1,1,1,1")
     assert rc == 0, err
     truths = [q["truth"] for q in first["questions"]]
@@ -194,7 +188,7 @@ def test_the_score_counts_the_right_answers_and_is_kept(induction_run, cache) ->
     assert summary is not None and "3 quizzes played" in summary and f"{first['score'] + 7}/15" in summary
 
 
-def test_answers_from_stdin_line_by_line(induction_run, cache, monkeypatch) -> None:
+def test_answers_from_stdin_line_by_line(induction_run, private_cache, monkeypatch) -> None:
     rc, first, err = quiz_json(induction_run, "--seed", "3", "--n", "3", "--answers", "1,1,1")
     truths = [q["truth"] for q in first["questions"]]
     rc, got, err = quiz_json(induction_run, "--seed", "3", "--n", "3",
@@ -214,7 +208,7 @@ def error_of(*argv: str) -> str:
     return assert_one_line_error(rc, err)
 
 
-def test_bad_input_is_one_line_with_exit_code_2(induction_run, cache, monkeypatch) -> None:
+def test_bad_input_is_one_line_with_exit_code_2(induction_run, private_cache, monkeypatch) -> None:
     assert "no-such-model-xyz" in error_of("no-such-model-xyz", "--n", "1", "--answers", "1")
     run = str(induction_run)
     assert "--answers has 1 answers for 2 questions" in error_of(run, "--n", "2", "--answers", "1")
@@ -233,7 +227,7 @@ def test_bad_input_is_one_line_with_exit_code_2(induction_run, cache, monkeypatc
     assert progress.quizzes() == []  # nothing recorded for a quiz that did not finish
 
 
-def test_progress_keeps_quizzes_beside_the_exercises(cache) -> None:
+def test_progress_keeps_quizzes_beside_the_exercises(private_cache) -> None:
     from qkv.learn.exercise import CheckResult, Report
 
     assert progress.quiz_summary() is None
@@ -245,9 +239,9 @@ def test_progress_keeps_quizzes_beside_the_exercises(cache) -> None:
     assert [(q.model, q.score, q.total) for q in progress.quizzes()] == [("smollm2", 3, 4), ("runs/x", 1, 2)]
     summary = progress.quiz_summary()
     assert summary.startswith("2 quizzes played, 4/6 answers right; last: 1/2 on runs/x")
-    raw = json.loads((cache / "learn" / "progress.json").read_text())
+    raw = json.loads((private_cache / "learn" / "progress.json").read_text())
     assert raw[progress.QUIZ_KEY][0]["model"] == "smollm2" and "when" in raw[progress.QUIZ_KEY][0]
-    (cache / "learn" / "progress.json").write_text("{not json")
+    (private_cache / "learn" / "progress.json").write_text("{not json")
     assert progress.quizzes() == [] and progress.load() == {}
 
 

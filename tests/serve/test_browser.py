@@ -11,7 +11,7 @@ import time
 import urllib.request
 
 import pytest
-from helpers import png_bytes, wait_until
+from helpers import page_wait, png_bytes
 from serve_helpers import asset_installed
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # see tests/conftest.py
@@ -62,12 +62,6 @@ def api(server: str, path: str, body: dict) -> dict:
                                  {"Content-Type": "application/json"})
     with urllib.request.urlopen(req, timeout=60) as r:
         return json.loads(r.read())
-
-
-def page_wait(page, expression: str) -> None:
-    """Poll ``expression`` in the page until it is true (within 60 s). (page.wait_for_function
-    compiles its predicate with eval, which the page's Content-Security-Policy rightly forbids.)"""
-    wait_until(lambda: page.evaluate(expression), expression, timeout=60.0)
 
 
 def show(page, model: str, text: str) -> None:

@@ -16,12 +16,6 @@ from qkv.generation import aot, builds
 pytestmark = pytest.mark.usefixtures("one_thread")  # see tests/conftest.py
 
 
-@pytest.fixture
-def private_cache(tmp_path, monkeypatch):
-    monkeypatch.setenv("QKV_CACHE_DIR", str(tmp_path / "cache"))
-    return tmp_path / "cache"
-
-
 def _app(runs_dir, **cfg):
     pytest.importorskip("fastapi", reason="qkv serve needs FastAPI: pip install 'qkv[serve]'")
     from qkv.serve import ServeConfig, create_app

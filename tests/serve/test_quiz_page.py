@@ -13,7 +13,7 @@ import urllib.request
 
 import pytest
 import torch
-from helpers import wait_until
+from helpers import page_wait
 from serve_helpers import asset_installed, serving
 
 import qkv
@@ -98,12 +98,6 @@ def test_bad_requests_are_one_line_4xx(quiz_server) -> None:
 
 
 # ------------------------------------------------------------------ in the browser
-
-
-def page_wait(page, expression: str) -> None:
-    """Poll ``expression`` in the page (page.wait_for_function would need eval, which the page's
-    Content-Security-Policy forbids)."""
-    wait_until(lambda: page.evaluate(expression), expression, timeout=60.0)
 
 
 @pytest.fixture(scope="module")
