@@ -30,7 +30,7 @@ def get(name: str) -> Exercise:
 
         close = difflib.get_close_matches(name, list(EXERCISES), n=1)
         hint = f"did you mean {close[0]}? " if close else ""
-        raise InputError(f"no exercise {name!r}; {hint}`qkv learn list` shows them: {', '.join(EXERCISES)}")
+        raise InputError(f"no exercise {name!r}; {hint}`qkv learn list` shows the {len(EXERCISES)} exercises")
     return EXERCISES[name]
 
 
