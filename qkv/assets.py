@@ -158,13 +158,30 @@ ASSETS: dict[str, Asset] = {
 }
 
 
+def close_names(word: str, names: Iterable[str], n: int = 3) -> list[str]:
+    """The names in ``names`` closest to ``word`` (a misspelling: ``smolm2`` -> ``smollm2``),
+    best first, by :func:`difflib.get_close_matches` (ratio >= 0.6); [] when none is close."""
+    import difflib
+
+    return difflib.get_close_matches(word, list(dict.fromkeys(names)), n=n, cutoff=0.6)
+
+
+def did_you_mean(word: str, names: Iterable[str]) -> str:
+    """'did you mean smollm2?' (or 'smollm2 or minilm?') for the names close to ``word``; ''
+    when none is."""
+    close = close_names(word, names)
+    return f"did you mean {' or '.join(close)}?" if close else ""
+
+
 def get_asset(name: str) -> Asset:
-    """The registered asset called ``name``; ValueError listing the known names otherwise."""
+    """The registered asset called ``name``; ValueError listing the known names (and the close
+    ones first) otherwise."""
     try:
         return ASSETS[name]
     except KeyError:
+        hint = did_you_mean(name, ASSETS)
         raise ValueError(
-            f"unknown asset {name!r}; known assets: {', '.join(ASSETS)}"
+            f"unknown asset {name!r}; {hint + ' ' if hint else ''}known assets: {', '.join(ASSETS)}"
         ) from None
 
 

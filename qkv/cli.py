@@ -37,6 +37,7 @@ def build_parser() -> argparse.ArgumentParser:
     from qkv.commands.attend import add_attend_parser
     from qkv.commands.bench import add_bench_parser
     from qkv.commands.caption import add_caption_parser
+    from qkv.commands.docs import add_docs_parser
     from qkv.commands.explain import add_explain_parser
     from qkv.commands.export import add_export_parser
     from qkv.commands.generate import add_generate_parser
@@ -65,6 +66,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_export_parser(sub)
     add_serve_parser(sub)
     add_assets_parser(sub)
+    add_docs_parser(sub)
 
     return parser
 

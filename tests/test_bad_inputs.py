@@ -13,6 +13,7 @@ from helpers import assert_one_line_error, call, snapshot
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 LONG = "the cat sat on the mat " * 2000  # ~12,000 SmolLM2 tokens: more than its 8,192 context
+FITS = "the cat sat on the mat " * 1000  # ~6,000: within the context, its attention maps too large
 
 # (argv with {gpt} {vit} {seq2seq} {captioner} {file} {root} {image} {notimage}, what the line names)
 CASES: list[tuple[str, str]] = [
@@ -38,6 +39,8 @@ CASES: list[tuple[str, str]] = [
     ("train|vit|--preset|tiny|--dataset|nope", "nope"),
     # learn
     ("learn|start|nope", "no exercise 'nope'"),
+    ("learn|run|hardmax|{file}", "has no model to run in"),
+    ("docs|-o|{file}|--no-serve", "is a file, not a folder"),
     ("learn|check|softmax|{root}/nope.py", "is not a file"),
     ("learn|check|softmax|{file}", "defines no function softmax"),
     ("learn|hint|attention", "did you mean"),
@@ -84,7 +87,8 @@ CASES: list[tuple[str, str]] = [
     ("attend|{gpt}|hello|--layer|99", "--layer"),
     ("attend|{root}/nope|hello", "nope"),
     ("attend|{gpt}|hello|-o|{file}/x.png", "is a file, not a folder"),
-    ("attend|smollm2|" + LONG + "|--max-tokens|8192", "would need 72.5 GB (30 layers x 9 heads x 8192x8192"),
+    ("attend|smollm2|" + LONG + "|--max-tokens|8192", "more than smollm2's context of 8192"),  # as lens
+    ("attend|smollm2|" + FITS + "|--max-tokens|8192", "GB (30 layers x 9 heads x"),
     # lens
     ("lens|{gpt}|hello|--ablate|9.9", "head 9.9 is not in"),
     ("lens|{gpt}|hello|--patch|--corrupt|hi", "same number of tokens"),

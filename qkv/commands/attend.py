@@ -18,7 +18,7 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from qkv.commands.options import check_picture_out
+from qkv.commands.options import LONG_TEXT_RULE, check_picture_out
 
 if TYPE_CHECKING:
     from qkv.pipelines import CausalLM, ImageCaptioner, ImageClassifier, SentenceEncoder, Translator
@@ -35,8 +35,8 @@ def add_attend_parser(sub) -> None:
         "layers; captioner runs: the attention of every word of the caption). Without --layer, "
         "a text model's picture is the grid of all layers x heads (SmolLM2: 30 x 9 small panels, "
         "to find the heads worth a closer look); --layer L shows the heads of layer L with "
-        "token labels, and --layer L --head H one head large. Text longer than the model's "
-        "context (or --max-tokens) is truncated, with a note.",
+        "token labels, and --layer L --head H one head large. " + LONG_TEXT_RULE + " --max-tokens "
+        "draws the first N tokens of a text that fits, with a note.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     p.add_argument("model", metavar="MODEL_OR_RUN",
@@ -56,7 +56,8 @@ def add_attend_parser(sub) -> None:
     p.add_argument("--head", type=int, default=None,
                    help="with --layer: draw this one head large, every token labelled")
     p.add_argument("--max-tokens", type=int, default=512,
-                   help="text models: read at most this many tokens (and never more than the context)")
+                   help="text models: draw at most the first this many tokens of a text that fits the "
+                   "context (a longer text is refused)")
     p.set_defaults(func=cmd_attend, extra_texts=True)
 
 
@@ -72,13 +73,14 @@ def _looks_like_image(text: str) -> bool:
 
 
 def cmd_attend(args: argparse.Namespace) -> int:
-    from qkv.inference import open_model, resolve
+    from qkv.inference import open_model
+    from qkv.inference.loading import resolve_model
     from qkv.pipelines import ImageCaptioner, ImageClassifier, Translator
 
     out = check_picture_out(args.out, "--out")
     if args.max_tokens < 2:
         raise ValueError(f"--max-tokens must be >= 2, got {args.max_tokens}")
-    ref = resolve(args.model)  # what the name means, before anything loads
+    ref = resolve_model(args.model)  # what the name means, before anything loads
     if ref.note:
         print(f"qkv: note: {ref.note}", file=sys.stderr)
     text = " ".join(args.texts)
@@ -103,12 +105,14 @@ def _attend_text(lm: CausalLM | SentenceEncoder, text: str, layer: int | None, h
                  max_tokens: int, out: Path) -> int:
     """Every layer x head, one layer's heads, or one head large."""
     from qkv.figures import AttentionMaps
+    from qkv.lens.cache import encode
     from qkv.pipelines import check_layer_head
     from qkv.pipelines.attention import text_attention
     from qkv.viz import draw
 
     if layer is not None:  # checked before the forward pass; negative indices count from the end
         layer, head = check_layer_head(lm.n_layers, lm.n_heads, layer, head, ("--layer", "--head"))
+    encode(lm, text)  # a text longer than the context: refused with the limit, as qkv lens does
     att = text_attention(lm, text, max_tokens)
     _note(att.notes)
     T = len(att.tokens)

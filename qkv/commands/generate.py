@@ -70,7 +70,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
     from qkv.device import check_device
     from qkv.generation.builds import EagerDecodingWarning
     from qkv.generation.sampling import check_sampling
-    from qkv.inference import open_model, resolve
+    from qkv.inference import open_model
+    from qkv.inference.loading import resolve_model
     from qkv.pipelines.text import CausalLM
 
     check_device(args.device)
@@ -88,7 +89,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         import torch
 
         torch.set_num_threads(args.threads)
-    ref = resolve(args.run)
+    ref = resolve_model(args.run)
     if args.prompt is None and ref.source != "run":  # only a run has a prompt of its own (a newline)
         raise ValueError(f"{args.run} continues a prompt: give --prompt TEXT (with --chat: your message)")
     if ref.note:
@@ -175,14 +176,13 @@ def decode_mode(args: argparse.Namespace, lm: CausalLM, st: StreamStats) -> str:
         rest = st.seconds - dec.compile_seconds
         return (f"KV cache, compiled step: {dec.compile_seconds:.1f} s compiling, then "
                 f"{st.new_tokens / max(rest, 1e-9):.1f} tok/s")
-    import shlex
-
     import torch
 
     from qkv.generation.builds import Why
+    from qkv.training.run import command_line
 
     said = f"KV cache, {d.says()}"
     if d.why in (Why.NOT_BUILT, Why.OTHER_KEY):
-        threads = f" --threads {torch.get_num_threads()}" if d.why is Why.OTHER_KEY else ""
-        said += f"; `qkv prepare {shlex.quote(args.run)}{threads}` builds one (once) for ~2x"
+        threads = ["--threads", str(torch.get_num_threads())] if d.why is Why.OTHER_KEY else []
+        said += f"; `{command_line(['qkv', 'prepare', args.run, *threads])}` builds one (once) for ~2x"
     return said

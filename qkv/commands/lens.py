@@ -22,6 +22,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from qkv.commands.options import LONG_TEXT_RULE
+
 VIEWS = ("probs", "logit_lens", "ablate", "effects", "heads", "patch", "attribute", "qk", "rollout")
 
 
@@ -42,7 +44,7 @@ def add_lens_parser(sub) -> None:
         "have --ablate, --effects, --heads, --qk and --rollout. Heads are numbered from 0 as LAYER.HEAD. "
         "Several "
         "views may be asked at once; -o NAME.png writes one picture per view (NAME-view.png when "
-        "there are several), -o NAME.json or --json the numbers.",
+        "there are several), -o NAME.json or --json the numbers. " + LONG_TEXT_RULE,
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     p.add_argument("model", metavar="MODEL_OR_RUN",
@@ -117,7 +119,8 @@ def _out_paths(out: str | None, views: list[str]) -> dict[str, Path]:
 def cmd_lens(args: argparse.Namespace) -> int:
     from qkv import lens
     from qkv.commands.lens_views import VIEW_FUNCTIONS
-    from qkv.inference import open_model, resolve
+    from qkv.inference import open_model
+    from qkv.inference.loading import resolve_model
 
     if args.prompt is not None and args.texts:
         raise ValueError("give the prompt once: as --prompt or as arguments, not both")
@@ -133,7 +136,7 @@ def cmd_lens(args: argparse.Namespace) -> int:
     outs = _out_paths(args.out, views)
     if not text.strip() and views != ["heads"]:
         raise ValueError("give a prompt: qkv lens MODEL --prompt \"...\"")
-    ref = resolve(args.model)
+    ref = resolve_model(args.model)
     if ref.note:
         print(f"qkv: note: {ref.note}", file=sys.stderr)
     if ref.kind not in ("decoder", "encoder"):

@@ -17,8 +17,10 @@ def console():
 
 
 def _show(x: str) -> str:
-    """A token as a table shows it: whitespace and control characters made visible."""
-    return repr(x)[1:-1] if x.strip() != x or not x.isprintable() or not x else x
+    """A token as a table shows it: :func:`qkv.viz.tokens.show_token` (␣ ↵ ⇥ for whitespace)."""
+    from qkv.viz.tokens import show_token
+
+    return show_token(x)
 
 
 def _write(out: Path | None, data: dict[str, Any], figure: Any) -> None:
@@ -156,11 +158,13 @@ def view_heads(lm, text: str, args: argparse.Namespace, heads, out: Path | None)
                 loss_second=sc.loss_second)
     if not args.json:
         named = sc.named()
+        shown = named[: args.top]
+        more = f", the {len(shown)} strongest shown (-k)" if len(shown) < len(named) else ""
         _table(f"heads by type (score >= {sc.threshold} on repeated random tokens); {len(named)} of {L * H} "
-               "named", ["head", "type", "score", *lens.HEAD_TYPES],
+               f"named{more}", ["head", "type", "score", *lens.HEAD_TYPES],
                [[f"{layer}.{h}", t, f"{s:.3f}",
                  *(f"{float(sc.by_type()[k][layer, h]):.2f}" for k in lens.HEAD_TYPES)]
-                for layer, h, t, s in named[: max(args.top, 10)]])
+                for layer, h, t, s in shown])
         if lm.kind == "decoder":
             console().print(f"loss on the first copy {sc.loss_first:.3f}, on the repeat {sc.loss_second:.3f} "
                             f"(in-context learning score {sc.icl:+.3f})", highlight=False)

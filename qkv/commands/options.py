@@ -16,6 +16,11 @@ import types
 import typing
 from typing import Any, Literal
 
+# The one rule for a text longer than the model's context, in qkv attend and qkv lens alike (both
+# --help texts say it; the check is qkv.lens.cache.check_context).
+LONG_TEXT_RULE = ("A text longer than the model's context is refused, naming the limit; it is never cut "
+                  "(the answer would be about another text), in qkv attend and qkv lens alike.")
+
 
 def _field_docs(cls: type) -> dict[str, str]:
     """The ``# comment`` after each field in the class source, and in its base classes' for the

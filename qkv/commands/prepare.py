@@ -50,7 +50,8 @@ def add_prepare_parser(sub) -> None:
 
 
 def cmd_prepare(args: argparse.Namespace) -> int:
-    from qkv.inference import open_model, resolve
+    from qkv.inference import open_model
+    from qkv.inference.loading import resolve_model
     from qkv.pipelines.text import CausalLM
 
     if args.threads is not None:
@@ -62,7 +63,7 @@ def cmd_prepare(args: argparse.Namespace) -> int:
     if args.batch_rows < 0 or args.max_tokens < 8:
         raise ValueError(f"--batch-rows must be >= 0 and --max-tokens >= 8, got {args.batch_rows} and "
                          f"{args.max_tokens}")
-    ref = resolve(args.model)
+    ref = resolve_model(args.model)
     if ref.kind != "decoder":
         raise ValueError(f"{args.model} is a {ref.label} model: only decoders have decoding steps "
                          "(smollm2, a gpt run, a GGUF or Hugging Face decoder)")
@@ -83,6 +84,7 @@ def prepare(name: str, lm: CausalLM, batch_rows: int = SERVE_ROWS, batch_tokens:
     import torch
 
     from qkv.generation.builds import status
+    from qkv.training.probe import busy_note
 
     say = out or (lambda line: print(line, file=sys.stderr, flush=True))
     rows = batch_rows if batch_rows >= 2 else 0
@@ -93,6 +95,8 @@ def prepare(name: str, lm: CausalLM, batch_rows: int = SERVE_ROWS, batch_tokens:
     if any(todo):
         say(f"{name}: building its saved decoding steps for {threads} thread{'s' * (threads != 1)} "
             f"(once per model, weight format and machine; 1-3 minutes each on 2 cores)")
+        if busy := busy_note("the 1-3 minutes above"):
+            say(f"qkv: note: {busy}")
     with _progress(sum(todo)) as stage:
         done = lm.prepare(rows, tokens, on_stage=stage)
     for w, st in zip(what, done, strict=True):

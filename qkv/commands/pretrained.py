@@ -48,9 +48,10 @@ def _texts(items: list[str], files: bool) -> list[str]:
 def _encoder(name: str):
     """minilm, a Hugging Face BERT checkpoint folder or a bert-architecture .gguf file, opened
     by the one resolver (qkv.load's rule) as a SentenceEncoder."""
-    from qkv.inference import open_model, resolve
+    from qkv.inference import open_model
+    from qkv.inference.loading import resolve_model
 
-    ref = resolve(name)
+    ref = resolve_model(name)
     if ref.note:
         print(f"qkv: note: {ref.note}", file=sys.stderr)
     if ref.source != "gguf" and ref.kind == "decoder":  # (a GGUF's reader names its architecture)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 import sys
 import time
 import warnings
@@ -123,19 +124,46 @@ def _preset_words(preset: PresetChoice | None, resumed: bool) -> str:
     return words + (" (resumed)" if resumed else "")
 
 
+INPUT_FIELDS = ("data", "dataset")  # data config fields that may name a file or folder to read
+
+
+def check_inputs(data_cfg: Any) -> None:
+    """ValueError (one line) when the data config names a file or folder that is not there:
+    checked before anything is announced or created. A field whose default is None (``--data``
+    of gpt and seq2seq) holds a path when set; one with a named default (``shapes``,
+    ``fashion-mnist``) holds a path when the value has a path separator in it."""
+    for fld in dataclasses.fields(data_cfg):
+        value = getattr(data_cfg, fld.name)
+        if fld.name not in INPUT_FIELDS or not isinstance(value, str) or value == fld.default:
+            continue
+        path, is_file = Path(value), fld.default is None
+        if not (is_file or "/" in value or os.sep in value):
+            continue  # a name (digits, mnist): the family reads it
+        if not path.exists():
+            what = "file" if is_file else "folder"
+            raise ValueError(f"--{fld.name} {value}: no such {what}; give one that exists, or leave "
+                             f"--{fld.name} out for the built-in data")
+        if is_file and path.is_dir():
+            raise ValueError(f"--{fld.name} {value} is a directory, not a file; give the file to read")
+
+
 def cmd_train(args: argparse.Namespace) -> int:
     from qkv.commands.progress import Display
     from qkv.training.distributed import barrier, cleanup, init_distributed
+    from qkv.training.probe import busy_note
     from qkv.training.run import train_run
 
     f = get_family(args.family or "gpt")
     model_cfg, train_cfg, data_cfg, preset = configs(f, args)
+    check_inputs(data_cfg)  # before the run directory is announced
     dist = init_distributed(train_cfg.device)  # config.json keeps the preference, not cuda:0
     if dist.is_main:
         print(f"qkv train {f.name}: preset {_preset_words(preset, bool(args.resume))}, "
               f"{f.headline(model_cfg, data_cfg)}, {train_cfg.max_iters} steps on {dist.device}"
               + (f" x {dist.world_size} processes" if dist.enabled else "") + f" -> {train_cfg.out_dir}",
               flush=True)
+        if busy := busy_note():  # beside the announcement: stderr keeps one line for an error
+            print(f"note: {busy}", flush=True)
     display = Display(train_cfg.max_iters, args.no_progress or not sys.stdout.isatty(), f.unit) \
         if dist.is_main else None
     try:

@@ -195,6 +195,7 @@ def top_tokens(it: ItAttention, layer: int, k: int = 3) -> list[tuple[str, float
 def render_context(r: ContextResult, console: Console) -> None:
     """Print the tables of ``qkv explain context``."""
     from qkv.explain._render import add_row, say, table
+    from qkv.viz.tokens import show_token
 
     b = r.bank
     n_layers = len(b.cosine) - 1
@@ -240,7 +241,7 @@ def render_context(r: ContextResult, console: Console) -> None:
                   ["layer", f"on {a!r}", f"on {s!r}", "top tokens besides [CLS], [SEP], it"])
         for layer in range(len(it.weights)):
             mean = it.mean_over_heads(layer)
-            top = ", ".join(f"{tok} {w:.2f}" for tok, w in top_tokens(it, layer))
+            top = ", ".join(f"{show_token(tok)} {w:.2f}" for tok, w in top_tokens(it, layer))
             add_row(t, str(layer + 1), f"{mean[it.tokens.index(a)]:.3f}", f"{mean[it.tokens.index(s)]:.3f}",
                       top)
         console.print(t)

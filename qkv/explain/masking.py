@@ -95,12 +95,13 @@ def _num(v: float) -> str:
 def render_masking(r: MaskingResult, console: Console) -> None:
     """Print the tables of ``qkv explain masking``."""
     from qkv.explain._render import add_row, say, table
+    from qkv.viz.tokens import show_tokens
 
     say(console, "Rows: queries i, columns: keys j (CS231N Lec 8, Masked Self Attention).", "dim")
     for title, m in (("E = QKᵀ/√d", r.scores), ("M: 0 if j ≤ i, −∞ if j > i", r.mask), ("E + M", r.masked),
                      ("softmax(E + M)", r.weights)):
-        t = table(title, ["", *r.tokens])
-        for tok, row in zip(r.tokens, m, strict=True):
+        t = table(title, ["", *show_tokens(r.tokens)])
+        for tok, row in zip(show_tokens(r.tokens), m, strict=True):
             add_row(t, tok, *(_num(v) for v in row))
         console.print(t)
     c = table("checks", ["claim", "max |difference|"])
@@ -155,11 +156,12 @@ def explain_qk(dim: int = 8, seed: int = 0) -> QKResult:
 def render_qk(r: QKResult, console: Console) -> None:
     """Print the tables of ``qkv explain qk``."""
     from qkv.explain._render import add_row, say, table
+    from qkv.viz.tokens import show_tokens
 
     say(console, "Scores s_ij of one head; rows: queries i, columns: keys j (CS189 Lec 21).", "dim")
     for title, m in ((f"W_Q = W_K: (W x_i)·(W x_j)/√{r.dim}", r.tied), ("W_Q ≠ W_K", r.separate)):
-        t = table(title, ["", *r.tokens])
-        for tok, row in zip(r.tokens, m, strict=True):
+        t = table(title, ["", *show_tokens(r.tokens)])
+        for tok, row in zip(show_tokens(r.tokens), m, strict=True):
             add_row(t, tok, *(f"{v:.3f}" for v in row))
         console.print(t)
     c = table("how far from symmetric", ["scores", "max |s_ij − s_ji|"])

@@ -93,11 +93,12 @@ def sample_text(model: GPT, tok, prompt: str, max_new_tokens: int, temperature: 
 
 
 def _prompt_hint(run: Run) -> str:
-    """A prompt for the hint after training: the first word of the run's own text, quoted."""
-    import shlex
+    """A prompt for the hint after training: the first word of the run's own text, quoted as a
+    person types it (``"ALL'S"``, not shlex's ``'ALL'"'"'S'``)."""
+    from qkv.training.run import command_line
 
     words = run.prepared.state.corpus.text.split()
-    return shlex.quote(words[0][:24] if words else "a")
+    return command_line([words[0][:24] if words else "a"])
 
 
 class GPTFamily(FamilyBase):

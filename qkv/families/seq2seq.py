@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import itertools
-import shlex
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,7 +31,7 @@ from qkv.models.rnn_seq2seq import RNNSeq2Seq, RNNSeq2SeqConfig
 from qkv.models.transformer import TransformerSeq2Seq, TransformerSeq2SeqConfig
 from qkv.pipelines.translation import Seq2SeqConfig, Translator, decode_texts, encode_sources
 from qkv.tokenizers.vocab import BOS, EOS, PAD, CharVocab
-from qkv.training.run import Prepared, Run
+from qkv.training.run import Prepared, Run, command_line
 
 
 @dataclass
@@ -273,7 +272,8 @@ class Seq2SeqFamily(FamilyBase):
         example, out, _ = self._example(run)
         lines.append(f"example: {example!r} -> {out!r}")
         return ("\n".join(lines) + "\n" + files_lines(run, {"weights": run.run_dir / "model.safetensors"})
-                + f"translate: qkv translate {run.run_dir} {shlex.quote(example)} --plot alignment.png")
+                + "translate: "
+                + command_line(["qkv", "translate", str(run.run_dir), example, "--plot", "alignment.png"]))
 
     def load(self, run_dir: Path, device: str = "cpu") -> Translator:
         def parse(c: dict) -> tuple[Seq2SeqOptions, tuple]:

@@ -13,12 +13,57 @@ float32 otherwise). Encoders take ``dtype`` only; the other kinds neither.
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import torch
 
-from qkv.inference.resolve import ModelRef, resolve
+from qkv.assets import close_names
+from qkv.errors import UnknownModelError
+from qkv.inference.resolve import ModelRef, bundled_names, resolve
 from qkv.pipelines import WEIGHTS, CausalLM, Kind, Loaded, SentenceEncoder, Weights
 from qkv.pipelines.text import weights_dtype
+
+
+def nearby_runs(text: str) -> list[str]:
+    """Model folders near what a user typed, as they would type them: the folders holding a
+    config.json beside ``text`` (in its parent folder, else the current one) and in ./runs."""
+    typed_parent = os.path.dirname(text)
+    places = dict.fromkeys([typed_parent, "runs"])
+    found = []
+    for place in places:
+        folder = Path(place or ".")
+        try:
+            children = sorted(folder.iterdir()) if folder.is_dir() else []
+        except OSError:
+            continue
+        found += [os.path.join(place, c.name) if place else c.name for c in children[:500]
+                  if (c / "config.json").is_file()]
+    return found
+
+
+def resolve_model(name_or_path: str | os.PathLike[str]) -> ModelRef:
+    """:func:`~qkv.inference.resolve.resolve`, with a misspelt name (nothing at that path)
+    answered by the closest of the bundled models and the run folders nearby ("'smolm2' is no
+    model here: did you mean smollm2? ..."), as one line; other errors unchanged."""
+    try:
+        return resolve(name_or_path)
+    except UnknownModelError:
+        text = os.fspath(name_or_path)
+        if os.path.lexists(text):  # something is there, not a misspelling: resolve's own reason
+            raise
+        # the last part of the name against the last part of each candidate (a shared folder
+        # prefix would make every run look close), shown as the user would type it
+        choices = dict.fromkeys(bundled_names())
+        for path in nearby_runs(text):
+            choices.setdefault(os.path.basename(path), path)
+        word = os.path.basename(text.rstrip("/\\")) or text
+        close = close_names(word, choices, n=1)
+        if not close:
+            raise
+        hint = choices[close[0]] or close[0]
+        raise UnknownModelError(f"{text!r} is no model here: did you mean {hint}? (bundled: "
+                                f"{', '.join(bundled_names())}; or a run directory, a Hugging Face folder or "
+                                "a .gguf file)") from None
 
 
 def open_model(ref: ModelRef | str | os.PathLike[str], *, device: str = "cpu",
@@ -43,7 +88,7 @@ def open_model(ref: ModelRef | str | os.PathLike[str], *, device: str = "cpu",
     from qkv.device import check_device
 
     check_device(device)
-    ref = ref if isinstance(ref, ModelRef) else resolve(ref)
+    ref = ref if isinstance(ref, ModelRef) else resolve_model(ref)
     if kinds is not None and ref.kind not in kinds:
         if ref.source == "gguf":  # the file's architecture, in the words its reader uses
             from qkv.inference.resolve import gguf_architecture

@@ -36,6 +36,7 @@ from qkv.learn.handmade_model import (
     need_lens,
     read_weights,
 )
+from qkv.lens import NAMED_AT
 
 
 def random_tokens(vocab: int, n_ctx: int, seed: int, batch: int = 8) -> Tensor:
@@ -467,7 +468,7 @@ def _average_lens(f) -> None:
     scores, _ = lens_scores(read_weights(f(V, N, D), V, N, D, n_layers=1), seed=47)
     if scores.labels[0][0]:
         raise CheckError(f"{lens_says(scores, 0, 0)}: an average of every token so far looks at no one "
-                         "place (each of its scores should stay below the lens's threshold 0.4)")
+                         f"place (each of its scores should stay below the lens's threshold {NAMED_AT})")
 
 
 AVERAGE_HEAD = Exercise(

@@ -22,6 +22,7 @@ from qkv.lens.cache import ActivationCache, run_with_cache
 from qkv.lens.causal import HeadEffects, Patching, ablate, head_effects, parse_heads, patch
 from qkv.lens.heads import (
     HEAD_TYPES,
+    NAMED_AT,
     HeadScores,
     QueryKey,
     head_scores,
@@ -33,8 +34,7 @@ from qkv.lens.heads import (
 )
 from qkv.lens.predict import LogitLens, NextToken, TokenProb, logit_lens, next_token
 
-__all__ = ["HEAD_TYPES", "ActivationCache", "Attribution", "HeadEffects", "HeadScores", "LogitLens",
-           "NextToken", "Patching", "QueryKey", "TokenProb", "ablate", "attribute", "head_effects",
-           "head_scores", "logit_lens", "next_token", "parse_heads", "patch", "probe_avoid", "query_key",
-           "repeated_tokens",
-           "run_with_cache", "score_model", "text_rollout"]
+__all__ = ["HEAD_TYPES", "NAMED_AT", "ActivationCache", "Attribution", "HeadEffects", "HeadScores",
+           "LogitLens", "NextToken", "Patching", "QueryKey", "TokenProb", "ablate", "attribute",
+           "head_effects", "head_scores", "logit_lens", "next_token", "parse_heads", "patch", "probe_avoid",
+           "query_key", "repeated_tokens", "run_with_cache", "score_model", "text_rollout"]

@@ -23,6 +23,19 @@ from torch import Tensor
 from qkv.errors import InputError
 from qkv.lens.hooks import Recorded, TextModel, device_of, forward, hooked, is_decoder, shape
 
+# The one rule for texts longer than the model's context, in `qkv lens` and `qkv attend` alike
+# (qkv.commands.options.LONG_TEXT_RULE says it in both --help texts): refused, with the limit,
+# never cut. A cut text would answer about another text than the one given (the next token after
+# a different ending, --query positions that moved), and which end to keep is the reader's choice.
+
+
+def check_context(lm: TextModel, n_tokens: int) -> None:
+    """InputError, naming the limit, when ``n_tokens`` exceed the model's context (the rule above)."""
+    context = lm.model.cfg.max_seq_len
+    if n_tokens > context:
+        raise InputError(f"the text is {n_tokens} tokens, more than {lm.name}'s context of {context}; "
+                         f"give at most {context} tokens (a shorter text)")
+
 
 def encode(lm: TextModel, text: str | list[int]) -> list[int]:
     """The token ids of ``text`` (a string, or ids already): InputError for empty text, text the
@@ -38,10 +51,7 @@ def encode(lm: TextModel, text: str | list[int]) -> list[int]:
         ids = [int(i) for i in text]
     if not ids:
         raise InputError("the text encodes to no tokens; give some text")
-    context = lm.model.cfg.max_seq_len
-    if len(ids) > context:
-        raise InputError(f"the text is {len(ids)} tokens, more than {lm.name}'s context of {context}; "
-                         "give a shorter text")
+    check_context(lm, len(ids))
     return ids
 
 

@@ -33,7 +33,10 @@ from qkv.lens.causal import check_heads
 from qkv.lens.hooks import TextModel, blocks, device_of, forward, is_decoder, shape
 
 HEAD_TYPES: tuple[str, ...] = ("previous", "first", "duplicate", "induction")
-THRESHOLD = 0.4  # a head is named after its highest score when that score reaches this
+# A head is named after its highest score when that score reaches NAMED_AT: the one threshold
+# for naming or counting heads (qkv lens --heads, a run's "formed" lines and heads.png).
+NAMED_AT = 0.5
+THRESHOLD = NAMED_AT  # the name before issue 41
 
 
 def previous_token_score(pattern: Tensor) -> Tensor:
@@ -72,7 +75,7 @@ class HeadScores:
     induction: Tensor
     loss_first: float
     loss_second: float
-    threshold: float = THRESHOLD
+    threshold: float = NAMED_AT
 
     @property
     def icl(self) -> float:

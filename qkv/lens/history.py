@@ -20,9 +20,9 @@ import torch
 from torch import nn
 
 from qkv.figures import HeadHistory
-from qkv.lens.heads import HEAD_TYPES, repeated_tokens, score_model
+from qkv.lens.heads import HEAD_TYPES, NAMED_AT, repeated_tokens, score_model
 
-FORMED = 0.5  # a head type has formed once its best head scores this on the probe
+FORMED = NAMED_AT  # a head type has formed once its best head is named (scores NAMED_AT on the probe)
 COPYING = 0.5  # in-context copying: the repeat's loss this many nats below the first copy's
 PROBE_SEED = 1234
 NAMES = {"previous": "previous-token", "first": "first-token", "duplicate": "duplicate-token",

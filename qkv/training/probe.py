@@ -190,6 +190,16 @@ def load_average() -> float | None:
         return None
 
 
+def busy_note(times: str = "the times the documentation gives (measured on quiet machines)") -> str | None:
+    """One line for a long command to print when the machine is busy: the one-minute load
+    average above the number of cores (other programs fill every core), so that ``times`` will
+    be longer here; None when it is not busy, or the OS keeps no load average."""
+    load, cores = load_average(), os.cpu_count() or 1
+    if load is None or load <= cores:
+        return None
+    return f"the machine is busy (load {load:.1f} on {cores} cores): this will take longer than {times}"
+
+
 @dataclass(frozen=True)
 class Sharing:
     """How the CPU was shared while something was measured (see :class:`Watch`).
@@ -279,6 +289,14 @@ def choose_dtype(ms: dict[str, float], busy: bool = False) -> tuple[str, str]:
                   f"({ratio:.2f}x) {'on a busy machine' if busy else 'here'} -> {pick}")
 
 
+def step_ratio(compiled: float, eager: float) -> str:
+    """Compiled over eager step time in words that read right whichever is faster: '0.92× as long
+    as', '2.8× as long as', 'as long as' (a percentage 'faster' goes negative when it is slower)."""
+    ratio = compiled / max(eager, 1e-12)
+    said = f"{ratio:.2f}".rstrip("0").rstrip(".") if ratio < 10 else f"{ratio:.0f}"
+    return "as long as" if said == "1" else f"{said}× as long as"
+
+
 def compile_worth_trying(ms_per_step: float, max_iters: int, entry: dict | None) -> tuple[bool, str]:
     """Whether a CPU run of ``max_iters`` steps could repay compiling, and why.
 
@@ -294,7 +312,7 @@ def compile_worth_trying(ms_per_step: float, max_iters: int, entry: dict | None)
     if "compile_s" in entry:
         paid = f"{cost:.0f} s of compiling measured here"
         if "compile_saving" in entry:
-            paid += f" (steps {100 * saving:.0f}% faster)"
+            paid += f" (compiled steps took {step_ratio(1 - saving, 1.0)} eager)"
     else:
         paid = f"a typical {cost:.0f} s cold compile"
     return worth, (f"compile {'on' if worth else 'off'}: it could save ~{gain_s:.0f} s of this "

@@ -44,7 +44,7 @@ from __future__ import annotations
 
 import dataclasses
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
@@ -185,6 +185,24 @@ def _recorded_choice(run_dir: Path) -> tuple[dict[str, Any], Chosen | None]:
         return saved, Chosen.read(saved)
     except (TypeError, ValueError) as e:
         raise ckpt.damaged(run_dir, e) from None
+
+
+DOUBLE_QUOTE_SPECIALS = frozenset('"$`\\!')  # what a shell still reads inside "..."
+
+
+def command_line(words: Sequence[str]) -> str:
+    """A command to suggest, written as a person types it: :func:`shlex.join`, except that a
+    word whose only trouble is a single quote goes in double quotes (``--prompt "ALL'S"`` where
+    shlex writes ``'ALL'"'"'S'``). :func:`shlex.split` reads it back as ``words``."""
+    import shlex
+
+    def quote(word: str) -> str:
+        plain = shlex.quote(word)
+        if plain == word or "'" not in word or DOUBLE_QUOTE_SPECIALS & set(word):
+            return plain
+        return f'"{word}"'
+
+    return " ".join(quote(w) for w in words)
 
 
 def _stderr_note(text: str) -> None:

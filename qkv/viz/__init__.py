@@ -12,6 +12,8 @@ from qkv.viz.plots import (
     plot_by_length,
     plot_loss_curve,
 )
+from qkv.viz.tokens import show_token, show_tokens
 
 __all__ = ["draw", "plot_alignment", "plot_attention_grid", "plot_attention_head", "plot_attention_heads",
-           "plot_by_length", "plot_confusion", "plot_image_attention", "plot_loss_curve"]
+           "plot_by_length", "plot_confusion", "plot_image_attention", "plot_loss_curve",
+           "show_token", "show_tokens"]

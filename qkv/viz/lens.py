@@ -79,11 +79,24 @@ def plot_bars(bars: Bars, out_path: Path) -> Path:
     return _save(plt, fig, out_path)
 
 
+# The caption under heads.png: what the right panel's probe is, so that its loss rising above the
+# uniform guess on a model trained on text (any run, not only the induction preset's) is not read
+# as "training made it worse". Kept for every run: the probe is the same for all of them.
+PROBE_CAPTION = (
+    "The probe: random tokens, each sequence repeated twice. Nothing predicts the first copy, so its loss "
+    "starts near the uniform guess ln(vocabulary); a model trained on text learns to expect text, so on "
+    "random tokens its loss can rise above that guess (it is not getting worse on its own data). The "
+    "second copy's loss falling below the first's is copying from context: what induction heads do.")
+
+
 def plot_head_history(h: HeadHistory, out_path: Path) -> Path:
     """Left: each head type's best head over the steps (every head faint behind it), the step it
-    formed marked. Right: the loss on the first and the second copy of the repeated tokens."""
+    formed marked. Right: the loss on the first and the second copy of the repeated tokens, with
+    :data:`PROBE_CAPTION` under both (what the probe is, and why its first-copy loss may rise)."""
+    import textwrap
+
     plt = _pyplot()
-    fig, (ax, ax2) = plt.subplots(1, 2, figsize=(11, 4), dpi=110)
+    fig, (ax, ax2) = plt.subplots(1, 2, figsize=(11, 4.7), dpi=110)
     steps = list(h.steps)
     for i, (name, s) in enumerate(h.scores.items()):
         color = f"C{i}"
@@ -108,7 +121,8 @@ def plot_head_history(h: HeadHistory, out_path: Path) -> Path:
     ax2.grid(alpha=0.3)
     ax2.legend(fontsize=8)
     fig.suptitle(h.title, fontsize=11)
-    fig.tight_layout()
+    fig.text(0.5, 0.01, "\n".join(textwrap.wrap(PROBE_CAPTION, 150)), ha="center", va="bottom", fontsize=8)
+    fig.tight_layout(rect=(0, 0.13, 1, 1))
     save_figure(fig, out_path)
     plt.close(fig)
     return Path(out_path)

@@ -14,6 +14,7 @@ from pathlib import Path
 from torch import Tensor
 
 from qkv.fileio import save_figure
+from qkv.viz.tokens import show_token, show_tokens
 
 
 def _pyplot():
@@ -99,15 +100,12 @@ def plot_attention_heads(
 
 
 def _label(token: str) -> str:
-    """A token as an axis label: whitespace made visible ('␣', '\\n'), control characters
-    escaped."""
-    if not token.strip():
-        return token.replace(" ", "␣").replace("\n", "\\n").replace("\t", "\\t") or "∅"
-    return token if token.isprintable() else repr(token)[1:-1]
+    """A token as an axis label: :func:`qkv.viz.tokens.show_token` (whitespace as ␣ ↵ ⇥)."""
+    return show_token(token)
 
 
 def _labels(tokens: Sequence[str]) -> list[str]:
-    return [_label(t) for t in tokens]
+    return show_tokens(tokens)
 
 
 GRID_PANEL = 1.3  # inches per heatmap in plot_attention_grid
@@ -207,11 +205,8 @@ def plot_alignment(weights: Tensor, source: Sequence[str], output: Sequence[str]
     fig, ax = plt.subplots(figsize=(max(4.0, 0.32 * S + 1.5), max(3.0, 0.32 * T + 1.2)), dpi=120)
     ax.imshow(w.numpy(), cmap="Greys", vmin=0.0, vmax=1.0, aspect="equal")
 
-    def show(c: str) -> str:
-        return "␣" if c == " " else c
-
-    ax.set_xticks(range(S), [show(c) for c in source], fontsize=8)
-    ax.set_yticks(range(T), [show(c) for c in output], fontsize=8)
+    ax.set_xticks(range(S), show_tokens(source), fontsize=8)
+    ax.set_yticks(range(T), show_tokens(output), fontsize=8)
     ax.xaxis.tick_top()
     ax.set_xlabel("input", fontsize=9)
     ax.set_ylabel("output", fontsize=9)

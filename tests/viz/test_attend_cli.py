@@ -46,12 +46,14 @@ def test_gpt_run_grid_layer_and_head(tiny_run, tmp_path: Path) -> None:
     assert png(out).shape == (round(3.2 * 120), round(4 * 3.2 * 120), 3)  # plot_attention_heads: 4 in a row
 
     text = "ROMEO: But soft, what light through yonder window breaks?"
-    rc, stdout, err = call(["attend", run, text, "--layer", "0", "--head", "3", "-o", str(out)])
-    assert rc == 0 and stdout.strip() == f"wrote {out}: layer 0 head 3 over 32 tokens"
-    assert err.strip() == (f"qkv: note: truncated to the first 32 of {len(text)} tokens "
-                           "(the model's context is 32 tokens)")
+    rc, stdout, err = call(["attend", run, text[:32], "--layer", "0", "--head", "3", "-o", str(out)])
+    assert rc == 0 and stdout.strip() == f"wrote {out}: layer 0 head 3 over 32 tokens" and not err
     w, h = attention_head_size(32)
     assert png(out).shape == (h, w, 3)
+    # longer than the context: refused with the limit, as qkv lens does (one rule, issue 41)
+    rc, stdout, err = call(["attend", run, text, "--layer", "0", "--head", "3", "-o", str(out)])
+    assert rc == 2 and err.startswith(f"qkv: error: the text is {len(text)} tokens, more than ")
+    assert err.strip().endswith("context of 32; give at most 32 tokens (a shorter text)")
 
 
 def test_minilm_grid_and_one_head(tmp_path: Path) -> None:
