@@ -1,8 +1,9 @@
 """The lecture index (``qkv explain --lectures``, and ``/lectures`` on ``qkv serve``): each
 lecture's sections in the notes' order, with the command that demonstrates each, or why none does.
 
-The notes are those of ``../shared/lectures/``: Berkeley CS189 Lec 21-22 (and Discussion 10) and
-Stanford CS231N Lec 8. Every command listed runs as written (tests/explain/test_lectures.py runs
+The lectures are UC Berkeley CS189 (Spring 2026) Lectures 21 and 22 with Discussion 10, and
+Stanford CS231N Lecture 8; each is cited by course, lecture and title, and each row by its section's
+title (:attr:`Lecture.notes`). Every command listed runs as written (tests/explain/test_lectures.py runs
 each, training commands with a few steps added: :attr:`Demo.quick`); ``measured`` names the
 benchmark whose results in BENCHMARKS.md answer the section at a larger scale.
 """
@@ -54,8 +55,11 @@ class Section:
 
 @dataclass(frozen=True)
 class Lecture:
+    """One lecture: its name, ``notes`` (the citation: course, term, lecture and its title, so
+    that a reader finds it without our files) and its sections in the lecture's order."""
+
     name: str
-    notes: str  # which file of the lecture notes, and in what language
+    notes: str
     sections: tuple[Section, ...] = field(default_factory=tuple)
 
 
@@ -64,13 +68,14 @@ def _d(command: str, shows: str, quick: tuple[str, ...] = ()) -> Demo:
 
 
 LECTURES: tuple[Lecture, ...] = (
-    Lecture("CS189 Lecture 21: from CNNs to attention", "001_3b8aeed6a3ceb65a.txt (Lec 21 part)", (
+    Lecture("CS189 Lecture 21: from CNNs to attention", "UC Berkeley CS189, Spring 2026, Lecture 21 "
+            "\"Attention and Transformers\" (the handout Lectures 21 and 22 share: its first half)", (
         Section("Why not an MLP on pixels; CNNs see locally, only the top layer sees everything",
                 (_d("qkv explain cnn", "P² weights of an MLP on P pixels vs a convolution's; the receptive "
                     "field of stacked width-3 convolutions, measured by a gradient"),)),
         Section("The 'Spider-Man firefighter' photo: understanding needs the whole image",
-                missing="a photograph the notes show; qkv ships no photographs (ASSETS.md), and the "
-                "receptive-field point is made by `qkv explain cnn`"),
+                missing="a photograph the notes show; qkv ships no photographs (`qkv assets` lists what it "
+                "has), and the receptive-field point is made by `qkv explain cnn`"),
         Section("Documents as vectors: bag of words, TF-IDF (tf 2/100, idf log(1000/300))",
                 (_d("qkv explain retrieval --no-minilm",
                     "bag of words, TF-IDF and the notes' tf-idf example"),)),
@@ -87,8 +92,9 @@ LECTURES: tuple[Lecture, ...] = (
         Section("Location-based vs content-based addressing",
                 (_d("qkv explain addressing", "softmax(W h) over fixed cells vs softmax(qᵀa_i)"),)),
     )),
-    Lecture("CS189 Lecture 22: Transformers", "000_01ee47cf015ee580.txt; 001_3b8aeed6a3ceb65a.txt (Lec 22)", (
-        Section("一 Content-based attention: hardmax vs softmax, inner-product retrieval",
+    Lecture("CS189 Lecture 22: Transformers", "UC Berkeley CS189, Spring 2026, Lecture 22 "
+            "\"Transformers\" (the second half of the handout \"Attention and Transformers\")", (
+        Section("1 Content-based attention: hardmax vs softmax, inner-product retrieval",
                 (_d("qkv explain softmax", "[1, 2, 3] -> 0.09, 0.24, 0.67 (the notes: 0.66), temperature"),
                  _d("qkv explain retrieval --no-minilm", "ranking documents by inner products"))),
         Section("2.1 Self-attention: every token a query, a key and a value; why W_Q ≠ W_K",
@@ -121,15 +127,16 @@ LECTURES: tuple[Lecture, ...] = (
         Section("3.2 The MLP is the only non-linearity besides softmax",
                 (_d("qkv train gpt --mlp none", "attention-only blocks", TINY_GPT),),
                 measured="block_ablation.py"),
-        Section("四 Positional encodings: order must be added; requirements; learned vs sinusoidal",
+        Section("4 Positional encodings: order must be added; requirements; learned vs sinusoidal",
                 (_d("qkv explain equivariance", "without positions, a permutation just permutes the outputs"),
                  _d("qkv explain positions", "the four requirements on each encoding, R_k, RoPE"))),
-        Section("四 'Sinusoids extrapolate to longer sequences'",
+        Section("4 'Sinusoids extrapolate to longer sequences'",
                 (_d("qkv train seq2seq --task copy --arch transformer --positions sinusoidal",
                     "the copy task; --positions learned|rope|alibi|none to compare", TINY_SEQ2SEQ),),
                 measured="length_extrapolation.py"),
     )),
-    Lecture("CS189 Discussion 10", "001_3b8aeed6a3ceb65a.txt (Discussion 10)", (
+    Lecture("CS189 Discussion 10", "UC Berkeley CS189, Spring 2026, Discussion 10 (self-attention by "
+            "hand; why scale by √d), with its solutions", (
         Section("Q1: q, k, v of three tokens by hand; x₃'s weights ≈ 0.9975",
                 (_d("qkv explain worked-example", "the unscaled table first (0.9975), then /√3"),)),
         Section("Q2: E[qᵀk], Var(qᵀk) = d, the scale factor √d",
@@ -139,7 +146,8 @@ LECTURES: tuple[Lecture, ...] = (
                     "without the cache; its bytes per layout"),),
                 measured="pretrained_speed.py"),
     )),
-    Lecture("CS231N Lecture 8: attention and Transformers", "004_67faf0a0c339d51f.txt", (
+    Lecture("CS231N Lecture 8: attention and Transformers", "Stanford CS231N, 2025, Lecture 8 "
+            "\"Attention and Transformers\" (Justin Johnson)", (
         Section("Seq2seq RNNs and the fixed-length bottleneck",
                 (_d("qkv explain bottleneck", "one context vector vs attention, exact by length",
                     ("--steps", "20", "--max-len", "8")),
@@ -149,8 +157,8 @@ LECTURES: tuple[Lecture, ...] = (
                 (_d("qkv train seq2seq --arch rnn", "GRU + Bahdanau attention on dates, an alignment plot",
                     TINY_SEQ2SEQ),), measured="seq2seq_dates.py"),
         Section("The English–French alignment (Bahdanau et al. 2015, Fig. 3): diagonal, reordering, blocks",
-                missing="no parallel English–French text offline (ASSETS.md); the same alignment picture is "
-                "drawn for dates and for the copy task: `qkv attend RUN TEXT` on a seq2seq run"),
+                missing="no parallel English–French text offline (`qkv assets`); the same alignment picture "
+                "is drawn for dates and for the copy task: `qkv attend RUN TEXT` on a seq2seq run"),
         Section("Three generalisations: scaled dot product, many queries at once, keys apart from values",
                 (_d("qkv explain scaling", "dot products grow like d: divide by √d"),
                  _d("qkv explain derivation", "all queries at once, keys and values apart, step by step"))),
@@ -179,7 +187,7 @@ LECTURES: tuple[Lecture, ...] = (
                 (_d("qkv train vit", "Fashion-MNIST in 7x7 patches", TINY_FAMILY),),
                 measured="vit_fashion.py"),
         Section("One architecture for audio (spectrogram frames) and video (space-time patches)",
-                missing="qkv has no audio or video data offline (ASSETS.md); the ViT's patching is the "
+                missing="qkv has no audio or video data offline (`qkv assets`); the ViT's patching is the "
                 "same idea"),
     )),
 )
@@ -190,7 +198,7 @@ def render_lectures(console: Console, lectures: tuple[Lecture, ...] = LECTURES) 
     from qkv.explain._render import add_row, say, table
 
     for lec in lectures:
-        t = table(f"{lec.name}  (notes: {lec.notes})", ["section", "try", "what it shows"])
+        t = table(f"{lec.name}  ({lec.notes})", ["section of the lecture", "try", "what it shows"])
         for s in lec.sections:
             if not s.demos:
                 add_row(t, s.title, "—", f"not shown: {s.missing}")
@@ -214,8 +222,9 @@ def lectures_html(lectures: tuple[Lecture, ...] = LECTURES) -> str:
              "notes and the command that demonstrates it (run it in a terminal). "
              "<a href='/'>Back to the explorer</a>.</p>"]
     for lec in lectures:
-        parts.append(f"<h2>{escape(lec.name)}</h2><p class='notes'>notes: {escape(lec.notes)}</p>"
-                     "<table><thead><tr><th>section</th><th>try</th><th>what it shows</th></tr></thead>"
+        parts.append(f"<h2>{escape(lec.name)}</h2><p class='notes'>{escape(lec.notes)}</p>"
+                     "<table><thead><tr><th>section of the lecture</th><th>try</th><th>what it shows</th>"
+                     "</tr></thead>"
                      "<tbody>")
         for s in lec.sections:
             if not s.demos:

@@ -74,7 +74,7 @@ def ref_additive(query: Tensor, keys: Tensor, w_q: Tensor, w_k: Tensor, v: Tenso
 
 # --------------------------------------------------------------------------- softmax
 
-S_SOFTMAX = "一 Content-based attention: hardmax vs softmax, inner-product retrieval"
+S_SOFTMAX = "1 Content-based attention: hardmax vs softmax, inner-product retrieval"
 
 
 @check("the values of softmax along the last dimension (float64, random)")
@@ -560,7 +560,7 @@ def multi_head_attention(x, w_q, w_k, w_v, w_o, n_heads, causal=False):
 
 # --------------------------------------------------------------------------- sinusoidal positions
 
-S_POS = "四 Positional encodings: order must be added; requirements; learned vs sinusoidal"
+S_POS = "4 Positional encodings: order must be added; requirements; learned vs sinusoidal"
 
 
 @check("PE[p, 2i] = sin(p / 10000^(2i/d)), PE[p, 2i+1] = cos(same), for (T, d) = (1, 2), (4, 6), (50, 16)")

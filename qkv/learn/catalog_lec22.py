@@ -843,7 +843,7 @@ def transformer_block(x, attention, mlp, norm1, norm2, pre_ln=True):
 
 # --------------------------------------------------------------------------- ALiBi
 
-S_ALIBI = "四 'Sinusoids extrapolate to longer sequences'"
+S_ALIBI = "4 'Sinusoids extrapolate to longer sequences'"
 
 
 def ref_alibi(T: int, n: int) -> Tensor:

@@ -14,7 +14,7 @@ from qkv.learn.exercise import CheckError, Exercise, check, close, forbid, gradc
 
 # --------------------------------------------------------------------------- hardmax
 
-S_CONTENT = "一 Content-based attention: hardmax vs softmax, inner-product retrieval"
+S_CONTENT = "1 Content-based attention: hardmax vs softmax, inner-product retrieval"
 
 
 def ref_hardmax(x: Tensor, dim: int = -1) -> Tensor:

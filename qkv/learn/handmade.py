@@ -317,7 +317,7 @@ def first_token_head(vocab, n_ctx, d_model):
 
 # --------------------------------------------------------------------------- duplicate token
 
-S_CONTENT = "一 Content-based attention: hardmax vs softmax, inner-product retrieval"
+S_CONTENT = "1 Content-based attention: hardmax vs softmax, inner-product retrieval"
 
 
 def _duplicate_why(row: Tensor, scores: Tensor, i: int, target: Tensor) -> str:

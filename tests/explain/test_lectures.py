@@ -34,11 +34,26 @@ def test_the_index_names_real_benchmarks_and_says_why_a_section_has_none() -> No
                 assert (REPO / "benchmarks" / s.measured).is_file(), s.measured
 
 
+def test_each_lecture_is_cited_by_course_lecture_and_title() -> None:
+    """A reader finds the lecture without our files: the course, the term, the lecture and its
+    title; never a file name of the notes (issue 41)."""
+    cite = re.compile(r'^(UC Berkeley CS189, Spring 2026|Stanford CS231N, 2025), (Lecture|Discussion) \d+ ')
+    for lec in LECTURES:
+        assert cite.match(lec.notes), lec.notes
+        assert not re.search(r"\w+\.(txt|md|pdf)\b", lec.notes), lec.notes
+        number = re.search(r"(Lecture|Discussion) (\d+)", lec.name)
+        assert number and f"{number.group(1)} {number.group(2)}" in lec.notes, (lec.name, lec.notes)
+        for s in lec.sections:  # section titles in English words (no bare CJK chapter numerals)
+            assert not re.search(r"[\u4e00-\u9fff]", s.title), s.title
+            assert not re.search(r"\w+\.(txt|md)\b", s.missing or ""), s.missing
+
+
 def test_lectures_cli_and_page() -> None:
     rc, out, err = call(["explain", "--lectures"])
     flat = " ".join(out.split())
     assert rc == 0 and "CS231N Lecture 8" in flat and "qkv explain positions" in flat, err
     assert "not shown:" in flat
+    assert ".txt" not in flat and "UC Berkeley CS189, Spring 2026, Lecture 21" in flat
     rc, _, err = call(["explain", "--lectures", "softmax"])
     assert "--lectures takes no topic" in assert_one_line_error(rc, err)
     pytest.importorskip("httpx")
@@ -49,7 +64,9 @@ def test_lectures_cli_and_page() -> None:
     with TestClient(create_app()) as client:
         r = client.get("/lectures")
     assert r.status_code == 200 and r.headers["content-type"].startswith("text/html")
-    assert "<script" not in r.text
+    assert "<script" not in r.text and ".txt" not in r.text
+    for lec in LECTURES:  # cited by course, lecture and title
+        assert lec.notes.replace('"', "&quot;") in r.text
     for d in DEMOS:  # every command, HTML-escaped
         assert d.command.replace("&", "&amp;").replace('"', "&quot;").replace("'", "&#x27;") in r.text
 

@@ -34,3 +34,32 @@ def server(runs_dir):
 
     with serving(create_app(runs_dir=runs_dir, max_upload_bytes=200_000)) as url:
         yield url
+
+
+@pytest.fixture(scope="session")
+def tiny_gpt_server(tiny_run):
+    """The app over the session's runs folder holding only the tiny GPT (the page's views and
+    the quiz); yields the base URL."""
+    pytest.importorskip("fastapi", reason="qkv serve needs FastAPI: pip install 'qkv[serve]'")
+    pytest.importorskip("uvicorn", reason="qkv serve needs uvicorn: pip install 'qkv[serve]'")
+    from qkv.serve import create_app
+
+    with serving(create_app(runs_dir=tiny_run("gpt").parent)) as url:
+        yield url
+
+
+@pytest.fixture(scope="module")
+def browser():
+    """Debian's Chromium, headless, driven by Playwright (never a downloaded browser)."""
+    import shutil
+
+    sync_api = pytest.importorskip("playwright.sync_api", reason="browser tests need Playwright: "
+                                   "pip install playwright (it drives the system Chromium)")
+    chromium = shutil.which("chromium") or shutil.which("chromium-browser")
+    if chromium is None:
+        pytest.skip("browser tests need Debian's Chromium: apt-get install -y chromium")
+    pw = sync_api.sync_playwright().start()
+    b = pw.chromium.launch(executable_path=chromium, headless=True)
+    yield b
+    b.close()
+    pw.stop()

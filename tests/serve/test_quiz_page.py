@@ -7,14 +7,13 @@ numbers and scored."""
 from __future__ import annotations
 
 import json
-import shutil
 import urllib.error
 import urllib.request
 
 import pytest
 import torch
 from helpers import page_wait
-from serve_helpers import asset_installed, serving
+from serve_helpers import asset_installed
 
 import qkv
 
@@ -23,15 +22,6 @@ pytestmark = pytest.mark.usefixtures("one_thread")  # see tests/conftest.py
 pytest.importorskip("fastapi", reason="qkv serve needs FastAPI: pip install 'qkv[serve]'")
 pytest.importorskip("uvicorn", reason="qkv serve needs uvicorn: pip install 'qkv[serve]'")
 MODEL = "runs/gpt-tiny"
-
-
-@pytest.fixture(scope="module")
-def quiz_server(tiny_run):
-    """The app over the session's runs folder (only the tiny GPT is needed here)."""
-    from qkv.serve import create_app
-
-    with serving(create_app(runs_dir=tiny_run("gpt").parent)) as url:
-        yield url
 
 
 def post(server: str, path: str, body: dict) -> tuple[int, dict]:
@@ -49,34 +39,35 @@ def ask(q: dict) -> dict:
     return {"model": q["model"], "kind": q["kind"], "seed": q["seed"]}
 
 
-def test_the_revealed_next_token_is_the_forward_pass_argmax(quiz_server, tiny_run) -> None:
+def test_the_revealed_next_token_is_the_forward_pass_argmax(tiny_gpt_server, tiny_run) -> None:
     lm = qkv.load(tiny_run("gpt"))
     for seed in (1, 2):
-        status, q = post(quiz_server, "/api/quiz/question", {"model": MODEL, "kind": "next", "seed": seed})
+        body = {"model": MODEL, "kind": "next", "seed": seed}
+        status, q = post(tiny_gpt_server, "/api/quiz/question", body)
         assert status == 200, q
         assert "truth" not in q and "reveal" not in q  # the answer computes the truth again
         ids = lm.tokenizer.encode(q["text"])
         with torch.no_grad():
             best = int(lm.model(torch.tensor([ids])).logits[0, -1].argmax())
         want = q["choices"].index(json.dumps(lm.tokenizer.decode([best]), ensure_ascii=False))
-        status, r = post(quiz_server, "/api/quiz/answer", {**ask(q), "choice": want})
+        status, r = post(tiny_gpt_server, "/api/quiz/answer", {**ask(q), "choice": want})
         assert status == 200, r
         assert r["correct"] and r["truth"] == want and r["reveal"]["bars"][0]["id"] == best
-        again = post(quiz_server, "/api/quiz/question", {"model": MODEL, "kind": "next", "seed": seed})[1]
+        again = post(tiny_gpt_server, "/api/quiz/question", {"model": MODEL, "kind": "next", "seed": seed})[1]
         assert again["choices"] == q["choices"] and again["question"] == q["question"]
 
 
-def test_every_kind_is_asked_and_a_wrong_answer_is_told(quiz_server) -> None:
+def test_every_kind_is_asked_and_a_wrong_answer_is_told(tiny_gpt_server) -> None:
     for kind in ("next", "induction", "knockout", "lens"):
-        status, q = post(quiz_server, "/api/quiz/question", {"model": MODEL, "kind": kind, "seed": 5})
+        status, q = post(tiny_gpt_server, "/api/quiz/question", {"model": MODEL, "kind": kind, "seed": 5})
         assert status == 200 and q["kind"] == kind and len(q["choices"]) >= 2, q
-        status, r = post(quiz_server, "/api/quiz/answer", {**ask(q), "choice": 0})
+        status, r = post(tiny_gpt_server, "/api/quiz/answer", {**ask(q), "choice": 0})
         assert status == 200 and r["correct"] == (r["truth"] == 0) and r["explain"]
         if not r["correct"]:
             assert r["choice"] == 0
 
 
-def test_bad_requests_are_one_line_4xx(quiz_server) -> None:
+def test_bad_requests_are_one_line_4xx(tiny_gpt_server) -> None:
     cases = [
         ("/api/quiz/question", {"model": MODEL, "kind": "poetry"}, 422),
         ("/api/quiz/question", {"model": MODEL, "seed": -1}, 422),
@@ -92,7 +83,7 @@ def test_bad_requests_are_one_line_4xx(quiz_server) -> None:
     if asset_installed("minilm"):
         cases.append(("/api/quiz/question", {"model": "minilm"}, 422))
     for path, body, code in cases:
-        status, r = post(quiz_server, path, body)
+        status, r = post(tiny_gpt_server, path, body)
         assert status == code, (body, r)
         assert isinstance(r["detail"], str) and "\n" not in r["detail"] and r["detail"], r
 
@@ -100,27 +91,13 @@ def test_bad_requests_are_one_line_4xx(quiz_server) -> None:
 # ------------------------------------------------------------------ in the browser
 
 
-@pytest.fixture(scope="module")
-def browser():
-    sync_api = pytest.importorskip("playwright.sync_api", reason="browser tests need Playwright: "
-                                   "pip install playwright (it drives the system Chromium)")
-    chromium = shutil.which("chromium") or shutil.which("chromium-browser")
-    if chromium is None:
-        pytest.skip("browser tests need Debian's Chromium: apt-get install -y chromium")
-    pw = sync_api.sync_playwright().start()
-    b = pw.chromium.launch(executable_path=chromium, headless=True)
-    yield b
-    b.close()
-    pw.stop()
-
-
-def test_the_page_asks_reveals_and_scores(browser, quiz_server, tiny_run) -> None:
+def test_the_page_asks_reveals_and_scores(browser, tiny_gpt_server, tiny_run) -> None:
     page = browser.new_page(viewport={"width": 1400, "height": 1000})
     errors: list[str] = []
     page.on("pageerror", lambda e: errors.append(str(e)))
-    page.on("request", lambda r: None if r.url.startswith(quiz_server)
+    page.on("request", lambda r: None if r.url.startswith(tiny_gpt_server)
             else errors.append(f"request to {r.url}"))
-    page.goto(quiz_server + "/")
+    page.goto(tiny_gpt_server + "/")
     page.wait_for_selector("body[data-state=ready]")
     page.select_option("#model", MODEL)
     assert page.is_visible("#quiz-go") and page.is_hidden("#quiz")
@@ -152,10 +129,10 @@ def test_the_page_asks_reveals_and_scores(browser, quiz_server, tiny_run) -> Non
     assert errors == []
 
 
-def test_the_page_reveals_the_argmax_and_scores_a_right_answer(browser, quiz_server, tiny_run) -> None:
+def test_the_page_reveals_the_argmax_and_scores_a_right_answer(browser, tiny_gpt_server, tiny_run) -> None:
     lm = qkv.load(tiny_run("gpt"))
     page = browser.new_page(viewport={"width": 1400, "height": 1000})
-    page.goto(quiz_server + "/")
+    page.goto(tiny_gpt_server + "/")
     page.wait_for_selector("body[data-state=ready]")
     page.select_option("#model", MODEL)
     page.select_option("#quiz-kind", "next")

@@ -21,6 +21,52 @@ function colormap(table, x) {
 
 function rgb(c) { return `rgb(${c[0]},${c[1]},${c[2]})`; }
 
+// WCAG 2.x relative luminance of an sRGB colour [r, g, b] (0..255).
+function luminance(c) {
+  const lin = (v) => { const s = v / 255; return s <= 0.04045 ? s / 12.92 : ((s + 0.055) / 1.055) ** 2.4; };
+  return 0.2126 * lin(c[0]) + 0.7152 * lin(c[1]) + 0.0722 * lin(c[2]);
+}
+
+// The ink for text on a cell of colour c: black or white, whichever contrasts more (WCAG's ratio
+// (L1 + 0.05) / (L2 + 0.05)). One of the two always reaches 4.58:1, above AA's 4.5:1; the choice
+// follows the colour as rendered, not the value it encodes.
+function ink(c) {
+  const L = luminance(c);
+  return (L + 0.05) / 0.05 >= 1.05 / (L + 0.05) ? "black" : "white";
+}
+
+// A translucent colour [r, g, b] at alpha a painted over an opaque background (white by default).
+function over(c, a, bg = [255, 255, 255]) {
+  return c.map((v, k) => Math.round(a * v + (1 - a) * bg[k]));
+}
+
+// A colour legend as SVG: `n` swatches of colourAt(0..1) across `w` px at (x, y), tick labels
+// below ([fraction, text] pairs), the title to the right. Drawn inside each heatmap's SVG so
+// that a download keeps it.
+function legendParts(x, y, w, colourAt, ticks, title) {
+  const n = 40, parts = ['<g class="legend">'];
+  for (let i = 0; i < n; i++) {
+    parts.push(`<rect x="${(x + (i * w) / n).toFixed(2)}" y="${y}" width="${(w / n + 0.5).toFixed(2)}" ` +
+      `height="10" fill="${rgb(colourAt((i + 0.5) / n))}"/>`);
+  }
+  parts.push(`<rect x="${x}" y="${y}" width="${w}" height="10" fill="none" stroke="#596070" stroke-width="0.5"/>`);
+  for (const [f, t] of ticks) {
+    parts.push(`<text x="${(x + f * w).toFixed(1)}" y="${y + 22}" text-anchor="middle" font-size="10">${esc(t)}</text>`);
+  }
+  if (title) parts.push(`<text x="${x + w + 10}" y="${y + 9}" font-size="10">${esc(title)}</text>`);
+  parts.push("</g>");
+  return parts.join("");
+}
+
+// Where a legend drawn at x with this title ends (10 px monospace: about 6.1 px a character).
+function legendEnd(x, title) { return x + 180 + Math.ceil(6.2 * (title || "").length); }
+
+// viridis from 0 to max: the legend of the attention heatmaps
+function viridisLegend(x, y, max, title) {
+  const f = (v) => (max >= 0.1 ? v.toFixed(2) : v.toPrecision(2));
+  return legendParts(x, y, 160, (t) => colormap(VIRIDIS, t), [[0, "0"], [0.5, f(max / 2)], [1, f(max)]], title);
+}
+
 function esc(s) {
   return String(s).replace(/[&<>"']/g, (c) => ({ "&": "&amp;", "<": "&lt;", ">": "&gt;", '"': "&quot;", "'": "&#39;" }[c]));
 }
@@ -47,6 +93,9 @@ function showError(message) {
 }
 
 function clearError() { $("error").hidden = true; $("error").textContent = ""; }
+
+// The first view (where to start) gives way to the first result.
+function hideStart() { $("start").hidden = true; }
 
 // Results of an earlier request must not pass for the answer to a new one.
 function clearResults() {
@@ -176,6 +225,7 @@ async function showAttention() {
 }
 
 function renderAttention(data) {
+  hideStart();
   showNotes(data.notes);
   if (data.layer !== null) {
     fillSelect($("layer"), data.n_layers, "last");
@@ -225,7 +275,9 @@ function renderHeatmap(data) {
         `dominant-baseline="middle" font-size="${font}" transform="rotate(-90 ${x} ${margin - 4})">${esc(s)}</text>`);
     });
   }
-  const width = margin + S * cell + 4, height = margin + T * cell + 4;
+  const legendY = margin + T * cell + 10;
+  parts.push(viridisLegend(margin, legendY, max, "attention weight"));
+  const width = Math.max(margin + S * cell + 4, legendEnd(margin, "attention weight")), height = legendY + 28;
   svg.setAttribute("width", width);
   svg.setAttribute("height", height);
   svg.setAttribute("viewBox", `0 0 ${width} ${height}`);
@@ -374,6 +426,7 @@ function onEvent(ev) {
     const span = addToken(ev.token, ev.weights);
     shade(span, ev.weights);
   } else if (ev.event === "done") {
+    hideStart();
     const n = state.steps.filter((s) => s.weights).length;
     $("generation-status").textContent += ` · ${n} new tokens in ${ev.seconds.toFixed(2)} s`;
   } else if (ev.event === "error") {
@@ -402,7 +455,9 @@ function shade(span, weights) {
   const max = Math.max(...weights) || 1;
   for (let i = 0; i < spans.length; i++) {
     const w = i < weights.length ? weights[i] / max : 0;
-    spans[i].style.backgroundColor = w > 0.02 ? `rgba(59, 91, 219, ${(0.75 * w).toFixed(3)})` : "";
+    const bg = over([59, 91, 219], Number((0.75 * w).toFixed(3)));  // the shading, as painted on white
+    spans[i].style.backgroundColor = w > 0.02 ? rgb(bg) : "";
+    spans[i].style.color = w > 0.02 ? ink(bg) : "";  // black or white by the shading's luminance
     spans[i].classList.remove("current");
   }
   span.classList.add("current");
@@ -439,6 +494,7 @@ async function uploadImage() {
 }
 
 function renderImage(data) {
+  hideStart();
   showNotes(data.notes);
   if (data.family === "vit") fillSelect($("layer"), data.details.n_layers, "last");
   $("image-title").textContent = data.family === "vit" ? `prediction: ${data.title}` : `caption: ${data.title}`;
@@ -481,6 +537,42 @@ function imageFigure(data, weights, caption) {
   return fig;
 }
 
+// ------------------------------------------------------------------ the first view
+
+// A sketch of what a heatmap shows: five tokens, a head that looks one token back (the first
+// token looks at itself). Drawn with the same colours, ink and legend as the real views.
+function renderStartExample() {
+  const toks = ["The", "cat", "sat", "on", "the"], n = toks.length, cell = 34, lw = 40, top = 40;
+  const width = lw + n * cell + 80, height = top + n * cell + 40;
+  const parts = [`<rect x="0" y="0" width="${width}" height="${height}" fill="white"/>`];
+  toks.forEach((t, j) => parts.push(`<text x="${lw + j * cell + cell / 2}" y="${top - 8}" text-anchor="middle">${t}</text>`));
+  for (let i = 0; i < n; i++) {
+    parts.push(`<text x="${lw - 4}" y="${top + i * cell + cell / 2}" text-anchor="end" dominant-baseline="middle">${toks[i]}</text>`);
+    for (let j = 0; j < n; j++) {
+      const w = j > i ? 0 : i === 0 ? 1 : j === i - 1 ? 0.8 : 0.2 / i;
+      const c = colormap(VIRIDIS, w);
+      parts.push(`<rect x="${lw + j * cell}" y="${top + i * cell}" width="${cell - 1}" height="${cell - 1}" fill="${rgb(c)}"/>`);
+      if (j <= i) parts.push(`<text x="${lw + j * cell + cell / 2}" y="${top + i * cell + cell / 2}" text-anchor="middle" ` +
+        `dominant-baseline="middle" font-size="10" fill="${ink(c)}">${w.toFixed(2)}</text>`);
+    }
+  }
+  parts.push(`<text x="${lw + n * cell + 6}" y="${top + cell / 2}" dominant-baseline="middle" font-size="10">← a row:</text>`);
+  parts.push(`<text x="${lw + n * cell + 6}" y="${top + cell / 2 + 12}" dominant-baseline="middle" font-size="10">sums to 1</text>`);
+  parts.push(`<text x="4" y="14" font-size="10">rows: queries · columns: the keys they look at</text>`);
+  parts.push(viridisLegend(lw, top + n * cell + 8, 1, "weight"));
+  const svg = $("start-example");
+  svg.setAttribute("width", width);
+  svg.setAttribute("height", height);
+  svg.setAttribute("viewBox", `0 0 ${width} ${height}`);
+  svg.innerHTML = parts.join("");
+}
+
+function runExample(button) {
+  $("text").value = button.dataset.text;
+  if (button.dataset.example === "lens" && !$("lens-go").hidden) $("lens-go").click();
+  else $("show").click();
+}
+
 // ------------------------------------------------------------------ wiring
 
 function init() {
@@ -502,6 +594,8 @@ function init() {
     $(id).addEventListener("mouseleave", hidePanel);
     $(id).addEventListener("mouseout", (e) => { if (e.target.classList && !e.target.classList.contains("cell")) hidePanel(); });
   }
+  renderStartExample();
+  for (const b of document.querySelectorAll("#start button[data-example]")) b.addEventListener("click", () => runExample(b));
   $("text").addEventListener("keydown", (e) => {
     if (e.key === "Enter" && (e.ctrlKey || e.metaKey)) showAttention();
   });

@@ -1,10 +1,12 @@
 // qkv explorer: what attention does (POST /api/lens). Next-token bars with a temperature slider
 // (softmax(z / T) computed here from the logits the server sends), the logit lens, every head as a
-// thumbnail (click to open it, or to knock it out), and SVG / PNG downloads of every view.
+// thumbnail (click to open it, or to knock it out), q·k term by term, activation patching, the
+// rollout, the heads' training history, and SVG / PNG downloads of every view. Text on a coloured
+// cell takes black or white by the cell's luminance (ink); every heatmap carries its legend.
 // Uses app.js's helpers ($, api, label, esc, colormap, VIRIDIS, rgb, state, ...).
 "use strict";
 
-const lensState = { data: null, ablated: [], history: null };
+const lensState = { data: null, ablated: [], history: null, key: null };
 
 // softmax(z / T) over the whole vocabulary, in float64 as the server computes it.
 function softmaxT(logits, T) {
@@ -25,6 +27,11 @@ async function lookInside() {
   const t0 = performance.now();
   try {
     const data = await post("/api/lens", { model: m.id, text: $("text").value, ablate: lensState.ablated });
+    const key = `${m.id}\n${data.tokens.join("\u0000")}`;
+    if (key !== lensState.key) {  // q·k and patching answered another text: back to their empty states
+      for (const view of ["qk", "patch"]) { $(view).innerHTML = ""; showView(view, false); }
+      lensState.key = key;
+    }
     lensState.data = data;
     lensState.history = null;
     $("quiz").hidden = true;
@@ -44,24 +51,40 @@ async function lookInside() {
   }
 }
 
+// A panel shows its view, or (until it has one) what it does and what to click: its p.empty.
+function showView(view, drawn) {
+  const fig = $(view).closest("figure");
+  $(view).toggleAttribute("hidden", !drawn);  // an SVG element has no .hidden property
+  fig.querySelector(".downloads").hidden = !drawn;
+  fig.querySelector("p.empty").hidden = drawn;
+}
+
 function renderLens() {
   const d = lensState.data;
+  hideStart();
   showNotes(d.notes);
   $("lens").hidden = false;
   $("probs-figure").hidden = d.logits === null;
   $("patch-figure").hidden = d.logits === null;  // patching measures a next-token answer
   $("lens-figure").hidden = d.lens === null;
+  showView("probs", d.logits !== null);
   if (d.logits !== null) renderBars();
+  showView("lens-table", d.lens !== null);
   if (d.lens !== null) renderLensTable();
-  $("rollout-figure").hidden = !d.rollout;
+  showView("rollout", Boolean(d.rollout));
   if (d.rollout) renderRollout();
+  showView("grid", true);
   renderGrid();
-  $("history-figure").hidden = !lensState.history;
+  for (const view of ["qk", "patch"]) if (!$(view).innerHTML) showView(view, false);
+  $("history-figure").hidden = false;
+  showView("history", Boolean(lensState.history));
   if (lensState.history) {
     $("history-step").max = String(lensState.history.steps.length - 1);
     $("history-step").value = String(lensState.history.steps.length - 1);
     renderHistory();
   }
+  $("history-step").disabled = !lensState.history;
+  $("history-type").disabled = !lensState.history;
   const abl = d.ablated.map(([l, h]) => `${l}.${h}`).join(", ");
   $("ablated").textContent = abl ? `knocked out: ${abl}` + (d.embedding_change !== null && d.embedding_change !== undefined
     ? ` · sentence embedding changed by 1 − cos = ${d.embedding_change.toFixed(4)}` : "") : "no heads knocked out";
@@ -110,11 +133,13 @@ function renderLensTable() {
   const L = d.lens.rows.length, T = d.tokens.length;
   const first = d.lens.positions[0];  // the server reads out the last positions only
   const cw = 64, ch = 18, lw = 44, top = 70;
-  const width = lw + (T - first) * cw + 4, height = top + L * ch + 4;
+  const legendY = top + L * ch + 10;
+  const legendTitle = "probability of the layer's top token";
+  const width = Math.max(lw + (T - first) * cw + 4, legendEnd(lw, legendTitle)), height = legendY + 28;
   const parts = [`<rect x="0" y="0" width="${width}" height="${height}" fill="white"/>`];
   for (let t = first; t < T; t++) {
     const x = lw + (t - first) * cw + cw / 2;
-    parts.push(`<text x="${x}" y="${top - 6}" transform="rotate(-45 ${x} ${top - 6})">${esc(label(d.tokens[t]))}</text>`);
+    parts.push(`<text class="col-head" x="${x}" y="${top - 6}" transform="rotate(-45 ${x} ${top - 6})">${esc(label(d.tokens[t]))}</text>`);
   }
   for (let r = 0; r < L; r++) {
     const y = top + r * ch;
@@ -124,10 +149,11 @@ function renderLensTable() {
       const c = colormap(VIRIDIS, p);
       const x = lw + (t - first) * cw;
       parts.push(`<rect class="lens-cell" data-r="${r}" data-t="${t}" x="${x}" y="${y}" width="${cw - 1}" height="${ch - 1}" fill="${rgb(c)}"/>`);
-      parts.push(`<text x="${x + cw / 2}" y="${y + ch / 2}" text-anchor="middle" dominant-baseline="middle" ` +
-        `fill="${p > 0.5 ? "black" : "white"}" font-size="9">${esc(label(d.lens.top[r][t - first]).slice(0, 8))}</text>`);
+      parts.push(`<text class="lens-top" x="${x + cw / 2}" y="${y + ch / 2}" text-anchor="middle" dominant-baseline="middle" ` +
+        `fill="${ink(c)}" font-size="9">${esc(label(d.lens.top[r][t - first]).slice(0, 8))}</text>`);
     }
   }
+  parts.push(viridisLegend(lw, legendY, 1, legendTitle));
   sizeSvg($("lens-table"), width, height, parts);
 }
 
@@ -136,7 +162,10 @@ function renderLensTable() {
 function renderRollout() {
   const d = lensState.data, R = d.rollout.positions.length, T = d.tokens.length;
   const cw = Math.max(6, Math.min(16, Math.floor(640 / T))), ch = 14, lw = 110, top = 70;
-  const width = lw + T * cw + 8, height = top + R * ch + 6;
+  const sink = $("rollout-sink").checked;  // LLMs park most attention on the first token
+  const legendY = top + R * ch + 10;
+  const legendTitle = sink ? "share of the row's largest (first token left out)" : "share of the row's largest";
+  const width = Math.max(lw + T * cw + 8, legendEnd(lw, legendTitle)), height = legendY + 28;
   const parts = [`<rect x="0" y="0" width="${width}" height="${height}" fill="white"/>`];
   if (cw >= 10) {
     d.tokens.forEach((tok, j) => {
@@ -144,7 +173,6 @@ function renderRollout() {
       parts.push(`<text x="${x}" y="${top - 6}" transform="rotate(-60 ${x} ${top - 6})" font-size="9">${esc(label(tok)).slice(0, 10)}</text>`);
     });
   }
-  const sink = $("rollout-sink").checked;  // LLMs park most attention on the first token
   d.rollout.positions.forEach((t, i) => {
     const row = d.rollout.values[i], y = top + i * ch;
     let max = 0;
@@ -156,6 +184,8 @@ function renderRollout() {
         `height="${ch - 1}" fill="${rgb(colormap(VIRIDIS, Math.min(1, v / (max || 1))))}"><title>${v.toFixed(4)}</title></rect>`);
     });
   });
+  parts.push(legendParts(lw, legendY, 160, (x) => colormap(VIRIDIS, x), [[0, "0"], [0.5, "half"], [1, "largest"]],
+    legendTitle));
   window.qkvRollout = d.rollout;
   sizeSvg($("rollout"), width, height, parts);
 }
@@ -163,64 +193,90 @@ function renderRollout() {
 // ------------------------------------------------------------------ every head
 
 const TYPE_MARK = { previous: "P", first: "F", duplicate: "D", induction: "I" };
+// A head is named after its highest score when that reaches qkv's one threshold (qkv.lens.NAMED_AT:
+// the summary `qkv train` and `qkv lens` print); the lens API names the heads (`labels`), and its
+// `threshold`, when it sends one, is the number this page states.
+const HEAD_NAMED = 0.5;
+const HEAD_TYPES = ["previous", "first", "duplicate", "induction"];  // qkv.lens.HEAD_TYPES
 
+function namedAt(d) { return typeof d.threshold === "number" ? d.threshold : HEAD_NAMED; }
+
+// Each head's name (L x H, "" for none), as the lens API names them.
+function headNames(d) { return d.labels; }
+
+// One head's pattern as a PNG data URL (viridis, scaled to its own largest weight), k pixels a cell.
+function thumbUrl(m, k) {
+  const n = m.length, c = document.createElement("canvas");
+  c.width = c.height = n * k;
+  const ctx = c.getContext("2d");
+  let max = 0;
+  for (const r of m) for (const v of r) max = Math.max(max, v);
+  for (let i = 0; i < n; i++) for (let j = 0; j < n; j++) {
+    ctx.fillStyle = rgb(colormap(VIRIDIS, m[i][j] / (max || 1)));
+    ctx.fillRect(j * k, i * k, k, k);
+  }
+  return c.toDataURL("image/png");
+}
+
+// The grid fills the page's width: the longer of layers and heads runs across (SmolLM2's 30
+// layers across, its 9 heads down), cells square, at most 96 px.
 function renderGrid() {
-  const d = lensState.data;
-  const L = d.n_layers, H = d.n_heads, cell = 34, gap = 3, left = 28, top = 16;
-  const canvas = $("grid");
-  canvas.width = left + H * (cell + gap);
-  canvas.height = top + L * (cell + gap);
-  const ctx = canvas.getContext("2d");
-  ctx.fillStyle = "white";
-  ctx.fillRect(0, 0, canvas.width, canvas.height);
-  ctx.font = "10px monospace";
-  ctx.fillStyle = "#1d2330";
-  for (let h = 0; h < H; h++) ctx.fillText(String(h), left + h * (cell + gap) + cell / 2 - 3, 11);
+  const d = lensState.data, L = d.n_layers, H = d.n_heads;
+  const names = headNames(d);
+  const layersAcross = L > H;
+  const cols = layersAcross ? L : H, rows = layersAcross ? H : L;
+  const avail = Math.max(240, Math.floor($("grid-wrap").getBoundingClientRect().width) || 900);
+  const left = 64, top = 34, gap = 3;
+  const cell = Math.max(12, Math.min(96, Math.floor((avail - left - 4) / cols) - gap));
+  const step = cell + gap, legendY = top + rows * step + 8;
+  const legendTitle = "attention weight, from 0 to each head's own largest";
+  const width = Math.min(avail, Math.max(left + cols * step + 4, legendEnd(left, legendTitle))), height = legendY + 28;
+  const font = Math.max(9, Math.min(12, Math.floor(cell * 0.45)));
+  const parts = [`<rect x="0" y="0" width="${width}" height="${height}" fill="white"/>`];
+  parts.push(`<text x="${left}" y="12" font-size="11">${layersAcross ? "layer" : "head"} →</text>`);
+  for (let c = 0; c < cols; c++) {
+    parts.push(`<text class="grid-col" x="${left + c * step + cell / 2}" y="${top - 6}" text-anchor="middle" ` +
+      `font-size="${Math.min(11, font)}">${c}</text>`);
+  }
+  for (let r = 0; r < rows; r++) {
+    parts.push(`<text class="grid-row" x="${left - 6}" y="${top + r * step + cell / 2}" text-anchor="end" ` +
+      `dominant-baseline="middle" font-size="11">${layersAcross ? "head" : "layer"} ${r}</text>`);
+  }
   const ablated = new Set(d.ablated.map(([l, h]) => `${l}.${h}`));
+  const k = d.thumbs ? Math.max(1, Math.min(8, Math.round(cell / d.thumbs[0].length))) : 1;
   for (let l = 0; l < L; l++) {
-    ctx.fillStyle = "#1d2330";
-    ctx.fillText(String(l), 4, top + l * (cell + gap) + cell / 2 + 3);
     for (let h = 0; h < H; h++) {
-      const x0 = left + h * (cell + gap), y0 = top + l * (cell + gap);
+      const x0 = left + (layersAcross ? l : h) * step, y0 = top + (layersAcross ? h : l) * step;
+      const g = [`<g class="head" data-l="${l}" data-h="${h}"><title>head ${l}.${h}${names[l][h] ? ": " + names[l][h] : ""}</title>`,
+        `<rect class="frame" x="${x0}" y="${y0}" width="${cell}" height="${cell}" fill="#e9ecef"/>`];
       if (d.thumbs) {
-        const m = d.thumbs[l * H + h], n = m.length;
-        let max = 0;
-        for (const r of m) for (const v of r) max = Math.max(max, v);
-        for (let i = 0; i < n; i++) for (let j = 0; j < n; j++) {
-          ctx.fillStyle = rgb(colormap(VIRIDIS, m[i][j] / (max || 1)));
-          ctx.fillRect(x0 + (j * cell) / n, y0 + (i * cell) / n, cell / n + 0.5, cell / n + 0.5);
-        }
+        g.push(`<image x="${x0}" y="${y0}" width="${cell}" height="${cell}" preserveAspectRatio="none" ` +
+          `image-rendering="pixelated" href="${thumbUrl(d.thumbs[l * H + h], k)}"/>`);
       }
-      const type = d.labels[l][h];
-      if (type) {
-        ctx.fillStyle = "rgba(255,255,255,0.85)";
-        ctx.fillRect(x0 + cell - 11, y0, 11, 11);
-        ctx.fillStyle = "#c92a2a";
-        ctx.fillText(TYPE_MARK[type], x0 + cell - 9, y0 + 9);
+      if (names[l][h]) {
+        const s = font + 3;
+        g.push(`<rect class="mark-bg" x="${x0 + cell - s}" y="${y0}" width="${s}" height="${s}" fill="white"/>`,
+          `<text class="mark" data-type="${names[l][h]}" x="${x0 + cell - s / 2}" y="${y0 + s / 2 + 0.5}" text-anchor="middle" ` +
+          `dominant-baseline="middle" font-size="${font}" font-weight="bold" fill="#a61e1e">${TYPE_MARK[names[l][h]]}</text>`);
       }
       if (ablated.has(`${l}.${h}`)) {
-        ctx.strokeStyle = "#ff2d55";
-        ctx.lineWidth = 2;
-        ctx.beginPath();
-        ctx.moveTo(x0, y0); ctx.lineTo(x0 + cell, y0 + cell);
-        ctx.moveTo(x0 + cell, y0); ctx.lineTo(x0, y0 + cell);
-        ctx.stroke();
+        g.push(`<path d="M${x0} ${y0}L${x0 + cell} ${y0 + cell}M${x0 + cell} ${y0}L${x0} ${y0 + cell}" stroke="#ff2d55" stroke-width="3"/>`);
       }
+      g.push("</g>");
+      parts.push(g.join(""));
     }
   }
-  canvas.dataset.cell = String(cell + gap);
-  canvas.dataset.left = String(left);
-  canvas.dataset.top = String(top);
+  parts.push(legendParts(left, legendY, 160, (x) => colormap(VIRIDIS, x), [[0, "0"], [0.5, "half"], [1, "largest"]],
+    legendTitle));
+  $("grid-axes").textContent = layersAcross ? "layers across, heads down" : "layers down, heads across";
+  $("grid-threshold").textContent = String(namedAt(d));
+  window.qkvGrid = { names, cell, layersAcross, threshold: namedAt(d) };
+  sizeSvg($("grid"), width, height, parts);
 }
 
 function headAt(event) {
-  const c = $("grid"), d = lensState.data;
-  const r = c.getBoundingClientRect();
-  const x = (event.clientX - r.left) * (c.width / r.width) - Number(c.dataset.left);
-  const y = (event.clientY - r.top) * (c.height / r.height) - Number(c.dataset.top);
-  const step = Number(c.dataset.cell);
-  const h = Math.floor(x / step), l = Math.floor(y / step);
-  return l >= 0 && l < d.n_layers && h >= 0 && h < d.n_heads ? [l, h] : null;
+  const g = event.target.closest && event.target.closest("#grid g.head");
+  return g ? [Number(g.dataset.l), Number(g.dataset.h)] : null;
 }
 
 async function onGridClick(event) {
@@ -248,33 +304,73 @@ function onGridHover(event) {
   const head = headAt(event), d = lensState.data;
   if (!head) { $("hover").hidden = true; return; }
   const [l, h] = head;
+  const name = window.qkvGrid ? window.qkvGrid.names[l][h] : "";
   const rows = Object.entries(d.scores).map(([t, s]) => ({ token: t, index: `${l}.${h}`, weight: s[l][h] }));
-  showPanel(event, `head ${l}.${h}${d.labels[l][h] ? " · " + d.labels[l][h] + " head" : ""}`, rows);
+  showPanel(event, `head ${l}.${h}${name ? " · " + name + " head" : ""}`, rows);
 }
 
 // ------------------------------------------------------------------ heads during training
 
+// colours of the head types' lines (legend text stays in the page's ink)
+const TYPE_COLOUR = { previous: "#1c7ed6", first: "#7048e8", duplicate: "#2f9e44", induction: "#e8590c" };
+
 function renderHistory() {
   const h = lensState.history, i = Number($("history-step").value), type = $("history-type").value;
-  const m = h.scores[type][i], L = m.length, H = m[0].length, cell = 26, lw = 60, top = 24;
-  const width = lw + H * cell + 8, height = top + L * cell + 30;
-  const parts = [`<rect x="0" y="0" width="${width}" height="${height}" fill="white"/>`];
-  for (let hh = 0; hh < H; hh++) parts.push(`<text x="${lw + hh * cell + cell / 2}" y="${top - 6}" text-anchor="middle">${hh}</text>`);
+  const steps = h.steps, n = steps.length;
+  // left: one line per head type, its best head's score at each step
+  const pl = 44, pt = 30, pw = 420, ph = 200, x1 = Math.max(1, steps[n - 1] - steps[0]);
+  const X = (s) => pl + ((s - steps[0]) / x1) * pw, Y = (v) => pt + (1 - v) * ph;
+  const parts = [];
+  for (const v of [0, 0.25, 0.5, 0.75, 1]) {
+    parts.push(`<line x1="${pl}" x2="${pl + pw}" y1="${Y(v)}" y2="${Y(v)}" stroke="#dee2e6"/>`,
+      `<text x="${pl - 4}" y="${Y(v)}" text-anchor="end" dominant-baseline="middle" font-size="10">${v}</text>`);
+  }
+  const at = namedAt(lensState.data || {});
+  parts.push(`<line class="history-named" x1="${pl}" x2="${pl + pw}" y1="${Y(at)}" y2="${Y(at)}" stroke="#495057" stroke-dasharray="4 3"/>`);
+  const ticks = n <= 6 ? steps : [0, 1, 2, 3, 4].map((k) => steps[Math.round((k * (n - 1)) / 4)]);
+  for (const s of ticks) parts.push(`<text x="${X(s)}" y="${pt + ph + 14}" text-anchor="middle" font-size="10">${s}</text>`);
+  parts.push(`<text x="${pl + pw / 2}" y="${pt + ph + 28}" text-anchor="middle" font-size="10">training step</text>`);
+  parts.push(`<text x="4" y="12" font-size="10">best head's score</text>`);
+  const lines = {};
+  HEAD_TYPES.forEach((t, k) => {
+    if (!h.scores[t]) return;
+    const best = h.scores[t].map((m) => Math.max(...m.flat()));
+    lines[t] = best;
+    const d = best.map((v, j) => `${j ? "L" : "M"}${X(steps[j]).toFixed(1)} ${Y(v).toFixed(1)}`).join("");
+    parts.push(`<path class="history-line" data-type="${t}" d="${d}" fill="none" stroke="${TYPE_COLOUR[t]}" ` +
+      `stroke-width="${t === type ? 3 : 2}"/>`);
+    const ly = pt + 8 + k * 16;
+    parts.push(`<line x1="${pl + pw + 14}" x2="${pl + pw + 34}" y1="${ly}" y2="${ly}" stroke="${TYPE_COLOUR[t]}" stroke-width="3"/>`,
+      `<text x="${pl + pw + 38}" y="${ly}" dominant-baseline="middle" font-size="11">${t}${h.formed[t] !== null && h.formed[t] !== undefined ? ` (named from step ${h.formed[t]})` : ""}</text>`);
+  });
+  parts.push(`<text x="${pl + pw + 14}" y="${pt + 8 + 4 * 16}" dominant-baseline="middle" font-size="10">- - named at ${at}</text>`);
+  const xs = X(steps[i]);
+  parts.push(`<line class="history-now" x1="${xs}" x2="${xs}" y1="${pt}" y2="${pt + ph}" stroke="#c2255c" stroke-width="2"/>`,
+    `<text x="${Math.min(xs + 4, pl + pw - 60)}" y="${pt + 10}" font-size="10" font-weight="bold">step ${steps[i]}</text>`);
+  // right: the chosen type's score of every head at that step, as numbers on their colours
+  const m = h.scores[type][i], L = m.length, H = m[0].length, cell = 30, gx = pl + pw + 240, gy = pt + 14;
+  parts.push(`<text x="${gx}" y="12" font-size="10">${type} score of each head at step ${steps[i]}</text>`);
+  for (let hh = 0; hh < H; hh++) parts.push(`<text x="${gx + 40 + hh * cell + cell / 2}" y="${gy + 4}" text-anchor="middle" font-size="10">${hh}</text>`);
   for (let l = 0; l < L; l++) {
-    parts.push(`<text x="${lw - 4}" y="${top + l * cell + cell / 2}" text-anchor="end" dominant-baseline="middle">layer ${l}</text>`);
+    const y = gy + 10 + l * cell;
+    parts.push(`<text x="${gx + 36}" y="${y + cell / 2}" text-anchor="end" dominant-baseline="middle" font-size="10">layer ${l}</text>`);
     for (let hh = 0; hh < H; hh++) {
-      const v = m[l][hh];
-      parts.push(`<rect class="history-cell" data-l="${l}" data-h="${hh}" x="${lw + hh * cell}" y="${top + l * cell}" ` +
-        `width="${cell - 1}" height="${cell - 1}" fill="${rgb(colormap(VIRIDIS, v))}"><title>${v.toFixed(3)}</title></rect>`);
+      const v = m[l][hh], c = colormap(VIRIDIS, v), x = gx + 40 + hh * cell;
+      parts.push(`<rect class="history-cell" data-l="${l}" data-h="${hh}" x="${x}" y="${y}" width="${cell - 1}" height="${cell - 1}" ` +
+        `fill="${rgb(c)}"/>`, `<text x="${x + cell / 2}" y="${y + cell / 2}" text-anchor="middle" dominant-baseline="middle" ` +
+        `font-size="9" fill="${ink(c)}">${v.toFixed(2)}</text>`);
     }
   }
-  const step = h.steps[i];
+  const gridBottom = gy + 10 + L * cell;
+  parts.push(viridisLegend(gx + 40, gridBottom + 6, 1, "score"));
   const copying = h.copying === null ? "not yet" : `from step ${h.copying}`;
-  parts.push(`<text x="4" y="${height - 8}">${type} scores at step ${step} (colour 0 to 1) · loss ${h.loss_first[i].toFixed(2)} ` +
-    `first copy, ${h.loss_second[i].toFixed(2)} repeat · copying ${copying}</text>`);
-  $("history-label").textContent = `step ${step}`;
-  window.qkvHistoryShown = { step, type, scores: m };
-  sizeSvg($("history"), Math.max(width, 720), height, parts);
+  const height = Math.max(pt + ph + 40, gridBottom + 40) + 18, width = Math.max(gx + 40 + H * cell + 120, 760);
+  parts.push(`<text x="4" y="${height - 6}">loss on the probe at step ${steps[i]}: ${h.loss_first[i].toFixed(2)} first copy, ` +
+    `${h.loss_second[i].toFixed(2)} repeat · copying ${copying}</text>`);
+  parts.unshift(`<rect x="0" y="0" width="${width}" height="${height}" fill="white"/>`);
+  $("history-label").textContent = `step ${steps[i]}`;
+  window.qkvHistoryShown = { step: steps[i], type, scores: m, lines, marked: xs };
+  sizeSvg($("history"), width, height, parts);
 }
 
 // ------------------------------------------------------------------ q·k and patching
@@ -304,21 +400,36 @@ function computeQK() {
     const d = await post("/api/qk", { model: m.id, text: $("text").value, layer: Number($("qk-layer").value),
       head: Number($("qk-head").value), query: Number($("qk-query").value) });
     window.qkvQK = d;
-    const rowH = 18, lw = 110, nums = 190, barW = 160, width = lw + nums + barW + 60, top = 22;
-    const height = top + d.keys.length * rowH + 6;
+    const rowH = 18, lw = 110, dotX = lw + 80, scaledX = lw + 170, barX = lw + 190, barW = 160, top = 42;
+    const width = barX + barW + 60, height = top + d.keys.length * rowH + 6;
     const parts = [`<rect x="0" y="0" width="${width}" height="${height}" fill="white"/>`,
       `<text x="4" y="14">layer ${d.layer} head ${d.head}, query "${esc(label(d.query_token))}" #${d.query}: ` +
       `q·k, ÷ √${d.head_dim}, softmax</text>`];
+    for (const [x, anchor, name] of [[lw - 6, "end", "key #"], [dotX, "end", "q·k"], [scaledX, "end", `÷ √${d.head_dim}`],
+      [barX, "start", "softmax (the weight)"]]) {
+      parts.push(`<text class="qk-header" x="${x}" y="${top - 8}" text-anchor="${anchor}" font-weight="bold">${esc(name)}</text>`);
+    }
+    parts.push(`<line x1="4" x2="${width - 4}" y1="${top - 3}" y2="${top - 3}" stroke="#adb5bd"/>`);
     d.keys.forEach((k, j) => {
       const y = top + j * rowH;
       parts.push(`<text x="${lw - 6}" y="${y + rowH / 2}" text-anchor="end" dominant-baseline="middle">${esc(label(k))} #${j}</text>`);
-      parts.push(`<text class="qk-row" data-j="${j}" x="${lw}" y="${y + rowH / 2}" dominant-baseline="middle">` +
-        `${d.dots[j].toFixed(2).padStart(8)} ${d.scaled[j].toFixed(3).padStart(8)}</text>`);
-      parts.push(`<rect x="${lw + nums}" y="${y + 4}" width="${(barW * d.weights[j]).toFixed(1)}" height="${rowH - 8}" fill="#3b5bdb"/>`);
-      parts.push(`<text x="${lw + nums + barW * d.weights[j] + 4}" y="${y + rowH / 2}" dominant-baseline="middle">${d.weights[j].toFixed(3)}</text>`);
+      parts.push(`<text class="qk-row" data-j="${j}" y="${y + rowH / 2}" dominant-baseline="middle">` +
+        `<tspan x="${dotX}" text-anchor="end">${d.dots[j].toFixed(2)}</tspan>` +
+        `<tspan x="${scaledX}" text-anchor="end">${d.scaled[j].toFixed(3)}</tspan></text>`);
+      parts.push(`<rect x="${barX}" y="${y + 4}" width="${(barW * d.weights[j]).toFixed(1)}" height="${rowH - 8}" fill="#3b5bdb"/>`);
+      parts.push(`<text x="${barX + barW * d.weights[j] + 4}" y="${y + rowH / 2}" dominant-baseline="middle">${d.weights[j].toFixed(3)}</text>`);
     });
     sizeSvg($("qk"), width, height, parts);
+    showView("qk", true);
   });
+}
+
+// the patching scale: blue (−1: as corrupt, and further) through white (0) to red (1: restores
+// the clean answer), painted translucent over white
+const PATCH_RED = [201, 42, 42], PATCH_BLUE = [59, 91, 219];
+
+function patchColour(v) {
+  return over(v >= 0 ? PATCH_RED : PATCH_BLUE, Math.min(1, Math.abs(v)));
 }
 
 function patchPrompts() {
@@ -329,7 +440,9 @@ function patchPrompts() {
       site: $("patch-site").value, answer: opt("patch-answer"), wrong: opt("patch-wrong") });
     window.qkvPatch = d;
     const R = d.rows.length, C = d.columns.length, cw = d.site === "head" ? 26 : 40, ch = 16, lw = 60, top = 70;
-    const width = lw + C * cw + 8, height = top + R * ch + 24;
+    const legendY = top + R * ch + 8;
+    const legendTitle = "0: as corrupt · 1: restores the clean answer";
+    const width = Math.max(lw + C * cw + 8, legendEnd(lw, legendTitle)), height = legendY + 48;
     const parts = [`<rect x="0" y="0" width="${width}" height="${height}" fill="white"/>`];
     d.columns.forEach((c, j) => {
       const x = lw + j * cw + cw / 2;
@@ -340,15 +453,17 @@ function patchPrompts() {
       parts.push(`<text x="${lw - 4}" y="${y + ch / 2}" text-anchor="end" dominant-baseline="middle">${esc(r.replace("layer ", ""))}</text>`);
       d.columns.forEach((_, j) => {
         const v = d.values[i][j];
-        const a = v === null ? 0 : Math.min(1, Math.abs(v));
-        const fill = v === null ? "#eee" : v >= 0 ? `rgba(201,42,42,${a.toFixed(3)})` : `rgba(59,91,219,${a.toFixed(3)})`;
+        const fill = v === null ? "#eee" : rgb(patchColour(v));
         parts.push(`<rect class="patch-cell" data-i="${i}" data-j="${j}" x="${lw + j * cw}" y="${y}" width="${cw - 1}" ` +
           `height="${ch - 1}" fill="${fill}"><title>${v === null ? "undefined" : v.toFixed(3)}</title></rect>`);
       });
     });
+    parts.push(legendParts(lw, legendY, 160, (x) => patchColour(2 * x - 1),
+      [[0, "−1"], [0.5, "0"], [1, "1"]], legendTitle));
     parts.push(`<text x="4" y="${height - 6}">logit[${esc(label(d.answer))}] − logit[${esc(label(d.wrong))}]: ` +
       `${d.clean_diff.toFixed(2)} clean, ${d.corrupt_diff.toFixed(2)} corrupt · red: restores it</text>`);
     sizeSvg($("patch"), width, height, parts);
+    showView("patch", true);
   });
 }
 
@@ -368,12 +483,6 @@ function svgText(svg) {
   copy.setAttribute("font-family", "monospace");
   copy.setAttribute("font-size", "11");
   return '<?xml version="1.0" encoding="UTF-8"?>\n' + new XMLSerializer().serializeToString(copy);
-}
-
-function canvasSvg(canvas) {
-  return '<?xml version="1.0" encoding="UTF-8"?>\n<svg xmlns="http://www.w3.org/2000/svg" ' +
-    `xmlns:xlink="http://www.w3.org/1999/xlink" width="${canvas.width}" height="${canvas.height}">` +
-    `<image width="${canvas.width}" height="${canvas.height}" href="${canvas.toDataURL("image/png")}"/></svg>`;
 }
 
 function save(blob, name) {
@@ -401,16 +510,11 @@ async function svgToPng(text, width, height) {
 async function download(id, format) {
   const el = $(id);
   const name = `qkv-${id}.${format}`;
-  if (el.tagName.toLowerCase() === "canvas") {
-    if (format === "png") save(await new Promise((r) => el.toBlob(r, "image/png")), name);
-    else save(new Blob([canvasSvg(el)], { type: "image/svg+xml" }), name);
-    return;
-  }
   const text = svgText(el);
   if (format === "svg") save(new Blob([text], { type: "image/svg+xml" }), name);
   else save(await svgToPng(text, Number(el.getAttribute("width")), Number(el.getAttribute("height"))), name);
 }
-window.qkvDownloadText = (id) => { const el = $(id); return el.tagName.toLowerCase() === "canvas" ? canvasSvg(el) : svgText(el); };
+window.qkvDownloadText = (id) => svgText($(id));
 
 // ------------------------------------------------------------------ quiz: predict, then reveal
 
@@ -431,6 +535,7 @@ function askQuestion() {
     if (!m) throw new Error("Choose a model first.");
     const q = await post("/api/quiz/question", { model: m.id, kind: $("quiz-kind").value || null });
     clearResults();
+    hideStart();
     quizState.question = q;
     quizState.reveal = null;
     $("quiz").hidden = false;
@@ -500,7 +605,8 @@ function renderReveal(q, r) {
     $("quiz-caption").textContent = `logit lens: the probability and rank of ${label(d.answer)} after each block (outlined: first ranked top)`;
   } else {
     const L = d.scores.length, H = d.scores[0].length, cw = 52, ch = 22, lw = 64, top = 22;
-    const width = lw + H * cw + 4, height = top + L * ch + 4;
+    const legendY = top + L * ch + 8;
+    const width = Math.max(lw + H * cw + 4, legendEnd(lw, "induction score")), height = legendY + 28;
     const parts = [`<rect x="0" y="0" width="${width}" height="${height}" fill="white"/>`];
     for (let h = 0; h < H; h++) parts.push(`<text x="${lw + h * cw + cw / 2}" y="${top - 6}" text-anchor="middle">head ${h}</text>`);
     d.scores.forEach((row, l) => {
@@ -508,12 +614,14 @@ function renderReveal(q, r) {
       parts.push(`<text x="${lw - 4}" y="${y + ch / 2}" text-anchor="end" dominant-baseline="middle">layer ${l}</text>`);
       row.forEach((v, h) => {
         const best = l === d.best[0] && h === d.best[1];
+        const c = colormap(VIRIDIS, v);
         parts.push(`<rect class="quiz-cell" data-l="${l}" data-h="${h}" x="${lw + h * cw}" y="${y}" width="${cw - 2}" height="${ch - 2}" ` +
-          `fill="${rgb(colormap(VIRIDIS, v))}"${best ? ' stroke="#e8590c" stroke-width="3"' : ""}/>`);
-        parts.push(`<text class="${v > 0.5 ? "on-light" : "on-dark"}" x="${lw + h * cw + cw / 2 - 1}" y="${y + ch / 2}" ` +
-          `text-anchor="middle" dominant-baseline="middle" fill="${v > 0.5 ? "black" : "white"}">${v.toFixed(2)}</text>`);
+          `fill="${rgb(c)}"${best ? ' stroke="#e8590c" stroke-width="3"' : ""}/>`);
+        parts.push(`<text x="${lw + h * cw + cw / 2 - 1}" y="${y + ch / 2}" ` +
+          `text-anchor="middle" dominant-baseline="middle" fill="${ink(c)}">${v.toFixed(2)}</text>`);
       });
     });
+    parts.push(viridisLegend(lw, legendY, 1, "induction score"));
     sizeSvg(svg, width, height, parts);
     $("quiz-caption").textContent = "induction score of every head (Olsson et al. 2022; outlined: the highest)";
   }
@@ -531,6 +639,11 @@ function initLens() {
   $("history-type").addEventListener("change", () => lensState.history && renderHistory());
   $("rollout-sink").addEventListener("change", () => lensState.data && lensState.data.rollout && renderRollout());
   $("patch-go").addEventListener("click", patchPrompts);
+  let resize = null;  // the grid follows the page's width
+  window.addEventListener("resize", () => {
+    clearTimeout(resize);
+    resize = setTimeout(() => { if (lensState.data && !$("lens").hidden) renderGrid(); }, 150);
+  });
   $("quiz-go").addEventListener("click", askQuestion);
   $("quiz-next").addEventListener("click", askQuestion);
   for (const b of document.querySelectorAll("button[data-download]")) {
