@@ -170,9 +170,9 @@ def test_slugs_follow_the_renderers() -> None:
     assert slug_site("Opening any model: one rule, one typed value") == \
         "opening-any-model-one-rule-one-typed-value"
     assert slug_site("qkv.attention") == "qkvattention"
-    assert slug_site("1 Content-based attention: hardmax vs softmax") == \
+    assert slug_site("一 Content-based attention: hardmax vs softmax") == \
         "content-based-attention-hardmax-vs-softmax"
-    assert slug_github("1 Content-based attention") == "一-content-based-attention"
+    assert slug_github("一 Content-based attention") == "一-content-based-attention"
     assert slug_github("Real pretrained models, in qkv's own modules") == \
         "real-pretrained-models-in-qkvs-own-modules"
 
