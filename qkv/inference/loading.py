@@ -82,8 +82,8 @@ def open_model(ref: ModelRef | str | os.PathLike[str], *, device: str = "cpu",
             anything else is one line, checked before loading.
 
     Raises:
-        ValueError (one line) for options the model cannot take, and what :func:`resolve` and
-        the readers raise for names, files and runs.
+        ValueError: one line, for options the model cannot take; and what :func:`resolve` and
+            the readers raise for names, files and runs.
     """
     from qkv.device import check_device
 
