@@ -96,7 +96,7 @@ def lens_response(lm: CausalLM | SentenceEncoder, req: LensRequest, max_tokens: 
                                       prob=[[round(float(p), 4) for p in row] for row in probs[..., 0]])
     elif heads:
         resp["embedding_change"] = 1 - float(F.cosine_similarity(out.mean(0), base.mean(0), dim=0))
-    return LensResponse(**resp, seconds=time.perf_counter() - t0)
+    return LensResponse(**resp, threshold=lens.NAMED_AT, seconds=time.perf_counter() - t0)
 
 
 def qk_response(lm: CausalLM | SentenceEncoder, req: QKRequest, max_tokens: int) -> QKResponse:

@@ -173,6 +173,8 @@ class LensResponse(BaseModel):
     scores: dict[str, list[list[float]]] = Field(description="head scores (L x H) per type: previous, first, "
                                                  "duplicate, induction")
     labels: list[list[str]]
+    threshold: float = Field(description="a head is named after its highest score when that reaches this "
+                             "(qkv.lens.NAMED_AT, the same in the terminal)")
     rollout: RolloutCells | None = None
     embedding_change: float | None = Field(None, description="encoders: 1 - cos of the sentence embedding "
                                            "with and without the ablated heads")

@@ -51,6 +51,12 @@ def test_lens_answers_with_the_models_own_numbers(client, runs_dir) -> None:
     want = F.adaptive_avg_pool2d(w[1][0, 2][None], min(T, 16))[0] if T > 16 else w[1][0, 2]
     assert torch.allclose(torch.tensor(body["thumbs"][1 * H + 2]), want, atol=1e-4)
     assert torch.allclose(torch.tensor(body["scores"]["previous"]), lens.head_scores(lm).previous, atol=1e-6)
+    # one threshold for naming a head, the page's and the terminal's: named iff its best score reaches 0.5
+    assert body["threshold"] == 0.5
+    for layer, row in enumerate(body["labels"]):
+        for head, label in enumerate(row):
+            best = max(body["scores"][t][layer][head] for t in body["scores"])
+            assert bool(label) == (best >= 0.5), (layer, head, label, best)
     assert body["base_logits"] is None
     # the rollout, by hand in float64: A_l = (mean of heads + I) / 2, rows renormalised, multiplied up
     roll = torch.eye(T, dtype=torch.float64)
