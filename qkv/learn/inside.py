@@ -25,7 +25,7 @@ import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
@@ -33,6 +33,9 @@ from torch import Tensor, nn
 
 from qkv.attention.functional import AttentionOutput, repeat_kv
 from qkv.errors import InputError
+
+if TYPE_CHECKING:
+    from qkv.models.gpt import GPTConfig
 
 LOSS_TOLERANCE = 0.02  # nats: the last evaluation's |student − built-in|
 OUTPUT_TOLERANCE = 1e-4  # max |Δ logits| / max |logits| before any training step
@@ -46,7 +49,8 @@ RUNNABLE = GPT_EXERCISES + SMOLLM2_EXERCISES + RNN_EXERCISES
 
 @dataclass
 class RunResult:
-    """What one run measured. ``curves``: label -> [(step, loss)] (training runs); ``texts``:
+    """What one run measured. ``curves``: model ("yours", "qkv's") -> split ("train",
+    "validation") -> [(step, loss)] (training runs); ``texts``:
     label -> the greedy text (SmolLM2 runs); ``passed``: the verdict against ``tolerance``."""
 
     exercise: str
@@ -55,7 +59,7 @@ class RunResult:
     verdict: str
     tolerance: str
     seconds: float
-    curves: dict[str, list[tuple[int, float]]] = field(default_factory=dict)
+    curves: dict[str, dict[str, list[tuple[int, float]]]] = field(default_factory=dict)
     texts: dict[str, str] = field(default_factory=dict)
     tokens: dict[str, list[int]] = field(default_factory=dict)
     numbers: dict[str, float] = field(default_factory=dict)
@@ -180,7 +184,7 @@ def _linears(mlp: nn.Module) -> tuple[nn.Module, nn.Module]:
     return lins[0], lins[1]
 
 
-def gpt_config(name: str, vocab: int) -> Any:
+def gpt_config(name: str, vocab: int) -> GPTConfig:
     """The ``cpu`` preset's GPT (fp32, no dropout); sinusoidal positions for that exercise."""
     from qkv.models.gpt import GPTConfig
     from qkv.presets import GPT_PRESETS
@@ -213,7 +217,7 @@ def with_student(model: nn.Module, name: str, fn: Callable[..., Any]) -> nn.Modu
     return model
 
 
-def shakespeare(seed: int) -> tuple[Any, Tensor, Tensor]:
+def shakespeare() -> tuple[Any, Tensor, Tensor]:
     """(character tokenizer, train ids, val ids) of the Shakespeare asset."""
     from qkv.data.corpora import load_text
     from qkv.tokenizers.char import CharTokenizer
@@ -251,7 +255,7 @@ def side_by_side(name: str, model_text: str, yours: Side, ours: Side, batches: l
     start = time.perf_counter()
     steps = len(batches)
     every = max(1, steps // 10)
-    curves: dict[str, list[tuple[int, float]]] = {}
+    curves: dict[str, dict[str, list[tuple[int, float]]]] = {}
     before: dict[str, Tensor] = {}
     for label, side in (("yours", yours), ("qkv's", ours)):
         torch.manual_seed(seed)
@@ -281,15 +285,15 @@ def side_by_side(name: str, model_text: str, yours: Side, ours: Side, batches: l
             if progress is not None:
                 progress(label, step + 1, steps)
         val.append((steps, evaluate()))
-        curves[f"train, {label}"], curves[f"validation, {label}"] = train, val
-    first_y, first_o = curves["validation, yours"][0][1], curves["validation, qkv's"][0][1]
-    last_y, last_o = curves["validation, yours"][-1][1], curves["validation, qkv's"][-1][1]
+        curves[label] = {"train": train, "validation": val}
+    yours_v, ours_v = curves["yours"]["validation"], curves["qkv's"]["validation"]
+    first_y, first_o, last_y, last_o = yours_v[0][1], ours_v[0][1], yours_v[-1][1], ours_v[-1][1]
     d_last = abs(last_y - last_o)
     a, b = before["yours"], before["qkv's"]
     d_first = (a - b).abs().max().item() / b.abs().max().item() if a.shape == b.shape else math.inf
-    finished = len(curves["train, yours"]) == steps
+    finished = len(curves["yours"]["train"]) == steps
     if not finished:
-        verdict = f"your model's loss became NaN or infinite at step {len(curves['train, yours'])}"
+        verdict = f"your model's loss became NaN or infinite at step {len(curves['yours']['train'])}"
     elif not d_first <= OUTPUT_TOLERANCE:
         verdict = (f"before training the model's outputs differ by {d_first:.1e} of their largest "
                    f"(validation loss yours {first_y:.4f}, qkv's {first_o:.4f}): the forward pass is not "
@@ -312,7 +316,7 @@ def run_gpt(name: str, fn: Callable[..., Any], steps: int = 200, seed: int = 0, 
     batches from the same weights: one with the student's ``fn``, one with qkv's own."""
     from qkv.models.gpt import GPT
 
-    _, train, val = shakespeare(seed)
+    _, train, val = shakespeare()
     cfg = gpt_config(name, int(max(train.max(), val.max())) + 1)
     T = cfg.max_seq_len
     g = torch.Generator().manual_seed(seed)
@@ -401,13 +405,12 @@ class StudentCache(nn.Module):
         return AttentionOutput(inner.out_proj(out), None)
 
 
-def _greedy_full(model: nn.Module, ids: list[int], n: int) -> list[int]:
-    """Greedy decoding with no cache at all: every step runs the whole sequence."""
-    out = list(ids)
-    for _ in range(n):
-        logits = model(torch.tensor([out])).logits[0, -1]
-        out.append(int(logits.argmax()))
-    return out[len(ids):]
+def _greedy_full(lm: Any, ids: list[int], n: int) -> list[int]:
+    """Greedy decoding with no cache at all (every step runs the whole sequence), by qkv's one
+    decoding loop (:meth:`CausalLM.steps`), eagerly."""
+    from qkv.generation.decoders import DecodeMode
+
+    return [t for t, _ in lm.steps(ids, n, use_cache=False, stop_at_eos=False, mode=DecodeMode.EAGER)]
 
 
 def _greedy_student(model: nn.Module, ids: list[int], n: int) -> list[int]:
@@ -432,7 +435,7 @@ def run_smollm2(name: str, fn: Callable[..., Any], new_tokens: int = 24,
     with torch.inference_mode():
         if progress:
             progress("qkv's", 0, 1)
-        ours = _greedy_full(model, ids, new_tokens)
+        ours = _greedy_full(lm, ids, new_tokens)
         if progress:
             progress("qkv's", 1, 1)
         if name == "rope":
@@ -440,7 +443,7 @@ def run_smollm2(name: str, fn: Callable[..., Any], new_tokens: int = 24,
             saved = model.rope
             model.rope = StudentRope(saved, fn, theta)
             try:
-                yours = _greedy_full(model, ids, new_tokens)
+                yours = _greedy_full(lm, ids, new_tokens)
             finally:
                 model.rope = saved
             where = "rotating every query and key of the 30 layers"

@@ -47,7 +47,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def main(args: argparse.Namespace) -> int:
     from qkv.learn import DEFAULT_DIR, get
-    from qkv.learn.inside import RUNNABLE
+    from qkv.learn.inside import GPT_EXERCISES, RUNNABLE, SMOLLM2_EXERCISES
     from qkv.learn.sandbox import read_solution
 
     e = get(args.name)
@@ -61,16 +61,12 @@ def main(args: argparse.Namespace) -> int:
     out = Path(args.output) if args.output else Path(DEFAULT_DIR) / f"{e.name}-run.png"
     if out.suffix.lower() not in (".png", ".svg"):
         raise InputError(f"-o {out}: the plot is a .png or an .svg")
-    if e.name in ("rope", "kv_cache_step"):
-        from qkv.assets import is_installed
+    from qkv.assets import is_installed
 
-        if not is_installed("smollm2"):
-            raise InputError(f"{e.name} runs inside SmolLM2: `qkv assets install smollm2` first")
-    if e.name not in ("rope", "kv_cache_step", "additive_attention"):
-        from qkv.assets import is_installed
-
-        if not is_installed("shakespeare"):
-            raise InputError(f"{e.name} trains a GPT on Shakespeare: `qkv assets install shakespeare` first")
+    if e.name in SMOLLM2_EXERCISES and not is_installed("smollm2"):
+        raise InputError(f"{e.name} runs inside SmolLM2: `qkv assets install smollm2` first")
+    if e.name in GPT_EXERCISES and not is_installed("shakespeare"):
+        raise InputError(f"{e.name} trains a GPT on Shakespeare: `qkv assets install shakespeare` first")
     result = _in_child(e.name, path, args.steps, args.seed, args.timeout)
     if "error" in result:
         print(f"{e.name}: {result['error']}")
@@ -121,13 +117,13 @@ def _plot(result: dict[str, Any], out: Path) -> None:
     fig, ax = plt.subplots(figsize=(7.5, 4.2))
     if result["curves"]:
         styles = {"yours": dict(color="#d95f02"), "qkv's": dict(color="#1b9e77", linestyle="--")}
-        for label, pts in result["curves"].items():
-            who = label.split(", ")[-1]
-            steps, losses = zip(*pts, strict=True) if pts else ((), ())
-            train = label.startswith("train")
-            kw = dict(styles[who], alpha=0.35 if train else 1.0, lw=1 if train else 2.2,
-                      marker=None if train else "o", ms=3)
-            ax.plot(steps, losses, label=label, **kw)
+        for who, splits in result["curves"].items():
+            for split, pts in splits.items():
+                steps, losses = zip(*pts, strict=True) if pts else ((), ())
+                train = split == "train"
+                kw = dict(styles[who], alpha=0.35 if train else 1.0, lw=1 if train else 2.2,
+                          marker=None if train else "o", ms=3)
+                ax.plot(steps, losses, label=f"{split}, {who}", **kw)
         ax.set_xlabel("training step")
         ax.set_ylabel("cross-entropy (nats)")
         ax.legend(frameon=False)
@@ -137,7 +133,8 @@ def _plot(result: dict[str, Any], out: Path) -> None:
         ax.bar(range(len(same)), [1] * len(same), color=["#1b9e77" if s else "#d95f02" for s in same])
         ax.set_yticks([])
         ax.set_xlabel("generated token (green: the same as qkv's, orange: different)")
-        ax.text(0, 1.08, f"qkv's: {result['texts']['qkv' + chr(39) + 's'][:70]!r}", fontsize=8)
+        ours_text = result["texts"]["qkv's"]
+        ax.text(0, 1.08, f"qkv's: {ours_text[:70]!r}", fontsize=8)
         ax.text(0, 1.2, f"yours: {result['texts']['yours'][:70]!r}", fontsize=8)
         ax.set_ylim(0, 1.35)
     import textwrap

@@ -7,7 +7,6 @@ student's weights) is compared with a forward pass written here in float64."""
 from __future__ import annotations
 
 import math
-import time
 from types import SimpleNamespace
 
 import pytest
@@ -135,13 +134,6 @@ def test_the_five_exercises_are_registered_with_their_lecture_sections():
 def test_a_correct_construction_passes_every_check(name):
     report = run(name, CORRECT[name])
     assert report.passed, report.text()
-
-
-@pytest.mark.parametrize("name", NAMES)
-def test_the_catalogs_own_solution_passes(name):
-    ns = {"torch": torch, "math": math}
-    exec(EXERCISES[name].solution, ns)
-    assert run(name, ns[name]).passed, run(name, ns[name]).text()
 
 
 @pytest.mark.parametrize("name", NAMES)
@@ -334,10 +326,3 @@ def test_the_weights_are_read_with_their_shapes_checked():
         with pytest.raises(CheckError) as e:
             read_weights(bad, V, N, D, n_layers=1)
         assert says in str(e.value), str(e.value)
-
-
-def test_the_checks_are_fast():
-    start = time.perf_counter()
-    for name in NAMES:
-        assert run(name, CORRECT[name]).passed
-    assert time.perf_counter() - start < 4.0

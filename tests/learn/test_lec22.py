@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import ast
 import math
-import time
 
 import pytest
 import torch
@@ -128,21 +127,6 @@ def test_a_correct_solution_passes_on_a_graders_other_inputs(name):
     with other_inputs(1000):
         report = run(name, CORRECT[name])
     assert report.passed, report.text()
-
-
-def test_the_catalogs_own_solutions_pass():
-    for e in LEC22:
-        ns = {"torch": torch, "math": math}
-        exec(e.solution, ns)
-        report = run(e.name, ns[e.name])
-        assert report.passed, report.text()
-
-
-def test_the_checks_run_in_a_few_seconds():
-    start = time.perf_counter()
-    for name in NAMES:
-        run(name, CORRECT[name])
-    assert time.perf_counter() - start < 5.0
 
 
 @pytest.mark.parametrize(("n", "d"), [(1, 1), (3, 2), (16, 8), (50, 12)])

@@ -121,7 +121,7 @@ def test_inside_the_gpt_a_right_function_trains_like_qkvs_and_a_wrong_one_does_n
     r = run(name, right, steps=6)
     assert r.passed, r.verdict
     assert r.numbers["output_difference"] < 1e-5
-    train = r.curves["train, yours"]
+    train = r.curves["yours"]["train"]
     assert len(train) == 6 and train[-1][1] < train[0][1]
     if wrong is not None:
         bad = run(name, wrong, steps=3)

@@ -53,3 +53,30 @@ def serving(app: Any, host: str = "127.0.0.1") -> Iterator[str]:
     finally:
         srv.should_exit = True
         thread.join(timeout=10)
+
+
+def explorer_page(browser: Any, server: str, also_allowed: tuple[str, ...] = ()) -> Iterator[Any]:
+    """A fresh 1400 x 1000 page on the explorer at ``server`` (for a fixture to ``yield from``);
+    fails the test on a script error or on a request that leaves this server (its blob: URLs
+    hold downloads made in the page; ``also_allowed``: other URL prefixes, e.g. "data:")."""
+    p = browser.new_page(viewport={"width": 1400, "height": 1000})
+    errors: list[str] = []
+    p.on("pageerror", lambda e: errors.append(str(e)))
+    local = (server, f"blob:{server}/", *also_allowed)
+    p.on("request", lambda r: None if r.url.startswith(local) else errors.append(f"request to {r.url}"))
+    p.goto(server + "/")
+    p.wait_for_selector("body[data-state=ready]")
+    yield p
+    p.close()
+    assert errors == []
+
+
+def api(server: str, path: str, body: dict, timeout: float = 120) -> dict:
+    """POST ``body`` as JSON to ``server + path``; the JSON answer (HTTPError on a 4xx/5xx)."""
+    import json
+    import urllib.request
+
+    req = urllib.request.Request(server + path, json.dumps(body).encode(),
+                                 {"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=timeout) as r:
+        return json.loads(r.read())

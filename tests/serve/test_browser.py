@@ -12,7 +12,7 @@ import urllib.request
 
 import pytest
 from helpers import page_wait, png_bytes
-from serve_helpers import asset_installed
+from serve_helpers import api, asset_installed, explorer_page
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # see tests/conftest.py
 
@@ -34,25 +34,8 @@ def text_of_128_minilm_tokens(shift: int) -> str:
 
 @pytest.fixture
 def page(browser, server):
-    """A fresh page on the explorer; fails the test on a script error or on any request that
-    leaves this server."""
-    p = browser.new_page(viewport={"width": 1400, "height": 1000})
-    errors: list[str] = []
-    p.on("pageerror", lambda e: errors.append(str(e)))
-    local = (server, f"blob:{server}/")  # blob: URLs of this page hold downloads made in the page
-    p.on("request", lambda r: None if r.url.startswith(local) else errors.append(f"request to {r.url}"))
-    p.goto(server + "/")
-    p.wait_for_selector("body[data-state=ready]")
-    yield p
-    p.close()
-    assert errors == []
-
-
-def api(server: str, path: str, body: dict) -> dict:
-    req = urllib.request.Request(server + path, json.dumps(body).encode(),
-                                 {"Content-Type": "application/json"})
-    with urllib.request.urlopen(req, timeout=60) as r:
-        return json.loads(r.read())
+    """A fresh page on the explorer (serve_helpers.explorer_page)."""
+    yield from explorer_page(browser, server)
 
 
 def show(page, model: str, text: str) -> None:

@@ -11,16 +11,14 @@ panel; a legend on every heatmap; the first view; and one threshold (0.5) for na
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import shutil
-import urllib.request
 from pathlib import Path
 
 import pytest
 from helpers import page_wait
-from serve_helpers import asset_installed
+from serve_helpers import api, asset_installed, explorer_page
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # see tests/conftest.py
 
@@ -157,25 +155,8 @@ def low_contrast(page, root: str = "body") -> tuple[int, list[str]]:
 
 @pytest.fixture
 def page(browser, tiny_gpt_server):
-    """A fresh page on the explorer (1400 x 1000); fails the test on a script error or a request
-    that leaves this server."""
-    p = browser.new_page(viewport={"width": 1400, "height": 1000})
-    errors: list[str] = []
-    p.on("pageerror", lambda e: errors.append(str(e)))
-    p.on("request", lambda r: None if r.url.startswith((tiny_gpt_server, f"blob:{tiny_gpt_server}/", "data:"))
-         else errors.append(f"request to {r.url}"))
-    p.goto(tiny_gpt_server + "/")
-    p.wait_for_selector("body[data-state=ready]")
-    yield p
-    p.close()
-    assert errors == []
-
-
-def api(server: str, path: str, body: dict) -> dict:
-    req = urllib.request.Request(server + path, json.dumps(body).encode(),
-                                 {"Content-Type": "application/json"})
-    with urllib.request.urlopen(req, timeout=120) as r:
-        return json.loads(r.read())
+    """A fresh page on the explorer (serve_helpers.explorer_page)."""
+    yield from explorer_page(browser, tiny_gpt_server, ("data:",))
 
 
 def ready(page, condition: str = "true") -> None:
