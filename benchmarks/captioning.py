@@ -13,9 +13,10 @@ trained with uniform attention (the plain average of the grid); soft attention w
 paper's doubly stochastic penalty (λ = 1); soft with location-based addressing; hard attention
 trained with REINFORCE (per-word reward with the soft control variate, leave-one-out, and the
 paper's caption-level reward) and with the exact sum over cells, each hard model decoded both
-reading its most attended cell and reading the expected context; soft attention over features
-centred on their cells (``--centred``), with the default and a smaller receptive field; soft
-and hard again with another training seed; beam-3 decoding of the soft model; and the wall time of every part.
+reading its most attended cell and reading the expected context; the preset's fixes of where
+attention looks undone (the old corner-centred 43-px features; the decoder reading back the
+colour and shape words); soft and hard again with other training seeds (``--seeds``, min /
+median / max); beam-3 decoding of the soft model; and the wall time of every part.
 
     python benchmarks/captioning.py            # ~33 minutes on 2 cores (AMD EPYC Zen 5)
     python benchmarks/captioning.py --quick    # smoke run (~3 minutes)
@@ -52,12 +53,33 @@ VARIANTS: dict[str, dict] = {
     # paper's estimator: the caption's log-likelihood against a moving average
     "hard-exact": {"attention": "hard-exact"},  # the exact sum over locations (no sampling)
     "uniform": {"attention": "uniform"},
-    # each feature centred on its cell (4x4 stride-2 convolutions), with the default receptive
-    # field (43 px) and with one convolution per stage (22 px)
-    "soft-centred": {"attention": "soft", "centred": True},
-    "soft-centred-rf22": {"attention": "soft", "centred": True, "stage_convs": 1},
+    # what the preset's where-fixes (issue 42) changed, undone one group at a time: features at
+    # the cells' corners with a 43-px field (3x3 convolutions, two per stage: the old encoder),
+    # and the decoder reading back the colour and shape words it wrote
+    "soft-corner-rf43": {"attention": "soft", "centred": False, "stage_convs": 2},
+    "soft-read-back": {"attention": "soft", "read_back_names": True},
+    "hard-read-back": {"attention": "hard", "read_back_names": True},
 }
-SEEDED = ("soft", "hard", "soft-centred", "soft-centred-rf22")  # variants trained with --seeds seeds
+SEEDED = ("soft", "hard")  # variants trained with --seeds seeds
+
+
+def seed_spread(rows: list[dict]) -> list[dict]:
+    """Per variant trained with more than one seed: (min, median, max) over the seeds of exact
+    match and pointing on the test and held-out splits (hard attention: the argmax cell)."""
+    by: dict[str, list[dict]] = {}
+    for r in rows:
+        by.setdefault(r["attention"].split(" (seed")[0], []).append(r["eval"])
+    out = []
+    for variant, evs in by.items():
+        if len(evs) < 2:
+            continue
+        row: dict = {"variant": variant, "seeds": len(evs)}
+        for split in ("test", "heldout"):
+            for metric in ("exact", "pointing"):
+                xs = sorted(e[split][metric] for e in evs)
+                row[f"{split}_{metric}"] = (xs[0], C.median(xs), xs[-1])
+        out.append(row)
+    return out
 
 
 def main() -> int:
@@ -66,7 +88,7 @@ def main() -> int:
     p.add_argument("--quick", action="store_true", help="200 steps, 2,000 scenes")
     p.add_argument("--variant", action="append", choices=VARIANTS, default=None,
                    help="(repeatable) soft-ds: soft with the doubly stochastic penalty, λ = 1")
-    p.add_argument("--seeds", type=int, default=2, help="training seeds of soft and hard (spread)")
+    p.add_argument("--seeds", type=int, default=3, help="training seeds of soft and hard (spread)")
     p.add_argument("--max-iters", type=int, default=None, help="steps (default: the preset's)")
     p.add_argument("--json", default=None, help="write results here (default benchmarks/results/)")
     args = p.parse_args()
@@ -150,11 +172,21 @@ def main() -> int:
             print(f"soft, beam 3: test exact {b['test']['exact']:.1%} (BLEU-4 {b['test']['bleu4']:.3f}), "
                   f"held-out {b['heldout']['exact']:.1%} (BLEU-4 {b['heldout']['bleu4']:.3f}); "
                   f"{r['beam3_eval_s']:.0f} s for all splits vs {r['eval_s']:.0f} s greedy")
+    spread = seed_spread(rows)
+    if spread:
+        C.print_table("over the training seeds (min / median / max; argmax cell for hard attention)",
+                      ["variant", "seeds", "test exact", "held-out exact", "test pointing",
+                       "held-out pointing"],
+                      [[v["variant"], str(v["seeds"]),
+                        *(" / ".join(f"{x:.1%}" for x in v[k]) for k in
+                          ("test_exact", "heldout_exact", "test_pointing", "heldout_pointing"))]
+                       for v in spread])
     for r in rows:
         wrong = [f"{ref!r} -> {hyp!r}" for ref, hyp in r["eval"]["heldout"]["examples"] if ref != hyp][:3]
         if wrong:
             print(f"{r['attention']}, held-out mistakes: " + "; ".join(wrong))
     result = {"machine": machine, "quick": args.quick, "scenes_s": round(scenes_s, 1), "rows": rows,
+              "seed_spread": spread,
               "threads": torch.get_num_threads(), "load": meter.stop()}
     print(C.load_line(result["load"]))
     print(f"wrote {C.write_json(NAME + ('_quick' if args.quick else ''), result, args.json)}")

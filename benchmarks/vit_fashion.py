@@ -23,7 +23,6 @@ rounds of the within-round ratio.
 from __future__ import annotations
 
 import argparse
-import shutil
 import sys
 import tempfile
 import time
@@ -35,6 +34,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from qkv.data.images import ImageBatches
 from qkv.families.vit import ImageDataConfig, ViTFamily, evaluate_split, fit_model_config, load_data
 from qkv.models.vit import ViT, ViTConfig, patchify
 from qkv.presets import get_preset
@@ -104,68 +104,170 @@ def n_params(m: nn.Module) -> int:
 
 
 # ----------------------------------------------------------------------------- accuracy
+#
+# Every training run is a child process of this script on one thread, two at a time, so each
+# has one of the two cores and the other core is busy with a run like it (the same conditions
+# for every ViT and CNN run). The ViT seeds go first; each CNN then trains for the median ViT
+# wall time (its step count projected by a probe of its own steps taken in those conditions).
+
+# The ablation: the preset with one change undone at a time (and one added), on one seed, at a
+# shorter schedule (ABLATION_ITERS steps; the preset's own is 4x longer): what each choice buys.
+ABLATION_ITERS = 3000
+ABLATION: dict[str, dict[str, dict]] = {
+    "preset": {},
+    "no label smoothing": {"model": {"label_smoothing": 0.0}},
+    "plain patches (no overlap)": {"model": {"patch_overlap": 0}},
+    "no horizontal flips": {"data": {"flip": False}},
+    "none of the three (the old preset)": {"data": {"flip": False},
+                                           "model": {"label_smoothing": 0.0, "patch_overlap": 0}},
+    "+ random erasing (p = 0.25)": {"data": {"erase": 0.25}},
+}
 
 
-def _vit_configs(dataset: str, max_iters: int | None):
+def _vit_configs(dataset: str, max_iters: int | None, change: dict | None = None, seed: int | None = None):
     preset = get_preset("vit", "fashion-cpu")
-    model = ViTConfig(**{**preset["model"], "image_size": preset["model"]["patch_size"]})
-    train = TrainConfig(**{**preset["train"], **({"max_iters": max_iters} if max_iters else {})})
-    data = ImageDataConfig(**{**preset["data"], "dataset": dataset})
+    change = change or {}
+    model = ViTConfig(**{**preset["model"], "image_size": preset["model"]["patch_size"],
+                         **change.get("model", {})})
+    train = TrainConfig(**{**preset["train"], **({"max_iters": max_iters} if max_iters else {}),
+                           **({"seed": seed} if seed is not None else {})})
+    data = ImageDataConfig(**{**preset["data"], "dataset": dataset, **change.get("data", {})})
     return model, train, data
 
 
-def bench_accuracy(args: argparse.Namespace) -> list[dict]:
-    model_cfg, train_cfg, data_cfg = _vit_configs(args.dataset, args.max_iters)
-    rows = []
-    with tempfile.TemporaryDirectory() as tmp:
-        run = Path(tmp) / "vit"
-        t0 = time.perf_counter()
-        done = train_run(ViTFamily(), model_cfg, train_cfg.__class__(
-            **{**train_cfg.__dict__, "out_dir": str(run)}), data_cfg, evaluate=False)
-        model, data, batches, result = done.model, done.prepared.state, done.prepared.batches, done.result
-        vit_s = time.perf_counter() - t0
-        ev = evaluate_split(model, data, batches.mean, batches.std, "test")
-        rows.append({"model": "ViT (fashion-cpu preset)", "params": n_params(model),
-                     "steps": result.step, "train_s": round(vit_s, 1), "test_accuracy": ev["accuracy"]})
-        print(f"ViT: {ev['accuracy']:.2%} test accuracy after {vit_s:.0f} s", flush=True)
+def _quiet(*_: object) -> None:
+    pass
 
-        # The CNN: same batches and Trainer; its step time calibrated so it trains for the same
-        # wall time (and a fifth of it).
-        probe = SmallCNN(*data.shape[:1], len(data.classes))
-        opt = torch.optim.AdamW(probe.parameters(), 1e-3)
-        gen = torch.Generator().manual_seed(0)
-        times = []
-        for _ in range(12):
-            x, y = batches.get_batch("train", train_cfg.batch_size, gen)
-            t = time.perf_counter()
-            probe(x, y).loss.backward()
-            opt.step()
-            opt.zero_grad()
-            times.append(time.perf_counter() - t)
-        step_s = C.median(times[2:]) * 1.1  # + the data and logging work of a Trainer step
-        for share, label in () if "cnn" in args.skip else ((1.0, "equal time"), (0.2, "a fifth of the time")):
-            steps = max(50, int(vit_s * share / step_s))
+
+def worker(args: argparse.Namespace) -> int:
+    """One training run (``--worker vit|cnn``) on ``--threads`` threads; its result as JSON."""
+    import json
+
+    torch.set_num_threads(args.threads)
+    change = json.loads(args.change) if args.change else {}
+    model_cfg, train_cfg, data_cfg = _vit_configs(args.dataset, args.max_iters, change, args.seed)
+    with tempfile.TemporaryDirectory() as tmp:
+        if args.worker == "vit":
+            t0 = time.perf_counter()
+            done = train_run(ViTFamily(), model_cfg, TrainConfig(**{**train_cfg.__dict__, "out_dir": tmp}),
+                             data_cfg, evaluate=False, on_log=_quiet, on_note=_quiet)
+            train_s = time.perf_counter() - t0
+            model, data, batches = done.model, done.prepared.state, done.prepared.batches
+            acc = {split: evaluate_split(model, data, batches.mean, batches.std, split)["accuracy"]
+                   for split in ("test", "val")}
+            row = {"model": "ViT", "params": n_params(model), "steps": done.result.step,
+                   "test_accuracy": acc["test"], "val_accuracy": acc["val"]}
+        else:
+            data = load_data(data_cfg)
+            batches = ImageBatches(data, shift=data_cfg.shift, flip=data_cfg.flip, erase=data_cfg.erase)
+            probe = SmallCNN(*data.shape[:1], len(data.classes))
+            opt = torch.optim.AdamW(probe.parameters(), 1e-3)
+            gen = torch.Generator().manual_seed(0)
+            times = []
+            for _ in range(14):
+                x, y = batches.get_batch("train", train_cfg.batch_size, gen)
+                t = time.perf_counter()
+                probe(x, y).loss.backward()
+                opt.step()
+                opt.zero_grad()
+                times.append(time.perf_counter() - t)
+            step_s = C.median(times[2:]) * 1.05  # + the data and logging work of a Trainer step
+            steps = max(50, int(args.seconds / step_s))
             torch.manual_seed(train_cfg.seed)
             cnn = SmallCNN(*data.shape[:1], len(data.classes))
             cfg = TrainConfig(**{**train_cfg.__dict__, "max_iters": steps, "lr": 2e-3,
                                  "warmup_iters": min(train_cfg.warmup_iters, steps // 10),
-                                 "eval_interval": max(steps // 4, 1),
-                                 "out_dir": str(Path(tmp) / f"cnn{share}")})
+                                 "eval_interval": max(steps // 4, 1), "out_dir": tmp})
             t0 = time.perf_counter()
-            Trainer(cnn, cfg, batches, Path(cfg.out_dir)).fit()
-            cnn_s = time.perf_counter() - t0
+            Trainer(cnn, cfg, batches, Path(tmp)).fit()
+            train_s = time.perf_counter() - t0
             cnn.eval()
             with torch.no_grad():
                 preds = torch.cat([cnn(batches.normalize(data.test_x[i:i + 500])).logits.argmax(-1)
                                    for i in range(0, len(data.test_x), 500)])
-            acc = float((preds == data.test_y).float().mean())
-            rows.append({"model": f"CNN ({label}, projected)", "params": n_params(cnn), "steps": steps,
-                         "train_s": round(cnn_s, 1), "projected_train_s": round(steps * step_s, 1),
-                         "probe_step_s": round(step_s, 4), "test_accuracy": acc})
-            print(f"CNN ({label}, projected {steps * step_s:.0f} s): {acc:.2%} after {cnn_s:.0f} s",
+            row = {"model": "CNN", "params": n_params(cnn), "steps": steps, "target_s": args.seconds,
+                   "probe_step_s": round(step_s, 4),
+                   "test_accuracy": float((preds == data.test_y).float().mean())}
+    row.update({"seed": train_cfg.seed, "train_s": round(train_s, 1), "threads": args.threads,
+                "change": change})
+    Path(args.out).write_text(json.dumps(row))
+    return 0
+
+
+def _spawn(kind: str, seed: int, out: Path, args: argparse.Namespace, seconds: float | None = None,
+           change: dict | None = None, max_iters: int | None = None):
+    import json
+    import os
+    import subprocess
+
+    cmd = [sys.executable, __file__, "--worker", kind, "--seed", str(seed), "--threads", "1",
+           "--out", str(out), "--dataset", args.dataset]
+    if seconds is not None:
+        cmd += ["--seconds", f"{seconds:.1f}"]
+    if change:
+        cmd += ["--change", json.dumps(change)]
+    if max_iters or args.max_iters:
+        cmd += ["--max-iters", str(max_iters or args.max_iters)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    return subprocess.Popen(cmd, env=env)
+
+
+def _run_two_at_a_time(jobs: list, tmp: Path, args: argparse.Namespace) -> list[dict]:
+    """jobs: (label, kind, seed, change, max_iters) tuples; CNN jobs wait for a ViT result and
+    train for the median ViT wall time so far. Results in job order."""
+    import json
+
+    pending, running, done = list(enumerate(jobs)), [], {}
+    while pending or running:
+        vit_times = [r["train_s"] for r in done.values() if r["model"] == "ViT"]
+        while len(running) < 2 and pending:
+            i, (label, kind, seed, change, iters) = pending[0]
+            if kind == "cnn" and not vit_times:
+                break
+            pending.pop(0)
+            out = tmp / f"job{i}.json"
+            secs = C.median(vit_times) if kind == "cnn" else None
+            print(f"  start {label} (seed {seed}{f', {secs:.0f} s' if secs else ''})", flush=True)
+            running.append((i, label, out, _spawn(kind, seed, out, args, secs, change, iters)))
+        time.sleep(2)
+        for item in list(running):
+            i, label, out, proc = item
+            if proc.poll() is None:
+                continue
+            running.remove(item)
+            if proc.returncode != 0 or not out.exists():
+                raise RuntimeError(f"{label} (seed {jobs[i][2]}) failed with exit code {proc.returncode}")
+            row = json.loads(out.read_text())
+            row["label"] = label
+            done[i] = row
+            print(f"  {label}, seed {row['seed']}: {row['test_accuracy']:.2%} test in {row['train_s']:.0f} s",
                   flush=True)
-        shutil.rmtree(run, ignore_errors=True)
-    return rows
+    return [done[i] for i in range(len(jobs))]
+
+
+def bench_accuracy(args: argparse.Namespace) -> list[dict]:
+    seeds = [1337 + k for k in range(args.seeds)]
+    jobs = [("ViT (fashion-cpu preset)", "vit", s, None, None) for s in seeds]
+    if "cnn" not in args.skip:
+        jobs += [("CNN (equal time)", "cnn", s, None, None) for s in seeds]
+    with tempfile.TemporaryDirectory() as tmp:
+        return _run_two_at_a_time(jobs, Path(tmp), args)
+
+
+def bench_ablation(args: argparse.Namespace) -> list[dict]:
+    iters = 300 if args.quick else ABLATION_ITERS
+    jobs = [(label, "vit", 1337, change, iters) for label, change in ABLATION.items()]
+    with tempfile.TemporaryDirectory() as tmp:
+        return _run_two_at_a_time(jobs, Path(tmp), args)
+
+
+def _summary(rows: list[dict], label: str) -> dict | None:
+    accs = sorted(r["test_accuracy"] for r in rows if r["label"] == label)
+    times = sorted(r["train_s"] for r in rows if r["label"] == label)
+    if not accs:
+        return None
+    return {"label": label, "n": len(accs), "min": accs[0], "median": C.median(accs), "max": accs[-1],
+            "train_s_min": times[0], "train_s_max": times[-1]}
 
 
 # ----------------------------------------------------------------------------- speed
@@ -237,11 +339,21 @@ def main() -> int:
     p.add_argument("--quick", action="store_true", help="300 steps and 1 timing round")
     p.add_argument("--max-iters", type=int, default=None, help="ViT steps (default: the preset's)")
     p.add_argument("--rounds", type=int, default=5, help="interleaved speed rounds")
-    p.add_argument("--skip", choices=("accuracy", "cnn", "speed"), action="append", default=[])
+    p.add_argument("--seeds", type=int, default=3, help="training seeds of the ViT and of the CNN")
+    p.add_argument("--skip", choices=("accuracy", "cnn", "ablation", "speed"), action="append", default=[])
+    # a child run (used by this script itself)
+    p.add_argument("--worker", choices=("vit", "cnn"), default=None, help=argparse.SUPPRESS)
+    p.add_argument("--seed", type=int, default=None, help=argparse.SUPPRESS)
+    p.add_argument("--threads", type=int, default=1, help=argparse.SUPPRESS)
+    p.add_argument("--seconds", type=float, default=None, help=argparse.SUPPRESS)
+    p.add_argument("--change", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--out", default=None, help=argparse.SUPPRESS)
     p.add_argument("--json", default=None, help="write results here (default benchmarks/results/)")
     args = p.parse_args()
+    if args.worker:
+        return worker(args)
     if args.quick:
-        args.max_iters, args.rounds = args.max_iters or 300, 1
+        args.max_iters, args.rounds, args.seeds = args.max_iters or 300, 1, min(args.seeds, 1)
     try:
         from qkv.assets import asset_path
 
@@ -258,10 +370,23 @@ def main() -> int:
     if "accuracy" not in args.skip:
         rows = bench_accuracy(args)
         result["accuracy"] = rows
-        C.print_table(f"{args.dataset}: test accuracy and training wall time (2 CPU cores)",
-                      ["model", "parameters", "steps", "train time", "test accuracy"],
-                      [[r["model"], f"{r['params'] / 1e6:.2f}M", str(r["steps"]),
+        result["accuracy_summary"] = [x for x in (_summary(rows, lab) for lab in
+                                                  ("ViT (fashion-cpu preset)", "CNN (equal time)")) if x]
+        C.print_table(f"{args.dataset}: test accuracy and training time (one core each, two runs at a time)",
+                      ["model", "seed", "parameters", "steps", "train time", "test accuracy"],
+                      [[r["label"], str(r["seed"]), f"{r['params'] / 1e6:.2f}M", str(r["steps"]),
                         C.fmt_time(r["train_s"]), f"{r['test_accuracy']:.2%}"] for r in rows])
+        for x in result["accuracy_summary"]:
+            print(f"{x['label']}: min {x['min']:.2%}, median {x['median']:.2%}, max {x['max']:.2%} over "
+                  f"{x['n']} seeds; training {x['train_s_min']:.0f}-{x['train_s_max']:.0f} s", flush=True)
+    if "ablation" not in args.skip:
+        rows = bench_ablation(args)
+        result["ablation"] = rows
+        base = rows[0]["test_accuracy"]
+        C.print_table(f"what each choice buys (seed 1337, {rows[0]['steps']} steps, one core each)",
+                      ["variant", "steps", "train time", "test accuracy", "vs preset"],
+                      [[r["label"], str(r["steps"]), C.fmt_time(r["train_s"]), f"{r['test_accuracy']:.2%}",
+                        f"{100 * (r['test_accuracy'] - base):+.2f} pt"] for r in rows])
     if "speed" not in args.skip:
         rows = bench_speed(args)
         result["speed"] = rows

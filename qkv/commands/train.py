@@ -14,7 +14,7 @@ from typing import Any
 
 from qkv.commands.options import add_config_options, overrides
 from qkv.families import Family, family_names, get_family
-from qkv.presets import PresetChoice, preset_overlay, preset_train
+from qkv.presets import PRESET_RESULTS, PresetChoice, preset_overlay, preset_train
 from qkv.training.trainer import TrainConfig
 
 
@@ -31,8 +31,10 @@ def add_train_parser(sub) -> None:
     fam = p.add_subparsers(dest="family", metavar="FAMILY")
     for name in names:
         f = get_family(name)
+        measured = PRESET_RESULTS.get(name, {})
+        epilog = " ".join(f"Preset {k}: {v}" for k, v in measured.items()) or None
         q = fam.add_parser(name, help=f.help, description=f.description + " The defaults shown are "
-                           "the config classes' own, which the preset changes.",
+                           "the config classes' own, which the preset changes.", epilog=epilog,
                            formatter_class=argparse.ArgumentDefaultsHelpFormatter)
         by_task = "".join(f"; with --task {t}, {p}" for t, p in f.task_presets.items())
         q.add_argument("--preset", default=None,

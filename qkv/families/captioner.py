@@ -190,6 +190,11 @@ def evaluate(model: Captioner, vocab: WordVocab, splits: CaptionSplits, max_len:
     return result
 
 
+def names_in(vocab: WordVocab) -> list[int]:
+    """The ids of the words that name what a scene shows (its colours and shapes) in ``vocab``."""
+    return sorted(vocab.stoi[w] for w in (*COLOURS, *SHAPES) if w in vocab.stoi)
+
+
 @dataclass
 class CaptionState:
     splits: CaptionSplits
@@ -215,7 +220,7 @@ class CaptionerFamily(FamilyBase):
         "to uniform attention's.")
     model_config = CaptionerConfig
     data_config = CaptionDataConfig
-    from_data = ("vocab_size",)
+    from_data = ("vocab_size", "unread_words")
     default_preset = "shapes-cpu"
 
     def prepare(self, model_cfg: CaptionerConfig, data_cfg: CaptionDataConfig, resume_dir,
@@ -233,7 +238,12 @@ class CaptionerFamily(FamilyBase):
         vocab = WordVocab.build([s.caption for s in splits.scenes["train"]])
         max_len = max(len(s.caption.split()) for s in splits.scenes["train"])
         tensors = {k: to_tensors(v, vocab, max_len) for k, v in splits.scenes.items()}
-        return Prepared(dataclasses.replace(model_cfg, vocab_size=len(vocab)), CaptionBatches(tensors),
+        unread = [] if model_cfg.read_back_names else names_in(vocab)
+        if not model_cfg.read_back_names and not unread:
+            raise ValueError("--read_back_names false feeds the colour and shape words of the generated "
+                             "scenes back as UNK; these captions have none: leave it true")
+        model_cfg = dataclasses.replace(model_cfg, vocab_size=len(vocab), unread_words=unread)
+        return Prepared(model_cfg, CaptionBatches(tensors),
                         CaptionState(splits, vocab, max_len),
                         record={"words": vocab.symbols(), "max_len": max_len,
                                 "heldout_pairs": [list(p) for p in splits.heldout]})

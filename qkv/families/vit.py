@@ -35,6 +35,7 @@ class ImageDataConfig:
     val_size: int = 5000  # Fashion-MNIST: training images held out for validation
     shift: int = 0  # random shifts of up to this many pixels while training (0 = none)
     flip: bool = False  # random horizontal flips while training (not for digits or text)
+    erase: float = 0.0  # probability of blanking a random rectangle of a training image (random erasing)
     image_size: int = 28  # folder datasets: every image is resized to this square size
     split_seed: int = 0  # seed of the deterministic train/validation/test split
 
@@ -43,6 +44,8 @@ class ImageDataConfig:
             raise ValueError(f"val_size must be >= 1, got {self.val_size}")
         if self.shift < 0:
             raise ValueError(f"shift must be >= 0, got {self.shift}")
+        if not 0.0 <= self.erase <= 1.0:
+            raise ValueError(f"erase must be a probability in [0, 1], got {self.erase}")
         if self.image_size < 1:
             raise ValueError(f"image_size must be >= 1, got {self.image_size}")
 
@@ -101,7 +104,7 @@ class ViTFamily(FamilyBase):
 
     def prepare(self, model_cfg: ViTConfig, data_cfg: ImageDataConfig, resume_dir, on_note) -> Prepared:
         data = load_data(data_cfg, on_note)
-        batches = ImageBatches(data, shift=data_cfg.shift, flip=data_cfg.flip)
+        batches = ImageBatches(data, shift=data_cfg.shift, flip=data_cfg.flip, erase=data_cfg.erase)
         record = {"name": data.name, "classes": list(data.classes), "mean": batches.mean, "std": batches.std,
                   "sizes": {"train": len(data.train_y), "val": len(data.val_y), "test": len(data.test_y)}}
         return Prepared(fit_model_config(model_cfg, data), batches, data, data_record=record)

@@ -46,7 +46,7 @@ embedding width, V vocabulary.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal, NamedTuple
 
 import torch
@@ -102,6 +102,15 @@ class CaptionerConfig:
     hard_anneal: int = 0  # hard attention: steps over which that share falls from 1 to 0 (0 = fixed)
     dropout: float = 0.0  # dropout on the deep output
     word_dropout: float = 0.0  # training: share of input words replaced by UNK (leans on the image)
+    # ε: the loss's target keeps ε of its mass for the other words, so a word never seen after
+    # another (a held-out colour/shape pair) is not ruled out by the words before it
+    label_smoothing: float = 0.0  # training: share of each target spread over all words
+    # The decoder reads back every word it wrote, and learns which names follow which: a colour
+    # never seen before a shape in training then vetoes that shape whatever the image shows.
+    # false: the words that name what is seen (colours and shapes of the generated scenes) are
+    # read back as UNK, in training and decoding alike, so the image alone says which they are
+    read_back_names: bool = True  # false: names of colours/shapes are fed back as UNK
+    unread_words: list[int] = field(default_factory=list)  # set from the data: the ids fed back as UNK
     stage_convs: int = 2  # 3x3 convolutions per CNN stage (fewer: smaller receptive field)
     positions: bool = True  # add a learned embedding of each grid cell to its features (where)
     # 3x3 stride-2 convolutions centre cell (i, j)'s feature on pixel (8i, 8j), the cell's corner;
@@ -117,6 +126,7 @@ class CaptionerConfig:
         check_range(self, "hard_anneal", 0)
         check_range(self, "hard_expectation", 0, 1)
         check_range(self, "word_dropout", 0, 1, high_open=True)
+        check_range(self, "label_smoothing", 0, 1, high_open=True)
         check_range(self, "stage_convs", 1, 3)
         if self.image_size % 8:
             raise ValueError(f"image_size must be a multiple of 8 (three stride-2 stages), got "
@@ -147,15 +157,20 @@ def make_scorer(cfg: CaptionerConfig) -> Scorer:
 
 
 def make_read(cfg: CaptionerConfig) -> ReadOut:
-    """The read-out the config names (uniform attention reads as soft, without the penalty)."""
+    """The read-out the config names (uniform attention reads as soft, without the penalty),
+    with the config's label smoothing in its loss."""
+    read: ReadOut
     if cfg.attention in ("soft", "uniform"):
-        return SoftRead(cfg.doubly_stochastic if cfg.attention == "soft" else 0.0)
-    if cfg.attention == "hard-exact":
-        return HardExact()
-    if cfg.hard_baseline == "average":
-        return CaptionReinforce(cfg.hard_samples, cfg.entropy_bonus)
-    baseline = soft_path_baseline if cfg.hard_baseline == "soft" else leave_one_out_baseline
-    return WordReinforce(cfg.hard_samples, cfg.entropy_bonus, baseline)
+        read = SoftRead(cfg.doubly_stochastic if cfg.attention == "soft" else 0.0)
+    elif cfg.attention == "hard-exact":
+        read = HardExact()
+    elif cfg.hard_baseline == "average":
+        read = CaptionReinforce(cfg.hard_samples, cfg.entropy_bonus)
+    else:
+        baseline = soft_path_baseline if cfg.hard_baseline == "soft" else leave_one_out_baseline
+        read = WordReinforce(cfg.hard_samples, cfg.entropy_bonus, baseline)
+    read.label_smoothing = cfg.label_smoothing
+    return read
 
 
 class CaptionerOutput(NamedTuple):
@@ -281,10 +296,17 @@ class Captioner(nn.Module):
         h, c, feats, keys = state
         alpha = self.attention_weights(h, feats, keys)
         beta = torch.sigmoid(self.gate(h)).squeeze(-1)
-        e = self.emb(prev)
+        e = self.emb(self._read_back(prev))
         memory = self.read.memory(alpha, beta, grid)
         h, c = self.lstm(torch.cat([e, memory], dim=-1), (h, c))
         return Word(alpha, beta, memory, e + self.out_h(h)), CaptionerState(h, c, feats, keys)
+
+    def _read_back(self, prev: Tensor) -> Tensor:
+        """The previous words (B,) as the decoder reads them: ``unread_words`` become UNK."""
+        if not self.cfg.unread_words:
+            return prev
+        names = torch.tensor(self.cfg.unread_words, device=prev.device)
+        return prev.masked_fill(torch.isin(prev, names), UNK)
 
     def step(self, state: CaptionerState, prev: Tensor, sample: bool = False,
              generator: torch.Generator | None = None, expect: Tensor | None = None,

@@ -86,6 +86,21 @@ class ReadLoss(NamedTuple):
     reward: Tensor | None = None
 
 
+def smoothed_nll(log_probs: Tensor, y: Tensor, smoothing: float) -> Tensor:
+    """The word's loss against a label-smoothed target (Szegedy et al. 2016): (1 - ε) of the
+    mass on y, ε spread evenly over the V words: -(1 - ε) log p(y) - ε mean_v log p(v).
+    log_probs (..., V), y (...) -> (...). ε = 0 is the plain NLL.
+
+    Why the captioner uses it: under the plain NLL a word never seen after another (a held-out
+    colour/shape pair) is pushed towards probability 0 without bound, through the paths that
+    see the previous word, and ends up overruling the image; with ε the push stops at ε/V, the
+    same floor as for every other wrong word, so what the image shows decides."""
+    nll = -log_probs.gather(-1, y.unsqueeze(-1)).squeeze(-1)
+    if smoothing == 0:
+        return nll
+    return (1 - smoothing) * nll - smoothing * log_probs.mean(-1)
+
+
 def _word_sum(per_word: list[Tensor], valid: Tensor) -> Tensor:
     """Σ over the real words (``valid`` (B, T)) of per-word values, each (B,)."""
     return (torch.stack(per_word, 1) * valid).sum()
@@ -95,6 +110,7 @@ class ReadOut(nn.Module):
     """What the decoder reads from the grid, and its loss. No parameters, no state."""
 
     samples: ClassVar[bool] = False  # trains on sampled locations (then ``sampled_loss``)
+    label_smoothing: float = 0.0  # ε of :func:`smoothed_nll` in the loss (set by make_read)
 
     def grid(self, feats: Tensor, project: Callable[[Tensor], Tensor] | None = None) -> Grid:
         """What to compute from the features once per caption (``project``: L_z, for a loss)."""
@@ -141,7 +157,7 @@ class SoftRead(ReadOut):
         logits = torch.stack([output.logits(w.base + output.project(w.memory)) for w in words], 1)
         valid = (tgt != PAD).float()  # (B, T)
         nll = nn.functional.cross_entropy(logits.float().transpose(1, 2), tgt, ignore_index=PAD,
-                                          reduction="none")
+                                          reduction="none", label_smoothing=self.label_smoothing)
         loss = (nll * valid).sum() / valid.sum().clamp_min(1)
         if self.doubly_stochastic > 0:
             A = torch.stack([w.alpha for w in words], 1)  # (B, T, L)
@@ -208,7 +224,12 @@ class HardExact(ReadOut):
         for w, y in zip(words, tgt.unbind(1), strict=True):
             logits.append(_expected_logits(w, Z, output))
             every = output.logits(w.base.unsqueeze(1) + w.beta[:, None, None] * Z)  # (B, L, V)
-            nlls.append(-torch.logsumexp(_log_alpha(w.alpha, fp) + _log_prob(every, y, fp), dim=-1))
+            if self.label_smoothing:  # log p(v) = log Σ_i α_i p(v | a_i) for every word v
+                every_lp = every.to(fp).log_softmax(-1)  # (B, L, V)
+                mix = torch.logsumexp(_log_alpha(w.alpha, fp)[..., None] + every_lp, dim=1)  # (B, V)
+                nlls.append(smoothed_nll(mix, y, self.label_smoothing))
+            else:
+                nlls.append(-torch.logsumexp(_log_alpha(w.alpha, fp) + _log_prob(every, y, fp), dim=-1))
         valid = (tgt != PAD).to(fp)
         return ReadLoss(torch.stack(logits, 1), _word_sum(nlls, valid) / valid.sum().clamp_min(1))
 
@@ -257,14 +278,17 @@ class HardReinforce(HardExact):
                 fp: torch.dtype) -> Sampled:
         """One word read at K sampled locations (dropout and the draw in this order)."""
         soft = _expected_logits(w, Z, output)
-        soft_lp = soft.to(fp).log_softmax(-1).gather(1, y[:, None]).squeeze(1)  # log p(y | Σ α a)
+        soft_all = soft.to(fp).log_softmax(-1)
+        soft_lp = soft_all.gather(1, y[:, None]).squeeze(1)  # log p(y | Σ α a)
         log_alpha = _log_alpha(w.alpha, fp)
         s = torch.multinomial(w.alpha.detach().to(fp), self.n_samples, replacement=True)  # (B, K)
         zk = w.beta[:, None, None] * Z[torch.arange(len(Z), device=Z.device)[:, None], s]  # (B, K, E)
-        lk = _log_prob(output.logits(w.base.unsqueeze(1) + zk), y, fp)  # (B, K)
-        nll = -lk.mean(1)
+        read = output.logits(w.base.unsqueeze(1) + zk).to(fp).log_softmax(-1)  # (B, K, V)
+        lk = read.gather(2, y[:, None, None].expand(-1, read.shape[1], 1)).squeeze(2)  # (B, K) the rewards
+        eps = self.label_smoothing
+        nll = smoothed_nll(read, y[:, None].expand_as(lk), eps).mean(1)
         if expect is not None:
-            nll = torch.where(expect, -soft_lp, nll)
+            nll = torch.where(expect, smoothed_nll(soft_all, y, eps), nll)
         entropy = -(w.alpha.to(fp) * log_alpha).sum(-1)
         return Sampled(soft, nll, lk.detach(), log_alpha.gather(1, s), soft_lp, entropy)
 

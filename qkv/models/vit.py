@@ -38,6 +38,23 @@ def patchify(images: Tensor, patch_size: int) -> Tensor:
     return x.reshape(B, (H // P) * (W // P), C * P * P)
 
 
+def overlapping_patches(images: Tensor, patch_size: int, overlap: int) -> Tensor:
+    """(B, C, H, W) -> (B, N, C·K·K) with K = P + 2·overlap: the same N = (H/P)·(W/P) patches in
+    the same order as :func:`patchify`, each widened by ``overlap`` pixels on every side (zeros
+    past the border), so neighbouring tokens share pixels. ``overlap = 0`` is :func:`patchify`.
+    An overlapping patch embedding is a convolution with kernel K and stride P, the "hybrid"
+    input of Dosovitskiy et al. 2021 §3.1 at its smallest; it gives small-data ViTs some of a
+    CNN's locality (Xiao et al. 2021, "Early convolutions help transformers see better")."""
+    if overlap == 0:
+        return patchify(images, patch_size)
+    H, W = images.shape[-2:]
+    if H % patch_size or W % patch_size:
+        raise ValueError(f"patch size {patch_size} must divide the image size {H}x{W}")
+    k = patch_size + 2 * overlap
+    cols = nn.functional.unfold(images, kernel_size=k, stride=patch_size, padding=overlap)  # (B, C·K·K, N)
+    return cols.transpose(1, 2)
+
+
 def unpatchify(patches: Tensor, patch_size: int, channels: int, height: int, width: int) -> Tensor:
     """Inverse of :func:`patchify`: (B, N, C·P·P) -> (B, C, H, W)."""
     B = patches.shape[0]
@@ -53,6 +70,7 @@ class ViTConfig:
     image_size: int = 28  # height = width of the input images
     channels: int = 1  # 1 (grey) or 3 (RGB)
     patch_size: int = 4  # P: must divide image_size
+    patch_overlap: int = 0  # pixels each patch reaches into its neighbours on every side (0 = plain patches)
     n_classes: int = 10  # output classes
     dim: int = 128  # model width
     n_layers: int = 6  # Transformer blocks
@@ -63,6 +81,7 @@ class ViTConfig:
     dropout: float = 0.0  # dropout on embeddings, attention weights and residual branches
     norm_eps: float = 1e-6  # LayerNorm epsilon
     backend: Backend = "sdpa"  # attention implementation
+    label_smoothing: float = 0.0  # training loss: this share of each target spread over all classes
 
     def __post_init__(self) -> None:
         for name in ("image_size", "channels", "patch_size", "n_classes", "dim", "n_layers", "n_heads"):
@@ -78,6 +97,10 @@ class ViTConfig:
             raise ValueError(f"2-D sinusoidal positions need dim divisible by 4, got {self.dim}")
         if self.read_out not in ("cls", "mean", "concat"):
             raise ValueError(f"read_out must be cls, mean or concat, got {self.read_out!r}")
+        if not 0 <= self.patch_overlap < self.patch_size:
+            raise ValueError(f"patch_overlap must be in [0, patch_size), got {self.patch_overlap}")
+        if not 0.0 <= self.label_smoothing < 1.0:
+            raise ValueError(f"label_smoothing must be in [0, 1), got {self.label_smoothing}")
         if self.backend not in BACKENDS:
             raise ValueError(f"backend must be one of {BACKENDS}, got {self.backend!r}")
 
@@ -116,7 +139,7 @@ class ViT(nn.Module):
     def __init__(self, cfg: ViTConfig) -> None:
         super().__init__()
         self.cfg = cfg
-        self.patch_embed = Linear(cfg.channels * cfg.patch_size**2, cfg.dim)
+        self.patch_embed = Linear(cfg.channels * (cfg.patch_size + 2 * cfg.patch_overlap) ** 2, cfg.dim)
         self.cls_token = nn.Parameter(torch.zeros(1, 1, cfg.dim)) if cfg.read_out == "cls" else None
         n_tokens = cfg.n_patches + (1 if cfg.read_out == "cls" else 0)
         self.pos_emb: LearnedPositionalEmbedding | None = None
@@ -145,7 +168,7 @@ class ViT(nn.Module):
         if images.ndim != 4 or images.shape[1:] != (cfg.channels, cfg.image_size, cfg.image_size):
             raise ValueError(f"images must be (B, {cfg.channels}, {cfg.image_size}, "
                              f"{cfg.image_size}), got shape {tuple(images.shape)}")
-        x = self.patch_embed(patchify(images, cfg.patch_size))  # (B, N, dim)
+        x = self.patch_embed(overlapping_patches(images, cfg.patch_size, cfg.patch_overlap))  # (B, N, dim)
         if self.cls_token is not None:
             x = torch.cat([self.cls_token.expand(x.shape[0], -1, -1), x], dim=1)  # (B, 1+N, dim)
         if self.pos_emb is not None:
@@ -177,5 +200,6 @@ class ViT(nn.Module):
         """images (B, C, H, W) [, labels (B,)] -> ViTOutput(logits, loss, weights)."""
         tokens, weights = self.forward_features(images, backend=backend, return_weights=return_weights)
         logits = self.forward_head(tokens)
-        loss = None if labels is None else nn.functional.cross_entropy(logits.float(), labels)
+        loss = None if labels is None else nn.functional.cross_entropy(
+            logits.float(), labels, label_smoothing=self.cfg.label_smoothing)
         return ViTOutput(logits, loss, weights)

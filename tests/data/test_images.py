@@ -341,3 +341,33 @@ def test_image_folder_ignores_hidden_files(tmp_path) -> None:
     (tmp_path / "ds" / "a" / "._0.png").write_bytes(b"AppleDouble junk")
     d = load_image_folder(tmp_path / "ds", image_size=8)
     assert len(d.train_y) + len(d.val_y) + len(d.test_y) == 6
+
+
+def test_erase_blanks_one_rectangle_to_the_mean_in_about_p_of_the_images() -> None:
+    """Random erasing: a chosen image differs from the plain batch only inside one axis-aligned
+    rectangle of 2-25% of its area, set to the training mean (0 after normalising); about p of
+    the images are chosen; validation batches are untouched."""
+    import torch
+
+    from qkv.data.images import ImageBatches
+
+    data = _tiny_data()
+    plain, erased = ImageBatches(data), ImageBatches(data, erase=0.5)
+    x0, _ = plain.get_batch("train", 200, torch.Generator().manual_seed(7))
+    x1, _ = erased.get_batch("train", 200, torch.Generator().manual_seed(7))
+    H, W = x0.shape[-2:]
+    changed = 0
+    for a, b in zip(x0, x1, strict=True):
+        diff = (a != b).any(0)  # (H, W)
+        if not diff.any():
+            continue
+        changed += 1
+        blank = (b == 0).all(0)
+        ys, xs = torch.nonzero(diff, as_tuple=True)
+        box = blank[ys.min():ys.max() + 1, xs.min():xs.max() + 1]
+        assert box.all()  # the changed pixels lie in one rectangle that is all mean
+        assert box.numel() <= 0.25 * H * W + H + W  # rounding of the sides
+    assert 60 < changed < 140
+    v0, _ = plain.get_batch("val", 8, torch.Generator().manual_seed(5))
+    v1, _ = erased.get_batch("val", 8, torch.Generator().manual_seed(5))
+    assert torch.equal(v0, v1)

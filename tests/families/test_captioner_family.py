@@ -3,6 +3,7 @@ trains end to end and beats uniform attention at pointing."""
 
 from __future__ import annotations
 
+import json
 import math
 
 import numpy as np
@@ -320,3 +321,24 @@ def test_location_addressing_refuses_a_folder_of_mixed_sizes(tmp_path) -> None:
     from qkv.data.captions import load_caption_folder
 
     assert len(load_caption_folder(same, 64, 3, one_size="why").scenes["train"]) == 2  # one size: fine
+
+
+def test_the_default_preset_runs_a_few_steps(tmp_path) -> None:
+    """`qkv train captioner` with the default preset's model (centred 22-px features, names not
+    read back), shortened: the run records the colour and shape words it feeds back as UNK."""
+    from qkv.data.shapes import COLOURS, SHAPES
+
+    run = tmp_path / "run"
+    rc, _, err = call(["train", "captioner", "--max_iters", "3", "--n_train", "120", "--n_val", "10",
+                       "--n_test", "20", "--n_heldout", "20", "--eval_interval", "3", "--eval_iters", "1",
+                       "--compile", "false", "--dtype", "fp32", "--out_dir", str(run), "--no-progress"])
+    assert rc == 0, err
+    cfg = json.loads((run / "config.json").read_text())
+    model = cfg["model"]
+    assert (model["centred"], model["stage_convs"], model["read_back_names"]) == (True, 1, False)
+    from qkv.tokenizers.vocab import WordVocab
+
+    itos = WordVocab(cfg["words"]).itos
+    assert sorted(itos[i] for i in model["unread_words"]) == sorted(
+        w for w in itos if w in COLOURS or w in SHAPES)
+    assert json.loads((run / "eval.json").read_text())["test"]["n"] == 20

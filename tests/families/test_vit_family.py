@@ -218,3 +218,17 @@ def test_train_vit_under_torchrun(tmp_path: Path) -> None:
     steps = [r["step"] for r in metrics(run)]
     assert steps == sorted(steps) and steps[-1] == 6  # one writer: no interleaved duplicates
     assert json.loads((run / "eval.json").read_text())["n"] == 360
+
+
+def test_the_default_preset_runs_a_few_steps(tmp_path) -> None:
+    """`qkv train vit` with the fashion-cpu preset's choices (overlapping patches, label
+    smoothing, flips), shortened and on the digits: they reach config.json as the preset says."""
+    run = tmp_path / "run"
+    rc, _, err = call(["train", "vit", "--dataset", "digits", "--patch_size", "4", "--max_iters", "3",
+                       "--eval_interval", "3", "--eval_iters", "1", "--compile", "false", "--dtype", "fp32",
+                       "--erase", "0.5", "--out_dir", str(run), "--no-progress"])
+    assert rc == 0, err
+    cfg = json.loads((run / "config.json").read_text())
+    assert (cfg["model"]["patch_overlap"], cfg["model"]["label_smoothing"]) == (1, 0.1)
+    assert (cfg["data"]["flip"], cfg["data"]["erase"]) == (True, 0.5)
+    assert 0 <= json.loads((run / "eval.json").read_text())["accuracy"] <= 1

@@ -529,3 +529,102 @@ def test_config_names_the_choices() -> None:
         CaptionerConfig(stage_convs=4)
     with pytest.raises(ValueError, match="hard_anneal must be >= 0, got -1"):
         CaptionerConfig(hard_anneal=-1)
+
+
+def test_label_smoothing_matches_torch_and_the_formula() -> None:
+    """smoothed_nll against PyTorch's own label-smoothed cross entropy, and by hand in float64:
+    -(1 - ε) log p(y) - ε/V Σ_v log p(v)."""
+    g = torch.Generator().manual_seed(3)
+    logits = torch.randn(5, 7, dtype=torch.float64, generator=g)
+    y = torch.randint(0, 7, (5,), generator=g)
+    lp = logits.log_softmax(-1)
+    got = captioner_readout.smoothed_nll(lp, y, 0.2)
+    want = torch.nn.functional.cross_entropy(logits, y, label_smoothing=0.2, reduction="none")
+    torch.testing.assert_close(got, want)
+    by_hand = torch.stack([-(0.8 * lp[b, y[b]] + 0.2 / 7 * lp[b].sum()) for b in range(5)])
+    torch.testing.assert_close(got, by_hand)
+    assert torch.equal(captioner_readout.smoothed_nll(lp, y, 0.0), -lp.gather(1, y[:, None]).squeeze(1))
+
+
+def test_soft_loss_with_label_smoothing_is_torch_cross_entropy() -> None:
+    """Soft attention with ε: the loss is PyTorch's label-smoothed cross entropy of the same
+    logits over the real words (padding ignored)."""
+    m = _model(label_smoothing=0.1, doubly_stochastic=0.0).eval()
+    with torch.no_grad():
+        out = m(torch.randn(3, 3, 32, 32), _CAPS)
+    want = torch.nn.functional.cross_entropy(out.logits.transpose(1, 2), _CAPS[:, 1:], ignore_index=PAD,
+                                             label_smoothing=0.1)
+    torch.testing.assert_close(out.loss, want)
+
+
+def test_hard_exact_label_smoothing_smooths_the_marginal() -> None:
+    """Hard-exact with ε smooths the word's marginal p(v) = Σ_i α_i p(v | a_i), enumerated here
+    by hand in float64 from the model's own pieces; ε = 0 keeps the exact NLL bit for bit."""
+    images = torch.randn(3, 3, 32, 32, dtype=torch.float64, generator=torch.Generator().manual_seed(2))
+    plain = _model(attention="hard-exact").double().eval()
+    smooth = _model(attention="hard-exact", label_smoothing=0.3).double().eval()
+    with torch.no_grad():
+        base = plain(images, _CAPS).loss
+        got = smooth(images, _CAPS).loss
+        feats = smooth.encode(images)
+        mean = feats.mean(1)
+        h, c = torch.tanh(smooth.init_h(mean)), torch.tanh(smooth.init_c(mean))
+        terms, plain_terms = [], []
+        for t in range(_CAPS.shape[1] - 1):
+            alpha = _additive_alpha(smooth, h, feats)
+            beta = torch.sigmoid(smooth.gate(h))
+            e = smooth.emb(_CAPS[:, t])
+            h, c = smooth.lstm(torch.cat([e, beta * mean], -1), (h, c))
+            per_cell = torch.softmax(smooth.out((e + smooth.out_h(h))[:, None] + beta[:, None]
+                                                * smooth.out_z(feats)), -1)  # (B, L, V)
+            marginal = torch.log(torch.einsum("bl,blv->bv", alpha, per_cell))
+            for b in range(3):
+                y = _CAPS[b, t + 1]
+                if y != PAD:
+                    terms.append(-(0.7 * marginal[b, y] + 0.3 * marginal[b].mean()))
+                    plain_terms.append(-marginal[b, y])
+    torch.testing.assert_close(got, torch.stack(terms).mean())
+    torch.testing.assert_close(base, torch.stack(plain_terms).mean())
+
+
+def test_label_smoothing_is_checked() -> None:
+    with pytest.raises(ValueError, match="label_smoothing"):
+        CaptionerConfig(label_smoothing=1.0)
+
+
+def test_unread_words_are_fed_back_as_unk() -> None:
+    """With unread_words, the decoder reads those previous words as UNK, in teacher forcing and
+    in step-by-step decoding alike: captions that differ only in them give the same outputs,
+    while the same captions differ for a model that reads them back."""
+    from qkv.models.captioner import UNK
+
+    images = torch.randn(3, 3, 32, 32)
+    caps = _CAPS.clone()
+    other = caps.clone()
+    other[0, 1], other[1, 1] = 10, 11  # another name in place of word 5 and word 8
+    blind = _model(unread_words=[5, 8, 10, 11]).eval()
+    seeing = _model().eval()
+    with torch.no_grad():
+        a, b = blind(images, caps), blind(images, other)
+        torch.testing.assert_close(a.logits[:, 1:], b.logits[:, 1:])
+        unk = caps.clone()
+        unk[0, 1], unk[1, 1] = UNK, UNK
+        torch.testing.assert_close(a.logits, blind(images, unk).logits)
+        s, t = seeing(images, caps), seeing(images, other)
+        assert not torch.allclose(s.logits[:, 1:], t.logits[:, 1:])
+        state = blind.start(images)
+        one = blind.step(state, torch.tensor([5, 8, 9])).logits
+        two = blind.step(state, torch.tensor([UNK, UNK, 9])).logits
+        torch.testing.assert_close(one, two)
+
+
+def test_the_family_names_the_colour_and_shape_words() -> None:
+    from qkv.data.shapes import COLOURS, SHAPES
+    from qkv.families.captioner import names_in
+    from qkv.tokenizers.vocab import WordVocab
+
+    vocab = WordVocab.build(["a small red circle above a large blue square", "a white triangle"])
+    ids = names_in(vocab)
+    want = ["red", "circle", "blue", "square", "white", "triangle"]
+    assert sorted(vocab.itos[i] for i in ids) == sorted(want)
+    assert all(vocab.itos[i] in (*COLOURS, *SHAPES) for i in ids)

@@ -100,3 +100,47 @@ def test_backends_agree() -> None:
     ref = m(x, backend="reference").logits
     for b in ("sdpa", "chunked"):
         torch.testing.assert_close(m(x, backend=b).logits, ref, rtol=0, atol=1e-10)
+
+
+@pytest.mark.parametrize("overlap", [1, 2])
+def test_overlapping_patches_are_padded_windows(overlap: int) -> None:
+    """Each token reads the P + 2·overlap square around its patch, zeros past the border, in
+    patchify's order (row-major patches, each flattened c, y, x), sliced here by hand."""
+    from qkv.models.vit import overlapping_patches
+
+    x = torch.randn(2, 3, 12, 12)
+    P, o = 4, overlap
+    got = overlapping_patches(x, P, o)
+    padded = torch.nn.functional.pad(x, (o, o, o, o))
+    want = torch.stack([padded[:, :, i * P:i * P + P + 2 * o, j * P:j * P + P + 2 * o].reshape(2, -1)
+                        for i in range(3) for j in range(3)], 1)
+    assert got.shape == (2, 9, 3 * (P + 2 * o) ** 2)
+    assert torch.equal(got, want)
+    assert torch.equal(overlapping_patches(x, P, 0), patchify(x, P))
+
+
+def test_overlap_widens_the_patch_embedding_and_is_checked() -> None:
+    m = ViT(ViTConfig(image_size=28, patch_size=7, patch_overlap=1, dim=32, n_layers=1, n_heads=4))
+    assert m.patch_embed.weight.shape == (32, 81)
+    assert m(torch.randn(2, 1, 28, 28)).logits.shape == (2, 10)
+    with pytest.raises(ValueError, match="patch_overlap"):
+        ViTConfig(patch_size=4, patch_overlap=4)
+
+
+def test_label_smoothing_is_torch_cross_entropy() -> None:
+    """The training loss with label_smoothing is PyTorch's label-smoothed cross entropy of the
+    same logits; the logits themselves do not change."""
+    torch.manual_seed(0)
+    plain = ViT(ViTConfig(image_size=8, patch_size=4, dim=16, n_layers=1, n_heads=2))
+    torch.manual_seed(0)
+    smooth = ViT(ViTConfig(image_size=8, patch_size=4, dim=16, n_layers=1, n_heads=2, label_smoothing=0.2))
+    with torch.no_grad():
+        for m in (plain, smooth):
+            m.head.weight.normal_(generator=torch.Generator().manual_seed(1))
+    x, y = torch.randn(4, 1, 8, 8), torch.tensor([0, 3, 9, 3])
+    a, b = plain(x, y), smooth(x, y)
+    assert torch.equal(a.logits, b.logits)
+    torch.testing.assert_close(b.loss, torch.nn.functional.cross_entropy(a.logits, y, label_smoothing=0.2))
+    assert not torch.allclose(a.loss, b.loss)
+    with pytest.raises(ValueError, match="label_smoothing"):
+        ViTConfig(label_smoothing=1.0)
