@@ -141,10 +141,14 @@ CAPTIONER_PRESETS: dict[str, dict[str, Any]] = {
 
 PRESET_RESULTS: dict[str, dict[str, str]] = {
     "vit": {
-        "fashion-cpu": "91.7-92.0% Fashion-MNIST test over 3 seeds in 803-1,105 s of training on one core beside another run (AMD EPYC Zen 4); a CNN of its size: 93.0% (benchmarks/vit_fashion.py).",
+        "fashion-cpu": ("91.7-92.0% Fashion-MNIST test over 3 seeds in 803-1,105 s of training on one core "
+                        "beside another run (AMD EPYC Zen 4); a CNN of its size: 93.0% "
+                        "(benchmarks/vit_fashion.py)."),
     },
     "captioner": {
-        "shapes-cpu": "soft: 99.2-99.4% exact on seen pairs, 56.6-82.8% on held-out pairs, pointing 91.9-96.8%; hard: 96.5-97.2%, 70.2-77.0%, 88.1-98.1% (3 seeds; 225-264 s of training on 2 cores, AMD EPYC Zen 4; benchmarks/captioning.py).",
+        "shapes-cpu": ("soft: 99.2-99.4% exact on seen pairs, 56.6-82.8% on held-out pairs, pointing "
+                       "91.9-96.8%; hard: 96.5-97.2%, 70.2-77.0%, 88.1-98.1% (3 seeds; 225-264 s of "
+                       "training on 2 cores, AMD EPYC Zen 4; benchmarks/captioning.py)."),
     },
 }
 
