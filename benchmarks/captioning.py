@@ -18,7 +18,7 @@ attention looks undone (the old corner-centred 43-px features; the decoder readi
 colour and shape words); soft and hard again with other training seeds (``--seeds``, min /
 median / max); beam-3 decoding of the soft model; and the wall time of every part.
 
-    python benchmarks/captioning.py            # ~33 minutes on 2 cores (AMD EPYC Zen 5)
+    python benchmarks/captioning.py            # ~60 minutes on 2 cores (the preset of issue 42)
     python benchmarks/captioning.py --quick    # smoke run (~3 minutes)
 """
 
