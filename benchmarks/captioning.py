@@ -18,7 +18,8 @@ attention looks undone (the old corner-centred 43-px features; the decoder readi
 colour and shape words); soft and hard again with other training seeds (``--seeds``, min /
 median / max); beam-3 decoding of the soft model; and the wall time of every part.
 
-    python benchmarks/captioning.py            # ~60 minutes on 2 cores (the preset of issue 42)
+    python benchmarks/captioning.py            # every variant (not timed with the issue-42 preset;
+                                               # soft + hard over 3 seeds took 3,088 s on a Zen 4)
     python benchmarks/captioning.py --quick    # smoke run (~3 minutes)
 """
 
