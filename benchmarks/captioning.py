@@ -60,6 +60,9 @@ VARIANTS: dict[str, dict] = {
     "soft-corner-rf43": {"attention": "soft", "centred": False, "stage_convs": 2},
     "soft-read-back": {"attention": "soft", "read_back_names": True},
     "hard-read-back": {"attention": "hard", "read_back_names": True},
+    # the split encoder undone: one CNN reads the RGB image, its features mix colour with shape
+    "soft-joint": {"attention": "soft", "encoder": "joint"},
+    "hard-joint": {"attention": "hard", "encoder": "joint"},
 }
 SEEDED = ("soft", "hard")  # variants trained with --seeds seeds
 

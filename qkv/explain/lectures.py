@@ -83,11 +83,15 @@ LECTURES: tuple[Lecture, ...] = (
                 (_d("qkv train captioner --attention uniform", "the baseline: every region weighted equally",
                     TINY_FAMILY),), measured="captioning.py"),
         Section("Soft attention for captioning (Show, Attend and Tell): one distribution per word",
-                (_d("qkv train captioner", "soft attention over the CNN's cells, an overlay per word",
+                (_d("qkv train captioner", "soft attention over the CNN's cells, an overlay per word; "
+                    "3 seeds: 99.4-99.7% exact on never-seen colour/shape pairs, the most attended cell "
+                    "inside the named object 95.6-99.4% of the time (~4 min each on 2 Zen 4 cores)",
                     TINY_FAMILY),), measured="captioning.py"),
         Section("Soft vs hard attention: z = 0.1a + 0.2b + 0.7c vs a sampled cell; REINFORCE",
                 (_d("qkv explain hard-attention", "the exact gradient vs REINFORCE estimates, baselines"),
-                 _d("qkv train captioner --attention hard", "hard attention trained with REINFORCE",
+                 _d("qkv train captioner --attention hard", "hard attention trained with REINFORCE; "
+                    "3 seeds: 96.5-97.0% exact on never-seen pairs, pointing 92.1-96.4% "
+                    "(benchmarks/captioning.py)",
                     TINY_FAMILY))),
         Section("Location-based vs content-based addressing",
                 (_d("qkv explain addressing", "softmax(W h) over fixed cells vs softmax(qᵀa_i)"),)),

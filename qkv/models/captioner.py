@@ -116,6 +116,12 @@ class CaptionerConfig:
     # 3x3 stride-2 convolutions centre cell (i, j)'s feature on pixel (8i, 8j), the cell's corner;
     # 4x4 ones (padding 1) on its centre (8i + 3.5, 8j + 3.5), where attention maps draw it
     centred: bool = False  # 4x4 stride-2 convolutions: each feature centred on its grid cell
+    # joint: one CNN reads the RGB image, and its features mix colour with shape, so a pair never
+    # seen in training looks unlike any seen one. split: the CNN reads max over the colour
+    # channels (a colour-blind silhouette: shape, size, place), and a colour stream reads each
+    # pixel alone (1x1 convolutions, colour only), max-pooled over each grid cell; a cell's
+    # features are both, side by side (an encoder whose shape features cannot see colour)
+    encoder: Literal["joint", "split"] = "joint"  # joint RGB CNN, or colour-blind shape + colour streams
 
     def __post_init__(self) -> None:
         check_choices(self)  # attention, addressing, scoring, hard_baseline: their Literal choices
@@ -138,7 +144,8 @@ class CaptionerConfig:
 
     @property
     def feature_dim(self) -> int:
-        return 4 * self.width
+        """D: the CNN's 4·width channels, plus the colour stream's width (split encoder)."""
+        return 4 * self.width + (self.width if self.encoder == "split" else 0)
 
 
 HARD = ("hard", "hard-exact")
@@ -205,7 +212,7 @@ class CaptionerStep(NamedTuple):
 
 def _cnn(cfg: CaptionerConfig) -> nn.Sequential:
     """Three stride-2 stages of ``stage_convs`` convolutions + BatchNorm + ReLU: (B, C, H, W) ->
-    (B, D, H/8, W/8)."""
+    (B, 4·width, H/8, W/8); one input channel (the silhouette) for the split encoder."""
     def stage(cin: int, cout: int) -> list[nn.Module]:
         layers: list[nn.Module] = []
         for k in range(cfg.stage_convs):
@@ -215,7 +222,16 @@ def _cnn(cfg: CaptionerConfig) -> nn.Sequential:
         return layers
 
     w = cfg.width
-    return nn.Sequential(*stage(cfg.channels, w), *stage(w, 2 * w), *stage(2 * w, cfg.feature_dim))
+    cin = 1 if cfg.encoder == "split" else cfg.channels
+    return nn.Sequential(*stage(cin, w), *stage(w, 2 * w), *stage(2 * w, 4 * w))
+
+
+def _colour_stream(cfg: CaptionerConfig) -> nn.Sequential:
+    """The split encoder's colour stream: two 1x1 convolutions (each pixel's colour alone, so no
+    shape), max-pooled over each 8x8 grid cell: (B, C, H, W) -> (B, width, H/8, W/8)."""
+    w = cfg.width
+    return nn.Sequential(nn.Conv2d(cfg.channels, w, 1), nn.ReLU(), nn.Conv2d(w, w, 1), nn.ReLU(),
+                         nn.MaxPool2d(8))
 
 
 class Captioner(nn.Module):
@@ -238,6 +254,7 @@ class Captioner(nn.Module):
         D = cfg.feature_dim
         # parameters are created in this order (the seed's draws), with these names (checkpoints)
         self.cnn = _cnn(cfg)
+        self.colour = _colour_stream(cfg) if cfg.encoder == "split" else None
         self.pos = nn.Parameter(torch.zeros(cfg.grid * cfg.grid, D)) if cfg.positions else None
         self.init_h = nn.Linear(D, cfg.hidden)
         self.init_c = nn.Linear(D, cfg.hidden)
@@ -265,7 +282,11 @@ class Captioner(nn.Module):
 
     def encode(self, images: Tensor) -> Tensor:
         """(B, C, H, W) normalised images -> features (B, L, D), row-major over the grid."""
-        f = self.cnn(images).flatten(2).transpose(1, 2)  # (B, D, g, g) -> (B, L, D)
+        if self.colour is None:
+            grid = self.cnn(images)  # (B, D, g, g)
+        else:  # shape from the colour-blind silhouette, colour from each pixel alone
+            grid = torch.cat([self.cnn(images.amax(1, keepdim=True)), self.colour(images)], 1)
+        f = grid.flatten(2).transpose(1, 2)  # (B, D, g, g) -> (B, L, D)
         if self.pos is None:
             return f
         if f.shape[1] != self.pos.shape[0]:

@@ -628,3 +628,27 @@ def test_the_family_names_the_colour_and_shape_words() -> None:
     want = ["red", "circle", "blue", "square", "white", "triangle"]
     assert sorted(vocab.itos[i] for i in ids) == sorted(want)
     assert all(vocab.itos[i] in (*COLOURS, *SHAPES) for i in ids)
+
+
+def test_split_encoder_shape_features_are_colour_blind_and_colour_features_shape_blind() -> None:
+    """encoder="split": the CNN's channels depend on the image only through max over its colour
+    channels (so permuting R, G, B, which keeps that max, leaves them unchanged, while the joint
+    CNN's change); the colour stream's depend on each cell's pixels only as a set (shuffling the
+    pixels inside every 8x8 cell leaves them unchanged)."""
+    split = _model(encoder="split").eval()
+    joint = _model().eval()
+    assert split.cfg.feature_dim == 4 * 8 + 8
+    x = torch.randn(2, 3, 32, 32)
+    with torch.no_grad():
+        f = split.encode(x)
+        assert f.shape == (2, 16, 40)
+        perm = split.encode(x[:, [2, 0, 1]])
+        torch.testing.assert_close(perm[..., :32], f[..., :32], rtol=0, atol=0)
+        assert (perm[..., 32:] - f[..., 32:]).abs().max() > 1e-3  # the colours did change
+        assert (joint.encode(x[:, [2, 0, 1]]) - joint.encode(x)).abs().max() > 1e-3
+        # shuffle the 64 pixels of every 8x8 cell (the same permutation in every cell and channel)
+        idx = torch.randperm(64, generator=torch.Generator().manual_seed(0))
+        cells = x.reshape(2, 3, 4, 8, 4, 8).permute(0, 1, 2, 4, 3, 5).reshape(2, 3, 4, 4, 64)[..., idx]
+        shuffled = cells.reshape(2, 3, 4, 4, 8, 8).permute(0, 1, 2, 4, 3, 5).reshape(2, 3, 32, 32)
+        assert not torch.equal(shuffled, x)
+        torch.testing.assert_close(split.encode(shuffled)[..., 32:], f[..., 32:], rtol=0, atol=0)
