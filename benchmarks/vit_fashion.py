@@ -2,12 +2,14 @@
 and training / inference speed vs the same ViT in plain PyTorch.
 
 Accuracy: the `fashion-cpu` preset trained by ``qkv.training.run.train_run`` of the ViT family (exactly what
-`qkv train vit` runs), scored on the 10,000 test images. Beside it, a small CNN with a similar
-parameter count (defined below, the lectures' CNN-vs-attention question) trained by the same
-Trainer on the same batches (same augmentation, optimiser, schedule shape), once for the
-number of steps that a 12-step timing probe projects to fit in the ViT's wall time ("equal
-time", projected: the CNN's own wall time is recorded beside it and differs when the machine is
-busy) and once for a fifth of those steps.
+`qkv train vit` runs), scored on the 10,000 test images: once alone on 2 threads (the time a user
+sees), then over ``--seeds`` seeds as child processes on one thread each, two at a time. Beside
+it, a small CNN with a similar parameter count (defined below, the lectures' CNN-vs-attention
+question) trained by the same Trainer on the same batches (same augmentation, optimiser,
+schedule shape) for the median ViT wall time (or ``--cnn-seconds``): its step count comes from
+two short runs of that Trainer (40 and 160 steps), and its own wall time is recorded beside it.
+The ablation (``--ablation KEY``, repeatable; ``--ablation-iters``) retrains the preset with one
+choice undone at a time, in the same queue, so both cores stay busy with a run each.
 
 Speed: images/s of a training step (forward, backward, AdamW) and of inference (batch 500) for
 qkv's ViT as the preset runs it vs the same ViT written with ``torch.nn.TransformerEncoderLayer``
@@ -15,7 +17,9 @@ qkv's ViT as the preset runs it vs the same ViT written with ``torch.nn.Transfor
 qkv with PyTorch's SDPA backend. Contenders run round-robin; the ratio is the median over
 rounds of the within-round ratio.
 
-    python benchmarks/vit_fashion.py                     # ~25 minutes on 2 cores
+    python benchmarks/vit_fashion.py --skip ablation --skip speed   # ~50 minutes on 2 cores (Zen 4)
+    python benchmarks/vit_fashion.py --skip alone --skip accuracy --skip speed \
+        --ablation-iters 12000                           # the full-length ablation, ~80 minutes
     python benchmarks/vit_fashion.py --dataset mnist     # the same recipe on MNIST
     python benchmarks/vit_fashion.py --quick             # smoke run (~2 minutes)
 """
@@ -36,7 +40,7 @@ from torch import Tensor, nn
 
 from qkv.data.images import ImageBatches
 from qkv.families.vit import ImageDataConfig, ViTFamily, evaluate_split, fit_model_config, load_data
-from qkv.models.vit import ViT, ViTConfig, patchify
+from qkv.models.vit import ViT, ViTConfig, conv_stem, patchify
 from qkv.presets import get_preset
 from qkv.training.run import train_run
 from qkv.training.trainer import TrainConfig, Trainer
@@ -76,13 +80,16 @@ class SmallCNN(nn.Module):
 
 
 class TorchViT(nn.Module):
-    """The preset's ViT written with torch.nn only: linear patch embedding, class token, learned
-    positions, ``nn.TransformerEncoder`` of pre-LN GELU layers, final LayerNorm, linear head."""
+    """The preset's ViT written with torch.nn only: the same convolutional stem (torch.nn layers,
+    built by qkv's ``conv_stem``) or a linear patch embedding, class token, learned positions,
+    ``nn.TransformerEncoder`` of pre-LN GELU layers, final LayerNorm, linear head."""
 
     def __init__(self, cfg: ViTConfig) -> None:
         super().__init__()
         self.cfg = cfg
-        self.patch_embed = nn.Linear(cfg.channels * cfg.patch_size**2, cfg.dim)
+        self.stem = conv_stem(cfg.channels, cfg.dim, cfg.patch_size) if cfg.stem == "conv" else None
+        self.patch_embed = nn.Linear(cfg.dim if self.stem is not None else cfg.channels * cfg.patch_size**2,
+                                     cfg.dim)
         self.cls_token = nn.Parameter(torch.zeros(1, 1, cfg.dim))
         self.pos = nn.Parameter(torch.randn(1, cfg.n_patches + 1, cfg.dim) * 0.02)
         layer = nn.TransformerEncoderLayer(cfg.dim, cfg.n_heads, cfg.mlp_hidden or 4 * cfg.dim,
@@ -93,7 +100,9 @@ class TorchViT(nn.Module):
         self.head = nn.Linear(cfg.dim, cfg.n_classes)
 
     def forward(self, x: Tensor, y: Tensor | None = None) -> _Out:
-        t = self.patch_embed(patchify(x, self.cfg.patch_size))
+        pixels = (self.stem(x).flatten(2).transpose(1, 2) if self.stem is not None
+                  else patchify(x, self.cfg.patch_size))
+        t = self.patch_embed(pixels)
         t = torch.cat([self.cls_token.expand(len(t), -1, -1), t], dim=1) + self.pos
         logits = self.head(self.norm(self.encoder(t))[:, 0])
         return _Out(logits, None if y is None else F.cross_entropy(logits, y))
@@ -108,19 +117,25 @@ def n_params(m: nn.Module) -> int:
 # Every training run is a child process of this script on one thread, two at a time, so each
 # has one of the two cores and the other core is busy with a run like it (the same conditions
 # for every ViT and CNN run). The ViT seeds go first; each CNN then trains for the median ViT
-# wall time (its step count projected by a probe of its own steps taken in those conditions).
+# wall time (its step count from two short runs of its own Trainer taken in those conditions).
 
-# The ablation: the preset with one change undone at a time (and one added), on one seed, at a
-# shorter schedule (ABLATION_ITERS steps; the preset's own is 4x longer): what each choice buys.
+# The ablation: the preset with one change undone at a time (and one added), on one seed, at
+# --ablation-iters steps (ABLATION_ITERS by default, a quick look; the preset's own 12,000 is
+# what BENCHMARKS.md reports): what each choice buys.
 ABLATION_ITERS = 3000
-ABLATION: dict[str, dict[str, dict]] = {
-    "preset": {},
-    "no label smoothing": {"model": {"label_smoothing": 0.0}},
-    "plain patches (no overlap)": {"model": {"patch_overlap": 0}},
-    "no horizontal flips": {"data": {"flip": False}},
-    "none of the three (the old preset)": {"data": {"flip": False},
-                                           "model": {"label_smoothing": 0.0, "patch_overlap": 0}},
-    "+ random erasing (p = 0.25)": {"data": {"erase": 0.25}},
+LINEAR = {"stem": "linear", "patch_overlap": 1}  # the previous preset's patch embedding
+ABLATION: dict[str, tuple[str, dict]] = {  # --ablation KEY: (label, the change)
+    "preset": ("preset", {}),
+    "linear-overlap": ("linear patches overlapping by 1 px (the last preset)", {"model": LINEAR}),
+    "linear": ("plain linear patches", {"model": {"stem": "linear"}}),
+    "no-smoothing": ("no label smoothing", {"model": {"label_smoothing": 0.0}}),
+    "no-flips": ("no horizontal flips", {"data": {"flip": False}}),
+    "no-shifts": ("no 1-pixel shifts", {"data": {"shift": 0}}),
+    "half-schedule": ("half the schedule (6,000 steps)", {"train": {"max_iters": 6000}}),
+    "mean": ("mean-pooled read-out", {"model": {"read_out": "mean"}}),
+    "mean-sincos": ("mean read-out, 2-D sinusoidal positions", {"model": {"read_out": "mean",
+                                                                         "positions": "sinusoidal"}}),
+    "erase": ("+ random erasing (p = 0.25)", {"data": {"erase": 0.25}}),
 }
 
 
@@ -130,7 +145,7 @@ def _vit_configs(dataset: str, max_iters: int | None, change: dict | None = None
     model = ViTConfig(**{**preset["model"], "image_size": preset["model"]["patch_size"],
                          **change.get("model", {})})
     train = TrainConfig(**{**preset["train"], **({"max_iters": max_iters} if max_iters else {}),
-                           **({"seed": seed} if seed is not None else {})})
+                           **({"seed": seed} if seed is not None else {}), **change.get("train", {})})
     data = ImageDataConfig(**{**preset["data"], "dataset": dataset, **change.get("data", {})})
     return model, train, data
 
@@ -160,33 +175,18 @@ def worker(args: argparse.Namespace) -> int:
         else:
             data = load_data(data_cfg)
             batches = ImageBatches(data, shift=data_cfg.shift, flip=data_cfg.flip, erase=data_cfg.erase)
-            probe = SmallCNN(*data.shape[:1], len(data.classes))
-            opt = torch.optim.AdamW(probe.parameters(), 1e-3)
-            gen = torch.Generator().manual_seed(0)
-            times = []
-            for _ in range(14):
-                x, y = batches.get_batch("train", train_cfg.batch_size, gen)
-                t = time.perf_counter()
-                probe(x, y).loss.backward()
-                opt.step()
-                opt.zero_grad()
-                times.append(time.perf_counter() - t)
-            step_s = C.median(times[2:]) * 1.05  # + the data and logging work of a Trainer step
-            steps = max(50, int(args.seconds / step_s))
+            steps, fixed_s, step_s, settings = _cnn_steps(args.seconds, train_cfg, data, batches, Path(tmp))
             torch.manual_seed(train_cfg.seed)
             cnn = SmallCNN(*data.shape[:1], len(data.classes))
-            cfg = TrainConfig(**{**train_cfg.__dict__, "max_iters": steps, "lr": 2e-3,
-                                 "warmup_iters": min(train_cfg.warmup_iters, steps // 10),
-                                 "eval_interval": max(steps // 4, 1), "out_dir": tmp})
             t0 = time.perf_counter()
-            Trainer(cnn, cfg, batches, Path(tmp)).fit()
+            Trainer(cnn, _cnn_config(train_cfg, steps, tmp, **settings), batches, Path(tmp)).fit()
             train_s = time.perf_counter() - t0
             cnn.eval()
             with torch.no_grad():
                 preds = torch.cat([cnn(batches.normalize(data.test_x[i:i + 500])).logits.argmax(-1)
                                    for i in range(0, len(data.test_x), 500)])
             row = {"model": "CNN", "params": n_params(cnn), "steps": steps, "target_s": args.seconds,
-                   "probe_step_s": round(step_s, 4),
+                   "probe_step_s": round(step_s, 4), "probe_fixed_s": round(fixed_s, 1), **settings,
                    "test_accuracy": float((preds == data.test_y).float().mean())}
     row.update({"seed": train_cfg.seed, "train_s": round(train_s, 1), "threads": args.threads,
                 "change": change})
@@ -194,13 +194,43 @@ def worker(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cnn_config(train_cfg: TrainConfig, steps: int, out_dir: str, **settings: object) -> TrainConfig:
+    """The CNN's training config: the ViT's (batch, optimiser, schedule shape, seed) at its own
+    step count and a peak learning rate suited to a CNN."""
+    return TrainConfig(**{**train_cfg.__dict__, "max_iters": steps, "lr": 2e-3,
+                          "warmup_iters": min(train_cfg.warmup_iters, steps // 10),
+                          "eval_interval": max(steps // 4, 1), "out_dir": out_dir, **settings})
+
+
+def _cnn_steps(seconds: float, train_cfg: TrainConfig, data, batches,
+               tmp: Path) -> tuple[int, float, float, dict]:
+    """How many CNN steps fill ``seconds`` of training: the Trainer's own choice of precision and
+    compiling for a run of about that length, then two short runs of the real Trainer with those
+    settings (40 and 160 steps), whose difference is the time of a step (data, optimiser,
+    logging) and whose rest the fixed cost (set-up, evaluation). (steps, fixed s, step s, settings)."""
+    guess = Trainer(SmallCNN(*data.shape[:1], len(data.classes)),
+                    _cnn_config(train_cfg, max(50, int(seconds / 0.1)), str(tmp / "p0")), batches, tmp / "p0")
+    settings = {"dtype": guess.speed.dtype, "compile": guess.compiled}
+    del guess
+    took = {}
+    for k in (40, 160):
+        run = tmp / f"p{k}"
+        cfg = TrainConfig(**{**_cnn_config(train_cfg, k, str(run), **settings).__dict__, "eval_interval": k})
+        t0 = time.perf_counter()
+        Trainer(SmallCNN(*data.shape[:1], len(data.classes)), cfg, batches, run).fit()
+        took[k] = time.perf_counter() - t0
+    step_s = max((took[160] - took[40]) / 120, 1e-4)
+    fixed_s = max(took[40] - 40 * step_s, 0.0)
+    return max(50, int((seconds - fixed_s) / step_s)), fixed_s, step_s, settings
+
+
 def _spawn(kind: str, seed: int, out: Path, args: argparse.Namespace, seconds: float | None = None,
-           change: dict | None = None, max_iters: int | None = None):
+           change: dict | None = None, max_iters: int | None = None, threads: int = 1):
     import json
     import os
     import subprocess
 
-    cmd = [sys.executable, __file__, "--worker", kind, "--seed", str(seed), "--threads", "1",
+    cmd = [sys.executable, __file__, "--worker", kind, "--seed", str(seed), "--threads", str(threads),
            "--out", str(out), "--dataset", args.dataset]
     if seconds is not None:
         cmd += ["--seconds", f"{seconds:.1f}"]
@@ -208,7 +238,7 @@ def _spawn(kind: str, seed: int, out: Path, args: argparse.Namespace, seconds: f
         cmd += ["--change", json.dumps(change)]
     if max_iters or args.max_iters:
         cmd += ["--max-iters", str(max_iters or args.max_iters)]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
     return subprocess.Popen(cmd, env=env)
 
 
@@ -219,14 +249,14 @@ def _run_two_at_a_time(jobs: list, tmp: Path, args: argparse.Namespace) -> list[
 
     pending, running, done = list(enumerate(jobs)), [], {}
     while pending or running:
-        vit_times = [r["train_s"] for r in done.values() if r["model"] == "ViT"]
+        vit_times = [r["train_s"] for r in done.values() if r["label"] == VIT_LABEL]
         while len(running) < 2 and pending:
             i, (label, kind, seed, change, iters) = pending[0]
-            if kind == "cnn" and not vit_times:
+            if kind == "cnn" and not vit_times and not args.cnn_seconds:
                 break
             pending.pop(0)
             out = tmp / f"job{i}.json"
-            secs = C.median(vit_times) if kind == "cnn" else None
+            secs = (args.cnn_seconds or C.median(vit_times)) if kind == "cnn" else None
             print(f"  start {label} (seed {seed}{f', {secs:.0f} s' if secs else ''})", flush=True)
             running.append((i, label, out, _spawn(kind, seed, out, args, secs, change, iters)))
         time.sleep(2)
@@ -245,20 +275,38 @@ def _run_two_at_a_time(jobs: list, tmp: Path, args: argparse.Namespace) -> list[
     return [done[i] for i in range(len(jobs))]
 
 
-def bench_accuracy(args: argparse.Namespace) -> list[dict]:
+VIT_LABEL, CNN_LABEL = "ViT (fashion-cpu preset)", "CNN (equal time)"
+
+
+def accuracy_jobs(args: argparse.Namespace) -> list[tuple]:
+    """The ViT seeds (unless --cnn-seconds gives the CNNs' time), then the CNN seeds."""
     seeds = [1337 + k for k in range(args.seeds)]
-    jobs = [("ViT (fashion-cpu preset)", "vit", s, None, None) for s in seeds]
+    jobs = [] if args.cnn_seconds else [(VIT_LABEL, "vit", s, None, None) for s in seeds]
     if "cnn" not in args.skip:
-        jobs += [("CNN (equal time)", "cnn", s, None, None) for s in seeds]
-    with tempfile.TemporaryDirectory() as tmp:
-        return _run_two_at_a_time(jobs, Path(tmp), args)
+        jobs += [(CNN_LABEL, "cnn", s, None, None) for s in seeds]
+    return jobs
 
 
-def bench_ablation(args: argparse.Namespace) -> list[dict]:
-    iters = 300 if args.quick else ABLATION_ITERS
-    jobs = [(label, "vit", 1337, change, iters) for label, change in ABLATION.items()]
+def bench_alone(args: argparse.Namespace) -> dict:
+    """One preset run (the first seed) alone on the machine's two threads, as `qkv train vit`
+    runs it: the wall time a user sees, run before anything else starts."""
+    import json
+
     with tempfile.TemporaryDirectory() as tmp:
-        return _run_two_at_a_time(jobs, Path(tmp), args)
+        out = Path(tmp) / "alone.json"
+        print("  start ViT alone on 2 threads (seed 1337)", flush=True)
+        proc = _spawn("vit", 1337, out, args, threads=2)
+        if proc.wait() != 0 or not out.exists():
+            raise RuntimeError(f"the ViT run alone failed with exit code {proc.returncode}")
+        row = json.loads(out.read_text())
+    row["label"] = "ViT (fashion-cpu preset), alone on 2 threads"
+    print(f"  {row['label']}: {row['test_accuracy']:.2%} test in {row['train_s']:.0f} s", flush=True)
+    return row
+
+
+def ablation_jobs(args: argparse.Namespace) -> list[tuple]:
+    iters = 300 if args.quick else args.ablation_iters
+    return [(ABLATION[key][0], "vit", 1337, ABLATION[key][1], iters) for key in args.ablation or ABLATION]
 
 
 def _summary(rows: list[dict], label: str) -> dict | None:
@@ -340,7 +388,15 @@ def main() -> int:
     p.add_argument("--max-iters", type=int, default=None, help="ViT steps (default: the preset's)")
     p.add_argument("--rounds", type=int, default=5, help="interleaved speed rounds")
     p.add_argument("--seeds", type=int, default=3, help="training seeds of the ViT and of the CNN")
-    p.add_argument("--skip", choices=("accuracy", "cnn", "ablation", "speed"), action="append", default=[])
+    p.add_argument("--skip", choices=("alone", "accuracy", "cnn", "ablation", "speed"), action="append",
+                   default=[], help="(repeatable) alone: the preset timed alone on 2 threads")
+    p.add_argument("--ablation-iters", type=int, default=ABLATION_ITERS,
+                   help="steps of each ablation run (the preset's own: 12,000)")
+    p.add_argument("--ablation", choices=tuple(ABLATION), action="append", default=None,
+                   help="(repeatable) run only these ablation rows (default: all)")
+    p.add_argument("--cnn-seconds", type=float, default=None,
+                   help="train the CNNs for this many seconds and do not rerun the ViT seeds (default: the "
+                        "median ViT time of this run)")
     # a child run (used by this script itself)
     p.add_argument("--worker", choices=("vit", "cnn"), default=None, help=argparse.SUPPRESS)
     p.add_argument("--seed", type=int, default=None, help=argparse.SUPPRESS)
@@ -367,11 +423,20 @@ def main() -> int:
     print(C.machine_line(machine), flush=True)
     meter = C.LoadMeter()
     result: dict = {"machine": machine, "dataset": args.dataset, "quick": args.quick}
-    if "accuracy" not in args.skip:
-        rows = bench_accuracy(args)
+    if "alone" not in args.skip:
+        result["alone"] = bench_alone(args)
+    # the accuracy and ablation runs share one queue, so both cores stay busy with a run each
+    acc_jobs = accuracy_jobs(args) if "accuracy" not in args.skip else []
+    abl_jobs = ablation_jobs(args) if "ablation" not in args.skip else []
+    with tempfile.TemporaryDirectory() as tmp:
+        done = _run_two_at_a_time(acc_jobs + abl_jobs, Path(tmp), args)
+    if acc_jobs:
+        rows = done[:len(acc_jobs)]
         result["accuracy"] = rows
+        if args.cnn_seconds:
+            result["cnn_seconds"] = args.cnn_seconds
         result["accuracy_summary"] = [x for x in (_summary(rows, lab) for lab in
-                                                  ("ViT (fashion-cpu preset)", "CNN (equal time)")) if x]
+                                                  (VIT_LABEL, CNN_LABEL)) if x]
         C.print_table(f"{args.dataset}: test accuracy and training time (one core each, two runs at a time)",
                       ["model", "seed", "parameters", "steps", "train time", "test accuracy"],
                       [[r["label"], str(r["seed"]), f"{r['params'] / 1e6:.2f}M", str(r["steps"]),
@@ -379,14 +444,15 @@ def main() -> int:
         for x in result["accuracy_summary"]:
             print(f"{x['label']}: min {x['min']:.2%}, median {x['median']:.2%}, max {x['max']:.2%} over "
                   f"{x['n']} seeds; training {x['train_s_min']:.0f}-{x['train_s_max']:.0f} s", flush=True)
-    if "ablation" not in args.skip:
-        rows = bench_ablation(args)
+    if abl_jobs:
+        rows = done[len(acc_jobs):]
         result["ablation"] = rows
-        base = rows[0]["test_accuracy"]
-        C.print_table(f"what each choice buys (seed 1337, {rows[0]['steps']} steps, one core each)",
+        base = next((r["test_accuracy"] for r in rows if r["label"] == "preset"), None)
+        C.print_table("what each choice buys (seed 1337, one core each)",
                       ["variant", "steps", "train time", "test accuracy", "vs preset"],
                       [[r["label"], str(r["steps"]), C.fmt_time(r["train_s"]), f"{r['test_accuracy']:.2%}",
-                        f"{100 * (r['test_accuracy'] - base):+.2f} pt"] for r in rows])
+                        "" if base is None else f"{100 * (r['test_accuracy'] - base):+.2f} pt"]
+                       for r in rows])
     if "speed" not in args.skip:
         rows = bench_speed(args)
         result["speed"] = rows
