@@ -1,6 +1,7 @@
 """Vision Transformer: an image as a sequence of patch tokens.
 
     image (B, C, H, W) -> cut into P×P patches -> (B, N, C·P·P) -> linear -> (B, N, dim)
+                          (or: a few stride-2 convolutions down to the patch grid, ``stem="conv"``)
     [+ a learnable class token] + positions -> pre-LN encoder blocks -> norm -> read-out -> logits
 
 Dosovitskiy et al. 2021 ("An Image is Worth 16x16 Words"). Lectures: CS189 Lec 22 (images
@@ -25,6 +26,7 @@ from qkv.nn.linear import Linear
 
 ReadOut = Literal["cls", "mean", "concat"]
 ViTPositions = Literal["learned", "sinusoidal", "none"]
+ViTStem = Literal["linear", "conv"]
 
 
 def patchify(images: Tensor, patch_size: int) -> Tensor:
@@ -55,6 +57,26 @@ def overlapping_patches(images: Tensor, patch_size: int, overlap: int) -> Tensor
     return cols.transpose(1, 2)
 
 
+def stem_convs(patch_size: int) -> int:
+    """How many 3×3 stride-2 convolutions take an image down to its patch grid: ⌈log2 P⌉."""
+    return max(1, (patch_size - 1).bit_length())
+
+
+def conv_stem(channels: int, dim: int, patch_size: int) -> nn.Sequential:
+    """The convolutional stem of Xiao et al. 2021 ("Early convolutions help transformers see
+    better"): ⌈log2 P⌉ 3×3 stride-2 convolutions (padding 1, BatchNorm, ReLU), widths doubling
+    up to ``dim``, so (B, C, H, W) -> (B, dim, ⌈H/2^k⌉, ⌈W/2^k⌉): one feature vector per patch
+    cell of the grid (28×28 with P = 7: 28 -> 14 -> 7 -> 4). Each token then sees a receptive
+    field wider than its patch, with a CNN's locality and weight sharing, for little compute
+    next to the encoder; the ViT's linear map follows (their final 1×1 convolution)."""
+    k = stem_convs(patch_size)
+    widths = [max(8, dim >> (k - 1 - i)) for i in range(k)]
+    layers: list[nn.Module] = []
+    for cin, cout in zip([channels, *widths[:-1]], widths, strict=True):
+        layers += [nn.Conv2d(cin, cout, 3, stride=2, padding=1, bias=False), nn.BatchNorm2d(cout), nn.ReLU()]
+    return nn.Sequential(*layers)
+
+
 def unpatchify(patches: Tensor, patch_size: int, channels: int, height: int, width: int) -> Tensor:
     """Inverse of :func:`patchify`: (B, N, C·P·P) -> (B, C, H, W)."""
     B = patches.shape[0]
@@ -71,6 +93,9 @@ class ViTConfig:
     channels: int = 1  # 1 (grey) or 3 (RGB)
     patch_size: int = 4  # P: must divide image_size
     patch_overlap: int = 0  # pixels each patch reaches into its neighbours on every side (0 = plain patches)
+    # linear: each patch's pixels -> one linear map (Dosovitskiy et al.); conv: ⌈log2 P⌉ 3×3
+    # stride-2 convolutions down to the patch grid, then that map (Xiao et al. 2021)
+    stem: ViTStem = "linear"  # how pixels become patch tokens: linear or conv
     n_classes: int = 10  # output classes
     dim: int = 128  # model width
     n_layers: int = 6  # Transformer blocks
@@ -99,6 +124,20 @@ class ViTConfig:
             raise ValueError(f"read_out must be cls, mean or concat, got {self.read_out!r}")
         if not 0 <= self.patch_overlap < self.patch_size:
             raise ValueError(f"patch_overlap must be in [0, patch_size), got {self.patch_overlap}")
+        if self.stem not in ("linear", "conv"):
+            raise ValueError(f"stem must be linear or conv, got {self.stem!r}")
+        if self.stem == "conv":
+            if self.patch_overlap:
+                raise ValueError("patch_overlap is for the linear stem (a conv stem's tokens already "
+                                 "see past their patch): set --patch_overlap 0 or --stem linear")
+            side = self.image_size
+            for _ in range(stem_convs(self.patch_size)):
+                side = (side + 1) // 2
+            if side != self.grid:
+                raise ValueError(f"a conv stem halves the image {stem_convs(self.patch_size)} times "
+                                 f"({self.image_size} -> {side}), not to the {self.grid}x{self.grid} "
+                                 f"patch grid of patch_size {self.patch_size}: choose a power-of-two "
+                                 "patch size or --stem linear")
         if not 0.0 <= self.label_smoothing < 1.0:
             raise ValueError(f"label_smoothing must be in [0, 1), got {self.label_smoothing}")
         if self.backend not in BACKENDS:
@@ -139,7 +178,10 @@ class ViT(nn.Module):
     def __init__(self, cfg: ViTConfig) -> None:
         super().__init__()
         self.cfg = cfg
-        self.patch_embed = Linear(cfg.channels * (cfg.patch_size + 2 * cfg.patch_overlap) ** 2, cfg.dim)
+        self.stem = conv_stem(cfg.channels, cfg.dim, cfg.patch_size) if cfg.stem == "conv" else None
+        patch_in = (self.stem[-2].num_features if self.stem is not None  # the stem's last width
+                    else cfg.channels * (cfg.patch_size + 2 * cfg.patch_overlap) ** 2)
+        self.patch_embed = Linear(patch_in, cfg.dim)
         self.cls_token = nn.Parameter(torch.zeros(1, 1, cfg.dim)) if cfg.read_out == "cls" else None
         n_tokens = cfg.n_patches + (1 if cfg.read_out == "cls" else 0)
         self.pos_emb: LearnedPositionalEmbedding | None = None
@@ -168,7 +210,11 @@ class ViT(nn.Module):
         if images.ndim != 4 or images.shape[1:] != (cfg.channels, cfg.image_size, cfg.image_size):
             raise ValueError(f"images must be (B, {cfg.channels}, {cfg.image_size}, "
                              f"{cfg.image_size}), got shape {tuple(images.shape)}")
-        x = self.patch_embed(overlapping_patches(images, cfg.patch_size, cfg.patch_overlap))  # (B, N, dim)
+        if self.stem is not None:
+            pixels = self.stem(images).flatten(2).transpose(1, 2)  # (B, dim, g, g) -> (B, N, dim)
+        else:
+            pixels = overlapping_patches(images, cfg.patch_size, cfg.patch_overlap)  # (B, N, C·K·K)
+        x = self.patch_embed(pixels)  # (B, N, dim)
         if self.cls_token is not None:
             x = torch.cat([self.cls_token.expand(x.shape[0], -1, -1), x], dim=1)  # (B, 1+N, dim)
         if self.pos_emb is not None:

@@ -221,7 +221,7 @@ def test_train_vit_under_torchrun(tmp_path: Path) -> None:
 
 
 def test_the_default_preset_runs_a_few_steps(tmp_path) -> None:
-    """`qkv train vit` with the fashion-cpu preset's choices (overlapping patches, label
+    """`qkv train vit` with the fashion-cpu preset's choices (a convolutional stem, label
     smoothing, flips), shortened and on the digits: they reach config.json as the preset says."""
     run = tmp_path / "run"
     rc, _, err = call(["train", "vit", "--dataset", "digits", "--patch_size", "4", "--max_iters", "3",
@@ -229,6 +229,17 @@ def test_the_default_preset_runs_a_few_steps(tmp_path) -> None:
                        "--erase", "0.5", "--out_dir", str(run), "--no-progress"])
     assert rc == 0, err
     cfg = json.loads((run / "config.json").read_text())
-    assert (cfg["model"]["patch_overlap"], cfg["model"]["label_smoothing"]) == (1, 0.1)
+    assert (cfg["model"]["stem"], cfg["model"]["patch_overlap"], cfg["model"]["label_smoothing"]) == (
+        "conv", 0, 0.1)
     assert (cfg["data"]["flip"], cfg["data"]["erase"]) == (True, 0.5)
     assert 0 <= json.loads((run / "eval.json").read_text())["accuracy"] <= 1
+    # the conv stem's tokens are still one per patch cell: the maps and the rollout are drawn
+    import matplotlib.image as mpimg
+
+    assert (run / "attention.png").is_file()
+    _save_digit(tmp_path / "d.png", 3)
+    rc, out, err = call(["attend", str(run), str(tmp_path / "d.png"), "-o", str(tmp_path / "att.png")])
+    assert rc == 0, err
+    img = mpimg.imread(tmp_path / "att.png")
+    assert img.shape[:2] == (round(2.4 * 120), round(6 * 2.2 * 120))  # image + 4 heads + rollout
+    assert "rollout peaks at patch row" in out

@@ -144,3 +144,39 @@ def test_label_smoothing_is_torch_cross_entropy() -> None:
     assert not torch.allclose(a.loss, b.loss)
     with pytest.raises(ValueError, match="label_smoothing"):
         ViTConfig(label_smoothing=1.0)
+
+
+def test_conv_stem_is_stride_two_convolutions_down_to_the_patch_grid() -> None:
+    """stem="conv": ⌈log2 P⌉ 3×3 stride-2 convolutions (BatchNorm, ReLU), written out here with
+    torch's functional ops, then the linear map: the tokens the encoder receives."""
+    import torch.nn.functional as F
+
+    torch.manual_seed(0)
+    m = ViT(ViTConfig(image_size=28, patch_size=7, dim=32, n_layers=1, n_heads=4, stem="conv")).eval()
+    convs = [c for c in m.stem if isinstance(c, torch.nn.Conv2d)]
+    assert [c.out_channels for c in convs] == [8, 16, 32]  # 28 -> 14 -> 7 -> 4: the 4x4 grid
+    with torch.no_grad():
+        for bn in (b for b in m.stem if isinstance(b, torch.nn.BatchNorm2d)):  # statistics that count
+            bn.running_mean.normal_()
+            bn.running_var.uniform_(0.5, 2.0)
+            bn.weight.normal_()
+    x = torch.randn(2, 1, 28, 28)
+    h = x.double()
+    for conv, bn in zip(convs, [b for b in m.stem if isinstance(b, torch.nn.BatchNorm2d)], strict=True):
+        h = F.conv2d(h, conv.weight.double(), stride=2, padding=1)
+        h = (h - bn.running_mean.double()[:, None, None]) / torch.sqrt(bn.running_var.double()[:, None, None]
+                                                                      + bn.eps)
+        h = torch.relu(h * bn.weight.double()[:, None, None] + bn.bias.double()[:, None, None])
+    assert h.shape == (2, 32, 4, 4)
+    tokens = h.flatten(2).transpose(1, 2) @ m.patch_embed.weight.double().T + m.patch_embed.bias.double()
+    seen = {}
+    m.stack.register_forward_pre_hook(lambda mod, args: seen.setdefault("x", args[0]))
+    m(x)
+    torch.testing.assert_close(seen["x"][:, 1:] - m.pos_emb(17)[1:], tokens.float(), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("kw, match", [(dict(image_size=28, patch_size=7, patch_overlap=1), "patch_overlap"),
+                                       (dict(image_size=24, patch_size=3), "conv stem halves")])
+def test_conv_stem_is_checked(kw, match) -> None:
+    with pytest.raises(ValueError, match=match):
+        ViTConfig(stem="conv", **kw)
