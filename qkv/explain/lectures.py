@@ -188,8 +188,8 @@ LECTURES: tuple[Lecture, ...] = (
                  _d("qkv explain cost --model gpt3-175b",
                     "GPT-3's 96 blocks: parameters, KV cache, FLOPs per layer (--model gpt2: 2019's 12)"))),
         Section("Vision Transformer: patches, positions, blocks, pooling",
-                (_d("qkv train vit", "Fashion-MNIST, a conv stem to 7x7 patches: 92.5-92.7% test over 3 "
-                    "seeds, 11.4 min on 2 Zen 4 cores (a same-size CNN, same time: 93.3-93.4%)",
+                (_d("qkv train vit", "Fashion-MNIST, a conv stem to 7x7 patches: 93.0-93.2% test over 3 "
+                    "seeds, 12.9 min on 2 Zen 4 cores (a same-size CNN, same run: 93.1-93.3%)",
                     TINY_FAMILY),),
                 measured="vit_fashion.py"),
         Section("One architecture for audio (spectrogram frames) and video (space-time patches)",

@@ -62,18 +62,37 @@ def stem_convs(patch_size: int) -> int:
     return max(1, (patch_size - 1).bit_length())
 
 
-def conv_stem(channels: int, dim: int, patch_size: int) -> nn.Sequential:
-    """The convolutional stem of Xiao et al. 2021 ("Early convolutions help transformers see
-    better"): ⌈log2 P⌉ 3×3 stride-2 convolutions (padding 1, BatchNorm, ReLU), widths doubling
-    up to ``dim``, so (B, C, H, W) -> (B, dim, ⌈H/2^k⌉, ⌈W/2^k⌉): one feature vector per patch
-    cell of the grid (28×28 with P = 7: 28 -> 14 -> 7 -> 4). Each token then sees a receptive
-    field wider than its patch, with a CNN's locality and weight sharing, for little compute
-    next to the encoder; the ViT's linear map follows (their final 1×1 convolution)."""
+def stem_widths(dim: int, patch_size: int, width: int | None = None) -> list[int]:
+    """Channels of the conv stem's ⌈log2 P⌉ stride-2 convolutions: from ``width`` doubling up to
+    ``dim`` (or ``width``, if wider), or with none: ending at ``dim``, each half the next, at least 8.
+    dim 64, P 7: [16, 32, 64]; with width 32: [32, 64, 64]."""
     k = stem_convs(patch_size)
-    widths = [max(8, dim >> (k - 1 - i)) for i in range(k)]
+    if width is None:
+        return [max(8, dim >> (k - 1 - i)) for i in range(k)]
+    return [min(max(dim, width), width << i) for i in range(k)]
+
+
+def conv_stem(channels: int, dim: int, patch_size: int, width: int | None = None,
+              refine: int = 0) -> nn.Sequential:
+    """The convolutional stem of Xiao et al. 2021 ("Early convolutions help transformers see
+    better"): ⌈log2 P⌉ 3×3 stride-2 convolutions (padding 1, BatchNorm, ReLU), widths from
+    :func:`stem_widths`, so (B, C, H, W) -> (B, width_k, ⌈H/2^k⌉, ⌈W/2^k⌉): one feature vector per
+    patch cell of the grid (28×28 with P = 7: 28 -> 14 -> 7 -> 4). ``refine`` 3×3 stride-1
+    convolutions follow the first (at 14×14 for a 28×28 image, where strokes and edges are
+    still resolved), as the stages of a small CNN do. Each token then sees a receptive field wider
+    than its patch, with a CNN's locality and weight sharing; the ViT's linear map follows (their
+    final 1×1 convolution)."""
+    widths = stem_widths(dim, patch_size, width)
     layers: list[nn.Module] = []
-    for cin, cout in zip([channels, *widths[:-1]], widths, strict=True):
-        layers += [nn.Conv2d(cin, cout, 3, stride=2, padding=1, bias=False), nn.BatchNorm2d(cout), nn.ReLU()]
+
+    def conv(cin: int, cout: int, stride: int) -> None:
+        layers.extend([nn.Conv2d(cin, cout, 3, stride=stride, padding=1, bias=False), nn.BatchNorm2d(cout),
+                       nn.ReLU()])
+
+    for i, (cin, cout) in enumerate(zip([channels, *widths[:-1]], widths, strict=True)):
+        conv(cin, cout, 2)
+        for _ in range(refine if i == 0 else 0):
+            conv(cout, cout, 1)
     return nn.Sequential(*layers)
 
 
@@ -96,6 +115,9 @@ class ViTConfig:
     # linear: each patch's pixels -> one linear map (Dosovitskiy et al.); conv: ⌈log2 P⌉ 3×3
     # stride-2 convolutions down to the patch grid, then that map (Xiao et al. 2021)
     stem: ViTStem = "linear"  # how pixels become patch tokens: linear or conv
+    # the next two shape the conv stem only (linear patches ignore them, so --stem linear works on the preset)
+    stem_width: int | None = None  # conv stem: first conv's width, doubled up to dim (none: ends at dim)
+    stem_refine: int = 0  # conv stem: 3x3 stride-1 convolutions after its first (at half the image's size)
     n_classes: int = 10  # output classes
     dim: int = 128  # model width
     n_layers: int = 6  # Transformer blocks
@@ -126,6 +148,10 @@ class ViTConfig:
             raise ValueError(f"patch_overlap must be in [0, patch_size), got {self.patch_overlap}")
         if self.stem not in ("linear", "conv"):
             raise ValueError(f"stem must be linear or conv, got {self.stem!r}")
+        if self.stem_width is not None and self.stem_width < 1:
+            raise ValueError(f"stem_width must be >= 1 (or none), got {self.stem_width}")
+        if self.stem_refine < 0:
+            raise ValueError(f"stem_refine must be >= 0, got {self.stem_refine}")
         if self.stem == "conv":
             if self.patch_overlap:
                 raise ValueError("patch_overlap is for the linear stem (a conv stem's tokens already "
@@ -178,7 +204,8 @@ class ViT(nn.Module):
     def __init__(self, cfg: ViTConfig) -> None:
         super().__init__()
         self.cfg = cfg
-        self.stem = conv_stem(cfg.channels, cfg.dim, cfg.patch_size) if cfg.stem == "conv" else None
+        self.stem = (conv_stem(cfg.channels, cfg.dim, cfg.patch_size, cfg.stem_width, cfg.stem_refine)
+                     if cfg.stem == "conv" else None)
         patch_in = (self.stem[-2].num_features if self.stem is not None  # the stem's last width
                     else cfg.channels * (cfg.patch_size + 2 * cfg.patch_overlap) ** 2)
         self.patch_embed = Linear(patch_in, cfg.dim)

@@ -221,16 +221,18 @@ def test_train_vit_under_torchrun(tmp_path: Path) -> None:
 
 
 def test_the_default_preset_runs_a_few_steps(tmp_path) -> None:
-    """`qkv train vit` with the fashion-cpu preset's choices (a convolutional stem, label
-    smoothing, flips), shortened and on the digits: they reach config.json as the preset says."""
+    """`qkv train vit` with the fashion-cpu preset's choices (a convolutional stem 32 wide with a
+    stride-1 convolution, label smoothing, flips), shortened and on the digits: they reach
+    config.json as the preset says."""
     run = tmp_path / "run"
     rc, _, err = call(["train", "vit", "--dataset", "digits", "--patch_size", "4", "--max_iters", "3",
                        "--eval_interval", "3", "--eval_iters", "1", "--compile", "false", "--dtype", "fp32",
                        "--erase", "0.5", "--out_dir", str(run), "--no-progress"])
     assert rc == 0, err
     cfg = json.loads((run / "config.json").read_text())
-    assert (cfg["model"]["stem"], cfg["model"]["patch_overlap"], cfg["model"]["label_smoothing"]) == (
-        "conv", 0, 0.1)
+    model = cfg["model"]
+    assert (model["stem"], model["stem_width"], model["stem_refine"], model["patch_overlap"],
+            model["label_smoothing"]) == ("conv", 32, 1, 0, 0.1)
     assert (cfg["data"]["flip"], cfg["data"]["erase"]) == (True, 0.5)
     assert 0 <= json.loads((run / "eval.json").read_text())["accuracy"] <= 1
     # the conv stem's tokens are still one per patch cell: the maps and the rollout are drawn

@@ -146,15 +146,23 @@ def test_label_smoothing_is_torch_cross_entropy() -> None:
         ViTConfig(label_smoothing=1.0)
 
 
-def test_conv_stem_is_stride_two_convolutions_down_to_the_patch_grid() -> None:
-    """stem="conv": ⌈log2 P⌉ 3×3 stride-2 convolutions (BatchNorm, ReLU), written out here with
+@pytest.mark.parametrize("width, refine, channels, strides", [
+    (None, 0, [8, 16, 32], [2, 2, 2]),  # 28 -> 14 -> 7 -> 4: the 4x4 grid
+    (16, 1, [16, 16, 32, 32], [2, 1, 2, 2]),  # wider from the start, one stride-1 conv at 14x14
+])
+def test_conv_stem_is_stride_two_convolutions_down_to_the_patch_grid(width, refine, channels,
+                                                                     strides) -> None:
+    """stem="conv": ⌈log2 P⌉ 3×3 stride-2 convolutions (BatchNorm, ReLU), ``stem_refine`` stride-1
+    ones after the first, widths from ``stem_width`` doubling up to dim, written out here with
     torch's functional ops, then the linear map: the tokens the encoder receives."""
     import torch.nn.functional as F
 
     torch.manual_seed(0)
-    m = ViT(ViTConfig(image_size=28, patch_size=7, dim=32, n_layers=1, n_heads=4, stem="conv")).eval()
+    m = ViT(ViTConfig(image_size=28, patch_size=7, dim=32, n_layers=1, n_heads=4, stem="conv",
+                      stem_width=width, stem_refine=refine)).eval()
     convs = [c for c in m.stem if isinstance(c, torch.nn.Conv2d)]
-    assert [c.out_channels for c in convs] == [8, 16, 32]  # 28 -> 14 -> 7 -> 4: the 4x4 grid
+    assert [c.out_channels for c in convs] == channels
+    assert [c.stride for c in convs] == [(s, s) for s in strides]
     with torch.no_grad():
         for bn in (b for b in m.stem if isinstance(b, torch.nn.BatchNorm2d)):  # statistics that count
             bn.running_mean.normal_()
@@ -162,12 +170,13 @@ def test_conv_stem_is_stride_two_convolutions_down_to_the_patch_grid() -> None:
             bn.weight.normal_()
     x = torch.randn(2, 1, 28, 28)
     h = x.double()
-    for conv, bn in zip(convs, [b for b in m.stem if isinstance(b, torch.nn.BatchNorm2d)], strict=True):
-        h = F.conv2d(h, conv.weight.double(), stride=2, padding=1)
+    bns = [b for b in m.stem if isinstance(b, torch.nn.BatchNorm2d)]
+    for conv, bn, stride in zip(convs, bns, strides, strict=True):
+        h = F.conv2d(h, conv.weight.double(), stride=stride, padding=1)
         h = (h - bn.running_mean.double()[:, None, None]) / torch.sqrt(bn.running_var.double()[:, None, None]
                                                                       + bn.eps)
         h = torch.relu(h * bn.weight.double()[:, None, None] + bn.bias.double()[:, None, None])
-    assert h.shape == (2, 32, 4, 4)
+    assert h.shape == (2, channels[-1], 4, 4)
     tokens = h.flatten(2).transpose(1, 2) @ m.patch_embed.weight.double().T + m.patch_embed.bias.double()
     seen = {}
     m.stack.register_forward_pre_hook(lambda mod, args: seen.setdefault("x", args[0]))
@@ -175,8 +184,25 @@ def test_conv_stem_is_stride_two_convolutions_down_to_the_patch_grid() -> None:
     torch.testing.assert_close(seen["x"][:, 1:] - m.pos_emb(17)[1:], tokens.float(), atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("kw, match", [(dict(image_size=28, patch_size=7, patch_overlap=1), "patch_overlap"),
-                                       (dict(image_size=24, patch_size=3), "conv stem halves")])
+@pytest.mark.parametrize("kw, match", [
+    (dict(image_size=28, patch_size=7, patch_overlap=1), "patch_overlap"),
+    (dict(image_size=24, patch_size=3), "conv stem halves"),
+    (dict(stem_width=0), "stem_width"), (dict(stem_refine=-1), "stem_refine"),
+])
 def test_conv_stem_is_checked(kw, match) -> None:
     with pytest.raises(ValueError, match=match):
         ViTConfig(stem="conv", **kw)
+
+
+def test_linear_patches_ignore_the_conv_stem_options() -> None:
+    """`--stem linear` on the preset (which sets stem_width and stem_refine): one linear map per
+    flattened patch, no convolution anywhere, the same model as without those options."""
+    torch.manual_seed(0)
+    a = ViT(ViTConfig(image_size=28, patch_size=7, dim=32, n_layers=1, n_heads=4, stem="linear",
+                      stem_width=32, stem_refine=1))
+    torch.manual_seed(0)
+    b = ViT(ViTConfig(image_size=28, patch_size=7, dim=32, n_layers=1, n_heads=4, stem="linear"))
+    assert a.stem is None and not any(isinstance(m, torch.nn.Conv2d) for m in a.modules())
+    assert a.patch_embed.weight.shape == (32, 49)
+    x = torch.randn(2, 1, 28, 28)
+    assert torch.equal(a(x).logits, b(x).logits)
