@@ -17,7 +17,7 @@ qkv's ViT as the preset runs it vs the same ViT written with ``torch.nn.Transfor
 qkv with PyTorch's SDPA backend. Contenders run round-robin; the ratio is the median over
 rounds of the within-round ratio.
 
-    python benchmarks/vit_fashion.py --skip ablation --skip speed   # ~50 minutes on 2 cores (Zen 4)
+    python benchmarks/vit_fashion.py --skip ablation --skip speed   # ~60 minutes on 2 cores (Zen 4)
     python benchmarks/vit_fashion.py --skip alone --skip accuracy --skip speed \
         --ablation-iters 11000        # the full-length ablation: 12 runs of ~7-14 min on one core each
     python benchmarks/vit_fashion.py --dataset mnist     # the same recipe on MNIST
@@ -89,8 +89,8 @@ class TorchViT(nn.Module):
         self.cfg = cfg
         self.stem = (conv_stem(cfg.channels, cfg.dim, cfg.patch_size, cfg.stem_width, cfg.stem_refine)
                      if cfg.stem == "conv" else None)
-        self.patch_embed = nn.Linear(cfg.dim if self.stem is not None else cfg.channels * cfg.patch_size**2,
-                                     cfg.dim)
+        self.patch_embed = nn.Linear(self.stem[-2].num_features if self.stem is not None  # its last width
+                                     else cfg.channels * cfg.patch_size**2, cfg.dim)
         self.cls_token = nn.Parameter(torch.zeros(1, 1, cfg.dim))
         self.pos = nn.Parameter(torch.randn(1, cfg.n_patches + 1, cfg.dim) * 0.02)
         layer = nn.TransformerEncoderLayer(cfg.dim, cfg.n_heads, cfg.mlp_hidden or 4 * cfg.dim,
@@ -124,7 +124,8 @@ def n_params(m: nn.Module) -> int:
 # --ablation-iters steps (ABLATION_ITERS by default, a quick look; the preset's own length is
 # what BENCHMARKS.md reports): what each choice buys.
 ABLATION_ITERS = 3000
-_HALF = get_preset("vit", "fashion-cpu")["train"]["max_iters"] // 2
+_PRESET_ITERS = get_preset("vit", "fashion-cpu")["train"]["max_iters"]
+_HALF = _PRESET_ITERS // 2
 NO_STEM = {"stem": "linear", "stem_width": None, "stem_refine": 0}
 LINEAR = {**NO_STEM, "patch_overlap": 1}  # the patch embedding of the preset before the conv stem
 ABLATION: dict[str, tuple[str, dict]] = {  # --ablation KEY: (label, the change)
@@ -408,7 +409,7 @@ def main() -> int:
     p.add_argument("--skip", choices=("alone", "accuracy", "cnn", "ablation", "speed"), action="append",
                    default=[], help="(repeatable) alone: the preset timed alone on 2 threads")
     p.add_argument("--ablation-iters", type=int, default=ABLATION_ITERS,
-                   help="steps of each ablation run (the preset's own: 11,000)")
+                   help=f"steps of each ablation run (the preset's own: {_PRESET_ITERS:,})")
     p.add_argument("--ablation", choices=tuple(ABLATION), action="append", default=None,
                    help="(repeatable) run only these ablation rows (default: all)")
     p.add_argument("--cnn-seconds", type=float, default=None,
