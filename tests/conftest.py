@@ -16,6 +16,34 @@ import torch
 from helpers import TINY_TEXT, call_one_thread, flags, single_thread, tiny_data, tiny_train
 
 
+def pytest_configure(config):
+    """Under pytest-xdist (``-n N``), each worker's torch takes its share of the cores, so that N
+    workers do not each start a thread per core (OpenMP threads that wait on each other)."""
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    if workers > 1:
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // workers))
+
+
+# The files that took longest (seconds on 2 workers of a Zen 3, `pytest --durations`), handed out
+# first: pytest-xdist gives each worker a whole file at a time (--dist loadfile), so a long file
+# left for last would keep one worker busy while the other waits. Only the speed depends on it.
+LONGEST_FILES = ("generation/test_aot.py", "learn/test_runner.py", "pretrained/test_smollm2.py",
+                 "training/test_faults.py", "pretrained/test_quantized.py", "learn/test_sandbox.py",
+                 "test_processes.py", "explain/test_lectures.py", "kernels/test_qmatmul.py",
+                 "families/test_captioner_family.py", "test_bad_inputs.py", "generation/test_compiled.py")
+
+
+@pytest.hookimpl(tryfirst=True)  # before pytest-random-order, which then shuffles what this sorted
+def pytest_collection_modifyitems(config, items):
+    """Under pytest-xdist, LONGEST_FILES first (a run in one process, or with QKV_KEEP_ORDER=1,
+    keeps the order it was given)."""
+    if int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")) <= 1 or os.environ.get("QKV_KEEP_ORDER") == "1":
+        return
+    here = Path(__file__).parent
+    rank = {str(here / f): i for i, f in enumerate(LONGEST_FILES)}
+    items.sort(key=lambda item: rank.get(str(item.path), len(rank)))  # stable: the rest keep their order
+
+
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_makereport(item, call):
     """``QKV_FAIL_ON_SKIP=1`` (set by .ci/run, which installs every asset, package and the

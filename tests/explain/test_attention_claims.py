@@ -39,6 +39,7 @@ def test_hard_attention_estimators_are_unbiased_and_baselines_shrink_the_spread(
     assert spreads["expected"] < spreads["no"] and spreads["leave-one-out"] < spreads["no"]
 
 
+@pytest.mark.slow  # ~40 s; benchmarks/seq2seq_copy.py measures the same comparison at full size
 def test_bottleneck_shows_the_fixed_context_losing_long_strings() -> None:
     r = explain_bottleneck(min_len=4, max_len=20, steps=300, seed=0)
     longest = list(r.exact["rnn"])[-1]

@@ -214,6 +214,7 @@ def test_a_short_run_learns_to_name_the_colour() -> None:
     assert right >= 80, right
 
 
+@pytest.mark.slow  # ~19 s; benchmarks/captioning.py --variant hard trains and measures it at full size
 def test_a_short_hard_attention_run_beats_uniform_attention_on_single_objects() -> None:
     """Hard attention trained with REINFORCE (per-word reward, the soft path as control
     variate, the expected-value share annealed 1 -> 0) for 300 steps on 800 one-object scenes:

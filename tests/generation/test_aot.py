@@ -192,7 +192,8 @@ def test_a_running_batch_of_several_rows_steps_through_its_saved_step(positions,
     step. Llama-like (RoPE, GQA) and GPT-2-like (learned positions, the default of gpt runs)."""
     from qkv.generation.batch import Batch, Request
 
-    monkeypatch.setenv("QKV_CACHE_DIR", str(tmp_path / "cache"))
+    # the session's cache folder: the 4-row step of CFG's shape (weights are inputs, not part of
+    # the key) is built once, here or in test_generate_batch_builds_and_takes_the_batch_step
     m = model(seed=4)
     if positions == "learned":
         torch.manual_seed(4)
@@ -242,7 +243,8 @@ def test_generate_batch_builds_and_takes_the_batch_step(tmp_path, monkeypatch):
     with mode="auto" finds both; mode="eager" takes neither."""
     from qkv.generation.batch import Request, batch_cache_len, generate_batch
 
-    monkeypatch.setenv("QKV_CACHE_DIR", str(tmp_path / "cache"))
+    # the session's cache folder: its steps (CFG's shape: the lone row's, which `built` makes, and
+    # the 4-row batch's) are built here only if no test of this module built them before
     m = model(seed=6)
     prompts = [torch.randint(0, V, (n,), generator=torch.Generator().manual_seed(40 + n)).tolist()
                for n in (4, 7, 3)]
@@ -372,7 +374,11 @@ def test_a_cache_folder_that_is_not_private_or_not_writable_decodes_eagerly(tmp_
     assert aot.load(m) is None and not aot.enabled()
 
 
-@pytest.mark.parametrize("weights", ["q4", "q4 untied", "q4 on PyTorch's kernel", "int8", "bf16"])
+# int8 and bf16 (~17 s each) in `pytest -m slow`: benchmarks/saved_step.py --weights int8|bf16 builds
+# and checks them on SmolLM2 itself.
+@pytest.mark.parametrize("weights", ["q4", "q4 untied", "q4 on PyTorch's kernel",
+                                     pytest.param("int8", marks=pytest.mark.slow),
+                                     pytest.param("bf16", marks=pytest.mark.slow)])
 def test_quantised_saved_steps_agree_with_eager(weights, monkeypatch):
     """SmolLM2's decoding formats on a tiny Llama-style model (q4 on qkv's 4-bit kernel, a
     custom op the package calls; on PyTorch's, the int4 products' group sizes are constants

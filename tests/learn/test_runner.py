@@ -172,6 +172,7 @@ def test_additive_attention_inside_the_dates_rnn():
     assert not bad.passed and "not the same function" in bad.verdict
 
 
+@pytest.mark.slow  # ~50 s; benchmarks/learn_run.py runs `qkv learn run` on every exercise
 def test_the_command_runs_a_file_writes_the_plot_and_exits_by_the_verdict(tmp_path):
     good = tmp_path / "softmax.py"
     good.write_text("import torch\n\ndef softmax(x, dim=-1):\n    e = (x - x.amax(dim, keepdim=True)).exp()\n"

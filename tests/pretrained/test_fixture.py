@@ -108,7 +108,9 @@ def test_smollm2_greedy(smollm2, qkv_greedy, reference_fixture, i: int) -> None:
     assert text == smollm2.tokenizer.decode(ref)
 
 
-@pytest.mark.parametrize("use_cache", [True, False], ids=["cache", "nocache"])
+# without the cache (~24 s) in `pytest -m slow`, as in test_smollm2.py
+@pytest.mark.parametrize("use_cache", [True, pytest.param(False, marks=pytest.mark.slow)],
+                         ids=["cache", "nocache"])
 def test_smollm2_greedy_batched(qkv_greedy_batch, reference_fixture, use_cache: bool):
     assert qkv_greedy_batch(use_cache) == reference_fixture["smollm2"]["greedy"]
 

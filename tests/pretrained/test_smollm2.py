@@ -27,7 +27,9 @@ from qkv.pretrained.gguf_models import unpermute_rope_rows
 
 LOGIT_TOL = 1e-4
 # use_cache for batched decoding; CausalLM.generate, one prompt at a time, runs with the cache.
-MODES = [True, False]
+# (without the cache, ~22 s: in `pytest -m slow`; benchmarks/pretrained_parity.py compares the greedy
+# answers of every format with transformers')
+MODES = [True, pytest.param(False, marks=pytest.mark.slow)]
 MODE_IDS = ["cache", "nocache"]
 
 
