@@ -1,9 +1,11 @@
 """`qkv learn`'s exercises measured: how many each lecture section has, how long every check
-takes on the reference solution (in this process, and a whole ``qkv learn check`` in its child
-process, torch's import included: what a student waits; the issue's goal is ≤ 5 s per check on 2
-cores), and the catch rate of the tests' wrong solutions (tests/learn/test_*.py: each WRONG
-entry is a plausible mistake and the diagnosis its check must give; each CORRECT entry a
-solution written independently of qkv's).
+takes on the reference solution (in this process, and a whole ``qkv learn check``: the function
+in its child process, torch's import included, the checks in the grader: what a student waits;
+the goal is ≤ 5 s per exercise on 2 cores), and the catch rate of the tests' wrong solutions
+(tests/learn/test_*.py: each WRONG entry is a plausible mistake and the diagnosis its check must
+give; each CORRECT entry a solution written independently of qkv's), with how many of the
+failed checks' messages name the mistake or give a generic diagnosis (NaN, shape, dtype,
+transpose, normalised over another axis, a constant factor, ...) rather than only expected/got.
 
     python benchmarks/learn_checks.py            # ~3 minutes on 2 cores
 """
@@ -30,7 +32,7 @@ def main() -> int:
     import torch
 
     from qkv.learn import EXERCISES
-    from qkv.learn.sandbox import run_checks
+    from qkv.learn.judge import run_checks
 
     machine = C.machine_info()
     print(C.machine_line(machine))
@@ -59,7 +61,8 @@ def main() -> int:
     result["catch"] = catch_rate()
     c = result["catch"]
     print(f"wrong solutions: {c['rejected']}/{c['wrong']} rejected, {c['diagnosed']}/{c['wrong']} with the "
-          f"expected diagnosis; independent correct solutions: {c['accepted']}/{c['correct']} accepted")
+          f"expected diagnosis, {c['generic_diagnosis']} more with a generic one, {c['only_expected_got']} "
+          f"with only expected/got; independent correct solutions: {c['accepted']}/{c['correct']} accepted")
     C.print_table("qkv learn: check times on the reference solutions",
                   ["exercise", "checks", "slowest check, s", "all checks, s", "qkv learn check (child), s"],
                   rows)
@@ -88,8 +91,9 @@ def catch_rate() -> dict:
 
     from qkv.learn import run
 
-    wrong = rejected = diagnosed = correct = accepted = 0
+    wrong = rejected = diagnosed = correct = accepted = generic = bare = 0
     missed: list[str] = []
+    bare_examples: list[str] = []
     sys.path.insert(0, str(C.REPO_DIR / "tests"))  # the tests' helpers module
     for path in sorted((C.REPO_DIR / "tests" / "learn").glob("test_*.py")):
         if "WRONG = [" not in path.read_text():
@@ -105,11 +109,25 @@ def catch_rate() -> dict:
             diagnosed += ok
             if not ok:
                 missed.append(f"{path.name}:{name}:{fn.__name__}")
+            messages = [c.message for c in report.checks if not c.ok]
+            if not ok and messages:
+                if any(any(w in m for w in GENERIC) for m in messages):
+                    generic += 1
+                else:
+                    bare += 1
+                    bare_examples.append(f"{name}:{fn.__name__}: {messages[0][:160]}")
         for name, fn in getattr(module, "CORRECT", {}).items():
             correct += 1
             accepted += run(name, fn).passed
-    return {"wrong": wrong, "rejected": rejected, "diagnosed": diagnosed, "correct": correct,
-            "accepted": accepted, "missed": missed}
+    return {"wrong": wrong, "rejected": rejected, "diagnosed": diagnosed, "generic_diagnosis": generic,
+            "only_expected_got": bare, "correct": correct, "accepted": accepted, "missed": missed,
+            "only_expected_got_examples": bare_examples}
+
+
+# The words of qkv.learn.exercise's generic diagnoses (and of its shape / dtype / NaN messages).
+GENERIC = ("has NaN", "it has NaN", "it has inf", "has shape", "has dtype", "transpose",
+           "normalised along dim", "rows should sum to 1", "negative probabilities", "times the answer",
+           "should be a", "should return", "not written yet", "raised")
 
 
 if __name__ == "__main__":

@@ -10,7 +10,6 @@ compiler, torch's version), never by the file.
 
 from __future__ import annotations
 
-import atexit
 import contextlib
 import fcntl
 import functools
@@ -19,15 +18,14 @@ import json
 import os
 import platform
 import shutil
-import signal
 import subprocess
 import tempfile
-import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+from qkv import owned
 from qkv.paths import cache_root
 
 
@@ -35,50 +33,13 @@ class NativeError(RuntimeError):
     """Why native code could not be built or loaded here (the caller goes on without it)."""
 
 
-_RUNNING: set[subprocess.Popen] = set()  # compilers this process started that are still running
-_RUNNING_LOCK = threading.Lock()
-_CLOSING = threading.Event()  # set at exit: no compiler starts after it
-
-
 def run_owned(cmd: list[str], timeout: float) -> subprocess.CompletedProcess:
-    """``cmd`` (a compiler) run to completion and its output captured, like ``subprocess.run``,
-    but never outliving this process: it runs in a process group of its own (the compiler
-    driver and the programs it starts: cc1plus, as, ld), which is killed if this process exits
-    first (a server stopped while a kernel compiles in the background, a Ctrl-C), if the call
-    times out, or if the waiting thread is interrupted. Only this group, which this process
-    started, is ever signalled."""
-    with _RUNNING_LOCK:  # started and recorded at once: an exit in between would miss it
-        if _CLOSING.is_set():  # this process is exiting: no new compiler (it would be orphaned)
-            raise NativeError("this process is exiting")
-        proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                text=True, start_new_session=True)
-        _RUNNING.add(proc)
+    """``cmd`` (a compiler) run to completion, never outliving this process (:func:`qkv.owned.run`);
+    NativeError if this process is exiting."""
     try:
-        out, err = proc.communicate(timeout=timeout)
-    except BaseException:
-        _end(proc)
-        raise
-    finally:
-        with _RUNNING_LOCK:
-            _RUNNING.discard(proc)
-    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
-
-
-def _end(proc: subprocess.Popen) -> None:
-    """Kill ``proc``'s own process group (started by :func:`run_owned`) and reap it."""
-    with contextlib.suppress(OSError):
-        os.killpg(proc.pid, signal.SIGKILL)
-    with contextlib.suppress(OSError, subprocess.SubprocessError):
-        proc.wait(5)
-
-
-@atexit.register
-def _end_running() -> None:
-    with _RUNNING_LOCK:
-        _CLOSING.set()
-        left = list(_RUNNING)
-    for proc in left:
-        _end(proc)
+        return owned.run(cmd, timeout)
+    except owned.ExitingError as e:
+        raise NativeError(str(e)) from None
 
 
 def cpu_identity() -> dict[str, str]:

@@ -16,7 +16,7 @@ ROOT = Path(__file__).resolve().parent.parent / "qkv"
 # Lowest first. A module may import its own folder and any layer listed before its own; two
 # folders in one layer are independent of each other. "qkv" is the package root (qkv.load).
 LAYERS: tuple[tuple[str, ...], ...] = (
-    ("version", "errors", "figures", "fileio", "paths", "device", "presets", "assets"),  # helpers
+    ("version", "errors", "figures", "fileio", "paths", "device", "presets", "assets", "owned"),  # helpers
     ("native",),  # native code built on this machine: keys, private folders, locks
     ("kernels",),  # qkv's own CPU kernels (compiled on first use)
     ("nn",),

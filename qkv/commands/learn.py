@@ -80,7 +80,7 @@ def _status(name: str) -> str:
     done = progress.load().get(name)
     if done is None:
         return "started" if (Path(DEFAULT_DIR) / f"{name}.py").is_file() else "not started"
-    return "passed" if done.passed else f"failing ({done.ok}/{done.total} checks)"
+    return done.state() if done.passed or done.status else f"failing ({done.ok}/{done.total} checks)"
 
 
 def _list(args: argparse.Namespace) -> int:
@@ -127,12 +127,12 @@ def _start(args: argparse.Namespace) -> int:
 
 def _check(args: argparse.Namespace) -> int:
     from qkv.learn import get, progress
-    from qkv.learn.sandbox import run_checks
+    from qkv.learn.judge import run_checks
 
     e = get(args.name)
     path = Path(args.file) if args.file else Path(DEFAULT_DIR) / f"{e.name}.py"
     report = run_checks(e.name, path)
-    progress.record(report)
+    progress.record(report, path)
     if args.json:
         print(json.dumps(report.as_dict(), ensure_ascii=False))
     else:
@@ -181,6 +181,6 @@ def _progress(args: argparse.Namespace) -> int:
         print(f"quiz: {quiz}")
     for n in EXERCISES:
         a = done.get(n)
-        state = "not checked yet" if a is None else ("passed" if a.passed else f"{a.ok}/{a.total} checks")
+        state = "not checked yet" if a is None else a.state()
         print(f"  {n:30s} {state}{'' if a is None else f'  ({a.when})'}")
     return 0

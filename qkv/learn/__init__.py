@@ -6,7 +6,9 @@
     qkv learn hint softmax         # the next hint
 
 From Python (a notebook): ``from qkv.learn import check; check("softmax", my_softmax)`` prints
-the same report and returns it. Each check compares with an independent reference (PyTorch's
+the same report and returns it, judged the same way as the command: the function's source (the
+definitions of the cells run so far) runs in a child process with the same limits, the checks in
+this one. Each check compares with an independent reference (PyTorch's
 own ops, float64 formulas, the lectures' numbers such as Discussion 10's 0.9975), tries the
 edge cases a careless solution breaks, and says what is wrong when it recognises the mistake.
 """
@@ -35,8 +37,9 @@ def get(name: str) -> Exercise:
 
 
 def run(name: str, fn: Callable[..., Any]) -> Report:
-    """Every check of exercise ``name`` on ``fn``, in this process (no time or memory limit: for
-    a function you wrote in this session; `qkv learn check` isolates a file)."""
+    """Every check of exercise ``name`` on ``fn``, in this process: no isolation and no time
+    limit, so nothing it says can be trusted as a grade (qkv's own tests and benchmarks use it to
+    run thousands of checks quickly); :func:`check` and ``qkv learn check`` judge in a child."""
     exercise = get(name)
     results = []
     for c in exercise.checks:
@@ -50,9 +53,16 @@ def run(name: str, fn: Callable[..., Any]) -> Report:
     return Report(name, tuple(results))
 
 
-def check(name: str, fn: Callable[..., Any]) -> Report:
-    """:func:`run`, printed (one line per check, the reason under a failed one), and returned."""
-    report = run(name, fn)
+def check(name: str, fn: Callable[..., Any], timeout: float | None = None) -> Report:
+    """Every check of exercise ``name`` on ``fn``, judged as ``qkv learn check`` judges a file
+    (:func:`qkv.learn.judge.judge`: ``fn``'s source runs in a child with a time limit, default
+    60 s), printed (one line per check, the reason under a failed one) and returned."""
+    from qkv.learn.judge import TIMEOUT_S, judge
+    from qkv.learn.source import function_source
+
+    exercise = get(name)
+    report = judge(exercise, function_source(fn, name), TIMEOUT_S if timeout is None else timeout,
+                   filename="notebook.py")
     print(report.text())
     return report
 

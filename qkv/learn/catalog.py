@@ -765,12 +765,15 @@ def _ln_tiny(f) -> None:
     want = F.layer_norm(x, (4,), w, b, 1e-5)
     xc = x - x.mean(-1, keepdim=True)
     outside = xc / (xc.pow(2).mean(-1, keepdim=True).sqrt() + 1e-5) * w + b
+    unbiased = xc / torch.sqrt(x.var(-1, keepdim=True, unbiased=True) + 1e-5) * w + b
     close(
         f(x, w, b),
         want,
         "layer_norm",
         f"x = {show(x)}",
-        causes=[(outside, "eps is added outside the square root; it goes inside: (x − μ) / √(σ² + eps)")],
+        causes=[(outside, "eps is added outside the square root; it goes inside: (x − μ) / √(σ² + eps)"),
+                (unbiased, "the variance is the unbiased one (divided by n − 1); LayerNorm uses the biased "
+                           "one (mean of squares, divided by n): var(unbiased=False)")],
     )
 
 

@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any
 
 from qkv.errors import InputError
 from qkv.learn.grading import FORMAT, MANIFEST, grade, read_manifest, write_class, write_gradescope
-from qkv.learn.sandbox import TIMEOUT_S
+from qkv.learn.judge import TIMEOUT_S
 
 if TYPE_CHECKING:
     from qkv.learn.exercise import Exercise
@@ -364,7 +364,8 @@ def grade_main(args: argparse.Namespace) -> int:
     single = args.format == "gradescope"
     bar, update = _progress_bar(not args.no_progress and not single)
     try:
-        rows = grade(Path(args.submissions), info, args.jobs, args.timeout, single, update)
+        rows = grade(Path(args.submissions), info, args.jobs, args.timeout, single, update,
+                     hidden=[Path(args.grader), out])
     finally:
         if bar is not None:
             bar.stop()

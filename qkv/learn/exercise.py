@@ -12,6 +12,7 @@ written in the check, never the student's function and never qkv's implementatio
 from __future__ import annotations
 
 import ast
+import math
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -25,10 +26,13 @@ CheckFn = Callable[[Callable[..., Any]], "str | None"]
 
 @dataclass(frozen=True)
 class Check:
-    """One check: its name (what it checks, in words) and the function that runs it."""
+    """One check: its name (what it checks, in words) and the function that runs it;
+    ``forbids``: for a "does not call X" check, the names (the grader judges those from what the
+    child saw called and from the source, not by running ``run``)."""
 
     name: str
     run: CheckFn
+    forbids: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -45,11 +49,16 @@ class CheckResult:
 
 @dataclass(frozen=True)
 class Report:
-    """Every check of one exercise on one solution."""
+    """Every check of one exercise on one solution. ``error``: why no check (or not every check)
+    could run; ``status``: "" (checked), "unwritten" (the stub, untouched: no check counted),
+    "refused" (the file imports qkv: 0) or "error" (it raised, timed out, ...); ``notes``: what
+    the grader could not isolate (said in the grade output)."""
 
     exercise: str
     checks: tuple[CheckResult, ...]
     error: str = ""  # why no check could run (the file raised, timed out, ...): then passed is False
+    status: str = ""
+    notes: tuple[str, ...] = ()
 
     @property
     def passed(self) -> bool:
@@ -59,10 +68,14 @@ class Report:
         out: dict[str, Any] = {"passed": self.passed, "checks": [c.as_dict() for c in self.checks]}
         if self.error:
             out["error"] = self.error
+        if self.status:
+            out["status"] = self.status
         return out
 
     def text(self) -> str:
         """The report as a student reads it: one line per check, a verdict last."""
+        if self.status == "unwritten":
+            return f"{self.exercise}: not written yet: {self.error}"
         lines = [f"{self.exercise}:"]
         if self.error:
             lines.append(f"  FAIL  {self.error}")
@@ -160,26 +173,40 @@ class CheckError(Exception):
     """Raised inside a check with the message the student reads."""
 
 
+# The tolerances a correct answer in each dtype meets against a float64 reference (the default
+# of close(): no correct float32 answer fails at 1e-5; a check may pass its own).
+TOLERANCE = {torch.float64: (1e-7, 1e-10), torch.float32: (2e-5, 1e-6),
+             torch.bfloat16: (2e-2, 1e-3), torch.float16: (5e-3, 1e-4)}
+
+
 def close(
     got: Any,
     want: Tensor,
     what: str,
     inputs: str,
-    rtol: float = 1e-6,
-    atol: float = 1e-8,
+    rtol: float | None = None,
+    atol: float | None = None,
     causes: Sequence[tuple[Tensor, str]] = (),
 ) -> None:
     """CheckError unless ``got`` equals ``want`` (shape, dtype and values to ``rtol``/``atol``,
-    CS231N's relative error); ``causes``: (what a common mistake gives, its diagnosis), said when
-    ``got`` matches it."""
+    by default :data:`TOLERANCE` of ``want``'s dtype; CS231N's relative error); ``causes``:
+    (what a common mistake gives, its diagnosis), said when ``got`` matches it; otherwise a
+    generic diagnosis (:func:`diagnose`) when one fits, then expected vs got."""
     got = as_tensor(got, what)
+    default_rtol, default_atol = TOLERANCE.get(want.dtype, (1e-6, 1e-8))
+    rtol = default_rtol if rtol is None else rtol
+    atol = default_atol if atol is None else atol
+    if want.dtype != torch.float64:  # below float64, never tighter than the dtype's own rounding allows
+        rtol, atol = max(rtol, default_rtol), max(atol, default_atol)
     if tuple(got.shape) != tuple(want.shape):
-        raise CheckError(f"{what} has shape {tuple(got.shape)}, expected {tuple(want.shape)} for {inputs}")
+        why = ""
+        if got.ndim >= 2 and tuple(got.shape) == tuple(want.transpose(-1, -2).shape):
+            why = ": the last two dimensions are swapped (a transpose too many or too few?)"
+        raise CheckError(
+            f"{what} has shape {tuple(got.shape)}, expected {tuple(want.shape)} for {inputs}{why}")
     if got.dtype != want.dtype:
         raise CheckError(f"{what} has dtype {got.dtype}, expected {want.dtype} (the input's) for {inputs}")
     g, w = got.detach().double(), want.double()
-    if torch.isnan(g).any() and not torch.isnan(w).any():
-        raise CheckError(f"{what} has NaN for {inputs}; expected {show(want)}")
     if torch.allclose(g, w, rtol=rtol, atol=atol, equal_nan=True):
         return
     for mistake, why in causes:
@@ -187,10 +214,72 @@ def close(
             g, mistake.double(), rtol=1e-4, atol=1e-6
         ):
             raise CheckError(f"{what} for {inputs}: expected {show(want)}, got {show(got)}: {why}")
-    err = ((g - w).abs() / (g.abs() + w.abs()).clamp_min(1e-12)).max().item()
-    raise CheckError(
-        f"{what} for {inputs}: expected {show(want)}, got {show(got)} (relative error {err:.1e})"
-    )
+    general = diagnose(g, w)
+    err = ((g - w).abs() / (g.abs() + w.abs()).clamp_min(1e-12)).nan_to_num(1.0).max().item()
+    if g.numel() <= 24:
+        raise CheckError(f"{what} for {inputs}: {general + '; ' if general else ''}expected {show(want)}, "
+                         f"got {show(got)} (relative error {err:.1e})")
+    raise CheckError(f"{what} for {inputs}: {general + '; ' if general else ''}"
+                     f"{first_difference(g, w, rtol, atol)} (largest relative error {err:.1e})")
+
+
+def first_difference(g: Tensor, w: Tensor, rtol: float, atol: float) -> str:
+    """The first index where ``g`` and ``w`` differ, with its neighbours along the last dimension."""
+    bad = ~torch.isclose(g, w, rtol=rtol, atol=atol, equal_nan=True)
+    idx = tuple(int(i) for i in bad.nonzero()[0])
+    lo = max(0, idx[-1] - 2)
+    hi = min(g.shape[-1], idx[-1] + 3) if g.ndim else 1
+    row = idx[:-1]
+    near_g = [round(v, 4) for v in g[row][lo:hi].tolist()] if g.ndim else [round(g.item(), 4)]
+    near_w = [round(v, 4) for v in w[row][lo:hi].tolist()] if w.ndim else [round(w.item(), 4)]
+    return (f"first difference at index {list(idx)} (of shape {tuple(g.shape)}): there, positions "
+            f"{lo}..{hi - 1} of the last dimension are {near_g}, expected {near_w}")
+
+
+def _factor_name(c: float) -> str:
+    """A constant factor, named when it is a common one (2, 1/2, √d, 1/√d, d)."""
+    for d in (2, 3, 4, 8, 16, 32, 64, 128, 256, 512, 1024):
+        for value, name in ((math.sqrt(d), f"√{d}"), (1 / math.sqrt(d), f"1/√{d}"), (float(d), f"{d}"),
+                            (1 / d, f"1/{d}")):
+            if abs(c - value) <= 1e-3 * abs(value):
+                return f" (= {name})"
+    return ""
+
+
+def diagnose(g: Tensor, w: Tensor) -> str:
+    """A generic reason why ``g`` (got) is not ``w`` (wanted, same shape, float64), or "": a
+    NaN or inf, the transpose, probabilities that are negative, do not sum to 1 or are normalised
+    over another dimension, or the answer times a constant (√d, 2, ...)."""
+    finite_w = torch.isfinite(w)
+    odd = ~torch.isfinite(g) & finite_w
+    if odd.any():
+        idx = [int(i) for i in odd.nonzero()[0]]
+        kind = "NaN" if torch.isnan(g[tuple(idx)]) else "inf"
+        return f"it has {kind} at index {idx} ({int(odd.sum())} of {g.numel()} values; expected finite ones)"
+    if g.ndim >= 2 and g.shape[-1] == g.shape[-2] and g.shape[-1] > 1 and torch.allclose(
+            g, w.transpose(-1, -2), rtol=1e-5, atol=1e-7):
+        return "it is the transpose of the answer (the last two dimensions swapped)"
+    if g.ndim >= 1 and finite_w.all() and (w >= -1e-12).all() and g.shape[-1] > 1 and torch.allclose(
+            w.sum(-1), torch.ones_like(w.sum(-1)), atol=1e-5):
+        # the answer is a distribution along the last dimension
+        if (g < -1e-9).any():
+            return f"it has negative probabilities (down to {g.min().item():.3g}): weights come from softmax"
+        rows = g.sum(-1)
+        if not torch.allclose(rows, torch.ones_like(rows), atol=1e-4):
+            for d in range(g.ndim - 1):
+                s = g.sum(d)
+                if torch.allclose(s, torch.ones_like(s), atol=1e-4):
+                    return (f"it is normalised along dim {d}: each row (the last dimension) should sum to 1, "
+                            f"yours sum to {[round(v, 3) for v in rows.flatten()[:4].tolist()]}...")
+            sums = [round(v, 3) for v in rows.flatten()[:4].tolist()]
+            return f"its rows should sum to 1; they sum to {sums}"
+    big = w.abs() > 1e-6 * w.abs().max().clamp_min(1e-300)
+    if big.sum() >= 2 and finite_w.all():
+        r = g[big] / w[big]
+        c = r.mean().item()
+        if abs(c - 1) > 1e-3 and r.std().item() <= 1e-5 * max(abs(c), 1e-12):
+            return f"it is {c:.4g}{_factor_name(c)} times the answer (a scale applied twice, or missing?)"
+    return ""
 
 
 def calls(fn: Callable[..., Any]) -> set[str]:
@@ -228,7 +317,7 @@ def forbid(*names: str) -> Check:
             return f"it calls {', '.join(used)}: the exercise is to write that yourself"
         return None
 
-    return Check(f"does not call {', '.join(names)}", run)
+    return Check(f"does not call {', '.join(names)}", run, tuple(names))
 
 
 def check(name: str) -> Callable[[CheckFn], Check]:

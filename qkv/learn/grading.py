@@ -6,10 +6,13 @@ beside ``qkv learn export``, which writes the grader's manifest) grades a class:
 one folder per student (``NAME.py`` files and/or notebooks, searched in subfolders too) or one
 notebook per student (``STUDENT.ipynb``). From a notebook the top-level imports, functions and
 classes of every code cell are kept (the last definition of a name wins, as when the cells run in
-order); nothing else of the notebook runs. Each exercise of each student runs in a child process
-of its own (:func:`qkv.learn.sandbox.run_checks`: time and memory limits, prints bounded) with the
-grader's seed offset (:func:`~qkv.learn.exercise.other_inputs`); a broken submission (a syntax
-error, an infinite loop, a missing function, an exception) scores 0 for that exercise, with the
+order); nothing else of the notebook runs. Each exercise of each student is judged by
+:func:`qkv.learn.judge.judge`: the student's function runs in a child process of its own (time,
+memory and process limits; as root an unprivileged user of its own slot, the grader's, the
+submissions' and the output folders hidden, no network), the checks, on the grader's seed offset
+(:func:`~qkv.learn.exercise.other_inputs`), run here, where the child cannot reach; a broken
+submission (a syntax error, an infinite loop, a missing function, an exception, an import of qkv)
+scores 0 for that exercise, with the
 reason in ``grades.json``, and grading goes on. ``OUT/grades.csv`` has one row per student, one
 column per exercise (the points earned: by default all of the exercise's points when every check
 passes and 0 otherwise, as Otter's OK tests score; ``--scoring fraction`` at export: the points
@@ -25,14 +28,16 @@ import ast
 import csv
 import io
 import json
+import queue
 import tempfile
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 from qkv.errors import InputError
-from qkv.learn.sandbox import TIMEOUT_S, run_checks
+from qkv.learn.judge import TIMEOUT_S, Isolation, run_checks
+from qkv.learn.similarity import Match, closest, summary
 
 MANIFEST = "manifest.json"  # the grader's file, written by `qkv learn export`
 FORMAT = "qkv-learn-grader"  # its "format" field
@@ -48,10 +53,11 @@ _KEEP = (ast.Import, ast.ImportFrom, ast.FunctionDef, ast.AsyncFunctionDef, ast.
 
 def notebook_source(paths: Sequence[Path]) -> tuple[str, list[str]]:
     """The top-level imports, functions and classes of the notebooks' code cells, in order, as
-    one module (a later definition of a name overrides an earlier one, as when the cells run in
-    order), and the problems met (a cell that does not parse: notebook, cell and line). IPython
-    lines (``%magic``, ``!shell``) are dropped; nothing else of the notebook runs."""
+    one module (:func:`qkv.learn.source.definitions`: a later definition of a name overrides an
+    earlier one, as when the cells run in order), and the problems met (a cell that does not
+    parse: notebook, cell and line). Nothing else of the notebook runs."""
     from qkv.learn.notebook import require_nbformat
+    from qkv.learn.source import definitions
 
     nbformat = require_nbformat()
     parts: list[str] = []
@@ -62,24 +68,11 @@ def notebook_source(paths: Sequence[Path]) -> tuple[str, list[str]]:
         except Exception as e:  # nbformat raises several types for a damaged file
             problems.append(f"{path.name}: not a readable notebook ({type(e).__name__})")
             continue
-        n = 0
-        for cell in nb.cells:
-            if cell.get("cell_type") != "code":
-                continue
-            n += 1
-            lines = [ln for ln in cell.source.splitlines() if not ln.lstrip().startswith(("%", "!"))]
-            text = "\n".join(lines)
-            try:
-                tree = ast.parse(text)
-            except SyntaxError as e:
-                problems.append(f"{path.name}, code cell {n}, line {e.lineno}: syntax error: {e.msg}")
-                continue
-            for node in tree.body:
-                if isinstance(node, _KEEP):
-                    decorators = getattr(node, "decorator_list", None)
-                    start = decorators[0].lineno if decorators else node.lineno
-                    parts.append("\n".join(text.splitlines()[start - 1 : node.end_lineno]))
-    return "\n\n".join(parts) + "\n", problems
+        cells = [c.source for c in nb.cells if c.get("cell_type") == "code"]
+        text, found = definitions(cells)
+        parts.append(text)
+        problems += [f"{path.name}, code {p}" for p in found]
+    return "\n\n".join(parts), problems
 
 
 @dataclass
@@ -144,11 +137,18 @@ class Grade:
     source: str = ""
     checks: tuple[dict[str, Any], ...] = ()
     report: str = ""
+    similar: Match | None = None  # the most similar other solution (for review, never deducted)
+    notes: tuple[str, ...] = ()  # what the grader could not isolate for this job
 
     def as_dict(self) -> dict[str, Any]:
-        return {"score": self.score, "max_score": self.max_score, "checks_passed": self.passed,
-                "checks_total": self.total, "reason": self.reason, "source": self.source,
-                "checks": list(self.checks)}
+        out = {"score": self.score, "max_score": self.max_score, "checks_passed": self.passed,
+               "checks_total": self.total, "reason": self.reason, "source": self.source,
+               "checks": list(self.checks)}
+        if self.similar is not None:
+            out["similar"] = {"to": self.similar.other, "score": round(self.similar.score, 3)}
+        if self.notes:
+            out["isolation_notes"] = list(self.notes)
+        return out
 
 
 @dataclass(frozen=True)
@@ -163,13 +163,14 @@ class Job:
     source: str
 
 
-def _grade_one(job: Job, seed_offset: int, timeout: float, fraction: bool) -> Grade:
-    """The grade of one job: its file's checks in a child process, on inputs moved by ``seed_offset``."""
+def _grade_one(job: Job, seed_offset: int, timeout: float, fraction: bool, isolation: Isolation) -> Grade:
+    """The grade of one job: its function run in a child, its checks here, on inputs moved by
+    ``seed_offset``."""
     name, points, source = job.exercise, job.points, job.source
     if job.path is None:
         return Grade(name, 0.0, points, 0, 0, job.missing, source)
     try:
-        report = run_checks(name, job.path, timeout, seed_offset=seed_offset)
+        report = run_checks(name, job.path, timeout, seed_offset=seed_offset, isolation=isolation)
     except InputError as e:
         return Grade(name, 0.0, points, 0, 0, str(e), source)
     ok = sum(c.ok for c in report.checks)
@@ -184,7 +185,7 @@ def _grade_one(job: Job, seed_offset: int, timeout: float, fraction: bool) -> Gr
     else:
         score = round(points * ok / total, 3) if fraction else (float(points) if ok == total else 0.0)
     return Grade(name, score, points, ok, total, reason, source,
-                 tuple(c.as_dict() for c in report.checks), report.text())
+                 tuple(c.as_dict() for c in report.checks), report.text(), notes=report.notes)
 
 
 def _jobs(sub: Submission, exercises: Sequence[dict[str, Any]], work: Path) -> list[Job]:
@@ -242,11 +243,13 @@ def grade(
     timeout: float | None = None,
     single: bool = False,
     progress: Callable[[int, int, str], None] | None = None,
+    hidden: Sequence[Path] = (),
 ) -> Rows:
     """(student, a grade per exercise of the manifest) for every student of ``submissions``;
     ``jobs`` exercises checked at a time, each in a child process with the time limit ``timeout``
     (default: the manifest's); ``single``: ``submissions`` is one submission's folder;
-    ``progress(done, total, what)`` is called as jobs finish."""
+    ``progress(done, total, what)`` is called as jobs finish; ``hidden``: folders besides
+    ``submissions`` that no student's code may see (the grader's, the output)."""
     from concurrent.futures import ThreadPoolExecutor, as_completed
 
     exercises = info["exercises"]
@@ -258,26 +261,51 @@ def grade(
         results: dict[tuple[str, str], Grade] = {}
         if progress is not None:
             progress(0, len(todo), "")
+        slots: queue.SimpleQueue[int] = queue.SimpleQueue()
+        for i in range(max(1, jobs)):
+            slots.put(i)
+        hide = [submissions, *(hidden or ())]
+        fraction = info.get("scoring") == "fraction"
+
+        def one(j: Job) -> Grade:
+            slot = slots.get()  # a slot per running job: as root, its own unprivileged user
+            try:
+                return _grade_one(j, int(info["seed_offset"]), limit, fraction,
+                                  Isolation.for_grading(slot, hide))
+            finally:
+                slots.put(slot)
+
         with ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:
-            fraction = info.get("scoring") == "fraction"
-            futures = {pool.submit(_grade_one, j, int(info["seed_offset"]), limit, fraction): j for j in todo}
+            futures = {pool.submit(one, j): j for j in todo}
             for done, fut in enumerate(as_completed(futures), 1):
                 j = futures[fut]
                 results[(j.student, j.exercise)] = fut.result()
                 if progress is not None:
                     progress(done, len(todo), f"{j.student}: {j.exercise}")
+        texts = {(j.student, j.exercise): j.path.read_text(encoding="utf-8", errors="replace")
+                 for j in todo if j.path is not None}
+    for n in names:  # the most similar other solution, per student and exercise (for review)
+        from qkv.learn import get
+
+        found = closest(n, {s: t for (s, e), t in texts.items() if e == n}, get(n).solution)
+        for s, match in found.items():
+            results[(s, n)] = replace(results[(s, n)], similar=match)
     return [(s.student, [results[(s.student, n)] for n in names]) for s in subs]
 
 
 # --------------------------------------------------------------------------- the grades, written
 
 
+SIMILAR_COLUMN = "similar (to review; never deducted)"
+
+
 def _csv(rows: Rows, names: Sequence[str]) -> str:
     buf = io.StringIO()
     w = csv.writer(buf, lineterminator="\n")
-    w.writerow(["student", *names, "total"])
+    w.writerow(["student", *names, "total", SIMILAR_COLUMN])
     for student, grades in rows:
-        w.writerow([student, *(f"{g.score:g}" for g in grades), f"{sum(g.score for g in grades):g}"])
+        w.writerow([student, *(f"{g.score:g}" for g in grades), f"{sum(g.score for g in grades):g}",
+                    summary(g.similar for g in grades if g.similar is not None)])
     return buf.getvalue()
 
 
@@ -295,12 +323,24 @@ def _json(rows: Rows, info: dict[str, Any]) -> dict[str, Any]:
 
 
 def _gradescope(grades: list[Grade]) -> dict[str, Any]:
-    """Gradescope's results.json: a test per exercise (name, score, max_score, output)."""
+    """Gradescope's results.json: per exercise a visible test (its score and which checks passed,
+    by name) and a test of 0 points with the checks' details, ``after_published``: the hidden
+    inputs' numbers are seen only once the grades are published. The grader's own stdout is
+    hidden from students."""
     tests = []
     for g in grades:
-        output = g.report or f"{g.exercise}: 0 points: {g.reason}"
-        tests.append({"name": g.exercise, "score": g.score, "max_score": g.max_score, "output": output})
-    return {"score": round(sum(g.score for g in grades), 3), "tests": tests}
+        if g.checks:
+            names = "\n".join(f"{'ok  ' if c['ok'] else 'FAIL'}  {c['name']}" for c in g.checks)
+            summary_text = f"{g.passed}/{g.total} checks pass on inputs you have not seen\n{names}"
+        else:
+            summary_text = f"0 points: {g.reason}"
+        tests.append({"name": g.exercise, "score": g.score, "max_score": g.max_score, "output": summary_text,
+                      "visibility": "visible"})
+        if g.checks and g.passed < g.total:
+            tests.append({"name": f"{g.exercise}: what failed", "score": 0, "max_score": 0,
+                          "output": g.report or g.reason, "visibility": "after_published"})
+    return {"score": round(sum(g.score for g in grades), 3), "tests": tests, "visibility": "visible",
+            "stdout_visibility": "hidden"}
 
 
 def _write(path: Path, text: str) -> None:

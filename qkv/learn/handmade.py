@@ -141,8 +141,8 @@ def _previous_why(pattern: Tensor) -> Diagnose:
             return (words + f". Queries i ≥ 2 put {two_back:.2f} of their weight on key i − 2 on average: "
                     "that is two back — an off-by-one between W_Q's positions and W_K's")
         if kind == "self":
-            return (words + ": W_Q maps position i to the key direction of position i itself; it should map "
-                    "it to the direction of position i − 1 (W_Q[vocab + i] ∝ W_K[vocab + i − 1])")
+            return (words + ": each query's best key is its own position, one later than the previous "
+                    "token; look again at which position's query you paired with which position's key")
         return words
 
     return why

@@ -245,23 +245,86 @@ class Side:
     outputs: Callable[[nn.Module, Any], Tensor]
 
 
+def _block_outputs(model: nn.Module, run: Callable[[], Any]) -> list[Tensor]:
+    """The output of every block of ``model`` (its ``blocks`` or ``layers`` list) while ``run()``
+    runs it, in order (none for a model without such a list)."""
+    blocks = getattr(model, "blocks", None) or getattr(model, "layers", None)
+    seen: list[Tensor] = []
+    if not isinstance(blocks, nn.ModuleList):
+        run()
+        return seen
+    hooks = [b.register_forward_hook(lambda _m, _i, out: seen.append(
+        (out[0] if isinstance(out, tuple) else out).detach().double())) for b in blocks]
+    try:
+        run()
+    finally:
+        for h in hooks:
+            h.remove()
+    return seen
+
+
+def first_difference(yours: list[Tensor], ours: list[Tensor], logits: tuple[Tensor, Tensor]) -> str:
+    """Where two forward passes first part: the first block whose output differs by more than
+    :data:`OUTPUT_TOLERANCE` of its largest, and there the first position (dim 1) that does."""
+    stages = [(f"block {i}'s output", a, b) for i, (a, b) in enumerate(zip(yours, ours, strict=False))]
+    stages.append(("the logits", *logits))
+    for what, a, b in stages:
+        if a.shape != b.shape:
+            return f"{what} has shape {tuple(a.shape)}, qkv's {tuple(b.shape)}"
+        scale = b.abs().max().clamp_min(1e-12)
+        err = (a - b).abs()
+        if (err.max() / scale).item() > OUTPUT_TOLERANCE:
+            per_pos = err.amax(dim=tuple(d for d in range(err.ndim) if d != 1)) if err.ndim > 1 else err
+            pos = int((per_pos / scale > OUTPUT_TOLERANCE).nonzero()[0])
+            rel = err.max().item() / scale.item()
+            return f"{what} differs first, at position {pos} (max error {rel:.1e} of its largest)"
+    return "the outputs differ"
+
+
 def side_by_side(name: str, model_text: str, yours: Side, ours: Side, batches: list[Any], evals: list[Any],
                  make_opt: Callable[[list[nn.Parameter]], torch.optim.Optimizer], seed: int,
                  progress: Callable[[str, int, int], None] | None) -> RunResult:
     """Train the student's model and qkv's from the same seed on the same ``batches``, evaluating
     on ``evals`` ten times; the verdict compares the outputs before any step (the same function?
     max |Δ| relative to the largest, :data:`OUTPUT_TOLERANCE`) and the last evaluation's loss
-    (:data:`LOSS_TOLERANCE`)."""
+    (:data:`LOSS_TOLERANCE`). When the outputs (or the loss) already differ before training, it
+    stops there and says where: the first block and position that differ."""
     start = time.perf_counter()
     steps = len(batches)
     every = max(1, steps // 10)
     curves: dict[str, dict[str, list[tuple[int, float]]]] = {}
+    models: dict[str, nn.Module] = {}
     before: dict[str, Tensor] = {}
+    inside: dict[str, list[Tensor]] = {}
+    first: dict[str, float] = {}
     for label, side in (("yours", yours), ("qkv's", ours)):
         torch.manual_seed(seed)
-        model = side.build()
+        model = models[label] = side.build()
         with torch.no_grad():
-            before[label] = side.outputs(model, evals[0]).detach().double()
+            def forward(model: nn.Module = model, side: Side = side, label: str = label) -> None:
+                before[label] = side.outputs(model, evals[0]).detach().double()
+            inside[label] = _block_outputs(model, forward)
+            model.eval()
+            first[label] = sum(side.loss(model, b).item() for b in evals) / len(evals)
+            model.train()
+    a, b = before["yours"], before["qkv's"]
+    d_first = (a - b).abs().max().item() / b.abs().max().item() if a.shape == b.shape else math.inf
+    d_loss = abs(first["yours"] - first["qkv's"])
+    if not d_first <= OUTPUT_TOLERANCE or not d_loss <= LOSS_TOLERANCE / 10:
+        mine, theirs = first["yours"], first["qkv's"]
+        if not d_first <= OUTPUT_TOLERANCE:
+            where = first_difference(inside["yours"], inside["qkv's"], (a, b))
+        else:
+            where = f"the loss is {mine:.4f} with yours, {theirs:.4f} with qkv's"
+        return RunResult(name, model_text, False,
+                         f"before training, {where}: not the same function, so it stopped there "
+                         "(no training)",
+                         f"outputs before training within {OUTPUT_TOLERANCE:g} of their largest",
+                         time.perf_counter() - start,
+                         numbers={"first_yours": first["yours"], "first_qkv": first["qkv's"],
+                                  "output_difference": d_first})
+    for label, side in (("yours", yours), ("qkv's", ours)):
+        model = models[label]
         opt = make_opt([p for p in model.parameters() if p.requires_grad])
 
         def evaluate(model: nn.Module = model, side: Side = side) -> float:
@@ -286,22 +349,19 @@ def side_by_side(name: str, model_text: str, yours: Side, ours: Side, batches: l
                 progress(label, step + 1, steps)
         val.append((steps, evaluate()))
         curves[label] = {"train": train, "validation": val}
-    yours_v, ours_v = curves["yours"]["validation"], curves["qkv's"]["validation"]
+        if label == "yours" and len(train) < steps:
+            break  # NaN or inf: no need to train qkv's
+    yours_v = curves["yours"]["validation"]
+    if "qkv's" not in curves:
+        return RunResult(name, model_text, False,
+                         f"your model's loss became NaN or infinite at step {len(curves['yours']['train'])}",
+                         "a finite loss at every step", time.perf_counter() - start, curves=curves)
+    ours_v = curves["qkv's"]["validation"]
     first_y, first_o, last_y, last_o = yours_v[0][1], ours_v[0][1], yours_v[-1][1], ours_v[-1][1]
     d_last = abs(last_y - last_o)
-    a, b = before["yours"], before["qkv's"]
-    d_first = (a - b).abs().max().item() / b.abs().max().item() if a.shape == b.shape else math.inf
-    finished = len(curves["yours"]["train"]) == steps
-    if not finished:
-        verdict = f"your model's loss became NaN or infinite at step {len(curves['yours']['train'])}"
-    elif not d_first <= OUTPUT_TOLERANCE:
-        verdict = (f"before training the model's outputs differ by {d_first:.1e} of their largest "
-                   f"(validation loss yours {first_y:.4f}, qkv's {first_o:.4f}): the forward pass is not "
-                   "the same function")
-    else:
-        verdict = (f"after {steps} steps the validation loss is {last_y:.4f} with yours, {last_o:.4f} with "
-                   f"qkv's (|difference| {d_last:.4f})")
-    passed = finished and d_first <= OUTPUT_TOLERANCE and d_last <= LOSS_TOLERANCE
+    verdict = (f"after {steps} steps the validation loss is {last_y:.4f} with yours, {last_o:.4f} with "
+               f"qkv's (|difference| {d_last:.4f})")
+    passed = d_last <= LOSS_TOLERANCE
     return RunResult(name, model_text, passed, verdict,
                      f"outputs before training within {OUTPUT_TOLERANCE:g} of their largest, the last "
                      f"validation loss within {LOSS_TOLERANCE:g} nats",

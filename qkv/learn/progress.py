@@ -1,7 +1,11 @@
-"""Your progress through the exercises: the last check of each, and the quizzes you played
+"""Your progress through the exercises: the last check of each file of each, and the quizzes you played
 (``qkv learn quiz``: date, model, score, total), kept in qkv's cache folder
 (``<cache>/learn/progress.json``, written atomically; ``QKV_CACHE_DIR`` moves it, ``=off`` keeps
-nothing). The quizzes sit under the key ``QUIZ_KEY``, beside the exercises' attempts."""
+nothing). The quizzes sit under the key ``QUIZ_KEY``, beside the exercises' attempts.
+
+An exercise keeps one attempt per file checked (the file's absolute path), so checking another
+file never overwrites a pass: the exercise counts as passed while any of its files' last checks
+passed, and ``load`` reports that file's attempt."""
 
 from __future__ import annotations
 
@@ -17,17 +21,28 @@ from qkv.paths import cache_root
 
 @dataclass(frozen=True)
 class Attempt:
-    """The last check of one exercise: passed or not, how many checks passed, when."""
+    """The last check of one file of an exercise: passed or not, how many checks passed, when,
+    which file ("" for a function checked from Python)."""
 
     passed: bool
     ok: int
     total: int
     when: str
+    file: str = ""
+    status: str = ""  # the report's: "unwritten", "refused", "error" or "" (checked)
 
 
 def path() -> Path | None:
     root = cache_root()
     return None if root is None else root / "learn" / "progress.json"
+
+
+    def state(self) -> str:
+        """In words: passed, not written yet, its file does not run, or n/m checks."""
+        if self.passed:
+            return "passed"
+        return {"unwritten": "not written yet", "refused": "refused (imports qkv)",
+                "error": "its file does not run"}.get(self.status, f"{self.ok}/{self.total} checks")
 
 
 @dataclass(frozen=True)
@@ -67,25 +82,47 @@ def _save(raw: dict) -> None:
         pass
 
 
+def _attempt(v: object, file: str) -> Attempt | None:
+    try:
+        return Attempt(bool(v["passed"]), int(v["ok"]), int(v["total"]), str(v["when"]), file,  # type: ignore[index]
+                       str(v.get("status", "")))  # type: ignore[union-attr]
+    except (KeyError, TypeError, ValueError):
+        return None
+
+
+def _files(v: object) -> dict[str, Attempt]:
+    """One exercise's attempts by file (an entry written before files were kept: file "")."""
+    if isinstance(v, dict) and isinstance(v.get("files"), dict):
+        found = {f: _attempt(a, f) for f, a in v["files"].items()}
+    else:
+        found = {"": _attempt(v, "")}
+    return {f: a for f, a in found.items() if a is not None}
+
+
 def load() -> dict[str, Attempt]:
-    """Every exercise checked so far (a damaged or missing file: none; a damaged entry: skipped)."""
+    """Every exercise checked so far, as its best file's last attempt: a passing one if any (the
+    latest of those), else the latest (a damaged or missing file: none; a damaged entry: skipped)."""
     out = {}
     for k, v in _raw().items():
         if k == QUIZ_KEY:
             continue
-        try:
-            out[k] = Attempt(bool(v["passed"]), int(v["ok"]), int(v["total"]), str(v["when"]))
-        except (KeyError, TypeError, ValueError):
-            continue
+        attempts = sorted(_files(v).values(), key=lambda a: (a.passed, a.when))
+        if attempts:
+            out[k] = attempts[-1]
     return out
 
 
-def record(report: Report) -> None:
-    """Keep ``report`` as its exercise's last attempt (never an error: a read-only cache is fine);
-    the quizzes in the file are kept."""
+def record(report: Report, file: Path | None = None) -> None:
+    """Keep ``report`` as the last attempt of ``file`` (its absolute path; None: a function
+    checked from Python) for its exercise, beside the other files' (never an error: a read-only
+    cache is fine); the quizzes in the file are kept."""
     raw = _raw()
-    raw[report.exercise] = vars(Attempt(report.passed, sum(c.ok for c in report.checks), len(report.checks),
-                                        time.strftime("%Y-%m-%d %H:%M")))
+    key = "" if file is None else str(Path(file).resolve())
+    files = {f: vars(a) for f, a in _files(raw.get(report.exercise)).items()}
+    files[key] = vars(Attempt(report.passed, sum(c.ok for c in report.checks), len(report.checks),
+                              time.strftime("%Y-%m-%d %H:%M:%S"), key,
+                              report.status or ("error" if report.error else "")))
+    raw[report.exercise] = {"files": files}
     _save(raw)
 
 

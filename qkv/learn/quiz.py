@@ -207,7 +207,8 @@ def knockout_question(lm: CausalLM, rng: random.Random) -> Question:
     rises = without > base
     return Question(
         "knockout", lm.name,
-        f"Knock head {head[0]}.{head[1]} of {lm.name} out (its output zeroed). Does the loss on "
+        f"Knock head {head[0]}.{head[1]} (layer {head[0]}, head {head[1]}, both counted from 0) of "
+        f"{lm.name} out (its output zeroed). Does the loss on "
         f"{_show(text)} rise?",
         text, ["yes, the loss rises", "no, it stays or falls"], 0 if rises else 1,
         reveal={"head": list(head), "loss": base, "loss_without": without},

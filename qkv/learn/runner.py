@@ -48,7 +48,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def main(args: argparse.Namespace) -> int:
     from qkv.learn import DEFAULT_DIR, get
     from qkv.learn.inside import GPT_EXERCISES, RUNNABLE, SMOLLM2_EXERCISES
-    from qkv.learn.sandbox import read_solution
+    from qkv.learn.source import read_solution
 
     e = get(args.name)
     if e.name not in RUNNABLE:
@@ -115,7 +115,9 @@ def _plot(result: dict[str, Any], out: Path) -> None:
     from qkv.fileio import atomic_write
 
     fig, ax = plt.subplots(figsize=(7.5, 4.2))
-    if result["curves"]:
+    if not result["curves"] and not result["tokens"]:  # stopped before training: nothing to draw but why
+        ax.axis("off")
+    elif result["curves"]:
         styles = {"yours": dict(color="#d95f02"), "qkv's": dict(color="#1b9e77", linestyle="--")}
         for who, splits in result["curves"].items():
             for split, pts in splits.items():
@@ -160,6 +162,8 @@ def _child(name: str, path: str, result: str, steps: str, seed: str) -> None:
         if tty:  # one line per model, rewritten in place
             end = "\n" if step == total else ""
             print(f"\r  {label:6s} {step}/{total}", end=end, file=sys.stderr, flush=True)
+        elif step == total or step % max(1, total // 5) == 0:  # a log: a line every fifth of the run
+            print(f"  {label:6s} {step}/{total}", file=sys.stderr, flush=True)
 
     try:
         out = run(name, fn, steps=int(steps) or None, seed=int(seed), progress=progress).as_dict()

@@ -180,7 +180,8 @@ def test_every_module_a_decoding_step_runs_keys_the_step(weights):
 
 def test_no_process_signalling_anywhere_in_qkv():
     """qkv never stops or continues a process by signal, and the one place that kills one kills
-    only the process group of a compiler it started itself (qkv/native.py's run_owned)."""
+    only the process group of a process it started itself (qkv/owned.py: a compiler, the child
+    that runs a student's function)."""
     root = Path(aot.__file__).resolve().parents[1]
     stop = re.compile(r"SIGSTOP|SIGCONT|setpriority|sched_setscheduler")
     kill = re.compile(r"killpg|os\.kill\(|send_signal\(|start_new_session|SIGKILL")
@@ -189,6 +190,6 @@ def test_no_process_signalling_anywhere_in_qkv():
         for i, line in enumerate(p.read_text().splitlines(), 1):
             if stop.search(line):
                 found["stop"].append(f"{p.relative_to(root)}:{i}")
-            if kill.search(line) and p.name != "native.py":
+            if kill.search(line) and p.name != "owned.py":
                 found["kill"].append(f"{p.relative_to(root)}:{i}")
     assert found == {"stop": [], "kill": []}

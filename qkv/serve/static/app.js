@@ -174,6 +174,7 @@ function onModelChange() {
   $("generate-controls").hidden = !m.can_generate;
   $("lens-go").hidden = m.kind !== "decoder" && m.kind !== "encoder";
   $("quiz-controls").hidden = m.kind !== "decoder";  // the quiz asks about next tokens and heads of a decoder
+  $("start-quiz").hidden = m.kind !== "decoder";  // the first view names only buttons the page shows
   $("view-controls").hidden = m.kind === "seq2seq" || m.family === "captioner";
   $("head").parentElement.hidden = m.kind === "image";
   $("show-lines").parentElement.hidden = m.kind === "image";
