@@ -256,6 +256,8 @@ def diagnose(g: Tensor, w: Tensor) -> str:
         idx = [int(i) for i in odd.nonzero()[0]]
         kind = "NaN" if torch.isnan(g[tuple(idx)]) else "inf"
         return f"it has {kind} at index {idx} ({int(odd.sum())} of {g.numel()} values; expected finite ones)"
+    if not g.any() and w.any():
+        return "it is all zeros"
     if g.ndim >= 2 and g.shape[-1] == g.shape[-2] and g.shape[-1] > 1 and torch.allclose(
             g, w.transpose(-1, -2), rtol=1e-5, atol=1e-7):
         return "it is the transpose of the answer (the last two dimensions swapped)"
@@ -277,7 +279,7 @@ def diagnose(g: Tensor, w: Tensor) -> str:
     if big.sum() >= 2 and finite_w.all():
         r = g[big] / w[big]
         c = r.mean().item()
-        if abs(c - 1) > 1e-3 and r.std().item() <= 1e-5 * max(abs(c), 1e-12):
+        if abs(c - 1) > 1e-3 and abs(c) > 1e-6 and r.std().item() <= 1e-5 * abs(c):
             return f"it is {c:.4g}{_factor_name(c)} times the answer (a scale applied twice, or missing?)"
     return ""
 

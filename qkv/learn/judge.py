@@ -225,9 +225,9 @@ class Child:
         self._send(setup)
         self.loaded = Answer.read(self._recv())
 
-    def _send(self, value: Any) -> None:
+    def _send(self, value: Any, functions: list | None = None) -> None:
         assert self.proc is not None and self.proc.stdin is not None
-        data = encode(value)
+        data = encode(value, functions)
         try:
             self.proc.stdin.write(struct.pack(">Q", len(data)) + data)
             self.proc.stdin.flush()
@@ -257,12 +257,14 @@ class Child:
         (n,) = struct.unpack(">Q", self._read(8))
         if n > MAX_BYTES:
             self.kill()
-            raise ChildGoneError("the child sent more than the protocol allows")
+            raise ChildGoneError("the child's answer could not be read: did the code write to a file "
+                                 "descriptor it was not given?")
         try:
             return decode(self._read(n))
         except WireError as e:
             self.kill()
-            raise ChildGoneError(f"the child's answer could not be read ({e})") from None
+            raise ChildGoneError(f"the child's answer could not be read ({e}): did the code write to a file "
+                                 "descriptor it was not given?") from None
 
     def _why_gone(self) -> str:
         assert self.proc is not None
@@ -322,11 +324,50 @@ class Child:
         req: dict[str, Any] = {"op": "vjp" if wrt else "call", "args": list(args), "kwargs": dict(kwargs)}
         if wrt:
             req.update(wrt=list(wrt), cotangents=list(cotangents))
+        functions: list = []
         try:
-            self._send(req)
+            self._send(req, functions)
         except WireError as e:
             raise TypeError(f"this check cannot send {e}") from None
-        return Answer.read(self._recv())
+        verdict: BaseException | None = None
+        while True:
+            raw = self._recv()
+            if not (isinstance(raw, dict) and "callback" in raw):
+                break
+            verdict = self._call_back(raw, functions) or verdict
+        ans = Answer.read(raw)
+        states = raw.get("generators") if isinstance(raw, dict) else None
+        mine = _generators([list(args), dict(kwargs)], [])
+        if isinstance(states, list) and len(states) == len(mine):
+            for g, state in zip(mine, states, strict=True):
+                if isinstance(state, torch.Tensor) and state.dtype == torch.uint8:
+                    g.set_state(state)  # the generator advanced in the child: so it does here
+        if verdict is not None:
+            raise verdict  # a check's own function (called back) failed the check
+        return ans
+
+    def _call_back(self, raw: dict[str, Any], functions: list) -> BaseException | None:
+        """Run the grader's function the child called (a part the exercise composes) on the
+        child's arguments, here; send its result back. A CheckError it raises is the check's
+        verdict: kept, and raised once the call has answered."""
+        from qkv.learn.exercise import CheckError
+
+        i, args, kwargs = raw.get("callback"), raw.get("args") or [], raw.get("kwargs") or {}
+        kept: BaseException | None = None
+        if not (isinstance(i, int) and 0 <= i < len(functions)):
+            reply: dict[str, Any] = {"ok": False, "text": "no such function"}
+        else:
+            try:
+                reply = {"ok": True, "out": functions[i](*args, **kwargs)}
+            except CheckError as e:
+                kept, reply = e, {"ok": False, "text": "the check stopped here"}
+            except Exception as e:
+                reply = {"ok": False, "text": f"{type(e).__name__}: {' '.join(str(e).split())[:200]}"}
+        try:
+            self._send(reply)
+        except WireError as e:
+            self._send({"ok": False, "text": f"its result cannot be sent ({e})"})
+        return kept
 
 
 # ---------------------------------------------------------------------- the function the checks see
@@ -360,6 +401,19 @@ class _RemoteGrad(torch.autograd.Function):
         flat_grads = [by_arg.get(i) if isinstance(a, torch.Tensor) else None
                       for i, a in enumerate(ctx.args) if isinstance(a, torch.Tensor)]
         return (None, None, *flat_grads)
+
+
+def _generators(value: Any, out: list[torch.Generator]) -> list[torch.Generator]:
+    """The torch.Generators in ``value``, in order (as :mod:`qkv.learn.child` lists them)."""
+    if isinstance(value, torch.Generator):
+        out.append(value)
+    elif isinstance(value, list | tuple):
+        for v in value:
+            _generators(v, out)
+    elif isinstance(value, dict):
+        for v in value.values():
+            _generators(v, out)
+    return out
 
 
 def _tensor_leaves(value: Any) -> list[torch.Tensor]:

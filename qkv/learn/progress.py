@@ -31,18 +31,17 @@ class Attempt:
     file: str = ""
     status: str = ""  # the report's: "unwritten", "refused", "error" or "" (checked)
 
-
-def path() -> Path | None:
-    root = cache_root()
-    return None if root is None else root / "learn" / "progress.json"
-
-
     def state(self) -> str:
         """In words: passed, not written yet, its file does not run, or n/m checks."""
         if self.passed:
             return "passed"
         return {"unwritten": "not written yet", "refused": "refused (imports qkv)",
                 "error": "its file does not run"}.get(self.status, f"{self.ok}/{self.total} checks")
+
+
+def path() -> Path | None:
+    root = cache_root()
+    return None if root is None else root / "learn" / "progress.json"
 
 
 @dataclass(frozen=True)

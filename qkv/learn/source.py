@@ -16,9 +16,9 @@ from qkv.errors import InputError
 
 # Names that, called, run text as code or fetch attributes by computed names.
 _DYNAMIC_CALLS = {"eval", "exec", "compile", "__import__", "globals", "vars", "locals", "setattr", "delattr"}
-# Modules whose use reaches into the interpreter or around the exercise.
-_REACHING_MODULES = {"ctypes", "gc", "inspect", "importlib", "sys", "builtins", "os", "subprocess", "socket",
-                     "marshal", "pickle", "types", "runpy", "pathlib", "shutil", "io", "qkv"}
+# Modules through which a function can be reached without naming it (the interpreter's insides).
+_REACHING_MODULES = {"ctypes", "gc", "inspect", "importlib", "sys", "builtins", "marshal", "pickle", "types",
+                     "runpy", "operator", "functools", "qkv"}
 # Dunder attributes that are ordinary in a solution.
 _PLAIN_DUNDERS = {"__init__", "__call__", "__name__", "__doc__", "__len__", "__getitem__", "__iter__",
                   "__class__", "__repr__", "__str__", "__post_init__"}

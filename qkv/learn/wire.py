@@ -38,7 +38,7 @@ class WireError(Exception):
     """A value that cannot cross (a type with no data form) or a message that is not one."""
 
 
-def _pack(value: Any, tensors: list[torch.Tensor], depth: int = 0) -> Any:
+def _pack(value: Any, tensors: list[torch.Tensor], depth: int = 0, functions: list | None = None) -> Any:
     if depth > MAX_DEPTH:
         raise WireError(f"a value nested more than {MAX_DEPTH} deep")
     if value is None or isinstance(value, bool | str):
@@ -49,6 +49,8 @@ def _pack(value: Any, tensors: list[torch.Tensor], depth: int = 0) -> Any:
         return value if math.isfinite(value) else {"__f": repr(value)}
     if isinstance(value, complex):
         return {"__c": [_pack(value.real, tensors), _pack(value.imag, tensors)]}
+    if isinstance(value, torch.Generator):  # by its state; the grader takes the new state back
+        return {"__gen": _pack(value.get_state(), tensors)}
     if isinstance(value, torch.Tensor):
         if value.dtype not in NAMES:
             raise WireError(f"a tensor of dtype {value.dtype}")
@@ -63,23 +65,27 @@ def _pack(value: Any, tensors: list[torch.Tensor], depth: int = 0) -> Any:
     if isinstance(value, torch.Size):
         return {"__size": list(value)}
     if isinstance(value, tuple):
-        return {"__tuple": [_pack(v, tensors, depth + 1) for v in value]}
+        return {"__tuple": [_pack(v, tensors, depth + 1, functions) for v in value]}
     if isinstance(value, list):
-        return [_pack(v, tensors, depth + 1) for v in value]
+        return [_pack(v, tensors, depth + 1, functions) for v in value]
     if isinstance(value, dict):
         if not all(isinstance(k, str) for k in value):
             raise WireError("a dict whose keys are not all strings")
-        return {"__dict": {k: _pack(v, tensors, depth + 1) for k, v in value.items()}}
+        return {"__dict": {k: _pack(v, tensors, depth + 1, functions) for k, v in value.items()}}
     if hasattr(value, "item") and hasattr(value, "dtype"):  # a NumPy scalar
         return _pack(value.item(), tensors, depth)
+    if functions is not None and callable(value) and not isinstance(value, type):
+        functions.append(value)  # called back: the function stays here, the child gets a stub
+        return {"__fn": len(functions) - 1}
     raise WireError(f"a value of type {type(value).__name__}")
 
 
-def encode(value: Any) -> bytes:
-    """``value`` (tensors, numbers, strings, None, and lists / tuples / string-keyed dicts of
-    them) as one message; WireError for anything else."""
+def encode(value: Any, functions: list | None = None) -> bytes:
+    """``value`` (tensors, numbers, strings, None, generators (by their state), and lists /
+    tuples / string-keyed dicts of them) as one message; with ``functions`` (a list), a callable
+    is appended to it and sent as its index (the receiver calls back); WireError for anything else."""
     tensors: list[torch.Tensor] = []
-    structure = _pack(value, tensors)
+    structure = _pack(value, tensors, 0, functions)
     blobs = [t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b"" for t in tensors]
     table = [{"dtype": NAMES[t.dtype], "shape": list(t.shape), "nbytes": len(b)}
              for t, b in zip(tensors, blobs, strict=True)]
@@ -106,13 +112,13 @@ def _tensor(spec: Any, blob: memoryview) -> torch.Tensor:
     return torch.frombuffer(bytearray(blob), dtype=torch.uint8).view(dtype).reshape(shape)
 
 
-def _unpack(node: Any, tensors: list[torch.Tensor], depth: int = 0) -> Any:
+def _unpack(node: Any, tensors: list[torch.Tensor], depth: int = 0, stub: Any = None) -> Any:
     if depth > MAX_DEPTH:
         raise WireError(f"a value nested more than {MAX_DEPTH} deep")
     if node is None or isinstance(node, bool | int | float | str):
         return node
     if isinstance(node, list):
-        return [_unpack(v, tensors, depth + 1) for v in node]
+        return [_unpack(v, tensors, depth + 1, stub) for v in node]
     if isinstance(node, dict) and len(node) == 1:
         (tag, inner), = node.items()
         if tag == "__t" and isinstance(inner, int) and 0 <= inner < len(tensors):
@@ -126,14 +132,21 @@ def _unpack(node: Any, tensors: list[torch.Tensor], depth: int = 0) -> Any:
         if tag == "__size" and isinstance(inner, list) and all(isinstance(n, int) for n in inner):
             return torch.Size(inner)
         if tag == "__tuple" and isinstance(inner, list):
-            return tuple(_unpack(v, tensors, depth + 1) for v in inner)
+            return tuple(_unpack(v, tensors, depth + 1, stub) for v in inner)
+        if tag == "__gen" and isinstance(inner, dict):
+            state = _unpack(inner, tensors)
+            if isinstance(state, torch.Tensor) and state.dtype == torch.uint8:
+                return torch.Generator().set_state(state)
+        if tag == "__fn" and isinstance(inner, int) and stub is not None:
+            return stub(inner)
         if tag == "__dict" and isinstance(inner, dict):
-            return {str(k): _unpack(v, tensors, depth + 1) for k, v in inner.items()}
+            return {str(k): _unpack(v, tensors, depth + 1, stub) for k, v in inner.items()}
     raise WireError("a value the wire format does not have")
 
 
-def decode(data: bytes) -> Any:
-    """The value of one message (see the module doc); WireError for anything malformed."""
+def decode(data: bytes, stub: Any = None) -> Any:
+    """The value of one message (see the module doc); ``stub(i)``: what stands for the sender's
+    i-th function (none: a function is refused); WireError for anything malformed."""
     if len(data) < 8 or len(data) > MAX_BYTES:
         raise WireError("a message of a bad size")
     (n,) = struct.unpack(">Q", data[:8])
@@ -154,4 +167,4 @@ def decode(data: bytes) -> Any:
         at += size
     if at != len(data):
         raise WireError("a message with bytes left over")
-    return _unpack(header.get("v"), tensors)
+    return _unpack(header.get("v"), tensors, 0, stub)

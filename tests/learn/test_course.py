@@ -293,7 +293,20 @@ def test_gradescope_results_for_one_submission_and_an_infinite_loop_is_a_zero(tm
     assert data["score"] == 2
     assert [(t["name"], t["score"], t["max_score"]) for t in data["tests"]] == [
         ("softmax", 1, 1), ("causal_mask", 1, 1)]
-    assert all(t["output"].rstrip().endswith("checks pass: well done") for t in data["tests"])
+    assert all(t["visibility"] == "visible" and " checks pass on inputs you have not seen" in t["output"]
+               for t in data["tests"])
+    assert data["stdout_visibility"] == "hidden"
+
+    # a wrong softmax: its score and check names visible, the hidden inputs' numbers after publication
+    _write(sub / "softmax.py", "def softmax(x, dim=-1):\n    return x.exp() / x.exp().sum(0)\n")
+    rc, _, err = call(["learn", "grade", str(sub), "--grader", str(grader), "-o", str(results),
+                       "--format", "gradescope", "--timeout", "240"])
+    tests = {t["name"]: t for t in json.loads((results / "results.json").read_text())["tests"]}
+    assert rc == 0 and tests["softmax"]["score"] == 0 and "FAIL" in tests["softmax"]["output"], err
+    assert "expected" not in tests["softmax"]["output"]  # no numbers of the hidden inputs before publication
+    details = tests["softmax: what failed"]
+    assert details["visibility"] == "after_published" and details["max_score"] == 0
+    assert "expected" in details["output"]
 
     _write(sub / "causal_mask.py", "def causal_mask(T):\n    while True:\n        pass\n")
     (sub / "softmax.py").unlink()

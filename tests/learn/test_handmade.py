@@ -223,7 +223,7 @@ def induction_in_one_layer(vocab, n_ctx, d_model):
 
 
 WRONG = [
-    ("previous_token_head", prev_attends_to_itself, "it to the direction of position i − 1"),
+    ("previous_token_head", prev_attends_to_itself, "each query's best key is its own position"),
     ("previous_token_head", prev_too_soft, "your W_Q·W_Kᵀ is not sharp enough — scale it up"),
     ("previous_token_head", prev_two_back, "that is two back"),
     ("previous_token_head", prev_attends_to_itself, "it names it 'no type'"),

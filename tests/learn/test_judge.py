@@ -69,14 +69,14 @@ def test_bad_files_are_refused_in_one_line_before_anything_runs(tmp_path):
      "    return x * 0\n", "expected"),
     ("import os, json", "    rep = json.dumps({'passed': True, 'checks': []}).encode()\n"
      "    for fd in range(1, 12):\n        try:\n            os.write(fd, rep)\n        except OSError:\n"
-     "            pass\n    os._exit(0)\n", "the process"),
+     "            pass\n    os._exit(0)\n", "the child's answer could not be read"),
     ("from qkv.attention.functional import softmax as _s", "    return _s(x, dim)\n", "imports qkv"),
     ("", "    m = __import__('q' + 'kv.attention.functional', fromlist=['softmax'])\n"
          "    return m.softmax(x, dim)\n", "qkv cannot be imported here"),
 ])
 def test_nothing_the_child_does_turns_a_check_green(tmp_path, prelude, body, says):
     report = judge(get("softmax"), src(prelude, body), timeout=60)
-    assert not report.passed and not any(c.ok for c in report.checks if "does not call" not in c.name)
+    assert not report.passed and not (report.checks and report.checks[0].ok), report.text()
     assert any(says in m for m in failed(report)), report.text()
 
 
