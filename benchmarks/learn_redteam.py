@@ -5,8 +5,9 @@ Every student hands in ``softmax.py`` (and some ``causal_mask.py``); the cheats 
 try to score anyway, or to damage, read or outlive the grader. The class is graded by the real
 command in a fresh process (`qkv learn grade SUBS --grader G -o OUT --timeout 10 --jobs 2`), then:
 
-- per attempt: the points it got on the exercise it cheats at (a cheat is blocked when it gets 0,
-  an honest student when it gets exactly what its work deserves), and what it left (a marker file
+- per attempt: the points it got on the exercise it cheats at (a cheat is blocked when it gets 0;
+  an honest student, or hostile code before a correct softmax, when it gets exactly what the work
+  deserves), and what it left (a marker file
   it wrote outside its folder, a connection it opened to a listener of ours, a secret it read and
   showed in grades.json);
 - the grading's wall time with ``--timeout 10`` (goal: bounded by the timeouts);
@@ -30,6 +31,7 @@ import argparse
 import hashlib
 import json
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -56,13 +58,16 @@ def softmax(x, dim=-1):
     return x.exp() / x.exp().sum(dim=dim, keepdim=True)   # no max subtracted: overflows
 '''
 WRONG_BODY = "    return x.exp() / x.exp().sum(dim=dim, keepdim=True)\n"
+RIGHT_BODY = RIGHT.split("):\n", 1)[1]
 
 
 def cheat(prelude: str, body: str = WRONG_BODY) -> str:
     return f"import torch\n{prelude}\n\ndef softmax(x, dim=-1):\n{body}"
 
 
-# name -> (what it tries, files {name: text}, the points it should get on softmax: None = 0)
+# name -> (what it tries, files {name: text}, the points it should get on softmax). A cheat solves
+# nothing and must get 0; hostile code (damage, escape, outlive) comes before a correct softmax, so
+# its grade must stay exact while what it tried is measured apart (markers, connections, processes).
 ATTEMPTS: dict[str, tuple[str, dict[str, str], str]] = {
     "honest-right": ("a correct softmax", {"softmax.py": RIGHT}, "full"),
     "honest-wrong": ("softmax without the max subtracted (overflows on large logits)", {"softmax.py": WRONG},
@@ -126,7 +131,7 @@ ATTEMPTS: dict[str, tuple[str, dict[str, str], str]] = {
         "            os._exit(0)\n"
         "    except OSError:\n"
         "        pass\n"
-        "_daemon()\n")}, "zero"),
+        "_daemon()\n", RIGHT_BODY)}, "full"),
     "classmate": ("exec of a classmate's file (honest-right's)", {"softmax.py": cheat(
         "import os\nSRC = ''\n"
         "for base in ('..', '../..', '../../..', os.environ.get('HOME', '.')):\n"
@@ -149,7 +154,7 @@ ATTEMPTS: dict[str, tuple[str, dict[str, str], str]] = {
         "        try:\n"
         "            open(os.path.join(d, 'PWNED-write-outside'), 'w').write('x')\n"
         "        except OSError:\n"
-        "            pass\n")}, "zero"),
+        "            pass\n", RIGHT_BODY)}, "full"),
     "read-secrets": ("/etc/shadow and the grader's manifest read into its exception text", {"softmax.py": cheat(
         "import glob\n"
         "def _secret():\n"
@@ -167,7 +172,7 @@ ATTEMPTS: dict[str, tuple[str, dict[str, str], str]] = {
         "    try:\n"
         "        socket.create_connection(('127.0.0.1', PORT), timeout=2).sendall(b'softmax leaked')\n"
         "    except OSError:\n"
-        "        pass\n", "    _call_home()\n" + WRONG_BODY)}, "zero"),
+        "        pass\n", "    _call_home()\n" + RIGHT_BODY)}, "full"),
     "getattr-softmax": ("torch's softmax reached by a computed name", {"softmax.py": cheat(
         "", "    return getattr(torch, 'soft' + 'max')(x, dim)\n")}, "zero"),
     "print-storm": ("prints without end (a correct softmax after them)", {"softmax.py": cheat(
@@ -185,29 +190,43 @@ ATTEMPTS: dict[str, tuple[str, dict[str, str], str]] = {
         "                os._exit(0)\n"
         "        except OSError:\n"
         "            return\n"
-        "_bomb()\n")}, "zero"),
+        "_bomb()\n", RIGHT_BODY)}, "full"),
     "kill-grader": ("signals its parent and every process it can", {"softmax.py": cheat(
         "import os, signal\n"
         "for pid in [os.getppid()] + list(range(2, 400)):\n"
         "    try:\n"
         "        os.kill(pid, signal.SIGKILL)\n"
         "    except (OSError, PermissionError):\n"
-        "        pass\n")}, "zero"),
-    "ctypes-system": ("libc's system() through ctypes", {"softmax.py": cheat(
+        "        pass\n", RIGHT_BODY)}, "full"),
+    "ctypes-system": ("libc's system() through ctypes (refused: native code reaches past every check)", {"softmax.py": cheat(
         "import ctypes\n"
         "try:\n"
         "    ctypes.CDLL(None).system(b'touch /tmp/PWNED-ctypes')\n"
         "except Exception:\n"
-        "    pass\n")}, "zero"),
-    "from-file": ("the manifest read by torch.from_file (C++, outside Python's audit)", {"softmax.py": cheat(
-        "import glob\n"
-        "def _seed():\n"
-        "    for p in glob.glob('/tmp/*/*/manifest.json'):\n"
-        "        try:\n"
-        "            return bytes(torch.from_file(p, size=200, dtype=torch.uint8).tolist()).decode()\n"
-        "        except Exception as e:\n"
-        "            return str(e)\n"
-        "    return 'none'\n", "    raise ValueError(_seed())\n")}, "zero"),
+        "    pass\n", RIGHT_BODY)}, "zero"),
+    "from-file": ("/etc/passwd read by torch.from_file (C++, outside Python's audit) into its exception text",
+                  {"softmax.py": cheat(
+                      "def _read():\n"
+                      "    try:\n"
+                      "        return bytes(torch.from_file('/etc/passwd', size=64, dtype=torch.uint8).tolist()).decode()\n"
+                      "    except Exception as e:\n"
+                      "        return str(e)\n", "    raise ValueError(_read())\n")}, "zero"),
+    "native-write": ("torch.save (a C++ writer, unseen by Python's audit) into /tmp and the folders above",
+                     {"softmax.py": cheat(
+                         "import os\n"
+                         "for d in ('/tmp', '..', '../..', os.environ.get('HOME', '.')):\n"
+                         "    try:\n"
+                         "        torch.save(torch.zeros(1), os.path.join(d, 'PWNED-native-write'))\n"
+                         "    except Exception:\n"
+                         "        pass\n", RIGHT_BODY)}, "full"),
+    "native-socket": ("a TCP connection from C++ (torch.distributed's TCPStore) to a listener of the benchmark",
+                      {"softmax.py": cheat(
+                          "import datetime\n"
+                          "try:\n"
+                          "    import torch.distributed as dist\n"
+                          "    dist.TCPStore('127.0.0.1', PORT, is_master=False, timeout=datetime.timedelta(seconds=2))\n"
+                          "except Exception:\n"
+                          "    pass\n", RIGHT_BODY)}, "full"),
     "stub": ("the untouched stub", {"softmax.py": cheat(
         "", '    """docs"""\n    raise NotImplementedError("write softmax")\n')}, "zero"),
 }
@@ -326,6 +345,7 @@ def main() -> None:
         print("  ", line)
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=1) + "\n")
+    shutil.rmtree(root, ignore_errors=True)
 
 
 if __name__ == "__main__":

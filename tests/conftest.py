@@ -28,7 +28,7 @@ def pytest_configure(config):
 # first: pytest-xdist gives each worker a whole file at a time (--dist loadfile), so a long file
 # left for last would keep one worker busy while the other waits. Only the speed depends on it.
 LONGEST_FILES = ("generation/test_aot.py", "learn/test_runner.py", "pretrained/test_smollm2.py",
-                 "training/test_faults.py", "pretrained/test_quantized.py", "learn/test_sandbox.py",
+                 "training/test_faults.py", "pretrained/test_quantized.py", "learn/test_judge.py",
                  "test_processes.py", "explain/test_lectures.py", "kernels/test_qmatmul.py",
                  "families/test_captioner_family.py", "test_bad_inputs.py", "generation/test_compiled.py")
 

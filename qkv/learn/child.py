@@ -23,7 +23,9 @@ the unprivileged user when started as root (after hiding the grader's and the ot
 folders and leaving the network, where the kernel allows it), replaces every function the
 exercise forbids, by whatever name it is reached, with one that records the call, and installs an
 audit hook (PEP 578, which cannot be removed) that refuses files outside the private folder and
-Python's own, sockets, new processes, signals, ctypes and importing qkv.
+Python's own, sockets, new processes, signals, ctypes and importing qkv; under it, where the
+kernel has Landlock, the kernel refuses the same files and every TCP connection to native code too
+(torch's C++ readers and writers, anything the audit hook does not see).
 """
 
 from __future__ import annotations
@@ -277,20 +279,84 @@ def _forbid(names: list[str]) -> None:
                 pass
 
 
-def _refuse_reading_files_from_c() -> None:
-    """torch.from_file and Storage.from_file open a path in C++, where the audit hook does not
-    see it: refused outright."""
+def _refuse_files_from_c() -> None:
+    """What opens a path in C++, where the audit hook does not see it, refused outright:
+    torch.from_file and Storage.from_file, torch.save/torch.load's archive reader and writer,
+    TorchScript's loader, and torch.distributed's stores (sockets and files)."""
     import torch
 
     def refused(*a, **k):
-        raise PermissionError("from_file is not available here: your function gets its inputs as arguments")
+        raise PermissionError("not available here: your function gets its inputs as arguments "
+                              "and returns its answer (no files, no network)")
 
-    for space in (torch, torch.UntypedStorage, torch.TypedStorage):
-        if hasattr(space, "from_file"):
+    places = [(torch, "from_file"), (torch.UntypedStorage, "from_file"), (torch.TypedStorage, "from_file")]
+    places += [(torch._C, name) for name in ("PyTorchFileWriter", "PyTorchFileReader", "import_ir_module",
+                                             "import_ir_module_from_buffer")]
+    for space in (getattr(torch._C, "_distributed_c10d", None), sys.modules.get("torch.distributed")):
+        places += [(space, name) for name in ("TCPStore", "FileStore") if space is not None]
+    for space, name in places:
+        if hasattr(space, name):
             try:
-                space.from_file = refused
+                setattr(space, name, refused)
             except (TypeError, AttributeError):
                 pass
+
+
+# Linux Landlock (kernel 5.13+; TCP rules 6.7+, scopes 6.12+): the same syscall numbers on every
+# architecture. Rights on files, then on TCP ports, then scopes (include/uapi/linux/landlock.h).
+_LL_CREATE, _LL_ADD_RULE, _LL_RESTRICT = 444, 445, 446
+_LL_EXECUTE, _LL_WRITE_FILE, _LL_READ_FILE, _LL_READ_DIR = 1, 2, 4, 8
+_LL_FILE_RIGHTS = _LL_EXECUTE | _LL_WRITE_FILE | _LL_READ_FILE | (1 << 14) | (1 << 15)  # + truncate, ioctl
+
+
+def _landlock(private: str, readable: list[str]) -> str:
+    """The kernel's own fence (Landlock), under the audit hook: from here on this process and
+    anything it could start may read only ``readable`` and write only ``private``, whether the
+    path is opened by Python or by native code, bind or connect no TCP port, and signal or reach
+    by abstract socket nothing outside itself. Returns what could not be done ("" when all was)."""
+    import ctypes
+
+    libc = _libc()
+    libc.syscall.restype = ctypes.c_long
+    abi = libc.syscall(_LL_CREATE, None, ctypes.c_size_t(0), ctypes.c_uint32(1))
+    if abi < 1:
+        return "no Landlock in this kernel: files and sockets are refused in Python only"
+    fs = (1 << 13) - 1  # ABI 1's rights; then refer (2), truncate (3), device ioctl (5)
+    fs |= (1 << 13 if abi >= 2 else 0) | (1 << 14 if abi >= 3 else 0) | (1 << 15 if abi >= 5 else 0)
+    net = 3 if abi >= 4 else 0  # bind and connect, every TCP port
+    scoped = 3 if abi >= 6 else 0  # abstract unix sockets and signals outside the sandbox
+    attr = (ctypes.c_uint64 * 3)(fs, net, scoped)
+    size = 24 if abi >= 6 else 16 if abi >= 4 else 8
+    ruleset = libc.syscall(_LL_CREATE, ctypes.byref(attr), ctypes.c_size_t(size), ctypes.c_uint32(0))
+    in_python_only = "files and sockets are refused in Python only"
+    if ruleset < 0:
+        return f"Landlock refused a ruleset (errno {ctypes.get_errno()}): {in_python_only}"
+
+    class PathBeneath(ctypes.Structure):
+        _pack_ = 1
+        _fields_ = [("allowed_access", ctypes.c_uint64), ("parent_fd", ctypes.c_int32)]
+
+    try:
+        reading = _LL_EXECUTE | _LL_READ_FILE | _LL_READ_DIR
+        for path, rights in [(private, fs)] + [(p, reading) for p in readable]:
+            try:
+                fd = os.open(path, os.O_PATH | os.O_CLOEXEC)
+            except OSError:
+                continue  # a readable root this machine lacks
+            try:
+                if not os.path.isdir(path):
+                    rights &= _LL_FILE_RIGHTS
+                rule = PathBeneath(rights & fs, fd)
+                libc.syscall(_LL_ADD_RULE, ruleset, ctypes.c_int(1), ctypes.byref(rule), ctypes.c_uint32(0))
+            finally:
+                os.close(fd)
+        if libc.prctl(38, 1, 0, 0, 0) != 0:  # PR_SET_NO_NEW_PRIVS: required to fence oneself
+            return f"no_new_privs refused: {in_python_only}"
+        if libc.syscall(_LL_RESTRICT, ruleset, ctypes.c_uint32(0)) != 0:
+            return f"Landlock not applied (errno {ctypes.get_errno()}): {in_python_only}"
+    finally:
+        os.close(ruleset)
+    return ""
 
 
 _BLOCKED_EVENTS = ("socket.", "subprocess.", "os.system", "os.exec", "os.fork", "os.forkpty",
@@ -508,10 +574,14 @@ def _main() -> None:
         os.setresuid(uid, uid, uid)
     _limit(setup["limits"])
     _forbid(list(setup.get("forbid", [])))
-    _refuse_reading_files_from_c()
+    _refuse_files_from_c()
     private = os.path.realpath(os.getcwd())
+    readable = [os.path.realpath(p) for p in setup["readable"]]
+    fence = _landlock(private, readable)
+    if fence:
+        notes.append(fence)
     _no_new_processes()
-    sys.addaudithook(_audit(private, [os.path.realpath(p) for p in setup["readable"]],
+    sys.addaudithook(_audit(private, readable,
                             [os.path.realpath(p) for p in setup.get("refused", [])]))
     os.dup2(null, 2)  # from here on the student's code runs: its writes to the terminal go nowhere
     filename = os.path.join(private, setup["file"])

@@ -293,6 +293,56 @@ def test_files_outside_its_folder_are_neither_read_nor_written(tmp_path):
     assert not target.exists()
 
 
+LANDLOCK_PROBE = r"""
+import errno, os, socket, sys
+from qkv.learn.child import _landlock
+private, outside, secret, port = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
+note = _landlock(private, [os.path.dirname(os.__file__)])
+if note:
+    print("NOTE", note)
+    raise SystemExit(0)
+def tries(what, fn):
+    try:
+        fn()
+        print(what, "done")
+    except OSError as e:
+        print(what, errno.errorcode.get(e.errno, e.errno))
+tries("write-inside", lambda: open(os.path.join(private, "ok.txt"), "w").write("x"))
+tries("write-outside", lambda: os.close(os.open(outside, os.O_WRONLY | os.O_CREAT, 0o600)))
+tries("read-outside", lambda: os.close(os.open(secret, os.O_RDONLY)))
+tries("connect", lambda: socket.create_connection(("127.0.0.1", port), timeout=2))
+"""
+
+
+def test_the_kernel_fence_holds_without_the_audit_hook(tmp_path):
+    """Landlock, as the child applies it, refuses what native code could do unseen by Python's
+    audit hook (this probe installs no hook and uses plain os calls): writing or reading outside
+    its folders, connecting to a TCP port. Where the kernel lacks it, the child says so."""
+    import socket
+    import subprocess
+    import sys
+
+    private = tmp_path / "private"
+    private.mkdir()
+    secret = tmp_path / "secret.txt"
+    secret.write_text("CANARY")
+    srv = socket.socket()
+    srv.bind(("127.0.0.1", 0))
+    srv.listen(1)
+    try:
+        r = subprocess.run([sys.executable, "-c", LANDLOCK_PROBE, str(private), str(tmp_path / "out.txt"),
+                            str(secret), str(srv.getsockname()[1])], capture_output=True, text=True, timeout=60)
+    finally:
+        srv.close()
+    assert r.returncode == 0, r.stderr
+    if r.stdout.startswith("NOTE"):
+        assert "refused in Python only" in r.stdout, r.stdout
+        return
+    assert r.stdout.split("\n")[:4] == ["write-inside done", "write-outside EACCES", "read-outside EACCES",
+                                        "connect EACCES"], r.stdout
+    assert not (tmp_path / "out.txt").exists()
+
+
 @pytest.mark.skipif(not is_root(), reason="the unprivileged user is for a grader running as root")
 def test_as_root_the_child_is_an_unprivileged_user_without_the_grader_folders(tmp_path):
     hidden = tmp_path / "grader"
