@@ -75,7 +75,7 @@ class Report:
     def text(self) -> str:
         """The report as a student reads it: one line per check, a verdict last."""
         if self.status == "unwritten":
-            return f"{self.exercise}: not written yet: {self.error}"
+            return f"{self.exercise}: {self.error}"
         lines = [f"{self.exercise}:"]
         if self.error:
             lines.append(f"  FAIL  {self.error}")

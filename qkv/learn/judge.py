@@ -544,8 +544,8 @@ def judge(exercise: Exercise, source: str, timeout: float = TIMEOUT_S, seed_offs
     name = exercise.name
     shown = filename or f"{name}.py"
     if untouched(source, name):
-        return Report(name, (), f"{name} is not written yet: fill in its body (the stub raises "
-                                "NotImplementedError)", status="unwritten")
+        return Report(name, (), f"{name} is not written yet (it raises NotImplementedError)",
+                      status="unwritten")
     if any(r.startswith(("import qkv", "from qkv")) for r in read_calls(source, ()).reaching):
         return Report(name, (), "the file imports qkv: the exercise is to write it yourself, so it scores 0",
                       status="refused")

@@ -187,6 +187,45 @@ def function_source(fn: object, name: str) -> str:
         except (OSError, TypeError):
             raise InputError(f"no source for {fn!r}: define {name} with `def` in a cell or a file") from None
     source, _ = definitions(texts)
+    source = needed(source, own)
     if own != name:
         source += f"\n{name} = {own}\n"
     return source
+
+
+def needed(source: str, root: str) -> str:
+    """Only what ``root`` needs from ``source``: itself, every top-level function or class its
+    body names, transitively (the last definition of a name wins, as when cells run in order),
+    and the imports of names they use. A notebook's other exercises and its check cells' imports
+    neither run nor count against this one (an attention solution's softmax is not the softmax
+    exercise's)."""
+    tree = ast.parse(source)
+    defs: dict[str, ast.stmt] = {}
+    for node in tree.body:
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
+            defs[node.name] = node
+    if root not in defs:
+        return source
+    keep, todo = set(), [root]
+    while todo:
+        n = todo.pop()
+        if n in keep or n not in defs:
+            continue
+        keep.add(n)
+        todo += [x.id for x in ast.walk(defs[n]) if isinstance(x, ast.Name)]
+    used = {x.id for n in keep for x in ast.walk(defs[n]) if isinstance(x, ast.Name)}
+    used |= {x.value.id for n in keep for x in ast.walk(defs[n])
+             if isinstance(x, ast.Attribute) and isinstance(x.value, ast.Name)}
+
+    def wanted(node: ast.Import | ast.ImportFrom) -> bool:  # star imports, and those the kept use
+        return any(a.name == "*" or (a.asname or a.name).split(".")[0] in used for a in node.names)
+
+    lines = source.splitlines()
+    parts = []
+    for node in tree.body:
+        if (isinstance(node, ast.Import | ast.ImportFrom) and wanted(node)) or (
+                node in defs.values() and getattr(node, "name", "") in keep):
+            decorators = getattr(node, "decorator_list", None)
+            start = decorators[0].lineno if decorators else node.lineno
+            parts.append("\n".join(lines[start - 1: node.end_lineno]))
+    return "\n\n".join(parts) + "\n"

@@ -378,3 +378,21 @@ def test_every_reference_solution_passes_through_the_child():
     for e in EXERCISES.values():
         report = judge(e, "import math\nimport torch\n" + e.solution, timeout=120)
         assert report.passed, report.text()
+
+
+def test_a_notebooks_other_exercises_and_check_imports_do_not_count_against_this_one():
+    """The notebook's check() judges only what the function needs: an attention cell that calls
+    torch.softmax, the check cell's qkv import and an overridden first try are left out."""
+    from qkv.learn.source import needed
+
+    cells = ("import math\nimport torch\nfrom qkv.learn.exercise import other_inputs\n\n"
+             "def helper(x):\n    return x.exp()\n\n"
+             "def softmax(x, dim=-1):\n    return torch.softmax(x, dim)\n\n"
+             "def attention(q, k, v):\n    return torch.softmax(q @ k.T / math.sqrt(q.shape[-1]), -1) @ v\n\n"
+             "def softmax(x, dim=-1):\n    e = helper(x - x.amax(dim, keepdim=True))\n"
+             "    return e / e.sum(dim, keepdim=True)\n")
+    assert needed(cells, "softmax") == ("def helper(x):\n    return x.exp()\n\n"
+                                        "def softmax(x, dim=-1):\n    e = helper(x - x.amax(dim, keepdim=True))\n"
+                                        "    return e / e.sum(dim, keepdim=True)\n")
+    report = judge(get("softmax"), needed(cells, "softmax"), timeout=60)
+    assert report.passed, report.text()
