@@ -4,7 +4,9 @@ process): the verdict, the losses of the student's model and qkv's after the sam
 same seed (or the greedy tokens of SmolLM2), and the wall time (the issue's goal: under a minute
 where training is involved). Then a newcomer's path, timed: `qkv learn start softmax`, the
 function written (the file replaced by a correct solution, as an editor would save it), `qkv
-learn check softmax` passing.
+learn check softmax` passing. Last, a wrong function in each model (a plausible mistake whose
+first forward pass already differs): the time to its verdict (the issue's goal: ≤ 30 s), and
+where the run says it first differs.
 
     python benchmarks/learn_run.py               # ~6 minutes on 2 cores
     python benchmarks/learn_run.py --quick       # softmax, rope, additive_attention only
@@ -23,6 +25,18 @@ from pathlib import Path
 import _common as C
 
 NAME = "learn_run"
+
+# exercise -> (the mistake, the reference solution's line it replaces, the wrong line)
+WRONG = {
+    "softmax": ("normalised over the first axis", "e / e.sum(dim=dim, keepdim=True)",
+                "e / e.sum(dim=0, keepdim=True)"),
+    "layer_norm": ("the standard deviation without eps inside the root, then eps 1e-1 outside it",
+                   "torch.sqrt(var + eps)", "(torch.sqrt(var) + 0.1)"),
+    "rope": ("the rotation's sign flipped", "x1 * cos - x2 * sin, x2 * cos + x1 * sin",
+             "x1 * cos + x2 * sin, x2 * cos - x1 * sin"),
+    "additive_attention": ("no tanh", "torch.tanh((query @ w_q)[:, None, :] + keys @ w_k)",
+                           "((query @ w_q)[:, None, :] + keys @ w_k)"),
+}
 
 
 def qkv(*argv: str, cwd: Path) -> tuple[subprocess.CompletedProcess, float]:
@@ -79,10 +93,33 @@ def main() -> int:
                               "start_rc": p1.returncode, "check_rc": p2.returncode,
                               "check_output": p2.stdout[-400:]}
         print(f"newcomer: start {w1:.1f} s, check {w2:.1f} s (exit {p2.returncode}), total {total:.1f} s")
+        wrong_rows = []
+        for name, (mistake, right, wrong) in WRONG.items():
+            if name not in names:
+                continue
+            solution = EXERCISES[name].solution
+            assert right in solution, (name, right)
+            path = folder / "wrong" / f"{name}.py"
+            path.parent.mkdir(exist_ok=True)
+            path.write_text("import math\n\nimport torch\n" + solution.replace(right, wrong))
+            p, wall = qkv("learn", "run", name, str(path), "-o", str(folder / f"{name}-wrong.png"), "--json",
+                          cwd=folder)
+            lines = p.stdout.strip().splitlines()
+            out = json.loads(lines[-1]) if lines else {"error": p.stderr[-300:]}
+            verdict = out.get("verdict", out.get("error", "?"))
+            result.setdefault("wrong", {})[name] = {"mistake": mistake, "passed": out.get("passed"),
+                                                    "verdict": verdict, "wall_s": round(wall, 1),
+                                                    "rc": p.returncode}
+            wrong_rows.append([name, mistake, "caught" if out.get("passed") is False else "MISSED",
+                               f"{wall:.1f}", verdict[:70]])
+            print(f"wrong {name}: {'caught' if out.get('passed') is False else 'MISSED'} in {wall:.1f} s: "
+                  f"{verdict}", flush=True)
     C.print_table("qkv learn run: the reference solution inside each model, beside qkv's own",
                   ["exercise", "model", "verdict", "validation loss, yours vs qkv's / greedy tokens",
                    "wall, s"],
                   rows)
+    C.print_table("qkv learn run: a wrong function, the time to its verdict (goal ≤ 30 s)",
+                  ["exercise", "mistake", "verdict", "wall, s", "what it says"], wrong_rows)
     out = C.write_json(NAME, result, args.out)
     print(f"wrote {out}")
     return 0

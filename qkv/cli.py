@@ -72,12 +72,17 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:2] == ["learn", "check"] and not {"-h", "--help"} & set(argv):
+        from qkv.learn import launch  # no torch: the child imports it while this process does
+
+        launch.ahead()
     from qkv.commands.train import default_family
 
     parser = build_parser()
     from qkv.commands.generate import bare_compile
 
-    argv = bare_compile(default_family(list(sys.argv[1:] if argv is None else argv)))
+    argv = bare_compile(default_family(argv))
     # parse_known_args: argparse cannot put a `nargs="*"` positional after options
     # (`qkv embed minilm --json "a b"`); commands that take free text collect the rest.
     args, extra = parser.parse_known_args(argv)

@@ -16,30 +16,42 @@ edge cases a careless solution breaks, and says what is wrong when it recognises
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from qkv.errors import InputError
-from qkv.learn.catalog import EXERCISES
-from qkv.learn.exercise import CheckResult, Exercise, Report
+if TYPE_CHECKING:
+    from qkv.learn.catalog import EXERCISES
+    from qkv.learn.exercise import Exercise, Report
 
 DEFAULT_DIR = "qkv-exercises"  # where `qkv learn start` writes and `check`/`run` look
 
 
+def __getattr__(name: str) -> Any:
+    """EXERCISES, Exercise and Report, imported when first asked for: ``qkv.learn.launch``
+    (which starts a child before torch is imported) must not import torch with this package."""
+    if name == "EXERCISES":
+        from qkv.learn.catalog import EXERCISES
+
+        return EXERCISES
+    if name in ("Exercise", "Report", "CheckResult"):
+        from qkv.learn import exercise
+
+        return getattr(exercise, name)
+    raise AttributeError(f"module 'qkv.learn' has no attribute {name!r}")
+
+
 def get(name: str) -> Exercise:
     """The exercise called ``name`` (InputError naming the exercises otherwise)."""
-    if name not in EXERCISES:
-        import difflib
+    from qkv.learn.catalog import get as get_exercise
 
-        close = difflib.get_close_matches(name, list(EXERCISES), n=1)
-        hint = f"did you mean {close[0]}? " if close else ""
-        raise InputError(f"no exercise {name!r}; {hint}`qkv learn list` shows the {len(EXERCISES)} exercises")
-    return EXERCISES[name]
+    return get_exercise(name)
 
 
 def run(name: str, fn: Callable[..., Any]) -> Report:
     """Every check of exercise ``name`` on ``fn``, in this process: no isolation and no time
     limit, so nothing it says can be trusted as a grade (qkv's own tests and benchmarks use it to
     run thousands of checks quickly); :func:`check` and ``qkv learn check`` judge in a child."""
+    from qkv.learn.exercise import CheckResult, Report
+
     exercise = get(name)
     results = []
     for c in exercise.checks:

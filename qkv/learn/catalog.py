@@ -911,4 +911,18 @@ def _all() -> dict[str, Exercise]:
 
 EXERCISES: dict[str, Exercise] = _all()
 
-__all__ = ["EXERCISES", "Check", "Exercise"]
+
+def get(name: str) -> Exercise:
+    """The exercise called ``name`` (InputError naming the exercises otherwise)."""
+    if name not in EXERCISES:
+        import difflib
+
+        from qkv.errors import InputError
+
+        close = difflib.get_close_matches(name, list(EXERCISES), n=1)
+        hint = f"did you mean {close[0]}? " if close else ""
+        raise InputError(f"no exercise {name!r}; {hint}`qkv learn list` shows the {len(EXERCISES)} exercises")
+    return EXERCISES[name]
+
+
+__all__ = ["EXERCISES", "Check", "Exercise", "get"]

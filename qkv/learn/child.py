@@ -1,10 +1,11 @@
 """The child that runs a student's function, and nothing else: it computes, the grader judges.
 
-The grader (:mod:`qkv.learn.judge`) starts ``python -I -S -c PROGRAM`` (:func:`program`: this
-file's child half after :mod:`qkv.learn.wire`'s functions, so the child imports neither qkv nor
-anything beside the student's file) in an empty private folder holding a copy of the student's
-file, with a clean environment and no submission folder, user site or start-up hook on its
-import path. Over two pipes it then receives, as data (:mod:`qkv.learn.wire`):
+The grader (:mod:`qkv.learn.judge`, through :mod:`qkv.learn.launch`) starts ``python -I -S -c
+PROGRAM`` (:func:`qkv.learn.launch.program`: this file's child half after :mod:`qkv.learn.wire`'s
+functions, so the child imports neither qkv nor anything beside the student's file) in an empty
+private folder holding a copy of the student's file, with a clean environment and no submission
+folder, user site or start-up hook on its import path. Over two pipes it then receives, as data
+(:mod:`qkv.learn.wire`):
 
 1. the set-up: the import path (the folders torch needs, never qkv's), the limits, the function's
    name, the names it may not call, and, when grading as root, the unprivileged user to become and
@@ -32,31 +33,17 @@ from __future__ import annotations
 
 import os
 import sys
-from pathlib import Path
 
-PRINT_LIMIT = 20_000  # characters one call may print; past it the call is stopped
-PRINTS_SHOWN = 1_500  # characters of them sent back
+from qkv.learn.launch import PRINT_LIMIT, PRINTS_SHOWN, program
 
-
-def program() -> str:
-    """The child's source: :mod:`qkv.learn.wire`'s, then this file's child half (below the
-    ``# --- child`` line), run as ``__main__``."""
-    here = Path(__file__).resolve()
-    wire = (here.parent / "wire.py").read_text(encoding="utf-8")
-    mine = here.read_text(encoding="utf-8").split(_CHILD_HALF, 1)[1]
-    head = f"\nimport os\nimport sys\nPRINT_LIMIT = {PRINT_LIMIT}\nPRINTS_SHOWN = {PRINTS_SHOWN}\n"
-    path = "import sys\nsys.path += sys.argv[1:]  # torch's folders (from the grader: no secret)\n"
-    return path + wire.replace("from __future__ import annotations\n", "") + head + mine
-
-
-_CHILD_HALF = "# " + "-" * 75 + " child\n"
+__all__ = ["PRINTS_SHOWN", "PRINT_LIMIT", "program"]  # this file's child half as the child runs it
 
 
 # --------------------------------------------------------------------------- child
 # This half runs in the child, after wire.py's functions (encode, decode, WireError, MAX_BYTES);
 # imported as qkv.learn.child (by the grader, the tests), it takes them from qkv.learn.wire.
-import io  # noqa: E402
-import struct  # noqa: E402
+import io
+import struct
 
 if "encode" not in globals():
     from qkv.learn.wire import MAX_BYTES, WireError, decode, encode
@@ -552,10 +539,10 @@ def _main() -> None:
     requests, answers = 0, os.dup(1)
     null = os.open(os.devnull, os.O_WRONLY)
     os.dup2(null, 1)  # the answers have their own descriptor; what is written to 1 goes nowhere
-    setup = _recv(requests)
-    import torch
+    import torch  # before the set-up comes: a child started ahead imports it meanwhile
 
     torch.set_num_threads(1)
+    setup = _recv(requests)
     for name in setup.get("preload", []):  # what torch imports lazily, while it can still be read
         try:
             __import__(name)

@@ -141,7 +141,8 @@ def _grader_readme(info: dict[str, Any], student: str) -> str:
         "`STUDENT.ipynb` per student. OUT/grades.csv: one row per student, one column per exercise",
         "(the points earned), the total; OUT/grades.json: every check's",
         "outcome and, for a 0, the reason (syntax error, time limit, missing function...).",
-        "`--jobs N` grades N submissions at a time; `--timeout S` is each exercise's time limit.",
+        "`--jobs N` checks N exercises at a time, each in its own child process (default: up to 4);",
+        "`--timeout S` is each exercise's time limit.",
         "",
         "## Gradescope",
         "",
@@ -343,7 +344,8 @@ def add_grade_arguments(p: argparse.ArgumentParser) -> None:
                    help="course: grades.csv + grades.json for a class; gradescope: results.json for one "
                    "submission, in Gradescope's autograder format")
     p.add_argument("--jobs", type=int, default=min(4, os.cpu_count() or 1),
-                   help="exercises checked at a time (each in its own process)")
+                   help="exercises checked at a time, each in its own child process (default: the "
+                   "cores, at most 4)")
     p.add_argument("--timeout", type=float, default=None,
                    help=f"seconds each exercise may take, torch's import included (default: the "
                    f"manifest's, {TIMEOUT_S:g})")

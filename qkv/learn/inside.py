@@ -246,9 +246,11 @@ class Side:
 
 
 def _block_outputs(model: nn.Module, run: Callable[[], Any]) -> list[Tensor]:
-    """The output of every block of ``model`` (its ``blocks`` or ``layers`` list) while ``run()``
-    runs it, in order (none for a model without such a list)."""
-    blocks = getattr(model, "blocks", None) or getattr(model, "layers", None)
+    """The output of every block of ``model`` (its first ``blocks`` or ``layers`` list, at any
+    depth: GPT's is ``stack.blocks``) while ``run()`` runs it, in order (none for a model without
+    such a list)."""
+    blocks = next((m for name, m in model.named_modules()
+                   if name.rsplit(".", 1)[-1] in ("blocks", "layers") and isinstance(m, nn.ModuleList)), None)
     seen: list[Tensor] = []
     if not isinstance(blocks, nn.ModuleList):
         run()
@@ -272,12 +274,17 @@ def first_difference(yours: list[Tensor], ours: list[Tensor], logits: tuple[Tens
         if a.shape != b.shape:
             return f"{what} has shape {tuple(a.shape)}, qkv's {tuple(b.shape)}"
         scale = b.abs().max().clamp_min(1e-12)
-        err = (a - b).abs()
-        if (err.max() / scale).item() > OUTPUT_TOLERANCE:
-            per_pos = err.amax(dim=tuple(d for d in range(err.ndim) if d != 1)) if err.ndim > 1 else err
-            pos = int((per_pos / scale > OUTPUT_TOLERANCE).nonzero()[0])
+        bad = ~torch.isfinite(a) & torch.isfinite(b)
+        err = (a - b).abs().nan_to_num(0.0, 0.0, 0.0)
+        off = bad | (err / scale > OUTPUT_TOLERANCE)
+        if off.any():
+            per_pos = off.any(dim=tuple(d for d in range(off.ndim) if d != 1)) if off.ndim > 1 else off
+            pos = int(per_pos.nonzero()[0])
+            if bad.any():
+                return f"{what} has NaN or inf first at position {pos} (qkv's is finite there)"
             rel = err.max().item() / scale.item()
-            return f"{what} differs first, at position {pos} (max error {rel:.1e} of its largest)"
+            return f"{what} differ{'' if what == 'the logits' else 's'} first, at position {pos} " \
+                   f"(max error {rel:.1e} of its largest)"
     return "the outputs differ"
 
 

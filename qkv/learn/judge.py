@@ -30,7 +30,6 @@ import struct
 import subprocess
 import sys
 import sysconfig
-import tempfile
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -40,7 +39,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from qkv import owned
-from qkv.learn import child as child_program
+from qkv.learn import launch
 from qkv.learn.wire import MAX_BYTES, WireError, decode, encode
 
 if TYPE_CHECKING:
@@ -119,16 +118,7 @@ class Answer:
                    strings("refused"), strings("notes"))
 
 
-def _site_folders() -> list[str]:
-    """The folders the child imports from: torch's, NumPy's, the standard library's."""
-    out = []
-    for mod in ("torch", "numpy", "typing_extensions", "sympy"):
-        spec = __import__("importlib.util").util.find_spec(mod)
-        if spec is not None and spec.origin:
-            parent = str(Path(spec.origin).resolve().parent.parent)
-            if parent not in out:
-                out.append(parent)
-    return out
+_site_folders = launch.site_folders
 
 
 def _qkv_folder() -> str:
@@ -181,11 +171,15 @@ class Child:
         self.deadline = time.monotonic() + self.timeout
         self.isolation = isolation or Isolation()
         self.proc: subprocess.Popen[bytes] | None = None
-        self.folder = Path(tempfile.mkdtemp(prefix="qkv-child-"))
         self.filename = filename or f"{function}.py"
-        (self.folder / self.filename).write_text(source, encoding="utf-8")
         self.loaded = Answer(False, error={"type": "start", "text": "not started"})
         try:
+            started = launch.take() or launch.launch()
+        except owned.ExitingError as e:
+            raise ChildGoneError(str(e)) from None
+        self.proc, self.folder, self._errors = started.proc, started.folder, started.errors
+        try:
+            (self.folder / self.filename).write_text(source, encoding="utf-8")
             self._start(forbid)
         except BaseException:
             self.close()
@@ -194,24 +188,12 @@ class Child:
     # ------------------------------------------------------------------ the process
 
     def _start(self, forbid: Sequence[str]) -> None:
+        """The set-up, sent to the child started for this one (its file now in its folder)."""
         iso = self.isolation
         if iso.user is not None:
             uid, gid = iso.user
             os.chown(self.folder, uid, gid)
             os.chown(self.folder / self.filename, uid, gid)
-        os.chmod(self.folder, 0o700)
-        # the child's own start-up errors (before the student's code runs, fd 2 is closed to it):
-        # a file of the grader's, outside the child's folder, read back only to say why it ended
-        self._errors = tempfile.TemporaryFile()
-        env = {"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8", "HOME": str(self.folder), "OMP_NUM_THREADS": "1",
-               "MKL_NUM_THREADS": "1", "TMPDIR": str(self.folder)}
-        try:
-            self.proc = owned.start(
-                [sys.executable, "-I", "-S", "-c", child_program.program(), *_site_folders()],
-                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._errors,
-                cwd=str(self.folder), env=env, close_fds=True)
-        except owned.ExitingError as e:
-            raise ChildGoneError(str(e)) from None
         keep = sorted({sys.prefix, sys.base_prefix, *_site_folders(), str(self.folder)})
         setup = {
             "file": self.filename, "function": self.function, "forbid": list(forbid),
@@ -482,7 +464,7 @@ def _said(e: BaseException, name: str, filename: str) -> str:
         if e.kind == "NotImplementedError":
             return f"{name} is not written yet (it raises NotImplementedError)"
         if e.kind == "prints":
-            return (f"it printed more than {child_program.PRINT_LIMIT:,} characters, so the call was "
+            return (f"it printed more than {launch.PRINT_LIMIT:,} characters, so the call was "
                     "stopped there: remove the prints in loops")
         if e.kind == "SystemExit":
             return f"your function called sys.exit({e})"
@@ -563,7 +545,7 @@ def judge(exercise: Exercise, source: str, timeout: float = TIMEOUT_S, seed_offs
             err = loaded.error
             kind = err.get("type")
             if kind == "prints":
-                why = (f"the file printed more than {child_program.PRINT_LIMIT:,} characters while it was "
+                why = (f"the file printed more than {launch.PRINT_LIMIT:,} characters while it was "
                        "imported")
             elif kind == "SystemExit":
                 why = "the file called sys.exit while it was imported"
@@ -607,7 +589,7 @@ def run_checks(name: str, path: Path, timeout: float = TIMEOUT_S, seed_offset: i
                isolation: Isolation | None = None) -> Report:
     """:func:`judge` on the file ``path`` (read and parsed here first: a syntax error or a
     missing function is an InputError, exit 2)."""
-    from qkv.learn import get
+    from qkv.learn.catalog import get
     from qkv.learn.source import read_solution
 
     source = read_solution(name, path)

@@ -330,8 +330,9 @@ def test_the_kernel_fence_holds_without_the_audit_hook(tmp_path):
     srv.bind(("127.0.0.1", 0))
     srv.listen(1)
     try:
-        r = subprocess.run([sys.executable, "-c", LANDLOCK_PROBE, str(private), str(tmp_path / "out.txt"),
-                            str(secret), str(srv.getsockname()[1])], capture_output=True, text=True, timeout=60)
+        argv = [str(private), str(tmp_path / "out.txt"), str(secret), str(srv.getsockname()[1])]
+        r = subprocess.run([sys.executable, "-c", LANDLOCK_PROBE, *argv], capture_output=True, text=True,
+                           timeout=60)
     finally:
         srv.close()
     assert r.returncode == 0, r.stderr
@@ -392,7 +393,8 @@ def test_a_notebooks_other_exercises_and_check_imports_do_not_count_against_this
              "def softmax(x, dim=-1):\n    e = helper(x - x.amax(dim, keepdim=True))\n"
              "    return e / e.sum(dim, keepdim=True)\n")
     assert needed(cells, "softmax") == ("def helper(x):\n    return x.exp()\n\n"
-                                        "def softmax(x, dim=-1):\n    e = helper(x - x.amax(dim, keepdim=True))\n"
+                                        "def softmax(x, dim=-1):\n"
+                                        "    e = helper(x - x.amax(dim, keepdim=True))\n"
                                         "    return e / e.sum(dim, keepdim=True)\n")
     report = judge(get("softmax"), needed(cells, "softmax"), timeout=60)
     assert report.passed, report.text()

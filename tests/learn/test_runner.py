@@ -126,6 +126,7 @@ def test_inside_the_gpt_a_right_function_trains_like_qkvs_and_a_wrong_one_does_n
     if wrong is not None:
         bad = run(name, wrong, steps=3)
         assert not bad.passed and "not the same function" in bad.verdict
+        assert " first" in bad.verdict and "position" in bad.verdict, bad.verdict  # says where
 
 
 def test_the_gpt_room_really_runs_the_students_function():
@@ -172,29 +173,45 @@ def test_additive_attention_inside_the_dates_rnn():
     assert not bad.passed and "not the same function" in bad.verdict
 
 
-@pytest.mark.slow  # ~50 s; benchmarks/learn_run.py runs `qkv learn run` on every exercise
-def test_the_command_runs_a_file_writes_the_plot_and_exits_by_the_verdict(tmp_path):
+@pytest.mark.slow  # ~40 s; benchmarks/learn_run.py runs `qkv learn run` on every exercise
+def test_the_command_runs_a_right_file_to_the_end_and_writes_the_plot(tmp_path):
     good = tmp_path / "softmax.py"
-    good.write_text("import torch\n\ndef softmax(x, dim=-1):\n    e = (x - x.amax(dim, keepdim=True)).exp()\n"
-                    "    return e / e.sum(dim, keepdim=True)\n")
-    bad = tmp_path / "bad.py"
-    bad.write_text("def softmax(x, dim=-1):\n    return x.exp() / x.exp().sum(0, keepdim=True)\n")
-    base = [sys.executable, "-m", "qkv", "learn", "run", "softmax"]
-    p = subprocess.run([*base, str(good), "--steps", "3", "-o", str(tmp_path / "p.png"), "--json"],
+    good.write_text(GOOD_SOFTMAX)
+    p = subprocess.run([*BASE, str(good), "--steps", "3", "-o", str(tmp_path / "p.png"), "--json"],
                        capture_output=True, text=True, timeout=300)
     assert p.returncode == 0, p.stderr
     out = json.loads(p.stdout.strip().splitlines()[-1])
     assert out["passed"] and (tmp_path / "p.png").stat().st_size > 5000
-    p = subprocess.run([*base, str(bad), "--steps", "2", "-o", str(tmp_path / "q.svg")], capture_output=True,
+
+
+GOOD_SOFTMAX = ("import torch\n\ndef softmax(x, dim=-1):\n    e = (x - x.amax(dim, keepdim=True)).exp()\n"
+                "    return e / e.sum(dim, keepdim=True)\n")
+BASE = [sys.executable, "-m", "qkv", "learn", "run", "softmax"]
+
+
+def test_the_command_stops_a_wrong_file_before_training_and_says_where(tmp_path):
+    """Softmax over the batch axis: the masked entries' columns are all -inf there, so the first
+    block's attention is NaN. The run stops before any training step, names the first block
+    and position (block 0, position 0: its first row has one key) and plots what it has."""
+    bad = tmp_path / "bad.py"
+    bad.write_text("def softmax(x, dim=-1):\n    return x.exp() / x.exp().sum(0, keepdim=True)\n")
+    p = subprocess.run([*BASE, str(bad), "-o", str(tmp_path / "q.svg")], capture_output=True,
                        text=True, timeout=300)
-    assert p.returncode == 1 and "FAIL" in p.stdout and (tmp_path / "q.svg").is_file()
+    assert p.returncode == 1 and "FAIL" in p.stdout and (tmp_path / "q.svg").is_file(), p.stdout + p.stderr
+    assert "block 0's output has NaN or inf first at position 0" in p.stdout, p.stdout
+    assert "no training" in p.stdout and "step 1/" not in p.stdout, p.stdout
+
+
+def test_the_command_bounds_a_hanging_file_and_refuses_bad_arguments_in_one_line(tmp_path):
+    good = tmp_path / "softmax.py"
+    good.write_text(GOOD_SOFTMAX)
     hang = tmp_path / "hang.py"
     hang.write_text("def softmax(x, dim=-1):\n    while True:\n        pass\n")
-    p = subprocess.run([*base, str(hang), "--steps", "2", "--timeout", "20", "-o", str(tmp_path / "h.png")],
+    p = subprocess.run([*BASE, str(hang), "--steps", "2", "--timeout", "10", "-o", str(tmp_path / "h.png")],
                        capture_output=True, text=True, timeout=120)
-    assert p.returncode == 1 and "did not finish in 20 s" in p.stdout
-    for argv, says in (([*base, str(tmp_path / "none.py")], "is not a file"),
-                       ([*base[:-1], "hardmax", str(good)], "has no model to run in"),
-                       ([*base, str(good), "-o", str(tmp_path / "x.txt")], ".png or an .svg")):
+    assert p.returncode == 1 and "did not finish in 10 s" in p.stdout, p.stdout + p.stderr
+    for argv, says in (([*BASE, str(tmp_path / "none.py")], "is not a file"),
+                       ([*BASE[:-1], "hardmax", str(good)], "has no model to run in"),
+                       ([*BASE, str(good), "-o", str(tmp_path / "x.txt")], ".png or an .svg")):
         p = subprocess.run(argv, capture_output=True, text=True, timeout=120)
         assert p.returncode == 2 and says in p.stderr and "Traceback" not in p.stderr
