@@ -347,7 +347,7 @@ def _landlock(private: str, readable: list[str]) -> str:
 
 
 _BLOCKED_EVENTS = ("socket.", "subprocess.", "os.system", "os.exec", "os.fork", "os.forkpty",
-                   "os.posix_spawn", "os.spawn", "os.kill", "os.killpg", "signal.pthread_kill", "ctypes.",
+                   "os.posix_spawn", "os.spawn", "os.kill", "signal.pthread_kill", "ctypes.",
                    "os.chdir", "os.fchdir", "os.symlink", "os.link", "os.chown", "os.chroot", "pty.",
                    "os.startfile", "webbrowser.", "winreg.", "_posixsubprocess", "os.setuid", "os.setgid",
                    "resource.setrlimit", "resource.prlimit", "sys.remote_exec", "os.setns", "os.unshare")

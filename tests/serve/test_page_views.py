@@ -219,8 +219,13 @@ HEATMAPS = ("heatmap", "lens-table", "rollout", "grid", "history", "qk", "patch"
 
 def test_the_first_view_shows_an_example_and_where_to_start(page) -> None:
     assert page.is_visible("#start") and "Start here" in page.inner_text("#start")
-    for button in ("Show attention", "Look inside", "Quiz me"):
+    for button in ("Show attention", "Look inside"):
         assert button in page.inner_text("#start ol")
+    # the first view names Quiz me exactly when the page shows it (the quiz is a decoder's)
+    assert ("Quiz me" in page.inner_text("#start ol")) == page.is_visible("#quiz-controls")
+    page.select_option("#model", GPT)
+    page.wait_for_function("() => !document.getElementById('quiz-controls').hidden")
+    assert "Quiz me" in page.inner_text("#start ol")
     assert page.locator("#start-example rect").count() > 25  # the sketch's 5 x 5 cells and its legend
     assert page.locator("#start-example g.legend text").count() >= 2
     n, bad = low_contrast(page)
