@@ -68,14 +68,19 @@ def run(name: str, fn: Callable[..., Any]) -> Report:
 def check(name: str, fn: Callable[..., Any], timeout: float | None = None) -> Report:
     """Every check of exercise ``name`` on ``fn``, judged as ``qkv learn check`` judges a file
     (:func:`qkv.learn.judge.judge`: ``fn``'s source runs in a child with a time limit, default
-    60 s), printed (one line per check, the reason under a failed one) and returned."""
+    60 s), printed (one line per check, the reason under a failed one) and returned. The next
+    check's child is started as this one ends (one process, idle until used, ended with this
+    one), so a notebook's checks answer in about a second."""
+    from qkv.learn import launch
     from qkv.learn.judge import TIMEOUT_S, judge
     from qkv.learn.source import function_source
 
     exercise = get(name)
+    launch.ahead()  # the child starts now, while the function's source is read
     report = judge(exercise, function_source(fn, name), TIMEOUT_S if timeout is None else timeout,
                    filename="notebook.py")
     print(report.text())
+    launch.ahead()  # and the next check's child imports torch while the student reads this one
     return report
 
 

@@ -125,15 +125,16 @@ def test_help_lists_the_lecture_keys():
 # --------------------------------------------------------------------------- executed
 
 
-def execute_every_lecture(folder: Path, solutions: bool) -> dict[str, str]:
-    """Every lecture's notebook, executed in order in one kernel (one kernel start instead of one
-    per lecture: the cells are the notebooks' own, and no two lectures share an exercise):
+def execute_every_lecture(folder: Path, solutions: bool, keys: list[str] | None = None) -> dict[str, str]:
+    """Every lecture's notebook (or those of ``keys``), executed in order in one kernel (one
+    kernel start instead of one per lecture: the cells are the notebooks' own, and no two
+    lectures share an exercise):
     {exercise: what its check cell printed}. A cell that raises stops here (CellExecutionError)."""
     pytest.importorskip("nbclient")
     pytest.importorskip("ipykernel")
     from nbclient import NotebookClient
 
-    books = [build(key, find_lecture(key)[1], solutions=solutions) for key in WITH_EXERCISES]
+    books = [build(key, find_lecture(key)[1], solutions=solutions) for key in keys or WITH_EXERCISES]
     nb = books[0]
     nb.cells = [c for b in books for c in b.cells]
     NotebookClient(nb, timeout=300, kernel_name="python3",
@@ -142,14 +143,27 @@ def execute_every_lecture(folder: Path, solutions: bool) -> dict[str, str]:
             for c in nb.cells if role(c) == "check"}
 
 
-def test_with_the_solutions_every_check_cell_of_every_lecture_passes(tmp_path):
-    """Every lecture's notebook, executed: the reference solutions pass every check from the
-    notebook (an IPython kernel: the forbidden-call checks read the cells' source)."""
-    reports = execute_every_lecture(tmp_path, solutions=True)
-    assert sorted(reports) == sorted(EXERCISES)
+SMALLEST = min(WITH_EXERCISES, key=lambda k: sum(len(es) for _, es in lecture_exercises(find_lecture(k)[1])))
+
+
+def solutions_pass(folder: Path, keys: list[str]) -> None:
+    reports = execute_every_lecture(folder, solutions=True, keys=keys)
+    names = [e.name for key in keys for _, es in lecture_exercises(find_lecture(key)[1]) for e in es]
+    assert sorted(reports) == sorted(names) and names
     for name, text in reports.items():
         m = re.search(r"(\d+)/(\d+) checks pass: well done\s*$", text)
         assert m and m.group(1) == m.group(2) == str(len(EXERCISES[name].checks)), f"{name}:\n{text}"
+
+
+def test_with_the_solutions_every_check_cell_of_the_smallest_lecture_passes(tmp_path):
+    """A lecture's notebook, executed: the reference solutions pass every check from the
+    notebook (an IPython kernel: the check reads the cells' source, judged through the child)."""
+    solutions_pass(tmp_path, [SMALLEST])
+
+
+@pytest.mark.slow  # ~90 s (a child per check); benchmarks/learn_checks.py judges every solution too
+def test_with_the_solutions_every_check_cell_of_every_lecture_passes(tmp_path):
+    solutions_pass(tmp_path, WITH_EXERCISES)
 
 
 def test_the_stubs_run_to_the_end_and_each_check_cell_says_not_written_yet(tmp_path):
@@ -166,7 +180,7 @@ def test_nbgrader_source_notebook_cells_and_its_asserting_checks(tmp_path):
     (schema 3 metadata, points = difficulty) that asserts, with hidden tests on moved seeds.
     Executed: every assert passes with the solutions in place. (nbgrader itself turned this
     notebook into a students' copy and autograded it: docs/courses.md.)"""
-    key = min(WITH_EXERCISES, key=lambda k: sum(len(es) for _, es in lecture_exercises(find_lecture(k)[1])))
+    key = SMALLEST
     out = tmp_path / "source.ipynb"
     rc, stdout, err = call(["learn", "notebook", key, "--nbgrader", "--seed-offset", "4321", "-o", str(out)])
     assert rc == 0, err
