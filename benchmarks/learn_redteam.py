@@ -107,7 +107,7 @@ ATTEMPTS: dict[str, tuple[str, dict[str, str], str]] = {
                          "        except OSError:\n"
                          "            pass\n"
                          "    os._exit(0)\n")}, "zero"),
-    "shadow-package": ("a qkv/learn/judge.py and qkv/learn/sandbox.py beside the file, saying all passed",
+    "shadow-package": ("a qkv package beside the file, its judge and checks saying all passed",
                        {"softmax.py": cheat("import qkv.learn.judge  # noqa", "    return x\n"),
                         "qkv/__init__.py": "", "qkv/learn/__init__.py": "",
                         "qkv/learn/judge.py": "PASSED = True\n", "qkv/learn/sandbox.py": "PASSED = True\n"},

@@ -46,7 +46,7 @@ import io
 import struct
 
 if "encode" not in globals():
-    from qkv.learn.wire import MAX_BYTES, WireError, decode, encode
+    from qkv.learn.wire import MAX_BYTES, WireError, decode, encode, leaves
 
 _ACTIVE = [False]  # the student's function is running: forbidden calls are recorded
 _SEEN: set[str] = set()
@@ -425,20 +425,6 @@ def _error(e: BaseException, filename: str) -> dict:
             "text": " ".join(str(e).split())[:400], "line": _where_in(e, filename)}
 
 
-def _tensors(value, out: list) -> list:
-    import torch
-
-    if isinstance(value, torch.Tensor):
-        out.append(value)
-    elif isinstance(value, list | tuple):
-        for v in value:
-            _tensors(v, out)
-    elif isinstance(value, dict):
-        for v in value.values():
-            _tensors(v, out)
-    return out
-
-
 def _clone(value):
     import torch
 
@@ -468,7 +454,7 @@ def _changed(fn, args: list, kwargs: dict, before: tuple) -> list[str]:
     out = []
     values, originals = [*args, *kwargs.values()], [*before[0], *before[1].values()]
     for name, now, then in zip(names, values, originals, strict=False):
-        a, b = _tensors(now, []), _tensors(then, [])
+        a, b = leaves(now, torch.Tensor), leaves(then, torch.Tensor)
         if len(a) != len(b) or any(
                 x.shape != y.shape or x.dtype != y.dtype
                 or not torch.equal(x.detach().contiguous().view(torch.uint8).reshape(-1),
@@ -499,7 +485,7 @@ def _run(fn, req: dict, filename: str) -> dict:
         with torch.enable_grad() if wrt else torch.no_grad():
             out = fn(*args, **kwargs)
             if wrt:
-                outs = _tensors(out, [])
+                outs = leaves(out, torch.Tensor)
                 cots = list(req["cotangents"])
                 pairs = [(o, c) for o, c in zip(outs, cots, strict=False)
                          if c is not None and o.requires_grad]
@@ -516,23 +502,8 @@ def _run(fn, req: dict, filename: str) -> dict:
         sys.stdout, sys.stderr = out_stream, err_stream
     answer.update(prints=prints.kept, printed=prints.size, forbidden=sorted(_SEEN),
                   refused=list(_REFUSED[:5]), changed=[] if wrt else _changed(fn, args, kwargs, before),
-                  generators=[g.get_state() for g in _generators([args, kwargs], [])])
+                  generators=[g.get_state() for g in leaves([args, kwargs], torch.Generator)])
     return answer
-
-
-def _generators(value, out: list) -> list:
-    """The torch.Generators in ``value``, in order (the grader takes their new states back)."""
-    import torch
-
-    if isinstance(value, torch.Generator):
-        out.append(value)
-    elif isinstance(value, list | tuple):
-        for v in value:
-            _generators(v, out)
-    elif isinstance(value, dict):
-        for v in value.values():
-            _generators(v, out)
-    return out
 
 
 def _main() -> None:

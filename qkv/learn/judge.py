@@ -40,7 +40,7 @@ import torch
 
 from qkv import owned
 from qkv.learn import launch
-from qkv.learn.wire import MAX_BYTES, WireError, decode, encode
+from qkv.learn.wire import MAX_BYTES, WireError, decode, encode, leaves
 
 if TYPE_CHECKING:
     from qkv.learn.exercise import Exercise, Report
@@ -319,7 +319,7 @@ class Child:
             verdict = self._call_back(raw, functions) or verdict
         ans = Answer.read(raw)
         states = raw.get("generators") if isinstance(raw, dict) else None
-        mine = _generators([list(args), dict(kwargs)], [])
+        mine = leaves([list(args), dict(kwargs)], torch.Generator)
         if isinstance(states, list) and len(states) == len(mine):
             for g, state in zip(mine, states, strict=True):
                 if isinstance(state, torch.Tensor) and state.dtype == torch.uint8:
@@ -383,19 +383,6 @@ class _RemoteGrad(torch.autograd.Function):
         flat_grads = [by_arg.get(i) if isinstance(a, torch.Tensor) else None
                       for i, a in enumerate(ctx.args) if isinstance(a, torch.Tensor)]
         return (None, None, *flat_grads)
-
-
-def _generators(value: Any, out: list[torch.Generator]) -> list[torch.Generator]:
-    """The torch.Generators in ``value``, in order (as :mod:`qkv.learn.child` lists them)."""
-    if isinstance(value, torch.Generator):
-        out.append(value)
-    elif isinstance(value, list | tuple):
-        for v in value:
-            _generators(v, out)
-    elif isinstance(value, dict):
-        for v in value.values():
-            _generators(v, out)
-    return out
 
 
 def _tensor_leaves(value: Any) -> list[torch.Tensor]:

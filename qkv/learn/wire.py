@@ -168,3 +168,15 @@ def decode(data: bytes, stub: Any = None) -> Any:
     if at != len(data):
         raise WireError("a message with bytes left over")
     return _unpack(header.get("v"), tensors, 0, stub)
+
+
+def leaves(value: Any, kind: type) -> list:
+    """The values of type ``kind`` (tensors, generators) nested in the lists, tuples and dicts
+    of ``value``, in order: the order both sides of the wire list them in."""
+    if isinstance(value, kind):
+        return [value]
+    if isinstance(value, list | tuple):
+        return [x for v in value for x in leaves(v, kind)]
+    if isinstance(value, dict):
+        return [x for v in value.values() for x in leaves(v, kind)]
+    return []

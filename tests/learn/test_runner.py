@@ -207,9 +207,9 @@ def test_the_command_bounds_a_hanging_file_and_refuses_bad_arguments_in_one_line
     good.write_text(GOOD_SOFTMAX)
     hang = tmp_path / "hang.py"
     hang.write_text("def softmax(x, dim=-1):\n    while True:\n        pass\n")
-    p = subprocess.run([*BASE, str(hang), "--steps", "2", "--timeout", "10", "-o", str(tmp_path / "h.png")],
+    p = subprocess.run([*BASE, str(hang), "--steps", "2", "--timeout", "6", "-o", str(tmp_path / "h.png")],
                        capture_output=True, text=True, timeout=120)
-    assert p.returncode == 1 and "did not finish in 10 s" in p.stdout, p.stdout + p.stderr
+    assert p.returncode == 1 and "did not finish in 6 s" in p.stdout, p.stdout + p.stderr
     for argv, says in (([*BASE, str(tmp_path / "none.py")], "is not a file"),
                        ([*BASE[:-1], "hardmax", str(good)], "has no model to run in"),
                        ([*BASE, str(good), "-o", str(tmp_path / "x.txt")], ".png or an .svg")):
