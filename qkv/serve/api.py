@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Annotated, Any
 import numpy as np
 from fastapi import File, Form, HTTPException, UploadFile
 from fastapi.responses import StreamingResponse
+from pydantic import BaseModel
 
 from qkv.errors import InputError, UnknownModelError
 from qkv.generation.batch import Request, Token
@@ -47,6 +48,7 @@ from qkv.serve.schemas import (
     ModelInfo,
     ModelList,
 )
+from qkv.serve.sharing import Shared
 
 if TYPE_CHECKING:
     from qkv.serve.config import ServeConfig
@@ -183,17 +185,22 @@ class Explorer(LensEndpoints):
         self.registry = registry
         self.loop = loop or ComputeLoop(cfg.max_queued, cfg.max_wait_s)
         self.cache = AttentionCache(cfg.cache_bytes)
+        self.shared = Shared(cfg.shared_answers)
         self.scrub = PathScrubber(registry.runs_dir)
         self.head_scores: dict[Any, Any] = {}  # a model file's version -> its heads' scores
 
     def _errors(self) -> contextlib.AbstractContextManager[None]:
         return http_errors(self.scrub)
 
-    def _compute(self, model_id: str, fn: Callable[[Lease], Any], label: str = "request") -> Any:
+    def _compute(self, model_id: str, fn: Callable[[Lease], Any], label: str = "request",
+                 request: BaseModel | None = None, sweep: bool = False) -> Any:
         """``fn(lease)`` in the compute loop, with ``model_id`` loaded and held while it runs: a
-        bad name is answered (400/404) before it queues, a full queue with 503."""
+        bad name is answered (400/404) before it queues, a full queue with 503. With ``request``
+        (a deterministic computation's whole request), identical requests share one answer
+        (:mod:`qkv.serve.sharing`: keyed by the model file's version, ``label`` and the request);
+        ``sweep``: queued behind every interactive request (:class:`ComputeLoop`)."""
         with self._errors():
-            self.registry.resolve(model_id)
+            ref = self.registry.resolve(model_id)
 
             def run() -> Any:
                 lease = self.registry.acquire(model_id)
@@ -202,7 +209,12 @@ class Explorer(LensEndpoints):
                 finally:
                     lease.release()
 
-            return self.loop.call(run, label=label)
+            def queued() -> Any:
+                return self.loop.call(run, label=label, sweep=sweep)
+
+            if request is None:
+                return queued()
+            return self.shared.get((ref.key, label, request.model_dump_json()), queued)
 
     @contextlib.contextmanager
     def _model(self, model_id: str) -> Iterator[Lease]:

@@ -25,6 +25,7 @@ loop.py). No response names a filesystem path.
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Any
 
@@ -36,7 +37,7 @@ from fastapi.staticfiles import StaticFiles
 from qkv.serve.api import Explorer
 from qkv.serve.config import ServeConfig
 from qkv.serve.guards import BodyLimit, HostCheck, OriginCheck
-from qkv.serve.loop import ComputeLoop
+from qkv.serve.loop import CLIENT, ComputeLoop
 from qkv.serve.quiz_api import mount_quiz
 from qkv.serve.registry import Registry
 from qkv.serve.schemas import (
@@ -54,6 +55,7 @@ from qkv.version import __version__
 
 STATIC = Path(__file__).resolve().parent / "static"
 # The page loads nothing from elsewhere: the browser enforces it.
+_CLIENT_ID = re.compile(r"[A-Za-z0-9_-]{8,64}")  # the page's X-QKV-Client: a random id per browser
 CSP = ("default-src 'self'; script-src 'self'; style-src 'self'; img-src 'self' data: blob:; "
        "connect-src 'self'; object-src 'none'; base-uri 'none'; frame-ancestors 'none'")
 
@@ -108,6 +110,11 @@ def create_app(config: ServeConfig | None = None, **overrides: Any) -> FastAPI:
 
     @app.middleware("http")
     async def _headers(request: Request, call_next: Any) -> Any:
+        # who asks, for the compute loop's fair queue: the page's id for this browser, else the address
+        client = request.headers.get("x-qkv-client", "")
+        if not _CLIENT_ID.fullmatch(client):
+            client = "@" + (request.client.host if request.client else "")
+        CLIENT.set(client)
         response = await call_next(request)
         response.headers.setdefault("X-Content-Type-Options", "nosniff")
         if not request.url.path.startswith("/api/"):
@@ -127,6 +134,7 @@ def create_app(config: ServeConfig | None = None, **overrides: Any) -> FastAPI:
     app.mount("/static", StaticFiles(directory=STATIC), name="static")
 
     api = Explorer(cfg, registry, loop)
+    app.state.explorer = api
     json_errors = {"responses": ERRORS}
     app.add_api_route("/api/models", api.models, methods=["GET"], response_model=ModelList)
     app.add_api_route("/api/attention", api.attention, methods=["POST"],

@@ -22,6 +22,7 @@ class ServeConfig:
     max_pixels: int = 25_000_000  # largest image, width x height (413 beyond)
     max_loaded_models: int = 4  # models in memory at once, those being loaded included
     cache_bytes: int = 256 * 2**20  # recent attention results, so switching head is instant
+    shared_answers: int = 64  # recent lens, q·k and patching answers kept for identical requests
     max_queued: int = 32  # computations waiting for the compute loop, and generations waiting for
     # a row of a model's running batch; 503 (Retry-After) beyond
     max_wait_s: float = 30.0  # longest a request waits to start, then 503
@@ -43,6 +44,8 @@ class ServeConfig:
             raise ValueError(f"max_tokens must be >= 2, got {self.max_tokens}")
         if self.max_upload_bytes < 1:
             raise ValueError(f"max upload size must be positive, got {self.max_upload_bytes} bytes")
+        if self.shared_answers < 0:
+            raise ValueError(f"shared_answers must be >= 0, got {self.shared_answers}")
         for name in ("max_loaded_models", "batch_rows", "max_queued"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")

@@ -143,7 +143,8 @@ class LensEndpoints:
 
     def _check_text(self, text: str) -> None: ...
 
-    def _compute(self, model_id: str, fn: Callable[[Lease], Any], label: str = "request") -> Any: ...
+    def _compute(self, model_id: str, fn: Callable[[Lease], Any], label: str = "request",
+                 request: Any = None, sweep: bool = False) -> Any: ...
 
     def lens(self, req: LensRequest) -> LensResponse:
         """What a text model does with ``text``: next-token logits (with ``ablate``'s heads
@@ -151,7 +152,7 @@ class LensEndpoints:
         self._check_text(req.text)
         return self._compute(req.model, lambda lease: lens_response(
             self._text_model(lease, req.model), req, self.cfg.max_tokens, self.head_scores, lease.ref.key),
-            "lens")
+            "lens", request=req)
 
     def history(self, req: HistoryRequest) -> HistoryResponse:
         """A GPT run's head scores at each evaluation (its history.jsonl): the page's step slider."""
@@ -175,7 +176,7 @@ class LensEndpoints:
         """One head's attention row for one query token, term by term (q·k, / √d, softmax)."""
         self._check_text(req.text)
         return self._compute(req.model, lambda lease: qk_response(
-            self._text_model(lease, req.model), req, self.cfg.max_tokens), "q·k")
+            self._text_model(lease, req.model), req, self.cfg.max_tokens), "q·k", request=req)
 
     def patch(self, req: PatchRequest) -> PatchResponse:
         """Activation patching from ``clean`` into ``corrupt`` (decoders). Its hooks sit on the
@@ -190,7 +191,7 @@ class LensEndpoints:
                                  "which it does not predict")
             return patch_response(lm, req)
 
-        return self._compute(req.model, run, "patch")
+        return self._compute(req.model, run, "patch", request=req, sweep=True)
 
     @staticmethod
     def _text_model(lease: Lease, name: str) -> CausalLM | SentenceEncoder:

@@ -12,9 +12,13 @@ owns all compute, as llama.cpp's server does (one loop over its slots) and nanoc
 - a computation runs alone on the model: a hook or an edit one request installs (the lens's
   ablation and patching put hooks on the shared model object) exists only while it runs, and no
   other forward pass runs on that model meanwhile;
-- the queue is bounded and first come, first served: at most ``max_queued`` computations wait
-  (beyond: :class:`BusyError`, a 503 with ``Retry-After``), and one that waited ``max_wait_s``
-  without starting is answered 503 instead of being run late.
+- the queue is fair per client, not first come first served over requests: each client (the
+  page's ``X-QKV-Client`` id, else its address; :data:`CLIENT`) has its own queue and the loop
+  takes one computation from each in turn, interactive ones (lens, q·k, attention) before sweeps
+  (patching), so one student's burst or sweep never holds the others back more than one
+  computation; it is bounded: at most ``max_queued`` computations wait (beyond:
+  :class:`BusyError`, a 503 with ``Retry-After``), and one that waited ``max_wait_s`` without
+  starting is answered 503 instead of being run late.
 
 One thread for all models, not one per model: OpenMP (PyTorch's CPU kernels and the saved
 steps) keeps a worker pool for every thread that computes, and with two pools alive on two cores
@@ -27,6 +31,7 @@ from __future__ import annotations
 
 import atexit
 import collections
+import contextvars
 import math
 import threading
 import time
@@ -36,6 +41,9 @@ from concurrent.futures import Future
 from typing import Any, Protocol, TypeVar
 
 T = TypeVar("T")
+
+# Who is asking: set per request by the server (qkv.serve.app), read by ComputeLoop.call.
+CLIENT: contextvars.ContextVar[str] = contextvars.ContextVar("qkv_client", default="")
 
 
 class BusyError(Exception):
@@ -65,8 +73,8 @@ class Stepper(Protocol):
 class _Job:
     """One queued computation and where its answer goes."""
 
-    def __init__(self, fn: Callable[[], Any], label: str) -> None:
-        self.fn, self.label = fn, label
+    def __init__(self, fn: Callable[[], Any], label: str, client: str, sweep: bool) -> None:
+        self.fn, self.label, self.client, self.sweep = fn, label, client, sweep
         self.queued = time.monotonic()
         self.future: Future[Any] = Future()
 
@@ -94,7 +102,7 @@ class ComputeLoop:
                              f"{max_wait_s}")
         self.max_queued, self.max_wait_s = max_queued, max_wait_s
         self._cond = threading.Condition()
-        self._jobs: collections.deque[_Job] = collections.deque()
+        self._jobs = _FairQueue()
         self._batches: dict[Hashable, Stepper] = {}
         self._thread: threading.Thread | None = None
         self._closing = False
@@ -118,14 +126,15 @@ class ComputeLoop:
         with self._cond:
             return len(self._jobs)
 
-    def call(self, fn: Callable[..., T], *args: Any, label: str = "request") -> T:
+    def call(self, fn: Callable[..., T], *args: Any, label: str = "request", sweep: bool = False) -> T:
         """``fn(*args)`` run by the loop; its answer (or its exception) returned here, in the
         caller's thread, which waits. Called from the loop itself (a computation that needs
-        another), it runs at once. BusyError when the queue is full, or when it waited
+        another), it runs at once. Queued under the client of :data:`CLIENT`; ``sweep``: behind
+        every interactive computation. BusyError when the queue is full, or when it waited
         ``max_wait_s`` without starting."""
         if self.in_loop():
             return fn(*args)
-        job = _Job(lambda: fn(*args), label)
+        job = _Job(lambda: fn(*args), label, CLIENT.get(), sweep)
         with self._cond:
             if self._closing:
                 raise BusyError("the server is stopping", 5)
@@ -162,7 +171,7 @@ class ComputeLoop:
         most ``timeout`` s for the computation in progress)."""
         with self._cond:
             self._closing = True
-            jobs, self._jobs = list(self._jobs), collections.deque()
+            jobs, self._jobs = self._jobs.drain(), _FairQueue()
             batches = list(self._batches.values())
             self._cond.notify_all()
             thread = self._thread
@@ -193,7 +202,7 @@ class ComputeLoop:
                     return None
                 active = [b for b in self._batches.values() if b.busy()]
                 if self._jobs or active:
-                    return (self._jobs.popleft() if self._jobs else None), active
+                    return (self._jobs.pop() if self._jobs else None), active
                 self._cond.wait()
 
     def _run(self) -> None:
@@ -220,3 +229,50 @@ class ComputeLoop:
             job.future.set_exception(e)
         self.jobs_run += 1
         self._seconds = 0.8 * self._seconds + 0.2 * (time.monotonic() - t0)
+
+
+class _FairQueue:
+    """The waiting computations: a queue per (class, client), taken round robin over the
+    clients of a class, interactive (class 0) before sweeps (class 1)."""
+
+    def __init__(self) -> None:
+        self._queues: dict[tuple[int, str], collections.deque[_Job]] = {}
+        self._turns: tuple[collections.deque[str], collections.deque[str]] = (collections.deque(),
+                                                                              collections.deque())
+        self._n = 0
+
+    def __len__(self) -> int:
+        return self._n
+
+    def append(self, job: _Job) -> None:
+        key = (int(job.sweep), job.client)
+        q = self._queues.get(key)
+        if q is None:
+            q = self._queues[key] = collections.deque()
+            self._turns[key[0]].append(job.client)
+        q.append(job)
+        self._n += 1
+
+    def pop(self) -> _Job:
+        """The next computation: the first of the next client's queue in the first class that
+        has one; that client goes to the back of its class's turn."""
+        for cls, turn in enumerate(self._turns):
+            if turn:
+                client = turn.popleft()
+                q = self._queues[(cls, client)]
+                job = q.popleft()
+                if q:
+                    turn.append(client)
+                else:
+                    del self._queues[(cls, client)]
+                self._n -= 1
+                return job
+        raise IndexError("no computation is waiting")
+
+    def drain(self) -> list[_Job]:
+        jobs = [j for q in self._queues.values() for j in q]
+        self._queues.clear()
+        for turn in self._turns:
+            turn.clear()
+        self._n = 0
+        return jobs

@@ -1,8 +1,9 @@
-"""The server's one compute loop (qkv.serve.loop): every computation runs in its thread, first
-come first served, a bounded queue (503 + Retry-After beyond, and for one that waited too long),
-running batches stepped between computations; over HTTP, every forward pass of every endpoint
-runs in the loop, and concurrent patch + lens + q·k + generate requests on one model give exactly
-the answers each gives alone (a patch's hooks are never seen by another request's pass)."""
+"""The server's one compute loop (qkv.serve.loop): every computation runs in its thread, one
+client's in the order asked (fair between clients: tests/serve/test_sharing.py), a bounded queue
+(503 + Retry-After beyond, and for one that waited too long), running batches stepped between
+computations; over HTTP, every forward pass of every endpoint runs in the loop, and concurrent
+patch + lens + q·k + generate requests on one model give exactly the answers each gives alone (a
+patch's hooks are never seen by another request's pass)."""
 
 from __future__ import annotations
 
@@ -190,7 +191,9 @@ def test_concurrent_patch_lens_qk_and_generate_give_what_each_gives_alone(runs_d
                 ("/api/generate", {**gpt, "prompt": "ROMEO", "max_new_tokens": 8, "layer": 1}),
                 ("/api/generate", {**gpt, "prompt": "JULIET: O", "max_new_tokens": 6, "temperature": 0.8,
                                    "seed": 3})]
-    with serving(create_app(runs_dir=runs_dir)) as url, httpx.Client(base_url=url, timeout=120) as c:
+    # shared_answers=0: each answer computed again under load, not taken from the cache
+    with serving(create_app(runs_dir=runs_dir, shared_answers=0)) as url, \
+            httpx.Client(base_url=url, timeout=120) as c:
         alone = [_answer(c.post(path, json=body)) for path, body in requests]
 
         def client(k: int) -> list[tuple[int, int, object]]:

@@ -110,9 +110,25 @@ function showNotes(notes) {
   box.textContent = (notes || []).map((n) => "Note: " + n).join("  ·  ");
 }
 
+// This browser's id for the server's fair queue (one turn per student, not per request).
+const CLIENT_ID = (() => {
+  try {
+    let id = localStorage.getItem("qkv-client");
+    if (!id) {
+      id = Array.from(crypto.getRandomValues(new Uint8Array(12)), (b) => b.toString(16).padStart(2, "0")).join("");
+      localStorage.setItem("qkv-client", id);
+    }
+    return id;
+  } catch (e) {
+    return "";  // no storage: the server goes by the address
+  }
+})();
+
 // fetch + JSON; an error response becomes an Error carrying the API's message.
 async function api(path, options) {
   let response;
+  options = options || {};
+  if (CLIENT_ID) options = { ...options, headers: { ...(options.headers || {}), "X-QKV-Client": CLIENT_ID } };
   try {
     response = await fetch(path, options);
   } catch (e) {
