@@ -15,6 +15,8 @@ alone on the model), generation the same tokens and each attention row within 1e
 running batch equals its request alone to float rounding).
 
     python benchmarks/serve_classroom.py                      # 8 students, 60 s (~2 minutes)
+    python benchmarks/serve_classroom.py --students 30 --seconds 120 --think 5 15 --own 0.5
+                                        # issue 52's class: think time, half on their own texts
     git worktree add /tmp/before 96c6774 && python benchmarks/serve_classroom.py --server-path /tmp/before
 """
 
@@ -58,10 +60,20 @@ REQUESTS: list[tuple[str, str, dict]] = [
 ]
 
 
-def ask(url: str, path: str, body: dict) -> tuple[int, object, float]:
-    """(status, the answer without its timing, seconds)."""
-    req = urllib.request.Request(url + path, data=json.dumps(body).encode(),
-                                 headers={"Content-Type": "application/json"})
+def own(body: dict, k: int) -> dict:
+    """Student ``k``'s own version of a request: its texts with a sentence of the student's."""
+    mine = f" Student {k} adds that the bridge was built in {1700 + 7 * k}."
+    out = dict(body)
+    for field in ("text", "prompt"):
+        if field in out:
+            out[field] = out[field] + mine
+    return out
+
+
+def ask(url: str, path: str, body: dict, client: str = "") -> tuple[int, object, float]:
+    """(status, the answer without its timing, seconds); ``client``: the page's X-QKV-Client."""
+    headers = {"Content-Type": "application/json", **({"X-QKV-Client": client} if client else {})}
+    req = urllib.request.Request(url + path, data=json.dumps(body).encode(), headers=headers)
     t0 = time.perf_counter()
     try:
         with urllib.request.urlopen(req, timeout=300) as r:
@@ -94,7 +106,14 @@ def same(kind: str, got: object, want: object) -> bool:
     return True
 
 
-def classroom(url: str, students: int, seconds: float) -> dict:
+def classroom(url: str, students: int, seconds: float, think: tuple[float, float] = (0.0, 0.0),
+              own_share: float = 0.0, checked: int = 3) -> dict:
+    """``students`` clients for ``seconds``, each waiting a uniform ``think`` seconds between
+    requests; the first ``own_share`` of them ask about texts of their own (:func:`own`), the
+    others the teacher's. Answers are compared with the same request alone: the teacher's asked
+    before the class, the own texts of the first ``checked`` such students asked after it."""
+    import random
+
     alone = []
     for kind, path, body in REQUESTS:
         status, answer, s = ask(url, path, body)
@@ -102,43 +121,64 @@ def classroom(url: str, students: int, seconds: float) -> dict:
             raise RuntimeError(f"{kind} alone answered {status}: {answer}")
         alone.append(answer)
         print(f"  alone: {kind:24s} {s:6.2f} s", flush=True)
-    records: list[tuple[str, int, float, bool]] = []
+    n_own = round(own_share * students)
+    records: list[tuple[str, int, float, bool | None, int, int]] = []
+    own_answers: dict[tuple[int, int], object] = {}
     lock = threading.Lock()
     deadline = time.monotonic() + seconds
 
     def student(k: int) -> None:
+        rng = random.Random(k)
         i = k
+        if think[1] > 0:
+            time.sleep(rng.uniform(0, think[1]))  # students do not all start at once
         while time.monotonic() < deadline:
-            kind, path, body = REQUESTS[i % len(REQUESTS)]
-            status, answer, s = ask(url, path, body)
-            ok = status == 200 and same(kind, answer, alone[i % len(REQUESTS)])
+            j = i % len(REQUESTS)
+            kind, path, body = REQUESTS[j]
+            mine = k < n_own
+            status, answer, s = ask(url, path, own(body, k) if mine else body, f"student-{k:04d}")
+            ok = None if mine else status == 200 and same(kind, answer, alone[j])
             with lock:
-                records.append((kind, status, s, ok))
+                records.append((kind, status, s, ok, k, j))
+                if mine and status == 200 and k < checked:
+                    own_answers[(k, j)] = answer
             if status == 503:
                 time.sleep(1.0)
+            elif think[1] > 0:
+                time.sleep(rng.uniform(*think))
             i += 1
 
     with ThreadPoolExecutor(students) as pool:
         list(pool.map(student, range(students)))
-    statuses = Counter(code for _, code, _, _ in records)
+    own_equal = 0
+    for (k, j), answer in own_answers.items():  # the own texts' answers, against the same alone
+        kind, path, body = REQUESTS[j]
+        status, want, _ = ask(url, path, own(body, k))
+        own_equal += status == 200 and same(kind, answer, want)
+    statuses = Counter(r[1] for r in records)
     served = [r for r in records if r[1] == 200]
     by_kind = {}
     for kind, *_ in REQUESTS:
-        lat = sorted(s for k, code, s, _ in records if k == kind and code == 200)
+        lat = sorted(r[2] for r in records if r[0] == kind and r[1] == 200)
         by_kind[kind] = {"n": sum(k == kind for k, *_ in records), "ok": len(lat),
                          "p50_s": round(statistics.median(lat), 3) if lat else None,
                          "p95_s": round(lat[int(0.95 * (len(lat) - 1))], 3) if lat else None,
+                         "p99_s": round(lat[int(0.99 * (len(lat) - 1))], 3) if lat else None,
                          "max_s": round(lat[-1], 3) if lat else None}
-    lat = sorted(s for _, code, s, _ in records if code == 200)
+    lat = sorted(r[2] for r in records if r[1] == 200)
+    teachers = [r for r in served if r[3] is not None]
     return {"requests": len(records), "statuses": {str(k): v for k, v in sorted(statuses.items())},
             "errors_5xx": sum(v for k, v in statuses.items() if k >= 500 and k != 503),
             "busy_503_share": round(statuses.get(503, 0) / max(len(records), 1), 4),
-            "served_equal_to_alone": sum(r[3] for r in served), "served": len(served),
+            "served_equal_to_alone": sum(bool(r[3]) for r in teachers) + own_equal,
+            "served": len(teachers) + len(own_answers),
+            "served_all": len(served),
             "p95_s": round(lat[int(0.95 * (len(lat) - 1))], 3) if lat else None,
             "by_kind": by_kind}
 
 
-def run_server(path: Path, students: int, seconds: float) -> dict:
+def run_server(path: Path, students: int, seconds: float, think: tuple[float, float] = (0.0, 0.0),
+               own_share: float = 0.0) -> dict:
     port = free_port()
     # QKV_SAVED_STEP_BACKGROUND=off: a checkout from before issue 39 would otherwise start a
     # background build when idle, which outlives it (this checkout knows no such variable)
@@ -149,7 +189,7 @@ def run_server(path: Path, students: int, seconds: float) -> dict:
                             text=True)
     try:
         wait_ready(f"http://127.0.0.1:{port}/api/models", proc)
-        return classroom(f"http://127.0.0.1:{port}", students, seconds)
+        return classroom(f"http://127.0.0.1:{port}", students, seconds, think, own_share)
     finally:
         proc.terminate()
         try:
@@ -163,6 +203,10 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--students", type=int, default=8)
     ap.add_argument("--seconds", type=float, default=60.0)
+    ap.add_argument("--think", type=float, nargs=2, default=(0.0, 0.0), metavar=("MIN", "MAX"),
+                    help="seconds each student thinks between requests (uniform; default none: back to back)")
+    ap.add_argument("--own", type=float, default=0.0,
+                    help="the share of students asking about texts of their own (default 0: the teacher's)")
     ap.add_argument("--server-path", default=None, help="also the server of this checkout (a worktree)")
     ap.add_argument("--quick", action="store_true", help="20 seconds (a smoke run)")
     ap.add_argument("--out", default=None)
@@ -178,13 +222,14 @@ def main() -> int:
     servers = [("this checkout", here)] + ([("other checkout", Path(args.server_path).resolve())]
                                            if args.server_path else [])
     result: dict = {"machine": machine, "students": args.students, "seconds": args.seconds,
+                    "think_s": list(args.think), "own_share": args.own,
                     "requests": [k for k, _, _ in REQUESTS]}
     rows = []
     for name, path in servers:
         commit = subprocess.run(["git", "-C", str(path), "rev-parse", "--short", "HEAD"], capture_output=True,
                                 text=True).stdout.strip()
         print(f"{name} ({commit}): {args.students} students for {args.seconds:g} s", flush=True)
-        got = run_server(path, args.students, args.seconds)
+        got = run_server(path, args.students, args.seconds, tuple(args.think), args.own)
         got["commit"] = commit
         result[name] = got
         rows.append([f"{name} ({commit})", str(got["requests"]), json.dumps(got["statuses"]),
@@ -192,7 +237,7 @@ def main() -> int:
                      f"{got['served_equal_to_alone']}/{got['served']}", f"{got['p95_s']}"])
         for kind, k in got["by_kind"].items():
             print(f"  {kind:24s} {k['ok']}/{k['n']} served, p50 {k['p50_s']} s, p95 {k['p95_s']} s, "
-                  f"max {k['max_s']} s")
+                  f"p99 {k['p99_s']} s, max {k['max_s']} s")
     C.print_table(f"{args.students} students on one qkv serve for {args.seconds:g} s, SmolLM2 (goal: "
                   "0 x 5xx, every 200 equal to alone, < 5% 503)",
                   ["server", "requests", "statuses", "5xx", "503", "200s equal to alone", "p95 s"], rows)
