@@ -107,6 +107,26 @@ def same(kind: str, got: object, want: object) -> bool:
     return True
 
 
+def difference(got: object, want: object) -> str:
+    """Where an answer first differs from the same request alone, in a few words (for the JSON)."""
+    if isinstance(got, list) and isinstance(want, list):
+        if len(got) != len(want):
+            return f"{len(got)} events, alone {len(want)}"
+        for i, (g, w) in enumerate(zip(got, want, strict=True)):
+            for key in sorted(set(g) | set(w)):
+                if g.get(key) != w.get(key):
+                    a, b = g.get(key), w.get(key)
+                    if key == "weights" and isinstance(a, list) and isinstance(b, list) and len(a) == len(b):
+                        most = max(abs(x - y) for x, y in zip(a, b, strict=True))
+                        return f"event {i}: weights differ by {most:.2e}"
+                    return f"event {i}: {key} {str(a)[:40]!r}, alone {str(b)[:40]!r}"
+        return "equal"
+    if isinstance(got, dict) and isinstance(want, dict):
+        keys = [k for k in sorted(set(got) | set(want)) if got.get(k) != want.get(k)]
+        return f"fields {keys[:5]}"
+    return "different types"
+
+
 def classroom(url: str, students: int, seconds: float, think: tuple[float, float] = (0.0, 0.0),
               own_share: float = 0.0, checked: int = 3) -> dict:
     """``students`` clients for ``seconds``, each waiting a uniform ``think`` seconds between
@@ -124,6 +144,7 @@ def classroom(url: str, students: int, seconds: float, think: tuple[float, float
         print(f"  alone: {kind:24s} {s:6.2f} s", flush=True)
     n_own = round(own_share * students)
     records: list[tuple[str, int, float, bool | None, int, int]] = []
+    examples: list[str] = []  # how the first answers unequal to alone differ
     own_answers: dict[tuple[int, int], object] = {}
     lock = threading.Lock()
     deadline = time.monotonic() + seconds
@@ -140,6 +161,8 @@ def classroom(url: str, students: int, seconds: float, think: tuple[float, float
             status, answer, s = ask(url, path, own(body, k) if mine else body, f"student-{k:04d}")
             ok = None if mine else status == 200 and same(kind, answer, alone[j])
             with lock:
+                if ok is False and status == 200 and len(examples) < 5:
+                    examples.append(f"{kind}: {difference(answer, alone[j])}")
                 records.append((kind, status, s, ok, k, j))
                 if mine and status == 200 and k < checked:
                     own_answers[(k, j)] = answer
@@ -160,6 +183,8 @@ def classroom(url: str, students: int, seconds: float, think: tuple[float, float
         own_equal += equal
         if not equal:
             unequal[f"{kind} (a text of its own)"] += 1
+            if status == 200 and len(examples) < 5:
+                examples.append(f"{kind}, own text: {difference(answer, want)}")
     statuses = Counter(r[1] for r in records)
     served = [r for r in records if r[1] == 200]
     by_kind = {}
@@ -178,6 +203,7 @@ def classroom(url: str, students: int, seconds: float, think: tuple[float, float
             "served_equal_to_alone": sum(bool(r[3]) for r in teachers) + own_equal,
             "served": len(teachers) + len(own_answers),
             "served_all": len(served), "unequal_to_alone": dict(unequal),
+            "unequal_examples": examples,
             "p95_s": round(lat[int(0.95 * (len(lat) - 1))], 3) if lat else None,
             "by_kind": by_kind}
 
