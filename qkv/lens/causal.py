@@ -17,7 +17,8 @@ Shapes: L layers, H query heads, T tokens, Dh head width, dim model width, V voc
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import math
+from collections.abc import Generator, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
@@ -225,6 +226,21 @@ def patch(lm: TextModel, clean: str | list[int], corrupt: str | list[int], site:
     """Patch each cell of ``site`` from ``clean`` into ``corrupt`` (same number of tokens) and
     measure how much of the clean answer comes back (see :class:`Patching`). ``answer`` defaults
     to the clean run's top token, ``wrong`` to the corrupt run's."""
+    steps = patch_steps(lm, clean, corrupt, site, answer, wrong)
+    while True:
+        try:
+            next(steps)
+        except StopIteration as done:
+            return done.value
+
+
+def patch_steps(lm: TextModel, clean: str | list[int], corrupt: str | list[int], site: str = "resid",
+                answer: str | int | None = None,
+                wrong: str | int | None = None) -> Generator[tuple[int, int], None, Patching]:
+    """:func:`patch` in pieces: yields ``(done, total)`` after each forward pass of patched cells
+    and returns the :class:`Patching`. No hook stays on the model between two pieces, so other
+    forward passes may run on it in between (the server interleaves a sweep with other
+    students' requests this way)."""
     check_decoder(lm, "patching towards an answer")
     if site not in ("resid", "head"):
         raise InputError(f"site must be 'resid' (layer x position) or 'head' (layer x head), got {site!r}")
@@ -250,6 +266,8 @@ def patch(lm: TextModel, clean: str | list[int], corrupt: str | list[int], site:
     cols = T if site == "resid" else H
     raw = torch.empty(L, cols)
     chunk = _rows(model, T)
+    total, done = L * math.ceil(cols / chunk), 0
+    yield done, total
     for layer in range(L):
         for start in range(0, cols, chunk):
             idx = list(range(start, min(cols, start + chunk)))
@@ -267,6 +285,8 @@ def patch(lm: TextModel, clean: str | list[int], corrupt: str | list[int], site:
                 edits.z[layer] = edit
             with hooked(model, edits=edits):
                 raw[layer, start:start + len(idx)] = diff(tail(model, x, layer, last_only=True))
+            done += 1
+            yield done, total
     span = ld_c - ld_k
     values = (raw - ld_k) / span if span != 0 else torch.full_like(raw, float("nan"))
     dec = lm.tokenizer.decode

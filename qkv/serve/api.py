@@ -193,12 +193,13 @@ class Explorer(LensEndpoints):
         return http_errors(self.scrub)
 
     def _compute(self, model_id: str, fn: Callable[[Lease], Any], label: str = "request",
-                 request: BaseModel | None = None, sweep: bool = False) -> Any:
+                 request: BaseModel | None = None, sweep: bool = False, pieces: bool = False) -> Any:
         """``fn(lease)`` in the compute loop, with ``model_id`` loaded and held while it runs: a
         bad name is answered (400/404) before it queues, a full queue with 503. With ``request``
         (a deterministic computation's whole request), identical requests share one answer
         (:mod:`qkv.serve.sharing`: keyed by the model file's version, ``label`` and the request);
-        ``sweep``: queued behind every interactive request (:class:`ComputeLoop`)."""
+        ``sweep``: queued behind every interactive request (:class:`ComputeLoop`); ``pieces``:
+        ``fn`` is a generator run one piece per turn of the loop (``call_in_pieces``)."""
         with self._errors():
             ref = self.registry.resolve(model_id)
 
@@ -209,7 +210,16 @@ class Explorer(LensEndpoints):
                 finally:
                     lease.release()
 
+            def run_in_pieces() -> Generator[Any, None, Any]:
+                lease = self.registry.acquire(model_id)  # held from the first piece to the last
+                try:
+                    return (yield from fn(lease))
+                finally:
+                    lease.release()
+
             def queued() -> Any:
+                if pieces:
+                    return self.loop.call_in_pieces(run_in_pieces, label=label, sweep=sweep)
                 return self.loop.call(run, label=label, sweep=sweep)
 
             if request is None:

@@ -7,7 +7,7 @@ knocked out."""
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Generator
 from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING, Any
 
@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from qkv import lens
 from qkv.attention.rollout import attention_rollout
 from qkv.errors import InputError
+from qkv.lens.causal import patch_steps
 from qkv.pipelines import CausalLM, SentenceEncoder
 from qkv.pipelines import attention as text
 from qkv.serve.schemas import (
@@ -113,14 +114,15 @@ def qk_response(lm: CausalLM | SentenceEncoder, req: QKRequest, max_tokens: int)
 PATCH_TOKENS = 64  # patching runs a forward pass per row: longer prompts are refused, not cut
 
 
-def patch_response(lm: CausalLM, req: PatchRequest) -> PatchResponse:
-    """Activation patching of the clean prompt into the corrupt one (:func:`qkv.lens.patch`)."""
+def patch_response(lm: CausalLM, req: PatchRequest) -> Generator[tuple[int, int], None, PatchResponse]:
+    """Activation patching of the clean prompt into the corrupt one (:func:`qkv.lens.patch_steps`),
+    in pieces: one forward pass of patched cells per ``next``, the response returned."""
     t0 = time.perf_counter()
     ids = [text.encode_text(lm, t, lm.context)[0] for t in (req.clean, req.corrupt)]
     if max(len(i) for i in ids) > PATCH_TOKENS:
         raise InputError(f"patching here takes prompts of at most {PATCH_TOKENS} tokens (one forward pass "
                          f"per cell); these have {len(ids[0])} and {len(ids[1])}")
-    p = lens.patch(lm, ids[0], ids[1], site=req.site, answer=req.answer, wrong=req.wrong)
+    p = yield from patch_steps(lm, ids[0], ids[1], site=req.site, answer=req.answer, wrong=req.wrong)
     rows = [f"layer {i}" for i in range(p.values.shape[0])]
     cols = p.clean_tokens if p.site == "resid" else [str(h) for h in range(p.values.shape[1])]
     values = [[None if v != v else round(float(v), 5) for v in row] for row in p.values.tolist()]
@@ -144,7 +146,7 @@ class LensEndpoints:
     def _check_text(self, text: str) -> None: ...
 
     def _compute(self, model_id: str, fn: Callable[[Lease], Any], label: str = "request",
-                 request: Any = None, sweep: bool = False) -> Any: ...
+                 request: Any = None, sweep: bool = False, pieces: bool = False) -> Any: ...
 
     def lens(self, req: LensRequest) -> LensResponse:
         """What a text model does with ``text``: next-token logits (with ``ablate``'s heads
@@ -184,14 +186,14 @@ class LensEndpoints:
         self._check_text(req.clean)
         self._check_text(req.corrupt)
 
-        def run(lease: Lease) -> PatchResponse:
+        def run(lease: Lease) -> Generator[tuple[int, int], None, PatchResponse]:
             lm = self._text_model(lease, req.model)
             if not isinstance(lm, CausalLM):
                 raise InputError(f"{req.model} is an encoder: patching measures a next-token answer, "
                                  "which it does not predict")
-            return patch_response(lm, req)
+            return (yield from patch_response(lm, req))
 
-        return self._compute(req.model, run, "patch", request=req, sweep=True)
+        return self._compute(req.model, run, "patch", request=req, sweep=True, pieces=True)
 
     @staticmethod
     def _text_model(lease: Lease, name: str) -> CausalLM | SentenceEncoder:

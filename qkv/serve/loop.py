@@ -36,7 +36,7 @@ import math
 import threading
 import time
 import weakref
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Hashable, Iterator
 from concurrent.futures import Future
 from typing import Any, Protocol, TypeVar
 
@@ -73,10 +73,12 @@ class Stepper(Protocol):
 class _Job:
     """One queued computation and where its answer goes."""
 
-    def __init__(self, fn: Callable[[], Any], label: str, client: str, sweep: bool) -> None:
-        self.fn, self.label, self.client, self.sweep = fn, label, client, sweep
+    def __init__(self, fn: Callable[[], Any], label: str, client: str, sweep: bool,
+                 pieces: bool = False) -> None:
+        self.fn, self.label, self.client, self.sweep, self.pieces = fn, label, client, sweep, pieces
         self.queued = time.monotonic()
         self.future: Future[Any] = Future()
+        self.steps: Iterator[Any] | None = None  # a computation in pieces, once started
 
 
 _LOOPS: weakref.WeakSet[ComputeLoop] = weakref.WeakSet()
@@ -132,9 +134,28 @@ class ComputeLoop:
         another), it runs at once. Queued under the client of :data:`CLIENT`; ``sweep``: behind
         every interactive computation. BusyError when the queue is full, or when it waited
         ``max_wait_s`` without starting."""
+        return self._call(fn, args, label, sweep, pieces=False)
+
+    def call_in_pieces(self, fn: Callable[..., Iterator[Any]], *args: Any, label: str = "request",
+                       sweep: bool = True) -> Any:
+        """Like :meth:`call`, for long work: ``fn(*args)`` is a generator whose every ``next``
+        is one piece (a forward pass), and its return value the answer. The loop runs one piece
+        per turn and queues the rest behind the others' requests (as a sweep: interactive ones
+        go first), so a patching sweep no longer holds every stream and lens view for its whole
+        time. Between two pieces nothing of it may stay on a shared model (no hook)."""
+        return self._call(fn, args, label, sweep, pieces=True)
+
+    def _call(self, fn: Callable[..., Any], args: tuple, label: str, sweep: bool, pieces: bool) -> Any:
         if self.in_loop():
-            return fn(*args)
-        job = _Job(lambda: fn(*args), label, CLIENT.get(), sweep)
+            if not pieces:
+                return fn(*args)
+            steps = fn(*args)
+            while True:
+                try:
+                    next(steps)
+                except StopIteration as done:
+                    return done.value
+        job = _Job(lambda: fn(*args), label, CLIENT.get(), sweep, pieces)
         with self._cond:
             if self._closing:
                 raise BusyError("the server is stopping", 5)
@@ -176,6 +197,10 @@ class ComputeLoop:
             self._cond.notify_all()
             thread = self._thread
         for job in jobs:
+            if job.steps is not None:
+                close = getattr(job.steps, "close", None)
+                if close is not None:
+                    close()  # its finally blocks run: a model it holds is released
             job.future.set_exception(BusyError("the server is stopping", 5))
         for b in batches:
             b.close()
@@ -217,18 +242,33 @@ class ComputeLoop:
 
     def _do(self, job: _Job) -> None:
         waited = time.monotonic() - job.queued
-        if waited > self.max_wait_s:  # too late to be useful: answered busy, not run
+        if job.steps is None and waited > self.max_wait_s:  # too late to be useful: busy, not run
             after = max(1, min(60, math.ceil(self._seconds)))
             job.future.set_exception(BusyError(f"the server is busy (the {job.label} waited "
                                                f"{waited:.0f} s); try again in {after} s", after))
             return
         t0 = time.monotonic()
         try:
-            job.future.set_result(job.fn())
+            if not job.pieces:
+                job.future.set_result(job.fn())
+            else:
+                if job.steps is None:
+                    job.steps = job.fn()
+                next(job.steps)  # one piece; then behind the others again
+                with self._cond:
+                    if not self._closing:
+                        self._jobs.append(job)
+                        self._cond.notify_all()
+                        return
+                job.steps.close()  # type: ignore[attr-defined]
+                job.future.set_exception(BusyError("the server is stopping", 5))
+        except StopIteration as done:
+            job.future.set_result(done.value)
         except BaseException as e:  # the request hears of it, the loop goes on
             job.future.set_exception(e)
+        finally:
+            self._seconds = 0.8 * self._seconds + 0.2 * (time.monotonic() - t0)
         self.jobs_run += 1
-        self._seconds = 0.8 * self._seconds + 0.2 * (time.monotonic() - t0)
 
 
 class _FairQueue:

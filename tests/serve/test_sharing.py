@@ -71,6 +71,42 @@ def test_the_loop_takes_one_computation_per_client_in_turn_and_sweeps_last():
     loop.close()
 
 
+def test_a_sweep_in_pieces_lets_the_others_run_between_its_pieces():
+    """A patching sweep runs one forward pass per turn of the loop: a lens view asked while its
+    first piece runs is answered after that piece, not after the whole sweep; the sweep's answer
+    is its generator's return value, and a model it holds stays held until its last piece."""
+    loop, order, gate = ComputeLoop(), [], threading.Event()
+    held = []
+
+    def sweep():
+        held.append("acquired")
+        try:
+            for i in range(3):
+                order.append(f"piece {i}")
+                if i == 0:
+                    gate.wait(10)
+                yield i, 3
+            return "swept"
+        finally:
+            held.append("released")
+
+    def in_pieces(client: str):
+        CLIENT.set(client)
+        return loop.call_in_pieces(sweep, label="patch")
+
+    with ThreadPoolExecutor(4) as pool:
+        swept = pool.submit(in_pieces, "a")
+        wait_until(lambda: order == ["piece 0"], "the first piece running")
+        view = pool.submit(_as, "b", loop, lambda: order.append("lens view"))
+        wait_until(lambda: loop.waiting() == 1, "the lens view queued")
+        assert held == ["acquired"]
+        gate.set()
+        assert swept.result() == "swept" and view.result() is None
+    assert order == ["piece 0", "lens view", "piece 1", "piece 2"]
+    assert held == ["acquired", "released"] and loop.jobs_run == 2
+    loop.close()
+
+
 @pytest.mark.usefixtures("one_thread")
 def test_the_same_lens_request_from_a_class_is_computed_once_and_equals_it_alone(runs_dir):
     """Eight students ask the teacher's example at once: one forward pass in the loop for the
