@@ -234,6 +234,7 @@ def patch(lm: TextModel, clean: str | list[int], corrupt: str | list[int], site:
             return done.value
 
 
+@torch.inference_mode()  # on a generator: around each of its pieces, whoever runs them
 def patch_steps(lm: TextModel, clean: str | list[int], corrupt: str | list[int], site: str = "resid",
                 answer: str | int | None = None,
                 wrong: str | int | None = None) -> Generator[tuple[int, int], None, Patching]:

@@ -15,7 +15,8 @@ owns all compute, as llama.cpp's server does (one loop over its slots) and nanoc
 - the queue is fair per client, not first come first served over requests: each client (the
   page's ``X-QKV-Client`` id, else its address; :data:`CLIENT`) has its own queue and the loop
   takes one computation from each in turn, interactive ones (lens, q·k, attention) before sweeps
-  (patching), so one student's burst or sweep never holds the others back more than one
+  (patching: at most two interactive in a row while a sweep waits, so sweeps are slowed, never
+  starved), so one student's burst or sweep never holds the others back more than one
   computation; it is bounded: at most ``max_queued`` computations wait (beyond:
   :class:`BusyError`, a 503 with ``Retry-After``), and one that waited ``max_wait_s`` without
   starting is answered 503 instead of being run late.
@@ -273,9 +274,13 @@ class ComputeLoop:
 
 class _FairQueue:
     """The waiting computations: a queue per (class, client), taken round robin over the
-    clients of a class, interactive (class 0) before sweeps (class 1)."""
+    clients of a class, interactive (class 0) before sweeps (class 1), but never more than
+    :attr:`BURST` interactive ones in a row while a sweep waits (a sweep is slower, not starved)."""
+
+    BURST = 2
 
     def __init__(self) -> None:
+        self._in_a_row = 0
         self._queues: dict[tuple[int, str], collections.deque[_Job]] = {}
         self._turns: tuple[collections.deque[str], collections.deque[str]] = (collections.deque(),
                                                                               collections.deque())
@@ -296,8 +301,11 @@ class _FairQueue:
     def pop(self) -> _Job:
         """The next computation: the first of the next client's queue in the first class that
         has one; that client goes to the back of its class's turn."""
-        for cls, turn in enumerate(self._turns):
+        order = (1, 0) if self._in_a_row >= self.BURST and self._turns[1] else (0, 1)
+        for cls in order:
+            turn = self._turns[cls]
             if turn:
+                self._in_a_row = self._in_a_row + 1 if cls == 0 else 0
                 client = turn.popleft()
                 q = self._queues[(cls, client)]
                 job = q.popleft()
