@@ -15,13 +15,14 @@ Shapes: L layers, H query heads, T tokens, Dh head width, dim model width, V voc
 
 from __future__ import annotations
 
+from collections.abc import Generator
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
 from qkv.errors import InputError
-from qkv.lens.hooks import Recorded, TextModel, device_of, forward, hooked, is_decoder, shape
+from qkv.lens.hooks import Recorded, TextModel, device_of, finish, forward_steps, is_decoder, shape
 
 # The one rule for texts longer than the model's context, in `qkv lens` and `qkv attend` alike
 # (qkv.commands.options.LONG_TEXT_RULE says it in both --help texts): refused, with the limit,
@@ -144,12 +145,18 @@ def _float(rec: dict[int, Tensor], n: int) -> list[Tensor]:
 @torch.inference_mode()
 def run_with_cache(lm: TextModel, text: str | list[int]) -> ActivationCache:
     """Run ``lm`` over ``text`` once and keep every activation (see :class:`ActivationCache`)."""
+    return finish(run_with_cache_steps(lm, text))
+
+
+@torch.inference_mode()  # on a generator: around each of its pieces, whoever runs them
+def run_with_cache_steps(lm: TextModel, text: str | list[int]) -> Generator[None, None, ActivationCache]:
+    """:func:`run_with_cache` in pieces, one block per ``next`` (:func:`~qkv.lens.hooks.forward_steps`:
+    no hook on the model between pieces); the cache is the return value."""
     ids = encode(lm, text)
     model = lm.model
     rec = Recorded()
     x = torch.tensor([ids], device=device_of(model))
-    with hooked(model, record=rec):
-        out, weights = forward(model, x, weights=True)
+    out, weights = yield from forward_steps(model, x, weights=True, record=rec)
     L = shape(model)[0]
     assert weights is not None
     return ActivationCache(

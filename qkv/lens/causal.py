@@ -33,7 +33,9 @@ from qkv.lens.hooks import (
     Recorded,
     TextModel,
     device_of,
+    finish,
     forward,
+    forward_steps,
     hooked,
     is_decoder,
     shape,
@@ -106,18 +108,28 @@ def ablate(lm: TextModel, text: str | list[int], heads: Sequence[Head], mode: st
     mode "zero": the heads' outputs are zero; "mean": each is replaced by its mean over the
     text's positions (from an unablated pass), which keeps the stream's average intact.
     """
+    return finish(ablate_steps(lm, text, heads, mode))
+
+
+@torch.inference_mode()  # on a generator: around each of its pieces
+def ablate_steps(lm: TextModel, text: str | list[int], heads: Sequence[Head], mode: str = "zero"
+                 ) -> Generator[None, None, Tensor]:
+    """:func:`ablate` in pieces, one block per ``next`` (no hook on the model between pieces)."""
     mode = _check_mode(mode)
     heads = check_heads(lm, heads)
     ids = encode(lm, text)
     model = lm.model
-    rec = _record(model, ids)[0] if mode == "mean" else None
+    x = torch.tensor([ids], device=device_of(model))
+    rec = None
+    if mode == "mean":
+        rec = Recorded()
+        yield from forward_steps(model, x, record=rec)
     by_layer: dict[int, list[int]] = {}
     for layer, head in heads:
         by_layer.setdefault(layer, []).append(head)
     edits = Edits(z={layer: _knockout(hs, mode, rec.z[layer][0].mean(0) if rec else None)
                      for layer, hs in by_layer.items()})
-    with hooked(model, edits=edits):
-        out, _ = forward(model, torch.tensor([ids], device=device_of(model)))
+    out, _ = yield from forward_steps(model, x, edits=edits)
     return out[0].float().cpu()
 
 

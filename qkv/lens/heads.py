@@ -19,6 +19,7 @@ Shapes: L layers, H heads, T tokens (queries), S keys, R repeated tokens.
 
 from __future__ import annotations
 
+from collections.abc import Generator
 from dataclasses import dataclass
 from typing import Any
 
@@ -28,9 +29,9 @@ from torch import Tensor, nn
 
 from qkv.attention.rollout import attention_rollout
 from qkv.errors import InputError
-from qkv.lens.cache import encode, labels, run_with_cache
+from qkv.lens.cache import encode, labels, run_with_cache_steps
 from qkv.lens.causal import check_heads
-from qkv.lens.hooks import TextModel, blocks, device_of, forward, is_decoder, shape
+from qkv.lens.hooks import TextModel, blocks, device_of, finish, forward, is_decoder, shape
 
 HEAD_TYPES: tuple[str, ...] = ("previous", "first", "duplicate", "induction")
 # A head is named after its highest score when that score reaches NAMED_AT: the one threshold
@@ -206,9 +207,16 @@ class QueryKey:
 def query_key(lm: TextModel, text: str | list[int], layer: int, head: int, query: int = -1) -> QueryKey:
     """The q·k computation behind one attention row: query token ``query`` (negative counts from
     the end) of ``head`` in ``layer``; a grouped-query head reads its group's key head."""
+    return finish(query_key_steps(lm, text, layer, head, query))
+
+
+@torch.inference_mode()  # on a generator: around each of its pieces
+def query_key_steps(lm: TextModel, text: str | list[int], layer: int, head: int, query: int = -1
+                    ) -> Generator[None, None, QueryKey]:
+    """:func:`query_key` in pieces, one block per ``next``."""
     layer, head = check_heads(lm, [(layer, head)])[0]
     Dh = shape(lm.model)[2]
-    cache = run_with_cache(lm, text)
+    cache = yield from run_with_cache_steps(lm, text)
     T = len(cache.ids)
     if not -T <= query < T:
         raise InputError(f"query must be a token position in [{-T}, {T - 1}], got {query}")

@@ -22,16 +22,17 @@ Shapes: B batch, T tokens, H query heads, Dh head width, dim model width, V voca
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Collection, Generator, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 import torch
 from torch import Tensor, nn
 
 from qkv.errors import InputError
 
+T = TypeVar("T")
 Edit = Callable[[Tensor], Tensor]  # an activation in, the activation to use instead out
 
 
@@ -93,9 +94,11 @@ class Recorded:
 
 
 @contextmanager
-def hooked(model: nn.Module, *, record: Recorded | None = None, edits: Edits | None = None) -> Iterator[None]:
+def hooked(model: nn.Module, *, record: Recorded | None = None, edits: Edits | None = None,
+           layers: Collection[int] | None = None) -> Iterator[None]:
     """Run ``model`` inside this block to fill ``record`` and apply ``edits``; hooks are removed
-    on the way out, also after an error."""
+    on the way out, also after an error. ``layers``: hook only these blocks (a forward in
+    pieces hooks the block it is about to run)."""
     edits = edits or Edits()
     handles = []
     n_heads, head_dim = shape(model)[1:]
@@ -106,6 +109,9 @@ def hooked(model: nn.Module, *, record: Recorded | None = None, edits: Edits | N
             store[layer] = t.detach()
 
     for layer, block in enumerate(blocks(model)):
+        if layers is not None and layer not in layers:
+            continue
+
         def block_pre(mod, args, kwargs, layer=layer):
             x = args[0]
             if layer in edits.resid_pre:
@@ -168,6 +174,65 @@ def forward(model: nn.Module, ids: Tensor, *, weights: bool = False) -> tuple[Te
     if is_decoder(model):
         return out.logits, out.weights
     return out.hidden, out.weights
+
+
+class _EnteredError(Exception):
+    """Raised by a pre-hook of the first block: the model's embedding is done, and these are
+    the arguments its stack gives every block."""
+
+    def __init__(self, args: tuple, kwargs: dict) -> None:
+        super().__init__()
+        self.block_args, self.block_kwargs = args, kwargs
+
+
+def forward_steps(model: nn.Module, ids: Tensor, *, weights: bool = False, record: Recorded | None = None,
+                  edits: Edits | None = None
+                  ) -> Generator[None, None, tuple[Tensor, list[Tensor] | None]]:
+    """:func:`forward` in pieces, for a server that must not stop its token streams for a whole
+    forward pass: the embedding, then one block per ``next``, then the final norm and head; the
+    return value is forward's. Each block is called with the arguments the model's own stack
+    gives it (caught by a pre-hook on block 0 as the model's forward reaches it), so the answer
+    is the model's; ``record`` and ``edits`` are hooked around each piece only, so between two
+    pieces nothing of this call sits on the model and others may run it (a running batch's
+    decoding step). ids (B, T); no KV cache."""
+    kw: dict[str, Any] = {"return_weights": weights}
+    if weights:
+        kw["backend"] = "reference"
+    stack = blocks(model)
+
+    def caught(mod: nn.Module, args: tuple, kwargs: dict) -> None:
+        raise _EnteredError(args, kwargs)
+
+    handle = stack[0].register_forward_pre_hook(caught, with_kwargs=True)
+    try:
+        model(ids, **kw)
+    except _EnteredError as e:
+        args, kwargs = e.block_args, e.block_kwargs
+    else:
+        raise RuntimeError(f"{type(model).__name__} did not run its first block")
+    finally:
+        handle.remove()
+    x, rest, ws = args[0], args[1:], []
+    for i, block in enumerate(stack):
+        yield
+        with hooked(model, record=record, edits=edits, layers=(i,)):
+            out = block(x, *rest, **kwargs)
+        x = out.x
+        ws.append(out.self_weights)
+    yield
+    norm = model.stack.norm
+    if norm is not None:
+        x = norm(x)
+    return (model.lm_head(x) if is_decoder(model) else x), (ws if weights else None)
+
+
+def finish(steps: Generator[Any, Any, T]) -> T:
+    """Run a computation in pieces (a generator) to its end; its return value."""
+    while True:
+        try:
+            next(steps)
+        except StopIteration as done:
+            return done.value
 
 
 def tail(model: nn.Module, x: Tensor, start: int, last_only: bool = False) -> Tensor:

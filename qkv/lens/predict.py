@@ -20,12 +20,14 @@ Shapes: L layers, T tokens, V vocabulary, k top tokens.
 
 from __future__ import annotations
 
+from collections.abc import Generator
 from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor, nn
 
 from qkv.errors import InputError
+from qkv.layers.quant import TopKRefinedLinear
 from qkv.lens.cache import ActivationCache, encode, labels
 from qkv.lens.hooks import Recorded, TextModel, device_of, forward, hooked, is_decoder, normed_streams, shape
 from qkv.nn.linear import Linear as QLinear
@@ -98,6 +100,33 @@ def next_token(lm: TextModel, text: str | list[int] | ActivationCache, temperatu
 
 
 ROWS = 2048  # (row, position) cells read out per matrix product: 2048 x V floats at most at once
+PIECE_ROWS = 128  # cells per piece of top_steps (SmolLM2: about 0.09 s on a Zen 3's two cores)
+EXACT_FROM = 128  # from this many cells, one float32 product beats a quantised head's (int8) kernel
+
+
+def _float_matrix(head: nn.Module) -> Tensor | None:
+    """The (V, dim) float32 matrix of an output head without bias that multiplies by it exactly
+    (a plain linear layer), or whose quantised kernel approximates it (:class:`TopKRefinedLinear`:
+    the tied embedding); None for any other head."""
+    w = getattr(head, "weight", None)
+    if not isinstance(w, Tensor) or w.dtype != torch.float32:
+        return None
+    if type(head) in (nn.Linear, QLinear) and head.bias is None:
+        return w
+    if isinstance(head, TopKRefinedLinear) and getattr(head.approx, "bias", None) is None:
+        return w
+    return None
+
+
+def read_out(head: nn.Module, x: Tensor, cells: int) -> Tensor:
+    """head(x) for some of ``cells`` cells, x (N, dim): (N, V) float32. From :data:`EXACT_FROM`
+    cells in all, a head that approximates a float matrix (SmolLM2's int8 head, exact on its top
+    64) is read out with that matrix instead: exact everywhere and faster for many rows (480
+    cells: 0.26 s against 0.48 s on a Zen 3; its int8 kernel is made for one row at a time)."""
+    w = _float_matrix(head)
+    if w is not None and cells >= EXACT_FROM and x.dtype == torch.float32:
+        return x @ w.t()
+    return head(x).float()
 
 
 @dataclass
@@ -129,7 +158,7 @@ class LogitLens:
         R, P, D = h.shape
         flat = h.reshape(R * P, D)
         with torch.inference_mode():
-            outs = [fn(torch.log_softmax(self.head(flat[i:i + ROWS]).float(), dim=-1))
+            outs = [fn(torch.log_softmax(read_out(self.head, flat[i:i + ROWS], R * P), dim=-1))
                     for i in range(0, R * P, ROWS)]
         out = torch.cat(outs).cpu()
         return out.view(R, P, *out.shape[1:])
@@ -142,9 +171,8 @@ class LogitLens:
             flat = self.normed.reshape(R * T, D)
             out = None
             with torch.inference_mode():
-                w = getattr(self.head, "weight", None)
-                plain = (type(self.head) in (nn.Linear, QLinear) and self.head.bias is None and w is not None
-                         and w.dtype == torch.float32 and flat.dtype == torch.float32)
+                w = _float_matrix(self.head)
+                plain = w is not None and flat.dtype == torch.float32
                 for i in range(0, R * T, ROWS):
                     if plain:  # the logits straight into the output, then normalised in place
                         if out is None:
@@ -173,6 +201,23 @@ class LogitLens:
 
         both = self._read(positions, best)
         return both[..., :k].exp(), both[..., k:].long()
+
+    def top_steps(self, k: int = 1, positions: list[int] | None = None
+                  ) -> Generator[None, None, tuple[Tensor, Tensor]]:
+        """:meth:`top` in pieces: :data:`PIECE_ROWS` cells read out per ``next`` (a server's
+        token streams move between them); the same answer."""
+        h = self.normed if positions is None else self.normed[:, positions]
+        R, P, D = h.shape
+        flat = h.reshape(R * P, D)
+        vals, ids = [], []
+        for i in range(0, R * P, PIECE_ROWS):
+            yield
+            with torch.inference_mode():
+                lp = torch.log_softmax(read_out(self.head, flat[i:i + PIECE_ROWS], R * P), dim=-1)
+                v, j = lp.topk(k, dim=-1)
+            vals.append(v.exp().cpu())
+            ids.append(j.cpu())
+        return torch.cat(vals).view(R, P, k), torch.cat(ids).view(R, P, k)
 
     def prob_of(self, token_ids: Tensor | list[int]) -> Tensor:
         """(L + 1, T): the probability each cell gives the token at that position's column

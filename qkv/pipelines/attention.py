@@ -14,7 +14,7 @@ Shapes: L layers, H heads, T tokens (queries), S keys.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Generator, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Literal
 
@@ -92,12 +92,25 @@ def check_attention_size(lm: TextModel, n_tokens: int) -> None:
 @torch.inference_mode()
 def text_attention(lm: TextModel, text: str, max_tokens: int = MAX_TOKENS) -> TextAttention:
     """Every layer's and head's attention over ``text`` (MiniLM, SmolLM2, GPT runs)."""
+    from qkv.lens.hooks import finish
+
+    return finish(text_attention_steps(lm, text, max_tokens))
+
+
+@torch.inference_mode()  # on a generator: around each of its pieces
+def text_attention_steps(lm: TextModel, text: str, max_tokens: int = MAX_TOKENS
+                         ) -> Generator[None, None, TextAttention]:
+    """:func:`text_attention` in pieces, one block per ``next`` (for the server's compute loop:
+    its token streams move between them); the same weights."""
+    from qkv.lens.hooks import forward_steps
+
     ids, notes = encode_text(lm, text, max_tokens)
     check_attention_size(lm, len(ids))
     device = next(lm.model.parameters()).device
     x = torch.tensor([ids], dtype=torch.long, device=device)
-    out = lm.model(x, backend="reference", return_weights=True)
-    weights = torch.stack([w[0] for w in out.weights]).float().cpu()  # (L, H, T, T)
+    _, ws = yield from forward_steps(lm.model, x, weights=True)
+    assert ws is not None
+    weights = torch.stack([w[0] for w in ws]).float().cpu()  # (L, H, T, T)
     return TextAttention(token_labels(lm, ids), ids, weights, notes, lm.kind == "decoder")
 
 

@@ -16,7 +16,9 @@ import contextlib
 import hashlib
 import re
 import sys
+import threading
 import time
+import traceback
 import weakref
 from collections.abc import Callable, Generator, Iterator
 from dataclasses import dataclass
@@ -25,6 +27,7 @@ from typing import TYPE_CHECKING, Annotated, Any
 
 import numpy as np
 from fastapi import File, Form, HTTPException, UploadFile
+from fastapi import Request as HTTPRequest
 from fastapi.responses import StreamingResponse
 from pydantic import BaseModel
 
@@ -35,11 +38,12 @@ from qkv.pipelines import CausalLM, ImageCaptioner, ImageClassifier, Translator,
 from qkv.pipelines import attention as text
 from qkv.serve.batching import ModelBatch, RowStream
 from qkv.serve.lens_api import LensEndpoints
-from qkv.serve.loop import BusyError, ComputeLoop
+from qkv.serve.loop import BusyError, ComputeLoop, Job
 from qkv.serve.registry import RUN_PREFIX, AttentionCache, Entry, InvalidNameError, Lease, Registry
 from qkv.serve.schemas import (
     AttentionRequest,
     AttentionResponse,
+    ComputeEvent,
     GenerateEvent,
     GenerateRequest,
     ImageAttentionResponse,
@@ -158,21 +162,67 @@ class _Generation:
 
 
 class _ReleasingResponse(StreamingResponse):
-    """A stream that frees its row of the batch as soon as the response is over, however it
-    ends: done, the client gone (the next send fails, or the disconnect is seen), cancelled."""
+    """A stream that lets go of what it holds (a generation's row of the batch, a place in the
+    compute loop's queue: ``on_end``) as soon as the response is over, however it ends: done,
+    the client gone (the next send fails, or the disconnect is seen), cancelled."""
 
-    def __init__(self, events: Generator[str, None, None], row: RowStream) -> None:
+    def __init__(self, events: Generator[str, None, None], on_end: Callable[[], None]) -> None:
         super().__init__(events, media_type="application/x-ndjson")
-        self.row, self.events = row, events
-        weakref.finalize(self, row.cancel)
+        self.on_end, self.events = on_end, events
+        weakref.finalize(self, on_end)
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         try:
             await super().__call__(scope, receive, send)
         finally:
-            self.row.cancel()
-            with contextlib.suppress(ValueError):  # a worker thread is still in it (waiting for a token)
+            self.on_end()
+            with contextlib.suppress(ValueError):  # a worker thread is still in it (waiting)
                 self.events.close()
+
+
+POLL_S = 0.1  # how often a computation's stream looks at where it stands
+
+
+def _once(fn: Callable[[], None]) -> Callable[[], None]:
+    """``fn``, called at most once however many times this is."""
+    lock, done = threading.Lock(), [False]
+
+    def call() -> None:
+        with lock:
+            if done[0]:
+                return
+            done[0] = True
+        fn()
+
+    return call
+
+
+def _where(loop: ComputeLoop, job: Job) -> ComputeEvent | None:
+    """Where ``job`` stands: queued (its place) or running (a sweep's progress); None: done."""
+    at = loop.position(job)
+    if at is None:
+        return None
+    if at:
+        return ComputeEvent(event="queued", position=at)
+    done, total = job.progress or (None, None)
+    return ComputeEvent(event="running", done=done, total=total)
+
+
+def _line(event: ComputeEvent) -> str:
+    return event.model_dump_json(exclude_none=True) + "\n"
+
+
+def _error_event(e: BaseException, scrub: Callable[[str], str]) -> ComputeEvent:
+    """What the plain request would have been answered for ``e``, as a stream's last line."""
+    if isinstance(e, HTTPException):
+        return ComputeEvent(event="error", status=e.status_code, detail=str(e.detail))
+    code = status_of(e) if isinstance(e, Exception) else None
+    if code is None:  # a bug: the traceback to the server's log, one line to the client
+        traceback.print_exception(e, file=sys.stderr)
+        return ComputeEvent(event="error", status=500, detail=f"internal error ({type(e).__name__}); "
+                            "the server's log has the details")
+    return ComputeEvent(event="error", status=code, detail=one_line(e, scrub),
+                        retry_after=e.retry_after if isinstance(e, BusyError) else None)
 
 
 class Explorer(LensEndpoints):
@@ -192,14 +242,14 @@ class Explorer(LensEndpoints):
     def _errors(self) -> contextlib.AbstractContextManager[None]:
         return http_errors(self.scrub)
 
-    def _compute(self, model_id: str, fn: Callable[[Lease], Any], label: str = "request",
-                 request: BaseModel | None = None, sweep: bool = False, pieces: bool = False) -> Any:
-        """``fn(lease)`` in the compute loop, with ``model_id`` loaded and held while it runs: a
-        bad name is answered (400/404) before it queues, a full queue with 503. With ``request``
-        (a deterministic computation's whole request), identical requests share one answer
-        (:mod:`qkv.serve.sharing`: keyed by the model file's version, ``label`` and the request);
-        ``sweep``: queued behind every interactive request (:class:`ComputeLoop`); ``pieces``:
-        ``fn`` is a generator run one piece per turn of the loop (``call_in_pieces``)."""
+    def _submit(self, model_id: str, fn: Callable[[Lease], Any], label: str = "request",
+                request: BaseModel | None = None, sweep: bool = False, pieces: bool = False) -> Job:
+        """``fn(lease)`` queued in the compute loop, with ``model_id`` loaded and held while it
+        runs: a bad name is answered (400/404) before it queues, a full queue with 503. With
+        ``request`` (a deterministic computation's whole request), identical requests share one
+        job (:mod:`qkv.serve.sharing`: keyed by the model file's version, ``label`` and the
+        request); ``sweep``: queued behind every interactive request (:class:`ComputeLoop`);
+        ``pieces``: ``fn`` is a generator the loop runs a slice at a time."""
         with self._errors():
             ref = self.registry.resolve(model_id)
 
@@ -217,14 +267,56 @@ class Explorer(LensEndpoints):
                 finally:
                     lease.release()
 
-            def queued() -> Any:
-                if pieces:
-                    return self.loop.call_in_pieces(run_in_pieces, label=label, sweep=sweep)
-                return self.loop.call(run, label=label, sweep=sweep)
+            def submit() -> Job:
+                return self.loop.submit(run_in_pieces if pieces else run, label=label, sweep=sweep,
+                                        pieces=pieces)
 
             if request is None:
-                return queued()
-            return self.shared.get((ref.key, label, request.model_dump_json()), queued)
+                return submit()
+            return self.shared.job((ref.key, label, request.model_dump_json()), submit)
+
+    def _compute(self, model_id: str, fn: Callable[[Lease], Any], label: str = "request",
+                 request: BaseModel | None = None, sweep: bool = False, pieces: bool = False,
+                 http: HTTPRequest | None = None) -> Any:
+        """:meth:`_submit`'s answer, waited for here; or, when ``http`` asks for
+        ``application/x-ndjson``, a stream of where it stands and then the answer
+        (:class:`~qkv.serve.schemas.ComputeEvent`)."""
+        job = self._submit(model_id, fn, label, request, sweep, pieces)
+        if http is not None and "application/x-ndjson" in http.headers.get("accept", ""):
+            return self._stream(job)
+        with self._errors():
+            return job.future.result()
+
+    def _stream(self, job: Job) -> StreamingResponse:
+        """The stream of ``job``: ``queued`` with its place whenever that changes, ``running``
+        (with a sweep's progress), then ``result`` or ``error``; the client closing it leaves the job
+        (stopped when no one else waits for it)."""
+        loop, scrub = self.loop, self.scrub
+        left = _once(lambda: loop.leave(job))
+
+        def events() -> Generator[str, None, None]:
+            last: ComputeEvent | None = None
+            try:
+                while True:
+                    try:
+                        value = job.future.result(timeout=POLL_S)
+                    except TimeoutError:
+                        now = _where(loop, job)
+                        if now is not None and now != last:
+                            yield _line(now)
+                            last = now
+                        else:
+                            yield ""  # nothing is sent; the server sees a client that went away
+                        continue
+                    except Exception as e:
+                        yield _line(_error_event(e, scrub))
+                        return
+                    yield _line(ComputeEvent(event="result", result=value.model_dump(mode="json")))
+                    return
+            finally:
+                left()
+
+        return _ReleasingResponse(events(), left)
 
     @contextlib.contextmanager
     def _model(self, model_id: str) -> Iterator[Lease]:
@@ -265,10 +357,12 @@ class Explorer(LensEndpoints):
             att = self.cache.get(key) if lm is not None and lm.kind in ("encoder", "decoder") else None
         if lm is None or att is None:
             return self._compute(req.model, lambda lease: self._attention(lease, req, text_id, t0),
-                                 "attention")
+                                 "attention", pieces=True)
         return self._attention_response(lm, att, req, t0)
 
-    def _attention(self, lease: Lease, req: AttentionRequest, text_id: str, t0: float) -> AttentionResponse:
+    def _attention(self, lease: Lease, req: AttentionRequest, text_id: str, t0: float
+                   ) -> Generator[None, None, AttentionResponse]:
+        """In pieces: a block of the forward pass per ``next`` (a translation runs whole)."""
         lm = lease.src
         if isinstance(lm, Translator):
             ali = lm.alignment(req.text)
@@ -284,7 +378,7 @@ class Explorer(LensEndpoints):
         key = (lease.ref.key, text_id, self.cfg.max_tokens)
         att = self.cache.get(key)
         if att is None:
-            att = text.text_attention(lm, req.text, self.cfg.max_tokens)
+            att = yield from text.text_attention_steps(lm, req.text, self.cfg.max_tokens)
             self.cache.put(key, att)
         return self._attention_response(lm, att, req, t0)
 
@@ -336,7 +430,7 @@ class Explorer(LensEndpoints):
             yield _event(event="done", text=decode_after(gen.decode, gen.ids, new),
                          seconds=time.perf_counter() - t0)
 
-        return _ReleasingResponse(events(), gen.row)
+        return _ReleasingResponse(events(), gen.row.cancel)
 
     def _start_generation(self, req: GenerateRequest) -> _Generation:
         """In the compute loop: the model held, the prompt encoded, a row of the model's running

@@ -11,13 +11,17 @@ from collections.abc import Callable, Generator
 from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
 import torch
 import torch.nn.functional as F
+from fastapi import Request as HTTPRequest
 
 from qkv import lens
 from qkv.attention.rollout import attention_rollout
 from qkv.errors import InputError
-from qkv.lens.causal import patch_steps
+from qkv.lens.cache import run_with_cache_steps
+from qkv.lens.causal import ablate_steps, patch_steps
+from qkv.lens.heads import query_key_steps
 from qkv.pipelines import CausalLM, SentenceEncoder
 from qkv.pipelines import attention as text
 from qkv.serve.schemas import (
@@ -44,14 +48,19 @@ LENS_POSITIONS = 16  # the logit lens of the last 16 positions (a table wider is
 ROLLOUT_ROWS = 32  # the rollout's rows for the last 32 query positions, every key
 
 
+def _round(t: torch.Tensor, digits: int) -> Any:
+    """A tensor as nested lists of floats rounded to ``digits`` decimals (as ``round`` would, in
+    float64), without a Python call per number."""
+    return np.round(t.double().numpy(), digits).tolist()
+
+
 def _thumbs(patterns: list[torch.Tensor]) -> list[list[list[float]]]:
     """L tensors (H, T, T) -> L·H lists of at most THUMB x THUMB (average-pooled), layer-major."""
-    out = []
-    for p in patterns:
-        T = p.shape[-1]
-        small = F.adaptive_avg_pool2d(p[None], min(T, THUMB))[0] if T > THUMB else p
-        out += [[[round(float(v), 4) for v in row] for row in h] for h in small]
-    return out
+    p = torch.stack(patterns)  # (L, H, T, T)
+    L, H, T, _ = p.shape
+    if T > THUMB:
+        p = F.adaptive_avg_pool2d(p.reshape(L * H, T, T), THUMB)
+    return _round(p.reshape(L * H, *p.shape[-2:]), 4)
 
 
 def _scores(lm: CausalLM | SentenceEncoder, cache: dict, key: object) -> lens.HeadScores:
@@ -65,18 +74,19 @@ def _scores(lm: CausalLM | SentenceEncoder, cache: dict, key: object) -> lens.He
 
 
 def lens_response(lm: CausalLM | SentenceEncoder, req: LensRequest, max_tokens: int,
-                  score_cache: dict, key: object) -> LensResponse:
-    """Everything the page's lens views need for one text (see :class:`LensResponse`)."""
+                  score_cache: dict, key: object) -> Generator[None, None, LensResponse]:
+    """Everything the page's lens views need for one text (see :class:`LensResponse`), in
+    pieces: a block of a forward pass or a chunk of the logit lens per ``next``."""
     t0 = time.perf_counter()
     ids, notes = text.encode_text(lm, req.text, max_tokens, keep="last" if lm.kind == "decoder" else "first")
     heads = lens.causal.check_heads(lm, req.ablate)
-    cache = lens.run_with_cache(lm, ids)
+    cache = yield from run_with_cache_steps(lm, ids)
     scores = _scores(lm, score_cache, key)
     base = cache.out
-    out = lens.ablate(lm, ids, heads, req.mode) if heads else base
+    out = (yield from ablate_steps(lm, ids, heads, req.mode)) if heads else base
     roll = attention_rollout([p[None] for p in cache.pattern])[0]  # (T, T), the same forward pass
     rows = list(range(max(0, len(ids) - ROLLOUT_ROWS), len(ids)))
-    rollout = RolloutCells(positions=rows, values=[[round(float(v), 5) for v in roll[t]] for t in rows])
+    rollout = RolloutCells(positions=rows, values=_round(roll[rows], 5))
     resp = dict(model=req.model, kind=lm.kind, tokens=cache.tokens, n_layers=lm.n_layers, n_heads=lm.n_heads,
                 ablated=heads, scores={t: s.tolist() for t, s in scores.by_type().items()},
                 labels=scores.labels, thumbs=_thumbs(cache.pattern) if req.thumbs else None, notes=notes,
@@ -85,26 +95,27 @@ def lens_response(lm: CausalLM | SentenceEncoder, req: LensRequest, max_tokens: 
     if lm.kind == "decoder":
         last = out[-1]
         dec = lm.tokenizer.decode
-        resp["logits"] = [round(float(v), 5) for v in last]
-        resp["base_logits"] = [round(float(v), 5) for v in base[-1]] if heads else None
+        resp["logits"] = _round(last, 5)
+        resp["base_logits"] = _round(base[-1], 5) if heads else None
         resp["candidates"] = [TokenCandidate(id=int(i), token=dec([int(i)]))
                               for i in last.topk(min(CANDIDATES, last.numel())).indices]
         ll = lens.logit_lens(lm, cache)  # the same forward pass
         positions = list(range(max(0, len(ids) - LENS_POSITIONS), len(ids)))
-        probs, top = ll.top(1, positions)
+        probs, top = yield from ll.top_steps(1, positions)
         resp["lens"] = LogitLensCells(rows=ll.rows, positions=positions,
-                                      top=[[dec([int(i)]) for i in row] for row in top[..., 0]],
-                                      prob=[[round(float(p), 4) for p in row] for row in probs[..., 0]])
+                                      top=[[dec([i]) for i in row] for row in top[..., 0].tolist()],
+                                      prob=_round(probs[..., 0], 4))
     elif heads:
         resp["embedding_change"] = 1 - float(F.cosine_similarity(out.mean(0), base.mean(0), dim=0))
     return LensResponse(**resp, threshold=lens.NAMED_AT, seconds=time.perf_counter() - t0)
 
 
-def qk_response(lm: CausalLM | SentenceEncoder, req: QKRequest, max_tokens: int) -> QKResponse:
-    """One head's attention row term by term (:func:`qkv.lens.query_key`)."""
+def qk_response(lm: CausalLM | SentenceEncoder, req: QKRequest, max_tokens: int
+                ) -> Generator[None, None, QKResponse]:
+    """One head's attention row term by term (:func:`qkv.lens.query_key`), in pieces."""
     t0 = time.perf_counter()
     ids, _ = text.encode_text(lm, req.text, max_tokens, keep="last" if lm.kind == "decoder" else "first")
-    qk = lens.query_key(lm, ids, req.layer, req.head, req.query)
+    qk = yield from query_key_steps(lm, ids, req.layer, req.head, req.query)
     return QKResponse(model=req.model, layer=qk.layer, head=qk.head, query=qk.query,
                       query_token=qk.query_token, keys=qk.tokens, dots=qk.dots.tolist(),
                       scaled=qk.scaled.tolist(), weights=qk.weights.tolist(), head_dim=qk.q.numel(),
@@ -146,15 +157,17 @@ class LensEndpoints:
     def _check_text(self, text: str) -> None: ...
 
     def _compute(self, model_id: str, fn: Callable[[Lease], Any], label: str = "request",
-                 request: Any = None, sweep: bool = False, pieces: bool = False) -> Any: ...
+                 request: Any = None, sweep: bool = False, pieces: bool = False,
+                 http: HTTPRequest | None = None) -> Any: ...
 
-    def lens(self, req: LensRequest) -> LensResponse:
+    def lens(self, req: LensRequest, http: HTTPRequest) -> LensResponse:
         """What a text model does with ``text``: next-token logits (with ``ablate``'s heads
-        knocked out), the logit lens, every head's thumbnail and scores (:mod:`qkv.lens`)."""
+        knocked out), the logit lens, every head's thumbnail and scores (:mod:`qkv.lens`).
+        ``Accept: application/x-ndjson``: where it stands, then the answer (ComputeEvent lines)."""
         self._check_text(req.text)
         return self._compute(req.model, lambda lease: lens_response(
             self._text_model(lease, req.model), req, self.cfg.max_tokens, self.head_scores, lease.ref.key),
-            "lens", request=req)
+            "lens", request=req, pieces=True, http=http)
 
     def history(self, req: HistoryRequest) -> HistoryResponse:
         """A GPT run's head scores at each evaluation (its history.jsonl): the page's step slider."""
@@ -174,13 +187,14 @@ class LensEndpoints:
                                loss_first=h.loss_first, loss_second=h.loss_second, formed=h.formed(),
                                copying=h.copying_from())
 
-    def qk(self, req: QKRequest) -> QKResponse:
+    def qk(self, req: QKRequest, http: HTTPRequest) -> QKResponse:
         """One head's attention row for one query token, term by term (q·k, / √d, softmax)."""
         self._check_text(req.text)
         return self._compute(req.model, lambda lease: qk_response(
-            self._text_model(lease, req.model), req, self.cfg.max_tokens), "q·k", request=req)
+            self._text_model(lease, req.model), req, self.cfg.max_tokens), "q·k", request=req, pieces=True,
+            http=http)
 
-    def patch(self, req: PatchRequest) -> PatchResponse:
+    def patch(self, req: PatchRequest, http: HTTPRequest) -> PatchResponse:
         """Activation patching from ``clean`` into ``corrupt`` (decoders). Its hooks sit on the
         shared model only while it runs in the compute loop, where nothing else runs."""
         self._check_text(req.clean)
@@ -193,7 +207,7 @@ class LensEndpoints:
                                  "which it does not predict")
             return (yield from patch_response(lm, req))
 
-        return self._compute(req.model, run, "patch", request=req, sweep=True, pieces=True)
+        return self._compute(req.model, run, "patch", request=req, sweep=True, pieces=True, http=http)
 
     @staticmethod
     def _text_model(lease: Lease, name: str) -> CausalLM | SentenceEncoder:

@@ -47,6 +47,15 @@ T = TypeVar("T")
 CLIENT: contextvars.ContextVar[str] = contextvars.ContextVar("qkv_client", default="")
 
 
+SLICE_S = 0.05  # the longest the loop runs a computation in pieces before its batches step again
+
+
+def ordinal(n: int) -> str:
+    """1st, 2nd, 3rd, 4th, ... 11th, 12th, 13th, ... 21st."""
+    suffix = "th" if 10 <= n % 100 <= 20 else {1: "st", 2: "nd", 3: "rd"}.get(n % 10, "th")
+    return f"{n}{suffix}"
+
+
 class BusyError(Exception):
     """Too many requests right now; retry after ``retry_after`` seconds (a 503)."""
 
@@ -71,8 +80,14 @@ class Stepper(Protocol):
         ...
 
 
-class _Job:
-    """One queued computation and where its answer goes."""
+class CancelledError(Exception):
+    """Every client waiting for a computation went away before it finished (it was stopped)."""
+
+
+class Job:
+    """One queued computation and where its answer goes: ``future`` (its answer or exception),
+    ``progress`` (the last (done, total) a computation in pieces reported, else None) and
+    ``waiters`` (the requests waiting for it: one, or more when identical requests share it)."""
 
     def __init__(self, fn: Callable[[], Any], label: str, client: str, sweep: bool,
                  pieces: bool = False) -> None:
@@ -80,6 +95,16 @@ class _Job:
         self.queued = time.monotonic()
         self.future: Future[Any] = Future()
         self.steps: Iterator[Any] | None = None  # a computation in pieces, once started
+        self.progress: tuple[int, int] | None = None
+        self.waiters = 1
+        self.cancelled = False
+
+    @classmethod
+    def answered(cls, value: Any, label: str = "request") -> Job:
+        """A job already done (an answer from a cache)."""
+        job = cls(lambda: value, label, "", False)
+        job.future.set_result(value)
+        return job
 
 
 _LOOPS: weakref.WeakSet[ComputeLoop] = weakref.WeakSet()
@@ -110,7 +135,11 @@ class ComputeLoop:
         self._thread: threading.Thread | None = None
         self._closing = False
         self._seconds = 0.5  # a running mean of a computation's time, for Retry-After
+        self._current: Job | None = None  # an interactive computation in pieces, to go on first
+        self._running: Job | None = None
         self.jobs_run = 0  # computations run (tests, benchmarks)
+        self.cancelled = 0  # computations stopped because their clients went away
+        self.longest_slice = 0.0  # the longest the loop ran one computation between two turns (s)
         self.turns = 0  # turns of the loop that stepped a batch
         _LOOPS.add(self)
 
@@ -135,37 +164,74 @@ class ComputeLoop:
         another), it runs at once. Queued under the client of :data:`CLIENT`; ``sweep``: behind
         every interactive computation. BusyError when the queue is full, or when it waited
         ``max_wait_s`` without starting."""
-        return self._call(fn, args, label, sweep, pieces=False)
+        if self.in_loop():
+            return fn(*args)
+        return self.submit(fn, *args, label=label, sweep=sweep).future.result()
 
     def call_in_pieces(self, fn: Callable[..., Iterator[Any]], *args: Any, label: str = "request",
                        sweep: bool = True) -> Any:
         """Like :meth:`call`, for long work: ``fn(*args)`` is a generator whose every ``next``
-        is one piece (a forward pass), and its return value the answer. The loop runs one piece
-        per turn and queues the rest behind the others' requests (as a sweep: interactive ones
-        go first), so a patching sweep no longer holds every stream and lens view for its whole
-        time. Between two pieces nothing of it may stay on a shared model (no hook)."""
-        return self._call(fn, args, label, sweep, pieces=True)
-
-    def _call(self, fn: Callable[..., Any], args: tuple, label: str, sweep: bool, pieces: bool) -> Any:
+        is one piece (a block of a forward pass, a forward pass of a sweep), and its return value
+        the answer (see :meth:`submit`)."""
         if self.in_loop():
-            if not pieces:
-                return fn(*args)
             steps = fn(*args)
             while True:
                 try:
                     next(steps)
                 except StopIteration as done:
                     return done.value
-        job = _Job(lambda: fn(*args), label, CLIENT.get(), sweep, pieces)
+        return self.submit(fn, *args, label=label, sweep=sweep, pieces=True).future.result()
+
+    def submit(self, fn: Callable[..., Any], *args: Any, label: str = "request", sweep: bool = False,
+               pieces: bool = False) -> Job:
+        """Queue ``fn(*args)`` and return at once: its :class:`Job` (wait on ``job.future``; ask
+        :meth:`position`; :meth:`leave` it). ``pieces``: ``fn(*args)`` is a generator run a
+        slice at a time: the loop runs its pieces for at most :data:`SLICE_S` seconds, then steps
+        every running batch (tokens first); an interactive computation then goes on before any
+        other, a sweep goes behind the others' requests (interactive ones first). Between two
+        pieces nothing of it may stay on a shared model (no hook). BusyError (a 503 that says
+        the queue's length) when ``max_queued`` computations wait already."""
+        job = Job(lambda: fn(*args), label, CLIENT.get(), sweep, pieces)
         with self._cond:
             if self._closing:
                 raise BusyError("the server is stopping", 5)
             if len(self._jobs) >= self.max_queued:
-                raise self._busy(f"{len(self._jobs)} requests are waiting")
+                n = len(self._jobs)
+                raise self._busy(f"{n} requests are waiting; yours would be the {ordinal(n + 1)}")
             self._jobs.append(job)
             self._start()
             self._cond.notify_all()
-        return job.future.result()
+        return job
+
+    def position(self, job: Job) -> int | None:
+        """Where ``job`` stands: 0 running (started, or one piece done), n >= 1 the n-th to start
+        if nothing else arrives (the fair queue's order), None done."""
+        if job.future.done():
+            return None
+        with self._cond:
+            if job.steps is not None or job is self._running:
+                return 0
+            order = self._jobs.order()
+        try:
+            return order.index(job) + 1
+        except ValueError:
+            return 0  # taken off the queue: starting now
+
+    def leave(self, job: Job) -> None:
+        """A request waiting for ``job`` went away (its stream was closed); when none waits any
+        more and it has not finished, it is stopped: taken off the queue, or (in pieces) closed
+        before its next piece, and answered :class:`CancelledError`."""
+        with self._cond:
+            job.waiters -= 1
+            if job.waiters > 0 or job.future.done():
+                return
+            job.cancelled = True
+            # one started (pieces) is stopped by the loop, which closes it in its own thread
+            removed = job.steps is None and self._jobs.remove(job)
+            if removed:
+                self.cancelled += 1
+        if removed:  # outside the lock: the future's callbacks (qkv.serve.sharing) take their own
+            job.future.set_exception(CancelledError(f"the {job.label} was cancelled: its client went away"))
 
     def add_batch(self, key: Hashable, make: Callable[[], Stepper]) -> Stepper:
         """The running batch under ``key`` (a loaded model), made by ``make`` the first time."""
@@ -194,15 +260,14 @@ class ComputeLoop:
         with self._cond:
             self._closing = True
             jobs, self._jobs = self._jobs.drain(), _FairQueue()
+            if self._current is not None:
+                jobs.append(self._current)
+                self._current = None
             batches = list(self._batches.values())
             self._cond.notify_all()
             thread = self._thread
-        for job in jobs:
-            if job.steps is not None:
-                close = getattr(job.steps, "close", None)
-                if close is not None:
-                    close()  # its finally blocks run: a model it holds is released
-            job.future.set_exception(BusyError("the server is stopping", 5))
+        for job in jobs:  # their finally blocks run: a model one holds is released
+            self._stop(job, BusyError("the server is stopping", 5))
         for b in batches:
             b.close()
         if thread is not None and thread is not threading.current_thread():
@@ -220,29 +285,40 @@ class ComputeLoop:
 
     # ------------------------------------------------------------------ the loop's thread
 
-    def _next(self) -> tuple[_Job | None, list[Stepper]] | None:
+    def _next(self) -> tuple[Job | None, list[Stepper]] | None:
         """Wait for work: (a computation or None, the batches with rows); None: closing."""
         with self._cond:
             while True:
                 if self._closing:
                     return None
                 active = [b for b in self._batches.values() if b.busy()]
+                if self._current is not None:
+                    job, self._current = self._current, None
+                    self._running = job
+                    return job, active
                 if self._jobs or active:
-                    return (self._jobs.pop() if self._jobs else None), active
+                    job = self._jobs.pop() if self._jobs else None
+                    self._running = job
+                    return job, active
                 self._cond.wait()
 
     def _run(self) -> None:
         while (got := self._next()) is not None:
             job, active = got
-            for b in active:  # one step of every running batch (each catches its own errors)
+            for b in active:  # one step of every running batch first (each catches its own errors)
                 b.tick()
             if active:
                 self.turns += 1
             if job is not None:
                 self._do(job)
+                self._running = None
 
-    def _do(self, job: _Job) -> None:
+    def _do(self, job: Job) -> None:
         waited = time.monotonic() - job.queued
+        if job.cancelled:
+            self._stop(job, CancelledError(f"the {job.label} was cancelled: its client went away"))
+            self.cancelled += 1
+            return
         if job.steps is None and waited > self.max_wait_s:  # too late to be useful: busy, not run
             after = max(1, min(60, math.ceil(self._seconds)))
             job.future.set_exception(BusyError(f"the server is busy (the {job.label} waited "
@@ -252,24 +328,46 @@ class ComputeLoop:
         try:
             if not job.pieces:
                 job.future.set_result(job.fn())
-            else:
-                if job.steps is None:
-                    job.steps = job.fn()
-                next(job.steps)  # one piece; then behind the others again
-                with self._cond:
-                    if not self._closing:
-                        self._jobs.append(job)
-                        self._cond.notify_all()
-                        return
-                job.steps.close()  # type: ignore[attr-defined]
-                job.future.set_exception(BusyError("the server is stopping", 5))
+                self.jobs_run += 1
+                return
+            if job.steps is None:
+                job.steps = job.fn()
+            while True:  # pieces for at most one slice, then the running batches step again
+                got = next(job.steps)
+                if got is not None:
+                    job.progress = got
+                if time.monotonic() - t0 >= SLICE_S:
+                    break
+            with self._cond:
+                if not self._closing:
+                    if job.sweep:
+                        self._jobs.append(job)  # behind the others' requests
+                    else:
+                        self._current = job  # on first, after the batches' next step
+                    self._cond.notify_all()
+                    return
+            self._stop(job, BusyError("the server is stopping", 5))
         except StopIteration as done:
             job.future.set_result(done.value)
+            self.jobs_run += 1
         except BaseException as e:  # the request hears of it, the loop goes on
             job.future.set_exception(e)
+            self.jobs_run += 1
         finally:
-            self._seconds = 0.8 * self._seconds + 0.2 * (time.monotonic() - t0)
-        self.jobs_run += 1
+            took = time.monotonic() - t0
+            self.longest_slice = max(self.longest_slice, took)
+            self._seconds = 0.8 * self._seconds + 0.2 * took
+
+    @staticmethod
+    def _stop(job: Job, why: Exception) -> None:
+        """End ``job`` unfinished: its pieces closed (their finally blocks release what they
+        hold), its waiters told ``why``."""
+        if job.steps is not None:
+            close = getattr(job.steps, "close", None)
+            if close is not None:
+                close()
+        if not job.future.done():
+            job.future.set_exception(why)
 
 
 class _FairQueue:
@@ -281,7 +379,7 @@ class _FairQueue:
 
     def __init__(self) -> None:
         self._in_a_row = 0
-        self._queues: dict[tuple[int, str], collections.deque[_Job]] = {}
+        self._queues: dict[tuple[int, str], collections.deque[Job]] = {}
         self._turns: tuple[collections.deque[str], collections.deque[str]] = (collections.deque(),
                                                                               collections.deque())
         self._n = 0
@@ -289,7 +387,7 @@ class _FairQueue:
     def __len__(self) -> int:
         return self._n
 
-    def append(self, job: _Job) -> None:
+    def append(self, job: Job) -> None:
         key = (int(job.sweep), job.client)
         q = self._queues.get(key)
         if q is None:
@@ -298,7 +396,7 @@ class _FairQueue:
         q.append(job)
         self._n += 1
 
-    def pop(self) -> _Job:
+    def pop(self) -> Job:
         """The next computation: the first of the next client's queue in the first class that
         has one; that client goes to the back of its class's turn."""
         order = (1, 0) if self._in_a_row >= self.BURST and self._turns[1] else (0, 1)
@@ -317,7 +415,29 @@ class _FairQueue:
                 return job
         raise IndexError("no computation is waiting")
 
-    def drain(self) -> list[_Job]:
+    def remove(self, job: Job) -> bool:
+        """Take ``job`` off the queue (its client went away); False when it is not queued."""
+        key = (int(job.sweep), job.client)
+        q = self._queues.get(key)
+        if q is None or job not in q:
+            return False
+        q.remove(job)
+        self._n -= 1
+        if not q:
+            del self._queues[key]
+            self._turns[key[0]].remove(job.client)
+        return True
+
+    def order(self) -> list[Job]:
+        """The waiting computations in the order :meth:`pop` would give them, if nothing else
+        arrived (what a waiting client is told of its place)."""
+        copy = _FairQueue()
+        copy._in_a_row, copy._n = self._in_a_row, self._n
+        copy._queues = {k: collections.deque(q) for k, q in self._queues.items()}
+        copy._turns = (collections.deque(self._turns[0]), collections.deque(self._turns[1]))
+        return [copy.pop() for _ in range(len(copy))]
+
+    def drain(self) -> list[Job]:
         jobs = [j for q in self._queues.values() for j in q]
         self._queues.clear()
         for turn in self._turns:

@@ -77,6 +77,28 @@ class GenerateRequest(BaseModel):
         return value
 
 
+class ComputeEvent(BaseModel):
+    """One line of the application/x-ndjson stream a lens, knock-out, q·k, patching or attention
+    request gets when it sends ``Accept: application/x-ndjson`` (the page does): where it stands
+    while it waits, then its answer. Closing the stream stops the computation (unless another
+    client waits for the same one).
+
+    ``queued``: ``position`` is its place in the server's fair queue (1: next); ``running``:
+    started (a patching sweep adds ``done`` of ``total`` forward passes); ``result``: ``result``
+    is the response the plain request gets; ``error``: ``status`` is the HTTP status the plain
+    request gets, ``detail`` its message, ``retry_after`` (a 503) its Retry-After.
+    """
+
+    event: Literal["queued", "running", "result", "error"]
+    position: int | None = None
+    done: int | None = None
+    total: int | None = None
+    result: dict[str, Any] | None = None
+    status: int | None = None
+    detail: str | None = None
+    retry_after: int | None = None
+
+
 class GenerateEvent(BaseModel):
     """One line of the application/x-ndjson stream of POST /api/generate.
 

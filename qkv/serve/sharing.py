@@ -14,10 +14,9 @@ from __future__ import annotations
 import collections
 import threading
 from collections.abc import Callable, Hashable
-from concurrent.futures import Future
-from typing import Any, TypeVar
+from typing import Any
 
-T = TypeVar("T")
+from qkv.serve.loop import Job
 
 
 class Shared:
@@ -34,43 +33,45 @@ class Shared:
         self.max_entries = max_entries
         self._lock = threading.Lock()
         self._done: collections.OrderedDict[Hashable, Any] = collections.OrderedDict()
-        self._running: dict[Hashable, Future[Any]] = {}
+        self._running: dict[Hashable, Job] = {}
         self.computed = 0  # answers computed
         self.joined = 0  # requests that waited for an identical one in flight
         self.hits = 0  # requests answered from the cache
 
-    def get(self, key: Hashable, compute: Callable[[], T]) -> T:
-        """``compute()``'s answer for ``key``: from the cache, from an identical computation in
-        flight (its exception too), or computed here (in the caller's thread)."""
+    def job(self, key: Hashable, submit: Callable[[], Job]) -> Job:
+        """The computation that answers ``key``: an answered :class:`Job` from the cache, the
+        identical one in flight (one more waiter on it), or a new one from ``submit()`` (which
+        queues it; its BusyError goes to the caller)."""
         with self._lock:
             if key in self._done:
                 self._done.move_to_end(key)
                 self.hits += 1
-                return self._done[key]
+                return Job.answered(self._done[key])
             running = self._running.get(key)
-            if running is None:
-                mine: Future[Any] = Future()
-                self._running[key] = mine
-            else:
+            if running is not None and not running.cancelled:
+                running.waiters += 1
                 self.joined += 1
-        if running is not None:
-            return running.result()
-        try:
-            value = compute()
-        except BaseException as e:
-            with self._lock:
-                del self._running[key]
-            mine.set_exception(e)
-            raise
+                return running
+            job = submit()
+            self._running[key] = job
+        job.future.add_done_callback(lambda f: self._finished(key, job))
+        return job
+
+    def get(self, key: Hashable, submit: Callable[[], Job]) -> Any:
+        """:meth:`job`'s answer, waited for here (its exception raised)."""
+        return self.job(key, submit).future.result()
+
+    def _finished(self, key: Hashable, job: Job) -> None:
         with self._lock:
-            del self._running[key]
+            if self._running.get(key) is job:
+                del self._running[key]
+            if job.future.exception() is not None:
+                return
             self.computed += 1
             if self.max_entries:
-                self._done[key] = value
+                self._done[key] = job.future.result()
                 while len(self._done) > self.max_entries:
                     self._done.popitem(last=False)
-        mine.set_result(value)
-        return value
 
     def forget(self) -> None:
         """Drop every cached answer (those in flight still reach their waiters)."""

@@ -389,7 +389,7 @@ def test_no_response_names_a_filesystem_path(tiny_run, tmp_path, monkeypatch) ->
 
     from qkv.generation.batch import Batch
 
-    monkeypatch.setattr(sources, "text_attention", bug)
+    monkeypatch.setattr(sources, "text_attention_steps", bug)
     monkeypatch.setattr(Batch, "step", failing_step)  # the running batch fails after the first token
     got["bug"] = c.post("/api/attention", json={"model": "runs/gpt-ok", "text": "JULIET"})
     got["stream"] = c.post("/api/generate", json={"model": "runs/gpt-ok", "prompt": "ROMEO"})
@@ -422,14 +422,14 @@ def test_a_model_whose_attention_is_nan_gets_a_422(runs_dir, monkeypatch) -> Non
 
     from qkv.serve import create_app
 
-    real = sources.text_attention
+    real = sources.text_attention_steps
 
-    def nan(*args, **kwargs):
-        att = real(*args, **kwargs)
+    def nan(*args, **kwargs):  # the server computes attention in pieces
+        att = yield from real(*args, **kwargs)
         att.weights = torch.full_like(att.weights, float("nan"))
         return att
 
-    monkeypatch.setattr(sources, "text_attention", nan)
+    monkeypatch.setattr(sources, "text_attention_steps", nan)
     c = TestClient(create_app(runs_dir=runs_dir))
     r = c.post("/api/attention", json={"model": "runs/gpt-tiny", "text": "ROMEO"})
     assert detail(r, 422).startswith("the attention weights are not all finite (NaN or inf)")

@@ -314,3 +314,34 @@ def test_the_step_slider_shows_each_recorded_step(page, server) -> None:
         assert shown["step"] == h["steps"][i] and shown["scores"] == h["scores"]["induction"][i]
     page.select_option("#history-type", "previous")
     assert page.evaluate("window.qkvHistoryShown.type") == "previous"
+
+
+def test_a_queued_request_shows_its_place_then_its_answer(page, server, monkeypatch) -> None:
+    """The server's loop busy with another client's computation: the page says "queued: 1st"
+    instead of a spinner, then draws the answer (the stream's result) and hides the place."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from helpers import wait_until
+    from test_concurrency import Gate
+
+    from qkv.pipelines import attention as sources
+
+    gate = Gate(sources.text_attention_steps)
+    monkeypatch.setattr(sources, "text_attention_steps", gate)
+    text = "ROMEO: But soft, what light"
+    with ThreadPoolExecutor(1) as pool:
+        ahead = pool.submit(api, server, "/api/attention", {"model": "runs/gpt-tiny",
+                                                            "text": "JULIET: O ROMEO"})
+        wait_until(lambda: gate.calls == 1, "another client's computation at work")
+        page.select_option("#model", "runs/gpt-tiny")
+        page.fill("#text", text)
+        page.click("#lens-go")
+        page_wait(page, "document.querySelector('#wait').textContent === 'queued: 1st'")
+        gate.open.set()
+        page.wait_for_selector("body[data-state=ready], body[data-state=error]")
+        assert ahead.result()["query_tokens"]
+    assert page.is_hidden("#error"), page.text_content("#error")
+    assert page.is_hidden("#wait") and page.is_visible("#lens")
+    want = api(server, "/api/lens", {"model": "runs/gpt-tiny", "text": text})
+    bars = page.evaluate("window.qkvBars")
+    assert [b["id"] for b in bars[:-1]] == [c["id"] for c in want["candidates"][:10]]

@@ -83,8 +83,8 @@ def test_a_full_queue_answers_503_with_retry_after(runs_dir, monkeypatch) -> Non
     from qkv.pipelines import attention as sources
     from qkv.serve import create_app
 
-    gate = Gate(sources.text_attention)
-    monkeypatch.setattr(sources, "text_attention", gate)
+    gate = Gate(sources.text_attention_steps)  # the server computes attention in pieces
+    monkeypatch.setattr(sources, "text_attention_steps", gate)
     app = create_app(runs_dir=runs_dir, max_queued=1)
     loop, client = app.state.loop, TestClient(app)
 
@@ -97,7 +97,8 @@ def test_a_full_queue_answers_503_with_retry_after(runs_dir, monkeypatch) -> Non
         second = pool.submit(ask, "JULIET")
         wait_until(lambda: loop.waiting() == 1, "the second request waiting")
         message = busy_detail(ask("ROMEO: But"))
-        assert message.startswith("the server is busy (1 requests are waiting); try again in")
+        assert message.startswith("the server is busy (1 requests are waiting; yours would be the 2nd); try "
+                                  "again in")
         r = client.post("/api/generate", json={"model": "runs/gpt-tiny", "prompt": "R"})
         assert "the server is busy" in busy_detail(r)  # generation waits in the same queue
         assert client.get("/api/models").status_code == 200  # the rest of the API is not held up
@@ -106,13 +107,13 @@ def test_a_full_queue_answers_503_with_retry_after(runs_dir, monkeypatch) -> Non
         assert first.result().status_code == 200 and second.result().status_code == 200
     assert gate.calls == 2  # the refused ones never reached the model
     # a result already computed needs no turn of the loop: switching head while it is busy
-    monkeypatch.setattr(sources, "text_attention", Gate(sources.text_attention))  # closed again
+    monkeypatch.setattr(sources, "text_attention_steps", Gate(sources.text_attention_steps))  # closed again
     with ThreadPoolExecutor(max_workers=1) as pool:
         blocked = pool.submit(ask, "ROMEO: But soft")
-        wait_until(lambda: sources.text_attention.calls == 1, "a request at work")
+        wait_until(lambda: sources.text_attention_steps.calls == 1, "a request at work")
         r = client.post("/api/attention", json={"model": "runs/gpt-tiny", "text": "ROMEO", "head": 2})
         assert r.status_code == 200 and r.json()["head"] == 2
-        sources.text_attention.open.set()
+        sources.text_attention_steps.open.set()
         assert blocked.result().status_code == 200
 
 

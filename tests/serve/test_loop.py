@@ -70,7 +70,8 @@ def test_a_full_queue_and_a_call_that_waited_too_long_are_busy():
         wait_until(lambda: loop.jobs_run == 0 and loop.waiting() == 0 and loop.thread, "running")
         queued = [pool.submit(loop.call, ran.append, i) for i in range(2)]
         wait_until(lambda: loop.waiting() == 2, "two waiting")
-        with pytest.raises(BusyError, match=r"the server is busy \(2 requests are waiting\); try again in"):
+        with pytest.raises(BusyError, match=r"the server is busy \(2 requests are waiting; yours would be "
+                                            r"the 3rd\); try again in"):
             loop.call(ran.append, 9)
         time.sleep(0.4)  # the two waited past max_wait_s
         gate.set()

@@ -26,7 +26,7 @@ async function lookInside() {
   setBusy(true);
   const t0 = performance.now();
   try {
-    const data = await post("/api/lens", { model: m.id, text: $("text").value, ablate: lensState.ablated });
+    const data = await postStream("/api/lens", { model: m.id, text: $("text").value, ablate: lensState.ablated });
     const key = `${m.id}\n${data.tokens.join("\u0000")}`;
     if (key !== lensState.key) {  // q·k and patching answered another text: back to their empty states
       for (const view of ["qk", "patch"]) { $(view).innerHTML = ""; showView(view, false); }
@@ -380,6 +380,50 @@ async function post(path, body) {
     body: JSON.stringify(body) })).json();
 }
 
+// The same POST with Accept: application/x-ndjson (lens, q·k, patching): while the request waits
+// in the server's queue the page says its place ("queued: 3rd"), while a sweep runs how far it is,
+// then the answer, which is what the plain request returns. Leaving the page closes the stream,
+// and the server stops a computation no one waits for.
+async function postStream(path, body) {
+  const response = await api(path, { method: "POST", body: JSON.stringify(body),
+    headers: { "Content-Type": "application/json", "Accept": "application/x-ndjson" } });
+  const reader = response.body.getReader();
+  const decoder = new TextDecoder();
+  let buffer = "";
+  try {
+    for (;;) {
+      const { value, done } = await reader.read();
+      if (done) break;
+      buffer += decoder.decode(value, { stream: true });
+      let nl;
+      while ((nl = buffer.indexOf("\n")) >= 0) {
+        const line = buffer.slice(0, nl);
+        buffer = buffer.slice(nl + 1);
+        if (!line.trim()) continue;
+        const ev = JSON.parse(line);
+        if (ev.event === "result") return ev.result;
+        if (ev.event === "error") throw new Error(`Error ${ev.status}: ${ev.detail}`);
+        showWait(ev);
+      }
+    }
+  } finally {
+    showWait(null);
+  }
+  throw new Error("the server closed the answer before it was complete; try again");
+}
+
+function ordinal(n) {
+  const s = n % 100 >= 10 && n % 100 <= 20 ? "th" : ({ 1: "st", 2: "nd", 3: "rd" }[n % 10] || "th");
+  return `${n}${s}`;
+}
+
+function showWait(ev) {
+  const el = $("wait");
+  el.hidden = !ev;
+  el.textContent = !ev ? "" : ev.event === "queued" ? `queued: ${ordinal(ev.position)}`
+    : ev.total ? `computing: ${ev.done} of ${ev.total}` : "computing…";
+}
+
 async function runPanel(work) {
   clearError();
   if (state.busy) return;
@@ -397,7 +441,7 @@ async function runPanel(work) {
 function computeQK() {
   return runPanel(async () => {
     const m = currentModel();
-    const d = await post("/api/qk", { model: m.id, text: $("text").value, layer: Number($("qk-layer").value),
+    const d = await postStream("/api/qk", { model: m.id, text: $("text").value, layer: Number($("qk-layer").value),
       head: Number($("qk-head").value), query: Number($("qk-query").value) });
     window.qkvQK = d;
     const rowH = 18, lw = 110, dotX = lw + 80, scaledX = lw + 170, barX = lw + 190, barW = 160, top = 42;
@@ -436,7 +480,7 @@ function patchPrompts() {
   return runPanel(async () => {
     const m = currentModel();
     const opt = (id) => ($(id).value.trim() === "" ? null : $(id).value);
-    const d = await post("/api/patch", { model: m.id, clean: $("text").value, corrupt: $("patch-corrupt").value,
+    const d = await postStream("/api/patch", { model: m.id, clean: $("text").value, corrupt: $("patch-corrupt").value,
       site: $("patch-site").value, answer: opt("patch-answer"), wrong: opt("patch-wrong") });
     window.qkvPatch = d;
     const R = d.rows.length, C = d.columns.length, cw = d.site === "head" ? 26 : 40, ch = 16, lw = 60, top = 70;
