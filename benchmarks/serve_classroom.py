@@ -23,6 +23,7 @@ running batch equals its request alone to float rounding).
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import statistics
@@ -33,6 +34,7 @@ import time
 import urllib.error
 import urllib.request
 from collections import Counter
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -71,14 +73,26 @@ def own(body: dict, k: int) -> dict:
     return out
 
 
-def ask(url: str, path: str, body: dict, client: str = "") -> tuple[int, object, float]:
-    """(status, the answer without its timing, seconds); ``client``: the page's X-QKV-Client."""
+def ask(url: str, path: str, body: dict, client: str = "", times: list[float] | None = None
+        ) -> tuple[int, object, float]:
+    """(status, the answer without its timing, seconds); ``client``: the page's X-QKV-Client;
+    ``times``: for a generation, filled with the seconds from the request to each token event
+    (read as the stream delivers them: time to first token, the gaps between tokens)."""
     headers = {"Content-Type": "application/json", **({"X-QKV-Client": client} if client else {})}
     req = urllib.request.Request(url + path, data=json.dumps(body).encode(), headers=headers)
     t0 = time.perf_counter()
     try:
         with urllib.request.urlopen(req, timeout=300) as r:
-            status, raw = r.status, r.read().decode()
+            status = r.status
+            if path == "/api/generate":
+                lines = []
+                for line in iter(r.readline, b""):
+                    lines.append(line.decode())
+                    if times is not None and b'"event":"token"' in line:
+                        times.append(time.perf_counter() - t0)
+                raw = "".join(lines)
+            else:
+                raw = r.read().decode()
     except urllib.error.HTTPError as e:
         status, raw = e.code, e.read().decode(errors="replace")
     except OSError as e:  # a reset connection: reported as such, never hidden
@@ -130,11 +144,14 @@ def difference(got: object, want: object) -> str:
 
 
 def classroom(url: str, students: int, seconds: float, think: tuple[float, float] = (0.0, 0.0),
-              own_share: float = 0.0, checked: int = 3) -> dict:
+              own_share: float = 0.0, checked: int = 3, during: Callable[[], Callable[[], None]] | None = None
+              ) -> dict:
     """``students`` clients for ``seconds``, each waiting a uniform ``think`` seconds between
     requests; the first ``own_share`` of them ask about texts of their own (:func:`own`), the
     others the teacher's. Answers are compared with the same request alone: the teacher's asked
-    before the class, the own texts of the first ``checked`` such students asked after it."""
+    before the class, the own texts of the first ``checked`` such students asked after it.
+    ``during()`` is called as the class starts (busy programs, a replica to stop); what it returns,
+    as it ends."""
     import random
 
     alone = []
@@ -146,6 +163,8 @@ def classroom(url: str, students: int, seconds: float, think: tuple[float, float
         print(f"  alone: {kind:24s} {s:6.2f} s", flush=True)
     n_own = round(own_share * students)
     records: list[tuple[str, int, float, bool | None, int, int]] = []
+    first_token: list[float] = []  # seconds from a generation request to its first token
+    gaps: list[float] = []  # seconds between two tokens of one stream
     examples: list[str] = []  # how the first answers unequal to alone differ
     own_answers: dict[tuple[int, int], object] = {}
     lock = threading.Lock()
@@ -160,9 +179,13 @@ def classroom(url: str, students: int, seconds: float, think: tuple[float, float
             j = i % len(REQUESTS)
             kind, path, body = REQUESTS[j]
             mine = k < n_own
-            status, answer, s = ask(url, path, own(body, k) if mine else body, f"student-{k:04d}")
+            times: list[float] = []
+            status, answer, s = ask(url, path, own(body, k) if mine else body, f"student-{k:04d}", times)
             ok = None if mine else status == 200 and same(kind, answer, alone[j])
             with lock:
+                if times:
+                    first_token.append(times[0])
+                    gaps.extend(b - a for a, b in itertools.pairwise(times))
                 if ok is False and status == 200 and len(examples) < 5:
                     examples.append(f"{kind}: {difference(answer, alone[j])}")
                 records.append((kind, status, s, ok, k, j))
@@ -174,8 +197,13 @@ def classroom(url: str, students: int, seconds: float, think: tuple[float, float
                 time.sleep(rng.uniform(*think))
             i += 1
 
-    with ThreadPoolExecutor(students) as pool:
-        list(pool.map(student, range(students)))
+    end = during() if during is not None else None
+    try:
+        with ThreadPoolExecutor(students) as pool:
+            list(pool.map(student, range(students)))
+    finally:
+        if end is not None:
+            end()
     own_equal, unequal = 0, Counter(f"{r[0]} (the teacher's text)" for r in records
                                     if r[1] == 200 and r[3] is False)
     for (k, j), answer in own_answers.items():  # the own texts' answers, against the same alone
@@ -207,40 +235,142 @@ def classroom(url: str, students: int, seconds: float, think: tuple[float, float
             "served_all": len(served), "unequal_to_alone": dict(unequal),
             "unequal_examples": examples,
             "p95_s": round(lat[int(0.95 * (len(lat) - 1))], 3) if lat else None,
+            "first_token_s": _quantiles(first_token), "inter_token_s": _quantiles(gaps),
             "by_kind": by_kind}
 
 
-def run_server(path: Path, students: int, seconds: float, think: tuple[float, float] = (0.0, 0.0),
-               own_share: float = 0.0) -> dict:
-    port = free_port()
+def _quantiles(xs: list[float]) -> dict:
+    xs = sorted(xs)
+    if not xs:
+        return {"n": 0}
+    at = lambda q: round(xs[int(q * (len(xs) - 1))], 4)  # noqa: E731
+    return {"n": len(xs), "p50": at(0.5), "p95": at(0.95), "p99": at(0.99), "max": round(xs[-1], 4)}
+
+
+NGINX = """worker_processes 1;
+daemon off;
+pid {dir}/nginx.pid;
+error_log {dir}/error.log;
+events {{ worker_connections 4096; }}
+http {{
+    access_log off;
+    client_body_temp_path {dir}/body;
+    proxy_temp_path {dir}/proxy;
+    fastcgi_temp_path {dir}/fastcgi;
+    uwsgi_temp_path {dir}/uwsgi;
+    scgi_temp_path {dir}/scgi;
+    upstream qkv {{
+        least_conn;
+{servers}
+        keepalive 64;
+    }}
+    server {{
+        listen 127.0.0.1:{port};
+        client_max_body_size 12m;
+        location / {{
+            proxy_pass http://qkv;
+            proxy_http_version 1.1;
+            proxy_set_header Connection "";
+            proxy_set_header Host $host;
+            proxy_buffering off;
+            proxy_read_timeout 600s;
+            proxy_next_upstream error timeout;
+        }}
+    }}
+}}
+"""  # docs/serving.md shows the same configuration
+
+
+def _server(path: Path, port: int, threads: int | None = None) -> subprocess.Popen:
+    """``python -m qkv serve`` of the checkout at ``path``; ``threads``: its torch threads (replicas
+    on one machine share its cores: more threads than cores in all and every one waits)."""
     # QKV_SAVED_STEP_BACKGROUND=off: a checkout from before issue 39 would otherwise start a
     # background build when idle, which outlives it (this checkout knows no such variable)
-    env = {**os.environ, "PYTHONPATH": str(path), "QKV_SAVED_STEP_BACKGROUND": "off"}
-    log = open(os.devnull, "w")  # closed with the process
-    proc = subprocess.Popen([sys.executable, "-m", "qkv", "serve", "--port", str(port), "--runs",
-                             str(path / "runs-none")], cwd=path, env=env, stdout=log, stderr=subprocess.PIPE,
-                            text=True)
-    try:
-        wait_ready(f"http://127.0.0.1:{port}/api/models", proc)
-        return classroom(f"http://127.0.0.1:{port}", students, seconds, think, own_share)
-    finally:
+    env = {**os.environ, "PYTHONPATH": str(path), "QKV_SAVED_STEP_BACKGROUND": "off",
+           **({"OMP_NUM_THREADS": str(threads)} if threads else {})}
+    return subprocess.Popen([sys.executable, "-m", "qkv", "serve", "--port", str(port), "--runs",
+                             str(path / "runs-none")], cwd=path, env=env, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, text=True)
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
         proc.terminate()
         try:
             proc.wait(30)
         except subprocess.TimeoutExpired:
             proc.kill()
-        log.close()
+            proc.wait()
+
+
+def run_server(path: Path, students: int, seconds: float, think: tuple[float, float] = (0.0, 0.0),
+               own_share: float = 0.0, replicas: int = 1, busy: int = 0, stop_one_at: float | None = None
+               ) -> dict:
+    """The class on ``replicas`` servers of the checkout at ``path`` (more than one: behind nginx,
+    least connections), with ``busy`` CPU-bound programs running through the class, and replica 0
+    stopped ``stop_one_at`` seconds into it."""
+    import shutil
+    import tempfile
+
+    ports = [free_port() for _ in range(replicas)]
+    threads = max(1, (os.cpu_count() or 1) // replicas) if replicas > 1 else None
+    procs = [_server(path, p, threads) for p in ports]
+    extra: list[subprocess.Popen] = []
+    folder = tempfile.mkdtemp(prefix="qkv-classroom-")
+    try:
+        for p, proc in zip(ports, procs, strict=True):
+            wait_ready(f"http://127.0.0.1:{p}/api/models", proc)
+        url = f"http://127.0.0.1:{ports[0]}"
+        if replicas > 1:
+            nginx = shutil.which("nginx") or "/usr/sbin/nginx"
+            port = free_port()
+            conf = Path(folder) / "nginx.conf"
+            conf.write_text(NGINX.format(dir=folder, port=port, servers="\n".join(
+                f"        server 127.0.0.1:{p} max_fails=1 fail_timeout=30s;" for p in ports)))
+            extra.append(subprocess.Popen([nginx, "-c", str(conf), "-p", folder], stderr=subprocess.DEVNULL))
+            url = f"http://127.0.0.1:{port}"
+            wait_ready(url + "/api/models", extra[-1])
+
+        def during() -> Callable[[], None]:
+            hogs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(busy)]
+            timer = threading.Timer(stop_one_at, _stop, (procs[0],)) if stop_one_at is not None else None
+            if timer is not None:
+                timer.start()
+
+            def end() -> None:
+                if timer is not None:
+                    timer.cancel()
+                for h in hogs:
+                    _stop(h)
+            return end
+
+        got = classroom(url, students, seconds, think, own_share, during=during)
+        if stop_one_at is not None:
+            got["stopped_replica_at_s"] = stop_one_at
+        return got
+    finally:
+        for proc in extra + procs:
+            _stop(proc)
+        shutil.rmtree(folder, ignore_errors=True)
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--students", type=int, default=8)
+    ap.add_argument("--students", type=int, nargs="+", default=[8],
+                    help="class sizes, one class after the other (e.g. 10 30 60 100)")
     ap.add_argument("--seconds", type=float, default=60.0)
     ap.add_argument("--think", type=float, nargs=2, default=(0.0, 0.0), metavar=("MIN", "MAX"),
                     help="seconds each student thinks between requests (uniform; default none: back to back)")
     ap.add_argument("--own", type=float, default=0.0,
                     help="the share of students asking about texts of their own (default 0: the teacher's)")
-    ap.add_argument("--server-path", default=None, help="also the server of this checkout (a worktree)")
+    ap.add_argument("--busy", type=int, default=0,
+                    help="CPU-bound programs running beside the server through the class (default 0)")
+    ap.add_argument("--replicas", type=int, default=1,
+                    help="servers behind nginx (least connections; needs nginx: apt-get install nginx-light)")
+    ap.add_argument("--stop-one-at", type=float, default=None, metavar="S",
+                    help="with --replicas: stop one replica S seconds into the class")
+    ap.add_argument("--server-path", default=None,
+                    help="also the server of this checkout (a worktree), at the first class size")
     ap.add_argument("--quick", action="store_true", help="20 seconds (a smoke run)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
@@ -252,28 +382,35 @@ def main() -> int:
     machine = C.machine_info()
     print(C.machine_line(machine))
     here = Path(__file__).resolve().parents[1]
-    servers = [("this checkout", here)] + ([("other checkout", Path(args.server_path).resolve())]
-                                           if args.server_path else [])
+    plan = [("this checkout", here, n) for n in args.students]
+    if args.server_path:  # the previous release under the same first class, measured in this run
+        plan.insert(0, ("other checkout", Path(args.server_path).resolve(), args.students[0]))
     result: dict = {"machine": machine, "students": args.students, "seconds": args.seconds,
-                    "think_s": list(args.think), "own_share": args.own,
-                    "requests": [k for k, _, _ in REQUESTS]}
+                    "think_s": list(args.think), "own_share": args.own, "busy_programs": args.busy,
+                    "replicas": args.replicas, "requests": [k for k, _, _ in REQUESTS], "runs": []}
     rows = []
-    for name, path in servers:
+    for name, path, students in plan:
         commit = subprocess.run(["git", "-C", str(path), "rev-parse", "--short", "HEAD"], capture_output=True,
                                 text=True).stdout.strip()
-        print(f"{name} ({commit}): {args.students} students for {args.seconds:g} s", flush=True)
-        got = run_server(path, args.students, args.seconds, tuple(args.think), args.own)
-        got["commit"] = commit
-        result[name] = got
-        rows.append([f"{name} ({commit})", str(got["requests"]), json.dumps(got["statuses"]),
-                     str(got["errors_5xx"]), f"{100 * got['busy_503_share']:.1f}%",
-                     f"{got['served_equal_to_alone']}/{got['served']}", f"{got['p95_s']}"])
-        for kind, k in got["by_kind"].items():
-            print(f"  {kind:24s} {k['ok']}/{k['n']} served, p50 {k['p50_s']} s, p95 {k['p95_s']} s, "
-                  f"p99 {k['p99_s']} s, max {k['max_s']} s")
-    C.print_table(f"{args.students} students on one qkv serve for {args.seconds:g} s, SmolLM2 (goal: "
-                  "0 x 5xx, every 200 equal to alone, < 5% 503)",
-                  ["server", "requests", "statuses", "5xx", "503", "200s equal to alone", "p95 s"], rows)
+        print(f"{name} ({commit}): {students} students for {args.seconds:g} s", flush=True)
+        got = run_server(path, students, args.seconds, tuple(args.think), args.own, args.replicas, args.busy,
+                         args.stop_one_at)
+        got.update(server=name, commit=commit, students=students)
+        result["runs"].append(got)
+        k = got["by_kind"]
+        rows.append([f"{name} ({commit})", str(students), str(got["requests"]), json.dumps(got["statuses"]),
+                     f"{got['served_equal_to_alone']}/{got['served']}",
+                     *(str(k[kind]["p95_s"]) for kind in ("lens", "lens, heads knocked out", "q·k", "patch")),
+                     str(got["first_token_s"].get("p95")), str(got["inter_token_s"].get("p99"))])
+        for kind, v in k.items():
+            print(f"  {kind:24s} {v['ok']}/{v['n']} served, p50 {v['p50_s']} s, p95 {v['p95_s']} s, "
+                  f"p99 {v['p99_s']} s, max {v['max_s']} s")
+        print(f"  first token {got['first_token_s']}, between tokens {got['inter_token_s']}", flush=True)
+    title = (f"a class on {args.replicas} qkv serve for {args.seconds:g} s, SmolLM2, think {args.think[0]:g}-"
+             f"{args.think[1]:g} s, {args.busy} busy programs (goals at 30: p95 <= 1 s for lens, knock-out, "
+             "q·k; patching <= 3 s; first token p95 <= 1 s; between tokens p99 <= 0.1 s)")
+    C.print_table(title, ["server", "students", "requests", "statuses", "equal to alone", "lens p95",
+                          "knock-out p95", "q·k p95", "patch p95", "1st token p95", "gap p99"], rows)
     out = C.write_json(NAME, result, args.out)
     print(f"wrote {out}")
     return 0

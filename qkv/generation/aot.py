@@ -114,12 +114,26 @@ def _module_file(name: str, base: Path) -> Path | None:
     return None
 
 
+def _lazy(node: ast.stmt) -> bool:
+    """A module-level statement whose imports do not run on import: a function or an
+    ``if TYPE_CHECKING:`` block."""
+    if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+        return True
+    return isinstance(node, ast.If) and isinstance(node.test, ast.Name) and node.test.id == "TYPE_CHECKING"
+
+
 def _imports(path: Path, name: str) -> set[str]:
     """The qkv modules ``path`` (module ``name``) imports anywhere in it, functions included:
-    ``from qkv.x import y`` names both qkv.x and, where it is a module, qkv.x.y."""
+    ``from qkv.x import y`` names both qkv.x and, where it is a module, qkv.x.y. The package
+    ``qkv`` itself counts only its module-level imports: its functions (``qkv.load``,
+    ``qkv.show``) import the whole library lazily and no step calls them (without this, a change
+    to the lens or the server rebuilt every saved step)."""
     out: set[str] = set()
     package = name if path.name == "__init__.py" else name.rpartition(".")[0]
-    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+    tree = ast.parse(path.read_text(), str(path))
+    tops = [t for t in tree.body if name != "qkv" or not _lazy(t)]
+    nodes = (n for top in tops for n in ast.walk(top))
+    for node in nodes:
         if isinstance(node, ast.Import):
             out |= {a.name for a in node.names}
         elif isinstance(node, ast.ImportFrom):

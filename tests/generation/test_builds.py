@@ -178,6 +178,16 @@ def test_every_module_a_decoding_step_runs_keys_the_step(weights):
         assert not missing, f"the step ran these but they do not key it: {missing}"
 
 
+def test_a_change_to_the_lens_or_the_server_rebuilds_no_saved_step():
+    """The package's own functions (qkv.load, qkv.show) import the whole library lazily; they
+    do not key the step, so editing the lens, the pipelines or the server keeps every saved
+    step (each rebuild costs minutes on two cores)."""
+    root = Path(aot.__file__).resolve().parents[2]
+    parts = {p.relative_to(root).parts[1] for p in aot.step_sources() if len(p.relative_to(root).parts) > 2}
+    assert not parts & {"lens", "serve", "pipelines", "learn", "commands", "notebook"}, parts
+    assert {"models", "layers", "attention", "generation"} <= parts
+
+
 def test_no_process_signalling_anywhere_in_qkv():
     """qkv never stops or continues a process by signal, and the one place that kills one kills
     only the process group of a process it started itself (qkv/owned.py: a compiler, the child
