@@ -309,3 +309,42 @@ def test_a_stream_says_its_place_then_answers_as_the_plain_request_and_closing_i
                 assert events[-1]["event"] == "result" and strip(events[-1]["result"]) == strip(alone.json())
                 assert all(e["event"] in ("queued", "running") for e in events[:-1])
                 assert loop.cancelled == 0
+
+
+@pytest.mark.usefixtures("one_thread")
+def test_two_replicas_answer_as_one_server_and_one_stopping_loses_nothing_of_the_others(runs_dir):
+    """Two servers over the same runs folder, as behind a load balancer: a quiz question asked of
+    one is answered by the other (the client carries its state: model, kind, seed), the lens
+    and q·k answers of both are equal, and with one stopped the other answers everything."""
+    pytest.importorskip("fastapi", reason="qkv serve needs FastAPI: pip install 'qkv[serve]'")
+    import httpx
+    from serve_helpers import serving
+
+    from qkv.serve import create_app
+
+    lens = {"model": "runs/gpt-tiny", "text": "ROMEO: But soft, what light"}
+    qk = {**lens, "layer": 1, "head": 2, "query": 5}
+
+    def answer(c: httpx.Client, path: str, body: dict) -> dict:
+        r = c.post(path, json=body)
+        assert r.status_code == 200, r.text
+        return {k: v for k, v in r.json().items() if k != "seconds"}
+
+    with serving(create_app(runs_dir=runs_dir)) as b_url, httpx.Client(base_url=b_url, timeout=120) as b:
+        with serving(create_app(runs_dir=runs_dir)) as a_url, httpx.Client(base_url=a_url, timeout=120) as a:
+            ask = {"model": "runs/gpt-tiny", "kind": "next", "seed": 11}
+            q = answer(a, "/api/quiz/question", ask)
+            assert answer(b, "/api/quiz/question", ask) == q  # the same question, from the seed alone
+            state = {k: q[k] for k in ("model", "kind", "seed")}  # what the page sends back
+            reveal = {c: answer(b, "/api/quiz/answer", {**state, "choice": c})
+                      for c in range(len(q["choices"]))}
+            truth = {r["truth"] for r in reveal.values()}
+            assert len(truth) == 1 and [r["correct"] for r in reveal.values()].count(True) == 1
+            assert answer(a, "/api/quiz/answer", {**state, "choice": 0}) == reveal[0]
+            both = [(answer(x, "/api/lens", lens), answer(x, "/api/qk", qk)) for x in (a, b)]
+            assert both[0] == both[1]
+        # replica a has stopped (its loop closed, its port shut): b answers on its own
+        with pytest.raises(httpx.ConnectError):
+            httpx.post(a_url + "/api/lens", json=lens, timeout=5)
+        assert (answer(b, "/api/lens", {**lens, "ablate": [[0, 1]]})["base_logits"]
+                == both[0][0]["logits"])
