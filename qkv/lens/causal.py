@@ -40,6 +40,7 @@ from qkv.lens.hooks import (
     is_decoder,
     shape,
     tail,
+    tail_steps,
 )
 from qkv.lens.predict import check_decoder
 
@@ -238,22 +239,17 @@ def patch(lm: TextModel, clean: str | list[int], corrupt: str | list[int], site:
     """Patch each cell of ``site`` from ``clean`` into ``corrupt`` (same number of tokens) and
     measure how much of the clean answer comes back (see :class:`Patching`). ``answer`` defaults
     to the clean run's top token, ``wrong`` to the corrupt run's."""
-    steps = patch_steps(lm, clean, corrupt, site, answer, wrong)
-    while True:
-        try:
-            next(steps)
-        except StopIteration as done:
-            return done.value
+    return finish(patch_steps(lm, clean, corrupt, site, answer, wrong))
 
 
 @torch.inference_mode()  # on a generator: around each of its pieces, whoever runs them
 def patch_steps(lm: TextModel, clean: str | list[int], corrupt: str | list[int], site: str = "resid",
                 answer: str | int | None = None,
-                wrong: str | int | None = None) -> Generator[tuple[int, int], None, Patching]:
-    """:func:`patch` in pieces: yields ``(done, total)`` after each forward pass of patched cells
-    and returns the :class:`Patching`. No hook stays on the model between two pieces, so other
-    forward passes may run on it in between (the server interleaves a sweep with other
-    students' requests this way)."""
+                wrong: str | int | None = None) -> Generator[tuple[int, int] | None, None, Patching]:
+    """:func:`patch` in pieces, one block of a forward pass per ``next``: yields ``(done, total)``
+    after each forward pass of patched cells (None between) and returns the :class:`Patching`.
+    No hook stays on the model between two pieces, so other forward passes may run on it in
+    between (the server interleaves a sweep with other students' requests and token streams)."""
     check_decoder(lm, "patching towards an answer")
     if site not in ("resid", "head"):
         raise InputError(f"site must be 'resid' (layer x position) or 'head' (layer x head), got {site!r}")
@@ -262,8 +258,9 @@ def patch_steps(lm: TextModel, clean: str | list[int], corrupt: str | list[int],
     if len(c_ids) != len(k_ids):
         raise InputError(f"the clean and corrupt prompts must have the same number of tokens to patch "
                          f"position by position; they have {len(c_ids)} and {len(k_ids)}")
-    rec_c, out_c = _record(model, c_ids)
-    rec_k, out_k = _record(model, k_ids)
+    rec_c, rec_k = Recorded(), Recorded()
+    out_c, _ = yield from forward_steps(model, torch.tensor([c_ids], device=device_of(model)), record=rec_c)
+    out_k, _ = yield from forward_steps(model, torch.tensor([k_ids], device=device_of(model)), record=rec_k)
     a = one_token(lm, answer) if answer is not None else int(out_c[0, -1].argmax())
     b = one_token(lm, wrong, "the wrong answer") if wrong is not None else int(out_k[0, -1].argmax())
     if a == b:
@@ -296,8 +293,8 @@ def patch_steps(lm: TextModel, clean: str | list[int], corrupt: str | list[int],
                         z[r, :, h] = clean_z[:, h]
                     return z
                 edits.z[layer] = edit
-            with hooked(model, edits=edits):
-                raw[layer, start:start + len(idx)] = diff(tail(model, x, layer, last_only=True))
+            out = yield from tail_steps(model, x, layer, last_only=True, edits=edits)  # a block per piece
+            raw[layer, start:start + len(idx)] = diff(out)
             done += 1
             yield done, total
     span = ld_c - ld_k

@@ -240,12 +240,25 @@ def tail(model: nn.Module, x: Tensor, start: int, last_only: bool = False) -> Te
     final norm and (decoders) the output head: logits (B, T, V) or hidden states (B, T, dim);
     ``last_only``: the last position's only, (B, 1, ...). The same blocks and modules as the
     model's forward, so hooks and edits apply."""
+    return finish(tail_steps(model, x, start, last_only))
+
+
+def tail_steps(model: nn.Module, x: Tensor, start: int, last_only: bool = False, edits: Edits | None = None
+               ) -> Generator[None, None, Tensor]:
+    """:func:`tail` in pieces, one block per ``next``; ``edits`` are hooked around each block
+    only (none: no hook is installed, the caller's apply), so between two pieces nothing of this
+    call is on the model."""
     T = x.shape[1]
     alibi = getattr(model, "alibi", None)
     bias = alibi(T, T) if alibi is not None else None
     rope = getattr(model, "rope", None)
-    for block in blocks(model)[start:]:
-        x = block(x, bias=bias, rope=rope).x
+    for i, block in enumerate(blocks(model)[start:], start):
+        if edits is None:
+            x = block(x, bias=bias, rope=rope).x
+        else:
+            with hooked(model, edits=edits, layers=(i,)):
+                x = block(x, bias=bias, rope=rope).x
+        yield
     if last_only:
         x = x[:, -1:]
     if model.stack.norm is not None:

@@ -125,7 +125,8 @@ def qk_response(lm: CausalLM | SentenceEncoder, req: QKRequest, max_tokens: int
 PATCH_TOKENS = 64  # patching runs a forward pass per row: longer prompts are refused, not cut
 
 
-def patch_response(lm: CausalLM, req: PatchRequest) -> Generator[tuple[int, int], None, PatchResponse]:
+def patch_response(lm: CausalLM, req: PatchRequest
+                   ) -> Generator[tuple[int, int] | None, None, PatchResponse]:
     """Activation patching of the clean prompt into the corrupt one (:func:`qkv.lens.patch_steps`),
     in pieces: one forward pass of patched cells per ``next``, the response returned."""
     t0 = time.perf_counter()
@@ -200,7 +201,7 @@ class LensEndpoints:
         self._check_text(req.clean)
         self._check_text(req.corrupt)
 
-        def run(lease: Lease) -> Generator[tuple[int, int], None, PatchResponse]:
+        def run(lease: Lease) -> Generator[tuple[int, int] | None, None, PatchResponse]:
             lm = self._text_model(lease, req.model)
             if not isinstance(lm, CausalLM):
                 raise InputError(f"{req.model} is an encoder: patching measures a next-token answer, "
