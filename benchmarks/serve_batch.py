@@ -103,11 +103,11 @@ class Server:
 
 
 class QkvServer(Server):
-    def __init__(self, name: str, runs: Path, batch_rows: int, saved_step: bool) -> None:
+    def __init__(self, name: str, runs: Path, batch_rows: int, saved_step: bool, clients: int = 8) -> None:
         port = free_port()
         env = {**os.environ, "QKV_SAVED_STEP": "on" if saved_step else "off"}
         argv = [sys.executable, "-m", "qkv", "serve", "--port", str(port), "--runs", str(runs),
-                "--batch-rows", str(batch_rows), "--max-queued", "8"]  # every client waits: none is refused
+                "--batch-rows", str(batch_rows), "--max-queued", str(max(8, clients))]  # none is refused
         super().__init__(name, argv, "/api/models", port, env)
 
     def warm(self) -> None:
@@ -176,8 +176,10 @@ def main() -> int:
     lines = [x for x in built.stderr.splitlines() if "saved step for" in x]
     step_note = " ".join(lines) or f"rc {built.returncode}"
     print(f"qkv prepare smollm2: {step_note} ({time.perf_counter() - t0:.0f} s)")
-    servers: list[Server] = [QkvServer("qkv serve (batched)", runs, 8, True),
-                             QkvServer("qkv serve --batch-rows 1 (one at a time, eager)", runs, 1, False)]
+    most = max(counts)
+    servers: list[Server] = [QkvServer("qkv serve (batched)", runs, 8, True, most),
+                             QkvServer("qkv serve --batch-rows 1 (one at a time, eager)", runs, 1, False,
+                                       most)]
     if binary is not None:
         servers.append(LlamaServer(binary, gguf))
     rounds: list[dict] = []
