@@ -33,6 +33,9 @@ from qkv.models.gpt import GPT
 from qkv.serve.loop import BusyError
 
 _END = object()  # a row's last item
+# Prompt tokens prefilled per turn of the loop, at least one prompt: a class that asks to generate
+# at once joins over a few turns, while the rows already decoding take a step in each
+PREFILL_TOKENS = 64
 
 
 class RowStream:
@@ -159,8 +162,9 @@ class ModelBatch:
 
     @torch.inference_mode()
     def tick(self) -> None:
-        """Drop cancelled rows, prefill waiting requests into free rows, then one step of every
-        live row; each row's tokens go to its stream. An error reaches the rows it concerns."""
+        """Drop cancelled rows, prefill waiting requests into free rows (prompts of at most
+        :data:`PREFILL_TOKENS` tokens in all per turn, at least one), then one step of every live
+        row; each row's tokens go to its stream. An error reaches the rows it concerns."""
         try:
             self._tick()
         except Exception as e:  # every request of this batch hears of it
@@ -180,13 +184,15 @@ class ModelBatch:
             if stream.cancelled:
                 batch.leave(row)
                 self._finish(row, stream)
-        while True:
+        prefilled = 0  # tokens first: the rows already decoding wait for at most PREFILL_TOKENS of prompts
+        while prefilled < PREFILL_TOKENS:
             with self._lock:
                 if not self._pending or len(self._live) >= self.rows:
                     break
                 stream = self._pending.popleft()
             stream.joined.set()
             self._join(batch, stream)
+            prefilled += len(stream.request.ids)
         if len(batch):
             events = batch.step()
             self.steps += 1

@@ -80,3 +80,17 @@ def api(server: str, path: str, body: dict, timeout: float = 120) -> dict:
                                  {"Content-Type": "application/json"})
     with urllib.request.urlopen(req, timeout=timeout) as r:
         return json.loads(r.read())
+
+
+class Gate:
+    """Stands for the model's work: each call blocks until the test opens the gate."""
+
+    def __init__(self, real) -> None:
+        self.real, self.open, self.lock = real, threading.Event(), threading.Lock()
+        self.calls = 0
+
+    def __call__(self, *args, **kwargs):
+        with self.lock:
+            self.calls += 1
+        assert self.open.wait(30), "the gate was never opened"
+        return self.real(*args, **kwargs)

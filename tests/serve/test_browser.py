@@ -322,7 +322,7 @@ def test_a_queued_request_shows_its_place_then_its_answer(page, server, monkeypa
     from concurrent.futures import ThreadPoolExecutor
 
     from helpers import wait_until
-    from test_concurrency import Gate
+    from serve_helpers import Gate
 
     from qkv.pipelines import attention as sources
 

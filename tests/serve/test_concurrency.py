@@ -6,14 +6,13 @@ a small load test over real sockets (statuses only: no timing is asserted)."""
 from __future__ import annotations
 
 import json
-import threading
 import time
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 from helpers import png_bytes, wait_until
-from serve_helpers import asset_installed, detail, serving
+from serve_helpers import Gate, asset_installed, detail, serving
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # see tests/conftest.py
 for _module, _why in (("fastapi", "qkv serve needs FastAPI"), ("multipart", "uploads need python-multipart"),
@@ -61,20 +60,6 @@ def test_twenty_concurrent_requests_succeed_and_load_each_model_once(runs_dir, m
         if m == "runs/gpt-tiny":
             assert r.json()["query_tokens"] == list(texts[i][:32])  # the context: 32 characters
     assert app.state.loop.waiting() == 0
-
-
-class Gate:
-    """Stands for the model's work: each call blocks until the test opens the gate."""
-
-    def __init__(self, real) -> None:
-        self.real, self.open, self.lock = real, threading.Event(), threading.Lock()
-        self.calls = 0
-
-    def __call__(self, *args, **kwargs):
-        with self.lock:
-            self.calls += 1
-        assert self.open.wait(30), "the gate was never opened"
-        return self.real(*args, **kwargs)
 
 
 def test_a_full_queue_answers_503_with_retry_after(runs_dir, monkeypatch) -> None:

@@ -260,8 +260,7 @@ def test_a_stream_says_its_place_then_answers_as_the_plain_request_and_closing_i
     import json
 
     import httpx
-    from serve_helpers import serving
-    from test_concurrency import Gate
+    from serve_helpers import Gate, serving
 
     from qkv.pipelines import attention as sources
     from qkv.serve import create_app
