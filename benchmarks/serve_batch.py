@@ -29,6 +29,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -197,6 +198,7 @@ def main() -> int:
     finally:
         for s in servers:
             s.close()
+        shutil.rmtree(runs, ignore_errors=True)
     names = [s.name for s in servers]
     base, alone = names[0], names[1]
     table, summary = [], {}

@@ -15,6 +15,7 @@ import os
 import signal
 import subprocess
 import threading
+from collections.abc import Iterator
 from typing import Any
 
 WAIT_S = 5.0  # after SIGKILL, how long to wait for the process to be reaped
@@ -37,6 +38,23 @@ def start(cmd: list[str], **popen: Any) -> subprocess.Popen:
         proc = subprocess.Popen(cmd, start_new_session=True, **popen)
         _RUNNING.add(proc)
     return proc
+
+
+@contextlib.contextmanager
+def environment(name: str, value: str) -> Iterator[None]:
+    """``os.environ[name] = value`` for the block, then as it was; no process :func:`start`
+    starts meanwhile (it would inherit the value). For a library that reads one variable at one
+    call (AOTInductor's loader reads TMPDIR)."""
+    with _LOCK:
+        old = os.environ.get(name)
+        os.environ[name] = value
+        try:
+            yield
+        finally:
+            if old is None:
+                del os.environ[name]
+            else:
+                os.environ[name] = old
 
 
 def end(proc: subprocess.Popen) -> int | None:

@@ -119,8 +119,11 @@ def test_nothing_is_left_after_qkv_serve_is_stopped(tiny_run, tmp_path, sig):
 def test_after_qkv_prepare_the_first_python_process_decodes_through_the_saved_step(tiny_run, tmp_path):
     """The documented set-up for your own model, then a fresh process with the default API: its
     very first decoding goes through the saved step (its request count), with the tokens eager
-    decoding gives; `qkv prepare` itself leaves nothing running."""
+    decoding gives; `qkv prepare` itself leaves nothing running, and loading the step leaves no
+    folder behind (AOTInductor's loader extracts the package into TMPDIR and never removes it)."""
     e, marker = env(tmp_path)
+    e["TMPDIR"] = str(tmp_path / "tmp")
+    (tmp_path / "tmp").mkdir()
     run = str(tiny_run("gpt"))
     r = subprocess.run([sys.executable, "-m", "qkv", "prepare", run, "--batch-rows", "0"], env=e,
                        capture_output=True, text=True, timeout=600)
@@ -133,7 +136,9 @@ fast = lm.generate("ROMEO", 20)
 d = lm.last_stats.decision
 eager = lm.generate("ROMEO", 20, mode="eager")
 print(json.dumps({{"kind": d.kind, "requests": d.step.requests if d.step else None, "same": fast == eager,
-                  "text": fast}}))
+                  "text": fast}}), flush=True)
+import os
+os._exit(0)  # as a server stopped or killed ends: no destructor runs (AOTInductor's cleans up in one)
 """
     r = subprocess.run([sys.executable, "-c", code], env=e, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr
@@ -141,3 +146,5 @@ print(json.dumps({{"kind": d.kind, "requests": d.step.requests if d.step else No
     assert got["kind"] == "saved" and got["requests"] == 1 and got["same"] and got["text"], got
     assert "decodes eagerly" not in r.stderr  # nothing to say: it was fast from the first token
     assert none_left(marker) == []
+    left = sorted(p.name for p in (tmp_path / "tmp").iterdir() if p.name.startswith(("aotinductor_", "qkv-")))
+    assert left == [], left

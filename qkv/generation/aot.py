@@ -55,6 +55,8 @@ import hashlib
 import json
 import os
 import re
+import shutil
+import tempfile
 import threading
 import time
 import warnings
@@ -67,6 +69,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from qkv import owned
 from qkv.attention import BatchKVCache, KVCache
 from qkv.generation.compiled import fingerprint, shape_signature
 from qkv.generation.decoders import attention_rows, keep_queries
@@ -452,6 +455,19 @@ class SavedStep:
         return attention_rows(self.model, cache, layers, rows)
 
 
+def _open(package: Path) -> Any:
+    """The loader of a saved step's package, leaving nothing behind: AOTInductor extracts the
+    package into a new ``aotinductor_*`` folder under TMPDIR and never removes it (2-5 MB for
+    every process that loads a step). Here it extracts into a private folder, removed as soon as
+    the loader has loaded the compiled library (a loaded library needs no file)."""
+    scratch = tempfile.mkdtemp(prefix="qkv-step-")
+    try:
+        with owned.environment("TMPDIR", scratch):
+            return torch._C._aoti.AOTIModelPackageLoader(str(package), "model", False, 1, -1)
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+
+
 def load(model: GPT, cache_len: int | None = None, batch: int = 1) -> SavedStep | None:
     """The saved step of ``model`` on this machine, or None when there is none (or it is damaged,
     or saved steps are off). Loading reads and checks the package and binds it: milliseconds."""
@@ -467,7 +483,7 @@ def load(model: GPT, cache_len: int | None = None, batch: int = 1) -> SavedStep 
     meta = _valid(path, key, info)
     if meta is None:
         return None
-    loader = torch._C._aoti.AOTIModelPackageLoader(str(path / PACKAGE), "model", False, 1, -1)
+    loader = _open(path / PACKAGE)
     made = {k: torch.tensor(v, dtype=torch.int64) for k, v in meta.get("made", {}).items()}
     step = SavedStep(model, S, batch, path, loader, made)
     step.load_seconds = time.perf_counter() - t0
