@@ -164,13 +164,16 @@ def device_of(model: nn.Module) -> torch.device:
     return next(model.parameters()).device
 
 
+def _forward_kwargs(weights: bool) -> dict[str, Any]:
+    """How :func:`forward` calls a model: with weights, through the explicit softmax(QKᵀ/√d)
+    (the ``reference`` backend: the one that has weights)."""
+    return {"return_weights": True, "backend": "reference"} if weights else {"return_weights": False}
+
+
 def forward(model: nn.Module, ids: Tensor, *, weights: bool = False) -> tuple[Tensor, list[Tensor] | None]:
     """ids (B, T) -> (logits (B, T, V) for a decoder or final hidden states (B, T, dim) for an
     encoder, attention weights per layer (B, H, T, T) when asked for)."""
-    kw: dict[str, Any] = {"return_weights": weights}
-    if weights:
-        kw["backend"] = "reference"  # the explicit softmax(QKᵀ/√d): the one that has weights
-    out = model(ids, **kw)
+    out = model(ids, **_forward_kwargs(weights))
     if is_decoder(model):
         return out.logits, out.weights
     return out.hidden, out.weights
@@ -195,9 +198,7 @@ def forward_steps(model: nn.Module, ids: Tensor, *, weights: bool = False, recor
     is the model's; ``record`` and ``edits`` are hooked around each piece only, so between two
     pieces nothing of this call sits on the model and others may run it (a running batch's
     decoding step). ids (B, T); no KV cache."""
-    kw: dict[str, Any] = {"return_weights": weights}
-    if weights:
-        kw["backend"] = "reference"
+    kw = _forward_kwargs(weights)
     stack = blocks(model)
 
     def caught(mod: nn.Module, args: tuple, kwargs: dict) -> None:

@@ -29,7 +29,17 @@ from torch import Tensor, nn
 from qkv.errors import InputError
 from qkv.layers.quant import TopKRefinedLinear
 from qkv.lens.cache import ActivationCache, encode, labels
-from qkv.lens.hooks import Recorded, TextModel, device_of, forward, hooked, is_decoder, normed_streams, shape
+from qkv.lens.hooks import (
+    Recorded,
+    TextModel,
+    device_of,
+    finish,
+    forward,
+    hooked,
+    is_decoder,
+    normed_streams,
+    shape,
+)
 from qkv.nn.linear import Linear as QLinear
 
 
@@ -151,18 +161,6 @@ class LogitLens:
     def rows(self) -> list[str]:
         return ["embed", *(str(i) for i in range(1, self.normed.shape[0]))]
 
-    def _read(self, positions: list[int] | None, fn) -> Tensor:
-        """fn(logprobs (N, V)) -> (N, ...) over every (row, position) cell, chunk by chunk;
-        returns (L + 1, P, ...)."""
-        h = self.normed if positions is None else self.normed[:, positions]
-        R, P, D = h.shape
-        flat = h.reshape(R * P, D)
-        with torch.inference_mode():
-            outs = [fn(torch.log_softmax(read_out(self.head, flat[i:i + ROWS], R * P), dim=-1))
-                    for i in range(0, R * P, ROWS)]
-        out = torch.cat(outs).cpu()
-        return out.view(R, P, *out.shape[1:])
-
     @property
     def logprobs(self) -> Tensor:
         """(L + 1, T, V) float32 log-probabilities of every cell (computed once, then kept)."""
@@ -195,25 +193,20 @@ class LogitLens:
             lp = self._all if positions is None else self._all[:, positions]
             v, i = lp.topk(k, dim=-1)
             return v.exp(), i
-        def best(lp: Tensor) -> Tensor:
-            v, i = lp.topk(k, dim=-1)
-            return torch.cat([v, i.double().float()], -1)  # ids < 2**24 are exact in float32
+        return finish(self.top_steps(k, positions, ROWS))
 
-        both = self._read(positions, best)
-        return both[..., :k].exp(), both[..., k:].long()
-
-    def top_steps(self, k: int = 1, positions: list[int] | None = None
+    def top_steps(self, k: int = 1, positions: list[int] | None = None, rows: int = PIECE_ROWS
                   ) -> Generator[None, None, tuple[Tensor, Tensor]]:
-        """:meth:`top` in pieces: :data:`PIECE_ROWS` cells read out per ``next`` (a server's
-        token streams move between them); the same answer."""
+        """:meth:`top` in pieces: ``rows`` cells read out per ``next`` (a server's token streams
+        move between them); the same answer."""
         h = self.normed if positions is None else self.normed[:, positions]
         R, P, D = h.shape
         flat = h.reshape(R * P, D)
         vals, ids = [], []
-        for i in range(0, R * P, PIECE_ROWS):
+        for i in range(0, R * P, rows):
             yield
             with torch.inference_mode():
-                lp = torch.log_softmax(read_out(self.head, flat[i:i + PIECE_ROWS], R * P), dim=-1)
+                lp = torch.log_softmax(read_out(self.head, flat[i:i + rows], R * P), dim=-1)
                 v, j = lp.topk(k, dim=-1)
             vals.append(v.exp().cpu())
             ids.append(j.cpu())

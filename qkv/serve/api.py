@@ -105,11 +105,22 @@ def http_errors(scrub: Callable[[str], str] = str) -> Iterator[None]:
     except HTTPException:
         raise
     except Exception as e:
-        code = status_of(e)
-        if code is None:
+        error = as_http(e, scrub)
+        if error is None:
             raise
-        headers = {"Retry-After": str(e.retry_after)} if isinstance(e, BusyError) else None
-        raise HTTPException(code, one_line(e, scrub), headers=headers) from None
+        raise error from None
+
+
+def as_http(e: Exception, scrub: Callable[[str], str] = str) -> HTTPException | None:
+    """The HTTP error a request gets for ``e``: itself if it is one, else its status
+    (:func:`status_of`) with a one-line message and, for a 503, Retry-After; None: a bug (500)."""
+    if isinstance(e, HTTPException):
+        return e
+    code = status_of(e)
+    if code is None:
+        return None
+    headers = {"Retry-After": str(e.retry_after)} if isinstance(e, BusyError) else None
+    return HTTPException(code, one_line(e, scrub), headers=headers)
 
 
 def _info(e: Entry) -> ModelInfo:
@@ -214,15 +225,14 @@ def _line(event: ComputeEvent) -> str:
 
 def _error_event(e: BaseException, scrub: Callable[[str], str]) -> ComputeEvent:
     """What the plain request would have been answered for ``e``, as a stream's last line."""
-    if isinstance(e, HTTPException):
-        return ComputeEvent(event="error", status=e.status_code, detail=str(e.detail))
-    code = status_of(e) if isinstance(e, Exception) else None
-    if code is None:  # a bug: the traceback to the server's log, one line to the client
+    error = as_http(e, scrub) if isinstance(e, Exception) else None
+    if error is None:  # a bug: the traceback to the server's log, one line to the client
         traceback.print_exception(e, file=sys.stderr)
         return ComputeEvent(event="error", status=500, detail=f"internal error ({type(e).__name__}); "
                             "the server's log has the details")
-    return ComputeEvent(event="error", status=code, detail=one_line(e, scrub),
-                        retry_after=e.retry_after if isinstance(e, BusyError) else None)
+    after = (error.headers or {}).get("Retry-After")
+    return ComputeEvent(event="error", status=error.status_code, detail=str(error.detail),
+                        retry_after=int(after) if after else None)
 
 
 class Explorer(LensEndpoints):

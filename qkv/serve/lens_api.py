@@ -128,7 +128,7 @@ PATCH_TOKENS = 64  # patching runs a forward pass per row: longer prompts are re
 def patch_response(lm: CausalLM, req: PatchRequest
                    ) -> Generator[tuple[int, int] | None, None, PatchResponse]:
     """Activation patching of the clean prompt into the corrupt one (:func:`qkv.lens.patch_steps`),
-    in pieces: one forward pass of patched cells per ``next``, the response returned."""
+    in pieces: a block of a (patched) forward pass per ``next``, the response returned."""
     t0 = time.perf_counter()
     ids = [text.encode_text(lm, t, lm.context)[0] for t in (req.clean, req.corrupt)]
     if max(len(i) for i in ids) > PATCH_TOKENS:

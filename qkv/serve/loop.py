@@ -6,12 +6,12 @@ owns all compute, as llama.cpp's server does (one loop over its slots) and nanoc
 
 - each turn it steps every model's running batch once (:mod:`qkv.serve.batching`: each
   generation request is a row; a row joins by a prefill of its prompt between two steps), then
-  runs one queued computation (attention, lens, q·k, patching, an image, loading a model), so
-  streams keep moving while other requests are served, and no request waits behind more than one
-  computation per turn;
+  runs one slice of a queued computation: an image or a model's loading whole, the others
+  (attention, lens, q·k, patching) in pieces for at most :data:`SLICE_S` seconds (tokens
+  first: a stream waits for one slice, not for a whole computation);
 - a computation runs alone on the model: a hook or an edit one request installs (the lens's
-  ablation and patching put hooks on the shared model object) exists only while it runs, and no
-  other forward pass runs on that model meanwhile;
+  ablation and patching put hooks on the shared model object) exists only while one of its
+  pieces runs, and no other forward pass runs on that model meanwhile;
 - the queue is fair per client, not first come first served over requests: each client (the
   page's ``X-QKV-Client`` id, else its address; :data:`CLIENT`) has its own queue and the loop
   takes one computation from each in turn, interactive ones (lens, q·k, attention) before sweeps
@@ -107,6 +107,10 @@ class Job:
         return job
 
 
+def _cancelled(job: Job) -> CancelledError:
+    return CancelledError(f"the {job.label} was cancelled: its client went away")
+
+
 _LOOPS: weakref.WeakSet[ComputeLoop] = weakref.WeakSet()
 
 
@@ -139,7 +143,6 @@ class ComputeLoop:
         self._running: Job | None = None
         self.jobs_run = 0  # computations run (tests, benchmarks)
         self.cancelled = 0  # computations stopped because their clients went away
-        self.longest_slice = 0.0  # the longest the loop ran one computation between two turns (s)
         self.turns = 0  # turns of the loop that stepped a batch
         _LOOPS.add(self)
 
@@ -167,20 +170,6 @@ class ComputeLoop:
         if self.in_loop():
             return fn(*args)
         return self.submit(fn, *args, label=label, sweep=sweep).future.result()
-
-    def call_in_pieces(self, fn: Callable[..., Iterator[Any]], *args: Any, label: str = "request",
-                       sweep: bool = True) -> Any:
-        """Like :meth:`call`, for long work: ``fn(*args)`` is a generator whose every ``next``
-        is one piece (a block of a forward pass, a forward pass of a sweep), and its return value
-        the answer (see :meth:`submit`)."""
-        if self.in_loop():
-            steps = fn(*args)
-            while True:
-                try:
-                    next(steps)
-                except StopIteration as done:
-                    return done.value
-        return self.submit(fn, *args, label=label, sweep=sweep, pieces=True).future.result()
 
     def submit(self, fn: Callable[..., Any], *args: Any, label: str = "request", sweep: bool = False,
                pieces: bool = False) -> Job:
@@ -231,7 +220,7 @@ class ComputeLoop:
             if removed:
                 self.cancelled += 1
         if removed:  # outside the lock: the future's callbacks (qkv.serve.sharing) take their own
-            job.future.set_exception(CancelledError(f"the {job.label} was cancelled: its client went away"))
+            job.future.set_exception(_cancelled(job))
 
     def add_batch(self, key: Hashable, make: Callable[[], Stepper]) -> Stepper:
         """The running batch under ``key`` (a loaded model), made by ``make`` the first time."""
@@ -316,7 +305,7 @@ class ComputeLoop:
     def _do(self, job: Job) -> None:
         waited = time.monotonic() - job.queued
         if job.cancelled:
-            self._stop(job, CancelledError(f"the {job.label} was cancelled: its client went away"))
+            self._stop(job, _cancelled(job))
             self.cancelled += 1
             return
         if job.steps is None and waited > self.max_wait_s:  # too late to be useful: busy, not run
@@ -354,9 +343,7 @@ class ComputeLoop:
             job.future.set_exception(e)
             self.jobs_run += 1
         finally:
-            took = time.monotonic() - t0
-            self.longest_slice = max(self.longest_slice, took)
-            self._seconds = 0.8 * self._seconds + 0.2 * took
+            self._seconds = 0.8 * self._seconds + 0.2 * (time.monotonic() - t0)
 
     @staticmethod
     def _stop(job: Job, why: Exception) -> None:

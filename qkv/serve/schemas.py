@@ -78,7 +78,7 @@ class GenerateRequest(BaseModel):
 
 
 class ComputeEvent(BaseModel):
-    """One line of the application/x-ndjson stream a lens, knock-out, q·k, patching or attention
+    """One line of the application/x-ndjson stream a lens, knock-out, q·k or patching
     request gets when it sends ``Accept: application/x-ndjson`` (the page does): where it stands
     while it waits, then its answer. Closing the stream stops the computation (unless another
     client waits for the same one).

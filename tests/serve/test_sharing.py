@@ -97,7 +97,7 @@ def test_a_sweep_in_pieces_lets_the_others_run_between_its_pieces(monkeypatch):
 
     def in_pieces(client: str):
         CLIENT.set(client)
-        return loop.call_in_pieces(sweep, label="patch")
+        return loop.submit(sweep, label="patch", sweep=True, pieces=True).future.result()
 
     with ThreadPoolExecutor(4) as pool:
         swept = pool.submit(in_pieces, "a")

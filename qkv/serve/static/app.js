@@ -138,6 +138,25 @@ async function api(path, options) {
   return response;
 }
 
+// The events of an application/x-ndjson response (generation, the lens's waits), one parsed line
+// at a time, as they arrive.
+async function* ndjsonEvents(response) {
+  const reader = response.body.getReader();
+  const decoder = new TextDecoder();
+  let buffer = "";
+  for (;;) {
+    const { value, done } = await reader.read();
+    if (done) return;
+    buffer += decoder.decode(value, { stream: true });
+    let nl;
+    while ((nl = buffer.indexOf("\n")) >= 0) {
+      const line = buffer.slice(0, nl).trim();
+      buffer = buffer.slice(nl + 1);
+      if (line) yield JSON.parse(line);
+    }
+  }
+}
+
 async function errorText(response) {
   let detail = "";
   try {
@@ -409,20 +428,7 @@ async function generate() {
     const response = await api("/api/generate", {
       method: "POST", headers: { "Content-Type": "application/json" }, body: JSON.stringify(body),
     });
-    const reader = response.body.getReader();
-    const decoder = new TextDecoder();
-    let buffer = "";
-    for (;;) {
-      const { value, done } = await reader.read();
-      if (done) break;
-      buffer += decoder.decode(value, { stream: true });
-      let nl;
-      while ((nl = buffer.indexOf("\n")) >= 0) {
-        const line = buffer.slice(0, nl).trim();
-        buffer = buffer.slice(nl + 1);
-        if (line) onEvent(JSON.parse(line));
-      }
-    }
+    for await (const ev of ndjsonEvents(response)) onEvent(ev);
   } catch (e) {
     if (state.steps.length === 0) clearResults();
     showError(e.message);

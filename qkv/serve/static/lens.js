@@ -387,24 +387,11 @@ async function post(path, body) {
 async function postStream(path, body) {
   const response = await api(path, { method: "POST", body: JSON.stringify(body),
     headers: { "Content-Type": "application/json", "Accept": "application/x-ndjson" } });
-  const reader = response.body.getReader();
-  const decoder = new TextDecoder();
-  let buffer = "";
   try {
-    for (;;) {
-      const { value, done } = await reader.read();
-      if (done) break;
-      buffer += decoder.decode(value, { stream: true });
-      let nl;
-      while ((nl = buffer.indexOf("\n")) >= 0) {
-        const line = buffer.slice(0, nl);
-        buffer = buffer.slice(nl + 1);
-        if (!line.trim()) continue;
-        const ev = JSON.parse(line);
-        if (ev.event === "result") return ev.result;
-        if (ev.event === "error") throw new Error(`Error ${ev.status}: ${ev.detail}`);
-        showWait(ev);
-      }
+    for await (const ev of ndjsonEvents(response)) {
+      if (ev.event === "result") return ev.result;
+      if (ev.event === "error") throw new Error(`Error ${ev.status}: ${ev.detail}`);
+      showWait(ev);
     }
   } finally {
     showWait(null);
