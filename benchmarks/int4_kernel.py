@@ -2,8 +2,10 @@
 on SmolLM2-135M's matrices, and what each does to the model's predictions.
 
 - ``speed``: every 4-bit product of a token (30 layers x qkv, out, gate|up, down; random codes of
-  SmolLM2's shapes) for 1, 8 and 32 rows (a token, a running batch, a prompt), in alternated
-  rounds; rows/s and the rate the weights are read at (0.625 bytes per weight, both kernels).
+  SmolLM2's shapes) for 1, 2, 4, 8 and 32 rows (a token, a running batch, a prompt), in
+  alternated rounds; rows/s and the rate the weights are read at (0.625 bytes per weight, both
+  kernels). ``--against REV``: also qkv's kernel as it was at git revision REV (its
+  ``qmatmul.cpp`` compiled here beside today's), in the same rounds.
 - ``quality``: SmolLM2's GGUF in q4 with each kernel against the same file in fp32 (its exact
   float weights) on 300 positions of held text: how often the top-1 token agrees, the mean
   KL(fp32 || q4) and the mean negative log-likelihood of the text. (With qkv's kernels the
@@ -14,6 +16,7 @@ int8 twice (a code and its residual: to 1/256 of the int8 step), then multiplies
 products (AVX512-VNNI, else AVX2).
 
     python benchmarks/int4_kernel.py              # ~1 minute on 2 cores
+    python benchmarks/int4_kernel.py --against adb32d0 --positions 0   # speed only, vs a revision
 """
 
 from __future__ import annotations
@@ -27,7 +30,29 @@ NAME = "int4_kernel"
 SHAPES = ((960, 576), (576, 576), (3072, 576), (576, 1536))  # SmolLM2: qkv, out, gate|up, down
 
 
-def speed(rounds: int, rows: tuple[int, ...]) -> list[dict]:
+def kernel_at(rev: str) -> object:
+    """``int4_mm`` of qkv's kernel source at git revision ``rev``, compiled for this CPU under its
+    own namespace (torch.ops.qkv_at_rev) beside today's."""
+    import subprocess
+    import tempfile
+    from pathlib import Path
+
+    import torch
+
+    from qkv.kernels import compile_library
+
+    root = Path(__file__).resolve().parents[1]
+    src = subprocess.run(["git", "show", f"{rev}:qkv/kernels/qmatmul.cpp"], cwd=root, check=True,
+                         capture_output=True, text=True).stdout
+    with tempfile.TemporaryDirectory() as d:
+        cpp, lib = Path(d) / "qmatmul.cpp", Path(d) / "before.so"
+        cpp.write_text(src)
+        compile_library(lib, namespace="qkv_at_rev", source=cpp)
+        torch.ops.load_library(str(lib))
+    return torch.ops.qkv_at_rev.int4_mm
+
+
+def speed(rounds: int, rows: tuple[int, ...], before: object | None = None) -> list[dict]:
     import torch
 
     from qkv.layers.quant import Int4Linear
@@ -41,11 +66,16 @@ def speed(rounds: int, rows: tuple[int, ...]) -> list[dict]:
         xs = {K: torch.randn(M, K) for K in (576, 1536)}
         inputs = {"aten": {K: x.bfloat16() for K, x in xs.items()}, "qkv": xs}
         reps = max(2, 64 // M)
-        times: dict[str, list[float]] = {"aten": [], "qkv": []}
+        kinds = ["aten", "qkv", *(["before"] if before is not None else [])]
+        times: dict[str, list[float]] = {k: [] for k in kinds}
         for r in range(rounds):
-            for k in (("aten", "qkv") if r % 2 == 0 else ("qkv", "aten")):
+            for k in (kinds if r % 2 == 0 else kinds[::-1]):
                 t = time.perf_counter()
                 for _ in range(reps):
+                    if k == "before":  # the same packed layers, through the revision's op
+                        for layer in layers["qkv"]:
+                            before(inputs["qkv"][layer.in_features], layer.w4, layer.dm)
+                        continue
                     for layer in layers[k]:
                         layer.matmul(inputs[k][layer.in_features])
                 times[k].append((time.perf_counter() - t) / reps)
@@ -57,8 +87,13 @@ def speed(rounds: int, rows: tuple[int, ...]) -> list[dict]:
                       "samples_ms": [round(t * 1e3, 3) for t in ts]}
         row["qkv_vs_pytorch"] = round(row["aten"]["ms_per_pass"] / row["qkv"]["ms_per_pass"], 2)
         a, q = row["aten"]["ms_per_pass"], row["qkv"]["ms_per_pass"]
+        extra = ""
+        if before is not None:
+            row["qkv_vs_before"] = round(row["before"]["ms_per_pass"] / q, 2)
+            was = row["before"]["ms_per_pass"]
+            extra = f"; at the revision {was:.2f} ms ({row['qkv_vs_before']:.2f}x now)"
         print(f"{M:>3} rows: PyTorch's {a:.2f} ms, qkv's {q:.2f} ms for every 4-bit product once "
-              f"({row['qkv_vs_pytorch']:.2f}x)", flush=True)
+              f"({row['qkv_vs_pytorch']:.2f}x){extra}", flush=True)
         out.append(row)
     return out
 
@@ -104,6 +139,8 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--rounds", type=int, default=6)
     p.add_argument("--positions", type=int, default=300)
+    p.add_argument("--against", default=None, metavar="REV",
+                   help="also time qkv's kernel as it was at this git revision, in the same rounds")
     p.add_argument("--out", default=None)
     args = p.parse_args()
     if not C.have_assets(NAME, ("smollm2", "shakespeare")):
@@ -114,8 +151,10 @@ def main() -> None:
     print(C.machine_line(machine))
     print(f"qkv's kernel here: {K.int4_status()}", flush=True)
     meter = C.LoadMeter()
-    result = {"machine": machine, "kernel": K.int4_status(), "speed": speed(args.rounds, (1, 8, 32)),
-              "quality": quality(args.positions)}
+    before = kernel_at(args.against) if args.against else None
+    result = {"machine": machine, "kernel": K.int4_status(), "against": args.against,
+              "speed": speed(args.rounds, (1, 2, 4, 8, 32), before),
+              "quality": quality(args.positions) if args.positions > 0 else None}
     result["load"] = meter.stop()
     print(C.load_line(result["load"]))
     C.write_json(NAME, result, args.out)

@@ -45,6 +45,13 @@
 namespace {
 
 constexpr int64_t ROWS = 16, GROUP = 32;
+// From this many rows of x on, the AVX2 path widens each group's weights to int16 once and
+// multiplies every row by one 16-bit product per pair of inputs against x's two codes joined,
+// 256·xq + xr (one vpmaddwd, where one row alone takes two vpmaddubsw and a vpmaddwd): the same
+// integers, so the same floats as a row alone, bit for bit (a running batch decodes each row
+// as it would alone), at ~2/3 of the multiplies per row. One row alone keeps the 8-bit products
+// (widening the weights would cost it more than it saves).
+constexpr int64_t WIDE_FROM = 2;
 
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512F__)
 constexpr const char* PATH = "avx512-vnni";
@@ -103,6 +110,7 @@ struct Activations {
   std::vector<int8_t> xq, xr;
   std::vector<float> dx, sx;
   std::vector<int32_t> sq, sr;
+  std::vector<int16_t> x16;  // 256·xq + xr (|.| <= 32,639), where the AVX2 path reads it (M >= 2)
 };
 
 // x (M, K) float32 or bfloat16 -> its Activations; op names the caller in the message.
@@ -116,6 +124,13 @@ Activations quantize(const at::Tensor& x, bool code_sums, const char* op) {
     quantize_rows(x.data_ptr<c10::BFloat16>(), M, K, a.xq.data(), a.xr.data(), a.dx.data(), a.sx.data());
   else
     TORCH_CHECK(false, op, ": x must be float32 or bfloat16");
+#if !(defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512F__)) && defined(__AVX2__) && \
+    defined(__F16C__) && defined(__FMA__)
+  if (M >= WIDE_FROM) {
+    a.x16.resize(M * K);
+    for (int64_t i = 0; i < M * K; ++i) a.x16[i] = static_cast<int16_t>(256 * a.xq[i] + a.xr[i]);
+  }
+#endif
   if (code_sums) {
     a.sq.assign(M * G, 0);
     a.sr.assign(M * G, 0);
@@ -172,9 +187,10 @@ at::Tensor qmatmul(const at::Tensor& x, const at::Tensor& w, const at::Tensor& s
 // ---------------------------------------------------------------- 4-bit weights (GGUF's Q4_0, Q4_1)
 
 // One block of 16 output rows for every row m of x; out (M, 16) accumulates.
-void block4(const uint8_t* w, const c10::Half* dm, const int8_t* xq, const int8_t* xr, const float* dx,
-            const float* sx, int64_t M, int64_t K, float* out) {
+void block4(const uint8_t* w, const c10::Half* dm, const int8_t* xq, const int8_t* xr, const int16_t* x16,
+            const float* dx, const float* sx, int64_t M, int64_t K, float* out) {
   const int64_t G = K / GROUP;
+  (void)x16;  // read by the AVX2 path only
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512F__)
   const __m512i low = _mm512_set1_epi8(0x0F);
   for (int64_t g = 0; g < G; ++g) {
@@ -211,6 +227,57 @@ void block4(const uint8_t* w, const c10::Half* dm, const int8_t* xq, const int8_
   }
 #elif defined(__AVX2__) && defined(__F16C__) && defined(__FMA__)
   const __m256i low = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+  if (x16 != nullptr) {  // M >= WIDE_FROM: int16 weights against 256·xq + xr
+    const __m256i zero = _mm256_setzero_si256();
+    for (int64_t g = 0; g < G; ++g) {
+      const uint8_t* wp = w + g * 256;
+      // wv[h][c][k]: rows 8h..8h+7 of chunk c as int16, k: low nibbles' rows (0, 1 | 4, 5),
+      // their rows (2, 3 | 6, 7), high nibbles' the same; each 32-bit lane two inputs of one row
+      __m256i wv[2][4][4];
+      for (int c = 0; c < 4; ++c)
+        for (int h = 0; h < 2; ++h) {
+          const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wp + c * 64 + h * 32));
+          const __m256i l = _mm256_and_si256(v, low), u = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
+          wv[h][c][0] = _mm256_unpacklo_epi8(l, zero);
+          wv[h][c][1] = _mm256_unpackhi_epi8(l, zero);
+          wv[h][c][2] = _mm256_unpacklo_epi8(u, zero);
+          wv[h][c][3] = _mm256_unpackhi_epi8(u, zero);
+        }
+      __m256 d[2], z[2];
+      for (int h = 0; h < 2; ++h) {
+        d[h] = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(dm + g * 32 + 8 * h)));
+        z[h] = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(dm + g * 32 + 16 + 8 * h)));
+      }
+      for (int64_t m = 0; m < M; ++m) {
+        const int16_t* xp = x16 + m * K + g * GROUP;
+        __m256i xa[4], xb[4];  // inputs 8c..8c+3 (low nibbles) and 8c+4..8c+7 (high), four int16 repeated
+        for (int c = 0; c < 4; ++c) {
+          int64_t a8, b8;
+          std::memcpy(&a8, xp + 8 * c, sizeof(a8));
+          std::memcpy(&b8, xp + 8 * c + 4, sizeof(b8));
+          xa[c] = _mm256_set1_epi64x(a8);
+          xb[c] = _mm256_set1_epi64x(b8);
+        }
+        const __m256 scale = _mm256_set1_ps(dx[m * G + g] * (1.f / 256.f)), sum = _mm256_set1_ps(sx[m * G + g]);
+        for (int h = 0; h < 2; ++h) {
+          __m256i p = _mm256_setzero_si256(), q = _mm256_setzero_si256();  // rows 0, 1 | 4, 5; 2, 3 | 6, 7
+          for (int c = 0; c < 4; ++c) {
+            // code (0..15) x (256·xq + xr): pairs |.| <= 979,170; 32 products <= 15.7M in int32
+            p = _mm256_add_epi32(p, _mm256_add_epi32(_mm256_madd_epi16(wv[h][c][0], xa[c]),
+                                                     _mm256_madd_epi16(wv[h][c][2], xb[c])));
+            q = _mm256_add_epi32(q, _mm256_add_epi32(_mm256_madd_epi16(wv[h][c][1], xa[c]),
+                                                     _mm256_madd_epi16(wv[h][c][3], xb[c])));
+          }
+          const __m256i both = _mm256_hadd_epi32(p, q);  // rows 8h..8h+7 in order: 256·<q, xq> + <q, xr>
+          __m256 o = _mm256_loadu_ps(out + m * ROWS + 8 * h);
+          o = _mm256_fmadd_ps(_mm256_cvtepi32_ps(both), _mm256_mul_ps(d[h], scale), o);
+          o = _mm256_fmadd_ps(z[h], sum, o);
+          _mm256_storeu_ps(out + m * ROWS + 8 * h, o);
+        }
+      }
+    }
+    return;
+  }
   for (int64_t g = 0; g < G; ++g) {
     const uint8_t* wp = w + g * 256;
     __m256i lo[4][2], hi[4][2];
@@ -281,7 +348,8 @@ struct Q4 {
   static constexpr const char* SCALES_SHAPE = "(N/16, K/32, 2, 16)";
   static constexpr bool CODE_SUMS = false;
   static void block(const uint8_t* w, const c10::Half* dm, const Activations& a, float* out) {
-    block4(w, dm, a.xq.data(), a.xr.data(), a.dx.data(), a.sx.data(), a.M, a.K, out);
+    block4(w, dm, a.xq.data(), a.xr.data(), a.x16.empty() ? nullptr : a.x16.data(), a.dx.data(), a.sx.data(),
+           a.M, a.K, out);
   }
 };
 
@@ -294,9 +362,10 @@ struct Q4 {
 //   ds float16 (N/16, K/32, 16): the 16 rows' d
 // y[n] = Σ_g d[n,g]·dx[g]/256·(256·<q, xq> + <q, xr>), where <q + 128, x> − 128·Σx = <q, x>.
 
-void block8(const uint8_t* w, const c10::Half* ds, const int8_t* xq, const int8_t* xr, const float* dx,
-            const int32_t* sq, const int32_t* sr, int64_t M, int64_t K, float* out) {
+void block8(const uint8_t* w, const c10::Half* ds, const int8_t* xq, const int8_t* xr, const int16_t* x16,
+            const float* dx, const int32_t* sq, const int32_t* sr, int64_t M, int64_t K, float* out) {
   const int64_t G = K / GROUP;
+  (void)x16;  // read by the AVX2 path only
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512F__)
   for (int64_t g = 0; g < G; ++g) {
     const uint8_t* wp = w + g * 512;
@@ -328,6 +397,46 @@ void block8(const uint8_t* w, const c10::Half* ds, const int8_t* xq, const int8_
   }
 #elif defined(__AVX2__) && defined(__F16C__) && defined(__FMA__)
   const __m256i flip = _mm256_set1_epi8(static_cast<char>(0x80)), ones = _mm256_set1_epi16(1);
+  if (x16 != nullptr) {  // M >= WIDE_FROM: int16 weights against 256·xq + xr
+    const __m256i zero = _mm256_setzero_si256();
+    for (int64_t g = 0; g < G; ++g) {
+      const uint8_t* wp = w + g * 512;
+      __m256i wv[2][8][2];  // rows 8h..8h+7 of chunk c as int16: rows (0, 1 | 4, 5), rows (2, 3 | 6, 7)
+      for (int c = 0; c < 8; ++c)
+        for (int h = 0; h < 2; ++h) {
+          const __m256i q = _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(wp + c * 64 + h * 32)), flip);
+          const __m256i sign = _mm256_cmpgt_epi8(zero, q);
+          wv[h][c][0] = _mm256_unpacklo_epi8(q, sign);
+          wv[h][c][1] = _mm256_unpackhi_epi8(q, sign);
+        }
+      __m256 d[2];
+      for (int h = 0; h < 2; ++h)
+        d[h] = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(ds + g * 16 + 8 * h)));
+      for (int64_t m = 0; m < M; ++m) {
+        const int16_t* xp = x16 + m * K + g * GROUP;
+        __m256i xa[8];  // inputs 4c..4c+3, four int16 repeated
+        for (int c = 0; c < 8; ++c) {
+          int64_t a8;
+          std::memcpy(&a8, xp + 4 * c, sizeof(a8));
+          xa[c] = _mm256_set1_epi64x(a8);
+        }
+        const __m256 scale = _mm256_set1_ps(dx[m * G + g] * (1.f / 256.f));
+        for (int h = 0; h < 2; ++h) {
+          __m256i p = _mm256_setzero_si256(), q = _mm256_setzero_si256();
+          for (int c = 0; c < 8; ++c) {
+            // code (-127..127) x (256·xq + xr): 32 products |.| <= 133M in int32
+            p = _mm256_add_epi32(p, _mm256_madd_epi16(wv[h][c][0], xa[c]));
+            q = _mm256_add_epi32(q, _mm256_madd_epi16(wv[h][c][1], xa[c]));
+          }
+          const __m256i both = _mm256_hadd_epi32(p, q);
+          __m256 o = _mm256_loadu_ps(out + m * ROWS + 8 * h);
+          o = _mm256_fmadd_ps(_mm256_cvtepi32_ps(both), _mm256_mul_ps(d[h], scale), o);
+          _mm256_storeu_ps(out + m * ROWS + 8 * h, o);
+        }
+      }
+    }
+    return;
+  }
   for (int64_t g = 0; g < G; ++g) {
     const uint8_t* wp = w + g * 512;
     __m256 d[2];
@@ -387,7 +496,8 @@ struct Q8 {
   static constexpr const char* SCALES_SHAPE = "(N/16, K/32, 16)";
   static constexpr bool CODE_SUMS = true;
   static void block(const uint8_t* w, const c10::Half* ds, const Activations& a, float* out) {
-    block8(w, ds, a.xq.data(), a.xr.data(), a.dx.data(), a.sq.data(), a.sr.data(), a.M, a.K, out);
+    block8(w, ds, a.xq.data(), a.xr.data(), a.x16.empty() ? nullptr : a.x16.data(), a.dx.data(), a.sq.data(),
+           a.sr.data(), a.M, a.K, out);
   }
 };
 

@@ -112,6 +112,33 @@ def test_int4_mm_is_its_definition_and_close_to_the_exact_product(
     assert (bound <= 0.01 * scale + 1e-9).all()  # and that bound is small: ~2^-8 of the sums
 
 
+@pytest.mark.parametrize("path", ["native", "avx2", "scalar"])
+@pytest.mark.parametrize("op", ["int4_mm", "q8_mm"])
+def test_each_row_of_a_batched_product_is_that_row_alone_bit_for_bit(
+        paths: dict[str, object], path: str, op: str) -> None:
+    """A running batch decodes each row as it would alone: the AVX2 path multiplies several rows
+    by 16-bit products (256·xq + xr in one) and one row by 8-bit ones; the integers, and so the
+    floats, must be the same."""
+    if path not in paths:
+        pytest.skip("this CPU cannot run the AVX2 build")
+    q, d, m, x = _problem(64, 1536, 8, seed=7, outliers=True)
+    x[2] = 0  # a row of zeros beside the others
+    if op == "int4_mm":
+        w, scales = pack_int4(q, d, m)
+    else:
+        w, scales = K.pack_q8(q - 8, d)  # codes -8..7 stand in for Q8_0's -127..127 here
+        codes = torch.randint(-127, 128, (64, 1536), generator=torch.Generator().manual_seed(3))
+        w8, s8 = K.pack_q8(codes, d)
+    f = getattr(getattr(torch.ops, "qkv" if path == "native" else f"qkv_test_{path}"), op)
+    pairs = [(w, scales)] if op == "int4_mm" else [(w, scales), (w8, s8)]
+    for wp, sp in pairs:
+        together = f(x, wp, sp)
+        for M in (2, 3, 8):
+            assert torch.equal(f(x[:M].contiguous(), wp, sp), together[:M])
+        for i in range(len(x)):
+            assert torch.equal(f(x[i : i + 1].contiguous(), wp, sp)[0], together[i]), i
+
+
 def test_bf16_activations_are_read_as_their_float_values(paths: dict[str, object]) -> None:
     q, d, m, x = _problem(32, 64, 2, seed=7)
     w, dm = pack_int4(q, d, m)
