@@ -10,6 +10,7 @@ from helpers import hf_bert_config, hf_decoder_folder, save_hf_folder
 
 import qkv
 from qkv import lens
+from qkv.lens import predict
 from qkv.lens.hooks import Recorded, blocks, finish, forward, forward_steps, hooked
 
 
@@ -92,3 +93,21 @@ def test_the_logit_lens_in_pieces_is_float64_math(tmp_path):
     v, i = p64.topk(2, -1)
     assert torch.equal(i, top)
     torch.testing.assert_close(probs.double(), v, rtol=1e-4, atol=1e-6)
+    # the vocabulary a few tokens at a time (an online softmax over 7-token slices): the same
+    # tokens and probabilities
+    V = w.shape[0]
+    cells = ll.normed.shape[0] * ll.normed.shape[1]
+    assert cells >= predict.EXACT_FROM  # every cell at once, the vocabulary in slices
+    sliced = ll.top_steps(3, logits=cells * 7)
+    n = 0
+    while True:
+        try:
+            next(sliced)
+            n += 1
+        except StopIteration as done:
+            sp, st = done.value
+            break
+    assert n == -(-V // 7)  # one piece per slice
+    v3, i3 = p64.topk(3, -1)
+    assert torch.equal(st, i3)
+    torch.testing.assert_close(sp.double(), v3, rtol=1e-4, atol=1e-6)
