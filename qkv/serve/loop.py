@@ -48,6 +48,8 @@ CLIENT: contextvars.ContextVar[str] = contextvars.ContextVar("qkv_client", defau
 
 
 SLICE_S = 0.05  # the longest the loop runs a computation in pieces before its batches step again
+# (a piece is not started when one as long as the slice's longest so far would overrun it; one
+# piece always runs)
 
 
 def ordinal(n: int) -> str:
@@ -321,11 +323,15 @@ class ComputeLoop:
                 return
             if job.steps is None:
                 job.steps = job.fn()
+            longest = 0.0  # this slice's longest piece so far
             while True:  # pieces for at most one slice, then the running batches step again
+                t = time.monotonic()
                 got = next(job.steps)
                 if got is not None:
                     job.progress = got
-                if time.monotonic() - t0 >= SLICE_S:
+                now = time.monotonic()
+                longest = max(longest, now - t)
+                if now - t0 + longest > SLICE_S:  # another piece like the longest would overrun it
                     break
             with self._cond:
                 if not self._closing:

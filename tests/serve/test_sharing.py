@@ -200,6 +200,31 @@ def test_tokens_first_an_interactive_computation_yields_only_to_the_running_batc
     loop.close()
 
 
+def test_a_slice_starts_no_piece_that_would_overrun_it(monkeypatch):
+    """A slice runs pieces while one more as long as its longest would still fit: after a piece
+    of 0.12 s in a 0.2-s slice the running batch steps (a second piece would end past 0.2 s),
+    and short pieces share a slice (several between two steps)."""
+    import time
+
+    monkeypatch.setattr(loop_module, "SLICE_S", 0.2)
+    loop, order = ComputeLoop(), []
+    loop.add_batch("m", lambda: _Batch(order, rows=10))
+
+    def view():
+        for i in range(8):
+            order.append(f"piece {i}")
+            time.sleep(0.12 if i == 0 else 0.01)
+            yield
+        return "viewed"
+
+    assert loop.submit(view, label="lens", pieces=True).future.result(10) == "viewed"
+    first = order.index("piece 0")
+    assert order[first + 1] == "tick"
+    after = order[first + 2:]
+    assert after[:2] == ["piece 1", "piece 2"]  # more than one short piece in the next slice
+    loop.close()
+
+
 def test_a_waiting_client_knows_its_place_and_one_that_leaves_is_not_computed(monkeypatch):
     """Places follow the fair queue's order (interactive first, one per client in turn); a
     request whose client went away is taken off the queue (answered CancelledError, never run),
