@@ -26,7 +26,7 @@ def add_serve_parser(sub) -> None:
         "uploads and other POSTs from another web site are refused (Origin, Sec-Fetch-Site). Every "
         "model computation runs on one compute loop, fair per client (one computation of each in "
         "turn, interactive ones before patching sweeps; up to --max-queued wait, the rest get 503 + "
-        "Retry-After), tokens first (computations run in slices of at most 50 ms, the running "
+        "Retry-After), tokens first (computations run in slices of at most 40 ms, the running "
         "batches step between them; a request sent with Accept: application/x-ndjson hears its "
         "place in the queue and its progress, and closing it cancels it), and identical lens, q·k "
         "and patching requests are computed once (--shared-answers); several replicas can serve "

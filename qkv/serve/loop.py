@@ -47,7 +47,7 @@ T = TypeVar("T")
 CLIENT: contextvars.ContextVar[str] = contextvars.ContextVar("qkv_client", default="")
 
 
-SLICE_S = 0.05  # the longest the loop runs a computation in pieces before its batches step again
+SLICE_S = 0.04  # the longest the loop runs a computation in pieces before its batches step again
 # (a piece is not started when one as long as the slice's longest so far would overrun it; one
 # piece always runs)
 
