@@ -56,7 +56,7 @@ def _key(flags: tuple[str, ...]) -> tuple[str, dict[str, Any]]:
 
 
 def compile_library(out: Path, flags: tuple[str, ...] = ("-march=native",), namespace: str = "qkv",
-                    source: Path = SOURCE) -> None:
+                    source: Path | None = None) -> None:
     """Compile ``qmatmul.cpp`` (or another version of it, ``source``) into the shared library
     ``out`` (NativeError with the compiler's last lines if it fails). ``namespace``: the ops'
     namespace (``torch.ops.<namespace>``)."""
@@ -67,7 +67,7 @@ def compile_library(out: Path, flags: tuple[str, ...] = ("-march=native",), name
 
     cmd = [path, "-O3", *flags, "-std=c++17", "-shared", "-fPIC", "-fopenmp", "-w",
            f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}", f"-DQKV_NAMESPACE={namespace}",
-           *[f"-I{p}" for p in cpp_extension.include_paths()], str(source), "-o", str(out),
+           *[f"-I{p}" for p in cpp_extension.include_paths()], str(source or SOURCE), "-o", str(out),
            *[f"-L{p}" for p in cpp_extension.library_paths()], "-lc10", "-ltorch_cpu"]
     try:
         r = run_owned(cmd, timeout=300)  # never outlives this process
