@@ -7,7 +7,11 @@ one row, 38 ms for four). Requests that arrive at different times, with prompts 
 lengths, share those steps:
 
 - a request *joins* by a prefill of its prompt alone, straight into a free row of the batch's
-  :class:`~qkv.attention.BatchKVCache` (no copy); its first token comes from that prefill;
+  :class:`~qkv.attention.BatchKVCache` (no copy); its first token comes from that prefill. A
+  long prompt may instead be prefilled a chunk at a time between steps (:meth:`Batch.start`,
+  :meth:`Batch.prefill`: chunks of :data:`CHUNK` tokens, into a cache of its own, copied into
+  its row when it joins), so that the rows already decoding wait for one chunk, not the whole
+  prompt; the chunks are fixed, so the same request prefills the same way alone or in a class;
 - each *step* feeds one token per live row, every row at its own position (per-row RoPE angles,
   position rows and ALiBi distances; each row attends over its own keys in its own call), and
   samples each row with the row's own settings and random generator;
@@ -49,7 +53,7 @@ from qkv.generation import aot
 from qkv.generation.builds import decide
 from qkv.generation.decoders import DecodeMode, keep_queries
 from qkv.generation.sampling import check_sampling, make_generator, sample_next
-from qkv.models.gpt import GPT
+from qkv.models.gpt import GPT, GPTOutput
 
 if TYPE_CHECKING:
     from qkv.generation.aot import SavedStep
@@ -133,6 +137,27 @@ class Row:
     new: list[int] = field(default_factory=list)
     last: int = 0  # the id the next step feeds
     done: bool = False
+
+
+CHUNK = 32  # a prompt prefilled in pieces (Batch.start, Batch.prefill) runs this many tokens a piece
+# (SmolLM2 on a Zen 3's 2 cores: ~75 ms; the longest turn of a running batch while a 240-token
+# prompt joins 0.53 s whole, 0.17 s in chunks of 64, 0.10 s in chunks of 32: benchmarks/prefill_chunks.py)
+
+
+@dataclass
+class Prefill:
+    """A prompt being prefilled a chunk at a time outside the batch (:meth:`Batch.start`):
+    ``cache`` its own (L, 1, K, n, D) keys and values, ``done`` the tokens prefilled so far,
+    ``out`` the last chunk's output (its logits choose the first token) once all are."""
+
+    request: Request
+    cache: KVCache
+    done: int = 0
+    out: GPTOutput | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.done >= len(self.request.ids)
 
 
 class Batch:
@@ -321,14 +346,40 @@ class Batch:
             self._cache.set_length(row.slot, n)
         step.release(cache)
 
+    def start(self, request: Request) -> Prefill:
+        """Begin prefilling ``request``'s prompt outside the batch, a chunk at a time
+        (:meth:`prefill`; then :meth:`join` with it): nothing of the batch is touched."""
+        request.check(self.context)
+        cfg, p = self.model.cfg, self.model.tok_emb.weight
+        cache = KVCache(cfg.n_layers, 1, cfg.resolved_kv_heads, max(len(request.ids), 1),
+                        cfg.resolved_head_dim, dtype=p.dtype, device=p.device)
+        return Prefill(request, cache)
+
     @torch.inference_mode()
-    def join(self, request: Request) -> tuple[Row, Token | None]:
-        """Prefill ``request``'s prompt alone into a free row; (the row, its first token or None
+    def prefill(self, p: Prefill) -> None:
+        """The next :data:`CHUNK` tokens of ``p``'s prompt into its own cache (the last chunk
+        with the attention its request asks for)."""
+        ids = list(p.request.ids[p.done : p.done + CHUNK])
+        if not ids:
+            return
+        last = p.done + len(ids) >= len(p.request.ids)
+        x = torch.tensor([ids], device=self.model.tok_emb.weight.device)
+        out = self.model(x, cache=p.cache, last_only=True, **(self._extra([p.request]) if last else {}))
+        p.done += len(ids)
+        if last:
+            p.out = out
+
+    @torch.inference_mode()
+    def join(self, request: Request, prefilled: Prefill | None = None) -> tuple[Row, Token | None]:
+        """Prefill ``request``'s prompt alone into a free row (or, ``prefilled``, copy the keys
+        and values of a finished :meth:`prefill` into it); (the row, its first token or None
         when it has none: zero tokens asked for, or a stop id first). A row that is already
         done has left again."""
         if len(self.live) >= self.rows:
             raise ValueError(f"the batch is full ({self.rows} rows); wait for a row to leave")
         request.check(self.context)
+        if prefilled is not None and (prefilled.request is not request or not prefilled.finished):
+            raise ValueError("join(prefilled=) takes the finished prefill of this request")
         self._flush()
         need = len(request.ids) + request.max_new_tokens
         if need > self.cache_len:
@@ -337,10 +388,17 @@ class Batch:
         if request.max_new_tokens == 0:
             row.done = True
             return row, None
-        cache = self._cache.row(row.slot)
-        ids = torch.tensor([list(request.ids)], device=self.model.tok_emb.weight.device)
-        out = self.model(ids, cache=cache, last_only=True, **self._extra([request]))
-        self._cache.set_length(row.slot, len(request.ids))
+        n = len(request.ids)
+        if prefilled is None:
+            cache = self._cache.row(row.slot)
+            ids = torch.tensor([list(request.ids)], device=self.model.tok_emb.weight.device)
+            out = self.model(ids, cache=cache, last_only=True, **self._extra([request]))
+        else:
+            self._cache.k[:, row.slot, :, :n] = prefilled.cache.k[:, 0, :, :n]
+            self._cache.v[:, row.slot, :, :n] = prefilled.cache.v[:, 0, :, :n]
+            assert prefilled.out is not None
+            out = prefilled.out
+        self._cache.set_length(row.slot, n)
         self.live.append(row)
         nxt = self._take(row, out.logits[:, -1])
         if nxt is None:

@@ -28,14 +28,15 @@ from collections.abc import Callable, Iterator
 import torch
 
 from qkv.attention import BatchKVCache
-from qkv.generation.batch import Batch, Request, Row, Token
+from qkv.generation.batch import CHUNK, Batch, Prefill, Request, Row, Token
 from qkv.models.gpt import GPT
 from qkv.serve.loop import BusyError
 
 _END = object()  # a row's last item
-# Prompt tokens prefilled per turn of the loop, at least one prompt: a class that asks to generate
-# at once joins over a few turns, while the rows already decoding take a step in each
-PREFILL_TOKENS = 64
+# Prompt tokens prefilled per turn of the loop, at least one prompt or chunk: a class that asks to
+# generate at once joins over a few turns, while the rows already decoding take a step in each; a
+# prompt longer than qkv.generation.batch.CHUNK (32) tokens is prefilled a chunk per turn
+PREFILL_TOKENS = 32
 
 
 class RowStream:
@@ -106,6 +107,7 @@ class ModelBatch:
         self._lock = threading.Lock()
         self._pending: collections.deque[RowStream] = collections.deque()
         self._live: dict[Row, RowStream] = {}
+        self._joining: collections.deque[tuple[RowStream, Prefill]] = collections.deque()  # long prompts
         self._batch: Batch | None = None  # while it has rows (loop thread only)
         self._spare: BatchKVCache | None = None  # the last batch's cache, for the next one
         self._seconds = 1.0  # a running mean of how long a request holds a row, for Retry-After
@@ -115,8 +117,9 @@ class ModelBatch:
     # ------------------------------------------------------------------ from any thread
 
     def running(self) -> int:
+        """Requests decoding or prefilling their prompts a chunk at a time."""
         with self._lock:
-            return len(self._live)
+            return len(self._live) + len(self._joining)
 
     def waiting(self) -> int:
         with self._lock:
@@ -124,7 +127,7 @@ class ModelBatch:
 
     def busy(self) -> bool:
         with self._lock:
-            return bool(self._live or self._pending)
+            return bool(self._live or self._pending or self._joining)
 
     def submit(self, request: Request, transform: Callable[[Token], object] | None = None) -> RowStream:
         """Queue ``request`` for a row (first come, first served); its tokens come from the
@@ -132,9 +135,10 @@ class ModelBatch:
         request.check(self.model.cfg.max_seq_len)
         stream = RowStream(request, transform)
         with self._lock:
-            if len(self._live) + len(self._pending) >= self.rows + self.queued:
+            live = len(self._live) + len(self._joining)
+            if live + len(self._pending) >= self.rows + self.queued:
                 after = max(1, min(60, round(self._seconds * (1 + len(self._pending)) / self.rows)))
-                raise BusyError(f"{self.name} is busy ({len(self._live)} requests decoding and "
+                raise BusyError(f"{self.name} is busy ({live} requests decoding and "
                                 f"{len(self._pending)} waiting); try again in {after} s", after)
             self._pending.append(stream)
         self.wake()
@@ -151,8 +155,9 @@ class ModelBatch:
     def close(self) -> None:
         """End every row and waiting request (the server stops, or the model is unloaded)."""
         with self._lock:
-            streams = [*self._live.values(), *self._pending]
+            streams = [*self._live.values(), *self._pending, *(j[0] for j in self._joining)]
             self._pending.clear()
+            self._joining.clear()
         for s in streams:
             s.cancel()
             s.joined.set()
@@ -184,15 +189,25 @@ class ModelBatch:
             if stream.cancelled:
                 batch.leave(row)
                 self._finish(row, stream)
-        prefilled = 0  # tokens first: the rows already decoding wait for at most PREFILL_TOKENS of prompts
+        prefilled = 0  # tokens first: the rows already decoding wait for about PREFILL_TOKENS of prompts
         while prefilled < PREFILL_TOKENS:
+            if self._joining:  # a long prompt's next chunk (oldest first)
+                prefilled += self._chunk(batch)
+                continue
             with self._lock:
-                if not self._pending or len(self._live) >= self.rows:
+                if not self._pending or len(self._live) + len(self._joining) >= self.rows:
                     break
                 stream = self._pending.popleft()
             stream.joined.set()
-            self._join(batch, stream)
-            prefilled += len(stream.request.ids)
+            if len(stream.request.ids) <= CHUNK:
+                self._join(batch, stream)
+                prefilled += len(stream.request.ids)
+                continue
+            try:  # a chunk a turn, in a cache of its own, then into a row
+                with self._lock:
+                    self._joining.append((stream, batch.start(stream.request)))
+            except Exception as e:
+                stream._end(e)
         if len(batch):
             events = batch.step()
             self.steps += 1
@@ -204,14 +219,38 @@ class ModelBatch:
         if not len(batch):  # emptied: its cache waits for the next busy period
             self._spare, self._batch = batch.take_cache(), None
 
-    def _join(self, batch: Batch, stream: RowStream) -> None:
-        """Prefill one request into the batch (its errors go to it alone)."""
+    def _chunk(self, batch: Batch) -> int:
+        """The next chunk of the oldest long prompt being prefilled; once it is all prefilled,
+        its request joins the batch. Returns the tokens prefilled (0 when it was cancelled)."""
+        stream, p = self._joining[0]
+        if stream.cancelled:
+            with self._lock:
+                self._joining.popleft()
+            stream._end()
+            return 0
+        before = p.done
+        try:
+            batch.prefill(p)
+        except Exception as e:
+            with self._lock:
+                self._joining.popleft()
+            stream._end(e)
+            return 0
+        if p.finished:
+            with self._lock:
+                self._joining.popleft()
+            self._join(batch, stream, p)
+        return p.done - before
+
+    def _join(self, batch: Batch, stream: RowStream, prefilled: Prefill | None = None) -> None:
+        """Prefill one request into the batch, or join it with its finished prefill (its errors
+        go to it alone)."""
         if stream.cancelled:
             stream._end()
             return
         stream.started = time.monotonic()
         try:
-            row, tok = batch.join(stream.request)
+            row, tok = batch.join(stream.request, prefilled)
         except Exception as e:
             stream._end(e)
             return

@@ -8,6 +8,7 @@ import pytest
 import torch
 from helpers import decode_alone, random_decoder, token_ids
 
+import qkv.generation.batch as batch_module
 from qkv.attention import BatchKVCache
 from qkv.generation.batch import Batch, Request, generate_batch
 from qkv.models.gpt import GPT, GPTConfig
@@ -297,3 +298,41 @@ def test_a_later_batch_reuses_an_emptied_batchs_cache_zeroed_and_decodes_as_alon
     busy.join(Request(ids(3, 1), 5))
     with pytest.raises(ValueError, match="still has 1 rows"):
         busy.take_cache()
+
+
+def test_a_prompt_prefilled_a_chunk_at_a_time_joins_and_decodes_as_alone(monkeypatch):
+    """start / prefill / join(prefilled=): a 30-token prompt in chunks of 8 (four pieces) into a
+    cache of its own while another row decodes, then copied into its row: the last chunk's
+    logits equal one forward pass over the whole prompt without a cache (float rounding), its
+    attention row the one that pass gives, and both rows' tokens are their requests' alone."""
+    monkeypatch.setattr(batch_module, "CHUNK", 8)
+    m = model()
+    short, long = Request(ids(5, 6), 12), Request(ids(30, 5), 7, weights=True, layers=(1,))
+    b = Batch(m, 2, 48, mode="eager")
+    got = {"short": [], "long": []}
+    row, tok = b.join(short)
+    names = {id(row): "short"}
+    got["short"].append(tok.id)
+    p = b.start(long)
+    pieces = 0
+    while not p.finished:
+        b.prefill(p)
+        pieces += 1
+        for r, t in b.step():
+            got[names[id(r)]].append(t.id)
+    assert pieces == 4 and len(b) == 1
+    with torch.inference_mode():
+        whole = m(torch.tensor([list(long.ids)]), backend="reference", return_weights=True)
+    torch.testing.assert_close(p.out.logits[0, -1], whole.logits[0, -1], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(p.out.weights[1][0, :, -1], whole.weights[1][0, :, -1], rtol=1e-5, atol=1e-6)
+    row, tok = b.join(long, p)
+    names[id(row)] = "long"
+    got["long"].append(tok.id)
+    while len(b):
+        for r, t in b.step():
+            if t is not None:
+                got[names[id(r)]].append(t.id)
+    assert got["short"] == alone(m, short)
+    assert got["long"] == [t for t, _ in alone(m, long, weights=True)]
+    with pytest.raises(ValueError, match="finished prefill of this request"):
+        b.join(short, b.start(short))

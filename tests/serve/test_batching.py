@@ -17,6 +17,8 @@ from helpers import random_decoder as model
 from helpers import token_ids as ids
 from helpers import wait_until
 
+import qkv.generation.batch as batch_module
+import qkv.serve.batching as batching_module
 from qkv.generation.batch import Request
 from qkv.serve.batching import ModelBatch
 from qkv.serve.loop import BusyError, ComputeLoop
@@ -92,10 +94,10 @@ def test_a_failing_prefill_reaches_its_request_only(monkeypatch):
 
     real = batch_mod.Batch.join
 
-    def join(self, request):
+    def join(self, request, prefilled=None):
         if len(request.ids) == 7:
             raise RuntimeError("boom")
-        return real(self, request)
+        return real(self, request, prefilled)
 
     monkeypatch.setattr(batch_mod.Batch, "join", join)
     with pytest.raises(RuntimeError, match="boom"):
@@ -150,3 +152,29 @@ def test_a_new_busy_period_reuses_the_last_batchs_cache(monkeypatch):
         wait_until(lambda: e._batch is None, "the batch to empty")
     assert made == [48]
     loop.close()
+
+
+def test_a_long_prompt_joins_a_chunk_per_turn_while_the_decoding_rows_step(monkeypatch):
+    """Tokens first for long prompts too: a prompt longer than a chunk (8 tokens here, 64 in a
+    server) is prefilled one chunk per turn of the loop in a cache of its own while the row
+    already decoding takes a step in each turn, then joins its row; both decode as they do
+    alone (generate, whole prompt at once)."""
+    monkeypatch.setattr(batch_module, "CHUNK", 8)
+    monkeypatch.setattr(batching_module, "CHUNK", 8)
+    monkeypatch.setattr(batching_module, "PREFILL_TOKENS", 8)
+    m = model()
+    e = ModelBatch(m, rows=2, cache_len=48, queued=2, name="m")
+    short, long = Request(ids(4, 1), 12), Request(ids(30, 2), 6)
+    s = e.submit(short)
+    e.tick()
+    assert (e.steps, e.peak_rows) == (1, 1)
+    lo = e.submit(long)
+    for turn in range(3):  # chunks of 8, 8 and 8 of its 30 tokens: the short row steps alone
+        e.tick()
+        assert (e.steps, e.peak_rows, e.running()) == (2 + turn, 1, 2)
+    e.tick()  # the last 6 tokens, then it joins and steps beside the short row
+    assert (e.steps, e.peak_rows) == (5, 2)
+    while e.busy():
+        e.tick()
+    assert [t.id for t in s] == alone(m, short)
+    assert [t.id for t in lo] == alone(m, long)
