@@ -3,7 +3,8 @@
 A generation request becomes a *row* of its model's running batch
 (:class:`qkv.generation.batch.Batch`): the server's compute loop (:mod:`qkv.serve.loop`) steps
 every model's batch once per turn, a request's row is filled by a prefill of its prompt between
-two steps, and rows leave when done or when their client goes. Each row decodes exactly as it
+two steps (a prompt longer than :data:`~qkv.generation.batch.CHUNK` tokens a chunk per turn, in a
+cache of its own), and rows leave when done or when their client goes. Each row decodes exactly as it
 would alone, its attention row included, through the model's saved steps where they were built
 (``qkv prepare MODEL``; :func:`qkv.generation.builds.decide` decides).
 
@@ -167,8 +168,9 @@ class ModelBatch:
 
     @torch.inference_mode()
     def tick(self) -> None:
-        """Drop cancelled rows, prefill waiting requests into free rows (prompts of at most
-        :data:`PREFILL_TOKENS` tokens in all per turn, at least one), then one step of every live
+        """Drop cancelled rows, prefill waiting requests into free rows (about
+        :data:`PREFILL_TOKENS` prompt tokens per turn, at least one prompt or chunk; a prompt
+        longer than a chunk a chunk per turn, then into its row), then one step of every live
         row; each row's tokens go to its stream. An error reaches the rows it concerns."""
         try:
             self._tick()
