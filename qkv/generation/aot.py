@@ -273,6 +273,33 @@ def _made_constants(package: Path, model: GPT) -> dict[str, int]:
     return out
 
 
+INDUCTOR_CACHE = "TORCHINDUCTOR_CACHE_DIR"
+
+
+def _compile(ep: Any, pkg: Path) -> None:
+    """AOTInductor's compile of ``ep`` into the package ``pkg``, with Inductor's cache (generated
+    C++, objects, precompiled headers) in qkv's private ``<cache>/inductor``, reused by the next
+    build, instead of ``/tmp/torchinductor_<user>`` (0.5 GB there after a day of builds). The
+    variable is set for the compile only (Inductor reads it at each use); a process started
+    meanwhile inherits a folder that stays."""
+    from torch._inductor import aoti_compile_and_package
+
+    try:
+        inductor = str(private_folder("inductor"))
+    except NativeError as e:
+        raise SavedStepError(str(e)) from None
+    old = os.environ.get(INDUCTOR_CACHE)
+    os.environ[INDUCTOR_CACHE] = inductor
+    try:
+        aoti_compile_and_package(ep, package_path=str(pkg),
+                                 inductor_configs={"aot_inductor.package_constants_in_so": False})
+    finally:
+        if old is None:
+            os.environ.pop(INDUCTOR_CACHE, None)
+        else:
+            os.environ[INDUCTOR_CACHE] = old
+
+
 def build(model: GPT, cache_len: int | None = None, batch: int = 1,
           on_stage: Callable[[Any], object] | None = None) -> Path:
     """Export and compile the step of ``model`` (tens of seconds to minutes) into the saved-step
@@ -288,8 +315,6 @@ def build(model: GPT, cache_len: int | None = None, batch: int = 1,
     key, info = step_key(model, S, batch)
 
     def make(tmp: Path) -> dict[str, Any]:
-        from torch._inductor import aoti_compile_and_package
-
         pkg = tmp / PACKAGE
         with warnings.catch_warnings():  # torch's own deprecation notice inside export, not the user's
             warnings.filterwarnings("ignore", message=".*LeafSpec.*", category=FutureWarning)
@@ -298,8 +323,7 @@ def build(model: GPT, cache_len: int | None = None, batch: int = 1,
             ep = _export(model, S, batch)
             if on_stage is not None:
                 on_stage("compiling")
-            aoti_compile_and_package(ep, package_path=str(pkg),
-                                     inductor_configs={"aot_inductor.package_constants_in_so": False})
+            _compile(ep, pkg)
         return {"key": key, "info": info, "sha256": sha256(pkg), "made": _made_constants(pkg, model)}
 
     return build_once(folder(), key, META, lambda path: _valid(path, key, info) is not None, make)

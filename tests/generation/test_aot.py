@@ -522,3 +522,22 @@ def test_smollm2_saved_step_predicts_what_eager_predicts():
             b = step.step(tok, c_s)[0, -1]
             agree += int(a.argmax() == b.argmax())
     assert agree >= 0.99 * 300
+
+
+def test_a_build_keeps_inductors_cache_in_qkvs_private_folder(tmp_path, monkeypatch):
+    """AOTInductor compiles with its cache in <cache>/inductor (private, reused by the next build),
+    not /tmp/torchinductor_<user>; the variable is back as it was afterwards."""
+    import os
+    import stat
+
+    import torch._inductor as inductor
+    from torch._inductor.runtime.cache_dir_utils import cache_dir
+
+    monkeypatch.setenv("QKV_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "the user's"))
+    seen = []
+    monkeypatch.setattr(inductor, "aoti_compile_and_package", lambda ep, **kw: seen.append(cache_dir()))
+    aot._compile(None, tmp_path / "package")
+    assert seen == [str(tmp_path / "cache" / "inductor")]
+    assert stat.S_IMODE((tmp_path / "cache" / "inductor").stat().st_mode) == 0o700
+    assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(tmp_path / "the user's")
