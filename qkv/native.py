@@ -33,11 +33,13 @@ class NativeError(RuntimeError):
     """Why native code could not be built or loaded here (the caller goes on without it)."""
 
 
-def run_owned(cmd: list[str], timeout: float) -> subprocess.CompletedProcess:
+def run_owned(cmd: list[str], timeout: float, scratch: Path | None = None) -> subprocess.CompletedProcess:
     """``cmd`` (a compiler) run to completion, never outliving this process (:func:`qkv.owned.run`);
-    NativeError if this process is exiting."""
+    NativeError if this process is exiting. ``scratch``: the compiler's TMPDIR (a compiler that
+    is killed leaves its temporary ``cc*.s`` there, not in /tmp)."""
+    env = None if scratch is None else {**os.environ, "TMPDIR": str(scratch)}
     try:
-        return owned.run(cmd, timeout)
+        return owned.run(cmd, timeout, env)
     except owned.ExitingError as e:
         raise NativeError(str(e)) from None
 

@@ -71,12 +71,14 @@ def end(proc: subprocess.Popen) -> int | None:
     return proc.returncode
 
 
-def run(cmd: list[str], timeout: float) -> subprocess.CompletedProcess:
+def run(cmd: list[str], timeout: float, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
     """``cmd`` (a compiler) run to completion and its output captured, like ``subprocess.run``,
     but never outliving this process: its group (the compiler driver and what it starts: cc1plus,
     as, ld) is killed if this process exits first (a server stopped while a kernel compiles in
-    the background, a Ctrl-C), if the call times out, or if the waiting thread is interrupted."""
-    proc = start(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    the background, a Ctrl-C), if the call times out, or if the waiting thread is interrupted.
+    ``env``: its environment (default: this process's)."""
+    proc = start(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                 env=env)
     try:
         out, err = proc.communicate(timeout=timeout)
     except BaseException:

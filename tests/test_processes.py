@@ -71,12 +71,15 @@ def test_a_kernel_compile_in_the_background_ends_with_the_process(tmp_path):
     that exits first (a server stopped at once, a script that loaded and quit) takes the compiler
     with it, instead of leaving g++ and cc1plus running."""
     e, marker = env(tmp_path)
+    (tmp_path / "tmp").mkdir()
+    e["TMPDIR"] = str(tmp_path / "tmp")  # where a killed compiler leaves its cc*.s unless told otherwise
     code = ("import time; from qkv import kernels; kernels.prepare(); time.sleep(1.5); "
             "print(kernels._state['status'])")
     r = subprocess.run([sys.executable, "-c", code], env=e, capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
     assert r.stdout.strip() == "None"  # it exited while the compiler was still running
     assert none_left(marker) == []
+    assert list((tmp_path / "tmp").iterdir()) == []  # its temporary files were in the build's folder
 
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])

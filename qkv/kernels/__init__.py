@@ -70,7 +70,9 @@ def compile_library(out: Path, flags: tuple[str, ...] = ("-march=native",), name
            *[f"-I{p}" for p in cpp_extension.include_paths()], str(source or SOURCE), "-o", str(out),
            *[f"-L{p}" for p in cpp_extension.library_paths()], "-lc10", "-ltorch_cpu"]
     try:
-        r = run_owned(cmd, timeout=300)  # never outlives this process
+        # never outlives this process; its temporary files in the build's own folder, which the
+        # next build removes if this one is killed
+        r = run_owned(cmd, timeout=300, scratch=out.parent)
     except (OSError, subprocess.SubprocessError) as e:
         raise NativeError(f"the compiler did not run: {e}") from None
     if r.returncode != 0:
