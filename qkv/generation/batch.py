@@ -140,8 +140,8 @@ class Row:
 
 
 CHUNK = 32  # a prompt prefilled in pieces (Batch.start, Batch.prefill) runs this many tokens a piece
-# (SmolLM2 on a Zen 3's 2 cores: ~75 ms; the longest turn of a running batch while a 240-token
-# prompt joins 0.53 s whole, 0.17 s in chunks of 64, 0.10 s in chunks of 32: benchmarks/prefill_chunks.py)
+# (SmolLM2 on a Zen 3's 2 cores, the longest turn of a running batch while a 240-token prompt
+# joins: 0.49 s whole, 0.16 s in chunks of 64, 0.10 s in chunks of 32; benchmarks/prefill_chunks.py)
 
 
 @dataclass
@@ -350,10 +350,7 @@ class Batch:
         """Begin prefilling ``request``'s prompt outside the batch, a chunk at a time
         (:meth:`prefill`; then :meth:`join` with it): nothing of the batch is touched."""
         request.check(self.context)
-        cfg, p = self.model.cfg, self.model.tok_emb.weight
-        cache = KVCache(cfg.n_layers, 1, cfg.resolved_kv_heads, max(len(request.ids), 1),
-                        cfg.resolved_head_dim, dtype=p.dtype, device=p.device)
-        return Prefill(request, cache)
+        return Prefill(request, self.model.make_cache(1, max(len(request.ids), 1)))
 
     @torch.inference_mode()
     def prefill(self, p: Prefill) -> None:

@@ -113,7 +113,7 @@ def next_token(lm: TextModel, text: str | list[int] | ActivationCache, temperatu
 ROWS = 2048  # (row, position) cells read out per matrix product: 2048 x V floats at most at once
 PIECE_ROWS = 64  # cells per piece of top_steps through a head that is not a float matrix
 EXACT_FROM = 128  # from this many cells, one float32 product beats a quantised head's (int8) kernel
-PIECE_LOGITS = 3_000_000  # logits per piece of top_steps over a float matrix (~30 ms on a Zen 3's 2 cores)
+PIECE_LOGITS = 3_000_000  # logits per piece of top_steps over a float matrix (~27 ms on a Zen 3's 2 cores)
 
 
 def _float_matrix(head: nn.Module) -> Tensor | None:
@@ -138,7 +138,8 @@ def top_by_vocabulary(x: Tensor, w: Tensor, k: int, logits: int = PIECE_LOGITS
     same over keys, the efficient-attention lecture): a running maximum m and sum of exponentials
     s, rescaled by exp(m_old − m_new) whenever the maximum grows, so that no (N, V) matrix is ever
     held and each slice of w is multiplied by every row at once (one pass over w's 113 MB for
-    SmolLM2, not one per chunk of rows: 480 cells 0.39 -> 0.25 s on a Zen 3's 2 cores)."""
+    SmolLM2, not one per chunk of rows: 465 cells 0.39 -> 0.22 s on a Zen 3's 2 cores,
+    benchmarks/lens_batching.py)."""
     N, V = x.shape[0], w.shape[0]
     step = max(1, min(V, logits // max(N, 1)))
     m = torch.full((N,), -math.inf, device=x.device)
@@ -165,8 +166,8 @@ class LogitLens:
     ``normed`` (L + 1, T, dim): row 0 the embeddings, row i the stream after block i, each through
     the final norm computed on its own stream; ``head`` the model's output layer. ``logprobs``
     (L + 1, T, V) float32 reads them all out (the last row: the model's own log-probabilities);
-    :meth:`top` and :meth:`prob_of` read out only what they return, a chunk of cells at a time
-    (SmolLM2 at 64 tokens: 31 x 64 x 49,152 log-probabilities are 390 MB). ``rows`` names the rows
+    :meth:`top` reads out only what it returns, a slice of the vocabulary (or a chunk of cells)
+    at a time (SmolLM2 at 64 tokens: 31 x 64 x 49,152 log-probabilities are 390 MB). ``rows`` names the rows
     ("embed", "1", ... "L").
     """
 

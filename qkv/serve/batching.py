@@ -206,10 +206,12 @@ class ModelBatch:
                 prefilled += len(stream.request.ids)
                 continue
             try:  # a chunk a turn, in a cache of its own, then into a row
-                with self._lock:
-                    self._joining.append((stream, batch.start(stream.request)))
+                prefill = batch.start(stream.request)
             except Exception as e:
                 stream._end(e)
+                continue
+            with self._lock:
+                self._joining.append((stream, prefill))
         if len(batch):
             events = batch.step()
             self.steps += 1
