@@ -14,10 +14,15 @@ llama.cpp on the same GGUF file, and whether it predicts what eager decoding pre
   ~10 minutes each, once); qkv is compared with the faster of the two; ratios per round,
   medians reported;
 - agreement: the saved step's top-1 next token against eager's over ``--positions`` positions
-  of a text fed token by token (teacher forcing).
+  of a text fed token by token (teacher forcing);
+- ``--against PATH``: another checkout of qkv (``git worktree add /tmp/before <commit>``) decodes
+  through its own saved step (built first if missing, its build timed) in a child process that
+  runs that checkout's code, timed in the same rounds, so the two revisions are compared on one
+  machine at one time.
 
     python benchmarks/saved_step.py                        # q4, the default weights
     python benchmarks/saved_step.py --weights fp32 --rounds 3
+    python benchmarks/saved_step.py --against /tmp/before   # this revision against another
 """
 
 from __future__ import annotations
@@ -55,6 +60,65 @@ print(json.dumps({"import_and_load_model_s": t1 - t0, "step_load_s": t2 - t1, "f
                   "inductor": "torch._inductor" in sys.modules, "tokens": out}))
 """
 
+# The other revision's decoder (--against): loads SmolLM2 and its saved step once, then for each
+# line "N" on stdin decodes 1 and N tokens greedily and prints the times and the tokens.
+AGAINST = """
+import json, sys, time
+import torch, qkv
+from qkv.generation import aot, generate
+lm = qkv.load("smollm2", weights=sys.argv[1])
+t = time.perf_counter()
+built = aot.load(lm.model) is None
+if built:
+    aot.build(lm.model)
+build_s = time.perf_counter() - t if built else None
+assert aot.load(lm.model) is not None
+x = torch.tensor([lm.tokenizer.encode(sys.argv[2])[:32]])
+print(json.dumps({"ready": True, "build_s": build_s}), flush=True)
+for line in sys.stdin:
+    n = int(line)
+    t = time.perf_counter()
+    list(generate(lm.model, x, 1, temperature=0.0))
+    first = time.perf_counter() - t
+    t = time.perf_counter()
+    toks = [int(t[0]) for t in generate(lm.model, x, n, temperature=0.0)]
+    print(json.dumps({"first_s": first, "total_s": time.perf_counter() - t, "tokens": toks}), flush=True)
+"""
+
+
+class Against:
+    """The other revision's saved step in a child process (see ``AGAINST``), a contender whose
+    rate is measured as this process measures its own: (n - 1) tokens / (time of n - time of 1)."""
+
+    def __init__(self, path: str, weights: str) -> None:
+        import os
+
+        env = {**os.environ, "PYTHONPATH": str(Path(path).resolve())}
+        self.proc = subprocess.Popen([sys.executable, "-c", AGAINST, weights, TEXT], stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, text=True, env=env, cwd=path)
+        self.build_s = json.loads(self._line())["build_s"]
+        self.tokens: list[int] = []
+
+    def _line(self) -> str:
+        assert self.proc.stdout is not None
+        line = self.proc.stdout.readline()
+        if not line:
+            raise SystemExit(f"the --against process ended (exit {self.proc.wait()})")
+        return line
+
+    def rate(self, n: int) -> float:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(f"{n}\n")
+        self.proc.stdin.flush()
+        r = json.loads(self._line())
+        self.tokens = r["tokens"]
+        return (n - 1) / max(r["total_s"] - r["first_s"], 1e-9)
+
+    def close(self) -> None:
+        if self.proc.stdin is not None:
+            self.proc.stdin.close()
+        self.proc.wait(timeout=60)
+
 
 def main() -> None:
     import _common as C
@@ -67,6 +131,8 @@ def main() -> None:
     p.add_argument("--positions", type=int, default=300, help="positions of the top-1 agreement check")
     p.add_argument("--rebuild", action="store_true", help="build the step even if it is saved")
     p.add_argument("--build-llama-cpp", action="store_true", help="build llama-bench if it is not built")
+    p.add_argument("--against", default=None, metavar="PATH",
+                   help="another checkout of qkv whose saved step is timed in the same rounds")
     p.add_argument("--out", default=None,
                    help="results JSON (default benchmarks/results/saved_step_<weights>.json)")
     args = p.parse_args()
@@ -142,14 +208,21 @@ def main() -> None:
             peers[name] = (lambda b=binary: run_llama_bench(b, asset_path("smollm2"), threads=args.threads,
                                                             prompt=32, new=n_new, reps=1))
     tokens = {k: f(n_new) for k, f in contenders.items()}
-    rates: dict[str, list[float]] = {k: [] for k in [*contenders, *peers]}
+    against = Against(args.against, args.weights) if args.against else None
+    other = f"qkv saved step at {Path(args.against).name}" if args.against else ""
+    if against is not None:
+        built = f" (built in {against.build_s:.0f} s)" if against.build_s else ""
+        print(f"{other}: loaded{built}", flush=True)
+    rates: dict[str, list[float]] = {k: [] for k in [*contenders, *peers, *([other] if other else [])]}
     meter = C.LoadMeter()
     for r in range(args.rounds):
         order = list(contenders) if r % 2 == 0 else list(contenders)[::-1]
         for i, k in enumerate(order):
-            if i == 1:  # mid-round: the peers under the same conditions
+            if i == 1:  # mid-round: the peers and the other revision under the same conditions
                 for name, peer in peers.items():
                     rates[name].append(peer()["decode"]["tokens_per_s"])
+                if against is not None:
+                    rates[other].append(against.rate(n_new))
             t = time.perf_counter()
             contenders[k](1)
             first = time.perf_counter() - t
@@ -159,6 +232,8 @@ def main() -> None:
         line = ", ".join(f"{k} {v[-1]:.1f}" for k, v in rates.items())
         print(f"round {r + 1}: {line} tok/s", flush=True)
     load = meter.stop()
+    if against is not None:
+        against.close()
     rows = [[k, f"{C.median(v):.1f}", " ".join(f"{x:.1f}" for x in v)] for k, v in rates.items()]
     summary = {k: round(C.median(v), 1) for k, v in rates.items()}
     vs = {"saved_vs_eager": [s / e for s, e in zip(rates["qkv saved step"], rates["qkv eager"], strict=True)]}
@@ -170,6 +245,8 @@ def main() -> None:
         print(f"the faster llama.cpp: {best}")
         vs["saved_vs_llama_cpp"] = [s / q for s, q in zip(rates["qkv saved step"], llama_rates, strict=True)]
         vs["eager_vs_llama_cpp"] = [s / q for s, q in zip(rates["qkv eager"], llama_rates, strict=True)]
+    if other:
+        vs["saved_vs_against"] = [s / q for s, q in zip(rates["qkv saved step"], rates[other], strict=True)]
     C.print_table(f"SmolLM2 {args.weights}, decoding tok/s ({C.load_line(load)})",
                   ["contender", "median", "rounds"], rows)
     for k, v in vs.items():
@@ -179,6 +256,9 @@ def main() -> None:
         "build_s": round(build_s, 1) if build_s is not None else None, "package": str(step.path),
         "fresh_processes": fresh, "top1_agreement": [agree, n_pos],
         "same_greedy_tokens": tokens["qkv saved step"] == tokens["qkv eager"],
+        "against": None if against is None else {
+            "path": args.against, "build_s": against.build_s,
+            "same_greedy_tokens": against.tokens == tokens["qkv saved step"]},
         "decode_tokens_per_s": {k: [round(x, 1) for x in v] for k, v in rates.items()},
         "llama_cpp": {"builds": list(peers), "faster": best,
                       "decode_tokens_per_s": [round(x, 1) for x in llama_rates]},

@@ -62,7 +62,7 @@ import time
 import warnings
 import weakref
 import zipfile
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -73,13 +73,18 @@ from qkv import owned
 from qkv.attention import BatchKVCache, KVCache
 from qkv.generation.compiled import fingerprint, shape_signature
 from qkv.generation.decoders import attention_rows, keep_queries
-from qkv.models.gpt import GPT
+from qkv.models.gpt import GPT, position_bias
 from qkv.native import NativeError, build_once, compiler, cpu_identity, private_folder, sha256
 from qkv.paths import cache_root
 
-STEP_VERSION = 2  # bump when the exported step's contract changes
+STEP_VERSION = 3  # bump when the exported step's contract changes
 DEFAULT_CACHE_LEN = 2048
-PACKAGE = "step.pt2"
+PACKAGE = "step.pt2"  # the first group's package; step1.pt2, ... for groups of other signatures
+# Blocks per compiled group (the largest divisor of the layer count up to this). One call of the
+# package per group and token: on SmolLM2 (30 layers, Zen 3) groups of 1 / 3 / 5 decoded at 1.14 /
+# 1.06 / 0.99x the time of the whole model compiled at once, and a group of 5 compiles in ~28 s
+# where the whole model took ~65 s (benchmarks/saved_step.py --groups).
+GROUP_MAX = 5
 META = "step.json"
 # Where the sources that key a step start: this module (the exported wrapper), the model and
 # every layer it may hold (quantised ones included), and the kernels; :func:`step_sources`
@@ -189,7 +194,7 @@ def step_key(model: GPT, cache_len: int, batch: int = 1) -> tuple[str, dict[str,
             "threads": torch.get_num_threads(), "torch": torch.__version__,
             "torch_git": torch.version.git_version, "compiler": compiler(),
             "model": hashlib.sha256(shape_signature(model).encode()).hexdigest(),
-            "cache_len": cache_len, "batch": batch}
+            "cache_len": cache_len, "batch": batch, "group": group_size(model.cfg.n_layers)}
     return hashlib.sha256(json.dumps(info, sort_keys=True).encode()).hexdigest()[:32], info
 
 
@@ -201,47 +206,87 @@ def cache_len_for(model: GPT, cache_len: int | None = None) -> int:
 # --------------------------------------------------------------------------- building
 
 
-class _Step(nn.Module):
-    """What is exported: one token per row at position ``marker.shape[0]``."""
+def group_size(n_layers: int) -> int:
+    """Blocks per compiled group: the largest divisor of ``n_layers`` up to :data:`GROUP_MAX`
+    (SmolLM2's 30 layers: groups of 5, six calls a token)."""
+    return max(g for g in range(1, min(GROUP_MAX, n_layers) + 1) if n_layers % g == 0)
 
-    def __init__(self, model: GPT) -> None:
+
+def _block_tensors(block: nn.Module) -> dict[str, Tensor]:
+    """A block's parameters and buffers by name: what a group takes as inputs, per block."""
+    out = dict(block.named_parameters())
+    out.update(block.named_buffers())
+    return out
+
+
+def _signature(blocks: Sequence[nn.Module]) -> str:
+    """What a group's package is specific to: each block's module tree as printed (types and
+    their settings: a 4-bit layer's group size and kernel) and every tensor's dtype and shape."""
+    return repr([(repr(b), [(n, t.dtype, tuple(t.shape)) for n, t in _block_tensors(b).items()])
+                 for b in blocks])
+
+
+def _layout(model: GPT) -> tuple[int, list[int]]:
+    """(G, the package of each group): groups of G consecutive blocks with the same signature
+    share one package (every group of a uniform model, as SmolLM2's: one package)."""
+    blocks = list(model.stack.blocks)
+    G = group_size(len(blocks))
+    sigs = [_signature(blocks[i : i + G]) for i in range(0, len(blocks), G)]
+    first = list(dict.fromkeys(sigs))
+    return G, [first.index(sg) for sg in sigs]
+
+
+class _Group(nn.Module):
+    """What is exported: G consecutive blocks of the model, their weights as inputs, for one token
+    per row. The position (one row: ``marker.shape[0]``; a running batch: each row's in ``pos``,
+    over the first ``marker.shape[0]`` keys) and the layers' caches are inputs too; RoPE's and
+    ALiBi's tables, shared by every layer, are the package's only constants. The blocks are held
+    as templates (not submodules), so no weight is baked in: every group of the same signature
+    runs the same package with its own weights."""
+
+    def __init__(self, model: GPT, start: int, size: int) -> None:
         super().__init__()
-        self.model = model
+        self.rope, self.alibi = model.rope, model.alibi
+        self._blocks = tuple(model.stack.blocks[start : start + size])
+        self._names = tuple(_block_tensors(self._blocks[0]))
 
-    def forward(self, tok: Tensor, k: Tensor, v: Tensor, q: Tensor, marker: Tensor) -> Tensor:
-        cache = KVCache.wrap(k, v, marker.shape[0], queries=q)
-        return self.model(tok, cache=cache, last_only=True).logits
+    def forward(self, x: Tensor, k: Tensor, v: Tensor, q: Tensor, marker: Tensor, weights: list[Tensor],
+                pos: Tensor | None = None) -> Tensor:
+        end = marker.shape[0]
+        if pos is None:
+            cache: KVCache = KVCache.wrap(k, v, end, queries=q)
+            bias = position_bias(self.alibi, end, 1, end + 1)
+        else:
+            cache = BatchKVCache.wrap(k, v, pos, span=end - 1, queries=q)
+            bias = position_bias(self.alibi, pos, 1, end)
+        n = len(self._names)
+        for g, block in enumerate(self._blocks):
+            own = dict(zip(self._names, weights[g * n : (g + 1) * n], strict=True))
+            x = torch.func.functional_call(block, own, (x,), {"bias": bias, "rope": self.rope,
+                                                              "cache": cache.layer(g)}).x
+        return x
 
 
-class _RowsStep(nn.Module):
-    """What is exported for a running batch of up to R rows: the first n = ``len(pos)`` rows
-    of the cache (n a dynamic dimension, 2..R), row b's token at its own position ``pos[b]``,
-    attending over its own keys among the first ``marker.shape[0]`` (= max(pos) + 1) (a masked
-    :class:`~qkv.attention.BatchKVCache` view; the caller advances the positions)."""
-
-    def __init__(self, model: GPT) -> None:
-        super().__init__()
-        self.model = model
-
-    def forward(self, tok: Tensor, k: Tensor, v: Tensor, q: Tensor, pos: Tensor, marker: Tensor) -> Tensor:
-        cache = BatchKVCache.wrap(k, v, pos, span=marker.shape[0] - 1, queries=q)
-        return self.model(tok, cache=cache, last_only=True).logits
-
-
-def _export(model: GPT, cache_len: int, batch: int) -> torch.export.ExportedProgram:
+def _export(model: GPT, cache_len: int, batch: int, start: int = 0) -> torch.export.ExportedProgram:
+    """The exported program of the group of blocks from ``start`` (see :class:`_Group`)."""
+    G = group_size(model.cfg.n_layers)
     cache = _make_cache(model, batch, cache_len)  # the buffers every request will pass
-    k, v, q = cache.k, cache.v, cache.queries
-    tok = torch.zeros(batch, 1, dtype=torch.long, device=k.device)
+    k, v, q = (t[start : start + G] for t in (cache.k, cache.v, cache.queries))
+    weights = [t for b in model.stack.blocks[start : start + G] for t in _block_tensors(b).values()]
+    fixed: list[dict] = [{} for _ in weights]
     marker = torch.zeros(cache_len, dtype=torch.uint8)[:3]
     pos = torch.export.Dim("pos", min=2, max=cache_len - 2)  # S - 1 would break a guard on S
+    group = _Group(model, start, G).eval()
     with torch.no_grad():
         if batch == 1:
-            return torch.export.export(_Step(model).eval(), (tok, k, v, q, marker),
-                                       dynamic_shapes=({}, {}, {}, {}, {0: pos}), strict=False)
+            x = model.embed(torch.zeros(1, 1, dtype=torch.long, device=k.device), 3)
+            return torch.export.export(group, (x, k, v, q, marker, weights),
+                                       dynamic_shapes=({}, {}, {}, {}, {0: pos}, fixed), strict=False)
         rows: dict[int, Any] = {0: torch.export.Dim("rows", min=2, max=batch)} if batch > 2 else {}
         at = torch.tensor([2, 0], dtype=torch.long, device=k.device)
-        return torch.export.export(_RowsStep(model).eval(), (tok[:2], k, v, q, at, marker),
-                                   dynamic_shapes=(rows, {}, {}, {}, rows, {0: pos}), strict=False)
+        x = model.embed(torch.zeros(2, 1, dtype=torch.long, device=k.device), at)
+        return torch.export.export(group, (x, k, v, q, marker, weights, at),
+                                   dynamic_shapes=(rows, {}, {}, {}, {0: pos}, fixed, rows), strict=False)
 
 
 def _make_cache(model: GPT, batch: int, cache_len: int) -> KVCache:
@@ -257,23 +302,26 @@ def _make_cache(model: GPT, batch: int, cache_len: int) -> KVCache:
     return cache
 
 
-def _made_constants(package: Path, model: GPT) -> dict[str, int]:
+def _made_constants(package: Path, blocks: Sequence[nn.Module]) -> dict[str, int]:
     """Constants Inductor adds that are not the model's: on CPU each int4 product's group size
-    (a 0-d int64 tensor ``constantNNN``), whose values a weight-less package does not hold."""
+    (a 0-d int64 tensor ``constantNNN``, from PyTorch's int4 kernel), whose values a weight-less
+    package does not hold: the group size of the group's 4-bit layers on that kernel."""
     with zipfile.ZipFile(package) as z:
         src = "\n".join(z.read(n).decode(errors="replace") for n in z.namelist() if n.endswith(".cpp"))
-    mods = {n.replace(".", "_"): m for n, m in model.named_modules()}
-    out = {}
-    call = r"_weight_int4pack_mm_cpu_tensor\(\w+, \w+, (constant\d+), (\w+)_scales_zeros"
-    for const, sz in re.findall(call, src):
-        mod = mods.get(sz.removeprefix("model_"))
-        if mod is None or not hasattr(mod, "group_size"):
-            raise SavedStepError(f"cannot tell which product {const} belongs to ({sz})")
-        out[const] = int(mod.group_size)
-    return out
+    consts = sorted(set(re.findall(r"_weight_int4pack_mm_cpu_tensor\([^;]*?\b(constant\d+)\b", src)))
+    if not consts:
+        return {}
+    sizes = {int(m.group_size) for b in blocks for m in b.modules()
+             if getattr(m, "kernel", None) == "aten" and hasattr(m, "group_size")}
+    if len(sizes) != 1:
+        raise SavedStepError(f"cannot tell the group size of {consts[0]} (its 4-bit layers have {sizes})")
+    return dict.fromkeys(consts, sizes.pop())
 
 
 INDUCTOR_CACHE = "TORCHINDUCTOR_CACHE_DIR"
+# The weights are not in the package (bound at load, no second copy); no precompiled headers: on
+# a fresh cache building them cost ~15 s of g++ and saved none on the two files a step compiles.
+COMPILE_CONFIG = {"aot_inductor.package_constants_in_so": False, "aot_inductor.precompile_headers": False}
 
 
 def _compile(ep: Any, pkg: Path) -> None:
@@ -291,8 +339,7 @@ def _compile(ep: Any, pkg: Path) -> None:
     old = os.environ.get(INDUCTOR_CACHE)
     os.environ[INDUCTOR_CACHE] = inductor
     try:
-        aoti_compile_and_package(ep, package_path=str(pkg),
-                                 inductor_configs={"aot_inductor.package_constants_in_so": False})
+        aoti_compile_and_package(ep, package_path=str(pkg), inductor_configs=COMPILE_CONFIG)
     finally:
         if old is None:
             os.environ.pop(INDUCTOR_CACHE, None)
@@ -315,18 +362,30 @@ def build(model: GPT, cache_len: int | None = None, batch: int = 1,
     key, info = step_key(model, S, batch)
 
     def make(tmp: Path) -> dict[str, Any]:
-        pkg = tmp / PACKAGE
-        with warnings.catch_warnings():  # torch's own deprecation notice inside export, not the user's
-            warnings.filterwarnings("ignore", message=".*LeafSpec.*", category=FutureWarning)
-            if on_stage is not None:
-                on_stage("exporting")
-            ep = _export(model, S, batch)
-            if on_stage is not None:
-                on_stage("compiling")
-            _compile(ep, pkg)
-        return {"key": key, "info": info, "sha256": sha256(pkg), "made": _made_constants(pkg, model)}
+        G, layout = _layout(model)
+        blocks = list(model.stack.blocks)
+        packages = []
+        for j in range(max(layout) + 1):  # one package per signature, built from its first group
+            start = G * layout.index(j)
+            pkg = tmp / package_name(j)
+            with warnings.catch_warnings():  # torch's own deprecation notice inside export, not the user's
+                warnings.filterwarnings("ignore", message=".*LeafSpec.*", category=FutureWarning)
+                if on_stage is not None and j == 0:
+                    on_stage("exporting")
+                ep = _export(model, S, batch, start)
+                if on_stage is not None and j == 0:
+                    on_stage("compiling")
+                _compile(ep, pkg)
+            packages.append({"file": pkg.name, "sha256": sha256(pkg),
+                             "made": _made_constants(pkg, blocks[start : start + G])})
+        return {"key": key, "info": info, "group": G, "layout": layout, "packages": packages}
 
     return build_once(folder(), key, META, lambda path: _valid(path, key, info) is not None, make)
+
+
+def package_name(index: int) -> str:
+    """The file of a step's ``index``-th package (``step.pt2``, ``step1.pt2``, ...)."""
+    return PACKAGE if index == 0 else PACKAGE.replace(".", f"{index}.", 1)
 
 
 def building(key: str) -> bool:
@@ -352,8 +411,12 @@ def _valid(path: Path, key: str, info: dict[str, Any]) -> dict[str, Any] | None:
         meta = json.loads((path / META).read_text())
         if meta.get("key") != key or meta.get("info") != json.loads(json.dumps(info)):
             return None
-        if sha256(path / PACKAGE) != meta.get("sha256"):
+        packages = meta.get("packages") or []
+        if not packages or sorted(set(meta.get("layout", []))) != list(range(len(packages))):
             return None
+        for j, p in enumerate(packages):
+            if p.get("file") != package_name(j) or sha256(path / p["file"]) != p.get("sha256"):
+                return None
         return meta
     except (OSError, ValueError):
         return None
@@ -370,12 +433,14 @@ class SavedStep:
 
     kind = "saved"
 
-    def __init__(self, model: GPT, cache_len: int, batch: int, path: Path, loader: Any,
-                 made: dict[str, Tensor]) -> None:
+    def __init__(self, model: GPT, cache_len: int, batch: int, path: Path, loaders: list[Any],
+                 layout: list[int], made: list[dict[str, Tensor]]) -> None:
         self._model = weakref.ref(model)
         self.key = path.name
         self.cache_len, self.batch, self.path = cache_len, batch, path
-        self._loader, self._made = loader, made
+        self._loaders, self._layout, self._made = loaders, layout, made
+        self.group = model.cfg.n_layers // len(layout)  # blocks per package call
+        self._runs: list[tuple[int, Callable[[list[Tensor]], list[Tensor]], list[Tensor]]] = []
         self._bound: tuple = ()
         self.load_seconds = 0.0
         self.requests = 0  # requests decoded through it (make_cache calls)
@@ -383,7 +448,7 @@ class SavedStep:
         self._marker = torch.zeros(cache_len, dtype=torch.uint8)
         self._free: list[KVCache] = []
         self._lock = threading.Lock()
-        # The package is loaded with one runner, which two threads must not enter at once (they
+        # A package is loaded with one runner, which two threads must not enter at once (they
         # hung there: the second waits for the runner inside the call).
         self._run_lock = threading.Lock()
         self.begin()
@@ -399,20 +464,36 @@ class SavedStep:
         return n_tokens <= self.cache_len
 
     def begin(self) -> None:
-        """Bind the package to the model's tensors (again, if they were replaced since)."""
-        stamp = fingerprint(self.model)  # the tensors it is bound to, as the jit step checks
+        """Bind the packages to the model's tensors (again, if they were replaced since): the
+        shared tables (RoPE, ALiBi) as each package's constants, each group's weights as the
+        inputs of its calls (the model's own storage: no copy)."""
+        model = self.model
+        stamp = fingerprint(model)  # the tensors it is bound to, as the jit step checks
         if stamp == self._bound:
             return
-        tensors = {"model." + n: t for n, t in self.model.named_parameters(remove_duplicate=False)}
-        tensors.update({"model." + n: t for n, t in self.model.named_buffers(remove_duplicate=False)})
-        tensors.update(self._made)
-        want = self._loader.get_constant_fqns()
-        missing = [n for n in want if n not in tensors]
-        if missing:
-            raise SavedStepError(f"the saved step wants tensors the model lacks: {missing[:3]}")
-        # user-managed: the package reads the model's own storage (no copy); rebound on change
-        self._loader.load_constants({n: tensors[n] for n in want}, False, True, True, False)
+        shared = {f"{owner}.{n}": t for owner in ("rope", "alibi") if getattr(model, owner) is not None
+                  for n, t in getattr(model, owner).named_buffers()}
+        for loader, made in zip(self._loaders, self._made, strict=True):
+            tensors = {**shared, **made}
+            want = loader.get_constant_fqns()
+            missing = [n for n in want if n not in tensors]
+            if missing:
+                raise SavedStepError(f"the saved step wants tensors the model lacks: {missing[:3]}")
+            # user-managed: the package reads the model's own storage (no copy); rebound on change
+            loader.load_constants({n: tensors[n] for n in want}, False, True, True, False)
+        blocks, G = list(model.stack.blocks), self.group
+        self._runs = [(i * G, self._loaders[j].boxed_run,
+                       [t for b in blocks[i * G : (i + 1) * G] for t in _block_tensors(b).values()])
+                      for i, j in enumerate(self._layout)]
         self._bound = stamp
+
+    def _head(self, x: Tensor) -> Tensor:
+        """The stack's final norm and the output layer, eagerly (one product: the package's
+        call would save nothing measurable), (B, 1, dim) -> (B, 1, V)."""
+        model = self.model
+        if model.stack.norm is not None:
+            x = model.stack.norm(x)
+        return model.lm_head(x)
 
     def make_cache(self, batch_size: int) -> KVCache:
         if batch_size != self.batch:
@@ -442,8 +523,14 @@ class SavedStep:
             return self.model(tok, cache=cache, last_only=True).logits
         if cache.queries is None:
             raise ValueError("a saved step's cache keeps its queries: make it with SavedStep.make_cache")
-        with self._run_lock:  # one runner: requests in other threads take turns, token by token
-            out = self._loader.boxed_run([tok, cache.k, cache.v, cache.queries, self._marker[:pos]])[0]
+        G, marker = self.group, self._marker[:pos]
+        with torch.no_grad():
+            x = self.model.embed(tok, pos)
+            with self._run_lock:  # one runner per package: requests in other threads take turns
+                for i, run, weights in self._runs:
+                    x = run([x, cache.k[i : i + G], cache.v[i : i + G], cache.queries[i : i + G], marker,
+                             *weights])[0]
+            out = self._head(x)
         cache.advance(1)
         return out
 
@@ -465,10 +552,15 @@ class SavedStep:
             out = self.model(tok, cache=cache.head(n), last_only=True).logits
             cache.sync()
             return out
-        with self._run_lock:
-            out = self._loader.boxed_run([tok, cache.k, cache.v, cache.queries, cache.pos[:n],
-                                          self._marker[: span + 1]])[0]
-            self.runs += 1
+        G, marker, pos = self.group, self._marker[: span + 1], cache.pos[:n]
+        with torch.no_grad():
+            x = self.model.embed(tok, pos)
+            with self._run_lock:
+                for i, run, weights in self._runs:
+                    x = run([x, cache.k[i : i + G], cache.v[i : i + G], cache.queries[i : i + G], marker,
+                             *weights, pos])[0]
+                self.runs += 1
+            out = self._head(x)
         cache.pos[:n] += 1
         cache.sync()
         return out
@@ -507,8 +599,9 @@ def load(model: GPT, cache_len: int | None = None, batch: int = 1) -> SavedStep 
     meta = _valid(path, key, info)
     if meta is None:
         return None
-    loader = _open(path / PACKAGE)
-    made = {k: torch.tensor(v, dtype=torch.int64) for k, v in meta.get("made", {}).items()}
-    step = SavedStep(model, S, batch, path, loader, made)
+    packages = meta["packages"]
+    loaders = [_open(path / p["file"]) for p in packages]
+    made = [{k: torch.tensor(v, dtype=torch.int64) for k, v in p.get("made", {}).items()} for p in packages]
+    step = SavedStep(model, S, batch, path, loaders, meta["layout"], made)
     step.load_seconds = time.perf_counter() - t0
     return step

@@ -114,6 +114,15 @@ class GPTConfig:
         return dataclasses.asdict(self)
 
 
+def position_bias(alibi: ALiBi | None, offset: int | Tensor, T: int, end: int) -> Tensor | None:
+    """The attention bias of T queries at ``offset`` onwards over keys 0..end-1: ALiBi's
+    (Press et al. 2022) distance penalties, per row when ``offset`` is a (B,) tensor of positions
+    (a running batch); None for every other kind of position."""
+    if alibi is None:
+        return None
+    return alibi.rows(offset, T, end) if isinstance(offset, Tensor) else alibi(T, end)
+
+
 class GPTOutput(NamedTuple):
     """logits (B, T, V) (or (B, 1, V) with ``last_only``); loss when targets were given;
     per-layer attention weights (B, H, T, S) when asked for."""
@@ -184,6 +193,17 @@ class GPT(nn.Module):
             dtype=dtype or p.dtype, device=device or p.device,
         )
 
+    def embed(self, idx: Tensor, offset: int | Tensor = 0) -> Tensor:
+        """idx (B, T) token ids at positions ``offset`` onwards (per row: a (B,) tensor) -> the
+        residual stream's input x (B, T, dim): token embeddings, scaled (Gemma) and with learned or
+        sinusoidal positions added where the model has them (RoPE and ALiBi act inside attention)."""
+        x = self.tok_emb(idx)  # (B, T, dim)
+        if self.cfg.embed_scale:
+            x = x * self.cfg.dim**0.5  # Gemma: embeddings on the scale of the residual stream
+        if self.pos_emb is not None:
+            x = x + self.pos_emb(idx.shape[1], offset)  # (T, dim) broadcast over B; per row (B, T, dim)
+        return x
+
     def forward(
         self,
         idx: Tensor,
@@ -221,14 +241,8 @@ class GPT(nn.Module):
                 f"sequence of {end} tokens exceeds the model's context "
                 f"max_seq_len={self.cfg.max_seq_len}; crop the input"
             )
-        x = self.tok_emb(idx)  # (B, T, dim)
-        if self.cfg.embed_scale:
-            x = x * self.cfg.dim**0.5  # Gemma: embeddings on the scale of the residual stream
-        if self.pos_emb is not None:
-            x = x + self.pos_emb(T, offset)  # (T, dim) broadcast over B; per row (B, T, dim)
-        bias = None
-        if self.alibi is not None:
-            bias = self.alibi.rows(offset, T, end) if isinstance(offset, Tensor) else self.alibi(T, end)
+        x = self.embed(idx, offset)  # (B, T, dim)
+        bias = position_bias(self.alibi, offset, T, end)
         if self.training and self.cfg.dropout > 0:
             x = self.drop(x)
         out = self.stack(x, bias=bias, rope=self.rope, cache=cache, backend=backend,

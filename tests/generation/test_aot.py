@@ -65,6 +65,37 @@ def test_the_saved_step_equals_eager_at_every_position(built):
         torch.testing.assert_close(c_saved.k, c_eager.k, rtol=1e-5, atol=1e-5)  # the cache written in place
 
 
+def test_groups_of_blocks_of_two_kinds_equal_eager_at_every_position(monkeypatch):
+    """The step is compiled per group of blocks, weights as inputs: six layers in groups of two
+    (GROUP_MAX 2), the middle group in int8 (another signature: a package of its own), the outer
+    two sharing one package with their own weights; ALiBi's bias (a table of the package). Every
+    position's logits and the cache written in place equal the eager forward's."""
+    from qkv.layers.quant import quantize_linears
+
+    monkeypatch.setattr(aot, "GROUP_MAX", 2)
+    torch.manual_seed(6)
+    m = GPT(GPTConfig(**{**CFG, "n_layers": 6, "positions": "alibi"})).eval()
+    for b in m.stack.blocks[2:4]:
+        quantize_linears(b, "int8")
+    path = aot.build(m)
+    meta = json.loads((path / aot.META).read_text())
+    assert meta["group"] == 2 and meta["layout"] == [0, 1, 0] and len(meta["packages"]) == 2
+    step = aot.load(m)
+    x = torch.randint(0, V, (1, 4), generator=torch.Generator().manual_seed(8))
+    with torch.inference_mode():
+        c_eager, c_saved = m.make_cache(1, 40), step.make_cache(1)
+        m(x, cache=c_eager)
+        m(x, cache=c_saved)
+        for i in range(35):  # positions 4..38
+            tok = torch.tensor([[(5 * i + 2) % V]])
+            want = m(tok, cache=c_eager, last_only=True).logits
+            torch.testing.assert_close(step.step(tok, c_saved), want, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(c_saved.k, c_eager.k, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(c_saved.v, c_eager.v, rtol=1e-5, atol=1e-5)
+    (path / aot.package_name(1)).write_bytes(b"damaged")  # the second package checked too
+    assert aot.load(m) is None
+
+
 def test_generate_uses_it_by_default_with_the_eager_tokens(built):
     m, _ = built
     x = torch.randint(0, V, (1, 6), generator=torch.Generator().manual_seed(5))
@@ -270,8 +301,8 @@ def test_a_batch_of_two_rows_exports_with_a_fixed_row_count():
     """torch.export refuses a dynamic dimension with min == max: a 2-row batch's step fixes the
     row count (it once failed to build for `qkv serve --batch-rows 2`)."""
     ep = aot._export(model(), 40, 2)
-    tok = [n for n in ep.graph.nodes if n.op == "placeholder" and n.name.endswith("tok")]
-    assert tok and tuple(tok[0].meta["val"].shape) == (2, 1)
+    x = [n for n in ep.graph.nodes if n.op == "placeholder" and n.name == "x"]
+    assert x and tuple(x[0].meta["val"].shape) == (2, 1, CFG["dim"])
 
 
 def test_generate_with_attention_weights_takes_the_saved_step(built):
@@ -399,7 +430,7 @@ def test_quantised_saved_steps_agree_with_eager(weights, monkeypatch):
     ours = "qkv" if quant._qkv_int4_op() is not None else "aten"  # qkv's where it builds
     assert kernels == ({"aten"} if "PyTorch" in weights else {ours} if weights.startswith("q4") else set())
     path = aot.build(lm.model)
-    made = json.loads((path / aot.META).read_text())["made"]
+    made = json.loads((path / aot.META).read_text())["packages"][0]["made"]
     assert bool(made) == (kernels == {"aten"})  # the group sizes of PyTorch's int4 products
     step = aot.load(lm.model)
     x = torch.randint(0, 64, (1, 6), generator=torch.Generator().manual_seed(12))

@@ -170,7 +170,10 @@ def test_every_module_a_decoding_step_runs_keys_the_step(weights):
                 aot.keep_queries(m, cache)
                 m(torch.tensor([[1, 2, 3]]), cache=cache)
                 m(torch.tensor([[4]]), cache=cache, last_only=True)
-                aot._Step(m)(torch.tensor([[5]]), cache.k, cache.v, cache.queries, torch.zeros(5))
+                G = aot.group_size(m.cfg.n_layers)  # what the package runs: a group of blocks
+                weights = [t for b in m.stack.blocks[:G] for t in aot._block_tensors(b).values()]
+                aot._Group(m, 0, G)(m.embed(torch.tensor([[5]]), 4), cache.k[:G], cache.v[:G],
+                                    cache.queries[:G], torch.zeros(4), weights)
 
         ran = _traced_files(step)
         assert ran, "nothing traced"

@@ -1,0 +1,184 @@
+"""How close decoding comes to what this CPU allows: SmolLM2 q4, one row, qkv's saved step and
+llama.cpp's builds on the same GGUF, against the limit set by reading the weights once a token.
+
+- bytes a token: what a one-row step must read: qkv's 4-bit layers (codes and scales), its int8
+  output head and the norms; for llama.cpp, the GGUF's tensors (the tied embedding is its output
+  matrix, read whole every token);
+- bandwidth: the best of ``--reads`` reads of a buffer as large as qkv's weights, with the threads
+  decoding uses (torch's sum: it streams the buffer once). Where the model lives decides which
+  bandwidth this is: 95 MB is past a 32 MB L3 (memory) but inside a 480 MB one (L3);
+- limit: bandwidth / bytes a token, in tokens/s, and each decoder's measured rate as a fraction
+  of its own limit;
+- where qkv's token goes: an eager step of one row under the torch profiler, by kernel (4-bit
+  products, the int8 head, attention over the cache, norms), and the saved step's time a token
+  beside it (what is not kernels there is the runtime between them);
+- rates: ``--rounds`` rounds of qkv's saved step (128 tokens after a 32-token prompt, as
+  saved_step.py) with llama-bench's portable and native builds in the middle of each round.
+
+    python benchmarks/decode_limit.py                 # ~2 minutes on 2 cores (llama.cpp built)
+    python benchmarks/decode_limit.py --build-llama-cpp
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from pathlib import Path
+
+import _common as C
+
+NAME = "decode_limit"
+OPS = {"qkv::int4_mm": "4-bit products", "qkv::q8_mm": "int8 head",
+       "aten::_scaled_dot_product_flash_attention_for_cpu": "attention",
+       "aten::rms_norm": "norms", "aten::layer_norm": "norms"}
+
+
+def weight_bytes(model) -> dict[str, int]:
+    """Bytes a one-row step reads, by kind (qkv's layers; buffers a one-row product does not
+    read, such as the 4-bit layers' int8 copies for several rows, are left out)."""
+    from qkv.layers.quant import Int4Linear, Q8Linear
+
+    out = {"4-bit layers": 0, "int8 head": 0, "norms and the rest": 0}
+    for m in model.modules():
+        if isinstance(m, Int4Linear):
+            read = ("w4", "dm", "packed", "scales_zeros")  # qkv's kernel's or PyTorch's
+            out["4-bit layers"] += sum(t.nbytes for n, t in m.named_buffers(recurse=False) if n in read)
+        elif isinstance(m, Q8Linear):
+            out["int8 head"] += m.w8.nbytes + m.ds.nbytes
+    norms = sum(p.nbytes for n, p in model.named_parameters() if "norm" in n)
+    out["norms and the rest"] = norms
+    return out
+
+
+def gguf_bytes(path: Path) -> int:
+    """The tensor data of a GGUF file: what llama.cpp reads a token (all of it: the tied
+    embedding is also the output matrix)."""
+    from gguf import GGUFReader
+
+    return sum(int(t.n_bytes) for t in GGUFReader(str(path)).tensors)
+
+
+def bandwidth(nbytes: int, reads: int) -> float:
+    """GB/s of the best of ``reads`` streaming reads of an ``nbytes`` float32 buffer."""
+    import torch
+
+    buf = torch.ones(nbytes // 4, dtype=torch.float32)
+    best = float("inf")
+    for _ in range(reads):
+        t = time.perf_counter()
+        buf.sum()
+        best = min(best, time.perf_counter() - t)
+    return nbytes / best / 1e9
+
+
+def profile(model, steps: int = 20) -> dict[str, float]:
+    """Milliseconds a token by kernel kind in an eager step of one row (torch profiler)."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    cache = model.make_cache(1, 256)
+    with torch.inference_mode():
+        model(torch.arange(100, 132).view(1, -1), cache=cache)
+        tok = torch.tensor([[7]])
+        for _ in range(3):
+            model(tok, cache=cache, last_only=True)
+        with profile(activities=[ProfilerActivity.CPU]) as p:
+            for _ in range(steps):
+                model(tok, cache=cache, last_only=True)
+    got = dict.fromkeys(OPS.values(), 0.0)
+    total = 0.0
+    for e in p.key_averages():
+        total += e.self_cpu_time_total
+        if e.key in OPS:
+            got[OPS[e.key]] += e.self_cpu_time_total
+    got["other ops"] = total - sum(got.values())
+    return {k: round(v / steps / 1e3, 3) for k, v in got.items()}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--reads", type=int, default=30, help="reads of the buffer; the best one counts")
+    ap.add_argument("--build-llama-cpp", action="store_true", help="build llama-bench if it is not built")
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+
+    import torch
+    from _llama_cpp import llama_bench, run_llama_bench
+
+    import qkv
+    from qkv.assets import asset_path
+    from qkv.generation import aot, generate
+
+    machine = C.machine_info()
+    print(C.machine_line(machine))
+    lm = qkv.load("smollm2")
+    m = lm.model
+    if aot.load(m) is None:
+        raise SystemExit("SmolLM2's saved step is not built here: run `qkv prepare smollm2` first")
+    ours = weight_bytes(m)
+    qkv_bytes = sum(ours.values())
+    gguf = asset_path("smollm2")
+    llama_bytes = gguf_bytes(gguf)
+    gbs = bandwidth(qkv_bytes, args.reads)
+    parts = ", ".join(f"{k} {C.fmt_bytes(v)}" for k, v in ours.items())
+    print(f"bytes a token: qkv {C.fmt_bytes(qkv_bytes)} ({parts}), "
+          f"llama.cpp {C.fmt_bytes(llama_bytes)}; read bandwidth {gbs:.1f} GB/s "
+          f"({torch.get_num_threads()} threads, a {C.fmt_bytes(qkv_bytes)} buffer)", flush=True)
+    kernels = profile(m)
+    print("eager step of one row, ms a token: " + ", ".join(f"{k} {v:.2f}" for k, v in kernels.items()),
+          flush=True)
+
+    text = ("The history of the city begins with a small settlement on an island in the river. Over the "
+            "centuries it grew into a centre of trade and learning, with markets, bridges and churches. ")
+    x = torch.tensor([lm.tokenizer.encode(text)[:32]])
+    n_new, threads = 128, torch.get_num_threads()
+
+    def ours_rate() -> float:
+        t = time.perf_counter()
+        list(generate(m, x, 1, temperature=0.0))
+        first = time.perf_counter() - t
+        t = time.perf_counter()
+        list(generate(m, x, n_new, temperature=0.0))
+        return (n_new - 1) / max(time.perf_counter() - t - first, 1e-9)
+
+    peers = {}
+    for name, native in (("llama.cpp portable", False), ("llama.cpp native", True)):
+        binary, how = llama_bench(build=args.build_llama_cpp, native=native)
+        print(f"{name}: {how}", flush=True)
+        if binary is not None:
+            peers[name] = binary
+    ours_rate()  # warm
+    rates: dict[str, list[float]] = {"qkv saved step": [], **{k: [] for k in peers}}
+    for r in range(args.rounds):
+        rates["qkv saved step"].append(ours_rate())
+        for name, binary in peers.items():
+            rates[name].append(run_llama_bench(binary, gguf, threads=threads, prompt=32, new=n_new,
+                                               reps=1)["decode"]["tokens_per_s"])
+        line = ", ".join(f"{k} {v[-1]:.1f}" for k, v in rates.items())
+        print(f"round {r + 1}: {line} tok/s", flush=True)
+    limit = {"qkv saved step": gbs * 1e9 / qkv_bytes, **{k: gbs * 1e9 / llama_bytes for k in peers}}
+    rows = []
+    for k, v in rates.items():
+        rows.append([k, f"{C.median(v):.1f}", f"{limit[k]:.0f}", f"{C.median(v) / limit[k]:.2f}",
+                     f"{1e3 / C.median(v):.2f}"])
+    C.print_table(f"SmolLM2 q4, one row, {threads} threads: the bandwidth limit ({gbs:.1f} GB/s)",
+                  ["decoder", "tok/s (median)", "limit tok/s", "fraction", "ms a token"], rows)
+    saved_ms = 1e3 / C.median(rates["qkv saved step"])
+    kernel_ms = sum(v for k, v in kernels.items() if k != "other ops")
+    print(f"qkv: {saved_ms:.2f} ms a token in the saved step; its kernels eagerly {kernel_ms:.2f} ms "
+          f"(4-bit {kernels['4-bit products']:.2f}, head {kernels['int8 head']:.2f}, attention "
+          f"{kernels['attention']:.2f}, norms {kernels['norms']:.2f})")
+    out = C.write_json(NAME, {
+        "machine": machine, "threads": threads, "bandwidth_gb_s": round(gbs, 2),
+        "bytes_per_token": {"qkv": ours, "qkv_total": qkv_bytes, "llama_cpp_gguf": llama_bytes},
+        "eager_profile_ms": kernels,
+        "decode_tokens_per_s": {k: [round(x, 1) for x in v] for k, v in rates.items()},
+        "limit_tokens_per_s": {k: round(v, 1) for k, v in limit.items()},
+        "fraction_of_limit": {k: round(C.median(v) / limit[k], 3) for k, v in rates.items()},
+        "saved_step_ms": round(saved_ms, 3)}, args.out)
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()
