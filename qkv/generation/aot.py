@@ -3,26 +3,34 @@ stored in qkv's cache folder and loaded by every later process without tracing o
 
 Today's compiled step (:mod:`qkv.generation.compiled`) re-traces the model's Python in every
 process (6.5-7.4 s warm, 35-65 s cold). Here the step is exported once per model shape x
-weight format x machine into a package (native code, ~4 MB for SmolLM2: the weights are not
-in it) and bound to the live model's tensors when loaded (no second copy in memory): loading
-takes milliseconds and imports neither dynamo nor inductor.
+weight format x machine into packages of native code (the weights are not in them) bound to
+the live model's tensors when loaded (no second copy in memory): loading takes milliseconds
+and imports neither dynamo nor inductor.
 
-The step as exported::
+What is compiled is not the whole model but a **group of G consecutive blocks** (G the largest
+divisor of the layer count up to :data:`GROUP_MAX`), with the blocks' weights as *inputs*: one
+package serves every group of the same signature (module types, settings, dtypes and shapes),
+each call passing its own group's weights, so SmolLM2's 30 layers compile as 5 blocks and run as
+six calls a token. Compiling one group instead of tracing 30 layers is what makes set-up short
+(a 30-layer model in one package took ~65 s on 2 cores; a group of 5 ~28 s); the token
+embedding and the output head, one product each, run eagerly around the calls. A group as
+exported::
 
-    step(tok (B, 1) int64, k, v (L, B, K, S, D) and q (L, B, H, 1, D) written in place,
-         marker (pos,)) -> (B, 1, V)
+    group(x (B, 1, dim), k, v (G, B, K, S, D) and q (G, B, H, 1, D) written in place,
+          marker (pos,), weights [each block's parameters and buffers]) -> x (B, 1, dim)
 
-The position is the *length* of ``marker`` (a dynamic dimension of the exported program), so
-the KV-cache position is an input, not Python state; K/V are written with one ``index_put_``
-on the whole cache (:meth:`qkv.attention.kv_cache.LayerKVCache.update`), which Inductor turns
+where k, v and q are the group's slices of the model's cache (views: written in place). The
+position is the *length* of ``marker`` (a dynamic dimension of the exported program), so the
+KV-cache position is an input, not Python state; K/V are written with one ``index_put_`` on
+the group's cache (:meth:`qkv.attention.kv_cache.LayerKVCache.update`), which Inductor turns
 into a write of slot ``pos`` only. Positions 0, 1 and S - 1 fall outside the exported range
 and decode eagerly; the step itself does not check bounds, so :meth:`SavedStep.step` does.
 
 A running batch (:mod:`qkv.generation.batch`) has a step of its own, exported once for up to R
 rows with the number of rows n and the longest row's length as dynamic dimensions::
 
-    step(tok (n, 1), k, v (L, R, K, S, D) and q (L, R, H, 1, D) written in place,
-         pos (n,) each row's position, marker (max(pos) + 1,)) -> (n, 1, V)
+    group(x (n, 1, dim), k, v (G, R, K, S, D), q (G, R, H, 1, D), marker (max(pos) + 1,),
+          weights, pos (n,) each row's position) -> x (n, 1, dim)
 
 each row attending over its own keys by a mask (a masked :class:`~qkv.attention.BatchKVCache`
 view), keyed like the one-row step with R and S (``load(model, cache_len=S, batch=R)``).
@@ -36,10 +44,10 @@ through the saved step, paying one small product per layer it shows.
 Where a package may run is decided by its key, never by the package: CPU vendor, family, model
 and flag set (Inductor builds with ``-march=native``), thread count, torch version and build,
 the C++ compiler, the source of every module the step runs (:func:`step_sources`, derived from
-the imports), the model's shape, module types and weight formats, the cache length and batch
-size. A package is written under a lock into a
-private folder (0700) and renamed into place; its SHA-256 is recorded beside it and checked on
-load, so a damaged or foreign package is refused (and rebuilt by the next build).
+the imports), the model's shape, module types and weight formats, the group size, the cache
+length and batch size. A step's packages are written under a lock into a private folder (0700)
+and renamed into place; their SHA-256 is recorded beside them and checked on load, so a damaged
+or foreign package is refused (and rebuilt by the next build).
 
 This module exports, keys, stores and loads; *when* a step is built and whether a request
 uses it is decided in :mod:`qkv.generation.builds`. ``QKV_CACHE_DIR=off`` or
@@ -83,7 +91,7 @@ PACKAGE = "step.pt2"  # the first group's package; step1.pt2, ... for groups of 
 # Blocks per compiled group (the largest divisor of the layer count up to this). One call of the
 # package per group and token: on SmolLM2 (30 layers, Zen 3) groups of 1 / 3 / 5 decoded at 1.14 /
 # 1.06 / 0.99x the time of the whole model compiled at once, and a group of 5 compiles in ~28 s
-# where the whole model took ~65 s (benchmarks/saved_step.py --groups).
+# where the whole model took ~65 s (benchmarks/step_groups.py).
 GROUP_MAX = 5
 META = "step.json"
 # Where the sources that key a step start: this module (the exported wrapper), the model and
