@@ -8,7 +8,6 @@ searched for it). And the Python API's first decoding process after the document
 from __future__ import annotations
 
 import json
-import re
 import signal
 import subprocess
 import sys
@@ -129,11 +128,9 @@ def test_after_qkv_prepare_the_first_python_process_decodes_through_the_saved_st
     e["TMPDIR"] = str(tmp_path / "tmp")
     (tmp_path / "tmp").mkdir()
     run = str(tiny_run("gpt"))
-    r = subprocess.run([sys.executable, "-m", "qkv", "prepare", run, "--batch-rows", "2"], env=e,
+    r = subprocess.run([sys.executable, "-m", "qkv", "prepare", run, "--batch-rows", "0"], env=e,
                        capture_output=True, text=True, timeout=600)
     assert r.returncode == 0 and "saved step for one request: built in" in r.stderr, r.stderr
-    assert re.search(r"running batch of 2 rows x \d+ positions: built in .* second process", r.stderr), \
-        r.stderr
     assert none_left(marker) == []
     code = f"""
 import json, qkv

@@ -5,13 +5,10 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import subprocess
 import sys
 import time
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING
-
-from qkv import owned
 
 if TYPE_CHECKING:
     from qkv.generation.builds import StepStatus
@@ -49,8 +46,6 @@ def add_prepare_parser(sub) -> None:
                    "--batch-rows); 0 or 1: only the one-request step")
     p.add_argument("--max-tokens", type=int, default=SERVE_TOKENS,
                    help="positions of the running batch's step (qkv serve's --max-tokens)")
-    # the second process of a parallel build (see prepare): only the running batch's step, quietly
-    p.add_argument("--batch-only", action="store_true", help=argparse.SUPPRESS)
     p.set_defaults(func=cmd_prepare)
 
 
@@ -75,11 +70,6 @@ def cmd_prepare(args: argparse.Namespace) -> int:
     t0 = time.perf_counter()
     lm = open_model(ref, weights=args.weights, kinds=("decoder",))
     assert isinstance(lm, CausalLM)
-    if args.batch_only:
-        from qkv.generation.builds import ensure
-
-        st = ensure(lm.model, rows=args.batch_rows, cache_len=min(args.max_tokens, lm.context))
-        return 0 if st.ready else 1
     print(f"[{args.model}: loaded in {time.perf_counter() - t0:.1f} s, weights {lm.weights}]",
           file=sys.stderr)
     done = prepare(args.model, lm, args.batch_rows, args.max_tokens)
@@ -107,24 +97,10 @@ def prepare(name: str, lm: CausalLM, batch_rows: int = SERVE_ROWS, batch_tokens:
             f"(once per model, weight format and machine; 1-3 minutes each on 2 cores)")
         if busy := busy_note("the 1-3 minutes above"):
             say(f"qkv: note: {busy}")
-    t0 = time.perf_counter()
-    helper = _batch_helper(name, lm, rows, tokens) if all(todo) and rows else None
-    helper_s = None
-    try:
-        with _progress(sum(todo)) as stage:
-            done = [lm.prepare(0, tokens, on_stage=stage)[0]]
-            if helper is not None:
-                helper.communicate()  # its step is then found (or, had it failed, built here)
-                helper_s = time.perf_counter() - t0
-            if rows:
-                done += lm.prepare(rows, tokens, on_stage=stage, one_request=False)
-    finally:
-        if helper is not None:
-            owned.end(helper)
-    for i, (w, st) in enumerate(zip(what, done, strict=True)):
-        beside = i == 1 and helper_s is not None and helper is not None and helper.returncode == 0
-        note = (f"built in {helper_s:.0f} s, in a second process beside the first" if beside and st.ready else
-                "already built" if st.ready and not st.seconds else
+    with _progress(sum(todo)) as stage:
+        done = lm.prepare(rows, tokens, on_stage=stage)
+    for w, st in zip(what, done, strict=True):
+        note = ("already built" if st.ready and not st.seconds else
                 f"built in {st.seconds:.0f} s" if st.ready else st.message())
         say(f"{name}: saved step for {w}: {note}")
     if all(st.ready for st in done):
@@ -132,28 +108,6 @@ def prepare(name: str, lm: CausalLM, batch_rows: int = SERVE_ROWS, batch_tokens:
             f"--batch-rows {rows or 1} --max-tokens {tokens}, qkv.load); another --weights or --threads "
             "needs its own")
     return done
-
-
-def _batch_helper(name: str, lm: CausalLM, rows: int, tokens: int) -> subprocess.Popen | None:
-    """A second process that builds the running batch's step while this one builds the
-    one-request step: a build runs on about one core (Inductor's lowering is Python; g++ one
-    file at a time), so two at once take ~35 s on 2 cores where one after the other took ~60 s.
-    The same model by the same name, weights and threads (the step's key); owned: ended with
-    this process. None on one core or where the model cannot be opened again by name."""
-    import os
-
-    import torch
-
-    if (os.cpu_count() or 1) < 2 or name.startswith("-"):
-        return None
-    cmd = [sys.executable, "-m", "qkv", "prepare", name, "--weights", lm.weights, "--threads",
-           str(torch.get_num_threads()), "--batch-rows", str(rows), "--max-tokens", str(tokens),
-           "--batch-only"]
-    quiet = subprocess.DEVNULL
-    try:
-        return owned.start(cmd, stdin=quiet, stdout=quiet, stderr=quiet)
-    except (OSError, owned.ExitingError):
-        return None
 
 
 @contextlib.contextmanager

@@ -197,17 +197,15 @@ class CausalLM(LayersAndHeads):
         return self.model.cfg.max_seq_len
 
     def prepare(self, batch_rows: int = 0, batch_tokens: int = 256,
-                on_stage: Callable[[str], object] | None = None,
-                one_request: bool = True) -> list[StepStatus]:
+                on_stage: Callable[[str], object] | None = None) -> list[StepStatus]:
         """Build this model's saved decoding step on this machine if it has none (what ``qkv
         prepare`` does; tens of seconds to minutes, once per model, weight format, thread count
         and machine), so that every later process decodes through it from its first token:
         about twice the eager speed (BENCHMARKS.md). ``batch_rows`` >= 2 also builds the step of
         a running batch of that many rows over ``batch_tokens`` positions (what ``qkv serve``
         decodes with: 8 x 256 by default). Returns each step's status (a failure is a status,
-        never an exception); ``on_stage`` is told each stage as it begins. ``one_request=False``:
-        only the running batch's step."""
-        out = [ensure(self.model, on_stage=on_stage)] if one_request else []
+        never an exception); ``on_stage`` is told each stage as it begins."""
+        out = [ensure(self.model, on_stage=on_stage)]
         if batch_rows >= 2:
             out.append(ensure(self.model, rows=batch_rows, cache_len=min(batch_tokens, self.context),
                               on_stage=on_stage))
