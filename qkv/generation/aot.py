@@ -12,9 +12,10 @@ divisor of the layer count up to :data:`GROUP_MAX`), with the blocks' weights as
 package serves every group of the same signature (module types, settings, dtypes and shapes),
 each call passing its own group's weights, so SmolLM2's 30 layers compile as 5 blocks and run as
 six calls a token. Compiling one group instead of tracing 30 layers is what makes set-up short
-(a 30-layer model in one package took ~65 s on 2 cores; a group of 5 ~28 s); the token
-embedding and the output head, one product each, run eagerly around the calls. A group as
-exported::
+(SmolLM2's one-request step: 66 s on 2 cores as one package; ~30 s for a group of 5 plus ~12 s
+for the head). The token embedding (one row looked up) runs eagerly before the calls; the
+stack's final norm and the output layer are a package of their own (``head.pt2``), its tensors
+inputs too (0.3 ms a token less than eagerly on SmolLM2). A group as exported::
 
     group(x (B, 1, dim), k, v (G, B, K, S, D) and q (G, B, H, 1, D) written in place,
           marker (pos,), weights [each block's parameters and buffers]) -> x (B, 1, dim)
@@ -89,9 +90,9 @@ STEP_VERSION = 3  # bump when the exported step's contract changes
 DEFAULT_CACHE_LEN = 2048
 PACKAGE = "step.pt2"  # the first group's package; step1.pt2, ... for groups of other signatures
 # Blocks per compiled group (the largest divisor of the layer count up to this). One call of the
-# package per group and token: on SmolLM2 (30 layers, Zen 3) groups of 1 / 3 / 5 decoded at 1.14 /
-# 1.06 / 0.99x the time of the whole model compiled at once, and a group of 5 compiles in ~28 s
-# where the whole model took ~65 s (benchmarks/step_groups.py).
+# package per group and token: on SmolLM2 (30 layers, Zen 3) groups of 1 / 5 / 10 decoded at 1.05 /
+# 1.01 / 1.02x the time of all 30 blocks in one call, which took 94 s to build where 1 block took
+# 29 s and 10 blocks 46 s (benchmarks/step_groups.py).
 GROUP_MAX = 5
 HEAD_PACKAGE = "head.pt2"  # the final norm and the output layer
 META = "step.json"
