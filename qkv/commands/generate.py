@@ -43,7 +43,7 @@ def add_generate_parser(sub) -> None:
                    "install smollm2` for the bundled model: a step compiled ahead of time, loaded in "
                    "milliseconds, ~2x eager per token), else eagerly (the closing line says why and how "
                    "to build one); on (or a bare --compile): build the saved step first if there is "
-                   "none (1-3 minutes on 2 cores, in the foreground, once per model, weight format, thread "
+                   "none (~40 s on 2 cores, in the foreground, once per model, weight format, thread "
                    "count and machine; kept in qkv's cache folder); off: eagerly; jit: torch.compile "
                    "in this process (~7-65 s each time). QKV_SAVED_STEP=off also turns saved steps off")
     p.add_argument("--device", default="cpu", help="cpu or cuda")

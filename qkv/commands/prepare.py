@@ -27,7 +27,7 @@ def add_prepare_parser(sub) -> None:
         "later process that decodes MODEL (qkv generate, qkv serve, qkv.load(...).generate) loads it "
         "in milliseconds and decodes about twice as fast as eagerly (BENCHMARKS.md). Builds the step "
         "of one request and the step of qkv serve's running batch (--batch-rows rows x --max-tokens "
-        "positions). Runs in the foreground and returns when done (1-3 minutes per step on 2 cores, "
+        "positions). Runs in the foreground and returns when done (~40 s per step on 2 cores, "
         "once); nothing is left running. `qkv assets install smollm2` prepares the bundled "
         "model; run this for your own runs and GGUF files.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
@@ -94,8 +94,8 @@ def prepare(name: str, lm: CausalLM, batch_rows: int = SERVE_ROWS, batch_tokens:
     threads = torch.get_num_threads()
     if any(todo):
         say(f"{name}: building its saved decoding steps for {threads} thread{'s' * (threads != 1)} "
-            f"(once per model, weight format and machine; 1-3 minutes each on 2 cores)")
-        if busy := busy_note("the 1-3 minutes above"):
+            f"(once per model, weight format and machine; ~40 s each on 2 cores)")
+        if busy := busy_note("the ~40 s above"):
             say(f"qkv: note: {busy}")
     with _progress(sum(todo)) as stage:
         done = lm.prepare(rows, tokens, on_stage=stage)

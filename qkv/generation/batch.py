@@ -485,7 +485,7 @@ def generate_batch(model: GPT, requests: Sequence[Request], rows: int = 8,
 
     ``mode``: ``auto`` steps through the model's saved steps where they were built (one row
     alone; two or more through the step of a running batch of ``rows`` rows and the cache length
-    :func:`batch_cache_len` gives), ``build`` builds them first if missing (1-3 minutes each on 2 cores,
+    :func:`batch_cache_len` gives), ``build`` builds them first if missing (~40 s each on 2 cores,
     once per model and machine), ``eager`` decodes eagerly."""
     mode = DecodeMode.of(mode)
     waiting = list(enumerate(requests))

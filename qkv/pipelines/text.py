@@ -458,7 +458,7 @@ class CausalLM(LayersAndHeads):
         every prompt, or one per prompt. Each is bounded by the context as in :meth:`stream`
         (without ``slide``). ``mode``: ``"auto"`` steps through the model's saved steps where
         they were built (a lone row, and the running batch's own step), ``"build"`` builds them
-        first (1-3 minutes each on 2 cores, once per model, ``rows`` and machine), ``"eager"``."""
+        first (~40 s each on 2 cores, once per model, ``rows`` and machine), ``"eager"``."""
         from qkv.generation.batch import Request, generate_batch
 
         if isinstance(prompts, str):
