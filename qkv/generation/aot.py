@@ -13,9 +13,11 @@ package serves every group of the same signature (module types, settings, dtypes
 each call passing its own group's weights, so SmolLM2's 30 layers compile as 5 blocks and run as
 six calls a token. Compiling one group instead of tracing 30 layers is what makes set-up short
 (SmolLM2's one-request step: 66 s on 2 cores as one package; ~30 s for a group of 5 plus ~12 s
-for the head). The token embedding (one row looked up) runs eagerly before the calls; the
-stack's final norm and the output layer are a package of their own (``head.pt2``), its tensors
-inputs too (0.3 ms a token less than eagerly on SmolLM2). A group as exported::
+for the head, once). The token embedding (one row looked up) runs eagerly before the calls;
+the stack's final norm and the output layer are a package of their own (``head.pt2`` in
+``<cache>/heads``, for 1 to :data:`HEAD_ROWS` rows: one per model shape, shared by the
+one-request step and every running batch), its tensors inputs too (0.3 ms a token less than
+eagerly on SmolLM2). A group as exported::
 
     group(x (B, 1, dim), k, v (G, B, K, S, D) and q (G, B, H, 1, D) written in place,
           marker (pos,), weights [each block's parameters and buffers]) -> x (B, 1, dim)
@@ -94,7 +96,8 @@ PACKAGE = "step.pt2"  # the first group's package; step1.pt2, ... for groups of 
 # 1.01 / 1.02x the time of all 30 blocks in one call, which took 94 s to build where 1 block took
 # 29 s and 10 blocks 46 s (benchmarks/step_groups.py).
 GROUP_MAX = 5
-HEAD_PACKAGE = "head.pt2"  # the final norm and the output layer
+HEAD_PACKAGE = "head.pt2"  # the final norm and the output layer, in <cache>/heads/<key>
+HEAD_ROWS = 1024  # rows a head package takes: any running batch qkv serves
 META = "step.json"
 # Where the sources that key a step start: this module (the exported wrapper), the model and
 # every layer it may hold (quantised ones included), and the kernels; :func:`step_sources`
@@ -315,16 +318,59 @@ class _Head(nn.Module):
         return torch.func.functional_call(self._tail[0], own, (x,))
 
 
-def _export_head(model: GPT, batch: int) -> torch.export.ExportedProgram:
-    """The head's exported program (one row, or 2..R rows of a running batch)."""
+def _export_head(model: GPT) -> torch.export.ExportedProgram:
+    """The head's exported program, for 1 to :data:`HEAD_ROWS` rows: one package serves the
+    one-request step and every running batch of the model's shapes."""
     head = _Head(model).eval()
     weights = list(_Tail(model).tensors().values())
-    n = 1 if batch == 1 else 2
-    rows: dict[int, Any] = {0: torch.export.Dim("rows", min=2, max=batch)} if batch > 2 else {}
-    x = torch.zeros(n, 1, model.cfg.dim, dtype=model.tok_emb.weight.dtype)
+    rows = {0: torch.export.Dim("rows", min=1, max=HEAD_ROWS)}
+    x = torch.zeros(2, 1, model.cfg.dim, dtype=model.tok_emb.weight.dtype)
     with torch.no_grad():
         return torch.export.export(head, (x, weights), dynamic_shapes=(rows, [{} for _ in weights]),
                                    strict=False)
+
+
+def head_key(model: GPT) -> tuple[str, dict[str, Any]]:
+    """(digest, what it digests) of the head package of ``model``'s shapes on this machine: as a
+    step's key, but for the final norm and output layer only (their types, settings, dtypes and
+    shapes) and for any row count and cache length."""
+    tail = _Tail(model)
+    shape = repr((repr(tail), [(n, t.dtype, tuple(t.shape)) for n, t in tail.tensors().items()]))
+    info = {"step_version": STEP_VERSION, "code": _code_digest(), "cpu": cpu_identity(),
+            "threads": torch.get_num_threads(), "torch": torch.__version__,
+            "torch_git": torch.version.git_version, "compiler": compiler(),
+            "head": hashlib.sha256(shape.encode()).hexdigest(), "rows": HEAD_ROWS}
+    return hashlib.sha256(json.dumps(info, sort_keys=True).encode()).hexdigest()[:32], info
+
+
+def _heads() -> Path:
+    """The private folder of head packages (``<cache>/heads``, 0700)."""
+    try:
+        return private_folder("heads")
+    except NativeError as e:
+        raise SavedStepError(str(e)) from None
+
+
+def build_head(model: GPT) -> Path:
+    """The head package of ``model``'s shapes, built unless a valid one is there (~10 s)."""
+    key, info = head_key(model)
+
+    def make(tmp: Path) -> dict[str, Any]:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=".*LeafSpec.*", category=FutureWarning)
+            _compile(_export_head(model), tmp / HEAD_PACKAGE)
+        return {"key": key, "info": info, "sha256": sha256(tmp / HEAD_PACKAGE)}
+
+    return build_once(_heads(), key, META, lambda path: _valid_head(path, key, info), make)
+
+
+def _valid_head(path: Path, key: str, info: dict[str, Any]) -> bool:
+    try:
+        meta = json.loads((path / META).read_text())
+        return (meta.get("key") == key and meta.get("info") == json.loads(json.dumps(info))
+                and sha256(path / HEAD_PACKAGE) == meta.get("sha256"))
+    except (OSError, ValueError):
+        return False
 
 
 def _export(model: GPT, cache_len: int, batch: int, start: int = 0) -> torch.export.ExportedProgram:
@@ -438,11 +484,9 @@ def build(model: GPT, cache_len: int | None = None, batch: int = 1,
                 _compile(ep, pkg)
             packages.append({"file": pkg.name, "sha256": sha256(pkg),
                              "made": _made_constants(pkg, blocks[start : start + G])})
-        head = tmp / HEAD_PACKAGE
-        _compile(_export_head(model, batch), head)
-        return {"key": key, "info": info, "group": G, "layout": layout, "packages": packages,
-                "head": {"file": head.name, "sha256": sha256(head)}}
+        return {"key": key, "info": info, "group": G, "layout": layout, "packages": packages}
 
+    build_head(model)  # shared by every step of these shapes: found when another step built it
     return build_once(folder(), key, META, lambda path: _valid(path, key, info) is not None, make)
 
 
@@ -480,9 +524,6 @@ def _valid(path: Path, key: str, info: dict[str, Any]) -> dict[str, Any] | None:
         for j, p in enumerate(packages):
             if p.get("file") != package_name(j) or sha256(path / p["file"]) != p.get("sha256"):
                 return None
-        head = meta.get("head") or {}
-        if head.get("file") != HEAD_PACKAGE or sha256(path / HEAD_PACKAGE) != head.get("sha256"):
-            return None
         return meta
     except (OSError, ValueError):
         return None
@@ -670,6 +711,13 @@ def load(model: GPT, cache_len: int | None = None, batch: int = 1) -> SavedStep 
     packages = meta["packages"]
     loaders = [_open(path / p["file"]) for p in packages]
     made = [{k: torch.tensor(v, dtype=torch.int64) for k, v in p.get("made", {}).items()} for p in packages]
-    step = SavedStep(model, S, batch, path, loaders, meta["layout"], made, _open(path / HEAD_PACKAGE))
+    hkey, hinfo = head_key(model)
+    try:
+        head = _heads() / hkey
+    except SavedStepError:
+        return None
+    if not _valid_head(head, hkey, hinfo):
+        return None
+    step = SavedStep(model, S, batch, path, loaders, meta["layout"], made, _open(head / HEAD_PACKAGE))
     step.load_seconds = time.perf_counter() - t0
     return step

@@ -92,6 +92,12 @@ def test_groups_of_blocks_of_two_kinds_equal_eager_at_every_position(monkeypatch
             torch.testing.assert_close(step.step(tok, c_saved), want, rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(c_saved.k, c_eager.k, rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(c_saved.v, c_eager.v, rtol=1e-5, atol=1e-5)
+    head = aot._heads() / aot.head_key(m)[0] / aot.HEAD_PACKAGE  # the head: one per shape, checked too
+    good = head.read_bytes()
+    head.write_bytes(good[:-4] + b"XXXX")
+    assert aot.load(m) is None
+    head.write_bytes(good)
+    assert aot.load(m) is not None
     (path / aot.package_name(1)).write_bytes(b"damaged")  # the second package checked too
     assert aot.load(m) is None
 
