@@ -11,7 +11,8 @@ llama.cpp's builds on the same GGUF, against the limit set by reading the weight
   of its own limit;
 - where qkv's token goes: an eager step of one row under the torch profiler, by kernel (4-bit
   products, the int8 head, attention over the cache, norms), and the saved step's time a token
-  beside it (what is not kernels there is the runtime between them);
+  beside it (what is not kernels there is the runtime between them); the final norm and output
+  layer eagerly and through the saved step's head package, calls alternated;
 - rates: ``--rounds`` rounds of qkv's saved step (128 tokens after a 32-token prompt, as
   saved_step.py) with llama-bench's portable and native builds in the middle of each round.
 
@@ -95,6 +96,24 @@ def profile(model, steps: int = 20) -> dict[str, float]:
     return {k: round(v / steps / 1e3, 3) for k, v in got.items()}
 
 
+def head_ms(model, step, calls: int = 300) -> dict[str, float]:
+    """Milliseconds a call (median) of the final norm and output layer on one row: eagerly and
+    through the saved step's head package, alternated call by call."""
+    import torch
+
+    x = torch.randn(1, 1, model.cfg.dim, generator=torch.Generator().manual_seed(0))
+    eager, package = [], []
+    with torch.inference_mode():
+        for _ in range(calls):
+            t = time.perf_counter()
+            model.lm_head(model.stack.norm(x))
+            eager.append(time.perf_counter() - t)
+            t = time.perf_counter()
+            step._head(x)
+            package.append(time.perf_counter() - t)
+    return {"eager": round(C.median(eager) * 1e3, 3), "package": round(C.median(package) * 1e3, 3)}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--rounds", type=int, default=3)
@@ -114,7 +133,8 @@ def main() -> None:
     print(C.machine_line(machine))
     lm = qkv.load("smollm2")
     m = lm.model
-    if aot.load(m) is None:
+    step = aot.load(m)
+    if step is None:
         raise SystemExit("SmolLM2's saved step is not built here: run `qkv prepare smollm2` first")
     ours = weight_bytes(m)
     qkv_bytes = sum(ours.values())
@@ -128,6 +148,9 @@ def main() -> None:
     kernels = profile(m)
     print("eager step of one row, ms a token: " + ", ".join(f"{k} {v:.2f}" for k, v in kernels.items()),
           flush=True)
+    head = head_ms(m, step)
+    print(f"final norm + output layer, ms a call: eagerly {head['eager']:.3f}, through the head package "
+          f"{head['package']:.3f}", flush=True)
 
     text = ("The history of the city begins with a small settlement on an island in the river. Over the "
             "centuries it grew into a centre of trade and learning, with markets, bridges and churches. ")
@@ -172,7 +195,7 @@ def main() -> None:
     out = C.write_json(NAME, {
         "machine": machine, "threads": threads, "bandwidth_gb_s": round(gbs, 2),
         "bytes_per_token": {"qkv": ours, "qkv_total": qkv_bytes, "llama_cpp_gguf": llama_bytes},
-        "eager_profile_ms": kernels,
+        "eager_profile_ms": kernels, "head_ms": head,
         "decode_tokens_per_s": {k: [round(x, 1) for x in v] for k, v in rates.items()},
         "limit_tokens_per_s": {k: round(v, 1) for k, v in limit.items()},
         "fraction_of_limit": {k: round(C.median(v) / limit[k], 3) for k, v in rates.items()},

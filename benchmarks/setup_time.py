@@ -56,6 +56,8 @@ def main() -> None:
     for k, r in runs.items():
         if r["exit"]:
             raise SystemExit(f"{k}: qkv prepare failed:\n{r['printed']}")
+        if len(r["builds_s"]) != 2:  # read from what the command prints: say so if that changed
+            raise SystemExit(f"{k}: expected two 'saved step for ...: built in N s' lines:\n{r['printed']}")
         rows.append([k, f"{r['wall_s']:.0f}", f"{r['load_s']:.0f}",
                      " + ".join(f"{v:.0f}" for v in r["builds_s"].values())])
     C.print_table("qkv " + " ".join(COMMAND) + ", an empty qkv cache", ["code", "wall s", "load s",

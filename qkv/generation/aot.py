@@ -201,14 +201,19 @@ def _code_digest() -> str:
     return h.hexdigest()
 
 
-def step_key(model: GPT, cache_len: int, batch: int = 1) -> tuple[str, dict[str, Any]]:
-    """(digest, what it digests) of the step of ``model`` on this machine (see the module doc)."""
+def _keyed(**what: Any) -> tuple[str, dict[str, Any]]:
+    """(digest, what it digests) of a package: ``what`` it is built for, with what every package
+    shares: the step's version, qkv's code, this machine (CPU, threads, torch, compiler)."""
     info = {"step_version": STEP_VERSION, "code": _code_digest(), "cpu": cpu_identity(),
             "threads": torch.get_num_threads(), "torch": torch.__version__,
-            "torch_git": torch.version.git_version, "compiler": compiler(),
-            "model": hashlib.sha256(shape_signature(model).encode()).hexdigest(),
-            "cache_len": cache_len, "batch": batch, "group": group_size(model.cfg.n_layers)}
+            "torch_git": torch.version.git_version, "compiler": compiler(), **what}
     return hashlib.sha256(json.dumps(info, sort_keys=True).encode()).hexdigest()[:32], info
+
+
+def step_key(model: GPT, cache_len: int, batch: int = 1) -> tuple[str, dict[str, Any]]:
+    """(digest, what it digests) of the step of ``model`` on this machine (see the module doc)."""
+    return _keyed(model=hashlib.sha256(shape_signature(model).encode()).hexdigest(), cache_len=cache_len,
+                  batch=batch, group=group_size(model.cfg.n_layers))
 
 
 def cache_len_for(model: GPT, cache_len: int | None = None) -> int:
@@ -225,18 +230,27 @@ def group_size(n_layers: int) -> int:
     return max(g for g in range(1, min(GROUP_MAX, n_layers) + 1) if n_layers % g == 0)
 
 
-def _block_tensors(block: nn.Module) -> dict[str, Tensor]:
-    """A block's parameters and buffers by name: what a group takes as inputs, per block."""
-    out = dict(block.named_parameters())
-    out.update(block.named_buffers())
+def _tensors(module: nn.Module) -> dict[str, Tensor]:
+    """A module's parameters, buffers and tensors held as plain attributes (a tied output
+    matrix), by name: what a package takes as inputs for it (a block of a group, the head)."""
+    out = dict(module.named_parameters(remove_duplicate=False))
+    out.update(module.named_buffers(remove_duplicate=False))
+    for prefix, m in module.named_modules():
+        for k, v in vars(m).items():
+            if isinstance(v, Tensor) and not k.startswith("_"):
+                out.setdefault(f"{prefix}.{k}" if prefix else k, v)
     return out
 
 
+def _shape(module: nn.Module) -> str:
+    """What a package is specific to for ``module``: its tree as printed (types and their
+    settings: a 4-bit layer's group size and kernel) and every tensor's dtype and shape."""
+    return repr((repr(module), [(n, t.dtype, tuple(t.shape)) for n, t in _tensors(module).items()]))
+
+
 def _signature(blocks: Sequence[nn.Module]) -> str:
-    """What a group's package is specific to: each block's module tree as printed (types and
-    their settings: a 4-bit layer's group size and kernel) and every tensor's dtype and shape."""
-    return repr([(repr(b), [(n, t.dtype, tuple(t.shape)) for n, t in _block_tensors(b).items()])
-                 for b in blocks])
+    """What a group's package is specific to: each of its blocks' :func:`_shape`."""
+    return repr([_shape(b) for b in blocks])
 
 
 def _layout(model: GPT) -> tuple[int, list[int]]:
@@ -261,7 +275,7 @@ class _Group(nn.Module):
         super().__init__()
         self.rope, self.alibi = model.rope, model.alibi
         self._blocks = tuple(model.stack.blocks[start : start + size])
-        self._names = tuple(_block_tensors(self._blocks[0]))
+        self._names = tuple(_tensors(self._blocks[0]))
 
     def forward(self, x: Tensor, k: Tensor, v: Tensor, q: Tensor, marker: Tensor, weights: list[Tensor],
                 pos: Tensor | None = None) -> Tensor:
@@ -288,17 +302,6 @@ class _Tail(nn.Module):
         self.norm = model.stack.norm if model.stack.norm is not None else nn.Identity()
         self.lm_head = model.lm_head
 
-    def tensors(self) -> dict[str, Tensor]:
-        """Its parameters, buffers and tensors held as plain attributes (a tied output matrix), by
-        name."""
-        out = dict(self.named_parameters(remove_duplicate=False))
-        out.update(self.named_buffers(remove_duplicate=False))
-        for prefix, m in self.named_modules():
-            for k, v in vars(m).items():
-                if isinstance(v, Tensor) and not k.startswith("_"):
-                    out.setdefault(f"{prefix}.{k}" if prefix else k, v)
-        return out
-
     def forward(self, x: Tensor) -> Tensor:
         return self.lm_head(self.norm(x))
 
@@ -311,7 +314,7 @@ class _Head(nn.Module):
     def __init__(self, model: GPT) -> None:
         super().__init__()
         self._tail = (_Tail(model),)
-        self._names = tuple(self._tail[0].tensors())
+        self._names = tuple(_tensors(self._tail[0]))
 
     def forward(self, x: Tensor, weights: list[Tensor]) -> Tensor:
         own = dict(zip(self._names, weights, strict=True))
@@ -322,7 +325,7 @@ def _export_head(model: GPT) -> torch.export.ExportedProgram:
     """The head's exported program, for 1 to :data:`HEAD_ROWS` rows: one package serves the
     one-request step and every running batch of the model's shapes."""
     head = _Head(model).eval()
-    weights = list(_Tail(model).tensors().values())
+    weights = list(_tensors(_Tail(model)).values())
     rows = {0: torch.export.Dim("rows", min=1, max=HEAD_ROWS)}
     x = torch.zeros(2, 1, model.cfg.dim, dtype=model.tok_emb.weight.dtype)
     with torch.no_grad():
@@ -334,13 +337,7 @@ def head_key(model: GPT) -> tuple[str, dict[str, Any]]:
     """(digest, what it digests) of the head package of ``model``'s shapes on this machine: as a
     step's key, but for the final norm and output layer only (their types, settings, dtypes and
     shapes) and for any row count and cache length."""
-    tail = _Tail(model)
-    shape = repr((repr(tail), [(n, t.dtype, tuple(t.shape)) for n, t in tail.tensors().items()]))
-    info = {"step_version": STEP_VERSION, "code": _code_digest(), "cpu": cpu_identity(),
-            "threads": torch.get_num_threads(), "torch": torch.__version__,
-            "torch_git": torch.version.git_version, "compiler": compiler(),
-            "head": hashlib.sha256(shape.encode()).hexdigest(), "rows": HEAD_ROWS}
-    return hashlib.sha256(json.dumps(info, sort_keys=True).encode()).hexdigest()[:32], info
+    return _keyed(head=hashlib.sha256(_shape(_Tail(model)).encode()).hexdigest(), rows=HEAD_ROWS)
 
 
 def _heads() -> Path:
@@ -365,12 +362,22 @@ def build_head(model: GPT) -> Path:
 
 
 def _valid_head(path: Path, key: str, info: dict[str, Any]) -> bool:
+    """Whether ``path`` holds an intact head package built for exactly ``info``."""
+    meta = _record(path, key, info)
+    try:
+        return meta is not None and sha256(path / HEAD_PACKAGE) == meta.get("sha256")
+    except OSError:
+        return False
+
+
+def _record(path: Path, key: str, info: dict[str, Any]) -> dict[str, Any] | None:
+    """The record beside a package folder if it was built for exactly ``key`` and ``info``."""
     try:
         meta = json.loads((path / META).read_text())
-        return (meta.get("key") == key and meta.get("info") == json.loads(json.dumps(info))
-                and sha256(path / HEAD_PACKAGE) == meta.get("sha256"))
     except (OSError, ValueError):
-        return False
+        return None
+    ok = meta.get("key") == key and meta.get("info") == json.loads(json.dumps(info))
+    return meta if ok else None
 
 
 def _export(model: GPT, cache_len: int, batch: int, start: int = 0) -> torch.export.ExportedProgram:
@@ -378,7 +385,7 @@ def _export(model: GPT, cache_len: int, batch: int, start: int = 0) -> torch.exp
     G = group_size(model.cfg.n_layers)
     cache = _make_cache(model, batch, cache_len)  # the buffers every request will pass
     k, v, q = (t[start : start + G] for t in (cache.k, cache.v, cache.queries))
-    weights = [t for b in model.stack.blocks[start : start + G] for t in _block_tensors(b).values()]
+    weights = [t for b in model.stack.blocks[start : start + G] for t in _tensors(b).values()]
     fixed: list[dict] = [{} for _ in weights]
     marker = torch.zeros(cache_len, dtype=torch.uint8)[:3]
     pos = torch.export.Dim("pos", min=2, max=cache_len - 2)  # S - 1 would break a guard on S
@@ -514,10 +521,10 @@ def building(key: str) -> bool:
 
 def _valid(path: Path, key: str, info: dict[str, Any]) -> dict[str, Any] | None:
     """The package's record if ``path`` holds an intact package built for exactly ``info``."""
+    meta = _record(path, key, info)
+    if meta is None:
+        return None
     try:
-        meta = json.loads((path / META).read_text())
-        if meta.get("key") != key or meta.get("info") != json.loads(json.dumps(info)):
-            return None
         packages = meta.get("packages") or []
         if not packages or sorted(set(meta.get("layout", []))) != list(range(len(packages))):
             return None
@@ -525,7 +532,7 @@ def _valid(path: Path, key: str, info: dict[str, Any]) -> dict[str, Any] | None:
             if p.get("file") != package_name(j) or sha256(path / p["file"]) != p.get("sha256"):
                 return None
         return meta
-    except (OSError, ValueError):
+    except OSError:
         return None
 
 
@@ -592,10 +599,10 @@ class SavedStep:
         if self._head_loader.get_constant_fqns():
             raise SavedStepError("the saved step's head wants constants: it takes its tensors as inputs")
         self._head_run = self._head_loader.boxed_run
-        self._head_weights = list(_Tail(model).tensors().values())
+        self._head_weights = list(_tensors(_Tail(model)).values())
         blocks, G = list(model.stack.blocks), self.group
         self._runs = [(i * G, self._loaders[j].boxed_run,
-                       [t for b in blocks[i * G : (i + 1) * G] for t in _block_tensors(b).values()])
+                       [t for b in blocks[i * G : (i + 1) * G] for t in _tensors(b).values()])
                       for i, j in enumerate(self._layout)]
         self._bound = stamp
 

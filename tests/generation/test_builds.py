@@ -171,7 +171,7 @@ def test_every_module_a_decoding_step_runs_keys_the_step(weights):
                 m(torch.tensor([[1, 2, 3]]), cache=cache)
                 m(torch.tensor([[4]]), cache=cache, last_only=True)
                 G = aot.group_size(m.cfg.n_layers)  # what the package runs: a group of blocks
-                weights = [t for b in m.stack.blocks[:G] for t in aot._block_tensors(b).values()]
+                weights = [t for b in m.stack.blocks[:G] for t in aot._tensors(b).values()]
                 aot._Group(m, 0, G)(m.embed(torch.tensor([[5]]), 4), cache.k[:G], cache.v[:G],
                                     cache.queries[:G], torch.zeros(4), weights)
 
