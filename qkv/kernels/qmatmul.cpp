@@ -67,36 +67,114 @@ constexpr const char* PATH = "scalar";
 // to dx/2, which on a real model's activations (a few large channels set dx) moves the next-token
 // distribution ~20x further from the float model's than bf16 does; with the residual, x is
 // carried to dx/512, finer than bf16 (measured in BENCHMARKS.md).
+#if defined(__AVX2__) && defined(__F16C__) && defined(__FMA__)
+// 8 values of x from p as float32 (bfloat16: its bits are the top half of a float32's)
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const c10::BFloat16* p) {
+  const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(b), 16));
+}
+inline float hsum8(__m256 v) {  // ((v0+v4)+(v2+v6))+((v1+v5)+(v3+v7)), a fixed order
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+inline float hmax8(__m256 v) {
+  __m128 s = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_max_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_max_ss(s, _mm_movehdup_ps(s)));
+}
+// four vectors of 8 int32 (each in -127..127) -> 32 int8 in order
+inline __m256i pack32(__m256i a, __m256i b, __m256i c, __m256i d) {
+  const __m256i ab = _mm256_packs_epi32(a, b), cd = _mm256_packs_epi32(c, d);
+  return _mm256_permutevar8x32_epi32(_mm256_packs_epi16(ab, cd), _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+}
+#endif
+
+// Each row of x (M, K) and each group of 32: x ≈ dx·(xq + xr/256), two int8 codes per value (the
+// second the rounding residual of the first, in steps of dx/256), the scale dx = max|x| / 127
+// and the float sum; where sq is given, also the code sums Σxq and Σxr. One int8 code alone
+// (llama.cpp's Q8 activations) rounds each value by up to dx/2, which on a real model's
+// activations (a few large channels set dx) moves the next-token distribution ~20x further from
+// the float model's than bf16 does; with the residual, x is carried to dx/512, finer than bf16
+// (measured in BENCHMARKS.md). AVX2 rounds 8 values an instruction (half to even, as nearbyint).
 template <typename T>
-void quantize_rows(const T* x, int64_t M, int64_t K, int8_t* xq, int8_t* xr, float* dx, float* sx) {
+void quantize_rows(const T* x, int64_t M, int64_t K, int8_t* xq, int8_t* xr, float* dx, float* sx,
+                   int32_t* sq, int32_t* sr) {
   const int64_t G = K / GROUP;
   for (int64_t m = 0; m < M; ++m) {
     for (int64_t g = 0; g < G; ++g) {
       const T* p = x + m * K + g * GROUP;
-      float v[GROUP];
-      float amax = 0.f, s = 0.f;
-      for (int i = 0; i < GROUP; ++i) {
-        v[i] = static_cast<float>(p[i]);
-        amax = std::max(amax, std::fabs(v[i]));
-        s += v[i];
-      }
       int8_t* q = xq + m * K + g * GROUP;
       int8_t* r = xr + m * K + g * GROUP;
+      const int64_t i = m * G + g;
+#if defined(__AVX2__) && defined(__F16C__) && defined(__FMA__)
+      __m256 v[4];
+      for (int k = 0; k < 4; ++k) v[k] = load8(p + 8 * k);
+      const __m256 absmask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+      const float s = hsum8(_mm256_add_ps(_mm256_add_ps(v[0], v[1]), _mm256_add_ps(v[2], v[3])));
+      const float amax = hmax8(_mm256_max_ps(_mm256_max_ps(_mm256_and_ps(v[0], absmask), _mm256_and_ps(v[1], absmask)),
+                                             _mm256_max_ps(_mm256_and_ps(v[2], absmask), _mm256_and_ps(v[3], absmask))));
       if (!std::isfinite(s) || !std::isfinite(amax)) {  // a NaN or inf activation: NaN out, as a float product
-        std::fill(q, q + GROUP, 0);
-        std::fill(r, r + GROUP, 0);
-        dx[m * G + g] = std::numeric_limits<float>::quiet_NaN();
-        sx[m * G + g] = std::numeric_limits<float>::quiet_NaN();
+        std::memset(q, 0, GROUP);
+        std::memset(r, 0, GROUP);
+        dx[i] = sx[i] = std::numeric_limits<float>::quiet_NaN();
+        if (sq != nullptr) sq[i] = sr[i] = 0;
         continue;
       }
       const float d = amax / 127.f, inv = d >= std::numeric_limits<float>::min() ? 1.f / d : 0.f;
-      for (int i = 0; i < GROUP; ++i) {
-        const float u = std::clamp(v[i] * inv, -127.f, 127.f), c = std::nearbyint(u);
-        q[i] = static_cast<int8_t>(c);
-        r[i] = static_cast<int8_t>(std::clamp(std::nearbyint((u - c) * 256.f), -127.f, 127.f));
+      const __m256 vinv = _mm256_set1_ps(inv), hi = _mm256_set1_ps(127.f), lo = _mm256_set1_ps(-127.f),
+                   k256 = _mm256_set1_ps(256.f);
+      constexpr int RN = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
+      __m256i ci[4], ri[4];
+      __m256 csum = _mm256_setzero_ps(), rsum = _mm256_setzero_ps();
+      for (int k = 0; k < 4; ++k) {
+        const __m256 u = _mm256_min_ps(_mm256_max_ps(_mm256_mul_ps(v[k], vinv), lo), hi);
+        const __m256 c = _mm256_round_ps(u, RN);
+        const __m256 e = _mm256_min_ps(_mm256_max_ps(_mm256_round_ps(_mm256_mul_ps(_mm256_sub_ps(u, c), k256), RN), lo), hi);
+        ci[k] = _mm256_cvtps_epi32(c);
+        ri[k] = _mm256_cvtps_epi32(e);
+        csum = _mm256_add_ps(csum, c);  // integers: exact
+        rsum = _mm256_add_ps(rsum, e);
       }
-      dx[m * G + g] = d;
-      sx[m * G + g] = s;
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(q), pack32(ci[0], ci[1], ci[2], ci[3]));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(r), pack32(ri[0], ri[1], ri[2], ri[3]));
+      if (sq != nullptr) {
+        sq[i] = static_cast<int32_t>(hsum8(csum));
+        sr[i] = static_cast<int32_t>(hsum8(rsum));
+      }
+      dx[i] = d;
+      sx[i] = s;
+#else
+      float v[GROUP];
+      float amax = 0.f, s = 0.f;
+      for (int k = 0; k < GROUP; ++k) {
+        v[k] = static_cast<float>(p[k]);
+        amax = std::max(amax, std::fabs(v[k]));
+        s += v[k];
+      }
+      int32_t cs = 0, rs = 0;
+      if (!std::isfinite(s) || !std::isfinite(amax)) {  // a NaN or inf activation: NaN out, as a float product
+        std::fill(q, q + GROUP, 0);
+        std::fill(r, r + GROUP, 0);
+        dx[i] = sx[i] = std::numeric_limits<float>::quiet_NaN();
+      } else {
+        const float d = amax / 127.f, inv = d >= std::numeric_limits<float>::min() ? 1.f / d : 0.f;
+        for (int k = 0; k < GROUP; ++k) {
+          const float u = std::clamp(v[k] * inv, -127.f, 127.f), c = std::nearbyint(u);
+          q[k] = static_cast<int8_t>(c);
+          r[k] = static_cast<int8_t>(std::clamp(std::nearbyint((u - c) * 256.f), -127.f, 127.f));
+          cs += q[k];
+          rs += r[k];
+        }
+        dx[i] = d;
+        sx[i] = s;
+      }
+      if (sq != nullptr) {
+        sq[i] = cs;
+        sr[i] = rs;
+      }
+#endif
     }
   }
 }
@@ -104,42 +182,42 @@ void quantize_rows(const T* x, int64_t M, int64_t K, int8_t* xq, int8_t* xr, flo
 // x quantised once per call and read by every block of output rows: per value its int8 code xq
 // and residual xr (M, K); per row and group of 32 (M, K/32) the scale dx, the float sum sx and,
 // for a format whose weight codes are stored offset (8-bit: q + 128), the code sums sq = Σxq
-// and sr = Σxr (empty otherwise).
+// and sr = Σxr. The buffers are the calling thread's own, kept from call to call (a token's
+// 121 products would otherwise allocate and free them each time).
 struct Activations {
-  int64_t M, K, G;
+  int64_t M = 0, K = 0, G = 0;
   std::vector<int8_t> xq, xr;
   std::vector<float> dx, sx;
   std::vector<int32_t> sq, sr;
   std::vector<int16_t> x16;  // 256·xq + xr (|.| <= 32,639), where the AVX2 path reads it (M >= 2)
+  bool wide = false;         // x16 holds this call's values
 };
 
-// x (M, K) float32 or bfloat16 -> its Activations; op names the caller in the message.
-Activations quantize(const at::Tensor& x, bool code_sums, const char* op) {
+// x (M, K) float32 or bfloat16 -> its Activations (this thread's, valid until its next call); op
+// names the caller in the message.
+const Activations& quantize(const at::Tensor& x, bool code_sums, const char* op) {
+  thread_local Activations a;
   const int64_t M = x.size(0), K = x.size(1), G = K / GROUP;
-  Activations a{M, K, G, std::vector<int8_t>(M * K), std::vector<int8_t>(M * K), std::vector<float>(M * G),
-                std::vector<float>(M * G), {}, {}};
+  a.M = M, a.K = K, a.G = G;
+  a.xq.resize(M * K), a.xr.resize(M * K), a.dx.resize(M * G), a.sx.resize(M * G);
+  a.sq.resize(code_sums ? M * G : 0), a.sr.resize(code_sums ? M * G : 0);
+  int32_t* sq = code_sums ? a.sq.data() : nullptr;
+  int32_t* sr = code_sums ? a.sr.data() : nullptr;
   if (x.scalar_type() == at::kFloat)
-    quantize_rows(x.data_ptr<float>(), M, K, a.xq.data(), a.xr.data(), a.dx.data(), a.sx.data());
+    quantize_rows(x.data_ptr<float>(), M, K, a.xq.data(), a.xr.data(), a.dx.data(), a.sx.data(), sq, sr);
   else if (x.scalar_type() == at::kBFloat16)
-    quantize_rows(x.data_ptr<c10::BFloat16>(), M, K, a.xq.data(), a.xr.data(), a.dx.data(), a.sx.data());
+    quantize_rows(x.data_ptr<c10::BFloat16>(), M, K, a.xq.data(), a.xr.data(), a.dx.data(), a.sx.data(), sq, sr);
   else
     TORCH_CHECK(false, op, ": x must be float32 or bfloat16");
+  a.wide = false;
 #if !(defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512F__)) && defined(__AVX2__) && \
     defined(__F16C__) && defined(__FMA__)
   if (M >= WIDE_FROM) {
     a.x16.resize(M * K);
     for (int64_t i = 0; i < M * K; ++i) a.x16[i] = static_cast<int16_t>(256 * a.xq[i] + a.xr[i]);
+    a.wide = true;
   }
 #endif
-  if (code_sums) {
-    a.sq.assign(M * G, 0);
-    a.sr.assign(M * G, 0);
-    for (int64_t i = 0; i < M * G; ++i)
-      for (int k = 0; k < GROUP; ++k) {
-        a.sq[i] += a.xq[i * GROUP + k];
-        a.sr[i] += a.xr[i * GROUP + k];
-      }
-  }
   return a;
 }
 
@@ -166,19 +244,24 @@ at::Tensor qmatmul(const at::Tensor& x, const at::Tensor& w, const at::Tensor& s
   TORCH_CHECK(scales.scalar_type() == at::kHalf && scales.numel() == NB * G * Format::SCALES &&
                   scales.is_contiguous(),
               op, ": ", Format::SCALES_ARG, " must be ", Format::SCALES_SHAPE, " float16");
-  const Activations a = quantize(x, Format::CODE_SUMS, op);
+  const Activations& a = quantize(x, Format::CODE_SUMS, op);
   at::Tensor y = at::empty({M, N}, x.options().dtype(at::kFloat));
   const uint8_t* wp = w.data_ptr<uint8_t>();
   const c10::Half* sp = scales.data_ptr<c10::Half>();
   float* yp = y.data_ptr<float>();
-  // The NB blocks of 16 output rows are shared among threads; each block's outputs for every row
-  // of x accumulate in the thread's out (M, 16), then go to their 16 columns of y.
-  at::parallel_for(0, NB, 1, [&](int64_t b0, int64_t b1) {
-    std::vector<float> out(M * ROWS);
+  // The NB blocks of 16 output rows are shared among threads, at least SPLIT groups of a block
+  // each (starting a second thread costs ~2 µs: a product smaller than that runs on one); each
+  // block's outputs for every row of x accumulate in the thread's out (M, 16), then go to their
+  // 16 columns of y.
+  constexpr int64_t SPLIT = 256;
+  at::parallel_for(0, NB, std::max<int64_t>(1, SPLIT / (G * M)), [&](int64_t b0, int64_t b1) {
+    float small[16 * ROWS];
+    std::vector<float> large(M > 16 ? M * ROWS : 0);
+    float* out = M > 16 ? large.data() : small;
     for (int64_t b = b0; b < b1; ++b) {
-      std::fill(out.begin(), out.end(), 0.f);
-      Format::block(wp + b * G * Format::CHUNKS * 64, sp + b * G * Format::SCALES, a, out.data());
-      for (int64_t m = 0; m < M; ++m) std::memcpy(yp + m * N + b * ROWS, out.data() + m * ROWS, ROWS * sizeof(float));
+      std::fill(out, out + M * ROWS, 0.f);
+      Format::block(wp + b * G * Format::CHUNKS * 64, sp + b * G * Format::SCALES, a, out);
+      for (int64_t m = 0; m < M; ++m) std::memcpy(yp + m * N + b * ROWS, out + m * ROWS, ROWS * sizeof(float));
     }
   });
   return y;
@@ -278,44 +361,40 @@ void block4(const uint8_t* w, const c10::Half* dm, const int8_t* xq, const int8_
     }
     return;
   }
+  // One row (M = 1): 8-bit products against xq and xr, pairs summed in int16 and kept there over
+  // the group's 4 chunks (8 pairs of code (0..15) x activation (-127..127): |.| <= 30,480), then
+  // widened once: 256·<q, xq> + <q, xr> per output row. The 16 rows' outputs stay in registers
+  // over all groups.
+  const __m256i k256 = _mm256_set1_epi16(256);
+  __m256 o[2] = {_mm256_loadu_ps(out), _mm256_loadu_ps(out + 8)};
   for (int64_t g = 0; g < G; ++g) {
     const uint8_t* wp = w + g * 256;
-    __m256i lo[4][2], hi[4][2];
-    for (int c = 0; c < 4; ++c)
+    int32_t xw[8], rw[8];
+    std::memcpy(xw, xq + g * GROUP, sizeof(xw));
+    std::memcpy(rw, xr + g * GROUP, sizeof(rw));
+    __m256i acc[2] = {_mm256_setzero_si256(), _mm256_setzero_si256()};
+    __m256i res[2] = {_mm256_setzero_si256(), _mm256_setzero_si256()};
+    for (int c = 0; c < 4; ++c) {
+      const __m256i xa = _mm256_set1_epi32(xw[2 * c]), xb = _mm256_set1_epi32(xw[2 * c + 1]);
+      const __m256i ra = _mm256_set1_epi32(rw[2 * c]), rb = _mm256_set1_epi32(rw[2 * c + 1]);
       for (int h = 0; h < 2; ++h) {  // rows 0-7, rows 8-15
         const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wp + c * 64 + h * 32));
-        lo[c][h] = _mm256_and_si256(v, low);
-        hi[c][h] = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
+        const __m256i l = _mm256_and_si256(v, low), u = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
+        acc[h] = _mm256_add_epi16(acc[h], _mm256_add_epi16(_mm256_maddubs_epi16(l, xa), _mm256_maddubs_epi16(u, xb)));
+        res[h] = _mm256_add_epi16(res[h], _mm256_add_epi16(_mm256_maddubs_epi16(l, ra), _mm256_maddubs_epi16(u, rb)));
       }
-    __m256 d[2], z[2];
-    for (int h = 0; h < 2; ++h) {
-      d[h] = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(dm + g * 32 + 8 * h)));
-      z[h] = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(dm + g * 32 + 16 + 8 * h)));
     }
-    for (int64_t m = 0; m < M; ++m) {
-      int32_t xw[8], rw[8];
-      std::memcpy(xw, xq + m * K + g * GROUP, sizeof(xw));
-      std::memcpy(rw, xr + m * K + g * GROUP, sizeof(rw));
-      const __m256 scale = _mm256_set1_ps(dx[m * G + g] * (1.f / 256.f)), sum = _mm256_set1_ps(sx[m * G + g]);
-      for (int h = 0; h < 2; ++h) {
-        __m256i acc = _mm256_setzero_si256(), res = _mm256_setzero_si256();
-        for (int c = 0; c < 4; ++c) {
-          // code (0..15) x activation (-127..127), pairs summed in int16 (|.| <= 7,620), then in int32
-          const __m256i p = _mm256_add_epi16(_mm256_maddubs_epi16(lo[c][h], _mm256_set1_epi32(xw[2 * c])),
-                                             _mm256_maddubs_epi16(hi[c][h], _mm256_set1_epi32(xw[2 * c + 1])));
-          const __m256i r = _mm256_add_epi16(_mm256_maddubs_epi16(lo[c][h], _mm256_set1_epi32(rw[2 * c])),
-                                             _mm256_maddubs_epi16(hi[c][h], _mm256_set1_epi32(rw[2 * c + 1])));
-          acc = _mm256_add_epi32(acc, _mm256_madd_epi16(p, ones));
-          res = _mm256_add_epi32(res, _mm256_madd_epi16(r, ones));
-        }
-        const __m256i both = _mm256_add_epi32(_mm256_slli_epi32(acc, 8), res);
-        __m256 o = _mm256_loadu_ps(out + m * ROWS + 8 * h);
-        o = _mm256_fmadd_ps(_mm256_cvtepi32_ps(both), _mm256_mul_ps(d[h], scale), o);
-        o = _mm256_fmadd_ps(z[h], sum, o);
-        _mm256_storeu_ps(out + m * ROWS + 8 * h, o);
-      }
+    const __m256 scale = _mm256_set1_ps(dx[g] * (1.f / 256.f)), sum = _mm256_set1_ps(sx[g]);
+    for (int h = 0; h < 2; ++h) {
+      const __m256i both = _mm256_add_epi32(_mm256_madd_epi16(acc[h], k256), _mm256_madd_epi16(res[h], ones));
+      const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(dm + g * 32 + 8 * h)));
+      const __m256 z = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(dm + g * 32 + 16 + 8 * h)));
+      o[h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(both), _mm256_mul_ps(d, scale), o[h]);
+      o[h] = _mm256_fmadd_ps(z, sum, o[h]);
     }
   }
+  _mm256_storeu_ps(out, o[0]);
+  _mm256_storeu_ps(out + 8, o[1]);
 #else
   for (int64_t g = 0; g < G; ++g) {
     const uint8_t* wp = w + g * 256;
@@ -348,7 +427,7 @@ struct Q4 {
   static constexpr const char* SCALES_SHAPE = "(N/16, K/32, 2, 16)";
   static constexpr bool CODE_SUMS = false;
   static void block(const uint8_t* w, const c10::Half* dm, const Activations& a, float* out) {
-    block4(w, dm, a.xq.data(), a.xr.data(), a.x16.empty() ? nullptr : a.x16.data(), a.dx.data(), a.sx.data(),
+    block4(w, dm, a.xq.data(), a.xr.data(), a.wide ? a.x16.data() : nullptr, a.dx.data(), a.sx.data(),
            a.M, a.K, out);
   }
 };
@@ -437,32 +516,34 @@ void block8(const uint8_t* w, const c10::Half* ds, const int8_t* xq, const int8_
     }
     return;
   }
+  // One row (M = 1): the 16 rows' outputs stay in registers over all groups.
+  __m256 o[2] = {_mm256_loadu_ps(out), _mm256_loadu_ps(out + 8)};
   for (int64_t g = 0; g < G; ++g) {
     const uint8_t* wp = w + g * 512;
-    __m256 d[2];
-    for (int h = 0; h < 2; ++h)
-      d[h] = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(ds + g * 16 + 8 * h)));
-    for (int64_t m = 0; m < M; ++m) {
-      int32_t xw[8], rw[8];
-      std::memcpy(xw, xq + m * K + g * GROUP, sizeof(xw));
-      std::memcpy(rw, xr + m * K + g * GROUP, sizeof(rw));
-      const __m256 scale = _mm256_set1_ps(dx[m * G + g] * (1.f / 256.f));
-      for (int h = 0; h < 2; ++h) {
-        __m256i acc = _mm256_setzero_si256(), res = _mm256_setzero_si256();
-        for (int c = 0; c < 8; ++c) {
-          // signed weights; |x| times w with x's sign (llama.cpp's trick): pairs <= 32,258 in int16
-          const __m256i ws = _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(wp + c * 64 + h * 32)), flip);
-          const __m256i xb = _mm256_set1_epi32(xw[c]), rb = _mm256_set1_epi32(rw[c]);
-          acc = _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_abs_epi8(xb), _mm256_sign_epi8(ws, xb)), ones));
-          res = _mm256_add_epi32(res, _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_abs_epi8(rb), _mm256_sign_epi8(ws, rb)), ones));
-        }
-        const __m256i both = _mm256_add_epi32(_mm256_slli_epi32(acc, 8), res);
-        __m256 o = _mm256_loadu_ps(out + m * ROWS + 8 * h);
-        o = _mm256_fmadd_ps(_mm256_cvtepi32_ps(both), _mm256_mul_ps(d[h], scale), o);
-        _mm256_storeu_ps(out + m * ROWS + 8 * h, o);
+    int32_t xw[8], rw[8];
+    std::memcpy(xw, xq + g * GROUP, sizeof(xw));
+    std::memcpy(rw, xr + g * GROUP, sizeof(rw));
+    __m256i acc[2] = {_mm256_setzero_si256(), _mm256_setzero_si256()};
+    __m256i res[2] = {_mm256_setzero_si256(), _mm256_setzero_si256()};
+    for (int c = 0; c < 8; ++c) {
+      const __m256i xb = _mm256_set1_epi32(xw[c]), rb = _mm256_set1_epi32(rw[c]);
+      const __m256i xa = _mm256_abs_epi8(xb), ra = _mm256_abs_epi8(rb);
+      for (int h = 0; h < 2; ++h) {  // rows 0-7, rows 8-15
+        // signed weights; |x| times w with x's sign (llama.cpp's trick): pairs <= 32,258 in int16
+        const __m256i ws = _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(wp + c * 64 + h * 32)), flip);
+        acc[h] = _mm256_add_epi32(acc[h], _mm256_madd_epi16(_mm256_maddubs_epi16(xa, _mm256_sign_epi8(ws, xb)), ones));
+        res[h] = _mm256_add_epi32(res[h], _mm256_madd_epi16(_mm256_maddubs_epi16(ra, _mm256_sign_epi8(ws, rb)), ones));
       }
     }
+    const __m256 scale = _mm256_set1_ps(dx[g] * (1.f / 256.f));
+    for (int h = 0; h < 2; ++h) {
+      const __m256i both = _mm256_add_epi32(_mm256_slli_epi32(acc[h], 8), res[h]);
+      const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(ds + g * 16 + 8 * h)));
+      o[h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(both), _mm256_mul_ps(d, scale), o[h]);
+    }
   }
+  _mm256_storeu_ps(out, o[0]);
+  _mm256_storeu_ps(out + 8, o[1]);
 #else
   (void)sq;
   (void)sr;
@@ -496,7 +577,7 @@ struct Q8 {
   static constexpr const char* SCALES_SHAPE = "(N/16, K/32, 16)";
   static constexpr bool CODE_SUMS = true;
   static void block(const uint8_t* w, const c10::Half* ds, const Activations& a, float* out) {
-    block8(w, ds, a.xq.data(), a.xr.data(), a.x16.empty() ? nullptr : a.x16.data(), a.dx.data(), a.sq.data(),
+    block8(w, ds, a.xq.data(), a.xr.data(), a.wide ? a.x16.data() : nullptr, a.dx.data(), a.sq.data(),
            a.sr.data(), a.M, a.K, out);
   }
 };
