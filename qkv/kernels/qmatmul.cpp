@@ -45,6 +45,11 @@
 namespace {
 
 constexpr int64_t ROWS = 16, GROUP = 32;
+// One row's products read each group's weights this many groups ahead (_mm_prefetch): decoding
+// streams ~95 MB a token from memory, and a product of 0.2-1 MB is over before the hardware's
+// prefetchers ramp up. Measured on a Zen 3 (AVX2), SmolLM2's 4-bit layers from memory: 4.08 ->
+// 3.58 ms a token at 8 groups ahead (4: 3.82, 16: 3.72); its int8 head 2.02 -> 1.80 ms.
+constexpr int64_t AHEAD = 8;
 // From this many rows of x on, the AVX2 path widens each group's weights to int16 once and
 // multiplies every row by one 16-bit product per pair of inputs against x's two codes joined,
 // 256·xq + xr (one vpmaddwd, where one row alone takes two vpmaddubsw and a vpmaddwd): the same
@@ -369,6 +374,8 @@ void block4(const uint8_t* w, const c10::Half* dm, const int8_t* xq, const int8_
   __m256 o[2] = {_mm256_loadu_ps(out), _mm256_loadu_ps(out + 8)};
   for (int64_t g = 0; g < G; ++g) {
     const uint8_t* wp = w + g * 256;
+    for (int c = 0; c < 4; ++c) _mm_prefetch(reinterpret_cast<const char*>(wp + AHEAD * 256 + c * 64), _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(dm + (g + AHEAD) * 32), _MM_HINT_T0);
     int32_t xw[8], rw[8];
     std::memcpy(xw, xq + g * GROUP, sizeof(xw));
     std::memcpy(rw, xr + g * GROUP, sizeof(rw));
@@ -520,6 +527,8 @@ void block8(const uint8_t* w, const c10::Half* ds, const int8_t* xq, const int8_
   __m256 o[2] = {_mm256_loadu_ps(out), _mm256_loadu_ps(out + 8)};
   for (int64_t g = 0; g < G; ++g) {
     const uint8_t* wp = w + g * 512;
+    for (int c = 0; c < 8; ++c) _mm_prefetch(reinterpret_cast<const char*>(wp + AHEAD * 512 + c * 64), _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(ds + (g + AHEAD) * 16), _MM_HINT_T0);
     int32_t xw[8], rw[8];
     std::memcpy(xw, xq + g * GROUP, sizeof(xw));
     std::memcpy(rw, xr + g * GROUP, sizeof(rw));
