@@ -14,10 +14,11 @@ each call passing its own group's weights, so SmolLM2's 30 layers compile as 5 b
 six calls a token. Compiling one group instead of tracing 30 layers is what makes set-up short
 (SmolLM2's one-request step: 66 s on 2 cores as one package; ~30 s for a group of 5 plus ~12 s
 for the head, once). The token embedding (one row looked up) runs eagerly before the calls;
-the stack's final norm and the output layer are a package of their own (``head.pt2`` in
-``<cache>/heads``, for 1 to :data:`HEAD_ROWS` rows: one per model shape, shared by the
-one-request step and every running batch), its tensors inputs too (0.3 ms a token less than
-eagerly on SmolLM2). A group as exported::
+the stack's final norm and a quantised output layer (SmolLM2's int8 head with its exact top
+logits) are a package of their own (``head.pt2`` in ``<cache>/heads``, for 1 to
+:data:`HEAD_ROWS` rows: one per model shape, shared by the one-request step and every running
+batch), its tensors inputs too (0.3 ms a token less than eagerly on SmolLM2). A float output
+layer runs eagerly instead (:func:`compiled_head`). A group as exported::
 
     group(x (B, 1, dim), k, v (G, B, K, S, D) and q (G, B, H, 1, D) written in place,
           marker (pos,), weights [each block's parameters and buffers]) -> x (B, 1, dim)
@@ -348,6 +349,16 @@ def _heads() -> Path:
         raise SavedStepError(str(e)) from None
 
 
+def compiled_head(model: GPT) -> bool:
+    """Whether ``model``'s final norm and output layer get a package of their own: yes for a
+    quantised output layer (several kernels and Python between them: SmolLM2's int8 head and its
+    exact top-64 logits, 1.56 -> 1.28 ms a call compiled); no for a float one, whose eager call is
+    one product on every core (qkv's Linear), measured as fast or faster than the package (2
+    threads, Zen 3: 65 x 384, 35 vs 10 us; 8,192 x 128, 142 vs 150 us; 32,000 x 256, 1.9 vs 3.3 ms)
+    and not worth the 12-18 s its compile adds to a set-up."""
+    return not isinstance(model.lm_head, nn.Linear)
+
+
 def build_head(model: GPT) -> Path:
     """The head package of ``model``'s shapes, built unless a valid one is there (~10 s)."""
     key, info = head_key(model)
@@ -493,7 +504,8 @@ def build(model: GPT, cache_len: int | None = None, batch: int = 1,
                              "made": _made_constants(pkg, blocks[start : start + G])})
         return {"key": key, "info": info, "group": G, "layout": layout, "packages": packages}
 
-    build_head(model)  # shared by every step of these shapes: found when another step built it
+    if compiled_head(model):
+        build_head(model)  # shared by every step of these shapes: found when another step built it
     return build_once(folder(), key, META, lambda path: _valid(path, key, info) is not None, make)
 
 
@@ -548,7 +560,7 @@ class SavedStep:
     kind = "saved"
 
     def __init__(self, model: GPT, cache_len: int, batch: int, path: Path, loaders: list[Any],
-                 layout: list[int], made: list[dict[str, Tensor]], head: Any) -> None:
+                 layout: list[int], made: list[dict[str, Tensor]], head: Any | None) -> None:
         self._model = weakref.ref(model)
         self.key = path.name
         self.cache_len, self.batch, self.path = cache_len, batch, path
@@ -596,10 +608,12 @@ class SavedStep:
                 raise SavedStepError(f"the saved step wants tensors the model lacks: {missing[:3]}")
             # user-managed: the package reads the model's own storage (no copy); rebound on change
             loader.load_constants({n: tensors[n] for n in want}, False, True, True, False)
-        if self._head_loader.get_constant_fqns():
-            raise SavedStepError("the saved step's head wants constants: it takes its tensors as inputs")
-        self._head_run = self._head_loader.boxed_run
-        self._head_weights = list(_tensors(_Tail(model)).values())
+        self._tail = _Tail(model)
+        if self._head_loader is not None:
+            if self._head_loader.get_constant_fqns():
+                raise SavedStepError("the saved step's head wants constants: it takes its tensors as inputs")
+            self._head_run = self._head_loader.boxed_run
+            self._head_weights = list(_tensors(self._tail).values())
         blocks, G = list(model.stack.blocks), self.group
         self._runs = [(i * G, self._loaders[j].boxed_run,
                        [t for b in blocks[i * G : (i + 1) * G] for t in _tensors(b).values()])
@@ -608,7 +622,10 @@ class SavedStep:
 
     def _head(self, x: Tensor) -> Tensor:
         """The stack's final norm and the output layer (B, 1, dim) -> (B, 1, V), through the
-        head's package (compiled: 0.3 ms a token less than eagerly on SmolLM2's head)."""
+        head's package where it has one (compiled: 0.3 ms a token less than eagerly on SmolLM2's
+        head), else eagerly (:func:`compiled_head`)."""
+        if self._head_loader is None:
+            return self._tail(x)
         return self._head_run([x, *self._head_weights])[0]
 
     def make_cache(self, batch_size: int) -> KVCache:
@@ -718,13 +735,16 @@ def load(model: GPT, cache_len: int | None = None, batch: int = 1) -> SavedStep 
     packages = meta["packages"]
     loaders = [_open(path / p["file"]) for p in packages]
     made = [{k: torch.tensor(v, dtype=torch.int64) for k, v in p.get("made", {}).items()} for p in packages]
-    hkey, hinfo = head_key(model)
-    try:
-        head = _heads() / hkey
-    except SavedStepError:
-        return None
-    if not _valid_head(head, hkey, hinfo):
-        return None
-    step = SavedStep(model, S, batch, path, loaders, meta["layout"], made, _open(head / HEAD_PACKAGE))
+    head = None
+    if compiled_head(model):
+        hkey, hinfo = head_key(model)
+        try:
+            where = _heads() / hkey
+        except SavedStepError:
+            return None
+        if not _valid_head(where, hkey, hinfo):
+            return None
+        head = _open(where / HEAD_PACKAGE)
+    step = SavedStep(model, S, batch, path, loaders, meta["layout"], made, head)
     step.load_seconds = time.perf_counter() - t0
     return step

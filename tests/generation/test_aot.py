@@ -51,6 +51,8 @@ def test_the_saved_step_equals_eager_at_every_position(built):
     m, path = built
     step = aot.load(m)
     assert step is not None and step.path == path and step.cache_len == 40
+    # a float output layer runs eagerly (qkv's Linear, every core): no head package was built
+    assert not aot.compiled_head(m) and not (aot._heads() / aot.head_key(m)[0]).exists()
     x = torch.randint(0, V, (1, 5), generator=torch.Generator().manual_seed(3))
     with torch.inference_mode():
         c_eager, c_saved = m.make_cache(1, 40), step.make_cache(1)
@@ -73,6 +75,7 @@ def test_groups_of_blocks_of_two_kinds_equal_eager_at_every_position(monkeypatch
     from qkv.layers.quant import quantize_linears
 
     monkeypatch.setattr(aot, "GROUP_MAX", 2)
+    monkeypatch.setattr(aot, "compiled_head", lambda model: True)  # a float head, compiled all the same
     torch.manual_seed(6)
     m = GPT(GPTConfig(**{**CFG, "n_layers": 6, "positions": "alibi"})).eval()
     for b in m.stack.blocks[2:4]:
