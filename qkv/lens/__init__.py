@@ -8,6 +8,7 @@
     lens.ablate(lm, text, heads=[(3, 1)])                  # logits with a head knocked out
     lens.head_effects(lm, text)                            # every head's effect on the loss
     lens.patch(lm, clean, corrupt, site="head")            # activation patching
+    lens.attribution_patch(lm, clean, corrupt)             # its estimate from 2 forward + 1 backward
     lens.attribute(lm, text, " Paris", " London")          # direct logit attribution
     lens.head_scores(lm)                                   # previous-token, induction, ... heads
     lens.query_key(lm, text, layer=3, head=1)              # one attention row, q·k term by term
@@ -17,6 +18,7 @@ files of llama / mistral / qwen2 / gemma / gpt2; encoders for what applies to th
 with plain torch hooks on qkv's own blocks (:mod:`qkv.lens.hooks`); nothing is copied or traced.
 """
 
+from qkv.lens.atp import Agreement, PatchEstimate, agreement, attribution_patch
 from qkv.lens.attribution import Attribution, attribute
 from qkv.lens.cache import ActivationCache, run_with_cache
 from qkv.lens.causal import HeadEffects, Patching, ablate, head_effects, parse_heads, patch
@@ -34,7 +36,8 @@ from qkv.lens.heads import (
 )
 from qkv.lens.predict import LogitLens, NextToken, TokenProb, logit_lens, next_token
 
-__all__ = ["HEAD_TYPES", "NAMED_AT", "ActivationCache", "Attribution", "HeadEffects", "HeadScores",
-           "LogitLens", "NextToken", "Patching", "QueryKey", "TokenProb", "ablate", "attribute",
-           "head_effects", "head_scores", "logit_lens", "next_token", "parse_heads", "patch", "probe_avoid",
+__all__ = ["HEAD_TYPES", "NAMED_AT", "ActivationCache", "Agreement", "Attribution", "HeadEffects",
+           "HeadScores", "LogitLens", "NextToken", "PatchEstimate", "Patching", "QueryKey",
+           "TokenProb", "ablate", "agreement", "attribute", "attribution_patch", "head_effects",
+           "head_scores", "logit_lens", "next_token", "parse_heads", "patch", "probe_avoid",
            "query_key", "repeated_tokens", "run_with_cache", "score_model", "text_rollout"]

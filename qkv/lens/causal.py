@@ -212,15 +212,10 @@ def head_effects(lm: TextModel, text: str | list[int], mode: str = "zero",
 
 
 @dataclass
-class Patching:
-    """Activation patching: the corrupt prompt run with one piece of the clean run put back.
-
-    site "resid": values (L, T), the stream entering block l at position t patched; "head":
-    values (L, H), head h's output at every position of layer l patched. Each value is the
-    normalised logit difference (LD - LD_corrupt) / (LD_clean - LD_corrupt), where LD is the
-    answer's logit minus the wrong answer's at the last position: 0 = as corrupt, 1 = as clean.
-    ``raw``: the logit differences themselves.
-    """
+class PatchPair:
+    """What a patching result says of its two prompts: the site ("resid" or "head"), each
+    prompt's tokens, the answer and the wrong answer, and the logit difference LD (the answer's
+    logit minus the wrong answer's at the last position) of the clean and the corrupt run."""
 
     site: str
     clean_tokens: list[str]
@@ -229,6 +224,18 @@ class Patching:
     wrong: str
     clean_diff: float
     corrupt_diff: float
+
+
+@dataclass
+class Patching(PatchPair):
+    """Activation patching: the corrupt prompt run with one piece of the clean run put back.
+
+    site "resid": values (L, T), the stream entering block l at position t patched; "head":
+    values (L, H), head h's output at every position of layer l patched. Each value is the
+    normalised logit difference (LD - LD_corrupt) / (LD_clean - LD_corrupt): 0 = as corrupt,
+    1 = as clean. ``raw``: the logit differences themselves.
+    """
+
     values: Tensor
     raw: Tensor
 
