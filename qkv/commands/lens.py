@@ -5,7 +5,8 @@
     --ablate L.H,...     knock heads out: the prediction and the loss before and after
     --effects            every head's effect on the loss (or on --answer vs --wrong)
     --heads              name heads: previous-token, first-token, duplicate-token, induction
-    --patch --corrupt T  activation patching from the prompt into T (--site resid | head)
+    --patch --corrupt T  activation patching from the prompt into T (--site resid | head);
+                         --estimate: every cell at once by attribution patching, --compare: both
     --attribute ANSWER   direct logit attribution of ANSWER (vs --wrong) to each head and MLP
     --qk L.H             one head's attention row term by term: q·k, / √d, softmax (--query)
     --rollout            attention rollout through every layer (Abnar & Zuidema 2020)
@@ -36,7 +37,9 @@ def add_lens_parser(sub) -> None:
         "the default), what each layer would predict (--logit-lens), what knocking heads out changes "
         "(--ablate 3.1,5.0; --effects for every head), which heads are previous-token, first-token, "
         "duplicate-token or induction heads (--heads), which activations carry the difference between "
-        "two prompts (--patch --corrupt TEXT), and how much each head and MLP writes towards an answer "
+        "two prompts (--patch --corrupt TEXT; --estimate: attribution patching's estimate of every cell "
+        "from two forward passes and one backward pass; --compare: both, and how well they agree), and "
+        "how much each head and MLP writes towards an answer "
         "(--attribute ANSWER [--wrong W]); one head's attention row term by term: q·k, / √d, "
         "softmax (--qk LAYER.HEAD [--query N]); the attention rollout through every layer (--rollout). "
         "Decoders (GPT runs, smollm2, Hugging Face folders and "
@@ -83,6 +86,13 @@ def add_lens_parser(sub) -> None:
     o.add_argument("--site", choices=("resid", "head"), default="resid",
                    help="--patch: the residual stream (layer x position) or each head's output "
                    "(layer x head)")
+    o.add_argument("--estimate", action="store_true",
+                   help="--patch: estimate every cell at once by attribution patching, (clean - corrupt) x "
+                   "the gradient at the corrupt run (Nanda 2023): a second instead of a pass per cell; "
+                   "float weights only")
+    o.add_argument("--compare", action="store_true",
+                   help="--patch --estimate: also run the exact sweep and say how well the two agree "
+                   "(Spearman's rank correlation, top -k recall)")
     o.add_argument("--answer", default=None, help="--patch / --effects: the answer token (default for "
                    "--patch: the prompt's top prediction)")
     o.add_argument("--wrong", default=None, help="--patch / --effects / --attribute: the token to compare "
@@ -130,6 +140,10 @@ def cmd_lens(args: argparse.Namespace) -> int:
         raise ValueError("--patch needs --corrupt TEXT: the prompt to patch into (same number of tokens)")
     if args.corrupt is not None and not args.patch:
         raise ValueError("--corrupt is for --patch; add --patch")
+    if (args.estimate or args.compare) and not args.patch:
+        raise ValueError("--estimate and --compare are for --patch; add --patch --corrupt TEXT")
+    if args.compare and not args.estimate:
+        raise ValueError("--compare compares the estimate with the exact sweep; add --estimate")
     if args.top < 1:
         raise ValueError(f"-k/--top must be >= 1, got {args.top}")
     heads = lens.parse_heads(args.ablate) if args.ablate is not None else None

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -178,21 +179,52 @@ def view_patch(lm, text: str, args: argparse.Namespace, heads, out: Path | None)
     from qkv import lens
     from qkv.figures import Heatmap
 
-    p = lens.patch(lm, text, args.corrupt, site=args.site, answer=args.answer, wrong=args.wrong)
+    kw = dict(site=args.site, answer=args.answer, wrong=args.wrong)
+    exact = est = agree = None
+    if args.estimate:
+        est = lens.attribution_patch(lm, text, args.corrupt, **kw)
+        p = est
+    if not args.estimate or args.compare:
+        t0 = time.perf_counter()
+        exact = lens.patch(lm, text, args.corrupt, **kw)
+        exact_s = time.perf_counter() - t0
+        p = est or exact
     L, C = p.values.shape
     cols = p.clean_tokens if p.site == "resid" else [str(h) for h in range(C)]
-    data = {"site": p.site, "answer": p.answer, "wrong": p.wrong, "clean_diff": p.clean_diff,
-            "corrupt_diff": p.corrupt_diff, "columns": cols, "values": p.values.tolist()}
+    data = {"site": p.site, "method": "attribution patching" if est else "exact", "answer": p.answer,
+            "wrong": p.wrong, "clean_diff": p.clean_diff, "corrupt_diff": p.corrupt_diff, "columns": cols,
+            "values": p.values.tolist()}
+    if est is not None:
+        data["seconds"] = round(est.seconds, 4)
+    if est is not None and exact is not None:
+        agree = lens.agreement(est.values, exact.values, k=args.top)
+        data.update(exact_values=exact.values.tolist(), exact_seconds=round(exact_s, 4),
+                    spearman=agree.spearman, recall=agree.recall, k=agree.k)
     if not args.json:
         order = p.values.nan_to_num(0.0).flatten().abs().argsort(descending=True)[: args.top].tolist()
         what = "position" if p.site == "resid" else "head"
-        _table(f"patching {p.site}: logit[{_show(p.answer)}] - logit[{_show(p.wrong)}] is {p.clean_diff:.3f} "
+        how = "estimated by attribution patching" if est else "patching"
+        extra = ["exact"] if agree is not None else []
+        def second(i: int) -> list[str]:
+            return [f"{float(exact.values.flatten()[i]):.3f}"] if agree is not None else []
+        last = est.delta if est else p.raw
+        _table(f"{how} {p.site}: logit[{_show(p.answer)}] - logit[{_show(p.wrong)}] is {p.clean_diff:.3f} "
                f"clean, {p.corrupt_diff:.3f} corrupt; 1 = a cell restores it all",
-               ["layer", what, "restored", "logit diff"],
+               ["layer", what, "restored", *extra, "change of the logit diff" if est else "logit diff"],
                [[str(i // C), _show(cols[i % C]) if p.site == "resid" else cols[i % C],
-                 f"{float(p.values.flatten()[i]):.3f}", f"{float(p.raw.flatten()[i]):.3f}"] for i in order])
+                 f"{float(p.values.flatten()[i]):.3f}", *second(i), f"{float(last.flatten()[i]):.3f}"]
+                for i in order])
+        if est is not None:
+            line = f"estimated in {est.seconds:.2f} s (two forward passes, one backward)"
+            if agree is not None:
+                line += (f"; the exact sweep took {exact_s:.2f} s: Spearman {agree.spearman:.3f}, "
+                         f"top-{agree.k} recall {agree.recall:.2f}")
+            else:
+                line += "; --compare runs the exact sweep and says how well they agree"
+            console().print(line, highlight=False)
+    title = "attribution patching (estimate)" if est else "patching"
     _write(out, data, Heatmap(p.values, [f"layer {i}" for i in range(L)], cols,
-                              f"{lm.name}: patching {p.site} from clean into corrupt", None,
+                              f"{lm.name}: {title} {p.site} from clean into corrupt", None,
                               "share of the clean logit difference restored", diverging=True))
     return data
 

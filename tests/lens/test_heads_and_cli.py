@@ -150,6 +150,25 @@ def test_cli_views_agree_with_the_library(gpt2, tmp_path):
     assert torch.allclose(torch.tensor(got["heads"]["induction"]), lens.head_scores(lm).induction, atol=1e-6)
 
 
+def test_cli_patch_estimate_is_the_librarys_beside_the_exact_sweep(gpt2):
+    _, folder = gpt2
+    lm = qkv.load(folder)
+    corrupt = TEXT.replace("w60", "w61")
+    got = _json(["lens", folder, TEXT, "--patch", "--corrupt", corrupt, "--site", "head", "--answer", "w7",
+                 "--wrong", "w8", "--estimate", "--compare", "-k", "5", "--json"])
+    est = lens.attribution_patch(lm, TEXT, corrupt, site="head", answer="w7", wrong="w8")
+    exact = lens.patch(lm, TEXT, corrupt, site="head", answer="w7", wrong="w8")
+    assert got["method"] == "attribution patching"
+    assert torch.allclose(torch.tensor(got["values"]), est.values, atol=1e-6)
+    assert torch.allclose(torch.tensor(got["exact_values"]), exact.values, atol=1e-6)
+    agree = lens.agreement(est.values, exact.values, k=5)
+    assert got["spearman"] == pytest.approx(agree.spearman)
+    assert got["recall"] == agree.recall and got["k"] == 5
+    alone = _json(["lens", folder, TEXT, "--patch", "--corrupt", corrupt, "--site", "head", "--answer", "w7",
+                   "--wrong", "w8", "--estimate", "--json"])
+    assert "exact_values" not in alone and alone["values"] == got["values"]
+
+
 def test_cli_writes_svg_png_and_json(gpt2, tmp_path):
     _, folder = gpt2
     rc, out, err = call(["lens", folder, TEXT, "--logit-lens", "-o", str(tmp_path / "lens.svg")])
@@ -179,6 +198,8 @@ def test_cli_writes_svg_png_and_json(gpt2, tmp_path):
     (["--ablate", "x"], "LAYER.HEAD"),
     (["--patch", "--corrupt", "w1 w2"], "same number of tokens"),
     (["--patch"], "--patch needs --corrupt"),
+    (["--estimate"], "--estimate and --compare are for --patch"),
+    (["--patch", "--corrupt", TEXT, "--compare"], "add --estimate"),
     (["--attribute", "w7 w8"], "must be one token"),
     (["--temperature", "0"], "temperature must be a number > 0"),
     (["-o", "x.gif"], "must name a .png, .svg, .pdf or .json file"),
