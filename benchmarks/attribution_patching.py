@@ -6,7 +6,8 @@ a date, a gendered pronoun), every head of every layer (30 x 9 = 270 cells) and 
 - exact: ``lens.patch(lm, clean, corrupt, site)``: one forward pass from layer l on per cell
   (batched per layer);
 - estimate: ``lens.attribution_patch(...)`` (plain AtP: a clean pass, a corrupt pass with
-  gradients, one backward pass, a dot product per cell);
+  gradients, one backward pass, a dot product per cell); for heads also with AtP*'s GradDrop
+  (``grad_drop=True``: one more backward pass per layer; magnitudes, compared with |exact|);
 - agreement per pair: Spearman's rank correlation of the two tables and the top-10 recall (of
   the exact sweep's 10 largest cells by |value|, the share among the estimate's 10 largest);
   the time of each, alternated over ``--rounds`` rounds (medians).
@@ -59,7 +60,7 @@ def main() -> None:
         if n_c != n_k:
             raise SystemExit(f"{kind}: the prompts have {n_c} and {n_k} tokens; the pairs must match")
         times: dict[str, list[float]] = {"exact head": [], "estimate head": [], "exact resid": [],
-                                         "estimate resid": []}
+                                         "estimate resid": [], "grad drop head": []}
         got = {}
         for r in range(args.rounds):
             for site in ("head", "resid"):
@@ -73,6 +74,10 @@ def main() -> None:
                         got[f"estimate {site}"] = lens.attribution_patch(lm, clean, corrupt, site=site,
                                                                          answer=answer, wrong=wrong)
                     times[f"{what} {site}"].append(time.perf_counter() - t)
+            t = time.perf_counter()
+            got["grad drop"] = lens.attribution_patch(lm, clean, corrupt, site="head", answer=answer,
+                                                      wrong=wrong, grad_drop=True)
+            times["grad drop head"].append(time.perf_counter() - t)
         res = {"kind": kind, "clean": clean, "corrupt": corrupt, "answer": got["exact head"].answer,
                "wrong": got["exact head"].wrong, "tokens": n_c,
                "clean_diff": round(got["exact head"].clean_diff, 4),
@@ -86,6 +91,14 @@ def main() -> None:
             rows.append([kind, site, f"{agree.spearman:.3f}", f"{agree.recall:.1f}",
                          f"{C.median(times[f'estimate {site}']):.2f} s",
                          f"{C.median(times[f'exact {site}']):.2f} s"])
+        gd = lens.agreement(got["grad drop"].grad_drop, got["exact head"].values.abs(), k=10)
+        plain_abs = lens.agreement(got["estimate head"].values.abs(), got["exact head"].values.abs(), k=10)
+        res["grad_drop"] = {"spearman_of_magnitudes": round(gd.spearman, 4), "top10_recall": gd.recall,
+                            "plain_spearman_of_magnitudes": round(plain_abs.spearman, 4),
+                            "values": got["grad drop"].grad_drop.tolist()}
+        rows.append([kind, "head, GradDrop (|.|)", f"{gd.spearman:.3f} (plain {plain_abs.spearman:.3f})",
+                     f"{gd.recall:.1f}", f"{C.median(times['grad drop head']):.2f} s",
+                     f"{C.median(times['exact head']):.2f} s"])
         results.append(res)
         print(f"{kind}: heads Spearman {res['head']['spearman']:.3f}, top-10 recall "
               f"{res['head']['top10_recall']:.1f}; resid {res['resid']['spearman']:.3f} / "

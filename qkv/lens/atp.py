@@ -52,12 +52,14 @@ class PatchEstimate(PatchPair):
     values: (L, H) for site "head", (L, T) for "resid": the estimated normalised metric, as
     :attr:`Patching.values <qkv.lens.Patching>`; ``delta``: the estimated change of the logit
     difference itself, (a_clean - a_corrupt) · ∂M/∂a. ``seconds``: the two forward passes and the
-    backward pass.
+    backward passes. ``grad_drop`` (asked for): AtP*'s GradDrop magnitudes, same shape, ≥ 0
+    (:func:`attribution_patch`).
     """
 
     values: Tensor
     delta: Tensor
     seconds: float
+    grad_drop: Tensor | None = None
 
 
 @dataclass
@@ -98,9 +100,12 @@ def agreement(estimate: Tensor, exact: Tensor, k: int = 10) -> Agreement:
     return Agreement(rho, len(top_e & top_x) / k, k)
 
 
-def _run(model, ids: list[int], grad: bool) -> tuple[Tensor, list[Tensor], list[Tensor]]:
+def _run(model, ids: list[int], grad: bool, drop: list[int] | None = None
+         ) -> tuple[Tensor, list[Tensor], list[Tensor]]:
     """One forward pass recording each block's head outputs z (1, T, H·Dh) and entering stream
-    (1, T, dim) as they are in the graph (not detached: the backward pass reads them)."""
+    (1, T, dim) as they are in the graph (not detached: the backward pass reads them). ``drop``:
+    a one-element list naming the layer whose attention and MLP outputs pass no gradient back
+    (GradDrop: read at each backward pass; -1 drops none)."""
     z: list[Tensor | None] = [None] * len(blocks(model))
     resid: list[Tensor | None] = [None] * len(blocks(model))
     handles = []
@@ -115,8 +120,14 @@ def _run(model, ids: list[int], grad: bool) -> tuple[Tensor, list[Tensor], list[
             resid[i] = x
             return (x, *args[1:])
 
+        def dropped(mod, args, out, i=i):
+            t = out[0] if isinstance(out, tuple) else out  # attention: (out, weights); MLP: out
+            if drop is not None and t.requires_grad:
+                t.register_hook(lambda g, i=i: torch.zeros_like(g) if drop[0] == i else g)
+
         handles += [block.attn.out_proj.register_forward_pre_hook(keep_z),
-                    block.register_forward_pre_hook(keep_resid)]
+                    block.register_forward_pre_hook(keep_resid),
+                    block.attn.register_forward_hook(dropped), block.mlp.register_forward_hook(dropped)]
     try:
         with torch.set_grad_enabled(grad):
             logits, _ = forward(model, torch.tensor([ids], device=device_of(model)))
@@ -129,11 +140,19 @@ def _run(model, ids: list[int], grad: bool) -> tuple[Tensor, list[Tensor], list[
 
 
 def attribution_patch(lm: TextModel, clean: str | list[int], corrupt: str | list[int], site: str = "head",
-                      answer: str | int | None = None, wrong: str | int | None = None) -> PatchEstimate:
+                      answer: str | int | None = None, wrong: str | int | None = None,
+                      grad_drop: bool = False) -> PatchEstimate:
     """Estimate :func:`qkv.lens.patch` (same arguments, same normalisation) for every cell of
     ``site`` at once: a clean forward pass, a corrupt one with gradients, one backward pass of
     the logit difference, and a dot product per cell (see the module's text). The model must
-    hold float weights (``--weights fp32`` or bf16: the quantised kernels have no gradient)."""
+    hold float weights (``--weights fp32`` or bf16: the quantised kernels have no gradient).
+
+    ``grad_drop``: also AtP*'s GradDrop (Kramár et al. 2024, §3.3), against cancellation, where a
+    cell's direct and indirect effects offset each other and plain AtP sees ~0: one more backward
+    pass per layer l with the gradient through l's attention and MLP outputs dropped, and
+    :attr:`PatchEstimate.grad_drop` = the mean over l of |the estimate with l dropped| (a cell's
+    own layer's pass, where it gets no gradient, left out), normalised by |LD_clean - LD_corrupt|:
+    a magnitude, to rank cells by, not a signed value."""
     check_decoder(lm, "attribution patching towards an answer")
     if site not in SITES:
         raise InputError(f"site must be 'head' (layer x head) or 'resid' (layer x position), got {site!r}")
@@ -147,7 +166,8 @@ def attribution_patch(lm: TextModel, clean: str | list[int], corrupt: str | list
                          f"position by position; they have {len(c_ids)} and {len(k_ids)}")
     t0 = time.perf_counter()
     out_c, z_c, r_c = _run(model, c_ids, grad=False)
-    out_k, z_k, r_k = _run(model, k_ids, grad=True)
+    drop = [-1]
+    out_k, z_k, r_k = _run(model, k_ids, grad=True, drop=drop)
     a = one_token(lm, answer) if answer is not None else int(out_c[0, -1].argmax())
     b = one_token(lm, wrong, "the wrong answer") if wrong is not None else int(out_k[0, -1].argmax())
     if a == b:
@@ -156,19 +176,35 @@ def attribution_patch(lm: TextModel, clean: str | list[int], corrupt: str | list
     metric = out_k[0, -1, a] - out_k[0, -1, b]
     acts_k = z_k if site == "head" else r_k
     acts_c = z_c if site == "head" else r_c
-    grads = torch.autograd.grad(metric, acts_k)
-    H, Dh = shape(model)[1:]
-    rows = []
-    with torch.no_grad():
-        for ac, ak, g in zip(acts_c, acts_k, grads, strict=True):
-            prod = (ac.detach().double() - ak.detach().double()) * g.double()  # (1, T, H·Dh) or (1, T, dim)
-            rows.append(prod[0].view(-1, H, Dh).sum((0, 2)) if site == "head" else prod[0].sum(-1))
-    delta = torch.stack(rows).float()  # (L, H) or (L, T)
+    L, H, Dh = shape(model)
+
+    def estimate(retain: bool) -> Tensor:  # (L, H) or (L, T) float64: (a_clean - a_corrupt) · ∂M/∂a
+        grads = torch.autograd.grad(metric, acts_k, retain_graph=retain)
+        rows = []
+        with torch.no_grad():
+            for ac, ak, g in zip(acts_c, acts_k, grads, strict=True):
+                prod = (ac.detach().double() - ak.detach().double()) * g.double()  # (1, T, H·Dh or dim)
+                rows.append(prod[0].view(-1, H, Dh).sum((0, 2)) if site == "head" else prod[0].sum(-1))
+        return torch.stack(rows)
+
+    delta = estimate(retain=grad_drop).float()  # (L, H) or (L, T)
+    gd = None
+    if grad_drop:
+        total = torch.zeros(delta.shape, dtype=torch.float64)
+        for layer in range(L):
+            drop[0] = layer
+            total += estimate(retain=layer < L - 1).abs()
+        drop[0] = -1
+        # each cell of layer l got no gradient in the pass dropping l: the mean over the others
+        # (a stream cell entering l still gets one from the skip connection: over all L for it)
+        gd = (total / (L - 1 if site == "head" else L)).float()
     seconds = time.perf_counter() - t0
     ld_c = float(out_c[0, -1, a] - out_c[0, -1, b])
     ld_k = float(metric.detach())
     span = ld_c - ld_k
     values = delta / span if span != 0 else torch.full_like(delta, float("nan"))
+    if gd is not None:
+        gd = gd / abs(span) if span != 0 else torch.full_like(gd, float("nan"))
     dec = lm.tokenizer.decode
     return PatchEstimate(site, labels(lm, c_ids), labels(lm, k_ids), dec([a]), dec([b]), ld_c, ld_k,
-                         values, delta, seconds)
+                         values, delta, seconds, gd)

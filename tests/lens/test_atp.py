@@ -79,6 +79,44 @@ def test_each_head_is_clean_minus_corrupt_output_times_the_references_gradient(k
     torch.testing.assert_close(est.values, est.delta / (est.clean_diff - est.corrupt_diff))
 
 
+def test_grad_drop_is_the_mean_magnitude_with_each_layers_gradient_dropped(tmp_path_factory):
+    """AtP*'s GradDrop on the 2-layer GPT-2: a head of layer 1 keeps |AtP| (dropping layer 0 does not
+    touch it; dropping layer 1 gives it no gradient and is left out); a head of layer 0 gets
+    |(z_clean - z_corrupt) · ∂LD/∂z| with layer 1's attention and MLP outputs passing no gradient
+    back, by hooks on transformers' model in float64 written here."""
+    ref, lm = _open("gpt2", tmp_path_factory)
+    est = lens.attribution_patch(lm, TEXT, CORRUPT, site="head", answer="w7", wrong="w8", grad_drop=True)
+    plain = lens.attribution_patch(lm, TEXT, CORRUPT, site="head", answer="w7", wrong="w8")
+    assert est.grad_drop is not None and plain.grad_drop is None
+    torch.testing.assert_close(est.values, plain.values)  # the signed estimate is unchanged
+    span = abs(est.clean_diff - est.corrupt_diff)
+    torch.testing.assert_close(est.grad_drop[1], plain.delta[1].abs() / span, rtol=1e-4, atol=1e-6)
+    ref64 = copy.deepcopy(ref).double()
+    block = ref64.transformer.h[1]
+    seen: dict[int, torch.Tensor] = {}
+    hooks = [p.register_forward_pre_hook(lambda mod, args, i=i: seen.__setitem__(i, args[0]))
+             for i, p in enumerate(_out_projs(ref64, "gpt2"))]
+    with torch.no_grad():
+        ref64(_ids(TEXT))
+    clean = seen[0].clone()
+
+    def zero_grad(mod, args, out):
+        t = out[0] if isinstance(out, tuple) else out
+        t.register_hook(torch.zeros_like)
+
+    hooks += [block.attn.register_forward_hook(zero_grad), block.mlp.register_forward_hook(zero_grad)]
+    try:
+        logits = ref64(_ids(CORRUPT)).logits
+        (g,) = torch.autograd.grad(logits[0, -1, A] - logits[0, -1, B], [seen[0]])
+    finally:
+        for h in hooks:
+            h.remove()
+    H = ref64.config.num_attention_heads
+    want = ((clean - seen[0].detach()) * g)[0].view(-1, H, ref64.config.hidden_size // H).sum((0, 2)).abs()
+    torch.testing.assert_close(est.grad_drop[0].double(), want / span, rtol=1e-4, atol=1e-6)
+    assert not torch.allclose(want, plain.delta[0].abs().double(), rtol=1e-2)  # dropping changed something
+
+
 def _ld_with(lm, edits: Edits) -> float:
     with hooked(lm.model, edits=edits), torch.no_grad():
         out, _ = forward(lm.model, _ids(CORRUPT))
