@@ -152,11 +152,15 @@ def view_heads(lm, text: str, args: argparse.Namespace, heads, out: Path | None)
     from qkv import lens
     from qkv.figures import Heatmap, Heatmaps
 
-    sc = lens.head_scores(lm)
+    effects = bool(getattr(args, "by_effect", False)) and lm.kind == "decoder"
+    sc = lens.head_scores(lm, effects=effects)
     L, H = sc.previous.shape
     data: dict[str, Any] = {t: s.tolist() for t, s in sc.by_type().items()}
     data.update(labels=sc.labels, threshold=sc.threshold, loss_first=sc.loss_first,
                 loss_second=sc.loss_second)
+    if sc.copying is not None:
+        data.update(copying=sc.copying.tolist(), copy_share=lens.COPY_AT,
+                    copiers=[[layer, h, r] for layer, h, r in sc.copiers()])
     if not args.json:
         named = sc.named()
         shown = named[: args.top]
@@ -169,10 +173,41 @@ def view_heads(lm, text: str, args: argparse.Namespace, heads, out: Path | None)
         if lm.kind == "decoder":
             console().print(f"loss on the first copy {sc.loss_first:.3f}, on the repeat {sc.loss_second:.3f} "
                             f"(in-context learning score {sc.icl:+.3f})", highlight=False)
+        if sc.copying is not None:
+            _print_copying(sc, args.top)
     rows, cols = [f"layer {i}" for i in range(L)], [str(h) for h in range(H)]
     panels = [Heatmap(s, rows, cols, t, None, "score") for t, s in sc.by_type().items()]
+    if sc.copying is not None:
+        panels.append(Heatmap(sc.copying, rows, cols, "copying (knock-out)", None,
+                              "nats the repeat's loss rises"))
     _write(out, data, Heatmaps(panels, f"{lm.name}: head scores on repeated random tokens"))
     return data
+
+
+def _print_copying(sc, top: int) -> None:
+    """The heads by what knocking each out does to the repeat's loss, and who copies."""
+    from qkv.lens import COPY_AT
+
+    H = sc.copying.shape[1]
+    order = sc.copying.flatten().argsort(descending=True)[:top].tolist()
+    labels = sc.labels
+    _table("heads by what they do: the loss on the repeat with the head knocked out",
+           ["head", "loss rises by", "share of the repeat's saving", "named by pattern"],
+           [[f"{i // H}.{i % H}", f"{float(sc.copying.flatten()[i]):+.3f}",
+             f"{float(sc.copying.flatten()[i]) / sc.saved:.0%}" if sc.saved > 0 else "-",
+             labels[i // H][i % H] or "-"] for i in order])
+    if not sc.saved > 0:
+        line = "the model does not copy: the repeat costs as much as the first copy (nothing to undo)"
+    elif sc.copiers():
+        names = ", ".join(f"{layer}.{h} (+{r:.2f})" for layer, h, r in sc.copiers()[:top])
+        line = (f"copying heads (knocked out, each undoes at least {COPY_AT:.0%} of the {sc.saved:.2f} nats "
+                f"a token the repeat saves): {names}")
+    else:
+        best = int(sc.copying.flatten().argmax())
+        line = (f"copying is spread over heads: the repeat saves {sc.saved:.2f} nats a token and no one "
+                f"head's knock-out undoes {COPY_AT:.0%} of it (the most: {best // H}.{best % H}, "
+                f"+{float(sc.copying.flatten()[best]):.2f})")
+    console().print(line, highlight=False)
 
 
 def view_patch(lm, text: str, args: argparse.Namespace, heads, out: Path | None) -> dict[str, Any]:

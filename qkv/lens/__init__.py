@@ -11,6 +11,7 @@
     lens.attribution_patch(lm, clean, corrupt)             # its estimate from 2 forward + 1 backward
     lens.attribute(lm, text, " Paris", " London")          # direct logit attribution
     lens.head_scores(lm)                                   # previous-token, induction, ... heads
+    lens.head_scores(lm, effects=True).copiers()           # ... and the heads whose knock-out undoes copying
     lens.query_key(lm, text, layer=3, head=1)              # one attention row, q·k term by term
 
 Every function takes any text model ``qkv.load`` opens (GPT runs, Hugging Face folders and GGUF
@@ -23,10 +24,12 @@ from qkv.lens.attribution import Attribution, attribute
 from qkv.lens.cache import ActivationCache, run_with_cache
 from qkv.lens.causal import HeadEffects, Patching, ablate, head_effects, parse_heads, patch
 from qkv.lens.heads import (
+    COPY_AT,
     HEAD_TYPES,
     NAMED_AT,
     HeadScores,
     QueryKey,
+    copy_effects,
     head_scores,
     probe_avoid,
     query_key,
@@ -36,8 +39,9 @@ from qkv.lens.heads import (
 )
 from qkv.lens.predict import LogitLens, NextToken, TokenProb, logit_lens, next_token
 
-__all__ = ["HEAD_TYPES", "NAMED_AT", "ActivationCache", "Agreement", "Attribution", "HeadEffects",
-           "HeadScores", "LogitLens", "NextToken", "PatchEstimate", "Patching", "QueryKey",
-           "TokenProb", "ablate", "agreement", "attribute", "attribution_patch", "head_effects",
-           "head_scores", "logit_lens", "next_token", "parse_heads", "patch", "probe_avoid",
-           "query_key", "repeated_tokens", "run_with_cache", "score_model", "text_rollout"]
+__all__ = ["COPY_AT", "HEAD_TYPES", "NAMED_AT", "ActivationCache", "Agreement", "Attribution",
+           "HeadEffects", "HeadScores", "LogitLens", "NextToken", "PatchEstimate", "Patching",
+           "QueryKey", "TokenProb", "ablate", "agreement", "attribute", "attribution_patch",
+           "copy_effects", "head_effects", "head_scores", "logit_lens", "next_token", "parse_heads",
+           "patch", "probe_avoid", "query_key", "repeated_tokens", "run_with_cache", "score_model",
+           "text_rollout"]

@@ -14,6 +14,12 @@ measure divides by every row instead of the rows that have such a place):
 The in-context learning score is the loss on the second copy minus the loss on the first: an
 induction head lets the model predict the repeat, so it falls below zero as one forms.
 
+Where a head looks is not what it does: a model can copy with heads none of which scores as
+induction (its copying spread over heads, or done by a pattern of its own). ``copying`` says what
+each head does: the rise of the loss on the repeat when that head's output is zeroed (one forward
+pass from its layer on per head, batched), and :meth:`HeadScores.copiers` names the heads whose
+knock-out undoes at least :data:`COPY_AT` of what the repeat saves.
+
 Shapes: L layers, H heads, T tokens (queries), S keys, R repeated tokens.
 """
 
@@ -38,6 +44,10 @@ HEAD_TYPES: tuple[str, ...] = ("previous", "first", "duplicate", "induction")
 # for naming or counting heads (qkv lens --heads, a run's "formed" lines and heads.png).
 NAMED_AT = 0.5
 THRESHOLD = NAMED_AT  # the name before issue 41
+# A head "copies" when knocking it out undoes at least this share of what the repeat saves
+# (loss_first - loss_second): one head that carries a quarter of the copying is part of its circuit.
+COPY_AT = 0.25
+ROW_FLOATS = 2**27  # the most logits one batch of knocked-out copies may hold (512 MiB)
 
 
 def previous_token_score(pattern: Tensor) -> Tensor:
@@ -77,6 +87,7 @@ class HeadScores:
     loss_first: float
     loss_second: float
     threshold: float = NAMED_AT
+    copying: Tensor | None = None  # (L, H) nats the repeat's loss rises by with the head knocked out
 
     @property
     def icl(self) -> float:
@@ -92,6 +103,22 @@ class HeadScores:
         best, which = stacked.max(0)
         return [[HEAD_TYPES[int(w)] if float(s) >= self.threshold else ""
                  for s, w in zip(rs, rw, strict=True)] for rs, rw in zip(best, which, strict=True)]
+
+    @property
+    def saved(self) -> float:
+        """Nats a token the repeat saves: loss on the first copy minus loss on the second."""
+        return self.loss_first - self.loss_second
+
+    def copiers(self, share: float = COPY_AT) -> list[tuple[int, int, float]]:
+        """(layer, head, rise) of the heads whose knock-out raises the repeat's loss by at least
+        ``share`` of :attr:`saved`, largest first; [] when ``copying`` was not measured or the
+        model does not copy (saves nothing)."""
+        if self.copying is None or not self.saved > 0:
+            return []
+        H = self.copying.shape[1]
+        out = [(i // H, i % H, float(v)) for i, v in enumerate(self.copying.flatten())
+               if float(v) >= share * self.saved]
+        return sorted(out, key=lambda r: -r[2])
 
     def named(self) -> list[tuple[int, int, str, float]]:
         """(layer, head, type, score) of every named head, strongest first."""
@@ -148,6 +175,48 @@ def score_model(model: nn.Module, tokens: Tensor) -> HeadScores:
                       loss_first, loss_second)
 
 
+def _repeat_loss(logits: Tensor, tokens: Tensor) -> Tensor:
+    """(B, T, V) logits of (B, 2R) tokens -> (B,) mean cross-entropy of the repeat's predictions
+    (positions R.. predicting R + 1..), as :func:`score_model`'s loss_second."""
+    repeat = tokens.shape[1] // 2
+    return F.cross_entropy(logits[:, repeat:-1].float().transpose(1, 2), tokens[:, repeat + 1:],
+                           reduction="none").mean(-1)
+
+
+@torch.inference_mode()
+def copy_effects(model: nn.Module, tokens: Tensor) -> Tensor:
+    """(L, H): how much the loss on the repeat of ``tokens`` (B, 2R, from :func:`repeated_tokens`)
+    rises, in nats a token, when each head's output is zeroed (its slice of W_O's input; one pass
+    from its layer on, several heads' copies of the batch at once)."""
+    from qkv.lens.hooks import Edits, Recorded, hooked, tail
+
+    tokens = tokens.to(device_of(model))
+    rec = Recorded()
+    with hooked(model, record=rec):
+        out, _ = forward(model, tokens)
+    base = float(_repeat_loss(out, tokens).mean())
+    L, H, _ = shape(model)
+    B, T = tokens.shape
+    per = max(1, ROW_FLOATS // (B * T * model.cfg.vocab_size))  # heads a pass
+    rise = torch.empty(L, H)
+    for layer in range(L):
+        for start in range(0, H, per):
+            chunk = list(range(start, min(H, start + per)))
+
+            def zero(z: Tensor, chunk: list[int] = chunk) -> Tensor:
+                z = z.clone()
+                for r, h in enumerate(chunk):
+                    z[r * B:(r + 1) * B, :, h] = 0.0
+                return z
+
+            x = rec.resid_pre[layer].repeat(len(chunk), 1, 1)
+            with hooked(model, edits=Edits(z={layer: zero})):
+                logits = tail(model, x, layer)
+            losses = _repeat_loss(logits, tokens.repeat(len(chunk), 1)).view(len(chunk), B).mean(-1)
+            rise[layer, start:start + len(chunk)] = losses.cpu() - base
+    return rise
+
+
 def probe_avoid(tokenizer: Any, stop: tuple[int, ...] = ()) -> tuple[int, ...]:
     """The ids a probe of random tokens must not draw: ``stop`` (end of text) and every token
     holding a line break. qkv's corpora and chat formats separate documents with line breaks,
@@ -163,15 +232,21 @@ def probe_avoid(tokenizer: Any, stop: tuple[int, ...] = ()) -> tuple[int, ...]:
     return tuple(sorted({*stop, *(i for i, t in enumerate(texts) if "\n" in t)}))
 
 
-def head_scores(lm: TextModel, repeat: int = 24, batch: int = 8, seed: int = 0) -> HeadScores:
+def head_scores(lm: TextModel, repeat: int = 24, batch: int = 8, seed: int = 0,
+                effects: bool = False) -> HeadScores:
     """Every head's scores (see the module docstring) on ``batch`` random sequences of ``repeat``
     tokens, each repeated twice (fewer when the context is shorter), drawn from the tokenizer's
-    ids (a model's vocabulary may be padded beyond them) less :func:`probe_avoid`'s."""
+    ids (a model's vocabulary may be padded beyond them) less :func:`probe_avoid`'s. ``effects``
+    (decoders): also each head's :func:`copy_effects` on the same tokens (``copying``)."""
     model = lm.model
     repeat = max(2, min(repeat, model.cfg.max_seq_len // 2))
     avoid = probe_avoid(lm.tokenizer, tuple(getattr(lm, "stop_ids", ()) or ()))
     vocab = min(model.cfg.vocab_size, lm.tokenizer.vocab_size)
-    return score_model(model, repeated_tokens(vocab, repeat, batch, seed, avoid))
+    tokens = repeated_tokens(vocab, repeat, batch, seed, avoid)
+    scores = score_model(model, tokens)
+    if effects and is_decoder(model):
+        scores.copying = copy_effects(model, tokens)
+    return scores
 
 
 @torch.inference_mode()

@@ -80,6 +80,41 @@ def test_head_scores_equal_loops_over_transformers_attention(tmp_path):
     assert sc.loss_second == pytest.approx(float(ce[:, R:].mean()), abs=1e-5)
 
 
+def test_copy_effects_equal_transformers_with_a_heads_w_o_columns_zeroed(tmp_path):
+    """Each head's rise of the repeat's loss when knocked out equals transformers' model with that
+    head's rows of W_O's input zeroed by hand (GPT-2's c_proj), minus the intact model's loss;
+    the heads named as copiers are those whose rise reaches COPY_AT of what the repeat saves."""
+    import copy
+
+    ref = hf_decoder_folder("gpt2", tmp_path / "gpt2")
+    lm = qkv.load(str(tmp_path / "gpt2"))
+    tokens = lens.repeated_tokens(lm.model.cfg.vocab_size, repeat=7, batch=3, seed=5)
+    rise = lens.copy_effects(lm.model, tokens)
+    R, H = 7, ref.config.n_head
+    Dh = ref.config.n_embd // H
+
+    def repeat_loss(model) -> float:
+        with torch.no_grad():
+            logits = model(tokens).logits.double()
+        ce = torch.nn.functional.cross_entropy(logits[:, R:-1].transpose(1, 2), tokens[:, R + 1:])
+        return float(ce)
+
+    base = repeat_loss(ref)
+    for layer in range(2):
+        for h in range(H):
+            knocked = copy.deepcopy(ref)
+            with torch.no_grad():  # Conv1D: weight (in, out); head h's inputs are rows h*Dh..
+                knocked.transformer.h[layer].attn.c_proj.weight[h * Dh:(h + 1) * Dh] = 0
+            assert float(rise[layer, h]) == pytest.approx(repeat_loss(knocked) - base, abs=1e-4)
+    sc = lens.head_scores(lm, repeat=7, batch=3, seed=5, effects=True)
+    assert sc.copying is not None and sc.copying.shape == (2, H)
+    for layer, h, r in sc.copiers(share=0.0):
+        assert r >= 0.0 and float(sc.copying[layer, h]) == r
+    want = sorted(((i // H, i % H) for i, v in enumerate(sc.copying.flatten().tolist())
+                   if v >= 0.25 * sc.saved), key=lambda lh: -float(sc.copying[lh]))
+    assert [(lay, h) for lay, h, _ in sc.copiers()] == (want if sc.saved > 0 else [])
+
+
 def test_repeated_tokens_avoid_stop_ids_and_repeat():
     t = lens.repeated_tokens(10, repeat=50, batch=4, seed=0, avoid=(0, 3))
     assert t.shape == (4, 100) and torch.equal(t[:, :50], t[:, 50:])
@@ -169,6 +204,17 @@ def test_cli_patch_estimate_is_the_librarys_beside_the_exact_sweep(gpt2):
     assert "exact_values" not in alone and alone["values"] == got["values"]
 
 
+def test_cli_heads_by_effect_are_the_librarys(gpt2):
+    _, folder = gpt2
+    got = _json(["lens", folder, "--heads", "--by-effect", "--json"])
+    sc = lens.head_scores(qkv.load(folder), effects=True)
+    assert torch.allclose(torch.tensor(got["copying"]), sc.copying, atol=1e-6)
+    assert got["copiers"] == [[layer, h, pytest.approx(r)] for layer, h, r in sc.copiers()]
+    rc, out, err = call(["lens", folder, "--heads", "--by-effect"])
+    assert rc == 0, err
+    assert "heads by what they do" in out and ("copying" in out or "does not copy" in out)
+
+
 def test_cli_writes_svg_png_and_json(gpt2, tmp_path):
     _, folder = gpt2
     rc, out, err = call(["lens", folder, TEXT, "--logit-lens", "-o", str(tmp_path / "lens.svg")])
@@ -199,6 +245,7 @@ def test_cli_writes_svg_png_and_json(gpt2, tmp_path):
     (["--patch", "--corrupt", "w1 w2"], "same number of tokens"),
     (["--patch"], "--patch needs --corrupt"),
     (["--estimate"], "--estimate and --compare are for --patch"),
+    (["--by-effect"], "--by-effect is for --heads"),
     (["--patch", "--corrupt", TEXT, "--compare"], "add --estimate"),
     (["--attribute", "w7 w8"], "must be one token"),
     (["--temperature", "0"], "temperature must be a number > 0"),
