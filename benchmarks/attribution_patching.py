@@ -12,6 +12,9 @@ a date, a gendered pronoun), every head of every layer (30 x 9 = 270 cells) and 
   the exact sweep's 10 largest cells by |value|, the share among the estimate's 10 largest);
   the time of each, alternated over ``--rounds`` rounds (medians).
 
+- planted: the hand-set two-layer induction circuit with distractor heads (``qkv.lens.planted``,
+  seeds 0-4): the share of the two planted heads among each method's two largest cells.
+
 The issue's goals (issue 54): Spearman ≥ 0.9 and top-10 recall ≥ 0.9 with AtP* (plain AtP
 reported too), all 270 heads in ≤ 1 s on 2 cores.
 
@@ -103,11 +106,26 @@ def main() -> None:
         print(f"{kind}: heads Spearman {res['head']['spearman']:.3f}, top-10 recall "
               f"{res['head']['top10_recall']:.1f}; resid {res['resid']['spearman']:.3f} / "
               f"{res['resid']['top10_recall']:.1f}", flush=True)
+    from qkv.lens.planted import induction, recall
+
+    planted = []
+    for seed in range(5):
+        pl = induction(seed=seed)
+        kw = dict(site="head", answer=pl.answer, wrong=pl.wrong)
+        exact = lens.patch(pl, pl.clean, pl.corrupt, **kw)
+        est = lens.attribution_patch(pl, pl.clean, pl.corrupt, grad_drop=True, **kw)
+        planted.append({"seed": seed, "exact": recall(exact.values, pl.circuit),
+                        "atp": recall(est.values, pl.circuit), "grad_drop": recall(est.grad_drop, pl.circuit),
+                        "exact_values": exact.values.tolist(), "atp_values": est.values.tolist(),
+                        "grad_drop_values": est.grad_drop.tolist()})
+    for name in ("exact", "atp", "grad_drop"):
+        print(f"planted induction circuit, recall of its 2 heads by {name}: "
+              + " ".join(f"{r[name]:.1f}" for r in planted), flush=True)
     C.print_table(f"SmolLM2 fp32, attribution patching (AtP) vs the exact sweep, "
                   f"{torch.get_num_threads()} threads",
                   ["pair", "site", "Spearman", "top-10 recall", "AtP", "exact sweep"], rows)
     out = C.write_json(NAME, {"machine": machine, "threads": torch.get_num_threads(), "rounds": args.rounds,
-                              "pairs": results}, args.out)
+                              "pairs": results, "planted": planted}, args.out)
     print(f"wrote {out}")
 
 

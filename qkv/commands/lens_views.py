@@ -153,7 +153,7 @@ def view_heads(lm, text: str, args: argparse.Namespace, heads, out: Path | None)
     from qkv.figures import Heatmap, Heatmaps
 
     effects = bool(getattr(args, "by_effect", False)) and lm.kind == "decoder"
-    sc = lens.head_scores(lm, effects=effects)
+    sc = lens.head_scores(lm, effects=True) if effects else lens.head_scores(lm)
     L, H = sc.previous.shape
     data: dict[str, Any] = {t: s.tolist() for t, s in sc.by_type().items()}
     data.update(labels=sc.labels, threshold=sc.threshold, loss_first=sc.loss_first,
