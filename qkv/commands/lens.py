@@ -90,7 +90,7 @@ def add_lens_parser(sub) -> None:
     o.add_argument("--by-effect", action="store_true",
                    help="--heads: also knock each head out and measure how much the loss on the repeat "
                    "rises: heads named by what they do (copying), not only by where they look (a pass per "
-                   "head: seconds on a small model, ~3 minutes for SmolLM2's 270 heads on 2 cores)")
+                   "head: seconds on a small model, ~2.5 minutes for SmolLM2's 270 heads on 2 cores)")
     o.add_argument("--estimate", action="store_true",
                    help="--patch: estimate every cell at once by attribution patching, (clean - corrupt) x "
                    "the gradient at the corrupt run (Nanda 2023): a second instead of a pass per cell; "

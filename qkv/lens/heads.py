@@ -176,11 +176,10 @@ def score_model(model: nn.Module, tokens: Tensor) -> HeadScores:
 
 
 def _repeat_loss(logits: Tensor, tokens: Tensor) -> Tensor:
-    """(B, T, V) logits of (B, 2R) tokens -> (B,) mean cross-entropy of the repeat's predictions
-    (positions R.. predicting R + 1..), as :func:`score_model`'s loss_second."""
+    """Logits (B, R - 1, V) of the repeat's predictions (positions R..2R-2 of (B, 2R) tokens,
+    predicting R + 1..) -> (B,) their mean cross-entropy, as :func:`score_model`'s loss_second."""
     repeat = tokens.shape[1] // 2
-    return F.cross_entropy(logits[:, repeat:-1].float().transpose(1, 2), tokens[:, repeat + 1:],
-                           reduction="none").mean(-1)
+    return F.cross_entropy(logits.float().transpose(1, 2), tokens[:, repeat + 1:], reduction="none").mean(-1)
 
 
 @torch.inference_mode()
@@ -194,10 +193,12 @@ def copy_effects(model: nn.Module, tokens: Tensor) -> Tensor:
     rec = Recorded()
     with hooked(model, record=rec):
         out, _ = forward(model, tokens)
-    base = float(_repeat_loss(out, tokens).mean())
+    R = tokens.shape[1] // 2
+    repeat = slice(R, 2 * R - 1)  # the positions that predict the repeat: the only logits needed
+    base = float(_repeat_loss(out[:, repeat], tokens).mean())
     L, H, _ = shape(model)
-    B, T = tokens.shape
-    per = max(1, ROW_FLOATS // (B * T * model.cfg.vocab_size))  # heads a pass
+    B = tokens.shape[0]
+    per = max(1, ROW_FLOATS // (B * R * model.cfg.vocab_size))  # heads a pass
     rise = torch.empty(L, H)
     for layer in range(L):
         for start in range(0, H, per):
@@ -211,7 +212,7 @@ def copy_effects(model: nn.Module, tokens: Tensor) -> Tensor:
 
             x = rec.resid_pre[layer].repeat(len(chunk), 1, 1)
             with hooked(model, edits=Edits(z={layer: zero})):
-                logits = tail(model, x, layer)
+                logits = tail(model, x, layer, positions=repeat)
             losses = _repeat_loss(logits, tokens.repeat(len(chunk), 1)).view(len(chunk), B).mean(-1)
             rise[layer, start:start + len(chunk)] = losses.cpu() - base
     return rise

@@ -236,16 +236,18 @@ def finish(steps: Generator[Any, Any, T]) -> T:
             return done.value
 
 
-def tail(model: nn.Module, x: Tensor, start: int, last_only: bool = False) -> Tensor:
+def tail(model: nn.Module, x: Tensor, start: int, last_only: bool = False, positions: slice | None = None
+         ) -> Tensor:
     """Run blocks ``start``.. on the stream x (B, T, dim) entering block ``start``, then the
     final norm and (decoders) the output head: logits (B, T, V) or hidden states (B, T, dim);
-    ``last_only``: the last position's only, (B, 1, ...). The same blocks and modules as the
-    model's forward, so hooks and edits apply."""
-    return finish(tail_steps(model, x, start, last_only))
+    ``last_only``: the last position's only, (B, 1, ...); ``positions``: these positions' only
+    (the head, the costly part for a large vocabulary, reads no others). The same blocks and
+    modules as the model's forward, so hooks and edits apply."""
+    return finish(tail_steps(model, x, start, last_only, positions=positions))
 
 
-def tail_steps(model: nn.Module, x: Tensor, start: int, last_only: bool = False, edits: Edits | None = None
-               ) -> Generator[None, None, Tensor]:
+def tail_steps(model: nn.Module, x: Tensor, start: int, last_only: bool = False, edits: Edits | None = None,
+               positions: slice | None = None) -> Generator[None, None, Tensor]:
     """:func:`tail` in pieces, one block per ``next``; ``edits`` are hooked around each block
     only (none: no hook is installed, the caller's apply), so between two pieces nothing of this
     call is on the model."""
@@ -262,6 +264,8 @@ def tail_steps(model: nn.Module, x: Tensor, start: int, last_only: bool = False,
         yield
     if last_only:
         x = x[:, -1:]
+    elif positions is not None:
+        x = x[:, positions]
     if model.stack.norm is not None:
         x = model.stack.norm(x)
     return model.lm_head(x) if is_decoder(model) else x
