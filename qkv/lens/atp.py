@@ -197,7 +197,7 @@ def attribution_patch(lm: TextModel, clean: str | list[int], corrupt: str | list
         drop[0] = -1
         # each cell of layer l got no gradient in the pass dropping l: the mean over the others
         # (a stream cell entering l still gets one from the skip connection: over all L for it)
-        gd = (total / (L - 1 if site == "head" else L)).float()
+        gd = (total / (max(1, L - 1) if site == "head" else L)).float()  # one layer: its cells get none
     seconds = time.perf_counter() - t0
     ld_c = float(out_c[0, -1, a] - out_c[0, -1, b])
     ld_k = float(metric.detach())
