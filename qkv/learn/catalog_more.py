@@ -388,4 +388,78 @@ def patchify(images, p):
 )
 
 
-MORE = (HARDMAX, SOFT_LOOKUP, GQA, ONLINE, PATCHIFY)
+# --------------------------------------------------------------------------- which head matters
+
+S_HEADS = "3.1 Multi-head attention: h heads, concatenated, 3hd² vs 3d² parameters"
+
+
+def ref_attribution(z_clean: Tensor, z_corrupt: Tensor, grad: Tensor) -> Tensor:
+    return ((z_clean.double() - z_corrupt.double()) * grad.double()).sum((0, 2)).to(z_clean.dtype)
+
+
+def _atp_inputs(T: int, H: int, D: int, seed: int) -> tuple[Tensor, Tensor, Tensor]:
+    return randn(T, H, D, seed=seed), randn(T, H, D, seed=seed + 1), randn(T, H, D, seed=seed + 2)
+
+
+@check("each head's estimate, Σ over positions and dimensions of (z_clean − z_corrupt) · ∂LD/∂z")
+def _atp_values(f) -> None:
+    one = torch.tensor([[[1.0, 2.0], [0.0, 1.0]]])  # T = 1, H = 2, Dh = 2
+    cases = [(one, torch.zeros_like(one), torch.tensor([[[0.5, 0.25], [3.0, -1.0]]])),
+             _atp_inputs(5, 3, 4, seed=11), _atp_inputs(7, 9, 8, seed=21)]
+    for zc, zk, g in cases:
+        inputs = f"z_clean {show(zc)}, z_corrupt {show(zk)}, grad {show(g)}"
+        close(f(zc, zk, g), ref_attribution(zc, zk, g), "attribution_patch_heads(z_clean, z_corrupt, grad)",
+              inputs, causes=[
+                  (ref_attribution(zk, zc, g), "the sign is turned: patching puts the clean activation into "
+                   "the corrupt run, so the change is z_clean − z_corrupt"),
+                  ((zc * g).sum((0, 2)), "the gradient multiplies the change of the activation "
+                   "(z_clean − z_corrupt), not the clean activation itself"),
+                  ((zc - zk).sum((0, 2)) * g.sum((0, 2)), "sum the products term by term; the product of "
+                   "the sums is not the first-order change"),
+              ])
+
+
+@check("a head's estimate reads only its own slice: sum over positions and its own dimensions")
+def _atp_heads_apart(f) -> None:
+    zc, zk, g = _atp_inputs(4, 3, 3, seed=31)  # as many heads as dimensions: a wrong sum keeps the shape
+    moved = zc.clone()
+    moved[:, 1] += 1.0  # only head 1's clean output changes
+    close(f(moved, zk, g), ref_attribution(moved, zk, g), "attribution_patch_heads(z_clean, z_corrupt, grad)",
+          f"z_clean {show(moved)} (head 1 moved by 1), z_corrupt {show(zk)}, grad {show(g)}", causes=[
+              (((moved - zk) * g).sum((0, 1)), "it sums over the heads (dim 1) and keeps the dimensions: "
+               "sum over positions (dim 0) and each head's dimensions (dim 2) instead"),
+          ])
+
+
+ATTRIBUTION_HEADS = Exercise(
+    name="attribution_patch_heads",
+    section=S_HEADS,
+    difficulty=1,
+    signature="(z_clean, z_corrupt, grad)",
+    stub="""
+Attribution patching (Nanda 2023) for every head of one layer at once: the first-order estimate of
+what patching head h's clean output into the corrupt run does to the logit difference LD,
+
+    Δ_h ≈ Σ_t Σ_d (z_clean − z_corrupt)[t, h, d] · ∂LD/∂z[t, h, d]   (the gradient at the corrupt run)
+
+Args: z_clean, z_corrupt (T, H, Dh): each head's output (the input of W_O, heads side by side) at
+every position of the two runs; grad (T, H, Dh): ∂LD/∂z of the corrupt run. Returns (H,).
+
+Example: T = 1, two heads of width 2, z_clean [[1, 2], [0, 1]], z_corrupt zeros, grad
+[[0.5, 0.25], [3, -1]] -> [1.0, -1.0]. `qkv lens smollm2 --patch --corrupt ... --site head
+--estimate --compare` computes it for all 270 heads and compares it with patching each one.
+""",
+    checks=(_atp_values, _atp_heads_apart),
+    hints=(
+        "The change a patch makes is z_clean − z_corrupt: multiply it by grad, element by element.",
+        "Then sum over positions (dim 0) and over each head's dimensions (dim 2): .sum((0, 2)).",
+    ),
+    see="qkv lens smollm2 --patch --estimate --compare",
+    solution="""
+def attribution_patch_heads(z_clean, z_corrupt, grad):
+    return ((z_clean - z_corrupt) * grad).sum((0, 2))
+""",
+)
+
+
+MORE = (HARDMAX, SOFT_LOOKUP, GQA, ONLINE, PATCHIFY, ATTRIBUTION_HEADS)

@@ -122,10 +122,21 @@ def patchify(images, p):
     return torch.stack(rows, 1)
 
 
+def attribution_patch_heads(z_clean, z_corrupt, grad):
+    """Each head's change of the metric to first order, written out as loops."""
+    T, H, D = z_clean.shape
+    out = torch.zeros(H, dtype=z_clean.dtype)
+    for h in range(H):
+        for t in range(T):
+            for d in range(D):
+                out[h] += (z_clean[t, h, d] - z_corrupt[t, h, d]) * grad[t, h, d]
+    return out
+
+
 CORRECT = {f.__name__: f for f in (softmax, scaled_dot_product_attention, causal_mask, multi_head_attention,
                                      sinusoidal_positions, rope, layer_norm, additive_attention, hardmax,
                                      soft_lookup, grouped_query_attention, online_softmax_attention,
-                                     patchify)}
+                                     patchify, attribution_patch_heads)}
 
 
 @pytest.mark.parametrize("name", sorted(CORRECT))  # the other catalogs: tests/learn/test_<lecture>.py
@@ -309,7 +320,22 @@ def patchify_columns(images, p):
     return patchify(images.transpose(-1, -2), p)
 
 
+def atp_turned(z_clean, z_corrupt, grad):
+    return ((z_corrupt - z_clean) * grad).sum((0, 2))
+
+
+def atp_activation(z_clean, z_corrupt, grad):
+    return (z_clean * grad).sum((0, 2))
+
+
+def atp_over_heads(z_clean, z_corrupt, grad):
+    return ((z_clean - z_corrupt) * grad).sum((0, 1))
+
+
 WRONG = [
+    ("attribution_patch_heads", atp_turned, "the sign is turned"),
+    ("attribution_patch_heads", atp_activation, "not the clean activation itself"),
+    ("attribution_patch_heads", atp_over_heads, "it sums over the heads"),
     ("hardmax", hardmax_argmax, "argmax picks one of the tied entries"),
     ("hardmax", hardmax_last_dim, "it always works on the last dimension"),
     ("soft_lookup", lookup_no_softmax, "not passed through a softmax"),
