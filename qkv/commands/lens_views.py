@@ -152,8 +152,8 @@ def view_heads(lm, text: str, args: argparse.Namespace, heads, out: Path | None)
     from qkv import lens
     from qkv.figures import Heatmap, Heatmaps
 
-    effects = bool(getattr(args, "by_effect", False)) and lm.kind == "decoder"
-    sc = lens.head_scores(lm, effects=True) if effects else lens.head_scores(lm)
+    by_effect = args.by_effect and lm.kind == "decoder"
+    sc = lens.head_scores(lm, effects=True) if by_effect else lens.head_scores(lm)
     L, H = sc.previous.shape
     data: dict[str, Any] = {t: s.tolist() for t, s in sc.by_type().items()}
     data.update(labels=sc.labels, threshold=sc.threshold, loss_first=sc.loss_first,
@@ -215,20 +215,20 @@ def view_patch(lm, text: str, args: argparse.Namespace, heads, out: Path | None)
     from qkv.figures import Heatmap
 
     kw = dict(site=args.site, answer=args.answer, wrong=args.wrong)
-    exact = est = agree = None
-    if args.estimate:
-        est = lens.attribution_patch(lm, text, args.corrupt, **kw)
-        p = est
-    if not args.estimate or args.compare:
+    est = lens.attribution_patch(lm, text, args.corrupt, **kw) if args.estimate else None
+    exact = exact_s = agree = None
+    if est is None or args.compare:
         t0 = time.perf_counter()
         exact = lens.patch(lm, text, args.corrupt, **kw)
         exact_s = time.perf_counter() - t0
-        p = est or exact
+    p = est if est is not None else exact
+    assert p is not None
+    method = "attribution patching" if est is not None else "patching"
     L, C = p.values.shape
     cols = p.clean_tokens if p.site == "resid" else [str(h) for h in range(C)]
-    data = {"site": p.site, "method": "attribution patching" if est else "exact", "answer": p.answer,
-            "wrong": p.wrong, "clean_diff": p.clean_diff, "corrupt_diff": p.corrupt_diff, "columns": cols,
-            "values": p.values.tolist()}
+    data = {"site": p.site, "method": "attribution patching" if est is not None else "exact",
+            "answer": p.answer, "wrong": p.wrong, "clean_diff": p.clean_diff, "corrupt_diff": p.corrupt_diff,
+            "columns": cols, "values": p.values.tolist()}
     if est is not None:
         data["seconds"] = round(est.seconds, 4)
     if est is not None and exact is not None:
@@ -238,17 +238,17 @@ def view_patch(lm, text: str, args: argparse.Namespace, heads, out: Path | None)
     if not args.json:
         order = p.values.nan_to_num(0.0).flatten().abs().argsort(descending=True)[: args.top].tolist()
         what = "position" if p.site == "resid" else "head"
-        how = "estimated by attribution patching" if est else "patching"
-        extra = ["exact"] if agree is not None else []
-        def second(i: int) -> list[str]:
-            return [f"{float(exact.values.flatten()[i]):.3f}"] if agree is not None else []
-        last = est.delta if est else p.raw
-        _table(f"{how} {p.site}: logit[{_show(p.answer)}] - logit[{_show(p.wrong)}] is {p.clean_diff:.3f} "
+        # an estimate's last column is the change it predicts; a sweep's, the logit difference it got
+        last, last_name = ((est.delta, "change of the logit diff") if est is not None
+                           else (p.raw, "logit diff"))
+        exact_col = exact.values.flatten() if agree is not None else None
+        _table(f"{method} {p.site}: logit[{_show(p.answer)}] - logit[{_show(p.wrong)}] is {p.clean_diff:.3f} "
                f"clean, {p.corrupt_diff:.3f} corrupt; 1 = a cell restores it all",
-               ["layer", what, "restored", *extra, "change of the logit diff" if est else "logit diff"],
+               ["layer", what, "restored", *(["exact"] if exact_col is not None else []), last_name],
                [[str(i // C), _show(cols[i % C]) if p.site == "resid" else cols[i % C],
-                 f"{float(p.values.flatten()[i]):.3f}", *second(i), f"{float(last.flatten()[i]):.3f}"]
-                for i in order])
+                 f"{float(p.values.flatten()[i]):.3f}",
+                 *([f"{float(exact_col[i]):.3f}"] if exact_col is not None else []),
+                 f"{float(last.flatten()[i]):.3f}"] for i in order])
         if est is not None:
             line = f"estimated in {est.seconds:.2f} s (two forward passes, one backward)"
             if agree is not None:
@@ -257,9 +257,8 @@ def view_patch(lm, text: str, args: argparse.Namespace, heads, out: Path | None)
             else:
                 line += "; --compare runs the exact sweep and says how well they agree"
             console().print(line, highlight=False)
-    title = "attribution patching (estimate)" if est else "patching"
     _write(out, data, Heatmap(p.values, [f"layer {i}" for i in range(L)], cols,
-                              f"{lm.name}: {title} {p.site} from clean into corrupt", None,
+                              f"{lm.name}: {method} {p.site} from clean into corrupt", None,
                               "share of the clean logit difference restored", diverging=True))
     return data
 

@@ -353,9 +353,9 @@ def compiled_head(model: GPT) -> bool:
     """Whether ``model``'s final norm and output layer get a package of their own: yes for a
     quantised output layer (several kernels and Python between them: SmolLM2's int8 head and its
     exact top-64 logits, 1.56 -> 1.28 ms a call compiled); no for a float one, whose eager call is
-    one product on every core (qkv's Linear), measured as fast or faster than the package (2
-    threads, Zen 3: 65 x 384, 35 vs 10 us; 8,192 x 128, 142 vs 150 us; 32,000 x 256, 1.9 vs 3.3 ms)
-    and not worth the 12-18 s its compile adds to a set-up."""
+    one product on every core (qkv's Linear): measured by hand (2 threads, Zen 3, medians of 300
+    calls) at 35 vs 10 us for 65 x 384, 142 vs 150 us for 8,192 x 128 and 1.9 vs 3.3 ms for
+    32,000 x 256, eager vs package: not worth the 12-18 s its compile adds to a set-up."""
     return not isinstance(model.lm_head, nn.Linear)
 
 

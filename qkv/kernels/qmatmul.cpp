@@ -47,8 +47,9 @@ namespace {
 constexpr int64_t ROWS = 16, GROUP = 32;
 // One row's products read each group's weights this many groups ahead (_mm_prefetch): decoding
 // streams ~95 MB a token from memory, and a product of 0.2-1 MB is over before the hardware's
-// prefetchers ramp up. Measured on a Zen 3 (AVX2), SmolLM2's 4-bit layers from memory: 4.08 ->
-// 3.58 ms a token at 8 groups ahead (4: 3.82, 16: 3.72); its int8 head 2.02 -> 1.80 ms.
+// prefetchers ramp up. Measured by hand on a Zen 3 (AVX2; BENCHMARKS.md, issue 53), a token's 30
+// layers of SmolLM2's 4-bit shapes from memory: 4.08 -> 3.58 ms at 8 groups ahead (4: 3.82, 16:
+// 3.72); its int8 head 2.02 -> 1.80 ms.
 constexpr int64_t AHEAD = 8;
 // From this many rows of x on, the AVX2 path widens each group's weights to int16 once and
 // multiplies every row by one 16-bit product per pair of inputs against x's two codes joined,
@@ -66,13 +67,13 @@ constexpr const char* PATH = "avx2";
 constexpr const char* PATH = "scalar";
 #endif
 
-// Each row of x (M, K) and each group of 32: x ≈ dx·(xq + xr/256), two int8 codes per value (the
-// second the rounding residual of the first, in steps of dx/256), the scale dx = max|x| / 127
-// and the float sum. One int8 code alone (llama.cpp's Q8 activations) rounds each value by up
-// to dx/2, which on a real model's activations (a few large channels set dx) moves the next-token
-// distribution ~20x further from the float model's than bf16 does; with the residual, x is
-// carried to dx/512, finer than bf16 (measured in BENCHMARKS.md).
 #if defined(__AVX2__) && defined(__F16C__) && defined(__FMA__)
+// The narrow AVX2 paths of block4 and block8 take one row (x16 is set from two rows on).
+static_assert(WIDE_FROM == 2, "the AVX2 one-row paths assume every product of two or more rows is wide");
+// Ask for the cache lines of bytes [p, p + n) ahead of their use (see AHEAD).
+inline void prefetch(const void* p, int64_t n) {
+  for (int64_t i = 0; i < n; i += 64) _mm_prefetch(static_cast<const char*>(p) + i, _MM_HINT_T0);
+}
 // 8 values of x from p as float32 (bfloat16: its bits are the top half of a float32's)
 inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
 inline __m256 load8(const c10::BFloat16* p) {
@@ -374,8 +375,8 @@ void block4(const uint8_t* w, const c10::Half* dm, const int8_t* xq, const int8_
   __m256 o[2] = {_mm256_loadu_ps(out), _mm256_loadu_ps(out + 8)};
   for (int64_t g = 0; g < G; ++g) {
     const uint8_t* wp = w + g * 256;
-    for (int c = 0; c < 4; ++c) _mm_prefetch(reinterpret_cast<const char*>(wp + AHEAD * 256 + c * 64), _MM_HINT_T0);
-    _mm_prefetch(reinterpret_cast<const char*>(dm + (g + AHEAD) * 32), _MM_HINT_T0);
+    prefetch(wp + AHEAD * 256, 256);
+    prefetch(dm + (g + AHEAD) * 32, 64);
     int32_t xw[8], rw[8];
     std::memcpy(xw, xq + g * GROUP, sizeof(xw));
     std::memcpy(rw, xr + g * GROUP, sizeof(rw));
@@ -527,8 +528,8 @@ void block8(const uint8_t* w, const c10::Half* ds, const int8_t* xq, const int8_
   __m256 o[2] = {_mm256_loadu_ps(out), _mm256_loadu_ps(out + 8)};
   for (int64_t g = 0; g < G; ++g) {
     const uint8_t* wp = w + g * 512;
-    for (int c = 0; c < 8; ++c) _mm_prefetch(reinterpret_cast<const char*>(wp + AHEAD * 512 + c * 64), _MM_HINT_T0);
-    _mm_prefetch(reinterpret_cast<const char*>(ds + (g + AHEAD) * 16), _MM_HINT_T0);
+    prefetch(wp + AHEAD * 512, 512);
+    prefetch(ds + (g + AHEAD) * 16, 32);
     int32_t xw[8], rw[8];
     std::memcpy(xw, xq + g * GROUP, sizeof(xw));
     std::memcpy(rw, xr + g * GROUP, sizeof(rw));

@@ -36,8 +36,8 @@ from torch import Tensor
 
 from qkv.errors import InputError
 from qkv.layers.quant import Int4Linear, Int4SwiGLU, Int8Linear, Q8Linear, TopKRefinedLinear
-from qkv.lens.cache import encode, labels, one_token
-from qkv.lens.causal import PatchPair
+from qkv.lens.cache import labels
+from qkv.lens.causal import PatchPair, answer_pair, prompt_pair
 from qkv.lens.hooks import TextModel, blocks, device_of, forward, shape
 from qkv.lens.predict import check_decoder
 
@@ -160,19 +160,12 @@ def attribution_patch(lm: TextModel, clean: str | list[int], corrupt: str | list
     if any(isinstance(m, QUANTISED) for m in model.modules()):
         raise InputError(f"attribution patching needs gradients, which {lm.name}'s quantised weights do not "
                          "have: load it with float weights (--weights fp32)")
-    c_ids, k_ids = encode(lm, clean), encode(lm, corrupt)
-    if len(c_ids) != len(k_ids):
-        raise InputError(f"the clean and corrupt prompts must have the same number of tokens to patch "
-                         f"position by position; they have {len(c_ids)} and {len(k_ids)}")
+    c_ids, k_ids = prompt_pair(lm, clean, corrupt)
     t0 = time.perf_counter()
     out_c, z_c, r_c = _run(model, c_ids, grad=False)
     drop = [-1]
     out_k, z_k, r_k = _run(model, k_ids, grad=True, drop=drop)
-    a = one_token(lm, answer) if answer is not None else int(out_c[0, -1].argmax())
-    b = one_token(lm, wrong, "the wrong answer") if wrong is not None else int(out_k[0, -1].argmax())
-    if a == b:
-        raise InputError(f"the clean and corrupt prompts both predict {lm.tokenizer.decode([a])!r}: "
-                         "give the answer and the wrong answer to compare (--answer, --wrong)")
+    a, b = answer_pair(lm, out_c[0, -1], out_k[0, -1], answer, wrong)
     metric = out_k[0, -1, a] - out_k[0, -1, b]
     acts_k = z_k if site == "head" else r_k
     acts_c = z_c if site == "head" else r_c

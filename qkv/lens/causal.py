@@ -18,7 +18,7 @@ Shapes: L layers, H query heads, T tokens, Dh head width, dim model width, V voc
 from __future__ import annotations
 
 import math
-from collections.abc import Generator, Sequence
+from collections.abc import Callable, Generator, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
@@ -140,6 +140,37 @@ def _rows(model: nn.Module, T: int) -> int:
     return max(1, ROW_FLOATS // (T * width))
 
 
+def knockout_sweep(model: nn.Module, rec: Recorded, measure: Callable[[Tensor], Tensor], mode: Mode = "zero",
+                   positions: slice | None = None) -> Tensor:
+    """(L, H): ``measure`` of the model's output with each head knocked out in turn (its slice of
+    W_O's input zeroed, or set to its mean over the recorded sequences and positions), averaged
+    over the B sequences ``rec`` holds (a pass over them, recorded with :func:`hooked`). Each
+    layer's heads are batched, n copies of the B sequences a pass, run from that layer on; the
+    output is read at ``positions`` only (all: None); ``measure`` maps it, (n·B, T', V or dim),
+    to (n·B,)."""
+    L, H, _ = shape(model)
+    B, T = rec.resid_pre[0].shape[:2]
+    kept = len(range(T)[positions]) if positions is not None else T
+    per = max(1, _rows(model, kept) // B)  # heads a pass
+    values = torch.empty(L, H)
+    for layer in range(L):
+        means = rec.z[layer].mean((0, 1))  # (H, Dh)
+        for start in range(0, H, per):
+            heads = list(range(start, min(H, start + per)))
+
+            def edit(z: Tensor, heads: list[int] = heads, means: Tensor = means) -> Tensor:
+                z = z.clone()
+                for r, h in enumerate(heads):
+                    z[r * B:(r + 1) * B, :, h] = 0.0 if mode == "zero" else means[h]
+                return z
+
+            x = rec.resid_pre[layer].repeat(len(heads), 1, 1)
+            with hooked(model, edits=Edits(z={layer: edit})):
+                out = tail(model, x, layer, positions=positions)
+            values[layer, start:start + len(heads)] = measure(out).float().view(len(heads), B).mean(-1).cpu()
+    return values
+
+
 @dataclass
 class HeadEffects:
     """What each head does to a measure of the model's output when knocked out.
@@ -188,25 +219,9 @@ def head_effects(lm: TextModel, text: str | list[int], mode: str = "zero",
         return F.cross_entropy(out[:, :-1].float().transpose(1, 2), target.expand(out.shape[0], -1),
                                reduction="none").mean(-1)
 
-    L, H, _ = shape(model)
-    values = torch.empty(L, H)
-    chunk = _rows(model, len(ids))
-    for layer in range(L):
-        means = rec.z[layer][0].mean(0)
-        for start in range(0, H, chunk):
-            rows = list(range(start, min(H, start + chunk)))
-
-            def edit(z: Tensor, rows: list[int] = rows, means: Tensor = means) -> Tensor:
-                z = z.clone()
-                for r, h in enumerate(rows):
-                    z[r, :, h] = 0.0 if mode == "zero" else means[h]
-                return z
-
-            x = rec.resid_pre[layer].expand(len(rows), -1, -1)
-            with hooked(model, edits=Edits(z={layer: edit})):
-                # a loss reads every position; a logit difference, the last
-                out = tail(model, x, layer, last_only=decoder and a is not None)
-                values[layer, start:start + len(rows)] = measure(out).float().cpu()
+    # a loss reads every position; a logit difference, the last
+    last = slice(-1, None) if decoder and a is not None else None
+    values = knockout_sweep(model, rec, measure, mode, last)
     metric = "embedding change" if not decoder else "logit difference" if a is not None else "loss"
     return HeadEffects(labels(lm, ids), metric, mode, float(measure(clean)[0]), values)
 
@@ -240,6 +255,29 @@ class Patching(PatchPair):
     raw: Tensor
 
 
+def prompt_pair(lm: TextModel, clean: str | list[int], corrupt: str | list[int]
+                ) -> tuple[list[int], list[int]]:
+    """The two prompts' ids, InputError unless they have the same number of tokens (a patch puts
+    each position of one into the other)."""
+    c_ids, k_ids = encode(lm, clean), encode(lm, corrupt)
+    if len(c_ids) != len(k_ids):
+        raise InputError(f"the clean and corrupt prompts must have the same number of tokens to patch "
+                         f"position by position; they have {len(c_ids)} and {len(k_ids)}")
+    return c_ids, k_ids
+
+
+def answer_pair(lm: TextModel, clean_last: Tensor, corrupt_last: Tensor, answer: str | int | None,
+                wrong: str | int | None) -> tuple[int, int]:
+    """(answer, wrong) token ids: as given, else the clean run's top prediction and the corrupt
+    run's (``*_last``: (V,) logits at the last position); InputError when they are one token."""
+    a = one_token(lm, answer) if answer is not None else int(clean_last.argmax())
+    b = one_token(lm, wrong, "the wrong answer") if wrong is not None else int(corrupt_last.argmax())
+    if a == b:
+        raise InputError(f"the clean and corrupt prompts both predict {lm.tokenizer.decode([a])!r}: "
+                         "give the answer and the wrong answer to compare (--answer, --wrong)")
+    return a, b
+
+
 @torch.inference_mode()
 def patch(lm: TextModel, clean: str | list[int], corrupt: str | list[int], site: str = "resid",
           answer: str | int | None = None, wrong: str | int | None = None) -> Patching:
@@ -261,18 +299,11 @@ def patch_steps(lm: TextModel, clean: str | list[int], corrupt: str | list[int],
     if site not in ("resid", "head"):
         raise InputError(f"site must be 'resid' (layer x position) or 'head' (layer x head), got {site!r}")
     model = lm.model
-    c_ids, k_ids = encode(lm, clean), encode(lm, corrupt)
-    if len(c_ids) != len(k_ids):
-        raise InputError(f"the clean and corrupt prompts must have the same number of tokens to patch "
-                         f"position by position; they have {len(c_ids)} and {len(k_ids)}")
+    c_ids, k_ids = prompt_pair(lm, clean, corrupt)
     rec_c, rec_k = Recorded(), Recorded()
     out_c, _ = yield from forward_steps(model, torch.tensor([c_ids], device=device_of(model)), record=rec_c)
     out_k, _ = yield from forward_steps(model, torch.tensor([k_ids], device=device_of(model)), record=rec_k)
-    a = one_token(lm, answer) if answer is not None else int(out_c[0, -1].argmax())
-    b = one_token(lm, wrong, "the wrong answer") if wrong is not None else int(out_k[0, -1].argmax())
-    if a == b:
-        raise InputError(f"the clean and corrupt prompts both predict {lm.tokenizer.decode([a])!r}: "
-                         "give the answer and the wrong answer to compare (--answer, --wrong)")
+    a, b = answer_pair(lm, out_c[0, -1], out_k[0, -1], answer, wrong)
 
     def diff(out: Tensor) -> Tensor:
         return (out[:, -1, a] - out[:, -1, b]).float().cpu()

@@ -36,8 +36,8 @@ from torch import Tensor, nn
 from qkv.attention.rollout import attention_rollout
 from qkv.errors import InputError
 from qkv.lens.cache import encode, labels, run_with_cache_steps
-from qkv.lens.causal import check_heads
-from qkv.lens.hooks import TextModel, blocks, device_of, finish, forward, is_decoder, shape
+from qkv.lens.causal import check_heads, knockout_sweep
+from qkv.lens.hooks import Recorded, TextModel, blocks, device_of, finish, forward, hooked, is_decoder, shape
 
 HEAD_TYPES: tuple[str, ...] = ("previous", "first", "duplicate", "induction")
 # A head is named after its highest score when that score reaches NAMED_AT: the one threshold
@@ -47,7 +47,6 @@ THRESHOLD = NAMED_AT  # the name before issue 41
 # A head "copies" when knocking it out undoes at least this share of what the repeat saves
 # (loss_first - loss_second): one head that carries a quarter of the copying is part of its circuit.
 COPY_AT = 0.25
-ROW_FLOATS = 2**27  # the most logits one batch of knocked-out copies may hold (512 MiB)
 
 
 def previous_token_score(pattern: Tensor) -> Tensor:
@@ -187,8 +186,6 @@ def copy_effects(model: nn.Module, tokens: Tensor) -> Tensor:
     """(L, H): how much the loss on the repeat of ``tokens`` (B, 2R, from :func:`repeated_tokens`)
     rises, in nats a token, when each head's output is zeroed (its slice of W_O's input; one pass
     from its layer on, several heads' copies of the batch at once)."""
-    from qkv.lens.hooks import Edits, Recorded, hooked, tail
-
     tokens = tokens.to(device_of(model))
     rec = Recorded()
     with hooked(model, record=rec):
@@ -196,26 +193,11 @@ def copy_effects(model: nn.Module, tokens: Tensor) -> Tensor:
     R = tokens.shape[1] // 2
     repeat = slice(R, 2 * R - 1)  # the positions that predict the repeat: the only logits needed
     base = float(_repeat_loss(out[:, repeat], tokens).mean())
-    L, H, _ = shape(model)
-    B = tokens.shape[0]
-    per = max(1, ROW_FLOATS // (B * R * model.cfg.vocab_size))  # heads a pass
-    rise = torch.empty(L, H)
-    for layer in range(L):
-        for start in range(0, H, per):
-            chunk = list(range(start, min(H, start + per)))
 
-            def zero(z: Tensor, chunk: list[int] = chunk) -> Tensor:
-                z = z.clone()
-                for r, h in enumerate(chunk):
-                    z[r * B:(r + 1) * B, :, h] = 0.0
-                return z
+    def measure(logits: Tensor) -> Tensor:  # (n·B, R - 1, V) -> (n·B,)
+        return _repeat_loss(logits, tokens.repeat(logits.shape[0] // tokens.shape[0], 1))
 
-            x = rec.resid_pre[layer].repeat(len(chunk), 1, 1)
-            with hooked(model, edits=Edits(z={layer: zero})):
-                logits = tail(model, x, layer, positions=repeat)
-            losses = _repeat_loss(logits, tokens.repeat(len(chunk), 1)).view(len(chunk), B).mean(-1)
-            rise[layer, start:start + len(chunk)] = losses.cpu() - base
-    return rise
+    return knockout_sweep(model, rec, measure, "zero", repeat) - base
 
 
 def probe_avoid(tokenizer: Any, stop: tuple[int, ...] = ()) -> tuple[int, ...]:

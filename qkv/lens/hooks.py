@@ -263,8 +263,8 @@ def tail_steps(model: nn.Module, x: Tensor, start: int, last_only: bool = False,
                 x = block(x, bias=bias, rope=rope).x
         yield
     if last_only:
-        x = x[:, -1:]
-    elif positions is not None:
+        positions = slice(-1, None)
+    if positions is not None:
         x = x[:, positions]
     if model.stack.norm is not None:
         x = model.stack.norm(x)

@@ -126,7 +126,7 @@ def induction(vocab: int = 8, n_ctx: int = 12, heads: int = 3, distractor: float
     # the prompt pair: [a b c X Y d e ... X] -> Y; corrupt: the earlier X replaced by a token not X
     order = torch.randperm(vocab, generator=g).tolist()
     x, y, z = order[0], order[1], order[2]
-    filler = order[3:] or [z]
+    filler = order[3:]  # vocab >= 4: never empty
     clean = [filler[i % len(filler)] for i in range(n_ctx - 1)] + [x]
     clean[1], clean[2] = x, y
     corrupt = list(clean)
