@@ -20,8 +20,22 @@ direct and indirect effects cancel (Kramár et al. 2024, AtP*), which is why the
 one call away and :func:`agreement` says how well the two agree on a given prompt pair.
 
 Sites: "head" (L, H), head h's output z (every position) of layer l; "resid" (L, T), the stream
-entering block l at position t. Values are normalised as :class:`~qkv.lens.Patching`'s:
-(M_estimated - M_corrupt) / (M_clean - M_corrupt), 0 = as corrupt, 1 = as clean.
+entering block l at position t; "query" / "key" / "value" (L, H), one input of head h's attention
+(every position; a key/value head shared by a group patched for head h's row alone). Metrics:
+"diff" (the answer's logit minus the wrong one's), "prob" (the answer's probability), "loss" (its
+cross-entropy). Values are normalised as :class:`~qkv.lens.Patching`'s: (M_estimated - M_corrupt)
+/ (M_clean - M_corrupt), 0 = as corrupt, 1 = as clean.
+
+AtP* (Kramár et al. 2024) fixes plain AtP's two false negatives: ``qk_fix`` (§3.1.1) computes the
+change of a head's attention exactly when its queries or keys are patched (a saturated softmax
+has a ~0 gradient however large the change of its pattern) and linearises only what follows;
+``grad_drop`` (§3.1.2) repeats the backward pass with each layer's gradient dropped in turn, so
+that a cell whose direct and indirect effects cancel still shows. Every site reduces to one
+change of an activation per cell (Δz, or Δ of the stream) dotted with one gradient:
+
+    head:            Δz = z_clean - z_corrupt
+    query/key:       Δz = J_q (q_clean - q_corrupt)   (first order: plain AtP)
+    query/key, QK fix / value:  Δz = z(q_clean, k, v) - z_corrupt   (the softmax exactly; value: linear)
 
 Shapes: L layers, H query heads, T tokens, Dh head width, dim model width.
 """
@@ -37,29 +51,63 @@ from torch import Tensor
 from qkv.errors import InputError
 from qkv.layers.quant import Int4Linear, Int4SwiGLU, Int8Linear, Q8Linear, TopKRefinedLinear
 from qkv.lens.cache import labels
-from qkv.lens.causal import PatchPair, answer_pair, prompt_pair
+from qkv.lens.causal import (
+    PARTS,
+    Metric,
+    PatchPair,
+    answer_pair,
+    attend,
+    check_site,
+    head_parts,
+    prompt_pair,
+    substitute_z,
+)
 from qkv.lens.hooks import TextModel, blocks, device_of, forward, shape
 from qkv.lens.predict import check_decoder
 
-SITES = ("head", "resid")
 QUANTISED = (Int4Linear, Int4SwiGLU, Int8Linear, Q8Linear, TopKRefinedLinear)  # no gradient through them
+SATURATED = 0.99  # a query row whose largest attention weight is at least this is saturated
+CANCELS = 3.0  # GradDrop's magnitude this many times plain AtP's (and >= 0.1): a cancellation
 
 
 @dataclass
 class PatchEstimate(PatchPair):
     """Attribution patching's estimate of an activation patching sweep (see the module's text).
 
-    values: (L, H) for site "head", (L, T) for "resid": the estimated normalised metric, as
-    :attr:`Patching.values <qkv.lens.Patching>`; ``delta``: the estimated change of the logit
-    difference itself, (a_clean - a_corrupt) · ∂M/∂a. ``seconds``: the two forward passes and the
-    backward passes. ``grad_drop`` (asked for): AtP*'s GradDrop magnitudes, same shape, ≥ 0
-    (:func:`attribution_patch`).
+    values: (L, H) for the head sites, (L, T) for "resid": the estimated normalised metric, as
+    :attr:`Patching.values <qkv.lens.Patching>`; ``delta``: the estimated change of the metric
+    itself, Δa · ∂M/∂a. ``seconds``: the two forward passes and the backward passes.
+    ``grad_drop`` (asked for): AtP*'s GradDrop magnitudes, same shape, ≥ 0. ``qk_fix``: whether
+    query/key cells had their attention recomputed exactly; ``ig_steps``: the points the gradient
+    was averaged over (0: the corrupt run's alone). ``peak`` (L, H, T): each head's largest
+    attention weight in each query row of the corrupt run: a row at ≥ :data:`SATURATED` is a
+    saturated softmax, whose gradient is ~0 however far the patch would move its pattern.
     """
 
     values: Tensor
     delta: Tensor
     seconds: float
     grad_drop: Tensor | None = None
+    qk_fix: bool = False
+    ig_steps: int = 0
+    peak: Tensor | None = None
+
+    def saturated(self) -> list[tuple[int, int]]:
+        """Heads (layer, head) whose attention is saturated on the last row (the one the answer is
+        read at) or on at least half of the rows after the first (which attends to one key)."""
+        if self.peak is None:
+            return []
+        sat = self.peak >= SATURATED
+        rows = sat[..., 1:].double().mean(-1) if sat.shape[-1] > 1 else torch.zeros(sat.shape[:2])
+        return [(int(a), int(b)) for a, b in (sat[..., -1] | (rows >= 0.5)).nonzero().tolist()]
+
+    def cancelling(self) -> list[tuple[int, int]]:
+        """Cells (layer, column) whose GradDrop magnitude is ≥ :data:`CANCELS` × |plain AtP| and
+        ≥ 0.1: direct and indirect effects that offset each other in the plain estimate."""
+        if self.grad_drop is None:
+            return []
+        flag = (self.grad_drop >= 0.1) & (self.grad_drop >= CANCELS * self.values.abs())
+        return [(int(a), int(b)) for a, b in flag.nonzero().tolist()]
 
 
 @dataclass
@@ -100,21 +148,38 @@ def agreement(estimate: Tensor, exact: Tensor, k: int = 10) -> Agreement:
     return Agreement(rho, len(top_e & top_x) / k, k)
 
 
-def _run(model, ids: list[int], grad: bool, drop: list[int] | None = None
-         ) -> tuple[Tensor, list[Tensor], list[Tensor]]:
-    """One forward pass recording each block's head outputs z (1, T, H·Dh) and entering stream
-    (1, T, dim) as they are in the graph (not detached: the backward pass reads them). ``drop``:
-    a one-element list naming the layer whose attention and MLP outputs pass no gradient back
-    (GradDrop: read at each backward pass; -1 drops none)."""
-    z: list[Tensor | None] = [None] * len(blocks(model))
-    resid: list[Tensor | None] = [None] * len(blocks(model))
+@dataclass
+class _Pass:
+    """One forward pass as attribution patching reads it: the logits (1, T, V); per block the
+    heads' outputs z (1, T, H·Dh) and the entering stream (1, T, dim), in the graph (the backward
+    pass reads them), and what its attention read (1, T, dim), detached."""
+
+    logits: Tensor
+    z: list[Tensor]
+    resid: list[Tensor]
+    attn_in: list[Tensor]
+
+
+def _run(model, ids: list[int], grad: bool, drop: list[int] | None = None, entering: Tensor | None = None
+         ) -> _Pass:
+    """One forward pass recording a :class:`_Pass`. ``drop``: a one-element list naming the
+    layer whose attention and MLP outputs pass no gradient back (GradDrop: read at each backward
+    pass; -1 drops none). ``entering``: the stream (1, T, dim) to enter block 0 with instead of
+    the embedding of ``ids`` (integrated gradients' interpolated inputs)."""
+    n = len(blocks(model))
+    z: list[Tensor | None] = [None] * n
+    resid: list[Tensor | None] = [None] * n
+    attn_in: list[Tensor | None] = [None] * n
     handles = []
     for i, block in enumerate(blocks(model)):
         def keep_z(mod, args, i=i):
             z[i] = args[0]
 
+        def keep_in(mod, args, i=i):
+            attn_in[i] = args[0].detach()
+
         def keep_resid(mod, args, i=i):
-            x = args[0]
+            x = args[0] if i or entering is None else entering.to(args[0].dtype)
             if grad and not x.requires_grad:  # weights loaded without gradients: the stream is the leaf
                 x = x.detach().requires_grad_(True)
             resid[i] = x
@@ -126,6 +191,7 @@ def _run(model, ids: list[int], grad: bool, drop: list[int] | None = None
                 t.register_hook(lambda g, i=i: torch.zeros_like(g) if drop[0] == i else g)
 
         handles += [block.attn.out_proj.register_forward_pre_hook(keep_z),
+                    block.attn.register_forward_pre_hook(keep_in),
                     block.register_forward_pre_hook(keep_resid),
                     block.attn.register_forward_hook(dropped), block.mlp.register_forward_hook(dropped)]
     try:
@@ -134,53 +200,116 @@ def _run(model, ids: list[int], grad: bool, drop: list[int] | None = None
     finally:
         for h in handles:
             h.remove()
-    if any(t is None for t in z + resid):
+    if any(t is None for t in z + resid + attn_in):
         raise RuntimeError(f"{type(model).__name__} did not run every block")
-    return logits, z, resid  # type: ignore[return-value]
+    return _Pass(logits, z, resid, attn_in)  # type: ignore[arg-type]
+
+
+def _first_order_z(model, layer: int, site: str, clean_in: Tensor, corrupt_in: Tensor) -> Tensor:
+    """J·Δ: the first-order change of each head's output z (1, T, H, Dh), float64, when its
+    queries (or keys) move from the corrupt run's to the clean run's: plain AtP's view of a
+    query/key patch, through the softmax's gradient at the corrupt run. Keys are repeated per
+    query head first, so that head h's slice moves with its own keys only."""
+    qc, kc, _ = (t.double() for t in head_parts(model, layer, clean_in))
+    qk, kk, vk = (t.double() for t in head_parts(model, layer, corrupt_in))
+    G = qk.shape[1] // kk.shape[1]
+    kc, kk, vk = (t.repeat_interleave(G, dim=1) for t in (kc, kk, vk))  # query head h reads h // G
+
+    if site == "query":
+        def f(q: Tensor) -> Tensor:
+            return attend(model, layer, q, kk, vk)[0]
+        _, dz = torch.func.jvp(f, (qk,), (qc - qk,))
+    else:
+        def g(k: Tensor) -> Tensor:
+            return attend(model, layer, qk, k, vk)[0]
+        _, dz = torch.func.jvp(g, (kk,), (kc - kk,))
+    return dz
+
+
+def _peak(model, layer: int, attn_in: Tensor) -> Tensor:
+    """(H, T): each head's largest attention weight in each query row."""
+    q, k, v = head_parts(model, layer, attn_in)
+    return attend(model, layer, q, k, v, weights=True)[1][0].amax(-1)  # type: ignore[index]
 
 
 def attribution_patch(lm: TextModel, clean: str | list[int], corrupt: str | list[int], site: str = "head",
                       answer: str | int | None = None, wrong: str | int | None = None,
-                      grad_drop: bool = False) -> PatchEstimate:
+                      grad_drop: bool = False, qk_fix: bool = False, ig_steps: int = 0,
+                      metric: str = "diff") -> PatchEstimate:
     """Estimate :func:`qkv.lens.patch` (same arguments, same normalisation) for every cell of
     ``site`` at once: a clean forward pass, a corrupt one with gradients, one backward pass of
-    the logit difference, and a dot product per cell (see the module's text). The model must
-    hold float weights (``--weights fp32`` or bf16: the quantised kernels have no gradient).
+    the metric, and a dot product per cell (see the module's text). The model must hold float
+    weights (``--weights fp32`` or bf16: the quantised kernels have no gradient).
 
-    ``grad_drop``: also AtP*'s GradDrop (Kramár et al. 2024, §3.3), against cancellation, where a
+    ``qk_fix`` (sites "query" and "key"): AtP*'s QK fix (Kramár et al. 2024, §3.1.1): the head's
+    attention recomputed exactly with the clean queries (keys), only the rest of the model
+    linearised. ``grad_drop``: also AtP*'s GradDrop (§3.1.2), against cancellation, where a
     cell's direct and indirect effects offset each other and plain AtP sees ~0: one more backward
     pass per layer l with the gradient through l's attention and MLP outputs dropped, and
     :attr:`PatchEstimate.grad_drop` = the mean over l of |the estimate with l dropped| (a cell's
-    own layer's pass, where it gets no gradient, left out), normalised by |LD_clean - LD_corrupt|:
-    a magnitude, to rank cells by, not a signed value."""
+    own layer's pass, where it gets no gradient, left out), normalised by |M_clean - M_corrupt|:
+    a magnitude, to rank cells by, not a signed value.
+
+    ``ig_steps`` = m > 0: integrated gradients (Sundararajan et al. 2017; as EAP-IG, Hanna et al.
+    2024, does for edges): the gradient averaged over m more forward and backward passes whose
+    stream enters block 0 at the midpoints e_corrupt + (j - ½)/m · (e_clean - e_corrupt), j = 1..m,
+    instead of taken at the corrupt run alone: a softmax saturated in the corrupt run is not on the
+    way, so effects that pass through it (an earlier head read by its keys) are seen."""
     check_decoder(lm, "attribution patching towards an answer")
-    if site not in SITES:
-        raise InputError(f"site must be 'head' (layer x head) or 'resid' (layer x position), got {site!r}")
+    if ig_steps < 0:
+        raise InputError(f"ig_steps is a number of interpolation points (0: none), got {ig_steps}")
+    site = check_site(site)
+    if qk_fix and site not in ("query", "key"):
+        raise InputError(f"the QK fix recomputes a head's attention when its queries or keys are patched: "
+                         f"use it with site 'query' or 'key' (site {site!r} needs none: a head's output, its "
+                         "values and the stream enter the rest of the model directly)")
     model = lm.model
     if any(isinstance(m, QUANTISED) for m in model.modules()):
         raise InputError(f"attribution patching needs gradients, which {lm.name}'s quantised weights do not "
                          "have: load it with float weights (--weights fp32)")
     c_ids, k_ids = prompt_pair(lm, clean, corrupt)
     t0 = time.perf_counter()
-    out_c, z_c, r_c = _run(model, c_ids, grad=False)
+    run_c = _run(model, c_ids, grad=False)
     drop = [-1]
-    out_k, z_k, r_k = _run(model, k_ids, grad=True, drop=drop)
-    a, b = answer_pair(lm, out_c[0, -1], out_k[0, -1], answer, wrong)
-    metric = out_k[0, -1, a] - out_k[0, -1, b]
-    acts_k = z_k if site == "head" else r_k
-    acts_c = z_c if site == "head" else r_c
+    run_k = _run(model, k_ids, grad=True, drop=drop)
+    m: Metric = answer_pair(lm, run_c.logits[0, -1], run_k.logits[0, -1], answer, wrong, metric)
+    value = m(run_k.logits[0, -1])
     L, H, Dh = shape(model)
+    with torch.no_grad():
+        if site == "resid":
+            moved = [(c.detach().double() - k.detach().double())[0]
+                     for c, k in zip(run_c.resid, run_k.resid, strict=True)]
+        elif site == "head":
+            moved = [(c.double() - k.detach().double())[0].view(-1, H, Dh)
+                     for c, k in zip(run_c.z, run_k.z, strict=True)]
+        elif site in PARTS and (qk_fix or site == "value"):  # the head's output recomputed exactly
+            moved = [(substitute_z(model, i, site, run_c.attn_in[i], run_k.attn_in[i]).double()
+                      - run_k.z[i].detach().double().view(1, -1, H, Dh))[0] for i in range(L)]
+        else:
+            moved = [_first_order_z(model, i, site, run_c.attn_in[i], run_k.attn_in[i])[0] for i in range(L)]
+        peak = torch.stack([_peak(model, i, run_k.attn_in[i]) for i in range(L)]).float()
+    acts = run_k.resid if site == "resid" else run_k.z
 
-    def estimate(retain: bool) -> Tensor:  # (L, H) or (L, T) float64: (a_clean - a_corrupt) · ∂M/∂a
-        grads = torch.autograd.grad(metric, acts_k, retain_graph=retain)
-        rows = []
+    def dot(grads: list[Tensor] | tuple[Tensor, ...]) -> Tensor:  # (L, H) or (L, T) float64: Δa · ∂M/∂a
         with torch.no_grad():
-            for ac, ak, g in zip(acts_c, acts_k, grads, strict=True):
-                prod = (ac.detach().double() - ak.detach().double()) * g.double()  # (1, T, H·Dh or dim)
-                rows.append(prod[0].view(-1, H, Dh).sum((0, 2)) if site == "head" else prod[0].sum(-1))
-        return torch.stack(rows)
+            if site == "resid":
+                return torch.stack([(d * g[0].double()).sum(-1) for d, g in zip(moved, grads, strict=True)])
+            return torch.stack([(d * g[0].double().view(-1, H, Dh)).sum((0, 2))
+                                for d, g in zip(moved, grads, strict=True)])
 
-    delta = estimate(retain=grad_drop).float()  # (L, H) or (L, T)
+    def estimate(retain: bool) -> Tensor:
+        return dot(torch.autograd.grad(value, acts, retain_graph=retain))
+
+    if ig_steps:
+        e_c, e_k = run_c.resid[0].detach(), run_k.resid[0].detach()
+        mean: list[Tensor] = [torch.zeros_like(a, dtype=torch.float64) for a in acts]
+        for j in range(ig_steps):
+            run = _run(model, k_ids, grad=True, entering=e_k + (j + 0.5) / ig_steps * (e_c - e_k))
+            grads = torch.autograd.grad(m(run.logits[0, -1]), run.resid if site == "resid" else run.z)
+            mean = [s + g.double() / ig_steps for s, g in zip(mean, grads, strict=True)]
+        delta = dot(mean).float()
+    else:
+        delta = estimate(retain=grad_drop).float()  # (L, H) or (L, T)
     gd = None
     if grad_drop:
         total = torch.zeros(delta.shape, dtype=torch.float64)
@@ -190,14 +319,14 @@ def attribution_patch(lm: TextModel, clean: str | list[int], corrupt: str | list
         drop[0] = -1
         # each cell of layer l got no gradient in the pass dropping l: the mean over the others
         # (a stream cell entering l still gets one from the skip connection: over all L for it)
-        gd = (total / (max(1, L - 1) if site == "head" else L)).float()  # one layer: its cells get none
+        gd = (total / (max(1, L - 1) if site != "resid" else L)).float()  # one layer: its cells get none
     seconds = time.perf_counter() - t0
-    ld_c = float(out_c[0, -1, a] - out_c[0, -1, b])
-    ld_k = float(metric.detach())
+    ld_c = float(m(run_c.logits[0, -1]))
+    ld_k = float(value.detach())
     span = ld_c - ld_k
     values = delta / span if span != 0 else torch.full_like(delta, float("nan"))
     if gd is not None:
         gd = gd / abs(span) if span != 0 else torch.full_like(gd, float("nan"))
     dec = lm.tokenizer.decode
-    return PatchEstimate(site, labels(lm, c_ids), labels(lm, k_ids), dec([a]), dec([b]), ld_c, ld_k,
-                         values, delta, seconds, gd)
+    return PatchEstimate(site, labels(lm, c_ids), labels(lm, k_ids), dec([m.answer]), dec([m.wrong]),
+                         ld_c, ld_k, metric, values, delta, seconds, gd, qk_fix, ig_steps, peak)

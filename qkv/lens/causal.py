@@ -4,6 +4,7 @@ another, and split a prediction into what each head and MLP wrote towards it.
     ablate(lm, text, heads=[(3, 1)])            # logits (T, V) with layer 3's head 1 zeroed
     head_effects(lm, text)                      # every head's effect on the loss, (L, H)
     patch(lm, clean, corrupt, site="resid")     # (L, T): how much of clean's answer each cell restores
+    patch(lm, clean, corrupt, site="query")     # (L, H): a head's queries alone patched (also key, value)
     attribute(lm, text, " Paris", " London")    # each head's and MLP's share of the logit difference
 
 A head's output is its slice of W_O's input (the heads are concatenated, then mixed by W_O;
@@ -26,12 +27,14 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from qkv.attention.functional import scaled_dot_product_attention
 from qkv.errors import InputError
 from qkv.lens.cache import encode, labels, one_token
 from qkv.lens.hooks import (
     Edits,
     Recorded,
     TextModel,
+    blocks,
     device_of,
     finish,
     forward,
@@ -226,11 +229,57 @@ def head_effects(lm: TextModel, text: str | list[int], mode: str = "zero",
     return HeadEffects(labels(lm, ids), metric, mode, float(measure(clean)[0]), values)
 
 
+METRICS = ("diff", "prob", "loss")
+SITES = ("resid", "head", "query", "key", "value")
+PARTS = ("query", "key", "value")  # sites that patch one input of a head's attention
+
+
+@dataclass(frozen=True)
+class Metric:
+    """What patching measures at the last position, from its logits (..., V) -> (...):
+
+    "diff": the answer's logit minus the wrong answer's (the logit difference, LD);
+    "prob": the answer's probability; "loss": the answer's cross-entropy, -log p(answer).
+    Computed in float32 at least (float64 stays float64)."""
+
+    name: str
+    answer: int
+    wrong: int
+
+    def __call__(self, last: Tensor) -> Tensor:
+        if self.name == "diff":
+            return last[..., self.answer] - last[..., self.wrong]
+        wide = last.to(torch.promote_types(last.dtype, torch.float32))
+        logp = torch.log_softmax(wide, dim=-1)[..., self.answer]
+        return logp.exp() if self.name == "prob" else -logp
+
+    def describe(self, answer: str, wrong: str) -> str:
+        """The metric in words, for tables: logit[' Paris'] - logit[' Rome'], p(' Paris'), ..."""
+        return {"diff": f"logit[{answer!r}] - logit[{wrong!r}]", "prob": f"p({answer!r})",
+                "loss": f"-log p({answer!r})"}[self.name]
+
+
+def check_metric(metric: str) -> str:
+    if metric not in METRICS:
+        raise InputError(f"metric must be 'diff' (the answer's logit minus the wrong one's), 'prob' (the "
+                         f"answer's probability) or 'loss' (its cross-entropy), got {metric!r}")
+    return metric
+
+
+def check_site(site: str) -> str:
+    if site not in SITES:
+        raise InputError(f"site must be 'resid' (layer x position), 'head' (layer x head: its output) or "
+                         f"'query' / 'key' / 'value' (layer x head: that input of its attention): {site!r}")
+    return site
+
+
 @dataclass
 class PatchPair:
-    """What a patching result says of its two prompts: the site ("resid" or "head"), each
-    prompt's tokens, the answer and the wrong answer, and the logit difference LD (the answer's
-    logit minus the wrong answer's at the last position) of the clean and the corrupt run."""
+    """What a patching result says of its two prompts: the site ("resid", "head", "query", "key" or
+    "value"), each prompt's tokens, the answer and the wrong answer, and the metric (``metric``:
+    "diff", the answer's logit minus the wrong answer's at the last position, LD; "prob"; "loss";
+    see :class:`Metric`) of the clean run (``clean_diff``) and of the corrupt run
+    (``corrupt_diff``)."""
 
     site: str
     clean_tokens: list[str]
@@ -239,6 +288,7 @@ class PatchPair:
     wrong: str
     clean_diff: float
     corrupt_diff: float
+    metric: str
 
 
 @dataclass
@@ -246,13 +296,45 @@ class Patching(PatchPair):
     """Activation patching: the corrupt prompt run with one piece of the clean run put back.
 
     site "resid": values (L, T), the stream entering block l at position t patched; "head":
-    values (L, H), head h's output at every position of layer l patched. Each value is the
-    normalised logit difference (LD - LD_corrupt) / (LD_clean - LD_corrupt): 0 = as corrupt,
-    1 = as clean. ``raw``: the logit differences themselves.
+    values (L, H), head h's output at every position of layer l patched; "query" / "key" /
+    "value": values (L, H), only head h's queries (keys, values) at every position taken from the
+    clean run, its attention recomputed exactly. Each value is the normalised metric
+    (M - M_corrupt) / (M_clean - M_corrupt): 0 = as corrupt, 1 = as clean. ``raw``: the
+    metric itself.
     """
 
     values: Tensor
     raw: Tensor
+
+
+def head_parts(model: nn.Module, layer: int, attn_in: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """The queries (B, H, T, Dh), keys and values (B, K, T, Dh) layer ``layer`` computes from what
+    its attention reads (``Recorded.attn_in``), RoPE applied as in the model's own forward."""
+    return blocks(model)[layer].attn._project(attn_in, None, getattr(model, "rope", None), 0)
+
+
+def attend(model: nn.Module, layer: int, q: Tensor, k: Tensor, v: Tensor, weights: bool = False
+           ) -> tuple[Tensor, Tensor | None]:
+    """Layer ``layer``'s attention of q (B, H, T, Dh) over k, v (B, K, T, Dh) as the model runs it
+    (its causality, its ALiBi bias), written out (:func:`qkv.attention.scaled_dot_product_attention`):
+    each head's output z (B, T, H, Dh) and, asked for, the weights (B, H, T, T)."""
+    T = q.shape[2]
+    alibi = getattr(model, "alibi", None)
+    bias = alibi(T, T) if alibi is not None else None
+    out = scaled_dot_product_attention(q, k, v, is_causal=blocks(model)[layer].cfg.causal, bias=bias,
+                                       return_weights=weights)
+    return out.out.transpose(1, 2), out.weights
+
+
+def substitute_z(model: nn.Module, layer: int, site: str, clean_in: Tensor, corrupt_in: Tensor) -> Tensor:
+    """Each head's output (B, T, H, Dh) in the corrupt run had its ``site`` ("query", "key" or
+    "value") come from the clean run: the attention recomputed exactly (softmax included) from the
+    two runs' attention inputs (``Recorded.attn_in``). Head h's slice is its output with only its
+    own part patched (a key/value head shared by a group is patched for head h's row alone)."""
+    qc, kc, vc = head_parts(model, layer, clean_in)
+    qk, kk, vk = head_parts(model, layer, corrupt_in)
+    q, k, v = {"query": (qc, kk, vk), "key": (qk, kc, vk), "value": (qk, kk, vc)}[site]
+    return attend(model, layer, q, k, v)[0]
 
 
 def prompt_pair(lm: TextModel, clean: str | list[int], corrupt: str | list[int]
@@ -267,48 +349,51 @@ def prompt_pair(lm: TextModel, clean: str | list[int], corrupt: str | list[int]
 
 
 def answer_pair(lm: TextModel, clean_last: Tensor, corrupt_last: Tensor, answer: str | int | None,
-                wrong: str | int | None) -> tuple[int, int]:
-    """(answer, wrong) token ids: as given, else the clean run's top prediction and the corrupt
-    run's (``*_last``: (V,) logits at the last position); InputError when they are one token."""
+                wrong: str | int | None, metric: str = "diff") -> Metric:
+    """The metric towards (answer, wrong) token ids: as given, else the clean run's top prediction
+    and the corrupt run's (``*_last``: (V,) logits at the last position); InputError when they
+    are one token and the metric compares them ("diff")."""
+    metric = check_metric(metric)
     a = one_token(lm, answer) if answer is not None else int(clean_last.argmax())
     b = one_token(lm, wrong, "the wrong answer") if wrong is not None else int(corrupt_last.argmax())
-    if a == b:
+    if a == b and metric == "diff":
         raise InputError(f"the clean and corrupt prompts both predict {lm.tokenizer.decode([a])!r}: "
                          "give the answer and the wrong answer to compare (--answer, --wrong)")
-    return a, b
+    return Metric(metric, a, b)
 
 
 @torch.inference_mode()
 def patch(lm: TextModel, clean: str | list[int], corrupt: str | list[int], site: str = "resid",
-          answer: str | int | None = None, wrong: str | int | None = None) -> Patching:
+          answer: str | int | None = None, wrong: str | int | None = None, metric: str = "diff") -> Patching:
     """Patch each cell of ``site`` from ``clean`` into ``corrupt`` (same number of tokens) and
     measure how much of the clean answer comes back (see :class:`Patching`). ``answer`` defaults
-    to the clean run's top token, ``wrong`` to the corrupt run's."""
-    return finish(patch_steps(lm, clean, corrupt, site, answer, wrong))
+    to the clean run's top token, ``wrong`` to the corrupt run's; ``metric``: "diff" (their logit
+    difference), "prob" or "loss" (the answer's probability, its cross-entropy)."""
+    return finish(patch_steps(lm, clean, corrupt, site, answer, wrong, metric))
 
 
 @torch.inference_mode()  # on a generator: around each of its pieces, whoever runs them
 def patch_steps(lm: TextModel, clean: str | list[int], corrupt: str | list[int], site: str = "resid",
-                answer: str | int | None = None,
-                wrong: str | int | None = None) -> Generator[tuple[int, int] | None, None, Patching]:
+                answer: str | int | None = None, wrong: str | int | None = None, metric: str = "diff"
+                ) -> Generator[tuple[int, int] | None, None, Patching]:
     """:func:`patch` in pieces, one block of a forward pass per ``next``: yields ``(done, total)``
     after each forward pass of patched cells (None between) and returns the :class:`Patching`.
     No hook stays on the model between two pieces, so other forward passes may run on it in
     between (the server interleaves a sweep with other students' requests and token streams)."""
     check_decoder(lm, "patching towards an answer")
-    if site not in ("resid", "head"):
-        raise InputError(f"site must be 'resid' (layer x position) or 'head' (layer x head), got {site!r}")
+    site = check_site(site)
+    check_metric(metric)
     model = lm.model
     c_ids, k_ids = prompt_pair(lm, clean, corrupt)
     rec_c, rec_k = Recorded(), Recorded()
     out_c, _ = yield from forward_steps(model, torch.tensor([c_ids], device=device_of(model)), record=rec_c)
     out_k, _ = yield from forward_steps(model, torch.tensor([k_ids], device=device_of(model)), record=rec_k)
-    a, b = answer_pair(lm, out_c[0, -1], out_k[0, -1], answer, wrong)
+    m = answer_pair(lm, out_c[0, -1], out_k[0, -1], answer, wrong, metric)
 
-    def diff(out: Tensor) -> Tensor:
-        return (out[:, -1, a] - out[:, -1, b]).float().cpu()
+    def measure(out: Tensor) -> Tensor:
+        return m(out[:, -1]).float().cpu()
 
-    ld_c, ld_k = float(diff(out_c)[0]), float(diff(out_k)[0])
+    ld_c, ld_k = float(measure(out_c)[0]), float(measure(out_k)[0])
     L, H, _ = shape(model)
     T = len(c_ids)
     cols = T if site == "resid" else H
@@ -317,6 +402,10 @@ def patch_steps(lm: TextModel, clean: str | list[int], corrupt: str | list[int],
     total, done = L * math.ceil(cols / chunk), 0
     yield done, total
     for layer in range(L):
+        if site in PARTS:  # each head's output with only its queries (keys, values) from the clean run
+            put = substitute_z(model, layer, site, rec_c.attn_in[layer], rec_k.attn_in[layer])[0]
+        else:
+            put = rec_c.z[layer][0]
         for start in range(0, cols, chunk):
             idx = list(range(start, min(cols, start + chunk)))
             x = rec_k.resid_pre[layer].expand(len(idx), -1, -1).clone()
@@ -325,17 +414,18 @@ def patch_steps(lm: TextModel, clean: str | list[int], corrupt: str | list[int],
                 for r, t in enumerate(idx):
                     x[r, t] = rec_c.resid_pre[layer][0, t]
             else:
-                def edit(z: Tensor, idx: list[int] = idx, clean_z: Tensor = rec_c.z[layer][0]) -> Tensor:
+                def edit(z: Tensor, idx: list[int] = idx, put: Tensor = put) -> Tensor:
                     z = z.clone()
                     for r, h in enumerate(idx):
-                        z[r, :, h] = clean_z[:, h]
+                        z[r, :, h] = put[:, h]
                     return z
                 edits.z[layer] = edit
             out = yield from tail_steps(model, x, layer, last_only=True, edits=edits)  # a block per piece
-            raw[layer, start:start + len(idx)] = diff(out)
+            raw[layer, start:start + len(idx)] = measure(out)
             done += 1
             yield done, total
     span = ld_c - ld_k
     values = (raw - ld_k) / span if span != 0 else torch.full_like(raw, float("nan"))
     dec = lm.tokenizer.decode
-    return Patching(site, labels(lm, c_ids), labels(lm, k_ids), dec([a]), dec([b]), ld_c, ld_k, values, raw)
+    return Patching(site, labels(lm, c_ids), labels(lm, k_ids), dec([m.answer]), dec([m.wrong]), ld_c, ld_k,
+                    metric, values, raw)

@@ -7,6 +7,7 @@ hooks on four modules of each block see everything:
 
     block (pre-hook)        resid_pre   (B, T, dim)   the stream entering the block
     block.attn.out_proj     z           (B, T, H, Dh) each head's output, before W_O mixes them
+    block.attn (pre-hook)   attn_in     (B, T, dim)   what attention reads (after a pre-LN norm)
     block.attn              attn_out    (B, T, dim)   what attention adds to the stream
     block.mlp               mlp_out     (B, T, dim)   what the MLP adds
     block                   resid_post  (B, T, dim)
@@ -89,6 +90,7 @@ class Recorded:
     resid_mid: dict[int, Tensor] = field(default_factory=dict)
     resid_post: dict[int, Tensor] = field(default_factory=dict)
     z: dict[int, Tensor] = field(default_factory=dict)
+    attn_in: dict[int, Tensor] = field(default_factory=dict)
     attn_out: dict[int, Tensor] = field(default_factory=dict)
     mlp_out: dict[int, Tensor] = field(default_factory=dict)
 
@@ -133,6 +135,9 @@ def hooked(model: nn.Module, *, record: Recorded | None = None, edits: Edits | N
             keep(record and record.z, layer, z)
             return None
 
+        def attn_pre(mod, args, layer=layer):
+            keep(record and record.attn_in, layer, args[0])
+
         def attn_post(mod, args, kwargs, out, layer=layer):
             keep(record and record.attn_out, layer, out[0])
 
@@ -143,6 +148,7 @@ def hooked(model: nn.Module, *, record: Recorded | None = None, edits: Edits | N
             block.register_forward_pre_hook(block_pre, with_kwargs=True),
             block.register_forward_hook(block_post, with_kwargs=True),
             block.attn.out_proj.register_forward_pre_hook(z_pre),
+            block.attn.register_forward_pre_hook(attn_pre),
             block.attn.register_forward_hook(attn_post, with_kwargs=True),
             block.mlp.register_forward_hook(mlp_post),
         ]
