@@ -117,8 +117,22 @@ class HeadHistory:
     copying: int | None = None  # the step the repeat's loss fell well below the first copy's
 
 
+@dataclass(frozen=True)
+class EdgeGraph:
+    """The strongest edges between a model's components, drawn as a graph: ``edges`` are
+    (sender, receiver, value), senders named "embed", "a<layer>.<head>", "m<layer>", receivers
+    "a<layer>.<head>.q|k|v", "m<layer>" or "logits" (:class:`qkv.lens.Edges`); ``layers`` and
+    ``heads`` place them: layers left to right, heads down, the MLP below its layer's heads."""
+
+    edges: Sequence[tuple[str, str, float]]
+    layers: int
+    heads: int
+    title: str = ""
+    label: str = ""
+
+
 Figure = (LossCurve | AttentionMaps | AlignmentMap | ConfusionMatrix | ImageOverlays | Heatmap | Heatmaps
-          | Bars | HeadHistory)
+          | Bars | HeadHistory | EdgeGraph)
 
 
 @dataclass(frozen=True)

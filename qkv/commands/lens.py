@@ -6,8 +6,10 @@
     --effects            every head's effect on the loss (or on --answer vs --wrong)
     --heads              name heads: previous-token, first-token, duplicate-token, induction;
                          --by-effect: also what knocking each out does to the repeat's loss
-    --patch --corrupt T  activation patching from the prompt into T (--site resid | head);
-                         --estimate: every cell at once by attribution patching, --compare: both
+    --patch --corrupt T  activation patching from the prompt into T (--site resid | head | query |
+                         key | value; --metric diff | prob | loss); --estimate: every cell at once
+                         by attribution patching (--qk-fix, --grad-drop, --ig-steps: AtP*, IG),
+                         --compare: both; --edges: the paths between components (EAP, EAP-IG)
     --attribute ANSWER   direct logit attribution of ANSWER (vs --wrong) to each head and MLP
     --qk L.H             one head's attention row term by term: q·k, / √d, softmax (--query)
     --rollout            attention rollout through every layer (Abnar & Zuidema 2020)
@@ -39,7 +41,9 @@ def add_lens_parser(sub) -> None:
         "(--ablate 3.1,5.0; --effects for every head), which heads are previous-token, first-token, "
         "duplicate-token or induction heads (--heads), which activations carry the difference between "
         "two prompts (--patch --corrupt TEXT; --estimate: attribution patching's estimate of every cell "
-        "from two forward passes and one backward pass; --compare: both, and how well they agree), and "
+        "from two forward passes and one backward pass, with AtP*'s --qk-fix and --grad-drop or integrated "
+        "gradients, --ig-steps; --compare: both, and how well they agree; --edges: the strongest paths "
+        "between heads and MLPs by edge attribution patching, EAP or EAP-IG), and "
         "how much each head and MLP writes towards an answer "
         "(--attribute ANSWER [--wrong W]); one head's attention row term by term: q·k, / √d, "
         "softmax (--qk LAYER.HEAD [--query N]); the attention rollout through every layer (--rollout). "
@@ -84,9 +88,13 @@ def add_lens_parser(sub) -> None:
     o = p.add_argument_group("options")
     o.add_argument("--query", type=int, default=-1, help="--qk: the query token's position (-1: the last)")
     o.add_argument("--corrupt", default=None, help="--patch: the corrupted prompt (same number of tokens)")
-    o.add_argument("--site", choices=("resid", "head"), default="resid",
-                   help="--patch: the residual stream (layer x position) or each head's output "
-                   "(layer x head)")
+    o.add_argument("--site", choices=("resid", "head", "query", "key", "value"), default="resid",
+                   help="--patch: the residual stream (layer x position), each head's output (layer x "
+                   "head), or one input of each head's attention (its queries, keys or values at every "
+                   "position, the softmax recomputed)")
+    o.add_argument("--metric", choices=("diff", "prob", "loss"), default="diff",
+                   help="--patch: what is measured at the last position: the answer's logit minus the wrong "
+                   "one's, the answer's probability, or its cross-entropy")
     o.add_argument("--by-effect", action="store_true",
                    help="--heads: also knock each head out and measure how much the loss on the repeat "
                    "rises: heads named by what they do (copying), not only by where they look (a pass per "
@@ -95,6 +103,20 @@ def add_lens_parser(sub) -> None:
                    help="--patch: estimate every cell at once by attribution patching, (clean - corrupt) x "
                    "the gradient at the corrupt run (Nanda 2023): a second instead of a pass per cell; "
                    "float weights only")
+    o.add_argument("--qk-fix", action="store_true",
+                   help="--estimate --site query|key: AtP*'s QK fix (Kramar et al. 2024): each head's "
+                   "attention recomputed exactly with the clean queries (keys), only the rest linearised: "
+                   "no false negatives where a softmax is saturated")
+    o.add_argument("--grad-drop", action="store_true",
+                   help="--estimate: also AtP*'s GradDrop (a backward pass per layer with its gradient "
+                   "dropped): cells whose direct and indirect effects cancel are flagged")
+    o.add_argument("--ig-steps", type=int, default=0, metavar="M",
+                   help="--estimate / --edges: integrated gradients, the gradient averaged at M points from "
+                   "the corrupt to the clean input (M more passes; EAP-IG for --edges); 0: the corrupt run's")
+    o.add_argument("--edges", action="store_true",
+                   help="--patch: edge attribution patching (EAP; EAP-IG with --ig-steps): the strongest "
+                   "paths from the embedding, heads and MLPs into each head's q/k/v, each MLP and the "
+                   "output, as a table and (-o) a graph")
     o.add_argument("--compare", action="store_true",
                    help="--patch --estimate: also run the exact sweep and say how well the two agree "
                    "(Spearman's rank correlation, top -k recall)")
@@ -147,6 +169,19 @@ def cmd_lens(args: argparse.Namespace) -> int:
         raise ValueError("--corrupt is for --patch; add --patch")
     if (args.estimate or args.compare) and not args.patch:
         raise ValueError("--estimate and --compare are for --patch; add --patch --corrupt TEXT")
+    if args.edges and not args.patch:
+        raise ValueError("--edges is for --patch; add --patch --corrupt TEXT")
+    if (args.qk_fix or args.grad_drop) and not args.estimate:
+        raise ValueError("--qk-fix and --grad-drop refine attribution patching's estimate; add --estimate")
+    if args.ig_steps and not (args.estimate or args.edges):
+        raise ValueError("--ig-steps is for --estimate or --edges")
+    if args.ig_steps < 0:
+        raise ValueError(f"--ig-steps must be >= 0, got {args.ig_steps}")
+    if args.qk_fix and args.site not in ("query", "key"):
+        raise ValueError("--qk-fix recomputes attention when queries or keys are patched: add --site query "
+                         "or --site key")
+    if args.edges and (args.estimate or args.site != "resid"):
+        raise ValueError("--edges estimates every edge between components; it takes no --estimate or --site")
     if args.by_effect and not args.heads:
         raise ValueError("--by-effect is for --heads; add --heads")
     if args.compare and not args.estimate:

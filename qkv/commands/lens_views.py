@@ -213,9 +213,13 @@ def _print_copying(sc, top: int) -> None:
 def view_patch(lm, text: str, args: argparse.Namespace, heads, out: Path | None) -> dict[str, Any]:
     from qkv import lens
     from qkv.figures import Heatmap
+    from qkv.lens.causal import Metric
 
-    kw = dict(site=args.site, answer=args.answer, wrong=args.wrong)
-    est = lens.attribution_patch(lm, text, args.corrupt, **kw) if args.estimate else None
+    if args.edges:
+        return _view_edges(lm, text, args, out)
+    kw = dict(site=args.site, answer=args.answer, wrong=args.wrong, metric=args.metric)
+    est = (lens.attribution_patch(lm, text, args.corrupt, grad_drop=args.grad_drop, qk_fix=args.qk_fix,
+                                  ig_steps=args.ig_steps, **kw) if args.estimate else None)
     exact = exact_s = agree = None
     if est is None or args.compare:
         t0 = time.perf_counter()
@@ -223,14 +227,21 @@ def view_patch(lm, text: str, args: argparse.Namespace, heads, out: Path | None)
         exact_s = time.perf_counter() - t0
     p = est if est is not None else exact
     assert p is not None
-    method = "attribution patching" if est is not None else "patching"
+    method = "patching"
+    if est is not None:
+        method = ("attribution patching" + (" + QK fix" if est.qk_fix else "")
+                  + (f" + IG ({est.ig_steps} steps)" if est.ig_steps else ""))
     L, C = p.values.shape
     cols = p.clean_tokens if p.site == "resid" else [str(h) for h in range(C)]
-    data = {"site": p.site, "method": "attribution patching" if est is not None else "exact",
-            "answer": p.answer, "wrong": p.wrong, "clean_diff": p.clean_diff, "corrupt_diff": p.corrupt_diff,
-            "columns": cols, "values": p.values.tolist()}
+    measured = Metric(p.metric, 0, 0).describe(p.answer, p.wrong)
+    data: dict[str, Any] = {"site": p.site, "method": method if est is not None else "exact",
+                            "metric": p.metric, "answer": p.answer, "wrong": p.wrong,
+                            "clean_diff": p.clean_diff, "corrupt_diff": p.corrupt_diff, "columns": cols,
+                            "values": p.values.tolist()}
     if est is not None:
-        data["seconds"] = round(est.seconds, 4)
+        data.update(seconds=round(est.seconds, 4), saturated=est.saturated(), cancelling=est.cancelling())
+        if est.grad_drop is not None:
+            data["grad_drop"] = est.grad_drop.tolist()
     if est is not None and exact is not None:
         agree = lens.agreement(est.values, exact.values, k=args.top)
         data.update(exact_values=exact.values.tolist(), exact_seconds=round(exact_s, 4),
@@ -238,28 +249,84 @@ def view_patch(lm, text: str, args: argparse.Namespace, heads, out: Path | None)
     if not args.json:
         order = p.values.nan_to_num(0.0).flatten().abs().argsort(descending=True)[: args.top].tolist()
         what = "position" if p.site == "resid" else "head"
-        # an estimate's last column is the change it predicts; a sweep's, the logit difference it got
-        last, last_name = ((est.delta, "change of the logit diff") if est is not None
-                           else (p.raw, "logit diff"))
+        # an estimate's last column is the change it predicts; a sweep's, the metric it got
+        last, last_name = ((est.delta, "change of the metric") if est is not None else (p.raw, "metric"))
         exact_col = exact.values.flatten() if agree is not None else None
-        _table(f"{method} {p.site}: logit[{_show(p.answer)}] - logit[{_show(p.wrong)}] is {p.clean_diff:.3f} "
-               f"clean, {p.corrupt_diff:.3f} corrupt; 1 = a cell restores it all",
-               ["layer", what, "restored", *(["exact"] if exact_col is not None else []), last_name],
+        gd = est.grad_drop.flatten() if est is not None and est.grad_drop is not None else None
+        _table(f"{method} {p.site}: {measured} is {p.clean_diff:.3f} clean, {p.corrupt_diff:.3f} corrupt; "
+               "1 = a cell restores it all",
+               ["layer", what, "restored", *(["GradDrop"] if gd is not None else []),
+                *(["exact"] if exact_col is not None else []), last_name],
                [[str(i // C), _show(cols[i % C]) if p.site == "resid" else cols[i % C],
                  f"{float(p.values.flatten()[i]):.3f}",
+                 *([f"{float(gd[i]):.3f}"] if gd is not None else []),
                  *([f"{float(exact_col[i]):.3f}"] if exact_col is not None else []),
                  f"{float(last.flatten()[i]):.3f}"] for i in order])
         if est is not None:
-            line = f"estimated in {est.seconds:.2f} s (two forward passes, one backward)"
+            more = f", {est.ig_steps} more of each" if est.ig_steps else ""
+            passes = "two forward passes, one backward" + more
+            line = f"estimated in {est.seconds:.2f} s ({passes})"
             if agree is not None:
                 line += (f"; the exact sweep took {exact_s:.2f} s: Spearman {agree.spearman:.3f}, "
                          f"top-{agree.k} recall {agree.recall:.2f}")
             else:
                 line += "; --compare runs the exact sweep and says how well they agree"
             console().print(line, highlight=False)
+            _flags(est)
     _write(out, data, Heatmap(p.values, [f"layer {i}" for i in range(L)], cols,
                               f"{lm.name}: {method} {p.site} from clean into corrupt", None,
-                              "share of the clean logit difference restored", diverging=True))
+                              "share of the clean metric restored", diverging=True))
+    return data
+
+
+def _flags(est) -> None:
+    """The estimate's known failures, said where they may apply (Kramár et al. 2024)."""
+    sat = est.saturated()
+    if sat and est.site in ("query", "key") and not est.qk_fix:
+        console().print(f"saturated attention in the corrupt run ({_heads(sat)}): a first-order estimate "
+                        "through their queries and keys can miss a large effect; --qk-fix computes it "
+                        "exactly", highlight=False)
+    elif sat and est.site in ("head", "resid") and not est.ig_steps:
+        console().print(f"saturated attention in the corrupt run ({_heads(sat)}): an effect that reaches the "
+                        "answer through them can be missed to first order; --ig-steps 8 looks along the way",
+                        highlight=False)
+    cancel = est.cancelling()
+    if cancel:
+        console().print(f"cancellation: GradDrop is at least 3x the plain estimate at {_heads(cancel)} "
+                        "(direct and indirect effects offsetting each other): rank these by GradDrop",
+                        highlight=False)
+
+
+def _heads(cells: list[tuple[int, int]], most: int = 8) -> str:
+    names = ", ".join(f"{a}.{b}" for a, b in cells[:most])
+    return names + (f" and {len(cells) - most} more" if len(cells) > most else "")
+
+
+def _view_edges(lm, text: str, args: argparse.Namespace, out: Path | None) -> dict[str, Any]:
+    from qkv import lens
+    from qkv.figures import EdgeGraph
+    from qkv.lens.causal import Metric
+
+    e = lens.edge_attribution(lm, text, args.corrupt, answer=args.answer, wrong=args.wrong,
+                              metric=args.metric, ig_steps=args.ig_steps)
+    method = f"EAP-IG ({e.ig_steps} steps)" if e.ig_steps else "EAP"
+    top = e.top(args.top)
+    measured = Metric(e.metric, 0, 0).describe(e.answer, e.wrong)
+    data = {"method": method, "metric": e.metric, "answer": e.answer, "wrong": e.wrong,
+            "clean_diff": e.clean_diff, "corrupt_diff": e.corrupt_diff, "seconds": round(e.seconds, 4),
+            "edges": [{"sender": t.sender, "receiver": t.receiver, "value": t.value} for t in top],
+            "senders": e.senders, "receivers": e.receivers}
+    if not args.json:
+        n = int((~e.values.isnan()).sum())
+        _table(f"{method}: {measured} is {e.clean_diff:.3f} clean, {e.corrupt_diff:.3f} corrupt; the "
+               f"{len(top)} strongest of {n} edges (1 = an edge restores it all)",
+               ["sender", "receiver", "restored"], [[t.sender, t.receiver, f"{t.value:+.3f}"] for t in top])
+        console().print(f"estimated in {e.seconds:.2f} s; a receiver a<layer>.<head>.q|k|v is that head's "
+                        "query, key or value input", highlight=False)
+    L, H, _ = lens.hooks.shape(lm.model)
+    _write(out, data, EdgeGraph([(t.sender, t.receiver, t.value) for t in top], L, H,
+                                f"{lm.name}: {method}, the {len(top)} strongest edges",
+                                "arrow width: share of the clean metric restored; red +, blue -"))
     return data
 
 

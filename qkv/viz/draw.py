@@ -9,6 +9,7 @@ from qkv.figures import (
     AttentionMaps,
     Bars,
     ConfusionMatrix,
+    EdgeGraph,
     Figure,
     HeadHistory,
     Heatmap,
@@ -17,7 +18,7 @@ from qkv.figures import (
     LossCurve,
 )
 from qkv.viz.images import plot_confusion, plot_image_attention
-from qkv.viz.lens import plot_bars, plot_head_history, plot_heatmap, plot_heatmaps
+from qkv.viz.lens import plot_bars, plot_edge_graph, plot_head_history, plot_heatmap, plot_heatmaps
 from qkv.viz.plots import (
     plot_alignment,
     plot_attention_grid,
@@ -53,4 +54,6 @@ def draw(figure: Figure, out_path: Path) -> Path:
         return plot_bars(figure, out)
     if isinstance(figure, HeadHistory):
         return plot_head_history(figure, out)
+    if isinstance(figure, EdgeGraph):
+        return plot_edge_graph(figure, out)
     raise TypeError(f"not a figure: {type(figure).__name__}")

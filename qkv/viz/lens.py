@@ -1,12 +1,12 @@
 """Pictures of what a model does: heatmaps (logit lens, head effects, patching, head scores), bars
-(next-token probabilities, logit attribution) and heads forming during training. PNG, SVG or PDF
-by the file's suffix."""
+(next-token probabilities, logit attribution), heads forming during training and the strongest
+edges between components. PNG, SVG or PDF by the file's suffix."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from qkv.figures import Bars, HeadHistory, Heatmap, Heatmaps
+from qkv.figures import Bars, EdgeGraph, HeadHistory, Heatmap, Heatmaps
 from qkv.fileio import save_figure
 from qkv.viz.plots import _labels, _pyplot, _save
 
@@ -126,3 +126,51 @@ def plot_head_history(h: HeadHistory, out_path: Path) -> Path:
     save_figure(fig, out_path)
     plt.close(fig)
     return Path(out_path)
+
+
+def _node(name: str, layers: int, heads: int) -> tuple[float, float, str]:
+    """Where a component sits (x = layer, y = head; the MLP under the heads), and the input a
+    receiver's edge enters by ("q", "k", "v" or "")."""
+    if name == "embed":
+        return -1.0, (heads - 1) / 2, ""
+    if name == "logits":
+        return float(layers), (heads - 1) / 2, ""
+    if name.startswith("m"):
+        return int(name[1:]) + 0.45, float(heads), ""
+    parts = name[1:].split(".")
+    return float(parts[0]), float(parts[1]), parts[2] if len(parts) > 2 else ""
+
+
+def plot_edge_graph(g: EdgeGraph, out_path: Path) -> Path:
+    """The edges as arrows from sender to receiver, width by |value|, red positive and blue
+    negative (as the diverging heatmaps), each labelled with the input it enters by (q, k, v)."""
+    plt = _pyplot()
+    size = (min(3.0 + 0.9 * (g.layers + 2), 24.0), min(2.0 + 0.45 * (g.heads + 1), 16.0))
+    fig, ax = plt.subplots(figsize=size, dpi=110)
+    top = max((abs(v) for _, _, v in g.edges), default=1.0) or 1.0
+    used: set[str] = set()
+    for sender, receiver, value in g.edges:
+        x0, y0, _ = _node(sender, g.layers, g.heads)
+        x1, y1, part = _node(receiver, g.layers, g.heads)
+        ax.annotate("", xy=(x1, y1), xytext=(x0, y0),
+                    arrowprops=dict(arrowstyle="-|>", color="#c0392b" if value > 0 else "#2e86c1",
+                                    lw=0.6 + 3.4 * abs(value) / top, alpha=0.8, shrinkA=6, shrinkB=6,
+                                    connectionstyle="arc3,rad=0.12"))
+        if part:
+            ax.text(0.3 * x0 + 0.7 * x1, 0.3 * y0 + 0.7 * y1, part, fontsize=7, ha="center", va="center")
+        used.add(sender)
+        used.add(receiver if not part else receiver.rsplit(".", 1)[0])
+    for name in sorted(used):
+        x, y, _ = _node(name, g.layers, g.heads)
+        ax.scatter([x], [y], s=60, color="#34495e", zorder=3)
+        ax.text(x, y - 0.28, name, fontsize=7, ha="center", va="top")
+    ax.set_xlim(-1.6, g.layers + 0.6)
+    ax.set_ylim(g.heads + 0.8, -0.9)
+    ticks = ["embed", *(str(i) for i in range(g.layers)), "logits"]
+    ax.set_xticks(range(-1, g.layers + 1), ticks, fontsize=7)
+    ax.set_yticks([])
+    ax.set_xlabel("layer")
+    ax.set_title(g.title + (f"\n{g.label}" if g.label else ""), fontsize=9)
+    for side in ("top", "right", "left"):
+        ax.spines[side].set_visible(False)
+    return _save(plt, fig, out_path)
