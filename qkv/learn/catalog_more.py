@@ -1,16 +1,21 @@
 """More exercises: hardmax, the soft dictionary, grouped-query attention, attention in key tiles
-with an online softmax (FlashAttention's recurrence), and a ViT's patches. Same rules as
-:mod:`qkv.learn.catalog`: independent references, small inputs first, a diagnosis for a
-recognised mistake."""
+with an online softmax (FlashAttention's recurrence), a ViT's patches, attribution patching by
+hand, and predicting which heads attribution patching picks (then the check reveals its tables).
+Same rules as :mod:`qkv.learn.catalog`: independent references, small inputs first, a diagnosis
+for a recognised mistake."""
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
+from functools import lru_cache
+from typing import Any
 
 import torch
 from torch import Tensor
 
-from qkv.learn.exercise import CheckError, Exercise, check, close, forbid, gradcheck, randn, show
+from qkv.learn.exercise import CheckError, Exercise, check, close, forbid, gen, gradcheck, randn, show
+from qkv.learn.handmade_model import Hand, qkv_gpt
 
 # --------------------------------------------------------------------------- hardmax
 
@@ -462,4 +467,323 @@ def attribution_patch_heads(z_clean, z_corrupt, grad):
 )
 
 
-MORE = (HARDMAX, SOFT_LOOKUP, GQA, ONLINE, PATCHIFY, ATTRIBUTION_HEADS)
+# --------------------------------------------------------------------------- which heads it will pick
+
+Pair = tuple[int, int]  # (layer, head)
+WEIGHTS = ("W_E", "W_pos", "W_Q", "W_K", "W_V", "W_O", "W_U")
+PUSH = 0.25  # what the first-token decoy writes into the answer's column (x W_U's 8: +2 to LD)
+SIZES = ((8, 12, 4), (8, 12, 3), (10, 14, 5), (7, 11, 4))  # (vocab, n_ctx, heads a layer) per model
+PATTERN = "an attention pattern says where a head reads, not whether anything reads what it writes"
+
+
+@dataclass(frozen=True)
+class Revealed:
+    """One planted induction model with decoys, each layer's heads shuffled, and what qkv's lens
+    says of it: the weights (float64), each head's role, the prompt pair, and (L, H) tables:
+    ``estimate`` (attribution patching) and ``exact`` (activation patching), normalised (1 = as
+    clean, 0 = as corrupt), and ``direct`` (each head's direct logit attribution on the clean
+    prompt, in logits). ``top``: the estimate's two largest |values|, which are the circuit's."""
+
+    weights: Hand
+    roles: dict[Pair, str]  # "previous", "induction", "quiet", "duplicate", "first", "distractor"
+    clean: list[int]
+    corrupt: list[int]
+    answer: int
+    wrong: int
+    estimate: Tensor
+    exact: Tensor
+    direct: Tensor
+    top: frozenset[Pair]
+
+    def head(self, role: str) -> Pair:
+        return next(p for p, r in self.roles.items() if r == role)
+
+
+def _read_hand(model: torch.nn.Module) -> Hand:
+    """The weights of an attention-only qkv GPT laid out as :func:`qkv_gpt` lays them out (no
+    biases, learned positions), read back as a :class:`Hand` (float64 copies)."""
+    H, Dh, D = model.cfg.n_heads, model.cfg.head_dim, model.cfg.dim
+    layers = []
+    for block in model.stack.blocks:
+        q, k, v = block.attn.qkv.weight.detach().double().split(H * Dh)  # (H·Dh, D) each: head h's rows W[h]ᵀ
+        o = block.attn.out_proj.weight.detach().double().T  # (H·Dh, D): concat(z) @ W_O
+        layers.append([m.reshape(H, Dh, D).transpose(1, 2) for m in (q, k, v)] + [o.reshape(H, Dh, D)])
+    W_Q, W_K, W_V, W_O = (torch.stack(ms).clone() for ms in zip(*layers, strict=True))
+    W_E, W_pos = (e.weight.detach().double().clone() for e in (model.tok_emb, model.pos_emb))
+    return Hand(W_E, W_pos, W_Q, W_K, W_V, W_O, model.lm_head.weight.detach().double().T.clone())
+
+
+def _with_decoys(w: Hand, vocab: int, n_ctx: int, answer: int) -> Hand:
+    """planted.induction's weights with three decoys in place of distractors: head 0.1 a second
+    previous-token head and head 1.1 a duplicate-token head, both attending sharply and writing
+    nothing (W_O = 0), and head 1.2 a first-token head writing toward the answer, the same on
+    every prompt. Columns as planted's: positions, tokens, previous token, answer."""
+    from qkv.lens.planted import BIG
+
+    tok, ans = n_ctx, n_ctx + 2 * vocab
+    W_Q, W_K, W_V, W_O = (m.clone() for m in (w.W_Q, w.W_K, w.W_V, w.W_O))
+    s = BIG * math.sqrt(W_Q.shape[-1])
+    eye = torch.eye(vocab, dtype=torch.float64)
+    for m in (W_Q, W_K, W_V):
+        m[0, 1] = m[0, 0]  # 0.1 attends and reads as 0.0 does ...
+    W_O[0, 1] = 0.0  # ... and writes nothing
+    for m in (W_Q, W_K, W_V, W_O):
+        m[1, 1:3] = 0.0
+    W_Q[1, 1, tok:tok + vocab, :vocab] = s * eye  # 1.1: token t looks for token t (earlier copies, itself)
+    W_K[1, 1, tok:tok + vocab, :vocab] = eye
+    W_V[1, 1, tok:tok + vocab, :vocab] = eye  # it reads the token; W_O = 0: it writes nothing
+    W_Q[1, 2, :n_ctx, 0] = s  # 1.2: every position looks at position 0 ...
+    W_K[1, 2, 0, 0] = 1.0
+    W_V[1, 2, tok:tok + vocab, :vocab] = eye
+    W_O[1, 2, :vocab, ans + answer] = PUSH  # ... and whatever token is there, pushes the answer
+    return Hand(w.W_E, w.W_pos, W_Q, W_K, W_V, W_O, w.W_U)
+
+
+def _orders(H: int, g: torch.Generator, decoy_first: bool) -> list[Tensor]:
+    """Each layer's new order of heads (new head j = old head order[j]), drawn until the circuit
+    is not at planted's (0, 0), (1, 0), reading the pairs as (head, layer) does not give the
+    circuit back, and each silent decoy comes before its twin in the circuit iff ``decoy_first``
+    (so that a pick by attention pattern, ties to the first, meets both cases)."""
+    while True:
+        orders = [torch.randperm(H, generator=g) for _ in range(2)]
+        where = [o.argsort() for o in orders]  # where[l][old] = new index
+        circuit = {(0, int(where[0][0])), (1, int(where[1][0]))}
+        swapped = {(h, layer) for layer, h in circuit}
+        first = [bool(where[layer][1] < where[layer][0]) for layer in range(2)]
+        if circuit != {(0, 0), (1, 0)} and swapped != circuit and first == [decoy_first] * 2:
+            return orders
+
+
+def _top2(table: Tensor) -> frozenset[Pair]:
+    H = table.shape[1]
+    return frozenset((int(i) // H, int(i) % H) for i in table.flatten().abs().topk(2).indices)
+
+
+def _direct(w: Hand, ids: list[int], answer: int, wrong: int) -> Tensor:
+    """(L, H): what each head writes into LD at the last position of ``ids`` (direct logit
+    attribution; the model has no final norm, so these are its exact parts)."""
+    T = len(ids)
+    x = w.W_E[ids] + w.W_pos[:T]  # (T, D)
+    causal = torch.ones(T, T, dtype=torch.bool).tril()
+    u = w.W_U[:, answer] - w.W_U[:, wrong]  # (D,): the direction LD reads
+    rows = []
+    for layer in range(w.n_layers):
+        q, k, v = (torch.einsum("td,hde->hte", x, m[layer]) for m in (w.W_Q, w.W_K, w.W_V))  # (H, T, Dh)
+        s = (q @ k.transpose(-1, -2) / math.sqrt(q.shape[-1])).masked_fill(~causal, -math.inf)
+        z = torch.softmax(s, -1) @ v  # (H, T, Dh)
+        x = x + torch.einsum("hte,hed->td", z, w.W_O[layer])
+        rows.append(torch.einsum("he,hed,d->h", z[:, -1], w.W_O[layer], u))
+    return torch.stack(rows)
+
+
+@lru_cache(maxsize=32)
+def _revealed(vocab: int, n_ctx: int, heads: int, seed: int, decoy_first: bool) -> Revealed:
+    """:func:`qkv.lens.planted.induction` with decoys and shuffled heads, and the lens's tables."""
+    from qkv.lens import attribution_patch, patch
+    from qkv.lens.planted import Planted, induction
+
+    p = induction(vocab, n_ctx, heads, seed=seed)
+    orders = _orders(heads, torch.Generator().manual_seed(seed), decoy_first)
+    w = _with_decoys(_read_hand(p.model), vocab, n_ctx, p.answer)
+    w = Hand(w.W_E, w.W_pos, *(torch.stack([m[layer, orders[layer]] for layer in range(2)])
+                               for m in (w.W_Q, w.W_K, w.W_V, w.W_O)), w.W_U)
+    kinds = (("previous", "quiet"), ("induction", "duplicate", "first"))
+    roles = {(layer, new): kinds[layer][old] if old < len(kinds[layer]) else "distractor"
+             for layer in range(2) for new, old in enumerate(orders[layer].tolist())}
+    model = qkv_gpt(w)
+    with torch.no_grad():
+        last = model(torch.tensor([p.corrupt])).logits[0, -1]
+    wrong = int(last.masked_fill(torch.arange(vocab) == p.answer, -math.inf).argmax())  # corrupt's best but Y
+    circuit = frozenset(pr for pr, r in roles.items() if r in ("previous", "induction"))
+    lm = Planted(model, sorted(circuit), p.clean, p.corrupt, p.answer, wrong)
+    estimate = attribution_patch(lm, p.clean, p.corrupt, site="head", answer=p.answer, wrong=wrong).values
+    exact = patch(lm, p.clean, p.corrupt, site="head", answer=p.answer, wrong=wrong).values
+    direct = _direct(w, p.clean, p.answer, wrong)
+    for table, what in ((estimate, "attribution patching"), (exact, "activation patching")):
+        if _top2(table) != circuit:  # the instance does not hold what the exercise promises
+            raise RuntimeError(f"planted instance {(vocab, n_ctx, heads, seed)}: {what} ranks "
+                               f"{sorted(_top2(table))} highest, not the circuit {sorted(circuit)}")
+    return Revealed(w, roles, list(p.clean), list(p.corrupt), p.answer, wrong, estimate.double(),
+                    exact.double(), direct.double(), circuit)
+
+
+def _instances() -> list[Revealed]:
+    """The models the check asks about (their seeds from :func:`gen`: a grader's are others)."""
+    return [_revealed(V, N, H, int(torch.randint(10_000, (1,), generator=gen(70 + i))), i % 2 == 0)
+            for i, (V, N, H) in enumerate(SIZES)]
+
+
+def _pairs(got: Any) -> list[Pair]:
+    """The student's answer as (layer, head) pairs; CheckError when it is not a list of pairs."""
+    if got is None:
+        raise CheckError("it returned None: return a list of two (layer, head) pairs, e.g. [(0, 2), (1, 3)]")
+    try:
+        return [(int(a), int(b)) for a, b in (got.tolist() if isinstance(got, Tensor) else got)]
+    except (TypeError, ValueError):
+        raise CheckError(f"it returned {show(got)}: return a list of two (layer, head) pairs of ints, "
+                         "e.g. [(0, 2), (1, 3)]") from None
+
+
+def _name(p: Pair) -> str:
+    return f"{p[0]}.{p[1]}"
+
+
+def _why(got: set[Pair], r: Revealed) -> list[str]:
+    """What a wrong prediction missed or mistook, head by head."""
+    prev, ind = r.head("previous"), r.head("induction")
+    if {(h, layer) for layer, h in got} == r.top:
+        return ["the pairs are (layer, head): yours are (head, layer)"]
+    if got == {(0, 0), (1, 0)}:
+        return ["(0, 0) and (1, 0) are where qkv.lens.planted.induction puts its circuit, but here each "
+                "layer's heads are shuffled: read the weights"]
+    why = []
+    for p in sorted(got - r.top):
+        role = r.roles.get(p)
+        if role == "quiet":
+            why.append(f"head {_name(p)} attends to the previous token exactly as head {_name(prev)} does, "
+                       f"but its W_O is zero: it writes nothing, so ∂LD/∂z = 0 and its estimate is 0 "
+                       f"({PATTERN})")
+        elif role == "duplicate":
+            why.append(f"head {_name(p)} attends to earlier copies of the current token, and its pattern "
+                       "changes between the prompts (on the clean one the last token finds its earlier "
+                       f"copy), but its W_O is zero: it writes nothing, so its estimate is 0 ({PATTERN})")
+        elif role == "first":
+            why.append(f"head {_name(p)} writes toward the answer (its direct logit attribution on the "
+                       f"clean prompt is {float(r.direct[p]):+.2f}), but it attends to the first token, the "
+                       "same in both prompts: z_clean − z_corrupt = 0, so patching it changes nothing, and "
+                       "its estimate is 0")
+        elif role == "distractor":
+            why.append(f"head {_name(p)} is a distractor (random queries and keys, a small write into the "
+                       f"answer's columns): its estimate is only {float(r.estimate[p]):+.3f}")
+    if prev not in got:
+        why.append(f"you miss head {_name(prev)}, the previous-token head: it writes nothing toward the "
+                   f"answer itself, but the induction head {_name(ind)}'s keys read what it writes "
+                   "(K-composition) and the corruption changes it; the gradient carries that indirect effect "
+                   f"back (its estimate: {float(r.estimate[prev]):.2f})")
+    if ind not in got:
+        why.append(f"you miss head {_name(ind)}, the induction head: on the clean prompt it copies the token "
+                   "after the earlier X, on the corrupt one it finds none, and W_O W_U carry that straight "
+                   f"into LD (its estimate: {float(r.estimate[ind]):.2f})")
+    return why
+
+
+def _reveal(r: Revealed) -> str:
+    """The tables the prediction was about, and what they say."""
+    def rows(t: Tensor) -> str:
+        return "; ".join(f"layer {layer}: {[round(v, 3) + 0.0 for v in t[layer].tolist()]}"
+                         for layer in range(t.shape[0]))
+
+    prev, ind = r.head("previous"), r.head("induction")
+    text = (f"\n        attribution patching (qkv.lens.attribution_patch, site='head') estimates "
+            f"{rows(r.estimate)}\n        activation patching (qkv.lens.patch) measures {rows(r.exact)}"
+            f"\n        (1 = as clean, 0 = as corrupt): the top 2 are {_name(prev)}, the previous-token "
+            f"head, and {_name(ind)}, the induction head")
+    if abs(float(r.estimate[prev] - r.exact[prev])) > 0.2:
+        text += (f"; the estimate for {_name(prev)} ({float(r.estimate[prev]):.2f}) overshoots the patch "
+                 f"({float(r.exact[prev]):.2f}): it is first order in the induction head's scores, which the "
+                 "patch moves far past where its softmax is linear")
+    return text
+
+
+@check("the two heads attribution patching ranks highest, on 4 planted induction models with decoys "
+       "(each layer's heads shuffled)")
+def _predict_top(f) -> None:
+    for r in _instances():
+        L, H = r.estimate.shape
+        got = _pairs(f({name: getattr(r.weights, name).clone() for name in WEIGHTS}, list(r.clean),
+                       list(r.corrupt), r.answer, r.wrong))
+        if set(got) == r.top and len(got) == 2:
+            continue
+        inputs = (f"{L} layers of {H} heads, clean {r.clean}, corrupt {r.corrupt}, answer {r.answer}, "
+                  f"wrong {r.wrong}")
+        outside = [p for p in got if not (0 <= p[0] < L and 0 <= p[1] < H)]
+        if len(got) != 2 or len(set(got)) != 2:
+            twice = " (one of them twice)" if len(set(got)) < len(got) else ""
+            why = [f"it returned {len(got)} pair{'' if len(got) == 1 else 's'}{twice}: predict the two heads "
+                   "that attribution patching ranks highest", *_why(set(got), r)]
+        elif outside and {(h, layer) for layer, h in got} == r.top:
+            why = [f"there is no head {outside[0]}: the pairs are (layer, head); yours are (head, layer)"]
+        elif outside:
+            why = [f"there is no head {outside[0]}: the model has {L} layers of {H} heads, as (layer, head)"]
+        else:
+            why = _why(set(got), r)
+        raise CheckError(f"for {inputs}: you predict {sorted(got)}, attribution patching's top 2 are "
+                         f"{sorted(r.top)}: {'; '.join(why)}{_reveal(r)}")
+
+
+PREDICT_ATTRIBUTION = Exercise(
+    name="predict_attribution_heads",
+    section=S_HEADS,
+    difficulty=3,
+    signature="(weights, clean, corrupt, answer, wrong)",
+    stub="""
+Predict, then reveal: which two heads will attribution patching (Nanda 2023; your
+attribution_patch_heads) rank highest on this model, by |estimate|? Reason from the weights; the
+check runs qkv.lens.attribution_patch and qkv.lens.patch on the model and shows you both tables.
+
+The model completes repeats, [… X Y … X] -> Y: a two-layer Transformer set by hand
+(qkv.lens.planted.induction), with decoy heads beside its circuit and each layer's heads in a
+shuffled order. Attention only, causal, no MLP, no LayerNorm, no biases (Elhage et al. 2021):
+
+    x_i = W_E[t_i] + W_pos[i]                      the residual stream at position i, (d_model,)
+    for each layer l, every head h reading the same x:
+        q_i = x_i W_Q[l, h],  k_j = x_j W_K[l, h],  v_j = x_j W_V[l, h]               (d_head,)
+        A[i, j] = softmax over j ≤ i of (q_i · k_j) / √d_head
+        z_i = Σ_j A[i, j] v_j                      the head's output, the input of W_O
+        x_i <- x_i + Σ_h z_i W_O[l, h]
+    logits = x_last W_U
+
+Args: weights, a dict of float64 tensors: W_E (vocab, d_model), W_pos (n_ctx, d_model), W_Q,
+W_K, W_V (n_layers, n_heads, d_model, d_head), W_O (n_layers, n_heads, d_head, d_model), W_U
+(d_model, vocab); clean, corrupt: lists of token ids of the same length (corrupt: the earlier X
+replaced); answer, wrong: token ids. The metric is LD = logit[answer] − logit[wrong] at the last
+position; attribution patching estimates what patching each head's clean output into the
+corrupt run does to it:
+
+    Δ(l, h) ≈ Σ_t (z_clean − z_corrupt)[t] · ∂LD/∂z[t]      (the gradient at the corrupt run)
+
+Returns a list of two (layer, head) pairs in any order (a list: a set cannot cross to the check).
+Example: [(0, 2), (1, 3)] predicts head 2 of layer 0 and head 3 of layer 1. Do not take a gradient
+(grad, backward): running attribution patching is the check's job, predicting it yours.
+""",
+    checks=(_predict_top, forbid("grad", "backward")),
+    hints=(
+        "A head's estimate needs both an output that changes between the prompts (z_clean − z_corrupt ≠ 0) "
+        "and a path from that output to LD (∂LD/∂z ≠ 0). A sharp attention pattern is neither.",
+        "Run the model by hand on both prompts, keeping each head's z. In the last layer the path is direct: "
+        "Δz at the last position @ W_O[l, h] @ (W_U[:, answer] − W_U[:, wrong]).",
+        "Layer 0 reaches LD only through layer 1: which layer-0 head's change of the stream, Δz @ W_O[0, h], "
+        "does the layer-1 head you found read through its W_K (K-composition), W_Q or W_V?",
+    ),
+    see="qkv lens smollm2 --patch --estimate --compare",
+    forbidden=("grad", "backward"),
+    solution="""
+def predict_attribution_heads(weights, clean, corrupt, answer, wrong):
+    W = weights
+    L = W["W_Q"].shape[0]
+
+    def outputs(tokens):  # each layer's head outputs z, (H, T, d_head)
+        T = len(tokens)
+        x = W["W_E"][tokens] + W["W_pos"][:T]
+        causal = torch.ones(T, T, dtype=torch.bool).tril()
+        zs = []
+        for layer in range(L):
+            q, k, v = (torch.einsum("td,hde->hte", x, W[m][layer]) for m in ("W_Q", "W_K", "W_V"))
+            s = (q @ k.transpose(-1, -2) / math.sqrt(q.shape[-1])).masked_fill(~causal, -math.inf)
+            z = torch.softmax(s, dim=-1) @ v
+            x = x + torch.einsum("hte,hed->td", z, W["W_O"][layer])
+            zs.append(z)
+        return zs
+
+    zc, zk = outputs(clean), outputs(corrupt)
+    u = W["W_U"][:, answer] - W["W_U"][:, wrong]  # the direction LD reads
+    direct = torch.einsum("he,hed,d->h", zc[-1][:, -1] - zk[-1][:, -1], W["W_O"][-1], u)
+    last = int(direct.abs().argmax())
+    change = torch.einsum("hte,hed->htd", zc[0] - zk[0], W["W_O"][0])  # what each layer-0 head changes
+    read = sum((change @ W[m][-1, last]).flatten(1).norm(dim=1) for m in ("W_Q", "W_K", "W_V"))
+    return [(0, int(read.argmax())), (L - 1, last)]
+""",
+)
+
+
+MORE = (HARDMAX, SOFT_LOOKUP, GQA, ONLINE, PATCHIFY, ATTRIBUTION_HEADS, PREDICT_ATTRIBUTION)

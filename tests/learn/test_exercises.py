@@ -133,10 +133,42 @@ def attribution_patch_heads(z_clean, z_corrupt, grad):
     return out
 
 
+def _by_hand(weights, tokens):
+    """The planted model run by hand, head by head: per layer a list of (z (T, Dh), pattern (T, T))."""
+    T = len(tokens)
+    x = weights["W_E"][tokens] + weights["W_pos"][:T]
+    future = torch.ones(T, T).triu(1).bool()
+    layers = []
+    for layer in range(weights["W_Q"].shape[0]):
+        heads, write = [], torch.zeros_like(x)
+        for h in range(weights["W_Q"].shape[1]):
+            q, k, v = (x @ weights[m][layer, h] for m in ("W_Q", "W_K", "W_V"))
+            a = softmax((q @ k.T / q.shape[-1] ** 0.5).masked_fill(future, -math.inf))
+            heads.append((a @ v, a))
+            write = write + (a @ v) @ weights["W_O"][layer, h]
+        x = x + write
+        layers.append(heads)
+    return layers
+
+
+def predict_attribution_heads(weights, clean, corrupt, answer, wrong):
+    """The last layer's head that moves LD itself; then the layer-0 head whose change that head's
+    keys read (K-composition: the induction head keys on the previous token)."""
+    run_c, run_k = _by_hand(weights, clean), _by_hand(weights, corrupt)
+    u = weights["W_U"][:, answer] - weights["W_U"][:, wrong]
+    last = len(run_c) - 1
+    moved = [float(((zc[-1] - zk[-1]) @ weights["W_O"][last, h] @ u).abs())
+             for h, ((zc, _), (zk, _)) in enumerate(zip(run_c[last], run_k[last], strict=True))]
+    top = moved.index(max(moved))
+    keys = [float(((zc - zk) @ weights["W_O"][0, h] @ weights["W_K"][last, top]).norm())
+            for h, ((zc, _), (zk, _)) in enumerate(zip(run_c[0], run_k[0], strict=True))]
+    return [(last, top), (0, keys.index(max(keys)))]
+
+
 CORRECT = {f.__name__: f for f in (softmax, scaled_dot_product_attention, causal_mask, multi_head_attention,
                                      sinusoidal_positions, rope, layer_norm, additive_attention, hardmax,
                                      soft_lookup, grouped_query_attention, online_softmax_attention,
-                                     patchify, attribution_patch_heads)}
+                                     patchify, attribution_patch_heads, predict_attribution_heads)}
 
 
 @pytest.mark.parametrize("name", sorted(CORRECT))  # the other catalogs: tests/learn/test_<lecture>.py
@@ -332,7 +364,76 @@ def atp_over_heads(z_clean, z_corrupt, grad):
     return ((z_clean - z_corrupt) * grad).sum((0, 1))
 
 
+def predict_by_pattern(weights, clean, corrupt, answer, wrong):
+    """Layer 0: the head that attends most to the previous token; the last layer: the head whose
+    attention at the last position changes most between the prompts. Patterns only."""
+    run_c, run_k = _by_hand(weights, clean), _by_hand(weights, corrupt)
+    T = len(clean)
+    prev = [float(a[torch.arange(1, T), torch.arange(T - 1)].mean()) for _, a in run_c[0]]
+    moved = [float((ac[-1] - ak[-1]).abs().sum())
+             for (_, ac), (_, ak) in zip(run_c[-1], run_k[-1], strict=True)]
+    return [(0, prev.index(max(prev))), (len(run_c) - 1, moved.index(max(moved)))]
+
+
+def predict_last_layer(weights, clean, corrupt, answer, wrong):
+    """The two heads of the last layer whose change moves LD most: the direct effect only."""
+    run_c, run_k = _by_hand(weights, clean), _by_hand(weights, corrupt)
+    u = weights["W_U"][:, answer] - weights["W_U"][:, wrong]
+    last = len(run_c) - 1
+    moved = torch.tensor([float((zc[-1] - zk[-1]) @ weights["W_O"][last, h] @ u)
+                          for h, ((zc, _), (zk, _)) in enumerate(zip(run_c[last], run_k[last], strict=True))])
+    return [(last, int(h)) for h in moved.abs().topk(2).indices]
+
+
+def predict_by_logit_attribution(weights, clean, corrupt, answer, wrong):
+    """The two heads that write most toward the answer on the clean prompt (direct logit
+    attribution), whether or not the corruption changes what they write."""
+    u = weights["W_U"][:, answer] - weights["W_U"][:, wrong]
+    run_c = _by_hand(weights, clean)
+    dla = torch.tensor([[float(z[-1] @ weights["W_O"][layer, h] @ u) for h, (z, _) in enumerate(heads)]
+                        for layer, heads in enumerate(run_c)])
+    H = dla.shape[1]
+    return [(int(i) // H, int(i) % H) for i in dla.flatten().abs().topk(2).indices]
+
+
+def predict_planted_layout(weights, clean, corrupt, answer, wrong):
+    return [(0, 0), (1, 0)]
+
+
+def predict_swapped(weights, clean, corrupt, answer, wrong):
+    return [(h, layer) for layer, h in predict_attribution_heads(weights, clean, corrupt, answer, wrong)]
+
+
+def predict_by_gradient(weights, clean, corrupt, answer, wrong):
+    """Attribution patching itself, by autograd: the right heads, by the forbidden route."""
+    run_c = _by_hand(weights, clean)
+    zs = []
+    T = len(corrupt)
+    x = weights["W_E"][corrupt] + weights["W_pos"][:T]
+    future = torch.ones(T, T).triu(1).bool()
+    for layer in range(weights["W_Q"].shape[0]):
+        write = torch.zeros_like(x)
+        for h in range(weights["W_Q"].shape[1]):
+            q, k, v = (x @ weights[m][layer, h] for m in ("W_Q", "W_K", "W_V"))
+            z = (softmax((q @ k.T / q.shape[-1] ** 0.5).masked_fill(future, -math.inf)) @ v).requires_grad_()
+            zs.append(z)
+            write = write + z @ weights["W_O"][layer, h]
+        x = x + write
+    logits = x[-1] @ weights["W_U"]
+    grads = torch.autograd.grad(logits[answer] - logits[wrong], zs)
+    H = weights["W_Q"].shape[1]
+    est = torch.tensor([float(((run_c[i // H][i % H][0] - z.detach()) * g).sum()) for i, (z, g) in
+                        enumerate(zip(zs, grads, strict=True))])
+    return [(int(i) // H, int(i) % H) for i in est.abs().topk(2).indices]
+
+
 WRONG = [
+    ("predict_attribution_heads", predict_by_pattern, "an attention pattern says where a head reads"),
+    ("predict_attribution_heads", predict_last_layer, "the gradient carries that indirect effect back"),
+    ("predict_attribution_heads", predict_by_logit_attribution, "z_clean − z_corrupt = 0"),
+    ("predict_attribution_heads", predict_planted_layout, "each layer's heads are shuffled"),
+    ("predict_attribution_heads", predict_swapped, "yours are (head, layer)"),
+    ("predict_attribution_heads", predict_by_gradient, "it calls grad"),
     ("attribution_patch_heads", atp_turned, "the sign is turned"),
     ("attribution_patch_heads", atp_activation, "not the clean activation itself"),
     ("attribution_patch_heads", atp_over_heads, "it sums over the heads"),
@@ -395,3 +496,24 @@ def test_the_catalogs_own_solutions_pass():
         ns = {"torch": torch, "math": math}
         exec(e.solution, ns)
         assert run(name, ns[name]).passed, name
+
+
+def test_a_wrong_prediction_reveals_both_tables():
+    report = run("predict_attribution_heads", predict_planted_layout)
+    message = next(c.message for c in report.checks if not c.ok)
+    assert "attribution_patch, site='head') estimates layer 0: [" in message
+    assert "qkv.lens.patch) measures layer 0: [" in message
+
+
+def test_predict_attribution_heads_asks_a_grader_about_other_models():
+    """A grader's seeds give other prompts and other head orders; the circuit is still attribution
+    patching's top 2 there (the check raises otherwise), and a correct prediction still passes."""
+    from qkv.learn.catalog_more import _instances
+    from qkv.learn.exercise import other_inputs
+
+    public = [(r.clean, sorted(r.top)) for r in _instances()]
+    for offset in (1000, 2000):
+        with other_inputs(offset):
+            assert [(r.clean, sorted(r.top)) for r in _instances()] != public
+            assert run("predict_attribution_heads", predict_attribution_heads).passed
+            assert not run("predict_attribution_heads", predict_by_pattern).passed
