@@ -9,7 +9,10 @@
                                 scores), with heads knocked out (qkv.lens)
     POST /api/qk                one head's attention row for one query, term by term
     POST /api/history           a GPT run's head scores at each evaluation (history.jsonl)
-    POST /api/patch             activation patching, clean prompt into corrupt (decoders)
+    POST /api/patch             activation patching, clean prompt into corrupt (decoders): the
+                                estimate by default (attribution patching, float weights; 422 on a
+                                quantised model), method "exact" the sweep (progress streamed),
+                                with compare both and their agreement (Spearman, top-10 recall)
     POST /api/quiz/question     a question computed from a model; /api/quiz/answer reveals it (quiz_api.py)
     GET  /openapi.json          the schema of all of the above
 

@@ -2,10 +2,13 @@
 `qkv lens` reads the same functions): the next-token logits (the page computes softmax(z / T)
 itself, so its temperature slider needs no request), the logit lens, every head as a
 thumbnail with its scores, the attention rollout through every layer, and the same with heads
-knocked out."""
+knocked out; one head's q·k row; and patching (`POST /api/patch`): the estimate first
+(attribution patching, one piece), the exact sweep when asked (in pieces), both with their
+agreement."""
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable, Generator
 from contextlib import AbstractContextManager
@@ -20,7 +23,7 @@ from qkv import lens
 from qkv.attention.rollout import attention_rollout
 from qkv.errors import InputError
 from qkv.lens.cache import run_with_cache_steps
-from qkv.lens.causal import ablate_steps, patch_steps
+from qkv.lens.causal import PatchPair, ablate_steps, patch_steps
 from qkv.lens.heads import query_key_steps
 from qkv.pipelines import CausalLM, SentenceEncoder
 from qkv.pipelines import attention as text
@@ -30,6 +33,7 @@ from qkv.serve.schemas import (
     LensRequest,
     LensResponse,
     LogitLensCells,
+    PatchAgreement,
     PatchRequest,
     PatchResponse,
     QKRequest,
@@ -122,25 +126,71 @@ def qk_response(lm: CausalLM | SentenceEncoder, req: QKRequest, max_tokens: int
                       seconds=time.perf_counter() - t0)
 
 
-PATCH_TOKENS = 64  # patching runs a forward pass per row: longer prompts are refused, not cut
+PATCH_TOKENS = 64  # the exact sweep runs a forward pass per cell: longer prompts are refused, not cut
+AGREE_K = 10  # the agreement's top-k recall: of the sweep's 10 largest cells, how many the estimate finds
+
+
+def _table(values: torch.Tensor) -> list[list[float | None]]:
+    """(R, C) values as JSON rows, unrounded (float32 goes through JSON exactly); None where a
+    value is not finite (patching's undefined normalisation: the clean and corrupt runs tie)."""
+    return [[v if math.isfinite(v) else None for v in row] for row in values.double().tolist()]
+
+
+def _agreement(estimate: torch.Tensor, exact: torch.Tensor) -> PatchAgreement | None:
+    """:func:`qkv.lens.agreement` of the two tables; None when either is undefined (NaN)."""
+    if not (estimate.isfinite().all() and exact.isfinite().all()):
+        return None
+    a = lens.agreement(estimate, exact, k=AGREE_K)
+    return PatchAgreement(spearman=a.spearman if math.isfinite(a.spearman) else None, recall=a.recall, k=a.k)
+
+
+def _estimate(lm: CausalLM, req: PatchRequest, ids: list[list[int]]) -> lens.PatchEstimate:
+    """Attribution patching (:func:`qkv.lens.attribution_patch`), whole: two forward passes and
+    one backward pass, with gradients, so no part of it can wait between two of the loop's
+    slices (on SmolLM2 fp32 it holds the loop for ~0.3 s, once). A model the registry loaded
+    quantised (:meth:`~qkv.pipelines.CausalLM.set_weights`) has no gradients: one line that
+    says what works instead."""
+    if lm.weights in ("int8", "q4"):
+        raise InputError(f"{req.model} is served with {lm.weights} weights, which have no gradients: the "
+                         'estimate needs float weights; ask for the exact sweep (method "exact"), or serve '
+                         "a float copy (a Hugging Face folder or a float .gguf in the runs folder)")
+    return lens.attribution_patch(lm, ids[0], ids[1], site=req.site, answer=req.answer, wrong=req.wrong)
 
 
 def patch_response(lm: CausalLM, req: PatchRequest
                    ) -> Generator[tuple[int, int] | None, None, PatchResponse]:
-    """Activation patching of the clean prompt into the corrupt one (:func:`qkv.lens.patch_steps`),
-    in pieces: a block of a (patched) forward pass per ``next``, the response returned."""
+    """Patching of the clean prompt into the corrupt one, as ``req.method`` asks: the estimate
+    (one piece), or the exact sweep (:func:`qkv.lens.patch_steps`: a block of a patched forward
+    pass per ``next``); with ``req.compare``, the estimate first (its own piece) and the
+    agreement of the two."""
     t0 = time.perf_counter()
     ids = [text.encode_text(lm, t, lm.context)[0] for t in (req.clean, req.corrupt)]
     if max(len(i) for i in ids) > PATCH_TOKENS:
-        raise InputError(f"patching here takes prompts of at most {PATCH_TOKENS} tokens (one forward pass "
-                         f"per cell); these have {len(ids[0])} and {len(ids[1])}")
-    p = yield from patch_steps(lm, ids[0], ids[1], site=req.site, answer=req.answer, wrong=req.wrong)
-    rows = [f"layer {i}" for i in range(p.values.shape[0])]
-    cols = p.clean_tokens if p.site == "resid" else [str(h) for h in range(p.values.shape[1])]
-    values = [[None if v != v else round(float(v), 5) for v in row] for row in p.values.tolist()]
-    return PatchResponse(model=req.model, site=p.site, rows=rows, columns=cols, values=values,
-                         answer=p.answer, wrong=p.wrong, clean_diff=p.clean_diff, corrupt_diff=p.corrupt_diff,
-                         seconds=time.perf_counter() - t0)
+        raise InputError(f"patching here takes prompts of at most {PATCH_TOKENS} tokens (the exact sweep "
+                         f"runs a forward pass per cell); these have {len(ids[0])} and {len(ids[1])}")
+    est = _estimate(lm, req, ids) if req.method == "estimate" or req.compare else None
+    if est is not None and req.method == "estimate":
+        return _patch_json(req, est, est.values, est, t0)
+    if est is not None:
+        yield None  # the estimate was this slice's piece: the running batches step before the sweep
+    exact = yield from patch_steps(lm, ids[0], ids[1], site=req.site, answer=req.answer, wrong=req.wrong)
+    return _patch_json(req, exact, exact.values, est, t0)
+
+
+def _patch_json(req: PatchRequest, p: PatchPair, values: torch.Tensor, est: lens.PatchEstimate | None,
+                t0: float) -> PatchResponse:
+    """The response for ``p``, the estimate or the exact sweep (``values``: its table, (L, H) or
+    (L, T)); ``est``: the estimate when one was computed (``p`` itself, or beside the sweep)."""
+    beside = est if est is not None and est is not p else None
+    rows = [f"layer {i}" for i in range(values.shape[0])]
+    cols = p.clean_tokens if p.site == "resid" else [str(h) for h in range(values.shape[1])]
+    return PatchResponse(
+        model=req.model, method=req.method, site=p.site, rows=rows, columns=cols, values=_table(values),
+        answer=p.answer, wrong=p.wrong, clean_diff=p.clean_diff, corrupt_diff=p.corrupt_diff,
+        estimate=_table(beside.values) if beside is not None else None,
+        estimate_seconds=est.seconds if est is not None else None,
+        agreement=_agreement(beside.values, values) if beside is not None else None,
+        seconds=time.perf_counter() - t0)
 
 
 class LensEndpoints:
@@ -196,8 +246,11 @@ class LensEndpoints:
             http=http)
 
     def patch(self, req: PatchRequest, http: HTTPRequest) -> PatchResponse:
-        """Activation patching from ``clean`` into ``corrupt`` (decoders). Its hooks sit on the
-        shared model only while it runs in the compute loop, where nothing else runs."""
+        """Patching from ``clean`` into ``corrupt`` (decoders): the estimate (an interactive
+        computation, one piece) or the exact sweep (a sweep, in pieces; ``compare``: the estimate
+        and the agreement too). Its hooks and its backward pass run on the shared model only in
+        the compute loop, where nothing else runs meanwhile; identical requests (``method`` and
+        ``compare`` included: the request's JSON is the key) share one answer."""
         self._check_text(req.clean)
         self._check_text(req.corrupt)
 
@@ -208,7 +261,8 @@ class LensEndpoints:
                                  "which it does not predict")
             return (yield from patch_response(lm, req))
 
-        return self._compute(req.model, run, "patch", request=req, sweep=True, pieces=True, http=http)
+        return self._compute(req.model, run, "patch", request=req, sweep=req.method == "exact", pieces=True,
+                             http=http)
 
     @staticmethod
     def _text_model(lease: Lease, name: str) -> CausalLM | SentenceEncoder:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, Field, field_validator
+from pydantic import BaseModel, Field, field_validator, model_validator
 
 from qkv.generation.sampling import MIN_TEMPERATURE
 
@@ -227,16 +227,48 @@ class QKResponse(BaseModel):
 
 
 class PatchRequest(BaseModel):
+    """Activation patching of ``clean`` into ``corrupt`` (decoders; same number of tokens).
+
+    ``method`` "estimate" (the default: it answers first) is attribution patching
+    (:func:`qkv.lens.attribution_patch`): every cell from two forward passes and one backward
+    pass, a fraction of a second, on float weights only (a quantised model answers 422).
+    "exact" is the sweep (:func:`qkv.lens.patch`), a forward pass per cell, run in pieces
+    (streamed progress with ``Accept: application/x-ndjson``); with ``compare`` it also holds
+    the estimate and how well the two agree (:func:`qkv.lens.agreement`).
+    """
+
     model: str = Field(min_length=1, max_length=256, examples=["smollm2"])
     clean: str = Field(max_length=MAX_CHARS)
     corrupt: str = Field(max_length=MAX_CHARS)
     site: Literal["resid", "head"] = "head"
     answer: str | None = Field(None, max_length=256, description="one token (default: the clean top token)")
     wrong: str | None = Field(None, max_length=256, description="one token (default: the corrupt top token)")
+    method: Literal["estimate", "exact"] = Field(
+        "estimate", description="estimate: attribution patching (two forward passes and one backward pass, "
+        "float weights only); exact: one forward pass per cell, in pieces")
+    compare: bool = Field(False, description="with method exact: also the estimate, and how well the two "
+                          "agree")
+
+    @model_validator(mode="after")
+    def _compare_is_exact(self) -> PatchRequest:
+        if self.compare and self.method != "exact":
+            raise ValueError('compare puts the exact sweep beside the estimate: send method "exact" with it')
+        return self
+
+
+class PatchAgreement(BaseModel):
+    """How the estimate ranks the cells against the exact sweep (:func:`qkv.lens.agreement`)."""
+
+    spearman: float | None = Field(description="Spearman's rank correlation of the two tables (null: "
+                                   "undefined, e.g. a table of equal values)")
+    recall: float = Field(description="of the exact sweep's k largest cells by |value|, the share among the "
+                          "estimate's k largest")
+    k: int
 
 
 class PatchResponse(BaseModel):
     model: str
+    method: Literal["estimate", "exact"] = Field(description="what ``values`` holds")
     site: str
     rows: list[str]
     columns: list[str]
@@ -245,7 +277,13 @@ class PatchResponse(BaseModel):
     wrong: str
     clean_diff: float
     corrupt_diff: float
-    seconds: float
+    estimate: list[list[float | None]] | None = Field(
+        None, description="compare: the estimate's values beside the exact ``values`` (null otherwise)")
+    estimate_seconds: float | None = Field(
+        None, description="the estimate's own time (two forward passes and one backward pass); null for a "
+        "plain exact sweep")
+    agreement: PatchAgreement | None = Field(None, description="compare: the estimate against the sweep")
+    seconds: float = Field(description="server time for this request")
 
 
 class HistoryRequest(BaseModel):

@@ -331,6 +331,47 @@ def test_show_renders_standalone_svg_views_for_notebooks(gpt2, tmp_path):
         qkv.show(lm, TEXT, views=["nope"])
 
 
+def test_show_draws_the_patch_estimate_and_beside_it_the_exact_sweep(gpt2):
+    """qkv.show's patch view holds attribution patching's own table (a direct call, to 1e-6);
+    compare=True adds the exact sweep's and names their agreement in the title."""
+    from qkv.figures import Heatmap, Heatmaps
+
+    _, folder = gpt2
+    lm = qkv.load(folder)
+    corrupt = "w3 w17 w42 w5 w88 w9 w1 w61 w17 w42"
+    kw = dict(answer="w7", wrong="w8")
+    shown = qkv.show(lm, TEXT, views=["patch"], corrupt=corrupt, **kw)
+    est = lens.attribution_patch(lm, TEXT, corrupt, site="head", **kw)
+    fig = shown.figures["patch"]
+    assert isinstance(fig, Heatmap) and fig.diverging and list(shown.pictures) == ["patch"]
+    assert torch.allclose(fig.values, est.values, atol=1e-6, rtol=0)
+    assert fig.rows == [f"layer {i}" for i in range(lm.n_layers)] and len(fig.columns) == lm.n_heads
+    assert "attribution patching" in fig.title and "<svg" in shown.svg("patch")
+    resid = qkv.show(lm, TEXT, views=["patch"], corrupt=corrupt, site="resid", **kw).figures["patch"]
+    assert torch.allclose(resid.values, lens.attribution_patch(lm, TEXT, corrupt, site="resid", **kw).values,
+                          atol=1e-6, rtol=0)
+    assert list(resid.columns) == est.clean_tokens
+    both = qkv.show(lm, TEXT, views=["patch"], corrupt=corrupt, compare=True, **kw).figures["patch"]
+    exact = lens.patch(lm, TEXT, corrupt, site="head", **kw)
+    a = lens.agreement(est.values, exact.values)
+    assert isinstance(both, Heatmaps) and len(both.panels) == 2
+    assert torch.allclose(both.panels[0].values, est.values, atol=1e-6, rtol=0)
+    assert torch.allclose(both.panels[1].values, exact.values, atol=1e-6, rtol=0)
+    assert f"Spearman {a.spearman:.3f}, top-{a.k} recall {a.recall:.2f}" in both.title
+    # the default views gain the patch view when a corrupt prompt is given
+    views = list(qkv.show(lm, TEXT, corrupt=corrupt, **kw).pictures)
+    assert views == ["probs", "logit_lens", "heads", "patch"]
+    for bad, message in ((dict(views=["patch"]), "give corrupt="),
+                         (dict(views=["probs"], corrupt=corrupt), "add 'patch' to views"),
+                         (dict(views=["patch"], corrupt="w3 w17"), "same number of tokens")):
+        with pytest.raises(qkv.errors.InputError, match=message) as e:
+            qkv.show(lm, TEXT, **bad)
+        assert "\n" not in str(e.value)
+    q8 = qkv.load(folder, weights="int8")
+    with pytest.raises(qkv.errors.InputError, match="weights='fp32'"):
+        qkv.show(q8, TEXT, views=["patch"], corrupt=corrupt, **kw)
+
+
 def test_cli_qk_is_the_library_row(gpt2):
     _, folder = gpt2
     got = _json(["lens", folder, TEXT, "--qk", "1.2", "--query", "6", "--json"])

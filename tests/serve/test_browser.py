@@ -290,12 +290,33 @@ def test_qk_and_patching_panels_draw_what_the_api_says(page, server) -> None:
     want = api(server, "/api/qk", {"model": "runs/gpt-tiny", "text": text, "layer": 1, "head": 2, "query": 9})
     assert page.evaluate("window.qkvQK.weights") == want["weights"]
     assert page.locator("#qk text.qk-row").count() == 10
+    asked: list[dict] = []  # the page's patching requests, in the order it sent them
+    page.on("request", lambda r: r.url.endswith("/api/patch") and asked.append(json.loads(r.post_data)))
     page.fill("#patch-corrupt", "ROMEO: But sift")
     page.fill("#patch-answer", "e")
     page.fill("#patch-wrong", "o")
     page.click("#patch-go")
     page_wait(page, "window.qkvPatch !== undefined && document.body.dataset.state === 'ready'")
+    # the estimate answers first, alone: one heatmap of the API's estimate
+    body = {"model": "runs/gpt-tiny", "clean": text, "corrupt": "ROMEO: But sift", "site": "head",
+            "answer": "e", "wrong": "o"}
+    estimate = api(server, "/api/patch", body)
+    assert estimate["method"] == "estimate"
+    assert page.evaluate("window.qkvPatch.method") == "estimate"
+    assert page.evaluate("window.qkvPatch.values") == estimate["values"]
+    assert page.evaluate("window.qkvPatchShown.panels") == ["estimate"]
     assert page.locator("#patch rect.patch-cell").count() == 2 * 4  # layers x heads
+    # the exact sweep when asked: beside the estimate, with the server's agreement in the title
+    page.click("#patch-exact")
+    page_wait(page, "window.qkvPatch.method === 'exact' && document.body.dataset.state === 'ready'")
+    assert [(a["method"], a.get("compare")) for a in asked] == [("estimate", None), ("exact", True)]
+    both = api(server, "/api/patch", {**body, "method": "exact", "compare": True})
+    assert page.evaluate("window.qkvPatchShown.panels") == ["estimate", "exact"]
+    assert page.evaluate("window.qkvPatch.estimate") == estimate["values"] == both["estimate"]
+    assert page.evaluate("window.qkvPatch.values") == both["values"]
+    assert page.locator("#patch rect.patch-cell").count() == 2 * 2 * 4
+    title = page.text_content("#patch text.patch-title")
+    assert f"Spearman {both['agreement']['spearman']:.3f}" in title and "top-8 recall" in title
     page.fill("#patch-corrupt", "ROMEO")
     page.click("#patch-go")
     page.wait_for_selector("body[data-state=error]")

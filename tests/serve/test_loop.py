@@ -131,10 +131,17 @@ def forwards(monkeypatch):
 
 
 @pytest.mark.usefixtures("one_thread")
-def test_every_forward_pass_of_every_endpoint_runs_in_the_loop(runs_dir, forwards):
-    """Attention, lens, q·k, patching, an image, a seq2seq alignment and generation: no forward
-    pass ran anywhere but the server's compute loop (one thread, one OpenMP pool)."""
+def test_every_forward_pass_of_every_endpoint_runs_in_the_loop(runs_dir, forwards, monkeypatch):
+    """Attention, lens, q·k, patching (estimated, and exact beside the estimate), an image, a
+    seq2seq alignment and generation: no forward pass (nor the estimate's backward pass) ran
+    anywhere but the server's compute loop (one thread, one OpenMP pool)."""
     pytest.importorskip("fastapi", reason="qkv serve needs FastAPI: pip install 'qkv[serve]'")
+    import torch
+
+    backwards: list[threading.Thread] = []
+    grad = torch.autograd.grad
+    monkeypatch.setattr(torch.autograd, "grad", lambda *a, **k: backwards.append(threading.current_thread())
+                        or grad(*a, **k))
     from fastapi.testclient import TestClient
 
     from qkv.serve import create_app
@@ -147,6 +154,9 @@ def test_every_forward_pass_of_every_endpoint_runs_in_the_loop(runs_dir, forward
                            ("/api/qk", {**gpt, "text": TEXT, "layer": 1, "head": 2, "query": 3}),
                            ("/api/patch", {**gpt, "clean": TEXT, "corrupt": "ROMEO: But sift", "site": "head",
                                            "answer": "e", "wrong": "o"}),
+                           ("/api/patch", {**gpt, "clean": TEXT, "corrupt": "ROMEO: But sift",
+                                           "site": "resid", "answer": "e", "wrong": "o", "method": "exact",
+                                           "compare": True}),
                            ("/api/attention", {"model": "runs/seq2seq-tiny", "text": "abc"})):
             r = c.post(path, json=body)
             assert r.status_code == 200, (path, r.text)
@@ -156,6 +166,7 @@ def test_every_forward_pass_of_every_endpoint_runs_in_the_loop(runs_dir, forward
         r = c.post("/api/generate", json={"model": "runs/gpt-tiny", "prompt": "ROMEO", "max_new_tokens": 6})
         assert r.status_code == 200 and json.loads(r.text.splitlines()[-1])["event"] == "done", r.text
     assert forwards == {app.state.loop.thread}
+    assert backwards == [app.state.loop.thread] * 2  # the estimate's backward pass: in the loop too
 
 
 def _answer(r) -> object:
@@ -164,7 +175,7 @@ def _answer(r) -> object:
     if r.headers["content-type"].startswith("application/x-ndjson"):
         events = [json.loads(x) for x in r.text.splitlines()]
         return [{k: v for k, v in e.items() if k != "seconds"} for e in events]
-    return {k: v for k, v in r.json().items() if k != "seconds"}
+    return {k: v for k, v in r.json().items() if not k.endswith("seconds")}  # estimate_seconds too
 
 
 @pytest.mark.usefixtures("one_thread")
@@ -184,7 +195,8 @@ def test_concurrent_patch_lens_qk_and_generate_give_what_each_gives_alone(runs_d
     requests = [("/api/patch", {**gpt, "clean": clean, "corrupt": corrupt, "site": "head", "answer": "e",
                                 "wrong": "o"}),
                 ("/api/patch", {**gpt, "clean": "ROMEO: It is", "corrupt": "JULIE: It is",
-                                "site": "resid", "answer": " ", "wrong": "e"}),
+                                "site": "resid", "answer": " ", "wrong": "e", "method": "exact",
+                                "compare": True}),
                 ("/api/lens", {**gpt, "text": clean}),
                 ("/api/lens", {**gpt, "text": "JULIET: O Romeo", "ablate": [[0, 1], [1, 2]]}),
                 ("/api/qk", {**gpt, "text": clean, "layer": 1, "head": 2, "query": 7}),

@@ -247,6 +247,10 @@ def test_every_text_of_every_view_reaches_aa_contrast(page, tiny_gpt_server) -> 
     ready(page)
     qk(page, 1, 0, 9)
     patch(page)
+    page.click("#patch-exact")  # the estimate and the exact sweep side by side: both measured
+    ready(page, "window.qkvPatch.method === 'exact'")
+    assert page.locator("#patch g.patch-panel").count() == 2
+    shot(page, "patch-compare", "#patch-figure")
     measured = {}
     for view in (*HEATMAPS, "probs"):
         n, bad = low_contrast(page, f"#{view}")

@@ -463,39 +463,92 @@ function patchColour(v) {
   return over(v >= 0 ? PATCH_RED : PATCH_BLUE, Math.min(1, Math.abs(v)));
 }
 
+// Patching answers with the estimate first (attribution patching: two forward passes and one
+// backward pass, a fraction of a second); "Exact sweep" asks for the sweep (a forward pass per
+// cell, its progress streamed) and, when the page holds the estimate of the same request, both
+// side by side with their agreement (Spearman, top-10 recall), computed by the server.
+const patchState = { key: null, estimate: null };
+
+function patchRequest() {
+  const opt = (id) => ($(id).value.trim() === "" ? null : $(id).value);
+  return { model: currentModel().id, clean: $("text").value, corrupt: $("patch-corrupt").value,
+    site: $("patch-site").value, answer: opt("patch-answer"), wrong: opt("patch-wrong") };
+}
+
+function seconds(s) { return s < 1 ? `${(s * 1000).toFixed(0)} ms` : `${s.toFixed(2)} s`; }
+
 function patchPrompts() {
   return runPanel(async () => {
-    const m = currentModel();
-    const opt = (id) => ($(id).value.trim() === "" ? null : $(id).value);
-    const d = await postStream("/api/patch", { model: m.id, clean: $("text").value, corrupt: $("patch-corrupt").value,
-      site: $("patch-site").value, answer: opt("patch-answer"), wrong: opt("patch-wrong") });
+    const req = patchRequest();
+    patchState.key = null;
+    patchState.estimate = null;
+    const d = await postStream("/api/patch", { ...req, method: "estimate" });
+    patchState.key = JSON.stringify(req);
+    patchState.estimate = d;
     window.qkvPatch = d;
-    const R = d.rows.length, C = d.columns.length, cw = d.site === "head" ? 26 : 40, ch = 16, lw = 60, top = 70;
-    const legendY = top + R * ch + 8;
-    const legendTitle = "0: as corrupt · 1: restores the clean answer";
-    const width = Math.max(lw + C * cw + 8, legendEnd(lw, legendTitle)), height = legendY + 48;
-    const parts = [`<rect x="0" y="0" width="${width}" height="${height}" fill="white"/>`];
+    drawPatch(d, [["estimate", d.values]], `estimate (attribution patching) in ${seconds(d.estimate_seconds)}` +
+      " · Exact sweep: one forward pass per cell");
+  });
+}
+
+function patchExact() {
+  return runPanel(async () => {
+    const req = patchRequest();
+    const compare = patchState.estimate !== null && patchState.key === JSON.stringify(req);
+    const d = await postStream("/api/patch", { ...req, method: "exact", compare });
+    window.qkvPatch = d;
+    if (d.estimate === null) {
+      drawPatch(d, [["exact", d.values]], `exact sweep in ${seconds(d.seconds)}`);
+      return;
+    }
+    const a = d.agreement;
+    const agree = a === null ? "agreement undefined"
+      : `Spearman ${a.spearman === null ? "undefined" : a.spearman.toFixed(3)} · top-${a.k} recall ${a.recall.toFixed(2)}`;
+    drawPatch(d, [["estimate", d.estimate], ["exact", d.values]],
+      `estimate ${seconds(d.estimate_seconds)} · exact ${seconds(d.seconds - d.estimate_seconds)} · ${agree}`);
+  });
+}
+
+// One heatmap per [name, values] panel, side by side, on one scale (−1 blue, 0 white, 1 red).
+function drawPatch(d, panels, title) {
+  const R = d.rows.length, C = d.columns.length, cw = d.site === "head" ? 26 : 40, ch = 16, lw = 60;
+  const longest = Math.max(1, ...d.columns.map((c) => label(c).length));
+  const top = 46 + Math.min(70, Math.ceil(4.7 * longest));  // room for the column labels, turned 45°
+  const panelW = lw + C * cw + 16;
+  const legendY = top + R * ch + 8;
+  const legendTitle = "0: as corrupt · 1: restores the clean answer";
+  const footer = `logit[${esc(label(d.answer))}] − logit[${esc(label(d.wrong))}]: ` +
+    `${d.clean_diff.toFixed(2)} clean, ${d.corrupt_diff.toFixed(2)} corrupt · red: restores it`;
+  const width = Math.max(panels.length * panelW, legendEnd(lw, legendTitle), 8 + 6.6 * Math.max(title.length, footer.length));
+  const height = legendY + 48;
+  const parts = [`<rect x="0" y="0" width="${width}" height="${height}" fill="white"/>`,
+    `<text class="patch-title" x="4" y="14">${esc(title)}</text>`];
+  panels.forEach(([name, values], p) => {
+    const x0 = p * panelW;
+    parts.push(`<g class="patch-panel" data-name="${name}">`);
+    parts.push(`<text x="${x0 + lw}" y="32" font-weight="bold">${name}</text>`);
     d.columns.forEach((c, j) => {
-      const x = lw + j * cw + cw / 2;
+      const x = x0 + lw + j * cw + cw / 2;
       parts.push(`<text x="${x}" y="${top - 6}" transform="rotate(-45 ${x} ${top - 6})">${esc(label(c))}</text>`);
     });
     d.rows.forEach((r, i) => {
       const y = top + i * ch;
-      parts.push(`<text x="${lw - 4}" y="${y + ch / 2}" text-anchor="end" dominant-baseline="middle">${esc(r.replace("layer ", ""))}</text>`);
+      parts.push(`<text x="${x0 + lw - 4}" y="${y + ch / 2}" text-anchor="end" dominant-baseline="middle">${esc(r.replace("layer ", ""))}</text>`);
       d.columns.forEach((_, j) => {
-        const v = d.values[i][j];
+        const v = values[i][j];
         const fill = v === null ? "#eee" : rgb(patchColour(v));
-        parts.push(`<rect class="patch-cell" data-i="${i}" data-j="${j}" x="${lw + j * cw}" y="${y}" width="${cw - 1}" ` +
-          `height="${ch - 1}" fill="${fill}"><title>${v === null ? "undefined" : v.toFixed(3)}</title></rect>`);
+        parts.push(`<rect class="patch-cell" data-i="${i}" data-j="${j}" x="${x0 + lw + j * cw}" y="${y}" width="${cw - 1}" ` +
+          `height="${ch - 1}" fill="${fill}"><title>${name}: ${v === null ? "undefined" : v.toFixed(3)}</title></rect>`);
       });
     });
-    parts.push(legendParts(lw, legendY, 160, (x) => patchColour(2 * x - 1),
-      [[0, "−1"], [0.5, "0"], [1, "1"]], legendTitle));
-    parts.push(`<text x="4" y="${height - 6}">logit[${esc(label(d.answer))}] − logit[${esc(label(d.wrong))}]: ` +
-      `${d.clean_diff.toFixed(2)} clean, ${d.corrupt_diff.toFixed(2)} corrupt · red: restores it</text>`);
-    sizeSvg($("patch"), width, height, parts);
-    showView("patch", true);
+    parts.push("</g>");
   });
+  parts.push(legendParts(lw, legendY, 160, (x) => patchColour(2 * x - 1),
+    [[0, "−1"], [0.5, "0"], [1, "1"]], legendTitle));
+  parts.push(`<text x="4" y="${height - 6}">${footer}</text>`);
+  sizeSvg($("patch"), width, height, parts);
+  showView("patch", true);
+  window.qkvPatchShown = { panels: panels.map(([name]) => name), title };
 }
 
 // ------------------------------------------------------------------ downloads
@@ -670,6 +723,7 @@ function initLens() {
   $("history-type").addEventListener("change", () => lensState.history && renderHistory());
   $("rollout-sink").addEventListener("change", () => lensState.data && lensState.data.rollout && renderRollout());
   $("patch-go").addEventListener("click", patchPrompts);
+  $("patch-exact").addEventListener("click", patchExact);
   let resize = null;  // the grid follows the page's width
   window.addEventListener("resize", () => {
     clearTimeout(resize);
