@@ -60,6 +60,10 @@ def add_serve_parser(sub) -> None:
                    help="generation requests decoded together on one model (continuous batching: a "
                    "request joins the running batch between two steps, and decodes as it would "
                    "alone, to float rounding); 1 = one at a time")
+    p.add_argument("--weights", default="auto", choices=("auto", "fp32", "bf16", "int8", "q4"),
+                   help="how decoders' weights are held: auto (a 4-bit file such as the bundled SmolLM2's as "
+                   "q4 where the int4 kernels run: fastest), fp32 or bf16 (gradients: the patching "
+                   "view's estimate needs them; SmolLM2 in fp32 takes ~0.5 GB), int8, q4")
     p.add_argument("--build-steps", nargs="+", default=[], metavar="MODEL",
                    help="before listening, build the saved decoding steps these models lack on this "
                    "machine (names as the page lists them: smollm2, runs/NAME): the one-request step "
@@ -149,7 +153,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     cfg = ServeConfig(runs_dir=Path(args.runs), max_tokens=args.max_tokens,
                       max_upload_bytes=int(args.max_upload_mb * 1_000_000), host=args.host,
                       max_queued=args.max_queued, max_wait_s=args.max_wait, batch_rows=args.batch_rows,
-                      shared_answers=args.shared_answers)
+                      shared_answers=args.shared_answers, weights=args.weights)
     app = create_app(cfg)
     _check_port_free(args.host, args.port)
     if args.build_steps:

@@ -82,7 +82,7 @@ def create_app(config: ServeConfig | None = None, **overrides: Any) -> FastAPI:
     cfg = config or ServeConfig(**overrides)
     # models load in the compute loop, which must never wait inside: a load that finds every
     # model in use is answered busy at once (503) instead of waiting for rows the loop steps
-    registry = Registry(cfg.runs_dir, cfg.max_loaded_models, max_wait_s=0.0)
+    registry = Registry(cfg.runs_dir, cfg.max_loaded_models, max_wait_s=0.0, weights=cfg.weights)
     loop = ComputeLoop(cfg.max_queued, cfg.max_wait_s)
     app = FastAPI(
         title="qkv attention explorer", version=__version__,

@@ -31,6 +31,9 @@ class ServeConfig:
     # Host headers accepted ("*.example.com" for subdomains); None: on a loopback address
     # loopback names only (DNS rebinding), on any other address any name
     allowed_hosts: Sequence[str] | None = field(default=None)
+    # how decoders' weights are held, as qkv.load's weights=: "auto" (a 4-bit file as q4 where the
+    # int4 kernels run), or "fp32" / "bf16" (gradients: the page's patching estimate), "int8", "q4"
+    weights: str = "auto"
 
     def longest(self, context: int) -> int:
         """The most tokens a request's text and new tokens take together on a model of
@@ -49,5 +52,7 @@ class ServeConfig:
         for name in ("max_loaded_models", "batch_rows", "max_queued"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.weights not in ("auto", "fp32", "bf16", "int8", "q4"):
+            raise ValueError(f"weights must be auto, fp32, bf16, int8 or q4, got {self.weights!r}")
         if self.max_wait_s < 0:
             raise ValueError(f"max_wait_s must be >= 0, got {self.max_wait_s}")

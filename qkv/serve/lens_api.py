@@ -152,8 +152,8 @@ def _estimate(lm: CausalLM, req: PatchRequest, ids: list[list[int]]) -> lens.Pat
     says what works instead."""
     if lm.weights in ("int8", "q4"):
         raise InputError(f"{req.model} is served with {lm.weights} weights, which have no gradients: the "
-                         'estimate needs float weights; ask for the exact sweep (method "exact"), or serve '
-                         "a float copy (a Hugging Face folder or a float .gguf in the runs folder)")
+                         'estimate needs float weights; ask for the exact sweep (method "exact"), or start '
+                         "the server with --weights fp32")
     return lens.attribution_patch(lm, ids[0], ids[1], site=req.site, answer=req.answer, wrong=req.wrong)
 
 

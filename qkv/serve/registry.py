@@ -116,13 +116,15 @@ class Registry:
     :meth:`use` or :meth:`acquire`; :meth:`get` loads one without holding it.
     """
 
-    def __init__(self, runs_dir: Path, max_loaded: int = 4, max_wait_s: float = 30.0) -> None:
+    def __init__(self, runs_dir: Path, max_loaded: int = 4, max_wait_s: float = 30.0, weights: str = "auto"
+                 ) -> None:
         if max_loaded < 1:
             raise ValueError(f"max_loaded must be >= 1, got {max_loaded}")
         self.runs_dir = Path(runs_dir)
         self.root = self.runs_dir.resolve()
         self.max_loaded = max_loaded
         self.max_wait_s = max_wait_s
+        self.weights = weights  # decoders' weights, as qkv.load's weights= ("auto": as each file holds them)
         self._cond = threading.Condition()
         self._models: OrderedDict[str, _Model] = OrderedDict()  # least recently used first
         self._replaced: list[_Model] = []  # replaced by a newer version while still in use
@@ -304,7 +306,8 @@ class Registry:
         m, load = self._claim(model_id, ref.key)
         if load:
             try:
-                src = open_model(ref)  # as qkv.load opens it (in the server: in its compute loop)
+                # as qkv.load opens it (in the server: in its compute loop)
+                src = open_model(ref, weights=self.weights if ref.kind == "decoder" else None)
             except BaseException:
                 with self._cond:
                     if self._models.get(model_id) is m:

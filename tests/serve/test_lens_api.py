@@ -206,6 +206,36 @@ def test_smollm2_as_the_server_loads_it_answers_the_estimate_with_one_line(clien
     body = {"model": "smollm2", "clean": "The capital of France is", "corrupt": "The capital of Italy is"}
     message = detail(client.post("/api/patch", json=body), 422)
     assert message.startswith("smollm2 is served with q4 weights") and 'method "exact"' in message
+    assert "--weights fp32" in message
+
+
+def test_the_server_holds_decoders_as_its_weights_option_says(runs_dir) -> None:
+    """`qkv serve --weights int8` holds every decoder in int8 (the estimate: a 422 naming
+    --weights fp32); with --weights fp32 the bundled SmolLM2 is float and the estimate answers, the
+    library's own on the model the server holds."""
+    from fastapi.testclient import TestClient
+    from serve_helpers import asset_installed
+
+    from qkv.serve import create_app
+
+    app = create_app(runs_dir=runs_dir, max_tokens=64, weights="int8")
+    with TestClient(app) as c:
+        message = detail(c.post("/api/patch", json=PATCH), 422)
+        assert app.state.registry.get("runs/gpt-tiny").weights == "int8" and "--weights fp32" in message
+    with pytest.raises(ValueError, match="weights must be"):
+        create_app(runs_dir=runs_dir, weights="fp16")
+    if not asset_installed("smollm2"):
+        return
+    app = create_app(runs_dir=runs_dir, max_tokens=64, weights="fp32")
+    body = {"model": "smollm2", "clean": "The capital of France is", "corrupt": "The capital of Italy is",
+            "site": "head"}
+    with TestClient(app) as c:
+        r = c.post("/api/patch", json=body)
+        assert r.status_code == 200, r.text
+        lm = app.state.registry.get("smollm2")
+        assert lm.weights == "fp32"
+        want = lens.attribution_patch(lm, body["clean"], body["corrupt"], site="head")
+        assert torch.allclose(torch.tensor(r.json()["values"]).float(), want.values, atol=1e-5)
 
 
 def _events(client, body: dict) -> list[dict]:
