@@ -190,6 +190,7 @@ def _patch_json(req: PatchRequest, p: PatchPair, values: torch.Tensor, est: lens
         estimate=_table(beside.values) if beside is not None else None,
         estimate_seconds=est.seconds if est is not None else None,
         agreement=_agreement(beside.values, values) if beside is not None else None,
+        saturated=[list(c) for c in est.saturated()] if est is not None else [],
         seconds=time.perf_counter() - t0)
 
 

@@ -283,6 +283,11 @@ class PatchResponse(BaseModel):
         None, description="the estimate's own time (two forward passes and one backward pass); null for a "
         "plain exact sweep")
     agreement: PatchAgreement | None = Field(None, description="compare: the estimate against the sweep")
+    saturated: list[list[int]] = Field(
+        default_factory=list,
+        description="with an estimate: heads (layer, head) whose attention is saturated in the corrupt "
+        "run (a row's largest weight >= 0.99 on the last row or on half the rows), where an effect "
+        "through them can be missed to first order (Kramar et al. 2024)")
     seconds: float = Field(description="server time for this request")
 
 

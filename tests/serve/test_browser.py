@@ -305,6 +305,9 @@ def test_qk_and_patching_panels_draw_what_the_api_says(page, server) -> None:
     assert page.evaluate("window.qkvPatch.method") == "estimate"
     assert page.evaluate("window.qkvPatch.values") == estimate["values"]
     assert page.evaluate("window.qkvPatchShown.panels") == ["estimate"]
+    # the known failure said where it may apply: saturated heads named in the title, or nothing
+    said = page.text_content("#patch text.patch-title")
+    assert ("saturated attention" in said) == bool(estimate["saturated"]), (said, estimate["saturated"])
     assert page.locator("#patch rect.patch-cell").count() == 2 * 4  # layers x heads
     # the exact sweep when asked: beside the estimate, with the server's agreement in the title
     page.click("#patch-exact")

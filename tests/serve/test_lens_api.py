@@ -136,6 +136,7 @@ def test_the_estimate_is_attribution_patching_and_answers_by_default(client, run
                                                                         abs=1e-6)
     assert len(body["rows"]) == lm.n_layers and len(body["columns"]) == est.values.shape[1]
     assert 0 < body["estimate_seconds"] <= body["seconds"] and body["estimate"] is None
+    assert body["saturated"] == [list(c) for c in est.saturated()]  # the flag the page shows
 
 
 def test_compare_holds_the_estimate_the_sweep_and_their_agreement(client, runs_dir) -> None:

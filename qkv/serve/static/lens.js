@@ -475,6 +475,16 @@ function patchRequest() {
     site: $("patch-site").value, answer: opt("patch-answer"), wrong: opt("patch-wrong") };
 }
 
+// The estimate's known failure (Kramár et al. 2024): a saturated softmax has a ~0 gradient, so an
+// effect that reaches the answer through such a head can be missed to first order.
+function saturatedNote(d) {
+  const n = d.saturated.length;
+  if (n === 0) return "";
+  const names = d.saturated.slice(0, 4).map(([l, h]) => `${l}.${h}`).join(", ");
+  return ` · saturated attention in ${n} head${n === 1 ? "" : "s"} (${names}${n > 4 ? ", …" : ""}):` +
+    " the estimate may miss effects through them";
+}
+
 function seconds(s) { return s < 1 ? `${(s * 1000).toFixed(0)} ms` : `${s.toFixed(2)} s`; }
 
 function patchPrompts() {
@@ -487,7 +497,7 @@ function patchPrompts() {
     patchState.estimate = d;
     window.qkvPatch = d;
     drawPatch(d, [["estimate", d.values]], `estimate (attribution patching) in ${seconds(d.estimate_seconds)}` +
-      " · Exact sweep: one forward pass per cell");
+      " · Exact sweep: one forward pass per cell" + saturatedNote(d));
   });
 }
 
@@ -505,7 +515,8 @@ function patchExact() {
     const agree = a === null ? "agreement undefined"
       : `Spearman ${a.spearman === null ? "undefined" : a.spearman.toFixed(3)} · top-${a.k} recall ${a.recall.toFixed(2)}`;
     drawPatch(d, [["estimate", d.estimate], ["exact", d.values]],
-      `estimate ${seconds(d.estimate_seconds)} · exact ${seconds(d.seconds - d.estimate_seconds)} · ${agree}`);
+      `estimate ${seconds(d.estimate_seconds)} · exact ${seconds(d.seconds - d.estimate_seconds)} · ${agree}` +
+      saturatedNote(d));
   });
 }
 
