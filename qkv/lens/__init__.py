@@ -10,6 +10,7 @@
     lens.patch(lm, clean, corrupt, site="head")            # activation patching
     lens.attribution_patch(lm, clean, corrupt)             # its estimate from 2 forward + 1 backward
     lens.edge_attribution(lm, clean, corrupt).top(10)      # the paths between heads that carry it
+    lens.faithfulness(lm, clean, corrupt, scores)          # keep a method's top-k heads: MIB's CPR, CMD
     lens.attribute(lm, text, " Paris", " London")          # direct logit attribution
     lens.head_scores(lm)                                   # previous-token, induction, ... heads
     lens.head_scores(lm, effects=True).copiers()           # ... and the heads whose knock-out undoes copying
@@ -25,6 +26,7 @@ from qkv.lens.attribution import Attribution, attribute
 from qkv.lens.cache import ActivationCache, run_with_cache
 from qkv.lens.causal import HeadEffects, Patching, ablate, head_effects, parse_heads, patch
 from qkv.lens.edges import Edge, Edges, edge_attribution
+from qkv.lens.faithful import Faithfulness, circuit_faithfulness, faithfulness
 from qkv.lens.heads import (
     COPY_AT,
     HEAD_TYPES,
@@ -42,8 +44,8 @@ from qkv.lens.heads import (
 from qkv.lens.predict import LogitLens, NextToken, TokenProb, logit_lens, next_token
 
 __all__ = ["COPY_AT", "HEAD_TYPES", "NAMED_AT", "ActivationCache", "Agreement", "Attribution", "Edge",
-           "Edges", "HeadEffects", "HeadScores", "LogitLens", "NextToken", "PatchEstimate", "Patching",
-           "QueryKey", "TokenProb", "ablate", "agreement", "attribute", "attribution_patch",
-           "copy_effects", "edge_attribution", "head_effects", "head_scores", "logit_lens", "next_token",
-           "parse_heads", "patch", "probe_avoid", "query_key", "repeated_tokens", "run_with_cache",
-           "score_model", "text_rollout"]
+           "Edges", "Faithfulness", "HeadEffects", "HeadScores", "LogitLens", "NextToken", "PatchEstimate",
+           "Patching", "QueryKey", "TokenProb", "ablate", "agreement", "attribute", "attribution_patch",
+           "circuit_faithfulness", "copy_effects", "edge_attribution", "faithfulness", "head_effects",
+           "head_scores", "logit_lens", "next_token", "parse_heads", "patch", "probe_avoid", "query_key",
+           "repeated_tokens", "run_with_cache", "score_model", "text_rollout"]

@@ -52,3 +52,130 @@ def test_recall_counts_the_planted_heads_among_the_largest():
     assert recall(scores, [(0, 0), (0, 2)]) == 1.0
     assert recall(scores, [(0, 0), (1, 2)]) == 0.5
     assert recall(-scores, [(0, 0), (0, 2)]) == 1.0  # by magnitude
+
+
+# --------------------------------------------------------------------------- trained planted models
+# Each trains once per session (a few seconds on one thread) into the session's temporary cache.
+
+from qkv.lens import planted  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def copy_model():
+    return planted.copying(seed=0)
+
+
+@pytest.fixture(scope="module")
+def previous_model():
+    return planted.previous_token(seed=0)
+
+
+def test_the_copy_task_repeats_a_span_and_scores_only_the_repeats():
+    r = planted.Recipe("copy", ((0, 1), (1, 2)), batch=16)
+    ids, targets = planted.task_batch(r, torch.Generator().manual_seed(0))
+    for row, tg in zip(ids.tolist(), targets.tolist(), strict=True):
+        R = next(i for i in range(1, len(row)) if row[i] == row[0])  # the span's length
+        assert len(set(row[:R])) == R and row == [row[i % R] for i in range(len(row))]
+        scored = [i for i, t in enumerate(tg) if t != -100]
+        assert scored == list(range(R - 1, len(row) - 1))  # the positions whose next token repeats
+        assert all(tg[i] == row[i + 1] == row[i + 1 - R] for i in scored)
+
+
+def test_the_previous_token_task_names_the_permuted_token_before():
+    r = planted.Recipe("previous", ((1, 1),), batch=8, seed=3)
+    ids, targets = planted.task_batch(r, torch.Generator().manual_seed(0))
+    pi = planted.permutation(r.vocab, 3)
+    assert sorted(pi) == list(range(r.vocab)) and pi != list(range(r.vocab))
+    assert (targets[:, 0] == -100).all()
+    assert targets[:, 1:].tolist() == [[pi[t] for t in row[:-1]] for row in ids.tolist()]
+
+
+def test_training_is_the_same_under_a_seed_and_moves_no_caller_rng():
+    r = planted.Recipe("previous", ((1, 1),), steps=5, batch=8)
+    torch.manual_seed(123)
+    before = torch.rand(1)
+    torch.manual_seed(123)
+    a, _ = planted.train(r)
+    assert torch.equal(torch.rand(1), before)
+    b, _ = planted.train(r)
+    c, _ = planted.train(planted.Recipe("previous", ((1, 1),), steps=5, batch=8, seed=1))
+    sa, sb, sc = a.state_dict(), b.state_dict(), c.state_dict()
+    assert all(torch.equal(sa[k], sb[k]) for k in sa)
+    assert not all(torch.equal(sa[k], sc[k]) for k in sa)
+
+
+def test_a_trained_model_is_cached_as_safetensors_keyed_by_its_recipe(tmp_path, monkeypatch):
+    from safetensors.torch import load_file
+
+    monkeypatch.setenv("QKV_CACHE_DIR", str(tmp_path))
+    r = planted.Recipe("copy", ((0, 1), (1, 2)), steps=3, batch=4)
+    first, seconds = planted.trained(r)
+    files = list((tmp_path / "planted").iterdir())
+    assert [f.name for f in files] == [f"copy-{r.key()}.safetensors"]  # no temporary file left
+    stored = load_file(str(files[0]))
+    assert all(torch.equal(stored[k].double(), v) for k, v in first.state_dict().items())
+
+    def no_training(recipe):
+        raise AssertionError("a cached recipe was trained again")
+
+    monkeypatch.setattr(planted, "train", no_training)
+    again, recorded = planted.trained(r)
+    assert recorded == pytest.approx(seconds, abs=1e-3)
+    assert all(torch.equal(again.state_dict()[k], v) for k, v in first.state_dict().items())
+    assert planted.Recipe("copy", ((0, 1), (1, 2)), steps=3, batch=4, seed=1).key() != r.key()
+    files[0].write_bytes(b"damaged")  # a damaged entry is trained again, not trusted
+    monkeypatch.undo()
+    monkeypatch.setenv("QKV_CACHE_DIR", str(tmp_path))
+    rebuilt, _ = planted.trained(r)
+    assert all(torch.equal(rebuilt.state_dict()[k], v) for k, v in first.state_dict().items())
+
+
+def test_the_copying_model_predicts_the_repeat_through_its_planted_heads(copy_model):
+    """The clean prompt repeats a span; the corrupt one has no earlier occurrence of the last
+    token. Exact patching finds the two planted heads and nothing else; the layer-1 head is an
+    induction head by its pattern (head_scores), its layer-0 partner attends to the token before
+    where the induction head's keys sit, though its score on the repeated-token probe stays
+    below the 0.5 that names a head."""
+    p = copy_model
+    span = p.clean[:8]
+    assert p.clean == span + span[:5] and p.answer == span[5] and span[4] not in p.corrupt[:-1]
+    assert planted._top(p.model, p.clean) == p.answer and planted._top(p.model, p.corrupt) == p.wrong
+    c = planted.check(p)
+    assert c.ok, (c.patch, c.kept)
+    assert abs(c.kept - 1) < 0.05
+    scores = lens.head_scores(p, repeat=9)
+    assert float(scores.induction[1, 2]) >= 0.5
+    assert float(scores.induction.flatten().topk(2).values[1]) < 0.2  # the only induction head
+    with torch.no_grad():
+        _, weights = lens.hooks.forward(p.model, torch.tensor([p.clean]), weights=True)
+    key = p.clean.index(p.answer)  # the induction head's key: the answer after the earlier X
+    assert float(weights[0][0, 1, key, key - 1]) > 0.4  # the layer-0 head reads X there
+    assert float(weights[1][0, 2, -1, key]) > 0.5
+
+
+def test_the_previous_token_model_names_the_token_before_through_one_head(previous_model):
+    p = previous_model
+    pi = planted.permutation(p.model.cfg.vocab_size, 0)
+    assert p.answer == pi[p.clean[-2]] and p.wrong == pi[p.corrupt[-2]] and p.answer != p.wrong
+    assert p.clean[:-2] == p.corrupt[:-2] and p.clean[-1] == p.corrupt[-1]
+    assert planted._top(p.model, p.clean) == p.answer and planted._top(p.model, p.corrupt) == p.wrong
+    c = planted.check(p)
+    assert c.ok and c.circuit == [(1, 1)], (c.patch, c.kept)
+    scores = lens.head_scores(p, repeat=9)
+    assert float(scores.previous[1, 1]) > 0.9
+    others = scores.previous.clone()
+    others[1, 1] = 0
+    assert float(others.max()) < 0.5
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_the_hand_set_circuit_passes_its_check(seed):
+    c = planted.check(induction(seed=seed))
+    assert c.ok and c.strongest_other < 0.1 and abs(c.kept - 1) < 0.05
+
+
+def test_a_wrong_circuit_fails_the_check():
+    p = induction(seed=0)
+    p.circuit = [(0, 0)]  # the induction head left out: it restores alone, and the rest cannot keep it
+    c = planted.check(p)
+    assert not c.ok and c.strongest_other > 0.9
