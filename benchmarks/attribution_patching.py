@@ -12,13 +12,18 @@ a date, a gendered pronoun), every head of every layer (30 x 9 = 270 cells) and 
   the exact sweep's 10 largest cells by |value|, the share among the estimate's 10 largest);
   the time of each, alternated over ``--rounds`` rounds (medians).
 
+- refinements per pair: integrated gradients for heads (``ig_steps=4``); a head's queries and
+  keys alone (sites "query", "key": the exact sweep, plain AtP and AtP*'s QK fix); edge attribution
+  (EAP, EAP-IG with 4 steps: its time and strongest edges; no exact reference at this size);
 - planted: the hand-set two-layer induction circuit with distractor heads (``qkv.lens.planted``,
-  seeds 0-4): the share of the two planted heads among each method's two largest cells.
+  seeds 0-4): the share of the two planted heads among each method's two largest cells; and the
+  pair on which its induction head is saturated in both runs (the earlier X moved): plain AtP,
+  the QK fix and IG against the exact patch on the heads that make the answer.
 
 The issue's goals (issue 54): Spearman ≥ 0.9 and top-10 recall ≥ 0.9 with AtP* (plain AtP
 reported too), all 270 heads in ≤ 1 s on 2 cores.
 
-    python benchmarks/attribution_patching.py             # ~2 minutes on 2 cores
+    python benchmarks/attribution_patching.py             # ~8 minutes on 2 cores
 """
 
 from __future__ import annotations
@@ -41,6 +46,16 @@ PAIRS = [
     ("gendered pronoun", "John was late, so the teacher asked why", "Mary was late, so the teacher asked why",
      " he", " she"),
 ]
+# the refinements, timed once a round: (name, lens function, its arguments beyond the pair)
+MORE = [("ig4 head", "attribution_patch", {"site": "head", "ig_steps": 4}),
+        ("exact query", "patch", {"site": "query"}),
+        ("estimate query", "attribution_patch", {"site": "query"}),
+        ("qk fix query", "attribution_patch", {"site": "query", "qk_fix": True}),
+        ("exact key", "patch", {"site": "key"}),
+        ("estimate key", "attribution_patch", {"site": "key"}),
+        ("qk fix key", "attribution_patch", {"site": "key", "qk_fix": True}),
+        ("eap", "edge_attribution", {}),
+        ("eap-ig4", "edge_attribution", {"ig_steps": 4})]
 
 
 def main() -> None:
@@ -63,7 +78,10 @@ def main() -> None:
         if n_c != n_k:
             raise SystemExit(f"{kind}: the prompts have {n_c} and {n_k} tokens; the pairs must match")
         times: dict[str, list[float]] = {"exact head": [], "estimate head": [], "exact resid": [],
-                                         "estimate resid": [], "grad drop head": []}
+                                         "estimate resid": [], "grad drop head": [], "ig4 head": [],
+                                         "exact query": [], "estimate query": [], "qk fix query": [],
+                                         "exact key": [], "estimate key": [], "qk fix key": [],
+                                         "eap": [], "eap-ig4": []}
         got = {}
         for r in range(args.rounds):
             for site in ("head", "resid"):
@@ -81,6 +99,10 @@ def main() -> None:
             got["grad drop"] = lens.attribution_patch(lm, clean, corrupt, site="head", answer=answer,
                                                       wrong=wrong, grad_drop=True)
             times["grad drop head"].append(time.perf_counter() - t)
+            for name, fn, extra in MORE:
+                t = time.perf_counter()
+                got[name] = getattr(lens, fn)(lm, clean, corrupt, answer=answer, wrong=wrong, **extra)
+                times[name].append(time.perf_counter() - t)
         res = {"kind": kind, "clean": clean, "corrupt": corrupt, "answer": got["exact head"].answer,
                "wrong": got["exact head"].wrong, "tokens": n_c,
                "clean_diff": round(got["exact head"].clean_diff, 4),
@@ -102,6 +124,29 @@ def main() -> None:
         rows.append([kind, "head, GradDrop (|.|)", f"{gd.spearman:.3f} (plain {plain_abs.spearman:.3f})",
                      f"{gd.recall:.1f}", f"{C.median(times['grad drop head']):.2f} s",
                      f"{C.median(times['exact head']):.2f} s"])
+        ig = lens.agreement(got["ig4 head"].values, got["exact head"].values, k=10)
+        res["ig4_head"] = {"spearman": round(ig.spearman, 4), "top10_recall": ig.recall,
+                           "values": got["ig4 head"].values.tolist()}
+        rows.append([kind, "head, IG (4 steps)", f"{ig.spearman:.3f}", f"{ig.recall:.1f}",
+                     f"{C.median(times['ig4 head']):.2f} s", f"{C.median(times['exact head']):.2f} s"])
+        for part in ("query", "key"):
+            ex = got[f"exact {part}"].values
+            res[part] = {"exact_values": ex.tolist()}
+            for how in ("estimate", "qk fix"):
+                a = lens.agreement(got[f"{how} {part}"].values, ex, k=10)
+                res[part][how.replace(" ", "_")] = {"spearman": round(a.spearman, 4),
+                                                    "top10_recall": a.recall,
+                                                    "values": got[f"{how} {part}"].values.tolist()}
+                rows.append([kind, f"{part}, {'AtP' if how == 'estimate' else 'QK fix'}", f"{a.spearman:.3f}",
+                             f"{a.recall:.1f}", f"{C.median(times[f'{how} {part}']):.2f} s",
+                             f"{C.median(times[f'exact {part}']):.2f} s"])
+        for name in ("eap", "eap-ig4"):
+            e = got[name]
+            res[name] = {"edges": int((~e.values.isnan()).sum()),
+                         "top": [[t.sender, t.receiver, round(t.value, 4)] for t in e.top(10)]}
+            rows.append([kind, f"edges, {name.upper()} ({res[name]['edges']})",
+                         ", ".join(f"{t.sender}>{t.receiver}" for t in e.top(3)), "-",
+                         f"{C.median(times[name]):.2f} s", "-"])
         results.append(res)
         print(f"{kind}: heads Spearman {res['head']['spearman']:.3f}, top-10 recall "
               f"{res['head']['top10_recall']:.1f}; resid {res['resid']['spearman']:.3f} / "
@@ -121,11 +166,32 @@ def main() -> None:
     for name in ("exact", "atp", "grad_drop"):
         print(f"planted induction circuit, recall of its 2 heads by {name}: "
               + " ".join(f"{r[name]:.1f}" for r in planted), flush=True)
+    # saturated in both runs: clean [f X Y f ... X] -> Y, corrupt: the earlier X moved to position 4,
+    # followed by Z; the induction head attends (weight ~1) to Z's position instead
+    pl = induction(vocab=8, n_ctx=12, heads=3, distractor=0.0, seed=0)
+    clean_s, corrupt_s = [3, 0, 1, 4, 5, 6, 7, 3, 4, 5, 6, 0], [3, 4, 1, 5, 0, 2, 7, 3, 4, 5, 6, 0]
+    kw = dict(answer=1, wrong=2)
+    saturated = {
+        "keys of the induction head 1.0": {
+            "exact": float(lens.patch(pl, clean_s, corrupt_s, site="key", **kw).values[1, 0]),
+            "atp": float(lens.attribution_patch(pl, clean_s, corrupt_s, site="key", **kw).values[1, 0]),
+            "qk_fix": float(lens.attribution_patch(pl, clean_s, corrupt_s, site="key", qk_fix=True,
+                                                   **kw).values[1, 0])},
+        "previous-token head 0.0 (output)": {
+            "exact": float(lens.patch(pl, clean_s, corrupt_s, site="head", **kw).values[0, 0]),
+            "atp": float(lens.attribution_patch(pl, clean_s, corrupt_s, site="head", **kw).values[0, 0]),
+            "grad_drop": float(lens.attribution_patch(pl, clean_s, corrupt_s, site="head", grad_drop=True,
+                                                      **kw).grad_drop[0, 0]),
+            **{f"ig{m}": float(lens.attribution_patch(pl, clean_s, corrupt_s, site="head", ig_steps=m,
+                                                      **kw).values[0, 0]) for m in (4, 16, 64)}}}
+    for what, vals in saturated.items():
+        print(f"planted, saturated pair, {what}: " + ", ".join(f"{k} {v:.3f}" for k, v in vals.items()),
+              flush=True)
     C.print_table(f"SmolLM2 fp32, attribution patching (AtP) vs the exact sweep, "
                   f"{torch.get_num_threads()} threads",
                   ["pair", "site", "Spearman", "top-10 recall", "AtP", "exact sweep"], rows)
     out = C.write_json(NAME, {"machine": machine, "threads": torch.get_num_threads(), "rounds": args.rounds,
-                              "pairs": results, "planted": planted}, args.out)
+                              "pairs": results, "planted": planted, "planted_saturated": saturated}, args.out)
     print(f"wrote {out}")
 
 
