@@ -73,6 +73,18 @@ def call_one_thread(argv: list[str], cache_dir: Path | None = None) -> tuple[int
         return call(argv)
 
 
+def call_json(argv: list[str]):
+    """:func:`call` of a command printing JSON (``--json``): it must succeed; its parsed output."""
+    rc, out, err = call(argv)
+    assert rc == 0, err
+    return json.loads(out)
+
+
+def word_ids(text: str) -> torch.Tensor:
+    """(1, T) ids of a text of the tests' word-level vocabulary ("w7" <-> id 7)."""
+    return torch.tensor([[int(w[1:]) for w in text.split()]])
+
+
 def assert_one_line_error(rc: int, err: str) -> str:
     """The failure contract: exit code 2, one line on stderr starting 'qkv: error: ', no traceback."""
     assert rc == 2, err

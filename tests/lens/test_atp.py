@@ -9,7 +9,7 @@ import copy
 
 import pytest
 import torch
-from helpers import hf_decoder_folder
+from helpers import hf_decoder_folder, word_ids
 
 import qkv
 from qkv import lens
@@ -34,8 +34,6 @@ def _open(kind: str, tmp_path_factory):
     return _OPENED[kind]
 
 
-def _ids(text: str) -> torch.Tensor:
-    return torch.tensor([[int(w[1:]) for w in text.split()]])
 
 
 def _out_projs(ref, kind: str) -> list:
@@ -71,9 +69,9 @@ def test_each_head_is_clean_minus_corrupt_output_times_the_references_gradient(k
              for i, p in enumerate(projs)]
     try:
         with torch.no_grad():
-            ref64(_ids(TEXT))
+            ref64(word_ids(TEXT))
         clean = {i: t.clone() for i, t in seen.items()}
-        logits = ref64(_ids(CORRUPT)).logits
+        logits = ref64(word_ids(CORRUPT)).logits
         ld = _metric(metric, logits[0, -1])
         grads = torch.autograd.grad(ld, [seen[i] for i in range(L)])
     finally:
@@ -85,7 +83,7 @@ def test_each_head_is_clean_minus_corrupt_output_times_the_references_gradient(k
     assert est.delta.shape == (L, H)
     torch.testing.assert_close(est.delta.double(), want, rtol=1e-4, atol=1e-5)
     with torch.no_grad():
-        clean_ld = ref64(_ids(TEXT)).logits[0, -1]
+        clean_ld = ref64(word_ids(TEXT)).logits[0, -1]
     assert est.clean_diff == pytest.approx(float(_metric(metric, clean_ld)), abs=1e-4)
     assert est.corrupt_diff == pytest.approx(float(ld.detach()), abs=1e-4)
     torch.testing.assert_close(est.values, est.delta / (est.clean_diff - est.corrupt_diff))
@@ -109,7 +107,7 @@ def test_grad_drop_is_the_mean_magnitude_with_each_layers_gradient_dropped(tmp_p
     hooks = [p.register_forward_pre_hook(lambda mod, args, i=i: seen.__setitem__(i, args[0]))
              for i, p in enumerate(_out_projs(ref64, "gpt2"))]
     with torch.no_grad():
-        ref64(_ids(TEXT))
+        ref64(word_ids(TEXT))
     clean = seen[0].clone()
 
     def zero_grad(mod, args, out):
@@ -118,7 +116,7 @@ def test_grad_drop_is_the_mean_magnitude_with_each_layers_gradient_dropped(tmp_p
 
     hooks += [block.attn.register_forward_hook(zero_grad), block.mlp.register_forward_hook(zero_grad)]
     try:
-        logits = ref64(_ids(CORRUPT)).logits
+        logits = ref64(word_ids(CORRUPT)).logits
         (g,) = torch.autograd.grad(logits[0, -1, A] - logits[0, -1, B], [seen[0]])
     finally:
         for h in hooks:
@@ -131,14 +129,14 @@ def test_grad_drop_is_the_mean_magnitude_with_each_layers_gradient_dropped(tmp_p
 
 def _ld_with(lm, edits: Edits) -> float:
     with hooked(lm.model, edits=edits), torch.no_grad():
-        out, _ = forward(lm.model, _ids(CORRUPT))
+        out, _ = forward(lm.model, word_ids(CORRUPT))
     return float(out[0, -1, A] - out[0, -1, B])
 
 
 def _record(lm, text: str) -> Recorded:
     rec = Recorded()
     with hooked(lm.model, record=rec), torch.no_grad():
-        forward(lm.model, _ids(text))
+        forward(lm.model, word_ids(text))
     return rec
 
 
@@ -229,7 +227,7 @@ def _part_seen(ref64, kind: str, part: str, layer: int, h: int, text: str) -> to
     handle = mod.register_forward_hook(lambda m, args, out: box.__setitem__("seen", out[..., sl].clone()))
     try:
         with torch.no_grad():
-            ref64(_ids(text))
+            ref64(word_ids(text))
     finally:
         handle.remove()
     return box["seen"]
@@ -248,7 +246,7 @@ def _part_patched(ref64, kind: str, part: str, layer: int, h: int, put: torch.Te
     handle = mod.register_forward_hook(hook)
     try:
         with torch.no_grad():
-            logits = ref64(_ids(CORRUPT)).logits
+            logits = ref64(word_ids(CORRUPT)).logits
     finally:
         handle.remove()
     return float(_metric(metric, logits[0, -1]))
@@ -265,8 +263,8 @@ def test_patching_a_heads_query_key_or_value_against_transformers_hooks(kind, pa
     ref64 = copy.deepcopy(ref).double()
     L, H = got.values.shape
     with torch.no_grad():
-        lo = float(_metric("prob", ref64(_ids(CORRUPT)).logits[0, -1]))
-        hi = float(_metric("prob", ref64(_ids(TEXT)).logits[0, -1]))
+        lo = float(_metric("prob", ref64(word_ids(CORRUPT)).logits[0, -1]))
+        hi = float(_metric("prob", ref64(word_ids(TEXT)).logits[0, -1]))
     assert got.corrupt_diff == pytest.approx(lo, abs=1e-5) and got.clean_diff == pytest.approx(hi, abs=1e-5)
     want = torch.empty(L, H, dtype=torch.float64)
     for layer in range(L):
@@ -371,11 +369,11 @@ def test_integrated_gradients_against_transformers_inputs_embeds(tmp_path_factor
              for i, q in enumerate(projs)]
     try:
         with torch.no_grad():
-            ref64(_ids(TEXT))
+            ref64(word_ids(TEXT))
             zc = {i: t.clone() for i, t in seen.items()}
-            ref64(_ids(CORRUPT))
+            ref64(word_ids(CORRUPT))
             zk = {i: t.clone() for i, t in seen.items()}
-            ec, ek = ref64.transformer.wte(_ids(TEXT)), ref64.transformer.wte(_ids(CORRUPT))
+            ec, ek = ref64.transformer.wte(word_ids(TEXT)), ref64.transformer.wte(word_ids(CORRUPT))
         mean = [torch.zeros_like(zk[i]) for i in range(L)]
         for j in range(3):
             logits = ref64(inputs_embeds=ek + (j + 0.5) / 3 * (ec - ek)).logits

@@ -4,11 +4,9 @@ flags say where the estimate is known to fail, and bad combinations are one line
 
 from __future__ import annotations
 
-import json
-
 import pytest
 import torch
-from helpers import PNG, assert_one_line_error, call, hf_decoder_folder
+from helpers import PNG, assert_one_line_error, call, call_json, hf_decoder_folder
 
 import qkv
 from qkv import lens
@@ -25,10 +23,6 @@ def gpt2(tmp_path_factory):
     return str(folder)
 
 
-def _json(argv):
-    rc, out, err = call(argv)
-    assert rc == 0, err
-    return json.loads(out)
 
 
 @pytest.mark.parametrize("extra, kw", [
@@ -37,7 +31,7 @@ def _json(argv):
     (["--site", "query"], dict(site="query")),
 ])
 def test_cli_estimates_are_the_librarys(gpt2, extra, kw):
-    got = _json(["lens", gpt2, TEXT, *PAIR, "--estimate", *extra, "--json"])
+    got = call_json(["lens", gpt2, TEXT, *PAIR, "--estimate", *extra, "--json"])
     est = lens.attribution_patch(qkv.load(gpt2), TEXT, CORRUPT, answer="w7", wrong="w8", **kw)
     assert got["metric"] == est.metric and got["site"] == est.site
     assert torch.allclose(torch.tensor(got["values"]), est.values, atol=1e-6)
@@ -46,10 +40,10 @@ def test_cli_estimates_are_the_librarys(gpt2, extra, kw):
 
 def test_cli_exact_query_patch_and_grad_drop_are_the_librarys(gpt2):
     lm = qkv.load(gpt2)
-    got = _json(["lens", gpt2, TEXT, *PAIR, "--site", "value", "--metric", "prob", "--json"])
+    got = call_json(["lens", gpt2, TEXT, *PAIR, "--site", "value", "--metric", "prob", "--json"])
     exact = lens.patch(lm, TEXT, CORRUPT, site="value", answer="w7", wrong="w8", metric="prob")
     assert got["method"] == "exact" and torch.allclose(torch.tensor(got["values"]), exact.values, atol=1e-6)
-    got = _json(["lens", gpt2, TEXT, *PAIR, "--site", "head", "--estimate", "--grad-drop", "--json"])
+    got = call_json(["lens", gpt2, TEXT, *PAIR, "--site", "head", "--estimate", "--grad-drop", "--json"])
     est = lens.attribution_patch(lm, TEXT, CORRUPT, site="head", answer="w7", wrong="w8", grad_drop=True)
     assert torch.allclose(torch.tensor(got["grad_drop"]), est.grad_drop, atol=1e-6)
     assert got["cancelling"] == [list(c) for c in est.cancelling()]
@@ -59,7 +53,7 @@ def test_cli_exact_query_patch_and_grad_drop_are_the_librarys(gpt2):
 
 
 def test_cli_edges_are_the_librarys_as_a_table_and_a_graph(gpt2, tmp_path):
-    got = _json(["lens", gpt2, TEXT, *PAIR, "--edges", "--ig-steps", "2", "-k", "6", "--json"])
+    got = call_json(["lens", gpt2, TEXT, *PAIR, "--edges", "--ig-steps", "2", "-k", "6", "--json"])
     e = lens.edge_attribution(qkv.load(gpt2), TEXT, CORRUPT, answer="w7", wrong="w8", ig_steps=2)
     want = e.top(6)
     assert got["method"] == "EAP-IG (2 steps)"

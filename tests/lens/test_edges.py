@@ -10,7 +10,7 @@ import copy
 
 import pytest
 import torch
-from helpers import hf_decoder_folder
+from helpers import hf_decoder_folder, word_ids
 
 import qkv
 from qkv import lens
@@ -33,8 +33,6 @@ def _open(kind: str, tmp_path_factory):
     return _OPENED[kind]
 
 
-def _ids(text: str) -> torch.Tensor:
-    return torch.tensor([[int(w[1:]) for w in text.split()]])
 
 
 def _gpt2_writes(ref64, text: str) -> dict[str, torch.Tensor]:
@@ -55,7 +53,7 @@ def _gpt2_writes(ref64, text: str) -> dict[str, torch.Tensor]:
                       f"m{layer}", out[0].clone()))]
     try:
         with torch.no_grad():
-            ref64(_ids(text))
+            ref64(word_ids(text))
     finally:
         for h in hooks:
             h.remove()
@@ -90,7 +88,7 @@ def _gpt2_metric_with(ref64, receiver: str, add: torch.Tensor) -> float:
         hooks.append(block.attn.c_attn.register_forward_hook(moved))
     try:
         with torch.no_grad():
-            logits = ref64(_ids(CORRUPT)).logits
+            logits = ref64(word_ids(CORRUPT)).logits
     finally:
         for h in hooks:
             h.remove()

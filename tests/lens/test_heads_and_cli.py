@@ -9,7 +9,7 @@ import xml.etree.ElementTree as ET
 
 import pytest
 import torch
-from helpers import PNG, assert_one_line_error, call, hf_decoder_folder
+from helpers import PNG, assert_one_line_error, call, call_json, hf_decoder_folder
 
 import qkv
 from qkv import lens
@@ -152,15 +152,11 @@ def gpt2(tmp_path_factory):
     return hf_decoder_folder("gpt2", folder), str(folder)
 
 
-def _json(argv):
-    rc, out, err = call(argv)
-    assert rc == 0, err
-    return json.loads(out)
 
 
 def test_cli_probs_equal_transformers(gpt2):
     ref, folder = gpt2
-    got = _json(["lens", folder, "--prompt", TEXT, "--temperature", "0.7", "-k", "4", "--json"])
+    got = call_json(["lens", folder, "--prompt", TEXT, "--temperature", "0.7", "-k", "4", "--json"])
     with torch.no_grad():
         logits = ref(torch.tensor([[int(w[1:]) for w in TEXT.split()]])).logits[0, -1].double()
     want = torch.softmax(logits / 0.7, -1).topk(4)
@@ -171,7 +167,7 @@ def test_cli_probs_equal_transformers(gpt2):
 def test_cli_views_agree_with_the_library(gpt2, tmp_path):
     _, folder = gpt2
     lm = qkv.load(folder)
-    got = _json(["lens", folder, TEXT, "--effects", "--heads", "--attribute", "w7", "--wrong", "w8",
+    got = call_json(["lens", folder, TEXT, "--effects", "--heads", "--attribute", "w7", "--wrong", "w8",
                  "--patch", "--corrupt", TEXT.replace("w60", "w61"), "--answer", "w7", "--json"])
     eff = lens.head_effects(lm, TEXT, answer="w7", wrong="w8")  # --answer and --wrong apply to --effects too
     assert got["effects"]["metric"] == "logit difference"
@@ -189,8 +185,8 @@ def test_cli_patch_estimate_is_the_librarys_beside_the_exact_sweep(gpt2):
     _, folder = gpt2
     lm = qkv.load(folder)
     corrupt = TEXT.replace("w60", "w61")
-    got = _json(["lens", folder, TEXT, "--patch", "--corrupt", corrupt, "--site", "head", "--answer", "w7",
-                 "--wrong", "w8", "--estimate", "--compare", "-k", "5", "--json"])
+    pair = ["--patch", "--corrupt", corrupt, "--site", "head", "--answer", "w7", "--wrong", "w8"]
+    got = call_json(["lens", folder, TEXT, *pair, "--estimate", "--compare", "-k", "5", "--json"])
     est = lens.attribution_patch(lm, TEXT, corrupt, site="head", answer="w7", wrong="w8")
     exact = lens.patch(lm, TEXT, corrupt, site="head", answer="w7", wrong="w8")
     assert got["method"] == "attribution patching"
@@ -199,14 +195,13 @@ def test_cli_patch_estimate_is_the_librarys_beside_the_exact_sweep(gpt2):
     agree = lens.agreement(est.values, exact.values, k=5)
     assert got["spearman"] == pytest.approx(agree.spearman)
     assert got["recall"] == agree.recall and got["k"] == 5
-    alone = _json(["lens", folder, TEXT, "--patch", "--corrupt", corrupt, "--site", "head", "--answer", "w7",
-                   "--wrong", "w8", "--estimate", "--json"])
+    alone = call_json(["lens", folder, TEXT, *pair, "--estimate", "--json"])
     assert "exact_values" not in alone and alone["values"] == got["values"]
 
 
 def test_cli_heads_by_effect_are_the_librarys(gpt2):
     _, folder = gpt2
-    got = _json(["lens", folder, "--heads", "--by-effect", "--json"])
+    got = call_json(["lens", folder, "--heads", "--by-effect", "--json"])
     sc = lens.head_scores(qkv.load(folder), effects=True)
     assert torch.allclose(torch.tensor(got["copying"]), sc.copying, atol=1e-6)
     assert got["copiers"] == [[layer, h, pytest.approx(r)] for layer, h, r in sc.copiers()]
@@ -279,7 +274,7 @@ def test_encoders_get_ablation_and_head_scores_not_predictions(tmp_path):
         model.stack.blocks[1].attn.out_proj.weight[:, 32:48] = 0
         want = model(torch.tensor([enc.tokenizer.encode("w3 w4 w5")])).hidden[0]
     assert (got - want).abs().max() <= 1e-6
-    data = _json(["lens", folder, "w3 w4 w5", "--effects", "--json"])
+    data = call_json(["lens", folder, "w3 w4 w5", "--effects", "--json"])
     assert data["metric"] == "embedding change" and len(data["effect"]) == 2
 
 
@@ -374,7 +369,7 @@ def test_show_draws_the_patch_estimate_and_beside_it_the_exact_sweep(gpt2):
 
 def test_cli_qk_is_the_library_row(gpt2):
     _, folder = gpt2
-    got = _json(["lens", folder, TEXT, "--qk", "1.2", "--query", "6", "--json"])
+    got = call_json(["lens", folder, TEXT, "--qk", "1.2", "--query", "6", "--json"])
     qk = lens.query_key(qkv.load(folder), TEXT, 1, 2, 6)
     assert got["query_token"] == "w1" and got["keys"] == TEXT.split()[:7]
     assert torch.allclose(torch.tensor(got["weights"]), qk.weights, atol=1e-6)
@@ -385,7 +380,7 @@ def test_cli_qk_is_the_library_row(gpt2):
 
 def test_cli_rollout_is_the_library_rollout(gpt2, tmp_path):
     _, folder = gpt2
-    got = _json(["lens", folder, TEXT, "--rollout", "--json"])
+    got = call_json(["lens", folder, TEXT, "--rollout", "--json"])
     tokens, r = lens.text_rollout(qkv.load(folder), TEXT)
     assert got["tokens"] == tokens and torch.allclose(torch.tensor(got["rollout"]), r, atol=1e-6)
     rc, out, err = call(["lens", folder, TEXT, "--rollout", "-o", str(tmp_path / "r.png")])
