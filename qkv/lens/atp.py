@@ -26,10 +26,10 @@ entering block l at position t; "query" / "key" / "value" (L, H), one input of h
 cross-entropy). Values are normalised as :class:`~qkv.lens.Patching`'s: (M_estimated - M_corrupt)
 / (M_clean - M_corrupt), 0 = as corrupt, 1 = as clean.
 
-AtP* (Kramár et al. 2024) fixes plain AtP's two false negatives: ``qk_fix`` (§3.1.1) computes the
+AtP* (Kramár et al. 2024) fixes plain AtP's two false negatives: ``qk_fix`` computes the
 change of a head's attention exactly when its queries or keys are patched (a saturated softmax
 has a ~0 gradient however large the change of its pattern) and linearises only what follows;
-``grad_drop`` (§3.1.2) repeats the backward pass with each layer's gradient dropped in turn, so
+``grad_drop`` repeats the backward pass with each layer's gradient dropped in turn, so
 that a cell whose direct and indirect effects cancel still shows. Every site reduces to one
 change of an activation per cell (Δz, or Δ of the stream) dotted with one gradient:
 
@@ -241,9 +241,9 @@ def attribution_patch(lm: TextModel, clean: str | list[int], corrupt: str | list
     the metric, and a dot product per cell (see the module's text). The model must hold float
     weights (``--weights fp32`` or bf16: the quantised kernels have no gradient).
 
-    ``qk_fix`` (sites "query" and "key"): AtP*'s QK fix (Kramár et al. 2024, §3.1.1): the head's
+    ``qk_fix`` (sites "query" and "key"): AtP*'s QK fix (Kramár et al. 2024): the head's
     attention recomputed exactly with the clean queries (keys), only the rest of the model
-    linearised. ``grad_drop``: also AtP*'s GradDrop (§3.1.2), against cancellation, where a
+    linearised. ``grad_drop``: also AtP*'s GradDrop, against cancellation, where a
     cell's direct and indirect effects offset each other and plain AtP sees ~0: one more backward
     pass per layer l with the gradient through l's attention and MLP outputs dropped, and
     :attr:`PatchEstimate.grad_drop` = the mean over l of |the estimate with l dropped| (a cell's
