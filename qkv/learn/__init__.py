@@ -61,7 +61,7 @@ def run(name: str, fn: Callable[..., Any]) -> Report:
             message = f"{name} is not written yet (it raises NotImplementedError)"
         except Exception as e:
             message = f"your function raised {type(e).__name__}: {' '.join(str(e).split())[:240]}"
-        results.append(CheckResult(c.name, message is None, message or ""))
+        results.append(CheckResult.of(c.name, message))
     return Report(name, tuple(results))
 
 

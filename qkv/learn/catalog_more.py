@@ -687,7 +687,7 @@ def _reveal(r: Revealed) -> str:
 
 @check("the two heads attribution patching ranks highest, on 4 planted induction models with decoys "
        "(each layer's heads shuffled)")
-def _predict_top(f) -> None:
+def _predict_top(f) -> str:
     for r in _instances():
         L, H = r.estimate.shape
         got = _pairs(f({name: getattr(r.weights, name).clone() for name in WEIGHTS}, list(r.clean),
@@ -709,6 +709,9 @@ def _predict_top(f) -> None:
             why = _why(set(got), r)
         raise CheckError(f"for {inputs}: you predict {sorted(got)}, attribution patching's top 2 are "
                          f"{sorted(r.top)}: {'; '.join(why)}{_reveal(r)}")
+    first = _instances()[0]  # passed: reveal what the prediction was about (the first model)
+    return (f"revealed, for the first model ({first.estimate.shape[0]} layers of {first.estimate.shape[1]} "
+            f"heads), your {sorted(first.top)} as the lens computes them:{_reveal(first)}")
 
 
 PREDICT_ATTRIBUTION = Exercise(

@@ -35,16 +35,35 @@ class Check:
     forbids: tuple[str, ...] = ()
 
 
+class Shown(str):
+    """What a check returns when it passed and has something to show (a prediction exercise's
+    reveal: the numbers the prediction was about); any other string a check returns is the
+    message of a failure."""
+
+
 @dataclass(frozen=True)
 class CheckResult:
-    """The outcome of one check: ``ok`` and, when it failed, the message that says why."""
+    """The outcome of one check: ``ok`` and, when it failed, the message that says why; ``note``:
+    what a passing check shows (:class:`Shown`)."""
 
     name: str
     ok: bool
     message: str = ""
+    note: str = ""
+
+    @classmethod
+    def of(cls, name: str, said: str | None) -> CheckResult:
+        """The result of a check that said ``said``: None (passed), a :class:`Shown` (passed, with
+        something to show) or a message (failed)."""
+        if isinstance(said, Shown):
+            return cls(name, True, "", str(said))
+        return cls(name, said is None, said or "")
 
     def as_dict(self) -> dict[str, Any]:
-        return {"name": self.name, "ok": self.ok, "message": self.message}
+        out: dict[str, Any] = {"name": self.name, "ok": self.ok, "message": self.message}
+        if self.note:
+            out["note"] = self.note
+        return out
 
 
 @dataclass(frozen=True)
@@ -80,9 +99,8 @@ class Report:
         if self.error:
             lines.append(f"  FAIL  {self.error}")
         for c in self.checks:
-            lines.append(
-                f"  {'ok  ' if c.ok else 'FAIL'}  {c.name}" + ("" if c.ok else f"\n        {c.message}")
-            )
+            said = f"\n        {c.note}" if c.ok and c.note else "" if c.ok else f"\n        {c.message}"
+            lines.append(f"  {'ok  ' if c.ok else 'FAIL'}  {c.name}" + said)
         n = sum(c.ok for c in self.checks)
         lines.append(f"{n}/{len(self.checks)} checks pass" + (": well done" if self.passed else ""))
         return "\n".join(lines)
@@ -323,15 +341,16 @@ def forbid(*names: str) -> Check:
 
 
 def check(name: str) -> Callable[[CheckFn], Check]:
-    """Decorator: a function of the student's function raising CheckError -> a :class:`Check`."""
+    """Decorator: a function of the student's function raising CheckError -> a :class:`Check`;
+    a string it returns (having passed) is shown beside the pass (:class:`Shown`)."""
 
-    def wrap(fn: Callable[[Callable[..., Any]], None]) -> Check:
+    def wrap(fn: Callable[[Callable[..., Any]], str | None]) -> Check:
         def run(student: Callable[..., Any]) -> str | None:
             try:
-                fn(student)
+                shown = fn(student)
             except CheckError as e:
                 return str(e)
-            return None
+            return Shown(shown) if isinstance(shown, str) else None
 
         return Check(name, run)  # type: ignore[arg-type]
 

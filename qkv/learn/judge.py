@@ -507,7 +507,7 @@ def judge(exercise: Exercise, source: str, timeout: float = TIMEOUT_S, seed_offs
     """Every check of ``exercise`` on the function of that name in ``source``: the function runs
     in a :class:`Child`, the checks here (on inputs moved by ``seed_offset``; 0: the public
     ones). ``timeout`` bounds everything, the child's start included."""
-    from qkv.learn.exercise import CheckResult, Report, other_inputs
+    from qkv.learn.exercise import CheckResult, Report, Shown, other_inputs
     from qkv.learn.source import read_calls, untouched
 
     name = exercise.name
@@ -556,9 +556,9 @@ def judge(exercise: Exercise, source: str, timeout: float = TIMEOUT_S, seed_offs
                 except Exception as e:
                     message = _said(e, name, shown)
                     stubbed += isinstance(e, StudentRaisedError) and e.kind == "NotImplementedError"
-                if message is not None:
+                if message is not None and not isinstance(message, Shown):
                     message += _feedback(remote, start)
-                results.append(CheckResult(c.name, message is None, message or ""))
+                results.append(CheckResult.of(c.name, message))
         if gone:
             return Report(name, tuple(results), gone, status="error", notes=tuple(loaded.notes))
         seen = {f for a in remote.log for f in a.forbidden}

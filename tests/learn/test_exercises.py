@@ -505,6 +505,27 @@ def test_a_wrong_prediction_reveals_both_tables():
     assert "qkv.lens.patch) measures layer 0: [" in message
 
 
+def test_a_right_prediction_passes_and_still_reveals_the_tables():
+    """Predict, then reveal: a passing prediction is shown the tables it was about (the report's
+    note beside the pass), with the lens's own numbers for the first model."""
+    from qkv import lens
+    from qkv.learn.catalog_more import _instances
+    from qkv.lens.planted import Planted
+
+    report = run("predict_attribution_heads", predict_attribution_heads)
+    assert report.passed
+    (c,) = [c for c in report.checks if c.note]
+    assert c.ok and c.message == "" and report.as_dict()["checks"][0]["note"] == c.note
+    assert "attribution_patch, site='head') estimates layer 0: [" in c.note and c.note in report.text()
+    r = _instances()[0]  # the note's numbers are the lens's, recomputed here on the same weights
+    from qkv.learn.handmade_model import qkv_gpt
+
+    lm = Planted(qkv_gpt(r.weights), sorted(r.top), r.clean, r.corrupt, r.answer, r.wrong)
+    est = lens.attribution_patch(lm, r.clean, r.corrupt, site="head", answer=r.answer, wrong=r.wrong)
+    first_row = [round(v, 3) + 0.0 for v in est.values[0].tolist()]
+    assert f"estimates layer 0: {first_row}" in c.note
+
+
 def test_predict_attribution_heads_asks_a_grader_about_other_models():
     """A grader's seeds give other prompts and other head orders; the circuit is still attribution
     patching's top 2 there (the check raises otherwise), and a correct prediction still passes."""
