@@ -488,10 +488,11 @@ class Explorer(LensEndpoints):
             steps = [status(lm.model), status(lm.model, self.cfg.batch_rows, total)] \
                 if self.cfg.batch_rows > 1 else [status(lm.model)]
             missing = [st for st in steps if not st.ready]
+            weights = "" if self.cfg.weights == "auto" else f" --weights {self.cfg.weights}"  # the step's key
             if missing:
                 print(f"qkv serve: {model_id}: {missing[0].message()}: decoding eagerly (about half the "
                       f"speed); `qkv prepare {model_id} --batch-rows {self.cfg.batch_rows} --max-tokens "
-                      f"{total}` (or --build-steps {model_id}) builds them, once", file=sys.stderr,
+                      f"{total}{weights}` (or --build-steps {model_id}) builds them, once", file=sys.stderr,
                       flush=True)
             weakref.finalize(lm, self.loop.drop_batch, id(lm))
             return ModelBatch(lm.model, rows=self.cfg.batch_rows, cache_len=total,

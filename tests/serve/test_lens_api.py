@@ -210,6 +210,20 @@ def test_smollm2_as_the_server_loads_it_answers_the_estimate_with_one_line(clien
     assert "--weights fp32" in message
 
 
+def test_the_eager_notice_names_the_weights_the_saved_step_needs(runs_dir, capsys) -> None:
+    """A server holding decoders in fp32 decodes eagerly until a saved step of *those* weights
+    exists: its one-line notice says how to build that one (--weights fp32 in qkv prepare)."""
+    from fastapi.testclient import TestClient
+
+    from qkv.serve import create_app
+
+    with TestClient(create_app(runs_dir=runs_dir, max_tokens=64, weights="fp32")) as c:
+        r = c.post("/api/generate", json={"model": "runs/gpt-tiny", "prompt": "ROMEO", "max_new_tokens": 2})
+        assert r.status_code == 200, r.text
+    err = capsys.readouterr().err
+    assert "decoding eagerly" in err and "qkv prepare runs/gpt-tiny" in err and "--weights fp32" in err
+
+
 def test_the_server_holds_decoders_as_its_weights_option_says(runs_dir) -> None:
     """`qkv serve --weights int8` holds every decoder in int8 (the estimate: a 422 naming
     --weights fp32); with --weights fp32 the bundled SmolLM2 is float and the estimate answers, the
