@@ -86,7 +86,7 @@ def test_sizes_measure_those_circuits_only_and_the_areas_run_over_them():
     some = faithfulness(lm, CLEAN, CORRUPT, scores, answer=A, wrong=B, sizes=[6, 0, 3])
     assert some.sizes == [0, 3, 6]
     torch.testing.assert_close(some.f, every.f[[0, 3, 6]])
-    assert some.cpr == pytest.approx(np.trapezoid(some.f.numpy(), [0, 3 / 8, 6 / 8]), abs=1e-12)
+    assert some.cpr == pytest.approx(TRAPEZOID(some.f.numpy(), [0, 3 / 8, 6 / 8]), abs=1e-12)
     assert some.empty == pytest.approx(every.empty) and some.full == pytest.approx(every.full)
 
 
@@ -129,14 +129,14 @@ def test_the_planted_circuit_is_all_of_the_answer_where_the_distractors_write_no
     f = faithfulness(p, p.clean, p.corrupt, scores, answer=p.answer, wrong=p.wrong)
     step = torch.tensor([0, 0, 1, 1, 1, 1, 1], dtype=torch.float64)
     torch.testing.assert_close(f.f, step, rtol=0, atol=1e-9)
-    assert f.cpr == pytest.approx(np.trapezoid([0, 0, 1, 1, 1, 1, 1], np.arange(7) / 6))  # 0.75
+    assert f.cpr == pytest.approx(TRAPEZOID([0, 0, 1, 1, 1, 1, 1], np.arange(7) / 6))  # 0.75
     assert f.cmd == pytest.approx(0.25)
 
 
 def test_area_is_the_trapezoid_rule():
     x = np.array([0.0, 0.1, 0.25, 0.5, 1.0])
     y = np.sin(3 * x) + x**2
-    assert area(torch.tensor(x), torch.tensor(y)) == pytest.approx(np.trapezoid(y, x), rel=1e-12)
+    assert area(torch.tensor(x), torch.tensor(y)) == pytest.approx(TRAPEZOID(y, x), rel=1e-12)
     assert area([0.0, 1.0], [1.0, 1.0]) == 1.0
     assert area([0.0], [5.0]) == 0.0
     with pytest.raises(InputError, match="1-d"):
