@@ -213,7 +213,6 @@ def _print_copying(sc, top: int) -> None:
 def view_patch(lm, text: str, args: argparse.Namespace, heads, out: Path | None) -> dict[str, Any]:
     from qkv import lens
     from qkv.figures import Heatmap
-    from qkv.lens.causal import Metric
 
     if args.edges:
         return _view_edges(lm, text, args, out)
@@ -233,7 +232,7 @@ def view_patch(lm, text: str, args: argparse.Namespace, heads, out: Path | None)
                   + (f" + IG ({est.ig_steps} steps)" if est.ig_steps else ""))
     L, C = p.values.shape
     cols = p.clean_tokens if p.site == "resid" else [str(h) for h in range(C)]
-    measured = Metric(p.metric, 0, 0).describe(p.answer, p.wrong)
+    measured = p.measured()
     data: dict[str, Any] = {"site": p.site, "method": method if est is not None else "exact",
                             "metric": p.metric, "answer": p.answer, "wrong": p.wrong,
                             "clean_diff": p.clean_diff, "corrupt_diff": p.corrupt_diff, "columns": cols,
@@ -305,13 +304,12 @@ def _heads(cells: list[tuple[int, int]], most: int = 8) -> str:
 def _view_edges(lm, text: str, args: argparse.Namespace, out: Path | None) -> dict[str, Any]:
     from qkv import lens
     from qkv.figures import EdgeGraph
-    from qkv.lens.causal import Metric
 
     e = lens.edge_attribution(lm, text, args.corrupt, answer=args.answer, wrong=args.wrong,
                               metric=args.metric, ig_steps=args.ig_steps)
     method = f"EAP-IG ({e.ig_steps} steps)" if e.ig_steps else "EAP"
     top = e.top(args.top)
-    measured = Metric(e.metric, 0, 0).describe(e.answer, e.wrong)
+    measured = e.measured()
     data = {"method": method, "metric": e.metric, "answer": e.answer, "wrong": e.wrong,
             "clean_diff": e.clean_diff, "corrupt_diff": e.corrupt_diff, "seconds": round(e.seconds, 4),
             "edges": [{"sender": t.sender, "receiver": t.receiver, "value": t.value} for t in top],

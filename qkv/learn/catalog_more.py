@@ -15,7 +15,7 @@ import torch
 from torch import Tensor
 
 from qkv.learn.exercise import CheckError, Exercise, check, close, forbid, gen, gradcheck, randn, show
-from qkv.learn.handmade_model import Hand, qkv_gpt
+from qkv.learn.handmade_model import Hand, forward, qkv_gpt
 
 # --------------------------------------------------------------------------- hardmax
 
@@ -562,18 +562,10 @@ def _top2(table: Tensor) -> frozenset[Pair]:
 def _direct(w: Hand, ids: list[int], answer: int, wrong: int) -> Tensor:
     """(L, H): what each head writes into LD at the last position of ``ids`` (direct logit
     attribution; the model has no final norm, so these are its exact parts)."""
-    T = len(ids)
-    x = w.W_E[ids] + w.W_pos[:T]  # (T, D)
-    causal = torch.ones(T, T, dtype=torch.bool).tril()
     u = w.W_U[:, answer] - w.W_U[:, wrong]  # (D,): the direction LD reads
-    rows = []
-    for layer in range(w.n_layers):
-        q, k, v = (torch.einsum("td,hde->hte", x, m[layer]) for m in (w.W_Q, w.W_K, w.W_V))  # (H, T, Dh)
-        s = (q @ k.transpose(-1, -2) / math.sqrt(q.shape[-1])).masked_fill(~causal, -math.inf)
-        z = torch.softmax(s, -1) @ v  # (H, T, Dh)
-        x = x + torch.einsum("hte,hed->td", z, w.W_O[layer])
-        rows.append(torch.einsum("he,hed,d->h", z[:, -1], w.W_O[layer], u))
-    return torch.stack(rows)
+    zs = forward(w, torch.tensor([ids])).z  # per layer (1, H, T, Dh)
+    return torch.stack([torch.einsum("he,hed,d->h", z[0, :, -1], w.W_O[layer], u)
+                        for layer, z in enumerate(zs)])
 
 
 @lru_cache(maxsize=32)

@@ -120,11 +120,13 @@ def read_weights(got: Any, vocab: int, n_ctx: int, d_model: int, n_layers: int) 
 @dataclass(frozen=True)
 class Forward:
     """What the model does on (B, T) tokens: per layer the scores (B, H, T, T) after / √d_head
-    (-inf above the diagonal) and the patterns, and the logits (B, T, V)."""
+    (-inf above the diagonal), the patterns and each head's output z (B, H, T, Dh), and the
+    logits (B, T, V)."""
 
     scores: list[Tensor]
     patterns: list[Tensor]
     logits: Tensor
+    z: list[Tensor]
 
 
 def forward(w: Hand, tokens: Tensor) -> Forward:
@@ -132,43 +134,28 @@ def forward(w: Hand, tokens: Tensor) -> Forward:
     T = tokens.shape[1]
     x = w.W_E[tokens] + w.W_pos[:T]  # (B, T, D)
     causal = torch.ones(T, T, dtype=torch.bool).tril()
-    scores, patterns = [], []
+    scores, patterns, zs = [], [], []
     for layer in range(w.n_layers):
         q = torch.einsum("btd,hde->bhte", x, w.W_Q[layer])
         k = torch.einsum("btd,hde->bhte", x, w.W_K[layer])
         v = torch.einsum("btd,hde->bhte", x, w.W_V[layer])
         s = (q @ k.transpose(-1, -2) / math.sqrt(q.shape[-1])).masked_fill(~causal, -math.inf)
         a = torch.softmax(s, dim=-1)
-        x = x + torch.einsum("bhts,bhse,hed->btd", a, v, w.W_O[layer])  # every head reads the same x
+        z = a @ v  # (B, H, T, Dh)
+        x = x + torch.einsum("bhte,hed->btd", z, w.W_O[layer])  # every head reads the same x
         scores.append(s)
         patterns.append(a)
-    return Forward(scores, patterns, x @ w.W_U)
+        zs.append(z)
+    return Forward(scores, patterns, x @ w.W_U, zs)
 
 
 def qkv_gpt(w: Hand) -> nn.Module:
     """A real qkv GPT (attention only, ``--mlp none``, no biases, learned positions, float64)
-    holding the student's weights. qkv's blocks always normalise; the stubs' model does not
-    (Elhage et al. 2021), so its LayerNorms are replaced by identities."""
-    from qkv.models.gpt import GPT, GPTConfig
+    holding the student's weights (:func:`qkv.lens.planted.attention_only_gpt`: its LayerNorms are
+    identities, as the stubs' model, Elhage et al. 2021, has none)."""
+    from qkv.lens.planted import attention_only_gpt
 
-    L, H, D, Dh = w.W_Q.shape
-    V, N = w.W_E.shape[0], w.W_pos.shape[0]
-    cfg = GPTConfig(vocab_size=V, max_seq_len=N, dim=D, n_layers=L, n_heads=H, head_dim=Dh, mlp="none",
-                    bias=False, tie_embeddings=False, positions="learned", backend="reference")
-    with torch.random.fork_rng(devices=[]):  # GPT's random init must not move the student's RNG
-        model = GPT(cfg).double().eval()
-    with torch.no_grad():
-        model.tok_emb.weight.copy_(w.W_E)
-        model.pos_emb.weight.copy_(w.W_pos)  # type: ignore[union-attr]
-        for layer, block in enumerate(model.stack.blocks):
-            block.norm1 = nn.Identity()
-            # the fused projection's rows: [q heads | k heads | v heads], head h's Dh rows = W[h]ᵀ
-            rows = [m[layer].transpose(1, 2).reshape(H * Dh, D) for m in (w.W_Q, w.W_K, w.W_V)]
-            block.attn.qkv.weight.copy_(torch.cat(rows))
-            block.attn.out_proj.weight.copy_(w.W_O[layer].reshape(H * Dh, D).T)  # concat(z) @ W_O
-        model.stack.norm = nn.Identity()
-        model.lm_head.weight.copy_(w.W_U.T)
-    return model
+    return attention_only_gpt(w.W_E, w.W_pos, w.W_Q, w.W_K, w.W_V, w.W_O, w.W_U)
 
 
 def lens_scores(w: Hand, seed: int) -> tuple[HeadScores, int]:

@@ -66,6 +66,12 @@ from qkv.lens.hooks import TextModel, blocks, device_of, forward, shape
 from qkv.lens.predict import check_decoder
 
 QUANTISED = (Int4Linear, Int4SwiGLU, Int8Linear, Q8Linear, TopKRefinedLinear)  # no gradient through them
+
+
+def quantised(model: torch.nn.Module) -> bool:
+    """Whether ``model`` holds a layer whose kernel has no gradient (int4 / int8): attribution
+    patching and edge attribution refuse it."""
+    return any(isinstance(m, QUANTISED) for m in model.modules())
 SATURATED = 0.99  # a query row whose largest attention weight is at least this is saturated
 CANCELS = 3.0  # GradDrop's magnitude this many times plain AtP's (and >= 0.1): a cancellation
 
@@ -151,13 +157,17 @@ def agreement(estimate: Tensor, exact: Tensor, k: int = 10) -> Agreement:
 @dataclass
 class _Pass:
     """One forward pass as attribution patching reads it: the logits (1, T, V); per block the
-    heads' outputs z (1, T, H·Dh) and the entering stream (1, T, dim), in the graph (the backward
-    pass reads them), and what its attention read (1, T, dim), detached."""
+    heads' outputs z (1, T, H·Dh), the entering stream (1, T, dim), the MLP's output (1, T, dim),
+    and the last block's output (1, T, dim), in the graph (a backward pass reads them); what each
+    block's attention and its MLP's norm read (1, T, dim), detached."""
 
     logits: Tensor
     z: list[Tensor]
     resid: list[Tensor]
     attn_in: list[Tensor]
+    mlp_in: list[Tensor]
+    mlp_out: list[Tensor]
+    last: Tensor
 
 
 def _run(model, ids: list[int], grad: bool, drop: list[int] | None = None, entering: Tensor | None = None
@@ -166,17 +176,17 @@ def _run(model, ids: list[int], grad: bool, drop: list[int] | None = None, enter
     layer whose attention and MLP outputs pass no gradient back (GradDrop: read at each backward
     pass; -1 drops none). ``entering``: the stream (1, T, dim) to enter block 0 with instead of
     the embedding of ``ids`` (integrated gradients' interpolated inputs)."""
-    n = len(blocks(model))
-    z: list[Tensor | None] = [None] * n
-    resid: list[Tensor | None] = [None] * n
-    attn_in: list[Tensor | None] = [None] * n
+    stack = blocks(model)
+    n = len(stack)
+    z, resid, attn_in, mlp_in, mlp_out = ([None] * n for _ in range(5))
+    last: list[Tensor] = []
     handles = []
-    for i, block in enumerate(blocks(model)):
-        def keep_z(mod, args, i=i):
-            z[i] = args[0]
-
-        def keep_in(mod, args, i=i):
-            attn_in[i] = args[0].detach()
+    for i, block in enumerate(stack):
+        def keep(store: list, i: int = i, detach: bool = False):
+            def hook(mod, args, out=None):
+                t = args[0] if out is None else out
+                store[i] = t.detach() if detach else t
+            return hook
 
         def keep_resid(mod, args, i=i):
             x = args[0] if i or entering is None else entering.to(args[0].dtype)
@@ -190,19 +200,22 @@ def _run(model, ids: list[int], grad: bool, drop: list[int] | None = None, enter
             if drop is not None and t.requires_grad:
                 t.register_hook(lambda g, i=i: torch.zeros_like(g) if drop[0] == i else g)
 
-        handles += [block.attn.out_proj.register_forward_pre_hook(keep_z),
-                    block.attn.register_forward_pre_hook(keep_in),
+        handles += [block.attn.out_proj.register_forward_pre_hook(keep(z)),
+                    block.attn.register_forward_pre_hook(keep(attn_in, detach=True)),
+                    block.norm2.register_forward_pre_hook(keep(mlp_in, detach=True)),
                     block.register_forward_pre_hook(keep_resid),
-                    block.attn.register_forward_hook(dropped), block.mlp.register_forward_hook(dropped)]
+                    block.attn.register_forward_hook(dropped), block.mlp.register_forward_hook(dropped),
+                    block.mlp.register_forward_hook(keep(mlp_out))]
+    handles.append(stack[-1].register_forward_hook(lambda mod, args, out: last.append(out.x)))
     try:
         with torch.set_grad_enabled(grad):
             logits, _ = forward(model, torch.tensor([ids], device=device_of(model)))
     finally:
         for h in handles:
             h.remove()
-    if any(t is None for t in z + resid + attn_in):
+    if any(t is None for t in z + resid + attn_in + mlp_in + mlp_out) or not last:
         raise RuntimeError(f"{type(model).__name__} did not run every block")
-    return _Pass(logits, z, resid, attn_in)  # type: ignore[arg-type]
+    return _Pass(logits, z, resid, attn_in, mlp_in, mlp_out, last[0])  # type: ignore[arg-type]
 
 
 def _first_order_z(model, layer: int, site: str, clean_in: Tensor, corrupt_in: Tensor) -> Tensor:
@@ -264,7 +277,7 @@ def attribution_patch(lm: TextModel, clean: str | list[int], corrupt: str | list
                          f"use it with site 'query' or 'key' (site {site!r} needs none: a head's output, its "
                          "values and the stream enter the rest of the model directly)")
     model = lm.model
-    if any(isinstance(m, QUANTISED) for m in model.modules()):
+    if quantised(model):
         raise InputError(f"attribution patching needs gradients, which {lm.name}'s quantised weights do not "
                          "have: load it with float weights (--weights fp32)")
     c_ids, k_ids = prompt_pair(lm, clean, corrupt)

@@ -253,11 +253,6 @@ class Metric:
         logp = torch.log_softmax(wide, dim=-1)[..., self.answer]
         return logp.exp() if self.name == "prob" else -logp
 
-    def describe(self, answer: str, wrong: str) -> str:
-        """The metric in words, for tables: logit[' Paris'] - logit[' Rome'], p(' Paris'), ..."""
-        return {"diff": f"logit[{answer!r}] - logit[{wrong!r}]", "prob": f"p({answer!r})",
-                "loss": f"-log p({answer!r})"}[self.name]
-
 
 def check_metric(metric: str) -> str:
     if metric not in METRICS:
@@ -289,6 +284,11 @@ class PatchPair:
     clean_diff: float
     corrupt_diff: float
     metric: str
+
+    def measured(self) -> str:
+        """The metric in words, for tables: logit[' Paris'] - logit[' Rome'], p(' Paris'), ..."""
+        return {"diff": f"logit[{self.answer!r}] - logit[{self.wrong!r}]", "prob": f"p({self.answer!r})",
+                "loss": f"-log p({self.answer!r})"}[self.metric]
 
 
 @dataclass

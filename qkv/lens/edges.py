@@ -36,10 +36,10 @@ import torch
 from torch import Tensor, nn
 
 from qkv.errors import InputError
-from qkv.lens.atp import QUANTISED
+from qkv.lens.atp import _Pass, _run, quantised
 from qkv.lens.cache import labels
 from qkv.lens.causal import Metric, PatchPair, answer_pair, attend, head_parts, prompt_pair
-from qkv.lens.hooks import Recorded, TextModel, blocks, device_of, forward, hooked, pre_ln, shape
+from qkv.lens.hooks import TextModel, blocks, pre_ln, shape
 from qkv.lens.predict import check_decoder
 
 
@@ -100,16 +100,17 @@ def _names(L: int, H: int, mlps: bool) -> tuple[list[str], list[str], Tensor]:
     return senders, receivers, exists
 
 
-def _writes(model: nn.Module, rec: Recorded, mlps: bool) -> Tensor:
-    """(S, T, dim) float64: what each sender writes into the stream in a recorded run (biases
-    left out: the same in both runs, they cancel in the difference)."""
+def _writes(model: nn.Module, run: _Pass, mlps: bool) -> Tensor:
+    """(S, T, dim) float64: what each sender writes into the stream in a run (biases left out:
+    the same in both runs, they cancel in the difference)."""
     H, Dh = shape(model)[1:]
-    out = [rec.resid_pre[0][0].double()[None]]
+    out = [run.resid[0][0].detach().double()[None]]
     for layer, block in enumerate(blocks(model)):
         W = block.attn.out_proj.weight.double().view(-1, H, Dh)  # (dim, H, Dh)
-        out.append(torch.einsum("thd,ehd->hte", rec.z[layer][0].double(), W))  # (H, T, dim)
+        z = run.z[layer][0].detach().double().view(-1, H, Dh)  # (T, H, Dh)
+        out.append(torch.einsum("thd,ehd->hte", z, W))  # (H, T, dim)
         if mlps:
-            out.append(rec.mlp_out[layer][0].double()[None])
+            out.append(run.mlp_out[layer][0].detach().double()[None])
     return torch.cat(out)
 
 
@@ -118,40 +119,12 @@ def _reads(model: nn.Module, ids: list[int], metric: Metric, mlps: bool, enterin
     """(R, T, dim) float64: ∂M/∂(each receiver's input) in one run with gradients (``entering``:
     the stream to enter block 0 with instead of the embedding of ``ids``)."""
     L, H, _ = shape(model)
-    rec = Recorded()
-    z: list[Tensor] = []
-    mlp_out: list[Tensor] = []
-    last: list[Tensor] = []
-    handles = []
-    for i, block in enumerate(blocks(model)):
-        def keep_z(mod, args, i=i):
-            z.append(args[0])
-
-        def keep_mlp(mod, args, out):
-            mlp_out.append(out)
-
-        def enter(mod, args, i=i):
-            x = args[0] if i or entering is None else entering.to(args[0].dtype)
-            if not x.requires_grad:  # weights without gradients: the stream is the leaf
-                x = x.detach().requires_grad_(True)
-            return (x, *args[1:])
-
-        handles += [block.attn.out_proj.register_forward_pre_hook(keep_z),
-                    block.mlp.register_forward_hook(keep_mlp), block.register_forward_pre_hook(enter)]
-    handles.append(blocks(model)[-1].register_forward_hook(lambda mod, args, out: last.append(out.x)))
-    try:
-        with hooked(model, record=rec), torch.enable_grad():
-            logits, _ = forward(model, torch.tensor([ids], device=device_of(model)))
-            value = metric(logits[0, -1])
-            wrt = z + (mlp_out if mlps else []) + last
-            grads = torch.autograd.grad(value, wrt)
-    finally:
-        for h in handles:
-            h.remove()
+    run = _run(model, ids, grad=True, entering=entering)
+    grads = torch.autograd.grad(metric(run.logits[0, -1]), run.z + (run.mlp_out if mlps else []) + [run.last])
     g_z, g_mlp, g_last = grads[:L], grads[L:L + L * mlps], grads[-1]
     reads = []
     for layer, block in enumerate(blocks(model)):
-        x = rec.resid_pre[layer].detach()
+        x = run.resid[layer].detach()
         q, k, v = (t.detach() for t in head_parts(model, layer, block.norm1(x)))
         G = q.shape[1] // k.shape[1]
         q, k, v = (t.requires_grad_(True) for t in (q, k.repeat_interleave(G, 1), v.repeat_interleave(G, 1)))
@@ -169,7 +142,7 @@ def _reads(model: nn.Module, ids: list[int], metric: Metric, mlps: bool, enterin
             (g_heads,) = torch.autograd.grad((qs * cq).sum() + (ks * ck).sum() + (vs * cv).sum(), xs)
             reads.append(g_heads.double())
             if mlps:
-                xm = rec.resid_mid[layer].detach().requires_grad_(True)
+                xm = run.mlp_in[layer].requires_grad_(True)
                 (g_m,) = torch.autograd.grad(block.mlp(block.norm2(xm)), xm, g_mlp[layer])
                 reads.append(g_m.double())
     reads.append(g_last.double())
@@ -190,7 +163,7 @@ def edge_attribution(lm: TextModel, clean: str | list[int], corrupt: str | list[
     if not pre_ln(model):
         raise InputError(f"edge attribution reads each component's input as the stream it normalises; "
                          f"{lm.name} normalises after the residual sum (post-LN): use attribution_patch")
-    if any(isinstance(m, QUANTISED) for m in model.modules()):
+    if quantised(model):
         raise InputError(f"edge attribution needs gradients, which {lm.name}'s quantised weights do not "
                          "have: load it with float weights (--weights fp32)")
     if ig_steps < 0:
@@ -199,18 +172,13 @@ def edge_attribution(lm: TextModel, clean: str | list[int], corrupt: str | list[
     L, H, _ = shape(model)
     mlps = blocks(model)[0].cfg.mlp != "none"
     t0 = time.perf_counter()
-    rec_c, rec_k = Recorded(), Recorded()
-    last = []  # each run's logits at the last position
-    with torch.no_grad():
-        for rec, ids in ((rec_c, c_ids), (rec_k, k_ids)):
-            with hooked(model, record=rec):
-                out, _ = forward(model, torch.tensor([ids], device=device_of(model)))
-            last.append(out[0, -1])
+    run_c, run_k = (_run(model, ids, grad=False) for ids in (c_ids, k_ids))
+    last = [run_c.logits[0, -1], run_k.logits[0, -1]]
     m = answer_pair(lm, last[0], last[1], answer, wrong, metric)
     with torch.no_grad():
-        moved = _writes(model, rec_c, mlps) - _writes(model, rec_k, mlps)  # (S, T, dim)
+        moved = _writes(model, run_c, mlps) - _writes(model, run_k, mlps)  # (S, T, dim)
     if ig_steps:
-        e_c, e_k = rec_c.resid_pre[0], rec_k.resid_pre[0]
+        e_c, e_k = run_c.resid[0], run_k.resid[0]
         reads = sum(_reads(model, k_ids, m, mlps, e_k + (j + 0.5) / ig_steps * (e_c - e_k))
                     for j in range(ig_steps)) / ig_steps
     else:

@@ -100,13 +100,39 @@ class Planted:
         self.tokenizer = Symbols(self.model.cfg.vocab_size)
 
 
+def attention_only_gpt(W_E: Tensor, W_pos: Tensor, W_Q: Tensor, W_K: Tensor, W_V: Tensor, W_O: Tensor,
+                       W_U: Tensor) -> nn.Module:
+    """A qkv GPT (attention only, no biases, learned positions, float64, eval mode) holding weights
+    written as Elhage et al. 2021 write them: W_E (V, D), W_pos (N, D), W_Q, W_K, W_V (L, H, D, Dh),
+    W_O (L, H, Dh, D), W_U (D, V). qkv's blocks always normalise; that model does not, so its norms
+    are identities. The fused projection's rows are [q heads | k heads | v heads], head h's Dh rows
+    W[h]ᵀ; W_O's input is the heads' outputs side by side."""
+    from qkv.models.gpt import GPT, GPTConfig
+
+    L, H, D, Dh = W_Q.shape
+    V, N = W_E.shape[0], W_pos.shape[0]
+    cfg = GPTConfig(vocab_size=V, max_seq_len=N, dim=D, n_layers=L, n_heads=H, head_dim=Dh, mlp="none",
+                    bias=False, tie_embeddings=False, positions="learned", backend="reference")
+    with torch.random.fork_rng(devices=[]):  # GPT's own init must not move the caller's RNG
+        model = GPT(cfg).double().eval()
+    with torch.no_grad():
+        model.tok_emb.weight.copy_(W_E)
+        model.pos_emb.weight.copy_(W_pos)  # type: ignore[union-attr]
+        for layer, block in enumerate(model.stack.blocks):
+            block.norm1 = nn.Identity()
+            rows = [m[layer].transpose(1, 2).reshape(H * Dh, D) for m in (W_Q, W_K, W_V)]
+            block.attn.qkv.weight.copy_(torch.cat(rows))
+            block.attn.out_proj.weight.copy_(W_O[layer].reshape(H * Dh, D).T)
+        model.stack.norm = nn.Identity()
+        model.lm_head.weight.copy_(W_U.T)
+    return model
+
+
 def induction(vocab: int = 8, n_ctx: int = 12, heads: int = 3, distractor: float = 0.01,
               seed: int = 0) -> Planted:
     """The planted two-layer induction circuit with ``heads - 1`` distractor heads a layer (see the
     module's text); ``distractor``: the scale of what each distractor writes into the answer's
     columns (0: distractors with no effect at all)."""
-    from qkv.models.gpt import GPT, GPTConfig
-
     if vocab < 4 or n_ctx < 6 or heads < 1:
         raise ValueError("the planted model needs vocab >= 4, n_ctx >= 6 and heads >= 1")
     g = torch.Generator().manual_seed(seed)
@@ -142,20 +168,7 @@ def induction(vocab: int = 8, n_ctx: int = 12, heads: int = 3, distractor: float
     W_U = torch.zeros(D, vocab, dtype=torch.float64)
     W_U[ans0:ans0 + vocab] = 8.0 * torch.eye(vocab, dtype=torch.float64)
 
-    cfg = GPTConfig(vocab_size=vocab, max_seq_len=n_ctx, dim=D, n_layers=L, n_heads=H, head_dim=Dh,
-                    mlp="none", bias=False, tie_embeddings=False, positions="learned", backend="reference")
-    with torch.random.fork_rng(devices=[]):  # GPT's own init must not move the caller's RNG
-        model = GPT(cfg).double().eval()
-    with torch.no_grad():
-        model.tok_emb.weight.copy_(W_E)
-        model.pos_emb.weight.copy_(W_pos)  # type: ignore[union-attr]
-        for layer, block in enumerate(model.stack.blocks):
-            block.norm1 = nn.Identity()
-            rows = [m[layer].transpose(1, 2).reshape(H * Dh, D) for m in (W_Q, W_K, W_V)]
-            block.attn.qkv.weight.copy_(torch.cat(rows))
-            block.attn.out_proj.weight.copy_(W_O[layer].reshape(H * Dh, D).T)
-        model.stack.norm = nn.Identity()
-        model.lm_head.weight.copy_(W_U.T)
+    model = attention_only_gpt(W_E, W_pos, W_Q, W_K, W_V, W_O, W_U)
     # the prompt pair: [a b c X Y d e ... X] -> Y; corrupt: the earlier X replaced by a token not X
     order = torch.randperm(vocab, generator=g).tolist()
     x, y, z = order[0], order[1], order[2]
@@ -419,5 +432,6 @@ def recall(scores: Tensor, circuit: list[tuple[int, int]]) -> float:
     return len(top & set(circuit)) / k
 
 
-__all__ = ["RESTORES", "STRAYS", "CircuitCheck", "Planted", "Recipe", "Symbols", "check", "copying",
-           "induction", "permutation", "previous_token", "recall", "task_batch", "train", "trained"]
+__all__ = ["RESTORES", "STRAYS", "CircuitCheck", "Planted", "Recipe", "Symbols", "attention_only_gpt",
+           "check", "copying", "induction", "permutation", "previous_token", "recall", "task_batch", "train",
+           "trained"]

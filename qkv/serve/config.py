@@ -52,7 +52,9 @@ class ServeConfig:
         for name in ("max_loaded_models", "batch_rows", "max_queued"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if self.weights not in ("auto", "fp32", "bf16", "int8", "q4"):
-            raise ValueError(f"weights must be auto, fp32, bf16, int8 or q4, got {self.weights!r}")
+        from qkv.pipelines.text import WEIGHTS
+
+        if self.weights not in WEIGHTS:
+            raise ValueError(f"weights must be one of {', '.join(WEIGHTS)}, got {self.weights!r}")
         if self.max_wait_s < 0:
             raise ValueError(f"max_wait_s must be >= 0, got {self.max_wait_s}")

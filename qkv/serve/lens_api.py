@@ -22,6 +22,7 @@ from fastapi import Request as HTTPRequest
 from qkv import lens
 from qkv.attention.rollout import attention_rollout
 from qkv.errors import InputError
+from qkv.lens.atp import quantised
 from qkv.lens.cache import run_with_cache_steps
 from qkv.lens.causal import PatchPair, ablate_steps, patch_steps
 from qkv.lens.heads import query_key_steps
@@ -150,7 +151,7 @@ def _estimate(lm: CausalLM, req: PatchRequest, ids: list[list[int]]) -> lens.Pat
     slices (on SmolLM2 fp32 it holds the loop for ~0.3 s, once). A model the registry loaded
     quantised (:meth:`~qkv.pipelines.CausalLM.set_weights`) has no gradients: one line that
     says what works instead."""
-    if lm.weights in ("int8", "q4"):
+    if quantised(lm.model):
         raise InputError(f"{req.model} is served with {lm.weights} weights, which have no gradients: the "
                          'estimate needs float weights; ask for the exact sweep (method "exact"), or start '
                          "the server with --weights fp32")

@@ -42,6 +42,14 @@ def _out_projs(ref, kind: str) -> list:
     return [b.self_attn.o_proj for b in ref.model.layers]
 
 
+def _seeing_z(projs: list) -> tuple[dict[int, torch.Tensor], list]:
+    """Hooks keeping each layer's z, the input of its W_O, in the graph: (seen, the handles)."""
+    seen: dict[int, torch.Tensor] = {}
+    hooks = [p.register_forward_pre_hook(lambda mod, args, i=i: seen.__setitem__(i, args[0]))
+             for i, p in enumerate(projs)]
+    return seen, hooks
+
+
 def _metric(name: str, last: torch.Tensor) -> torch.Tensor:
     """The metric written out: the logit difference, p(w7), or -log p(w7), from (..., V) logits."""
     if name == "diff":
@@ -64,9 +72,7 @@ def test_each_head_is_clean_minus_corrupt_output_times_the_references_gradient(k
     ref64 = copy.deepcopy(ref).double()
     projs = _out_projs(ref64, kind)
     L, H = len(projs), ref64.config.num_attention_heads
-    seen: dict[int, torch.Tensor] = {}
-    hooks = [p.register_forward_pre_hook(lambda mod, args, i=i: seen.__setitem__(i, args[0]))
-             for i, p in enumerate(projs)]
+    seen, hooks = _seeing_z(projs)
     try:
         with torch.no_grad():
             ref64(word_ids(TEXT))
@@ -103,9 +109,7 @@ def test_grad_drop_is_the_mean_magnitude_with_each_layers_gradient_dropped(tmp_p
     torch.testing.assert_close(est.grad_drop[1], plain.delta[1].abs() / span, rtol=1e-4, atol=1e-6)
     ref64 = copy.deepcopy(ref).double()
     block = ref64.transformer.h[1]
-    seen: dict[int, torch.Tensor] = {}
-    hooks = [p.register_forward_pre_hook(lambda mod, args, i=i: seen.__setitem__(i, args[0]))
-             for i, p in enumerate(_out_projs(ref64, "gpt2"))]
+    seen, hooks = _seeing_z(_out_projs(ref64, "gpt2"))
     with torch.no_grad():
         ref64(word_ids(TEXT))
     clean = seen[0].clone()
@@ -364,9 +368,7 @@ def test_integrated_gradients_against_transformers_inputs_embeds(tmp_path_factor
     projs = _out_projs(ref64, "gpt2")
     L, H = len(projs), ref64.config.num_attention_heads
     Dh = ref64.config.hidden_size // H
-    seen: dict[int, torch.Tensor] = {}
-    hooks = [q.register_forward_pre_hook(lambda mod, args, i=i: seen.__setitem__(i, args[0]))
-             for i, q in enumerate(projs)]
+    seen, hooks = _seeing_z(projs)
     try:
         with torch.no_grad():
             ref64(word_ids(TEXT))

@@ -226,10 +226,8 @@ def test_the_eager_notice_names_the_weights_the_saved_step_needs(runs_dir, capsy
 
 def test_the_server_holds_decoders_as_its_weights_option_says(runs_dir) -> None:
     """`qkv serve --weights int8` holds every decoder in int8 (the estimate: a 422 naming
-    --weights fp32); with --weights fp32 the bundled SmolLM2 is float and the estimate answers, the
-    library's own on the model the server holds."""
+    --weights fp32); a weights name it does not know is refused."""
     from fastapi.testclient import TestClient
-    from serve_helpers import asset_installed
 
     from qkv.serve import create_app
 
@@ -239,8 +237,18 @@ def test_the_server_holds_decoders_as_its_weights_option_says(runs_dir) -> None:
         assert app.state.registry.get("runs/gpt-tiny").weights == "int8" and "--weights fp32" in message
     with pytest.raises(ValueError, match="weights must be"):
         create_app(runs_dir=runs_dir, weights="fp16")
+
+
+def test_smollm2_held_in_fp32_answers_the_library_s_estimate(runs_dir) -> None:
+    """With --weights fp32 the bundled SmolLM2 is float and the estimate answers: the library's
+    own, on the model the server holds."""
+    from fastapi.testclient import TestClient
+    from serve_helpers import asset_installed
+
+    from qkv.serve import create_app
+
     if not asset_installed("smollm2"):
-        return
+        pytest.skip("needs the SmolLM2 asset: qkv assets install smollm2")
     app = create_app(runs_dir=runs_dir, max_tokens=64, weights="fp32")
     body = {"model": "smollm2", "clean": "The capital of France is", "corrupt": "The capital of Italy is",
             "site": "head"}
