@@ -131,7 +131,8 @@ def main() -> int:
                     for peer, binary in peers.items():
                         out = L.run_llama_bench(binary, path, prompt=32, new=args.new_tokens, reps=1)
                         rates[peer].append(out["decode"]["tokens_per_s"])
-                        prefill[peer].append(out["prefill"]["tokens_per_s"])
+                        if out["prefill"]["tokens_per_s"] is not None:  # None: its prefill crashed
+                            prefill[peer].append(out["prefill"]["tokens_per_s"])
                 mm, compiled, n_new = contenders[name]
                 mode = "build" if compiled else "eager"
                 t = time.perf_counter()
@@ -146,16 +147,17 @@ def main() -> int:
         rows, summary = [], {}
         best_peer = max(peers, key=lambda p: C.median(rates[p])) if peers else None
         for name in rates:
+            pre = C.median(prefill[name]) if prefill[name] else float("nan")  # nan: no prefill ran
             b = file_bytes if name in peers else bytes_tok[name]
             limit = bw / b
             med = C.median(rates[name])
             vs = ([a / p for a, p in zip(rates[name], rates[best_peer], strict=True)] if best_peer else [])
             summary[name] = {"decode_tok_s": [round(v, 2) for v in rates[name]], "median": round(med, 2),
-                             "prefill_tok_s": round(C.median(prefill[name]), 1), "bytes_per_token": b,
+                             "prefill_tok_s": round(pre, 1) if prefill[name] else None, "bytes_per_token": b,
                              "bandwidth_limit_tok_s": round(limit, 2),
                              "fraction_of_limit": round(med / limit, 3),
                              "vs_faster_llama_cpp": [round(v, 2) for v in vs]}
-            rows.append([name, f"{med:.2f}", f"{C.median(prefill[name]):.0f}", f"{b / 1e9:.2f}",
+            rows.append([name, f"{med:.2f}", f"{pre:.0f}", f"{b / 1e9:.2f}",
                          f"{limit:.1f}", f"{100 * med / limit:.0f}%", f"{C.median(vs):.2f}x" if vs else "-"])
         C.print_table(f"{path.name}: decode tok/s (median of {args.rounds}), {args.new_tokens} new tokens",
                       ["", "decode tok/s", "prefill tok/s", "GB/token", "bandwidth limit tok/s", "of limit",

@@ -97,6 +97,14 @@ inline __m256i pack32(__m256i a, __m256i b, __m256i c, __m256i d) {
 }
 #endif
 
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512F__)
+// 4 int8 activations at p repeated 16 times, read straight from memory: the compiler folds it into
+// vpdpbusd's operand ({1to16}), a load; broadcasting from a general register instead costs a
+// shuffle-port instruction per product, which made the shuffle port the one-row bound (issue 53).
+typedef int32_t unaligned_i32 __attribute__((aligned(1), may_alias));
+inline __m512i bcast4(const int8_t* p) { return _mm512_set1_epi32(*reinterpret_cast<const unaligned_i32*>(p)); }
+#endif
+
 // Each row of x (M, K) and each group of 32: x ≈ dx·(xq + xr/256), two int8 codes per value (the
 // second the rounding residual of the first, in steps of dx/256), the scale dx = max|x| / 127
 // and the float sum; where sq is given, also the code sums Σxq and Σxr. One int8 code alone
@@ -282,6 +290,35 @@ void block4(const uint8_t* w, const c10::Half* dm, const int8_t* xq, const int8_
   (void)x16;  // read by the AVX2 path only
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512F__)
   const __m512i low = _mm512_set1_epi8(0x0F);
+  if (M == 1) {  // one row: the 16 outputs stay in a register over all groups, weights prefetched
+    __m512 o = _mm512_loadu_ps(out);
+    for (int64_t g = 0; g < G; ++g) {
+      const uint8_t* wp = w + g * 256;
+      prefetch(wp + AHEAD * 256, 256);
+      prefetch(dm + (g + AHEAD) * 32, 64);
+      const int8_t* xp = xq + g * GROUP;
+      const int8_t* rp = xr + g * GROUP;
+      __m512i a0 = _mm512_setzero_si512(), a1 = _mm512_setzero_si512();
+      __m512i r0 = _mm512_setzero_si512(), r1 = _mm512_setzero_si512();
+      for (int c = 0; c < 4; ++c) {
+        const __m512i v = _mm512_loadu_si512(wp + c * 64);
+        const __m512i l = _mm512_and_si512(v, low), h = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
+        a0 = _mm512_dpbusd_epi32(a0, l, bcast4(xp + 8 * c));
+        a1 = _mm512_dpbusd_epi32(a1, h, bcast4(xp + 8 * c + 4));
+        r0 = _mm512_dpbusd_epi32(r0, l, bcast4(rp + 8 * c));
+        r1 = _mm512_dpbusd_epi32(r1, h, bcast4(rp + 8 * c + 4));
+      }
+      // the same integers and float operations, in the same order, as the rows below
+      const __m512i both =
+          _mm512_add_epi32(_mm512_slli_epi32(_mm512_add_epi32(a0, a1), 8), _mm512_add_epi32(r0, r1));
+      const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(dm + g * 32)));
+      const __m512 z = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(dm + g * 32 + 16)));
+      o = _mm512_fmadd_ps(_mm512_cvtepi32_ps(both), _mm512_mul_ps(d, _mm512_set1_ps(dx[g] * (1.f / 256.f))), o);
+      o = _mm512_fmadd_ps(z, _mm512_set1_ps(sx[g]), o);
+    }
+    _mm512_storeu_ps(out, o);
+    return;
+  }
   for (int64_t g = 0; g < G; ++g) {
     const uint8_t* wp = w + g * 256;
     __m512i lo[4], hi[4];
@@ -293,16 +330,15 @@ void block4(const uint8_t* w, const c10::Half* dm, const int8_t* xq, const int8_
     const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(dm + g * 32)));
     const __m512 z = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(dm + g * 32 + 16)));
     for (int64_t m = 0; m < M; ++m) {
-      int32_t xw[8], rw[8];
-      std::memcpy(xw, xq + m * K + g * GROUP, sizeof(xw));
-      std::memcpy(rw, xr + m * K + g * GROUP, sizeof(rw));
+      const int8_t* xp = xq + m * K + g * GROUP;
+      const int8_t* rp = xr + m * K + g * GROUP;
       __m512i a0 = _mm512_setzero_si512(), a1 = _mm512_setzero_si512();
       __m512i r0 = _mm512_setzero_si512(), r1 = _mm512_setzero_si512();
       for (int c = 0; c < 4; ++c) {
-        a0 = _mm512_dpbusd_epi32(a0, lo[c], _mm512_set1_epi32(xw[2 * c]));
-        a1 = _mm512_dpbusd_epi32(a1, hi[c], _mm512_set1_epi32(xw[2 * c + 1]));
-        r0 = _mm512_dpbusd_epi32(r0, lo[c], _mm512_set1_epi32(rw[2 * c]));
-        r1 = _mm512_dpbusd_epi32(r1, hi[c], _mm512_set1_epi32(rw[2 * c + 1]));
+        a0 = _mm512_dpbusd_epi32(a0, lo[c], bcast4(xp + 8 * c));
+        a1 = _mm512_dpbusd_epi32(a1, hi[c], bcast4(xp + 8 * c + 4));
+        r0 = _mm512_dpbusd_epi32(r0, lo[c], bcast4(rp + 8 * c));
+        r1 = _mm512_dpbusd_epi32(r1, hi[c], bcast4(rp + 8 * c + 4));
       }
       // 256·<q, xq> + <q, xr>: |.| <= 257·60,960, well inside int32
       const __m512i both =
@@ -454,22 +490,48 @@ void block8(const uint8_t* w, const c10::Half* ds, const int8_t* xq, const int8_
   const int64_t G = K / GROUP;
   (void)x16;  // read by the AVX2 path only
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512F__)
+  if (M == 1) {  // one row: the 16 outputs stay in a register over all groups, weights prefetched
+    __m512 o = _mm512_loadu_ps(out);
+    for (int64_t g = 0; g < G; ++g) {
+      const uint8_t* wp = w + g * 512;
+      prefetch(wp + AHEAD * 512, 512);
+      prefetch(ds + (g + AHEAD) * 16, 32);
+      const int8_t* xp = xq + g * GROUP;
+      const int8_t* rp = xr + g * GROUP;
+      __m512i a0 = _mm512_setzero_si512(), a1 = _mm512_setzero_si512();
+      __m512i r0 = _mm512_setzero_si512(), r1 = _mm512_setzero_si512();
+      for (int c = 0; c < 8; c += 2) {
+        const __m512i v0 = _mm512_loadu_si512(wp + c * 64), v1 = _mm512_loadu_si512(wp + c * 64 + 64);
+        a0 = _mm512_dpbusd_epi32(a0, v0, bcast4(xp + 4 * c));
+        a1 = _mm512_dpbusd_epi32(a1, v1, bcast4(xp + 4 * c + 4));
+        r0 = _mm512_dpbusd_epi32(r0, v0, bcast4(rp + 4 * c));
+        r1 = _mm512_dpbusd_epi32(r1, v1, bcast4(rp + 4 * c + 4));
+      }
+      const int32_t offset = 128 * (256 * sq[g] + sr[g]);  // as the rows below
+      const __m512i both = _mm512_sub_epi32(
+          _mm512_add_epi32(_mm512_slli_epi32(_mm512_add_epi32(a0, a1), 8), _mm512_add_epi32(r0, r1)),
+          _mm512_set1_epi32(offset));
+      const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(ds + g * 16)));
+      o = _mm512_fmadd_ps(_mm512_cvtepi32_ps(both), _mm512_mul_ps(d, _mm512_set1_ps(dx[g] * (1.f / 256.f))), o);
+    }
+    _mm512_storeu_ps(out, o);
+    return;
+  }
   for (int64_t g = 0; g < G; ++g) {
     const uint8_t* wp = w + g * 512;
     __m512i v[8];
     for (int c = 0; c < 8; ++c) v[c] = _mm512_loadu_si512(wp + c * 64);
     const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(ds + g * 16)));
     for (int64_t m = 0; m < M; ++m) {
-      int32_t xw[8], rw[8];
-      std::memcpy(xw, xq + m * K + g * GROUP, sizeof(xw));
-      std::memcpy(rw, xr + m * K + g * GROUP, sizeof(rw));
+      const int8_t* xp = xq + m * K + g * GROUP;
+      const int8_t* rp = xr + m * K + g * GROUP;
       __m512i a0 = _mm512_setzero_si512(), a1 = _mm512_setzero_si512();
       __m512i r0 = _mm512_setzero_si512(), r1 = _mm512_setzero_si512();
       for (int c = 0; c < 8; c += 2) {
-        a0 = _mm512_dpbusd_epi32(a0, v[c], _mm512_set1_epi32(xw[c]));
-        a1 = _mm512_dpbusd_epi32(a1, v[c + 1], _mm512_set1_epi32(xw[c + 1]));
-        r0 = _mm512_dpbusd_epi32(r0, v[c], _mm512_set1_epi32(rw[c]));
-        r1 = _mm512_dpbusd_epi32(r1, v[c + 1], _mm512_set1_epi32(rw[c + 1]));
+        a0 = _mm512_dpbusd_epi32(a0, v[c], bcast4(xp + 4 * c));
+        a1 = _mm512_dpbusd_epi32(a1, v[c + 1], bcast4(xp + 4 * c + 4));
+        r0 = _mm512_dpbusd_epi32(r0, v[c], bcast4(rp + 4 * c));
+        r1 = _mm512_dpbusd_epi32(r1, v[c + 1], bcast4(rp + 4 * c + 4));
       }
       // 256·(<q+128, xq> − 128·Σxq) + <q+128, xr> − 128·Σxr: |.| < 2^29
       const int32_t offset = 128 * (256 * sq[m * G + g] + sr[m * G + g]);
