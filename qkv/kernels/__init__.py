@@ -2,7 +2,8 @@
 
 ``qmatmul.cpp``: the quantised matrix products of decoding, with activations rounded to int8
 twice per group of 32 (a code and its residual) and integer dot products (AVX512-VNNI, else
-AVX2, else plain C++): ``qkv::int4_mm`` (4-bit groups, GGUF's Q4_0/Q4_1) and ``qkv::q8_mm``
+AVX2, else plain C++; on an AMX Xeon, 4-bit products of 12 rows and more on AMX tiles, the same
+integers): ``qkv::int4_mm`` (4-bit groups, GGUF's Q4_0/Q4_1) and ``qkv::q8_mm``
 (8-bit groups, GGUF's Q8_0). PyTorch's own kernels widen each weight to a float and are bound
 by that arithmetic on one token; these read the same bytes faster (BENCHMARKS.md).
 :func:`int4_op` builds the library once per machine (``g++ -O3 -march=native``, ~5 s) into

@@ -6,7 +6,8 @@
 //
 // x is rounded on the fly per group of 32 to int8 twice, x ≈ dx·(xq + xr/256) (quantize_rows),
 // and multiplied by integer dot products (AVX512-VNNI's vpdpbusd: 64 products an instruction;
-// AVX2's vpmaddubsw), then one float multiply-add per group:
+// AVX2's vpmaddubsw; AMX tiles for 12 rows and more of a 4-bit product: 16 rows x 16 outputs x
+// 32 inputs a tile multiply), then one float multiply-add per group:
 //
 //   int4: y[n] = Σ_g d[n,g]·dx[g]/256·(256·<q, xq> + <q, xr>)  +  m[n,g]·Σ_i x[g,i]
 //
@@ -24,7 +25,7 @@
 //
 // Both ops are one function, qmatmul<Format>: the argument checks, x's quantisation, y and the
 // threads over blocks of 16 output rows; a Format (Q4, Q8) gives its layout's sizes and the
-// kernel of one block (block4, block8), each compiled for AVX512-VNNI, AVX2 or plain C++.
+// kernel of one block (block4, block8), each compiled for AVX512-VNNI (block4 also AMX), AVX2 or plain C++.
 
 #include <torch/library.h>
 #include <ATen/core/Tensor.h>
@@ -103,6 +104,49 @@ inline __m256i pack32(__m256i a, __m256i b, __m256i c, __m256i d) {
 // shuffle-port instruction per product, which made the shuffle port the one-row bound (issue 53).
 typedef int32_t unaligned_i32 __attribute__((aligned(1), may_alias));
 inline __m512i bcast4(const int8_t* p) { return _mm512_set1_epi32(*reinterpret_cast<const unaligned_i32*>(p)); }
+#endif
+
+// AMX tiles (Sapphire Rapids and later Xeons), for the 4-bit products of several rows of x (a
+// prompt, a running batch): per group of 32 inputs, one tile multiply (TDPBSUD: signed int8 x
+// unsigned int8, summed in int32) gives up to 16 rows x 16 outputs of <xq, q> and another of
+// <xr, q>, the same integers the VNNI path sums, so the same floats follow, bit for bit (a row in
+// a batch is decoded as it would be alone). Linux lends a process the tile state only when asked
+// (arch_prctl ARCH_REQ_XCOMP_PERM, XTILEDATA): asked once; where that fails, the VNNI path runs.
+#if defined(__AMX_TILE__) && defined(__AMX_INT8__) && defined(__AVX512VNNI__) && defined(__AVX512BW__) && \
+    defined(__AVX512F__) && defined(__linux__)
+#define QKV_AMX 1
+#include <sys/syscall.h>
+#include <unistd.h>
+// From this many rows of x on, 4-bit products take the tiles. Measured on an Intel Xeon (family 6
+// model 207, 2 cores; a token's 120 products of SmolLM2's shapes, alternated, BENCHMARKS.md issue
+// 53): tiles ÷ VNNI rows 0.81x at 4 rows, 0.92-1.11x at 8, 1.36x at 12, 1.34-1.47x at 16, 1.27-1.33x
+// at 32. The tiles' share is the integer sums; the float work per row and group (scales, sums) stays.
+constexpr int64_t AMX_FROM = 12;
+bool amx_ready() {
+  static const bool ok = [] {
+    constexpr long ARCH_REQ_XCOMP_PERM = 0x1023, XFEATURE_XTILEDATA = 18;
+    return syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
+  }();
+  return ok;
+}
+// The tile configuration of a product of M rows, loaded by each thread before its blocks: tiles
+// 0, 1: xq and xr (rows x 32 bytes), 2: a group's weights (8 rows of 4 inputs x 16 outputs), 4,
+// 5: the two sums (rows x 16 int32); rows = min(M, 16).
+struct alignas(64) TileConfig {
+  uint8_t palette = 1, start_row = 0, reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+void amx_begin(int64_t M) {
+  TileConfig c;
+  const uint8_t r = static_cast<uint8_t>(std::min<int64_t>(M, 16));
+  c.colsb[0] = c.colsb[1] = 32, c.rows[0] = c.rows[1] = r;
+  c.colsb[2] = 64, c.rows[2] = 8;
+  c.colsb[4] = c.colsb[5] = 64, c.rows[4] = c.rows[5] = r;
+  _tile_loadconfig(&c);
+}
+#else
+#define QKV_AMX 0
 #endif
 
 // Each row of x (M, K) and each group of 32: x ≈ dx·(xq + xr/256), two int8 codes per value (the
@@ -205,6 +249,8 @@ struct Activations {
   std::vector<int32_t> sq, sr;
   std::vector<int16_t> x16;  // 256·xq + xr (|.| <= 32,639), where the AVX2 path reads it (M >= 2)
   bool wide = false;         // x16 holds this call's values
+  bool amx = false;          // the 4-bit products of this call take AMX tiles (xq, xr padded with
+                             // zero rows to a multiple of 16, which the tiles read and discard)
 };
 
 // x (M, K) float32 or bfloat16 -> its Activations (this thread's, valid until its next call); op
@@ -224,6 +270,15 @@ const Activations& quantize(const at::Tensor& x, bool code_sums, const char* op)
   else
     TORCH_CHECK(false, op, ": x must be float32 or bfloat16");
   a.wide = false;
+  a.amx = false;
+#if QKV_AMX
+  if (!code_sums && M >= AMX_FROM && amx_ready()) {
+    const int64_t padded = (M + 15) / 16 * 16;
+    a.xq.resize(padded * K), a.xr.resize(padded * K);
+    std::fill(a.xq.begin() + M * K, a.xq.end(), 0), std::fill(a.xr.begin() + M * K, a.xr.end(), 0);
+    a.amx = true;
+  }
+#endif
 #if !(defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512F__)) && defined(__AVX2__) && \
     defined(__F16C__) && defined(__FMA__)
   if (M >= WIDE_FROM) {
@@ -269,6 +324,9 @@ at::Tensor qmatmul(const at::Tensor& x, const at::Tensor& w, const at::Tensor& s
   // 16 columns of y.
   constexpr int64_t SPLIT = 256;
   at::parallel_for(0, NB, std::max<int64_t>(1, SPLIT / (G * M)), [&](int64_t b0, int64_t b1) {
+#if QKV_AMX
+    if (a.amx) amx_begin(M);  // this thread's tiles (a.amx: only a format that reads them sets it)
+#endif
     float small[16 * ROWS];
     std::vector<float> large(M > 16 ? M * ROWS : 0);
     float* out = M > 16 ? large.data() : small;
@@ -277,6 +335,9 @@ at::Tensor qmatmul(const at::Tensor& x, const at::Tensor& w, const at::Tensor& s
       Format::block(wp + b * G * Format::CHUNKS * 64, sp + b * G * Format::SCALES, a, out);
       for (int64_t m = 0; m < M; ++m) std::memcpy(yp + m * N + b * ROWS, out + m * ROWS, ROWS * sizeof(float));
     }
+#if QKV_AMX
+    if (a.amx) _tile_release();
+#endif
   });
   return y;
 }
@@ -285,9 +346,10 @@ at::Tensor qmatmul(const at::Tensor& x, const at::Tensor& w, const at::Tensor& s
 
 // One block of 16 output rows for every row m of x; out (M, 16) accumulates.
 void block4(const uint8_t* w, const c10::Half* dm, const int8_t* xq, const int8_t* xr, const int16_t* x16,
-            const float* dx, const float* sx, int64_t M, int64_t K, float* out) {
+            const float* dx, const float* sx, int64_t M, int64_t K, float* out, bool amx) {
   const int64_t G = K / GROUP;
   (void)x16;  // read by the AVX2 path only
+  (void)amx;  // read by the AMX path only
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512F__)
   const __m512i low = _mm512_set1_epi8(0x0F);
   if (M == 1) {  // one row: the 16 outputs stay in a register over all groups, weights prefetched
@@ -319,6 +381,46 @@ void block4(const uint8_t* w, const c10::Half* dm, const int8_t* xq, const int8_
     _mm512_storeu_ps(out, o);
     return;
   }
+#if QKV_AMX
+  if (amx) {  // tiles configured by the caller (amx_begin); xq, xr padded to 16-row chunks
+    alignas(64) uint8_t wb[8 * 64];
+    alignas(64) int32_t c1[16 * 16], c2[16 * 16];
+    for (int64_t g = 0; g < G; ++g) {
+      const uint8_t* wp = w + g * 256;
+      // the group's codes as the tile wants them: row 2c the low nibbles of chunk c (inputs 8c..8c+3
+      // of each of the 16 outputs), row 2c + 1 its high nibbles (inputs 8c+4..8c+7)
+      for (int c = 0; c < 4; ++c) {
+        const __m512i v = _mm512_loadu_si512(wp + c * 64);
+        _mm512_store_si512(wb + 2 * c * 64, _mm512_and_si512(v, low));
+        _mm512_store_si512(wb + (2 * c + 1) * 64, _mm512_and_si512(_mm512_srli_epi16(v, 4), low));
+      }
+      _tile_loadd(2, wb, 64);
+      const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(dm + g * 32)));
+      const __m512 z = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(dm + g * 32 + 16)));
+      for (int64_t m0 = 0; m0 < M; m0 += 16) {
+        _tile_loadd(0, xq + m0 * K + g * GROUP, K);
+        _tile_loadd(1, xr + m0 * K + g * GROUP, K);
+        _tile_zero(4);
+        _tile_zero(5);
+        _tile_dpbsud(4, 0, 2);  // <xq, q> for up to 16 rows x 16 outputs
+        _tile_dpbsud(5, 1, 2);  // <xr, q>
+        _tile_stored(4, c1, 64);
+        _tile_stored(5, c2, 64);
+        for (int64_t i = 0, n = std::min<int64_t>(16, M - m0); i < n; ++i) {  // as the VNNI rows below
+          const int64_t m = m0 + i;
+          const __m512i both = _mm512_add_epi32(_mm512_slli_epi32(_mm512_load_si512(c1 + 16 * i), 8),
+                                                _mm512_load_si512(c2 + 16 * i));
+          __m512 acc = _mm512_loadu_ps(out + m * ROWS);
+          acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(both),
+                                _mm512_mul_ps(d, _mm512_set1_ps(dx[m * G + g] * (1.f / 256.f))), acc);
+          acc = _mm512_fmadd_ps(z, _mm512_set1_ps(sx[m * G + g]), acc);
+          _mm512_storeu_ps(out + m * ROWS, acc);
+        }
+      }
+    }
+    return;
+  }
+#endif
   for (int64_t g = 0; g < G; ++g) {
     const uint8_t* wp = w + g * 256;
     __m512i lo[4], hi[4];
@@ -472,7 +574,7 @@ struct Q4 {
   static constexpr bool CODE_SUMS = false;
   static void block(const uint8_t* w, const c10::Half* dm, const Activations& a, float* out) {
     block4(w, dm, a.xq.data(), a.xr.data(), a.wide ? a.x16.data() : nullptr, a.dx.data(), a.sx.data(),
-           a.M, a.K, out);
+           a.M, a.K, out, a.amx);
   }
 };
 
@@ -658,7 +760,13 @@ struct Q8 {
 at::Tensor int4_mm(const at::Tensor& x, const at::Tensor& w, const at::Tensor& dm) { return qmatmul<Q4>(x, w, dm); }
 at::Tensor q8_mm(const at::Tensor& x, const at::Tensor& w, const at::Tensor& ds) { return qmatmul<Q8>(x, w, ds); }
 
-std::string int4_path() { return PATH; }
+// The code path the 4-bit products take here: PATH, with "+amx" where several rows take AMX tiles.
+std::string int4_path() {
+#if QKV_AMX
+  if (amx_ready()) return std::string(PATH) + "+amx";
+#endif
+  return PATH;
+}
 
 }  // namespace
 

@@ -53,6 +53,8 @@ def test_each_build_runs_the_code_path_it_names(paths: dict[str, object]) -> Non
     flags = _cpu_flags()
     want = ("avx512-vnni" if {"avx512_vnni", "avx512bw", "avx512f"} <= flags
             else "avx2" if {"avx2", "f16c", "fma"} <= flags else "scalar")
+    if want == "avx512-vnni" and {"amx_tile", "amx_int8"} <= flags:
+        want += "+amx"  # several rows' 4-bit products on AMX tiles
     assert torch.ops.qkv.int4_path() == want
     assert K.int4_status() == f"qkv's ({want})"
 
@@ -89,7 +91,8 @@ def _emulate(q: torch.Tensor, d16: torch.Tensor, m16: torch.Tensor, x: torch.Ten
 
 
 @pytest.mark.parametrize("path", ["native", "avx2", "scalar"])
-@pytest.mark.parametrize(("N", "Kd", "M"), [(16, 32, 1), (48, 64, 3), (96, 576, 1), (32, 1536, 17)])
+@pytest.mark.parametrize(("N", "Kd", "M"), [(16, 32, 1), (48, 64, 3), (96, 576, 1), (32, 1536, 17),
+                                            (64, 576, 37)])
 @pytest.mark.parametrize("outliers", [False, True])
 def test_int4_mm_is_its_definition_and_close_to_the_exact_product(
         paths: dict[str, object], path: str, N: int, Kd: int, M: int, outliers: bool) -> None:
@@ -117,11 +120,12 @@ def test_int4_mm_is_its_definition_and_close_to_the_exact_product(
 def test_each_row_of_a_batched_product_is_that_row_alone_bit_for_bit(
         paths: dict[str, object], path: str, op: str) -> None:
     """A running batch decodes each row as it would alone: the AVX2 path multiplies several rows
-    by 16-bit products (256·xq + xr in one) and one row by 8-bit ones; the integers, and so the
-    floats, must be the same."""
+    by 16-bit products (256·xq + xr in one) and one row by 8-bit ones; on an AMX Xeon, 12 rows
+    and more take tiles (16-row chunks, the last padded); the integers, and so the floats, must be
+    the same."""
     if path not in paths:
         pytest.skip("this CPU cannot run the AVX2 build")
-    q, d, m, x = _problem(64, 1536, 8, seed=7, outliers=True)
+    q, d, m, x = _problem(64, 1536, 37, seed=7, outliers=True)
     x[2] = 0  # a row of zeros beside the others
     if op == "int4_mm":
         w, scales = pack_int4(q, d, m)
@@ -133,7 +137,7 @@ def test_each_row_of_a_batched_product_is_that_row_alone_bit_for_bit(
     pairs = [(w, scales)] if op == "int4_mm" else [(w, scales), (w8, s8)]
     for wp, sp in pairs:
         together = f(x, wp, sp)
-        for M in (2, 3, 8):
+        for M in (2, 3, 8, 12, 16, 17):  # AVX2's 16-bit and AVX-512's rows, AMX's tiles (16-row chunks)
             assert torch.equal(f(x[:M].contiguous(), wp, sp), together[:M])
         for i in range(len(x)):
             assert torch.equal(f(x[i : i + 1].contiguous(), wp, sp)[0], together[i]), i
@@ -231,7 +235,8 @@ def _emulate8(q: torch.Tensor, d16: torch.Tensor, x: torch.Tensor):
 
 
 @pytest.mark.parametrize("path", ["native", "avx2", "scalar"])
-@pytest.mark.parametrize(("N", "Kd", "M"), [(16, 32, 1), (48, 64, 3), (96, 576, 1), (32, 1536, 17)])
+@pytest.mark.parametrize(("N", "Kd", "M"), [(16, 32, 1), (48, 64, 3), (96, 576, 1), (32, 1536, 17),
+                                            (64, 576, 37)])
 def test_q8_mm_is_its_definition_and_close_to_the_exact_product(
         paths: dict[str, object], path: str, N: int, Kd: int, M: int) -> None:
     if path not in paths:
