@@ -24,7 +24,7 @@ def add_assets_parser(sub) -> None:
     p.add_argument("names", nargs="*", help="assets to install (see the list)")
     p.add_argument("--no-prepare", action="store_true",
                    help="install a decoder's weights without building its saved decoding steps "
-                   "(`qkv prepare NAME` builds them later; until then it decodes eagerly, ~2x slower)")
+                   "(`qkv prepare NAME` builds them later; until then it decodes eagerly, ~3x slower)")
     p.set_defaults(func=cmd_assets)
 
 

@@ -41,7 +41,7 @@ def add_generate_parser(sub) -> None:
                    help="how each new token is computed. auto (default): through the model's saved "
                    "step when one was built on this machine (`qkv prepare MODEL`, or `qkv assets "
                    "install smollm2` for the bundled model: a step compiled ahead of time, loaded in "
-                   "milliseconds, ~2x eager per token), else eagerly (the closing line says why and how "
+                   "milliseconds, ~3x eager per token), else eagerly (the closing line says why and how "
                    "to build one); on (or a bare --compile): build the saved step first if there is "
                    "none (~40 s on 2 cores, in the foreground, once per model, weight format, thread "
                    "count and machine; kept in qkv's cache folder); off: eagerly; jit: torch.compile "
@@ -184,5 +184,5 @@ def decode_mode(args: argparse.Namespace, lm: CausalLM, st: StreamStats) -> str:
     said = f"KV cache, {d.says()}"
     if d.why in (Why.NOT_BUILT, Why.OTHER_KEY):
         threads = ["--threads", str(torch.get_num_threads())] if d.why is Why.OTHER_KEY else []
-        said += f"; `{command_line(['qkv', 'prepare', args.run, *threads])}` builds one (once) for ~2x"
+        said += f"; `{command_line(['qkv', 'prepare', args.run, *threads])}` builds one (once) for ~3x"
     return said
