@@ -15,6 +15,8 @@ import math
 import torch
 from torch import Tensor
 
+from qkv.nn.top import argmax_last
+
 
 def filter_logits(logits: Tensor, top_k: int | None = None, top_p: float | None = None) -> Tensor:
     """(B, V) -> (B, V) with -inf on the tokens that top-k / top-p exclude."""
@@ -69,7 +71,7 @@ def sample_next(
     """(B, V) logits of the last position -> (B,) next token ids."""
     check_sampling(temperature, top_k, top_p)
     if temperature == 0:
-        return logits.argmax(dim=-1)
+        return argmax_last(logits)  # logits.argmax(dim=-1), faster on a long vocabulary
     logits = filter_logits(logits.float() / temperature, top_k, top_p)
     probs = torch.softmax(logits, dim=-1)
     return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
