@@ -199,6 +199,12 @@ def png_bytes(size: tuple[int, int] = (16, 16), mode: str = "L", colour: object 
     return image_bytes("PNG", size, mode, colour)
 
 
+# How long a computation that a test holds (to queue others behind it) waits for its gate: far
+# longer than any slow, shared machine takes; the test opens the gate itself. A 10-s wait once
+# expired in the full suite and let the queued calls run before the test had counted them.
+HELD_S = 600.0
+
+
 def wait_until(condition: Callable[[], object], what: str, timeout: float = 20.0) -> None:
     """Block until ``condition()`` holds (a synchronisation point, not a timing assertion)."""
     deadline = time.monotonic() + timeout

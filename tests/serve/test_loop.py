@@ -13,7 +13,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
-from helpers import png_bytes, wait_until
+from helpers import HELD_S, png_bytes, wait_until
 
 from qkv.serve.loop import BusyError, ComputeLoop
 
@@ -49,13 +49,17 @@ def test_calls_run_in_the_loop_thread_in_order_with_their_answers_and_errors():
     order: list[int] = []
     gate = threading.Event()
     with ThreadPoolExecutor(5) as pool:
-        first = pool.submit(loop.call, lambda: gate.wait(10))
-        wait_until(lambda: loop.jobs_run == 3 and loop.waiting() == 0, "the first call running")
-        later = []
-        for i in range(4):  # queued while the first runs: served first come, first served
-            later.append(pool.submit(loop.call, order.append, i))
-            wait_until(lambda n=i + 1: loop.waiting() == n, "the call queued")
-        gate.set()
+        # the first call holds the loop until the gate opens: below, or in `finally` if an
+        # assertion fails first (HELD_S: never by a timeout a slow machine could reach)
+        first = pool.submit(loop.call, lambda: gate.wait(HELD_S))
+        try:
+            wait_until(lambda: loop.jobs_run == 3 and loop.waiting() == 0, "the first call running")
+            later = []
+            for i in range(4):  # queued while the first runs: served first come, first served
+                later.append(pool.submit(loop.call, order.append, i))
+                wait_until(lambda n=i + 1: loop.waiting() == n, "the call queued")
+        finally:
+            gate.set()
         assert first.result() is True and [f.result() for f in later] == [None] * 4
     assert order == [0, 1, 2, 3]
     loop.close()
@@ -66,7 +70,7 @@ def test_a_full_queue_and_a_call_that_waited_too_long_are_busy():
     loop = ComputeLoop(max_queued=2, max_wait_s=0.3)
     gate, ran = threading.Event(), []
     with ThreadPoolExecutor(4) as pool:
-        blocking = pool.submit(loop.call, lambda: gate.wait(10))
+        blocking = pool.submit(loop.call, lambda: gate.wait(HELD_S))
         wait_until(lambda: loop.jobs_run == 0 and loop.waiting() == 0 and loop.thread, "running")
         queued = [pool.submit(loop.call, ran.append, i) for i in range(2)]
         wait_until(lambda: loop.waiting() == 2, "two waiting")
@@ -88,7 +92,7 @@ def test_running_batches_step_between_computations_and_close_ends_everything():
     loop, log = ComputeLoop(), []
     hold = threading.Event()
     with ThreadPoolExecutor(4) as pool:
-        held = pool.submit(loop.call, lambda: hold.wait(10))  # the loop busy while work arrives
+        held = pool.submit(loop.call, lambda: hold.wait(HELD_S))  # the loop busy while work arrives
         wait_until(lambda: loop.thread is not None and loop.waiting() == 0, "the loop held")
         jobs = []
         for i in range(3):
@@ -103,7 +107,7 @@ def test_running_batches_step_between_computations_and_close_ends_everything():
     assert log == ["step", "job0", "step", "job1", "step", "job2", "step", "step"]
     gate = threading.Event()
     with ThreadPoolExecutor(2) as pool:
-        running = pool.submit(loop.call, lambda: gate.wait(10))
+        running = pool.submit(loop.call, lambda: gate.wait(HELD_S))
         wait_until(lambda: loop.waiting() == 0 and not running.done(), "a call running")
         waiting = pool.submit(loop.call, log.append, "never")
         wait_until(lambda: loop.waiting() == 1, "a call waiting")

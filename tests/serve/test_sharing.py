@@ -8,7 +8,7 @@ import threading
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
-from helpers import wait_until
+from helpers import HELD_S, wait_until
 
 import qkv.serve.loop as loop_module
 from qkv.serve.loop import CLIENT, CancelledError, ComputeLoop
@@ -21,7 +21,7 @@ def test_identical_requests_in_flight_are_computed_once_and_errors_reach_every_w
     def compute(v: int):
         def run() -> int:
             calls.append(v)
-            gate.wait(10)
+            gate.wait(HELD_S)
             if v < 0:
                 raise ValueError(f"bad {v}")
             return v * 10
@@ -60,7 +60,7 @@ def test_the_loop_takes_one_computation_per_client_in_turn_and_sweeps_last():
     it lets pass), then b, d, a, a, a."""
     loop, gate, order = ComputeLoop(), threading.Event(), []
     with ThreadPoolExecutor(8) as pool:
-        first = pool.submit(_as, "x", loop, lambda: gate.wait(10))
+        first = pool.submit(_as, "x", loop, lambda: gate.wait(HELD_S))
         wait_until(lambda: loop.thread is not None and loop.waiting() == 0 and not first.done(), "running")
         futures = []
         for client, sweep in (("a", False),) * 4 + (("b", False), ("c", True), ("d", False)):
@@ -89,7 +89,7 @@ def test_a_sweep_in_pieces_lets_the_others_run_between_its_pieces(monkeypatch):
             for i in range(3):
                 order.append(f"piece {i}")
                 if i == 0:
-                    gate.wait(10)
+                    gate.wait(HELD_S)
                 yield i, 3
             return "swept"
         finally:
@@ -180,7 +180,7 @@ def test_tokens_first_an_interactive_computation_yields_only_to_the_running_batc
         for i in range(3):
             order.append(f"piece {i}")
             if i == 0:
-                gate.wait(10)
+                gate.wait(HELD_S)
             yield
         return "viewed"
 
@@ -236,7 +236,7 @@ def test_a_waiting_client_knows_its_place_and_one_that_leaves_is_not_computed(mo
         CLIENT.set(client)
         return loop.submit(fn, **kw)
 
-    blocking = as_("x", lambda: gate.wait(10))
+    blocking = as_("x", lambda: gate.wait(HELD_S))
     wait_until(lambda: loop.waiting() == 0 and loop.position(blocking) == 0, "the first at work")
 
     def sweep():
@@ -244,7 +244,7 @@ def test_a_waiting_client_knows_its_place_and_one_that_leaves_is_not_computed(mo
             for i in range(100):
                 ran.append(f"sweep {i}")
                 if i == 1:
-                    hold.wait(10)
+                    hold.wait(HELD_S)
                 yield i, 100
         finally:
             closed.append(True)
