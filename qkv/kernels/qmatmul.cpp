@@ -99,15 +99,16 @@ inline __m256i pack32(__m256i a, __m256i b, __m256i c, __m256i d) {
 #endif
 
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512F__)
-// 4 int8 activations at p repeated 16 times, read straight from memory: the compiler folds it into
-// vpdpbusd's operand ({1to16}), a load; broadcasting from a general register instead costs a
-// shuffle-port instruction per product, which made the shuffle port the one-row bound (issue 53).
+// 4 int8 activations at p repeated 16 times, read straight from memory: a broadcast load
+// (vpbroadcastd from memory, or vpdpbusd's {1to16} operand), which the load ports do alone;
+// broadcasting from a general register instead costs a shuffle-port instruction per product,
+// which made the shuffle port the one-row bound on an Intel Xeon (issue 53).
 typedef int32_t unaligned_i32 __attribute__((aligned(1), may_alias));
 inline __m512i bcast4(const int8_t* p) { return _mm512_set1_epi32(*reinterpret_cast<const unaligned_i32*>(p)); }
 #endif
 
-// AMX tiles (Sapphire Rapids and later Xeons), for the 4-bit products of several rows of x (a
-// prompt, a running batch): per group of 32 inputs, one tile multiply (TDPBSUD: signed int8 x
+// AMX tiles (Sapphire Rapids and later Xeons), for the 4-bit products of many rows of x (a prompt;
+// a running batch of AMX_FROM rows or more): per group of 32 inputs, one tile multiply (TDPBSUD: signed int8 x
 // unsigned int8, summed in int32) gives up to 16 rows x 16 outputs of <xq, q> and another of
 // <xr, q>, the same integers the VNNI path sums, so the same floats follow, bit for bit (a row in
 // a batch is decoded as it would be alone). Linux lends a process the tile state only when asked
