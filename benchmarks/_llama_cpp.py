@@ -9,7 +9,7 @@ Build flags: a portable build (``GGML_NATIVE=OFF``) with AVX2/FMA/F16C, AVX-512 
 has it, and AMX off; and, asked for (``native=True``), llama.cpp at its best on this CPU, in
 ``llama.cpp/native/``: ``GGML_NATIVE=ON`` (``-march=native``) on every CPU. On an AMX Xeon this
 also builds ggml's AMX backend, which repacks the Q4_1/Q8_0 weights at load: measured on an
-Intel Xeon (family 6 model 207, 2026-12-06) at 224-270 tok/s on SmolLM2 q4, against 106-110
+Intel Xeon (family 6 model 207, 2026-12-06) at 224-297 tok/s on SmolLM2 q4, against 84-117
 for the build that named each instruction set but left AMX and ``-march=native`` out (this
 helper's native build until then, chosen after an earlier llama.cpp's native build died with
 an illegal instruction, issue 14; the version pinned below runs).
