@@ -21,7 +21,7 @@ def add_prepare_parser(sub) -> None:
     p = sub.add_parser(
         "prepare",
         help="build a decoder's saved decoding steps on this machine (once), for ~3x faster decoding "
-             "(2.6-3.2x on SmolLM2, measured on Zen 3, Zen 4 and an Emerald Rapids Xeon)",
+             "(2.6-3.3x on SmolLM2, measured on Zen 3, Zen 4 and an Emerald Rapids Xeon)",
         description="Build MODEL's saved decoding steps for this machine: the 1-token step exported "
         "and compiled ahead of time (torch.export + AOTInductor), kept in qkv's cache folder, keyed by "
         "the model's shape and weight format, the thread count, the CPU, torch and qkv's code. Every "

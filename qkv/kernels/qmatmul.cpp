@@ -120,7 +120,7 @@ inline __m512i bcast4(const int8_t* p) { return _mm512_set1_epi32(*reinterpret_c
 #include <unistd.h>
 // From this many rows of x on, 4-bit products take the tiles. Measured on an Intel Xeon (family 6
 // model 207, 2 cores; a token's 120 products of SmolLM2's shapes, alternated, BENCHMARKS.md issue
-// 53): tiles ÷ VNNI rows 0.81x at 4 rows, 0.92-1.11x at 8, 1.36x at 12, 1.34-1.47x at 16, 1.27-1.33x
+// 53): tiles ÷ VNNI rows 0.81x at 4 rows, 0.92-1.14x at 8, 1.36x at 12, 1.34-1.47x at 16, 1.27-1.33x
 // at 32. The tiles' share is the integer sums; the float work per row and group (scales, sums) stays.
 constexpr int64_t AMX_FROM = 12;
 bool amx_ready() {
@@ -255,8 +255,8 @@ struct Activations {
 };
 
 // x (M, K) float32 or bfloat16 -> its Activations (this thread's, valid until its next call); op
-// names the caller in the message.
-const Activations& quantize(const at::Tensor& x, bool code_sums, const char* op) {
+// names the caller in the message; tiles: the format's block can take AMX tiles (Format::TILES).
+const Activations& quantize(const at::Tensor& x, bool code_sums, bool tiles, const char* op) {
   thread_local Activations a;
   const int64_t M = x.size(0), K = x.size(1), G = K / GROUP;
   a.M = M, a.K = K, a.G = G;
@@ -272,8 +272,9 @@ const Activations& quantize(const at::Tensor& x, bool code_sums, const char* op)
     TORCH_CHECK(false, op, ": x must be float32 or bfloat16");
   a.wide = false;
   a.amx = false;
+  (void)tiles;  // read where AMX is compiled in
 #if QKV_AMX
-  if (!code_sums && M >= AMX_FROM && amx_ready()) {
+  if (tiles && M >= AMX_FROM && amx_ready()) {
     const int64_t padded = (M + 15) / 16 * 16;
     a.xq.resize(padded * K), a.xr.resize(padded * K);
     std::fill(a.xq.begin() + M * K, a.xq.end(), 0), std::fill(a.xr.begin() + M * K, a.xr.end(), 0);
@@ -299,6 +300,7 @@ const Activations& quantize(const at::Tensor& x, bool code_sums, const char* op)
 //   SCALES                    float16 scales per group of a block
 //   SCALES_ARG, SCALES_SHAPE  the scales' argument name and layout, for messages
 //   CODE_SUMS                 whether its block reads the code sums sq, sr (Activations)
+//   TILES                     whether its block takes AMX tiles for many rows (Activations::amx)
 //   block(w, scales, a, out)  one block of 16 output rows: out (M, 16) += w's products with x
 // Format::block is resolved at compile time (a template argument, not a function pointer), so
 // each op's hot loop is compiled and inlined as if written out for it alone.
@@ -314,7 +316,7 @@ at::Tensor qmatmul(const at::Tensor& x, const at::Tensor& w, const at::Tensor& s
   TORCH_CHECK(scales.scalar_type() == at::kHalf && scales.numel() == NB * G * Format::SCALES &&
                   scales.is_contiguous(),
               op, ": ", Format::SCALES_ARG, " must be ", Format::SCALES_SHAPE, " float16");
-  const Activations& a = quantize(x, Format::CODE_SUMS, op);
+  const Activations& a = quantize(x, Format::CODE_SUMS, Format::TILES, op);
   at::Tensor y = at::empty({M, N}, x.options().dtype(at::kFloat));
   const uint8_t* wp = w.data_ptr<uint8_t>();
   const c10::Half* sp = scales.data_ptr<c10::Half>();
@@ -572,7 +574,7 @@ struct Q4 {
   static constexpr int64_t CHUNKS = 4, SCALES = 32;
   static constexpr const char* SCALES_ARG = "dm";
   static constexpr const char* SCALES_SHAPE = "(N/16, K/32, 2, 16)";
-  static constexpr bool CODE_SUMS = false;
+  static constexpr bool CODE_SUMS = false, TILES = true;
   static void block(const uint8_t* w, const c10::Half* dm, const Activations& a, float* out) {
     block4(w, dm, a.xq.data(), a.xr.data(), a.wide ? a.x16.data() : nullptr, a.dx.data(), a.sx.data(),
            a.M, a.K, out, a.amx);
@@ -750,7 +752,7 @@ struct Q8 {
   static constexpr int64_t CHUNKS = 8, SCALES = 16;
   static constexpr const char* SCALES_ARG = "ds";
   static constexpr const char* SCALES_SHAPE = "(N/16, K/32, 16)";
-  static constexpr bool CODE_SUMS = true;
+  static constexpr bool CODE_SUMS = true, TILES = false;
   static void block(const uint8_t* w, const c10::Half* ds, const Activations& a, float* out) {
     block8(w, ds, a.xq.data(), a.xr.data(), a.wide ? a.x16.data() : nullptr, a.dx.data(), a.sq.data(),
            a.sr.data(), a.M, a.K, out);
