@@ -28,7 +28,7 @@ from dataclasses import dataclass, field, replace
 from enum import Enum
 from typing import Literal
 
-from qkv.generation import aot
+from qkv.generation import aot, native_step
 from qkv.generation.decoders import DecodeMode, EagerDecoder, StepDecoder
 from qkv.models.gpt import GPT
 from qkv.native import NativeError, compiler
@@ -239,12 +239,13 @@ def forget(model: GPT) -> None:
 class Decision:
     """Which decoder runs a request's 1-token steps, and why not the saved step.
 
-    ``kind``: "saved", "jit" or "eager". ``step``: the saved step when kind is "saved".
+    ``kind``: "native" (:mod:`qkv.generation.native_step`), "saved", "jit" or "eager". ``step``:
+    the saved step when kind is "saved".
     ``status``: the saved step's status where one was looked for. ``why``: why the saved step
     is not used (None when it is). ``decoder``: what :func:`decoder_for` chose (None from
     :func:`decide`, which the running batch asks)."""
 
-    kind: Literal["saved", "jit", "eager"]
+    kind: Literal["native", "saved", "jit", "eager"]
     why: Why | None = None
     status: StepStatus | None = None
     decoder: StepDecoder | None = field(default=None, compare=False)
@@ -262,6 +263,8 @@ class Decision:
             return f"saved step ({built}loaded in {st.step.load_seconds * 1000:.0f} ms)"
         if self.kind == "jit":
             return "torch.compile step"
+        if self.kind == "native":
+            return "native step"
         if self.why in (None, Why.NOT_ASKED):
             return "eager"
         st = self.status
@@ -288,9 +291,11 @@ def decide(model: GPT, mode: DecodeMode | str, rows: int = 1, cache_len: int | N
 def decoder_for(model: GPT, mode: DecodeMode | str, *, batch: int = 1, need: int,
                 weights: bool = False) -> Decision:
     """The decoder of one :func:`qkv.generation.generate` call: ``batch`` rows, ``need`` tokens
-    (prompt + new), ``weights``: its attention rows wanted. The saved step where :func:`decide`
-    says so, ``torch.compile``'s step in mode ``jit`` (ValueError with ``weights``: it returns
-    none), else the eager model over a cache sized to the request."""
+    (prompt + new), ``weights``: its attention rows wanted. ``torch.compile``'s step in mode
+    ``jit`` (ValueError with ``weights``: it returns none); in modes ``auto`` and ``build``, one
+    row of a model the native step runs (:func:`qkv.generation.native_step.unsupported`) through
+    it (no set-up; faster than the saved step), else the saved step where :func:`decide` says so;
+    else the eager model over a cache sized to the request."""
     mode = DecodeMode.of(mode)
     context = model.cfg.max_seq_len
     eager = EagerDecoder(model, min(context, max(need, 2)), weights)
@@ -308,6 +313,9 @@ def decoder_for(model: GPT, mode: DecodeMode | str, *, batch: int = 1, need: int
                                                           detail=why), decoder=eager)
     if batch != 1 and mode is not DecodeMode.EAGER:
         return Decision("eager", Why.ROWS, decoder=eager)
+    if mode is not DecodeMode.EAGER and native_step.unsupported(model) is None:
+        # no set-up, and faster than the saved step (BENCHMARKS.md): one row's steps go native
+        return Decision("native", decoder=native_step.NativeStep(model, eager.cache_len))
     d = decide(model, mode, need=need)
     return replace(d, decoder=d.step if d.step is not None else eager)
 

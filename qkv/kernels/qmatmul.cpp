@@ -28,6 +28,8 @@
 // kernel of one block (block4, block8), each compiled for AVX512-VNNI (block4 also AMX), AVX2 or plain C++.
 
 #include <torch/library.h>
+#include <torch/custom_class.h>
+#include <omp.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/Parallel.h>
 #include <ATen/ops/empty.h>
@@ -38,10 +40,17 @@
 #endif
 
 #include <algorithm>
+#include <functional>
+#include <utility>
 #include <cmath>
 #include <cstring>
 #include <limits>
 #include <vector>
+
+// The namespace is qkv unless the build names another (the tests load every code path at once).
+#ifndef QKV_NAMESPACE
+#define QKV_NAMESPACE qkv
+#endif
 
 namespace {
 
@@ -771,12 +780,346 @@ std::string int4_path() {
   return PATH;
 }
 
+
+// ---------------------------------------------------------------- one token through a whole decoder
+//
+// qkv::Decoder: a decoder-only Transformer's one-token step (the eager model's arithmetic, written
+// out once more for speed: tests hold it to the eager model, qkv/generation/native_step.py binds
+// it). One token costs the eager model ~1,460 dispatched PyTorch operations; a saved (AOTInductor)
+// step still allocates, dispatches and joins threads between them (measured: ~45% of a saved
+// step's token was not the weights' products). Here the threads enter one parallel region per
+// token and meet at barriers, six per layer:
+//
+//   h = rmsnorm(x)·w1                       each thread (576 values: cheaper than a barrier)
+//   [q | k | v] = h Wqkvᵀ (+ b)             blocks of 16 outputs shared among threads     | barrier
+//   k, v rotated (RoPE, rotate-half) into the cache at pos; each thread's query heads rotated | barrier
+//   o_h = softmax(q_h·Kᵀ/√D)·V, per head    query heads shared (GQA: head h reads kv head h/(H/K)) | barrier
+//   x += o Woᵀ (+ b)                        output blocks shared, each thread adds its own | barrier
+//   h = rmsnorm(x)·w2; g|u = h Wguᵀ         each thread the gate blocks and the up blocks of one range
+//   a = silu(g)·u                           on that range                                  | barrier
+//   x += a Wdᵀ                              output blocks shared                           | barrier
+//
+// then the final norm, the 8-bit head (output blocks shared) and, where the model's head keeps
+// its top logits exact (TopKRefinedLinear), the k largest recomputed in fp32 from the float matrix.
+// Every product is the very block kernel int4_mm/q8_mm run (block4, block8) on activations
+// quantised the same way, so a product's outputs are the ops'; the float work between them
+// (norms, RoPE, softmax) sums in another order than PyTorch's: ~1e-6 relative.
+// Lectures: CS189 Lec 21-22 (one query against every cached key), CS231N Lec 8.
+
+// e^x for float32, vectorisable (Cephes' expf: range reduction by ln 2, degree-6 polynomial;
+// ~1 ulp on [-87, 88], 0 below).
+inline float exp_approx(float x) {
+  x = std::min(std::max(x, -87.3f), 88.3f);
+  const float n = std::nearbyint(x * 1.44269504088896341f);
+  const float r = (x - n * 0.693359375f) + n * 2.12194440e-4f;
+  float p = 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.f;
+  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, sizeof(scale));
+  return p * scale;
+}
+
+// y = x·w / sqrt(mean(x²) + eps), float32 (PyTorch's rms_norm).
+inline void rms_norm(const float* x, const float* w, int64_t n, float eps, float* y) {
+  float ss = 0.f;
+#pragma omp simd reduction(+ : ss)
+  for (int64_t i = 0; i < n; ++i) ss += x[i] * x[i];
+  const float r = 1.f / std::sqrt(ss / static_cast<float>(n) + eps);
+#pragma omp simd
+  for (int64_t i = 0; i < n; ++i) y[i] = x[i] * r * w[i];
+}
+
+// One vector (K,) quantised into a: M = 1 (see quantize).
+inline void quantize_one(const float* x, int64_t K, bool code_sums, Activations& a) {
+  const int64_t G = K / GROUP;
+  a.M = 1, a.K = K, a.G = G, a.wide = false, a.amx = false;
+  a.xq.resize(K), a.xr.resize(K), a.dx.resize(G), a.sx.resize(G);
+  a.sq.resize(code_sums ? G : 0), a.sr.resize(code_sums ? G : 0);
+  quantize_rows(x, 1, K, a.xq.data(), a.xr.data(), a.dx.data(), a.sx.data(), code_sums ? a.sq.data() : nullptr,
+                code_sums ? a.sr.data() : nullptr);
+}
+
+// Thread t's share [first, last) of n items among T threads.
+inline std::pair<int64_t, int64_t> share(int64_t n, int t, int T) {
+  return {n * t / T, n * (t + 1) / T};
+}
+
+// Blocks [b0, b1) of 16 outputs of one product with one activation row: y[16b..16b+16) (+ bias).
+template <class Format>
+inline void product_blocks(const uint8_t* w, const c10::Half* s, const Activations& a, int64_t b0, int64_t b1,
+                           float* y, const float* bias) {
+  const int64_t G = a.G;
+  for (int64_t b = b0; b < b1; ++b) {
+    float out[ROWS] = {0.f};
+    Format::block(w + b * G * Format::CHUNKS * 64, s + b * G * Format::SCALES, a, out);
+    for (int64_t j = 0; j < ROWS; ++j) y[b * ROWS + j] = bias != nullptr ? out[j] + bias[b * ROWS + j] : out[j];
+  }
+}
+
+// x (D,) at position pos rotated by RoPE's rotate-half pairing (i, i + D/2): cos, sin (P, D).
+inline void rope(const float* x, const float* cos, const float* sin, int64_t D, float* y) {
+  const int64_t h = D / 2;
+  for (int64_t i = 0; i < h; ++i) {
+    y[i] = x[i] * cos[i] - x[i + h] * sin[i];
+    y[i + h] = x[i + h] * cos[i + h] + x[i] * sin[i + h];
+  }
+}
+
+struct DecoderLayer {
+  const float *norm1 = nullptr, *norm2 = nullptr;
+  const uint8_t *wqkv = nullptr, *wo = nullptr, *wgu = nullptr, *wd = nullptr;
+  const c10::Half *sqkv = nullptr, *so = nullptr, *sgu = nullptr, *sd = nullptr;
+  const float *bqkv = nullptr, *bo = nullptr;  // nullptr: no bias
+};
+
+// In a namespace of the build's name: two builds' classes in one process are two types.
+namespace QKV_NAMESPACE {
+
+class Decoder : public torch::CustomClassHolder {
+ public:
+  // tensors: [token embedding (V, dim) f32, RoPE cos (P, D) f32, sin (P, D) f32, final norm (dim,),
+  //           head w (V/16, dim/32, 8, 64) u8, head ds (V/16, dim/32, 16) f16, head bias (V,) or empty,
+  //           exact head matrix (V, dim) f32 or empty,
+  //           then per layer: norm1, wqkv, sqkv, bqkv or empty, wo, so, bo or empty, norm2, wgu, sgu, wd, sd]
+  // ints: [layers, dim, heads, kv heads, head dim, mlp hidden, vocabulary, top-k (0: none), embed scale (0/1)]
+  // floats: [the blocks' norm eps, the final norm's eps]
+  Decoder(std::vector<at::Tensor> tensors, std::vector<int64_t> ints, std::vector<double> floats)
+      : held_(std::move(tensors)) {
+    TORCH_CHECK(ints.size() == 9 && floats.size() == 2, "qkv::Decoder: 9 ints and 2 floats");
+    L_ = ints[0], dim_ = ints[1], H_ = ints[2], KV_ = ints[3], D_ = ints[4], F_ = ints[5], V_ = ints[6];
+    topk_ = ints[7], scale_ = ints[8] != 0 ? static_cast<float>(std::sqrt(static_cast<double>(dim_))) : 1.f;
+    eps_ = static_cast<float>(floats[0]), eps_final_ = static_cast<float>(floats[1]);
+    TORCH_CHECK(static_cast<int64_t>(held_.size()) == 8 + 12 * L_, "qkv::Decoder: ", 8 + 12 * L_, " tensors");
+    TORCH_CHECK(H_ % KV_ == 0 && D_ % 2 == 0 && dim_ % GROUP == 0 && F_ % ROWS == 0 && V_ % ROWS == 0 &&
+                    (H_ * D_) % GROUP == 0 && F_ % GROUP == 0 && dim_ % ROWS == 0,
+                "qkv::Decoder: unsupported shape");
+    const int64_t Gd = dim_ / GROUP, Ga = H_ * D_ / GROUP, Gf = F_ / GROUP, nqkv = (H_ + 2 * KV_) * D_;
+    TORCH_CHECK(nqkv % ROWS == 0, "qkv::Decoder: q|k|v width not a multiple of 16");
+    auto f32 = [&](int64_t i, std::vector<int64_t> shape, bool optional = false) -> const float* {
+      const at::Tensor& t = held_[i];
+      if (optional && t.numel() == 0) return nullptr;
+      TORCH_CHECK(t.scalar_type() == at::kFloat && t.is_contiguous() && t.sizes().vec() == shape,
+                  "qkv::Decoder: tensor ", i, " must be float32 ", c10::IntArrayRef(shape));
+      return t.data_ptr<float>();
+    };
+    auto u8 = [&](int64_t i, std::vector<int64_t> shape) -> const uint8_t* {
+      const at::Tensor& t = held_[i];
+      TORCH_CHECK(t.scalar_type() == at::kByte && t.is_contiguous() && t.sizes().vec() == shape,
+                  "qkv::Decoder: tensor ", i, " must be uint8 ", c10::IntArrayRef(shape));
+      return t.data_ptr<uint8_t>();
+    };
+    auto f16 = [&](int64_t i, std::vector<int64_t> shape) -> const c10::Half* {
+      const at::Tensor& t = held_[i];
+      TORCH_CHECK(t.scalar_type() == at::kHalf && t.is_contiguous() && t.sizes().vec() == shape,
+                  "qkv::Decoder: tensor ", i, " must be float16 ", c10::IntArrayRef(shape));
+      return t.data_ptr<c10::Half>();
+    };
+    emb_ = f32(0, {V_, dim_});
+    P_ = held_[1].size(0);
+    cos_ = f32(1, {P_, D_}), sin_ = f32(2, {P_, D_});
+    final_norm_ = f32(3, {dim_});
+    hw_ = u8(4, {V_ / ROWS, Gd, Q8::CHUNKS, 64}), hs_ = f16(5, {V_ / ROWS, Gd, Q8::SCALES});
+    hbias_ = f32(6, {V_}, true);
+    exact_ = topk_ > 0 ? f32(7, {V_, dim_}) : nullptr;
+    for (int64_t l = 0; l < L_; ++l) {
+      const int64_t i = 8 + 12 * l;
+      DecoderLayer y;
+      y.norm1 = f32(i, {dim_});
+      y.wqkv = u8(i + 1, {nqkv / ROWS, Gd, Q4::CHUNKS, 64}), y.sqkv = f16(i + 2, {nqkv / ROWS, Gd, 2, 16});
+      y.bqkv = f32(i + 3, {nqkv}, true);
+      y.wo = u8(i + 4, {dim_ / ROWS, Ga, Q4::CHUNKS, 64}), y.so = f16(i + 5, {dim_ / ROWS, Ga, 2, 16});
+      y.bo = f32(i + 6, {dim_}, true);
+      y.norm2 = f32(i + 7, {dim_});
+      y.wgu = u8(i + 8, {2 * F_ / ROWS, Gd, Q4::CHUNKS, 64}), y.sgu = f16(i + 9, {2 * F_ / ROWS, Gd, 2, 16});
+      y.wd = u8(i + 10, {dim_ / ROWS, Gf, Q4::CHUNKS, 64}), y.sd = f16(i + 11, {dim_ / ROWS, Gf, 2, 16});
+      layers_.push_back(y);
+    }
+    x_.resize(dim_), qkv_.resize(nqkv), q_.resize(H_ * D_), att_.resize(H_ * D_), o_.resize(dim_);
+    gu_.resize(2 * F_), a_.resize(F_), hf_.resize(dim_);
+  }
+
+  // The token `token` at position `pos` through every layer: its keys and values written into k, v
+  // (layers, 1, K, S, D) at pos, its rotated queries into q (layers, 1, H, 1, D) where q is not
+  // empty; returns the logits (1, 1, V).
+  at::Tensor step(int64_t token, int64_t pos, const at::Tensor& k, const at::Tensor& v, const at::Tensor& q) {
+    TORCH_CHECK(token >= 0 && token < V_, "qkv::Decoder: token ", token, " outside the vocabulary");
+    for (const at::Tensor* c : {&k, &v})
+      TORCH_CHECK(c->scalar_type() == at::kFloat && c->is_contiguous() && c->dim() == 5 && c->size(0) == L_ &&
+                      c->size(1) == 1 && c->size(2) == KV_ && c->size(4) == D_,
+                  "qkv::Decoder: the cache must be float32 (layers, 1, K, S, D), contiguous");
+    const int64_t S = k.size(3);
+    TORCH_CHECK(v.size(3) == S && pos >= 0 && pos < S && pos < P_, "qkv::Decoder: position ", pos,
+                " outside the cache or RoPE's table");
+    const bool keep = q.numel() > 0;
+    if (keep)
+      TORCH_CHECK(q.scalar_type() == at::kFloat && q.is_contiguous() && q.numel() == L_ * H_ * D_,
+                  "qkv::Decoder: the queries must be float32 (layers, 1, H, 1, D), contiguous");
+    at::Tensor logits = at::empty({1, 1, V_}, k.options());
+    float* kc = k.data_ptr<float>();
+    float* vc = v.data_ptr<float>();
+    float* qk = keep ? q.data_ptr<float>() : nullptr;
+    float* y = logits.data_ptr<float>();
+    const float* e = emb_ + token * dim_;
+    for (int64_t i = 0; i < dim_; ++i) x_[i] = e[i] * scale_;
+    const int T = std::max(1, std::min<int>(at::get_num_threads(), 64));
+    if (static_cast<int>(acts_.size()) < T) acts_.resize(T), norm_.resize(T);
+    const float* cs = cos_ + pos * D_;
+    const float* sn = sin_ + pos * D_;
+    const int64_t n = pos + 1, group = H_ / KV_, nqkv = (H_ + 2 * KV_) * D_;
+    const float scale = 1.f / std::sqrt(static_cast<float>(D_));
+#pragma omp parallel num_threads(T)
+    {
+      const int t = omp_get_thread_num(), nt = omp_get_num_threads();
+      Activations& a = acts_[t];
+      std::vector<float>& hv = norm_[t];
+      hv.resize(std::max({dim_, F_, n}));
+      float* h = hv.data();
+      for (int64_t l = 0; l < L_; ++l) {
+        const DecoderLayer& Y = layers_[l];
+        float* kl = kc + l * KV_ * S * D_;
+        float* vl = vc + l * KV_ * S * D_;
+        rms_norm(x_.data(), Y.norm1, dim_, eps_, h);
+        quantize_one(h, dim_, false, a);
+        auto [q0, q1] = share(nqkv / ROWS, t, nt);
+        product_blocks<Q4>(Y.wqkv, Y.sqkv, a, q0, q1, qkv_.data(), Y.bqkv);
+#pragma omp barrier
+        if (t == 0)
+          for (int64_t j = 0; j < KV_; ++j) {
+            rope(qkv_.data() + (H_ + j) * D_, cs, sn, D_, kl + (j * S + pos) * D_);
+            std::memcpy(vl + (j * S + pos) * D_, qkv_.data() + (H_ + KV_ + j) * D_, D_ * sizeof(float));
+          }
+        auto [h0, h1] = share(H_, t, nt);
+        for (int64_t j = h0; j < h1; ++j) {
+          rope(qkv_.data() + j * D_, cs, sn, D_, q_.data() + j * D_);
+          if (keep) std::memcpy(qk + (l * H_ + j) * D_, q_.data() + j * D_, D_ * sizeof(float));
+        }
+#pragma omp barrier
+        for (int64_t j = h0; j < h1; ++j) {  // softmax(q·Kᵀ/√D)·V over positions 0..pos
+          const float* qj = q_.data() + j * D_;
+          const float* K = kl + (j / group) * S * D_;
+          const float* Vv = vl + (j / group) * S * D_;
+          float top = -std::numeric_limits<float>::infinity();
+          for (int64_t p = 0; p < n; ++p) {
+            float s = 0.f;
+#pragma omp simd reduction(+ : s)
+            for (int64_t d = 0; d < D_; ++d) s += qj[d] * K[p * D_ + d];
+            h[p] = s * scale;
+            top = std::max(top, h[p]);
+          }
+          float total = 0.f;
+#pragma omp simd reduction(+ : total)
+          for (int64_t p = 0; p < n; ++p) {
+            h[p] = exp_approx(h[p] - top);
+            total += h[p];
+          }
+          float* out = att_.data() + j * D_;
+          std::fill(out, out + D_, 0.f);
+          const float inv = 1.f / total;
+          for (int64_t p = 0; p < n; ++p) {
+            const float w = h[p] * inv;
+#pragma omp simd
+            for (int64_t d = 0; d < D_; ++d) out[d] += w * Vv[p * D_ + d];
+          }
+        }
+#pragma omp barrier
+        quantize_one(att_.data(), H_ * D_, false, a);
+        auto [o0, o1] = share(dim_ / ROWS, t, nt);
+        product_blocks<Q4>(Y.wo, Y.so, a, o0, o1, o_.data(), Y.bo);
+        for (int64_t i = o0 * ROWS; i < o1 * ROWS; ++i) x_[i] += o_[i];
+#pragma omp barrier
+        rms_norm(x_.data(), Y.norm2, dim_, eps_, h);
+        quantize_one(h, dim_, false, a);
+        auto [g0, g1] = share(F_ / ROWS, t, nt);
+        product_blocks<Q4>(Y.wgu, Y.sgu, a, g0, g1, gu_.data(), nullptr);
+        product_blocks<Q4>(Y.wgu, Y.sgu, a, F_ / ROWS + g0, F_ / ROWS + g1, gu_.data(), nullptr);
+        const float* g = gu_.data();
+        const float* u = gu_.data() + F_;
+#pragma omp simd
+        for (int64_t i = g0 * ROWS; i < g1 * ROWS; ++i) a_[i] = g[i] / (1.f + exp_approx(-g[i])) * u[i];
+#pragma omp barrier
+        quantize_one(a_.data(), F_, false, a);
+        product_blocks<Q4>(Y.wd, Y.sd, a, o0, o1, o_.data(), nullptr);
+        for (int64_t i = o0 * ROWS; i < o1 * ROWS; ++i) x_[i] += o_[i];
+#pragma omp barrier
+      }
+      rms_norm(x_.data(), final_norm_, dim_, eps_final_, h);
+      if (t == 0) std::memcpy(hf_.data(), h, dim_ * sizeof(float));
+      quantize_one(h, dim_, true, a);
+      auto [v0, v1] = share(V_ / ROWS, t, nt);
+      product_blocks<Q8>(hw_, hs_, a, v0, v1, y, hbias_);
+    }
+    if (topk_ > 0) refine(y);
+    return logits;
+  }
+
+ private:
+  // The top_ largest of y (V,) recomputed in fp32 from the float matrix (TopKRefinedLinear): the
+  // largest of each block of 128 first; the k-th largest block maximum bounds the k-th value from
+  // below, so only blocks reaching it can hold the k largest.
+  void refine(float* y) {
+    constexpr int64_t B = 128;
+    const int64_t k = std::min(topk_, V_), nb = (V_ + B - 1) / B;
+    std::vector<float>& best = best_;
+    best.resize(nb);
+    for (int64_t b = 0; b < nb; ++b) {
+      float m = -std::numeric_limits<float>::infinity();
+      const int64_t end = std::min(V_, (b + 1) * B);
+      for (int64_t i = b * B; i < end; ++i) m = std::max(m, y[i]);
+      best[b] = m;
+    }
+    // fewer blocks than k: every block may hold some of the k largest
+    float floor = -std::numeric_limits<float>::infinity();
+    if (nb > k) {
+      std::vector<float> sorted(best);
+      std::nth_element(sorted.begin(), sorted.begin() + k - 1, sorted.end(), std::greater<float>());
+      floor = sorted[k - 1];
+    }
+    cand_.clear();
+    for (int64_t b = 0; b < nb; ++b) {
+      if (!(best[b] >= floor)) continue;  // (a NaN block maximum: none of its values is taken)
+      const int64_t end = std::min(V_, (b + 1) * B);
+      for (int64_t i = b * B; i < end; ++i)
+        if (y[i] >= floor) cand_.emplace_back(y[i], i);
+    }
+    const int64_t m = std::min<int64_t>(k, cand_.size());
+    std::nth_element(cand_.begin(), cand_.begin() + m - 1, cand_.end(),
+                     [](const std::pair<float, int64_t>& a, const std::pair<float, int64_t>& b) {
+                       return a.first > b.first || (a.first == b.first && a.second < b.second);
+                     });
+    for (int64_t c = 0; c < m; ++c) {
+      const int64_t i = cand_[c].second;
+      const float* w = exact_ + i * dim_;
+      float s = 0.f;
+#pragma omp simd reduction(+ : s)
+      for (int64_t d = 0; d < dim_; ++d) s += w[d] * hf_[d];
+      y[i] = hbias_ != nullptr ? s + hbias_[i] : s;
+    }
+  }
+
+  std::vector<at::Tensor> held_;  // the model's tensors, kept alive; read in place
+  std::vector<DecoderLayer> layers_;
+  int64_t L_ = 0, dim_ = 0, H_ = 0, KV_ = 0, D_ = 0, F_ = 0, V_ = 0, P_ = 0, topk_ = 0;
+  float scale_ = 1.f, eps_ = 0.f, eps_final_ = 0.f;
+  const float *emb_ = nullptr, *cos_ = nullptr, *sin_ = nullptr, *final_norm_ = nullptr, *hbias_ = nullptr,
+              *exact_ = nullptr;
+  const uint8_t* hw_ = nullptr;
+  const c10::Half* hs_ = nullptr;
+  std::vector<float> x_, qkv_, q_, att_, o_, gu_, a_, hf_, best_;
+  std::vector<std::pair<float, int64_t>> cand_;
+  std::vector<Activations> acts_;
+  std::vector<std::vector<float>> norm_;
+};
+
+}  // namespace QKV_NAMESPACE
+
 }  // namespace
 
-// The namespace is qkv unless the build names another (the tests load every code path at once).
-#ifndef QKV_NAMESPACE
-#define QKV_NAMESPACE qkv
-#endif
 #define QKV_LIBRARY(ns, m) TORCH_LIBRARY(ns, m)
 #define QKV_LIBRARY_IMPL(ns, key, m) TORCH_LIBRARY_IMPL(ns, key, m)
 
@@ -784,6 +1127,9 @@ QKV_LIBRARY(QKV_NAMESPACE, m) {
   m.def("int4_mm(Tensor x, Tensor w, Tensor dm) -> Tensor");
   m.def("q8_mm(Tensor x, Tensor w, Tensor ds) -> Tensor");
   m.def("int4_path() -> str", &int4_path);
+  m.class_<QKV_NAMESPACE::Decoder>("Decoder")
+      .def(torch::init<std::vector<at::Tensor>, std::vector<int64_t>, std::vector<double>>())
+      .def("step", &QKV_NAMESPACE::Decoder::step);
 }
 QKV_LIBRARY_IMPL(QKV_NAMESPACE, CPU, m) {
   m.impl("int4_mm", &int4_mm);

@@ -243,3 +243,31 @@ def test_compiled_q4_step_agrees_with_the_eager_one_on_held_text(formats, held_i
     assert dec.failed is None
     assert (got.argmax(-1) == want.argmax(-1)).float().mean() >= 0.99
     assert abs(perplexity(got, held_ids) / perplexity(want, held_ids) - 1) < 0.01
+
+
+def test_the_native_step_decodes_q4_as_the_model_does(smollm2, formats, held_ids) -> None:
+    """SmolLM2 in q4 fed token by token through the native one-token step (qkv::Decoder) after a
+    16-token prompt: each position's logits against the fp32 model's (the independent
+    reference) as the q4 model's own forward is held above, and against that forward itself."""
+    from qkv.generation import native_step
+
+    lm = formats["q4"]
+    if native_step.unsupported(lm.model) is not None:
+        pytest.skip(f"no native step here: {native_step.unsupported(lm.model)}")
+    n, start = 120, 16
+    ids = held_ids[:, : n + 1]
+    step = native_step.NativeStep(lm.model, n + 1)
+    got = []
+    with torch.inference_mode():
+        cache = step.make_cache(1)
+        lm.model(ids[:, :start], cache=cache)
+        for t in range(start, n):
+            got.append(step.step(ids[:, t : t + 1], cache)[0, 0])
+    got_t = torch.stack(got)  # (n - start, V): positions start..n-1
+    ref = logits(smollm2, ids)[start:n]
+    own = logits(lm, ids)[start:n]
+    assert (got_t.argmax(-1) == ref.argmax(-1)).float().mean().item() >= 0.99
+    assert (got_t.argmax(-1) == own.argmax(-1)).float().mean().item() >= 0.99
+    kl = F.kl_div(F.log_softmax(got_t, -1), F.log_softmax(own, -1), log_target=True, reduction="batchmean")
+    assert kl.item() < 1e-4
+    assert ((got_t - own).abs().amax(-1) <= 0.05 * own.abs().amax(-1)).all()

@@ -1,0 +1,204 @@
+"""The native one-token step: a whole decoder-only model's step in one call of qkv's own kernel
+library (``qkv::Decoder`` in :mod:`qkv.kernels`), with no set-up and no compiler run per model.
+
+Decoding one token of SmolLM2 eagerly dispatches ~1,460 PyTorch operations (~12 ms on 2 cores,
+of which the weights' products are ~2); a saved step (:mod:`qkv.generation.aot`, compiled
+once per model and machine) still spends ~45% of its token between its products (allocations,
+dispatch, threads joined after each kernel). ``qkv::Decoder`` runs the step as one parallel
+region: the threads share every product's blocks of 16 outputs, the query heads of attention
+and the gate/up ranges of the MLP, and meet at six barriers a layer. Its products are
+``int4_mm``'s and ``q8_mm``'s own block kernels on activations quantised the same way; its float
+work between them (RMSNorm, RoPE, softmax over the cache, SiLU) is the eager model's formulas
+summed in another order (~1e-6 relative; the tests hold its logits to the eager model's).
+
+What it runs: a :class:`~qkv.models.gpt.GPT` with RoPE, pre-norm RMSNorm blocks, self-attention
+with one fused q|k|v projection (MHA, GQA or MQA; biases allowed, as Qwen2's), a SwiGLU MLP, every
+block's matrices 4-bit on qkv's kernel (:class:`~qkv.layers.quant.Int4Linear`,
+:class:`~qkv.layers.quant.Int4SwiGLU`) and an 8-bit output layer
+(:class:`~qkv.layers.quant.Q8Linear`, or the :class:`~qkv.layers.quant.TopKRefinedLinear` around
+it, whose top logits it recomputes in fp32 the same way): SmolLM2, Llama- and Qwen2-shaped
+GGUF files loaded with ``weights="q4"``. :func:`unsupported` says why any other model is not;
+it then decodes as before. One row at a time, float32 cache; the attention of a step is read
+back from the queries it keeps (:func:`~qkv.generation.decoders.attention_rows`).
+
+Lectures: CS189 Lec 21-22 (a query against every cached key, the KV cache), CS231N Lec 8.
+Shapes: L layers, H query heads, K key/value heads, S cache length, D head width, V vocabulary.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import weakref
+from collections.abc import Collection
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from qkv.attention import KVCache
+from qkv.generation.compiled import fingerprint
+from qkv.generation.decoders import attention_rows, keep_queries
+from qkv.layers.norm import RMSNorm
+from qkv.layers.quant import Int4Linear, Int4SwiGLU, Q8Linear, TopKRefinedLinear
+from qkv.models.gpt import GPT
+
+
+def _int4(m: Any) -> bool:
+    return isinstance(m, Int4Linear) and m.kernel == "qkv" and m.group_size == 32
+
+
+def unsupported(model: GPT) -> str | None:
+    """Why ``model`` cannot decode through the native step (one line), or None if it can."""
+    from qkv.kernels import int4_op
+
+    if not enabled():
+        return "QKV_NATIVE_STEP=off"
+    cfg = model.cfg
+    if model.training:
+        return "the model is in training mode"
+    if cfg.positions != "rope" or model.rope is None or model.alibi is not None or model.pos_emb is not None:
+        return "it takes RoPE models only"
+    if cfg.norm != "rmsnorm" or cfg.norm_placement != "pre" or cfg.mlp != "swiglu" or cfg.tie_qk:
+        return "it takes pre-norm RMSNorm blocks with a SwiGLU MLP only"
+    head = model.lm_head
+    approx = head.approx if isinstance(head, TopKRefinedLinear) else head
+    if not isinstance(approx, Q8Linear):
+        return "its output layer is not 8-bit on qkv's kernel (weights='q4' makes it so)"
+    if not isinstance(model.stack.norm, RMSNorm):
+        return "the stack has no final RMSNorm"
+    for b in model.stack.blocks:
+        a = b.attn
+        if (b.cfg.cross_attention or a.cross or a.tie_qk or not _int4(getattr(a, "qkv", None))
+                or not _int4(a.out_proj)):
+            return "its attention is not 4-bit self-attention with a fused q|k|v on qkv's kernel"
+        if (not isinstance(b.mlp, Int4SwiGLU) or not _int4(b.mlp.gate_up) or not _int4(b.mlp.down)
+                or b.mlp.gate_up.bias is not None or b.mlp.down.bias is not None):
+            return "its MLP is not a 4-bit SwiGLU on qkv's kernel"
+        if not isinstance(b.norm1, RMSNorm) or not isinstance(b.norm2, RMSNorm):
+            return "its blocks' norms are not RMSNorm"
+    tensors = [model.tok_emb.weight, model.rope.cos, model.stack.norm.weight]
+    tensors += [t for b in model.stack.blocks for t in (b.norm1.weight, b.norm2.weight)]
+    if any(t.dtype != torch.float32 or t.device.type != "cpu" for t in tensors):
+        return "it takes float32 embeddings and norms on the CPU"
+    if isinstance(head, TopKRefinedLinear) and head.weight.dtype != torch.float32:
+        return "the exact output matrix is not float32"
+    if int4_op() is None or not hasattr(torch.classes.qkv, "Decoder"):
+        return "qkv's kernels are not available here"
+    return None
+
+
+def _empty() -> Tensor:
+    return torch.empty(0)
+
+
+def _tensors(model: GPT) -> tuple[list[Tensor], list[int], list[float]]:
+    """What ``qkv::Decoder`` is built from (its constructor's comment gives the order)."""
+    cfg, head = model.cfg, model.lm_head
+    approx = head.approx if isinstance(head, TopKRefinedLinear) else head
+    exact = head.weight.detach().contiguous() if isinstance(head, TopKRefinedLinear) else _empty()
+    rope = model.rope
+    assert rope is not None and isinstance(approx, Q8Linear) and isinstance(model.stack.norm, RMSNorm)
+    tensors = [model.tok_emb.weight.detach().contiguous(), rope.cos.contiguous(), rope.sin.contiguous(),
+               model.stack.norm.weight.detach().contiguous(), approx.w8, approx.ds,
+               approx.bias if approx.bias is not None else _empty(), exact]
+    for b in model.stack.blocks:
+        qkv, out, mlp = b.attn.qkv, b.attn.out_proj, b.mlp
+        tensors += [b.norm1.weight.detach(), qkv.w4, qkv.dm, qkv.bias if qkv.bias is not None else _empty(),
+                    out.w4, out.dm, out.bias if out.bias is not None else _empty(), b.norm2.weight.detach(),
+                    mlp.gate_up.w4, mlp.gate_up.dm, mlp.down.w4, mlp.down.dm]
+    first = model.stack.blocks[0]
+    ints = [cfg.n_layers, cfg.dim, cfg.n_heads, first.attn.n_kv_heads, first.attn.head_dim,
+            first.mlp.hidden, cfg.vocab_size, head.k if isinstance(head, TopKRefinedLinear) else 0,
+            int(cfg.embed_scale)]
+    floats = [float(first.norm1.eps), float(model.stack.norm.eps)]
+    return tensors, ints, floats
+
+
+class _Binding:
+    """One model's ``qkv::Decoder``, bound to its tensors (rebound when they change), shared by
+    every request on that model; its lock lets one step run at a time (its buffers are its own)."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.decoder: Any = None
+        self._stamp: tuple = ()
+
+    def bind(self, model: GPT) -> None:
+        stamp = fingerprint(model)
+        with self.lock:
+            if stamp != self._stamp:
+                tensors, ints, floats = _tensors(model)
+                self.decoder = torch.classes.qkv.Decoder(tensors, ints, floats)
+                self._stamp = stamp
+
+
+_BINDINGS: weakref.WeakKeyDictionary[GPT, _Binding] = weakref.WeakKeyDictionary()
+_BINDINGS_LOCK = threading.Lock()
+
+
+def _binding(model: GPT) -> _Binding:
+    with _BINDINGS_LOCK:
+        b = _BINDINGS.get(model)
+        if b is None:
+            b = _BINDINGS[model] = _Binding()
+    b.bind(model)
+    return b
+
+
+def enabled() -> bool:
+    """The native step is wanted unless ``QKV_NATIVE_STEP=off``."""
+    return os.environ.get("QKV_NATIVE_STEP", "").lower() not in ("off", "0", "false")
+
+
+class NativeStep:
+    """A :class:`~qkv.generation.decoders.StepDecoder` over ``qkv::Decoder`` for one row: ``step``
+    feeds a (1, 1) token at ``cache.pos`` through every layer and returns its (1, 1, V) logits;
+    the prompt runs through the eager model into the same cache. Bound to the model's tensors
+    (no copy, one binding per model); :meth:`begin` rebinds after they change. ``cache_len``:
+    the request's cache, sized to it as the eager decoder's is."""
+
+    kind = "native"
+
+    def __init__(self, model: GPT, cache_len: int) -> None:
+        why = unsupported(model)
+        if why is not None:
+            raise ValueError(f"the native step cannot decode this model: {why}")
+        self.model, self.cache_len = model, cache_len
+        self._bound = _binding(model)
+
+    def fits(self, n_tokens: int) -> bool:
+        return n_tokens <= self.cache_len
+
+    def begin(self) -> None:
+        self._bound.bind(self.model)
+
+    def make_cache(self, batch_size: int) -> KVCache:
+        if batch_size != 1:
+            raise ValueError(f"the native step decodes one row at a time, not {batch_size}")
+        cache = self.model.make_cache(1, self.cache_len)
+        keep_queries(self.model, cache)
+        return cache
+
+    def step(self, tok: Tensor, cache: KVCache) -> Tensor:
+        """(1, 1) ids at ``cache.pos`` -> (1, 1, V) float32 logits; advances the cache."""
+        if tuple(tok.shape) != (1, 1) or cache.k.shape[1] != 1:
+            raise ValueError(f"the native step takes (1, 1) tokens and a one-row cache, "
+                             f"got {tuple(tok.shape)}")
+        pos = cache.pos
+        if pos >= cache.max_seq_len:
+            raise ValueError(f"KVCache overflow: position {pos} of a {cache.max_seq_len}-position cache")
+        queries = cache.queries if cache.queries is not None else _empty()
+        with self._bound.lock:
+            out = self._bound.decoder.step(int(tok[0, 0]), pos, cache.k, cache.v, queries)
+        cache.advance(1)
+        return out
+
+    def attention(self, cache: KVCache, layers: Collection[int] | None = None) -> list[Tensor | None]:
+        return attention_rows(self.model, cache, layers)
+
+    def release(self, cache: KVCache) -> None:
+        pass
+
+
+__all__ = ["NativeStep", "enabled", "unsupported"]

@@ -1,0 +1,195 @@
+"""The native one-token step (qkv/generation/native_step.py, ``qkv::Decoder`` in qmatmul.cpp)
+against the eager model it stands for, on tiny Llama-shaped models in the formats it runs (4-bit
+blocks on qkv's kernel, an 8-bit head, its top logits exact): the logits and the cache it writes
+at every position, MHA/GQA/MQA, biases (Qwen2), Gemma's embedding scale; the same numbers on any
+thread count; generate's choice of it and its tokens; attention rows from its kept queries; what
+it refuses and why."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers import single_thread
+
+from qkv.generation import builds, generate
+from qkv.generation import native_step as ns
+from qkv.layers.quant import TopKRefinedLinear
+from qkv.models.gpt import GPT, GPTConfig
+
+pytestmark = pytest.mark.usefixtures("one_thread")  # see tests/conftest.py
+
+V = 64
+LLAMA = dict(positions="rope", norm="rmsnorm", bias=False, mlp="swiglu")
+
+
+def quantised(seed: int = 11, **over) -> GPT:
+    """A tiny Llama-shaped model in SmolLM2's decoding format (``CausalLM.quantize("q4")``)."""
+    from qkv.pipelines import CausalLM
+
+    torch.manual_seed(seed)
+    cfg = dict(vocab_size=V, max_seq_len=48, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, mlp_hidden=128,
+               **LLAMA)
+    cfg.update(over)
+    m = GPT(GPTConfig(**cfg)).eval()
+    g = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for name, p in m.named_parameters():
+            if p.dim() >= 2:  # large weights: greedy decoding sees varied contexts
+                p.copy_(torch.randn(p.shape, generator=g) * 0.3)
+            elif "bias" in name:
+                p.copy_(torch.randn(p.shape, generator=g) * 0.5)
+    return CausalLM("tiny", m, tokenizer=None, stored_as=("Q4_1",)).quantize("q4").model
+
+
+if ns.unsupported(quantised()) is not None:
+    pytest.skip(f"no native step here: {ns.unsupported(quantised())}", allow_module_level=True)
+
+
+def feed(m: GPT, step: ns.NativeStep, prompt: list[int], tokens: list[int]):
+    """The prompt eagerly into two caches, then each token through the native step and the eager
+    model: per token (native logits, eager logits), and the two caches."""
+    c_native, c_eager = step.make_cache(1), m.make_cache(1, step.cache_len)
+    out = []
+    with torch.inference_mode():
+        x = torch.tensor([prompt])
+        m(x, cache=c_native)
+        m(x, cache=c_eager)
+        for t in tokens:
+            tok = torch.tensor([[t]])
+            out.append((step.step(tok, c_native), m(tok, cache=c_eager, last_only=True).logits))
+    return out, c_native, c_eager
+
+
+@pytest.mark.parametrize("shape", ["gqa", "mha", "mqa", "qwen2 biases", "gemma scale", "untied head"])
+def test_the_native_step_equals_eager_at_every_position(shape):
+    over = {"gqa": {}, "mha": dict(n_kv_heads=4), "mqa": dict(n_kv_heads=1),
+            "qwen2 biases": dict(qkv_bias=True), "gemma scale": dict(embed_scale=True),
+            "untied head": dict(tie_embeddings=False)}[shape]
+    m = quantised(**over)
+    assert isinstance(m.lm_head, TopKRefinedLinear)
+    step = ns.NativeStep(m, 48)
+    tokens = [(5 * t + 3) % V for t in range(40)]
+    pairs, c_native, c_eager = feed(m, step, [1, 2, 3, 4, 5], tokens)  # positions 5..44
+    for got, want in pairs:
+        assert got.shape == want.shape == (1, 1, V) and got.dtype == torch.float32
+        # the products' integers are the same; the float work between them (norms, RoPE,
+        # softmax) sums in another order, which can move an activation's int8 code by one step
+        assert (got - want).abs().max() <= 1e-3 * want.abs().max()
+        assert int(got.argmax()) == int(want.argmax())
+    assert c_native.pos == c_eager.pos == 45
+    n = c_native.pos
+    # the first layer's keys and values: only its own norm's rounding (an int8 code moved by one)
+    torch.testing.assert_close(c_native.k[0, :, :, :n], c_eager.k[0, :, :, :n], rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(c_native.v[0, :, :, :n], c_eager.v[0, :, :, :n], rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(c_native.k[:, :, :, :n], c_eager.k[:, :, :, :n], rtol=1e-3, atol=1e-3)
+
+
+def test_the_top_logits_are_the_exact_products_and_the_rest_the_8bit_ones():
+    """The head as TopKRefinedLinear defines it, computed by hand from the eager model's last
+    hidden state: the k largest 8-bit logits replaced by fp32 products with the float matrix."""
+    m = quantised()
+    head = m.lm_head
+    head.k = 8  # fewer than V: both kinds of logit present
+    step = ns.NativeStep(m, 48)
+    pairs, _, _ = feed(m, step, [7, 8, 9], [10, 11, 12])
+    got = pairs[-1][0][0, 0]
+    with torch.inference_mode():  # the hidden state before the head, by the eager model
+        c = m.make_cache(1, 48)
+        h = m.stack(m.embed(torch.tensor([[7, 8, 9, 10, 11, 12]])), rope=m.rope, cache=c).x[0, -1]
+        approx = head.approx(h[None])[0].float()
+    top = approx.topk(8).indices
+    exact = head.weight.double()[top] @ h.double()
+    # within the two paths' rounding of h (1e-3 of the largest logit, as above); the 8-bit
+    # logits there are ~20x further off (measured 0.018), so an unrefined head fails this
+    scale = exact.abs().max().item()
+    assert (got[top].double() - exact).abs().max() <= 2e-4 * scale
+    assert (approx[top].double() - exact).abs().max() > 1e-3 * scale
+    rest = torch.ones(V, dtype=torch.bool)
+    rest[top] = False
+    torch.testing.assert_close(got[rest], approx[rest], rtol=1e-3, atol=1e-3 * approx.abs().max().item())
+
+
+def test_any_thread_count_gives_the_same_numbers():
+    m = quantised()
+    step = ns.NativeStep(m, 48)
+    tokens = [(3 * t + 1) % V for t in range(20)]
+    with single_thread():
+        one = [g for g, _ in feed(m, step, [1, 2], tokens)[0]]
+    torch.set_num_threads(2)
+    try:
+        two = [g for g, _ in feed(m, step, [1, 2], tokens)[0]]
+    finally:
+        torch.set_num_threads(1)
+    for a, b in zip(one, two, strict=True):
+        assert torch.equal(a, b)  # each block and head is one thread's work, in one order
+
+
+def test_generate_takes_it_by_default_with_the_eager_tokens():
+    m = quantised()
+    x = torch.randint(0, V, (1, 6), generator=torch.Generator().manual_seed(5))
+    said = []
+    got = [int(t[0]) for t in generate(m, x, 30, temperature=0.0, on_decision=said.append)]
+    want = [int(t[0]) for t in generate(m, x, 30, temperature=0.0, mode="eager")]
+    assert said[0].kind == "native" and said[0].says() == "native step" and said[0].why is None
+    assert got == want
+    # weights changed in place are read where they lie; replaced ones are bound again
+    with torch.no_grad():
+        m.stack.norm.weight.mul_(0.5)
+    want = [int(t[0]) for t in generate(m, x, 12, temperature=0.0, mode="eager")]
+    assert [int(t[0]) for t in generate(m, x, 12, temperature=0.0)] == want
+    other = quantised(seed=12)
+    m.load_state_dict(other.state_dict())  # copied into the same storage
+    want = [int(t[0]) for t in generate(other, x, 12, temperature=0.0, mode="eager")]
+    assert [int(t[0]) for t in generate(m, x, 12, temperature=0.0)] == want
+
+
+def test_attention_rows_from_its_kept_queries_equal_eager_weights():
+    m = quantised()
+    x = torch.randint(0, V, (1, 5), generator=torch.Generator().manual_seed(6))
+    said = []
+    got = list(generate(m, x, 6, temperature=0.0, return_weights=True, on_decision=said.append))
+    want = list(generate(m, x, 6, temperature=0.0, return_weights=True, mode="eager"))
+    assert said[0].kind == "native"
+    for (ids_g, w_g), (ids_w, w_w) in zip(got, want, strict=True):
+        assert torch.equal(ids_g, ids_w)
+        for a, b in zip(w_g, w_w, strict=True):
+            torch.testing.assert_close(a, b, rtol=1e-3, atol=1e-4)
+            torch.testing.assert_close(a.sum(-1), torch.ones_like(a.sum(-1)))
+
+
+def test_what_it_does_not_run_decodes_as_before(monkeypatch):
+    torch.manual_seed(0)
+    float_model = GPT(GPTConfig(vocab_size=V, max_seq_len=16, dim=32, n_layers=1, n_heads=2, **LLAMA)).eval()
+    assert "output layer is not 8-bit" in ns.unsupported(float_model)
+    learned = quantised(positions="learned")
+    assert ns.unsupported(learned) == "it takes RoPE models only"
+    with pytest.raises(ValueError, match="cannot decode this model: it takes RoPE"):
+        ns.NativeStep(learned, 16)
+    x = torch.tensor([[1, 2, 3]])
+    said = []
+    list(generate(float_model, x, 2, temperature=0.0, on_decision=said.append))
+    assert said[0].kind != "native"
+    monkeypatch.setenv("QKV_NATIVE_STEP", "off")
+    assert ns.unsupported(quantised()) == "QKV_NATIVE_STEP=off"
+    said.clear()
+    list(generate(quantised(), x, 2, temperature=0.0, on_decision=said.append))
+    assert said[0].kind != "native"
+    monkeypatch.delenv("QKV_NATIVE_STEP")
+    said.clear()
+    list(generate(quantised(), torch.tensor([[1, 2], [3, 4]]), 2, temperature=0.0, on_decision=said.append))
+    assert said[0].kind == "eager" and said[0].why is builds.Why.ROWS  # two rows: not one row's step
+
+
+def test_bad_steps_are_refused_with_the_reason():
+    m = quantised()
+    step = ns.NativeStep(m, 8)
+    cache = step.make_cache(1)
+    with pytest.raises(ValueError, match="one row at a time"):
+        step.make_cache(2)
+    with pytest.raises(ValueError, match=r"takes \(1, 1\) tokens"):
+        step.step(torch.tensor([[1, 2]]), cache)
+    with pytest.raises(RuntimeError, match="outside the vocabulary"):
+        step.step(torch.tensor([[V]]), cache)
+    cache.pos = 8
+    with pytest.raises(ValueError, match="KVCache overflow"):
+        step.step(torch.tensor([[1]]), cache)
