@@ -825,11 +825,35 @@ inline float exp_approx(float x) {
   return p * scale;
 }
 
+// Σ a·b over n floats in 16 lanes (a fixed order: the compiler vectorises the lanes without
+// reassociating a float sum), then the lanes and the tail.
+inline float dot(const float* a, const float* b, int64_t n) {
+  float lane[16] = {0.f};
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16)
+    for (int j = 0; j < 16; ++j) lane[j] += a[i + j] * b[i + j];
+  float s = 0.f;
+  for (; i < n; ++i) s += a[i] * b[i];
+  for (int j = 0; j < 16; ++j) s += lane[j];
+  return s;
+}
+
+// The largest of n floats (NaN ignored, as std::max keeps the first operand), 16 lanes.
+inline float max_of(const float* a, int64_t n) {
+  float lane[16];
+  std::fill(lane, lane + 16, -std::numeric_limits<float>::infinity());
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16)
+    for (int j = 0; j < 16; ++j) lane[j] = lane[j] < a[i + j] ? a[i + j] : lane[j];
+  float m = -std::numeric_limits<float>::infinity();
+  for (; i < n; ++i) m = m < a[i] ? a[i] : m;
+  for (int j = 0; j < 16; ++j) m = m < lane[j] ? lane[j] : m;
+  return m;
+}
+
 // y = x·w / sqrt(mean(x²) + eps), float32 (PyTorch's rms_norm).
 inline void rms_norm(const float* x, const float* w, int64_t n, float eps, float* y) {
-  float ss = 0.f;
-#pragma omp simd reduction(+ : ss)
-  for (int64_t i = 0; i < n; ++i) ss += x[i] * x[i];
+  const float ss = dot(x, x, n);
   const float r = 1.f / std::sqrt(ss / static_cast<float>(n) + eps);
 #pragma omp simd
   for (int64_t i = 0; i < n; ++i) y[i] = x[i] * r * w[i];
@@ -1006,18 +1030,12 @@ class Decoder : public torch::CustomClassHolder {
           const float* Vv = vl + (j / group) * S * D_;
           float top = -std::numeric_limits<float>::infinity();
           for (int64_t p = 0; p < n; ++p) {
-            float s = 0.f;
-#pragma omp simd reduction(+ : s)
-            for (int64_t d = 0; d < D_; ++d) s += qj[d] * K[p * D_ + d];
-            h[p] = s * scale;
+            h[p] = dot(qj, K + p * D_, D_) * scale;
             top = std::max(top, h[p]);
           }
+          for (int64_t p = 0; p < n; ++p) h[p] = exp_approx(h[p] - top);
           float total = 0.f;
-#pragma omp simd reduction(+ : total)
-          for (int64_t p = 0; p < n; ++p) {
-            h[p] = exp_approx(h[p] - top);
-            total += h[p];
-          }
+          for (int64_t p = 0; p < n; ++p) total += h[p];
           float* out = att_.data() + j * D_;
           std::fill(out, out + D_, 0.f);
           const float inv = 1.f / total;
@@ -1067,12 +1085,7 @@ class Decoder : public torch::CustomClassHolder {
     const int64_t k = std::min(topk_, V_), nb = (V_ + B - 1) / B;
     std::vector<float>& best = best_;
     best.resize(nb);
-    for (int64_t b = 0; b < nb; ++b) {
-      float m = -std::numeric_limits<float>::infinity();
-      const int64_t end = std::min(V_, (b + 1) * B);
-      for (int64_t i = b * B; i < end; ++i) m = std::max(m, y[i]);
-      best[b] = m;
-    }
+    for (int64_t b = 0; b < nb; ++b) best[b] = max_of(y + b * B, std::min(V_, (b + 1) * B) - b * B);
     // fewer blocks than k: every block may hold some of the k largest
     float floor = -std::numeric_limits<float>::infinity();
     if (nb > k) {
@@ -1094,10 +1107,7 @@ class Decoder : public torch::CustomClassHolder {
                      });
     for (int64_t c = 0; c < m; ++c) {
       const int64_t i = cand_[c].second;
-      const float* w = exact_ + i * dim_;
-      float s = 0.f;
-#pragma omp simd reduction(+ : s)
-      for (int64_t d = 0; d < dim_; ++d) s += w[d] * hf_[d];
+      const float s = dot(exact_ + i * dim_, hf_.data(), dim_);
       y[i] = hbias_ != nullptr ? s + hbias_[i] : s;
     }
   }

@@ -81,7 +81,8 @@ def test_the_native_step_equals_eager_at_every_position(shape):
     # the first layer's keys and values: only its own norm's rounding (an int8 code moved by one)
     torch.testing.assert_close(c_native.k[0, :, :, :n], c_eager.k[0, :, :, :n], rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(c_native.v[0, :, :, :n], c_eager.v[0, :, :, :n], rtol=1e-4, atol=1e-4)
-    torch.testing.assert_close(c_native.k[:, :, :, :n], c_eager.k[:, :, :, :n], rtol=1e-3, atol=1e-3)
+    for a, b in ((c_native.k, c_eager.k), (c_native.v, c_eager.v)):  # every layer: 1e-3 of its scale
+        assert (a[:, :, :, :n] - b[:, :, :, :n]).abs().max() <= 1e-3 * b[:, :, :, :n].abs().max()
 
 
 def test_the_top_logits_are_the_exact_products_and_the_rest_the_8bit_ones():
