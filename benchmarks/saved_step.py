@@ -1,20 +1,23 @@
-"""The saved decoding step (``qkv/generation/aot.py``) on SmolLM2-135M: what building it costs
-once, what every later process pays to load it, how fast it decodes beside eager decoding and
-llama.cpp on the same GGUF file, and whether it predicts what eager decoding predicts.
+"""qkv's one-token decoding steps on SmolLM2-135M beside llama.cpp on the same GGUF file: the
+native step (``qkv/generation/native_step.py``, the default where it runs the model: no set-up),
+the saved step (``qkv/generation/aot.py``: what building it costs once, what every later process
+pays to load it) and eager decoding; how fast each decodes and whether it predicts what eager
+decoding predicts.
 
 - ``build_s``: export + AOTInductor compile of the 1-token step, once per model shape x weight
   format x machine (skipped when the package is already in qkv's cache: ``--rebuild`` forces);
 - ``fresh process``: ``--processes`` new Python processes each import qkv, load SmolLM2 and
   its saved step and decode 8 tokens; reported: the saved step's load (p50), the wall time
   from the start to the first new token, and whether dynamo or inductor was imported at all;
-- decoding, 32-token prompt + ``--new-tokens`` greedy, tokens/s after the first: eager and the
-  saved step, ``--rounds`` rounds with the order alternated, and llama.cpp's ``llama-bench
+- decoding, 32-token prompt + ``--new-tokens`` greedy, tokens/s after the first: eager, the
+  saved step (``QKV_NATIVE_STEP=off``) and the native step, ``--rounds`` rounds with the order
+  alternated, and llama.cpp's ``llama-bench
   -t <threads> -p 32 -n 128`` in the middle of every round, both its portable build and its
   ``GGML_NATIVE=ON`` build where the CPU allows (``--build-llama-cpp`` builds what is missing:
   ~10 minutes each, once); qkv is compared with the faster of the two; ratios per round,
   medians reported;
-- agreement: the saved step's top-1 next token against eager's over ``--positions`` positions
-  of a text fed token by token (teacher forcing);
+- agreement: the saved and the native step's top-1 next token against eager's over
+  ``--positions`` positions of a text fed token by token (teacher forcing);
 - ``--against PATH``: another checkout of qkv (``git worktree add /tmp/before <commit>``) decodes
   through its own saved step (built first if missing, its build timed) in a child process that
   runs that checkout's code, timed in the same rounds, so the two revisions are compared on one
@@ -189,12 +192,42 @@ def main() -> None:
     x = torch.tensor([lm.tokenizer.encode(TEXT)[:32]])
     n_new = args.new_tokens
 
-    def run(mode):
+    import os
+
+    from qkv.generation import native_step
+
+    def run(mode, native=True):
         def go(n: int) -> list[int]:
-            return [int(t[0]) for t in generate(m, x, n, temperature=0.0, mode=mode)]
+            os.environ["QKV_NATIVE_STEP"] = "on" if native else "off"
+            try:
+                said: list = []
+                out = [int(t[0]) for t in generate(m, x, n, temperature=0.0, mode=mode,
+                                                   on_decision=said.append)]
+            finally:
+                os.environ.pop("QKV_NATIVE_STEP", None)
+            assert said[0].kind == {"eager": "eager", "auto": "native" if native else "saved"}[mode], said[0]
+            return out
         return go
 
-    contenders = {"qkv eager": run("eager"), "qkv saved step": run("auto")}
+    contenders = {"qkv eager": run("eager"), "qkv saved step": run("auto", native=False)}
+    why_not = native_step.unsupported(m)
+    if why_not is None:
+        contenders["qkv native step"] = run("auto")
+        # its top-1 agreement with eager, teacher-forced as above
+        ns = native_step.NativeStep(m, len(ids) + 1)
+        agree_native = 0
+        with torch.inference_mode():
+            c_e, c_n = m.make_cache(1, len(ids) + 1), ns.make_cache(1)
+            m(torch.tensor([ids[:2]]), cache=c_e)
+            m(torch.tensor([ids[:2]]), cache=c_n)
+            for t in ids[2:]:
+                tok = torch.tensor([[t]])
+                a = m(tok, cache=c_e, last_only=True).logits[0, -1]
+                agree_native += int(a.argmax() == ns.step(tok, c_n)[0, -1].argmax())
+        print(f"native step top-1 agreement with eager: {agree_native}/{n_pos}", flush=True)
+    else:
+        agree_native = None
+        print(f"no native step for this model: {why_not}", flush=True)
     from _llama_cpp import llama_bench, run_llama_bench
 
     from qkv.assets import asset_path
@@ -243,10 +276,19 @@ def main() -> None:
         best = max(peers, key=lambda n: C.median(rates[n]))
         llama_rates = rates[best]
         print(f"the faster llama.cpp: {best}")
-        vs["saved_vs_llama_cpp"] = [s / q for s, q in zip(rates["qkv saved step"], llama_rates, strict=True)]
-        vs["eager_vs_llama_cpp"] = [s / q for s, q in zip(rates["qkv eager"], llama_rates, strict=True)]
+        short = {"qkv eager": "eager", "qkv saved step": "saved", "qkv native step": "native"}
+        for k in contenders:
+            vs[f"{short[k]}_vs_llama_cpp"] = [s / q for s, q in zip(rates[k], llama_rates, strict=True)]
+        if "llama.cpp portable" in peers:
+            for k in contenders:
+                vs[f"{short[k]}_vs_llama_cpp_portable"] = [
+                    s / q for s, q in zip(rates[k], rates["llama.cpp portable"], strict=True)]
+    if "qkv native step" in rates:
+        vs["native_vs_saved"] = [s / q for s, q in zip(rates["qkv native step"], rates["qkv saved step"],
+                                                       strict=True)]
     if other:
-        vs["saved_vs_against"] = [s / q for s, q in zip(rates["qkv saved step"], rates[other], strict=True)]
+        best_ours = "qkv native step" if "qkv native step" in rates else "qkv saved step"
+        vs["default_vs_against"] = [s / q for s, q in zip(rates[best_ours], rates[other], strict=True)]
     C.print_table(f"SmolLM2 {args.weights}, decoding tok/s ({C.load_line(load)})",
                   ["contender", "median", "rounds"], rows)
     for k, v in vs.items():
@@ -255,7 +297,9 @@ def main() -> None:
         "machine": machine, "load": load, "weights": args.weights, "threads": args.threads,
         "build_s": round(build_s, 1) if build_s is not None else None, "package": str(step.path),
         "fresh_processes": fresh, "top1_agreement": [agree, n_pos],
+        "native_top1_agreement": None if agree_native is None else [agree_native, n_pos],
         "same_greedy_tokens": tokens["qkv saved step"] == tokens["qkv eager"],
+        "native_same_greedy_tokens": tokens.get("qkv native step") == tokens["qkv eager"],
         "against": None if against is None else {
             "path": args.against, "build_s": against.build_s,
             "same_greedy_tokens": against.tokens == tokens["qkv saved step"]},

@@ -194,3 +194,51 @@ def test_bad_steps_are_refused_with_the_reason():
     cache.pos = 8
     with pytest.raises(ValueError, match="KVCache overflow"):
         step.step(torch.tensor([[1]]), cache)
+
+
+@pytest.fixture(scope="module")
+def other_builds(tmp_path_factory: pytest.TempPathFactory) -> dict[str, object]:
+    """The library's other code paths (plain C++; AVX2 where this CPU runs it), each under a
+    namespace of its own, as tests/kernels/test_qmatmul.py builds them: their Decoder classes."""
+    from pathlib import Path
+
+    from qkv.kernels import compile_library
+
+    flags = set()
+    for line in Path("/proc/cpuinfo").read_text().splitlines():
+        if line.startswith("flags"):
+            flags = set(line.split(":", 1)[1].split())
+            break
+    builds = [("scalar", ("-march=x86-64",))]
+    if {"avx2", "f16c", "fma"} <= flags:
+        builds.append(("avx2", ("-march=haswell",)))
+    folder = tmp_path_factory.mktemp("decoder")
+    out = {}
+    for name, cflags in builds:
+        ns_name = f"qkv_test_{name}"
+        if not hasattr(getattr(torch.ops, ns_name), "int4_mm"):
+            compile_library(folder / f"{name}.so", cflags, namespace=ns_name)
+            torch.ops.load_library(str(folder / f"{name}.so"))
+        out[name] = getattr(torch.classes, ns_name).Decoder
+    return out
+
+
+def test_every_code_path_decodes_as_eager(other_builds):
+    """The decoder of the AVX2 and plain C++ builds (what a CPU without AVX512-VNNI runs), on the
+    same model, against the eager model at every position."""
+    m = quantised()
+    tensors, ints, floats = ns._tensors(m)
+    tokens = [(7 * t + 2) % V for t in range(30)]
+    for name, cls in other_builds.items():
+        dec = cls(tensors, ints, floats)
+        c_other, c_eager = m.make_cache(1, 40), m.make_cache(1, 40)
+        with torch.inference_mode():
+            x = torch.tensor([[1, 2, 3]])
+            m(x, cache=c_other)
+            m(x, cache=c_eager)
+            for t in tokens:
+                got = dec.step(t, c_other.pos, c_other.k, c_other.v, torch.empty(0))
+                c_other.advance(1)
+                want = m(torch.tensor([[t]]), cache=c_eager, last_only=True).logits
+                assert (got - want).abs().max() <= 1e-3 * want.abs().max(), name
+                assert int(got.argmax()) == int(want.argmax()), name
