@@ -1,5 +1,6 @@
-"""How close decoding comes to what this CPU allows: SmolLM2 q4, one row, qkv's saved step and
-llama.cpp's builds on the same GGUF, against the limit set by reading the weights once a token.
+"""How close decoding comes to what this CPU allows: SmolLM2 q4, one row, qkv's native step, its
+saved step and llama.cpp's builds on the same GGUF, against the limit set by reading the weights
+once a token.
 
 - bytes a token: what a one-row step must read: qkv's 4-bit layers (codes and scales), its int8
   output head and the norms; for llama.cpp, the GGUF's tensors (the tied embedding is its output
@@ -13,8 +14,9 @@ llama.cpp's builds on the same GGUF, against the limit set by reading the weight
   products, the int8 head, attention over the cache, norms), and the saved step's time a token
   beside it (what is not kernels there is the runtime between them); the final norm and output
   layer eagerly and through the saved step's head package, calls alternated;
-- rates: ``--rounds`` rounds of qkv's saved step (128 tokens after a 32-token prompt, as
-  saved_step.py) with llama-bench's portable and native builds in the middle of each round.
+- rates: ``--rounds`` rounds of qkv's native and saved steps (128 tokens after a 32-token prompt,
+  as saved_step.py; the saved step with ``QKV_NATIVE_STEP=off``) with llama-bench's portable and
+  native builds after them in each round.
 
     python benchmarks/decode_limit.py                 # ~2 minutes on 2 cores (llama.cpp built)
     python benchmarks/decode_limit.py --build-llama-cpp
@@ -157,13 +159,26 @@ def main() -> None:
     x = torch.tensor([lm.tokenizer.encode(text)[:32]])
     n_new, threads = 128, torch.get_num_threads()
 
-    def ours_rate() -> float:
-        t = time.perf_counter()
-        list(generate(m, x, 1, temperature=0.0))
-        first = time.perf_counter() - t
-        t = time.perf_counter()
-        list(generate(m, x, n_new, temperature=0.0))
-        return (n_new - 1) / max(time.perf_counter() - t - first, 1e-9)
+    import os
+
+    from qkv.generation.native_step import unsupported
+
+    def ours_rate(native: bool) -> float:
+        os.environ["QKV_NATIVE_STEP"] = "on" if native else "off"
+        try:
+            said: list = []
+            t = time.perf_counter()
+            list(generate(m, x, 1, temperature=0.0, on_decision=said.append))
+            first = time.perf_counter() - t
+            t = time.perf_counter()
+            list(generate(m, x, n_new, temperature=0.0))
+            rate = (n_new - 1) / max(time.perf_counter() - t - first, 1e-9)
+        finally:
+            os.environ.pop("QKV_NATIVE_STEP", None)
+        assert said[0].kind == ("native" if native else "saved"), said[0]
+        return rate
+
+    steps = {"qkv saved step": False, **({"qkv native step": True} if unsupported(m) is None else {})}
 
     peers = {}
     for name, native in (("llama.cpp portable", False), ("llama.cpp native", True)):
@@ -171,16 +186,18 @@ def main() -> None:
         print(f"{name}: {how}", flush=True)
         if binary is not None:
             peers[name] = binary
-    ours_rate()  # warm
-    rates: dict[str, list[float]] = {"qkv saved step": [], **{k: [] for k in peers}}
+    for native in steps.values():
+        ours_rate(native)  # warm
+    rates: dict[str, list[float]] = {**{k: [] for k in steps}, **{k: [] for k in peers}}
     for r in range(args.rounds):
-        rates["qkv saved step"].append(ours_rate())
+        for k, native in (steps.items() if r % 2 == 0 else list(steps.items())[::-1]):
+            rates[k].append(ours_rate(native))
         for name, binary in peers.items():
             rates[name].append(run_llama_bench(binary, gguf, threads=threads, prompt=32, new=n_new,
                                                reps=1)["decode"]["tokens_per_s"])
         line = ", ".join(f"{k} {v[-1]:.1f}" for k, v in rates.items())
         print(f"round {r + 1}: {line} tok/s", flush=True)
-    limit = {"qkv saved step": gbs * 1e9 / qkv_bytes, **{k: gbs * 1e9 / llama_bytes for k in peers}}
+    limit = {**{k: gbs * 1e9 / qkv_bytes for k in steps}, **{k: gbs * 1e9 / llama_bytes for k in peers}}
     rows = []
     for k, v in rates.items():
         rows.append([k, f"{C.median(v):.1f}", f"{limit[k]:.0f}", f"{C.median(v) / limit[k]:.2f}",
@@ -199,7 +216,9 @@ def main() -> None:
         "decode_tokens_per_s": {k: [round(x, 1) for x in v] for k, v in rates.items()},
         "limit_tokens_per_s": {k: round(v, 1) for k, v in limit.items()},
         "fraction_of_limit": {k: round(C.median(v) / limit[k], 3) for k, v in rates.items()},
-        "saved_step_ms": round(saved_ms, 3)}, args.out)
+        "saved_step_ms": round(saved_ms, 3),
+        "native_step_ms": round(1e3 / C.median(rates["qkv native step"]), 3) if "qkv native step" in rates
+        else None}, args.out)
     print(f"wrote {out}")
 
 

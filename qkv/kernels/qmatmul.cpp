@@ -40,6 +40,8 @@
 #endif
 
 #include <algorithm>
+#include <atomic>
+#include <thread>
 #include <functional>
 #include <utility>
 #include <cmath>
@@ -896,6 +898,28 @@ inline void rope(const float* x, const float* cos, const float* sin, int64_t D, 
   }
 }
 
+// The threads of one step meet here between its phases: a counter and a phase word in cache
+// lines of their own; the last to arrive starts the next phase, the others spin on it (a pause a
+// turn, and a yield after many: another process may hold the core).
+struct Barrier {
+  alignas(64) std::atomic<int> count{0};
+  alignas(64) std::atomic<int> phase{0};
+  void wait(int n) {
+    const int ph = phase.load(std::memory_order_relaxed);
+    if (count.fetch_add(1, std::memory_order_acq_rel) == n - 1) {
+      count.store(0, std::memory_order_relaxed);
+      phase.store(ph + 1, std::memory_order_release);
+      return;
+    }
+    for (int64_t spins = 0; phase.load(std::memory_order_acquire) == ph; ++spins) {
+#if defined(__x86_64__) || defined(__i386__)
+      _mm_pause();
+#endif
+      if (spins > (1 << 16)) std::this_thread::yield();
+    }
+  }
+};
+
 struct DecoderLayer {
   const float *norm1 = nullptr, *norm2 = nullptr;
   const uint8_t *wqkv = nullptr, *wo = nullptr, *wgu = nullptr, *wd = nullptr;
@@ -1013,7 +1037,7 @@ class Decoder : public torch::CustomClassHolder {
         quantize_one(h, dim_, false, a);
         auto [q0, q1] = share(nqkv / ROWS, t, nt);
         product_blocks<Q4>(Y.wqkv, Y.sqkv, a, q0, q1, qkv_.data(), Y.bqkv);
-#pragma omp barrier
+        sync_.wait(nt);
         if (t == 0)
           for (int64_t j = 0; j < KV_; ++j) {
             rope(qkv_.data() + (H_ + j) * D_, cs, sn, D_, kl + (j * S + pos) * D_);
@@ -1024,7 +1048,7 @@ class Decoder : public torch::CustomClassHolder {
           rope(qkv_.data() + j * D_, cs, sn, D_, q_.data() + j * D_);
           if (keep) std::memcpy(qk + (l * H_ + j) * D_, q_.data() + j * D_, D_ * sizeof(float));
         }
-#pragma omp barrier
+        sync_.wait(nt);
         for (int64_t j = h0; j < h1; ++j) {  // softmax(q·Kᵀ/√D)·V over positions 0..pos
           const float* qj = q_.data() + j * D_;
           const float* K = kl + (j / group) * S * D_;
@@ -1051,12 +1075,12 @@ class Decoder : public torch::CustomClassHolder {
             for (int64_t d = 0; d < D_; ++d) out[d] += w * Vv[p * D_ + d];
           }
         }
-#pragma omp barrier
+        sync_.wait(nt);
         quantize_one(att_.data(), H_ * D_, false, a);
         auto [o0, o1] = share(dim_ / ROWS, t, nt);
         product_blocks<Q4>(Y.wo, Y.so, a, o0, o1, o_.data(), Y.bo);
         for (int64_t i = o0 * ROWS; i < o1 * ROWS; ++i) x_[i] += o_[i];
-#pragma omp barrier
+        sync_.wait(nt);
         rms_norm(x_.data(), Y.norm2, dim_, eps_, h);
         quantize_one(h, dim_, false, a);
         auto [g0, g1] = share(F_ / ROWS, t, nt);
@@ -1066,11 +1090,11 @@ class Decoder : public torch::CustomClassHolder {
         const float* u = gu_.data() + F_;
 #pragma omp simd
         for (int64_t i = g0 * ROWS; i < g1 * ROWS; ++i) a_[i] = g[i] / (1.f + exp_approx(-g[i])) * u[i];
-#pragma omp barrier
+        sync_.wait(nt);
         quantize_one(a_.data(), F_, false, a);
         product_blocks<Q4>(Y.wd, Y.sd, a, o0, o1, o_.data(), nullptr);
         for (int64_t i = o0 * ROWS; i < o1 * ROWS; ++i) x_[i] += o_[i];
-#pragma omp barrier
+        sync_.wait(nt);
       }
       rms_norm(x_.data(), final_norm_, dim_, eps_final_, h);
       if (t == 0) std::memcpy(hf_.data(), h, dim_ * sizeof(float));
@@ -1132,6 +1156,7 @@ class Decoder : public torch::CustomClassHolder {
   std::vector<std::pair<float, int64_t>> cand_;
   std::vector<Activations> acts_;
   std::vector<std::vector<float>> norm_;
+  Barrier sync_;
 };
 
 }  // namespace QKV_NAMESPACE
