@@ -6,9 +6,10 @@ smollm2``: its saved decoding steps, the one-request step and ``qkv serve``'s ru
 8 x 256). This script measures, in a fresh qkv cache folder:
 
 - **set-up**: the seconds ``qkv assets install smollm2`` takes there (the GGUF converted, the
-  kernels compiled, both steps built), once;
-- **before set-up** (a second fresh cache, nothing prepared): one Python process and one ``qkv
-  generate`` decoding eagerly, for reference;
+  kernels compiled, the running batch's step built; one request needs no step: it decodes
+  through the native step), once;
+- **before set-up** (a second fresh cache, nothing prepared: the kernels compile on first use):
+  one Python process and one ``qkv generate``, and llama.cpp's portable build beside them;
 - then ``--rounds`` rounds, each of fresh processes one after the other, never two at once: the
   default Python API (``qkv.load("smollm2").stream(prompt, 128)``, nothing else asked), ``qkv
   generate smollm2`` (greedy, 128 new tokens), and llama.cpp's ``llama-bench -t 2`` on the same
@@ -82,7 +83,8 @@ def qkv_generate(env: dict[str, str]) -> dict:
         raise RuntimeError(f"no closing stats line in: {r.stderr.strip()[-500:]}")
     how = m.group(6)
     return {"wall_s": wall, "tok_s": float(m.group(5)), "overall_tok_s": float(m.group(4)),
-            "kind": "saved" if "saved step" in how else "eager", "says": how[:200]}
+            "kind": "native" if "native step" in how else "saved" if "saved step" in how else "eager",
+            "says": how[:200]}
 
 
 def fresh_cache(root: Path, name: str, converted: bool) -> Path:
@@ -116,12 +118,13 @@ def main() -> int:
     gguf = gguf if gguf.is_file() else next(gguf.rglob("*.gguf"))
     machine = C.machine_info()
     print(C.machine_line(machine))
-    llamas = []
+    llamas, portable = [], None
     for native in (False, True):
         binary, how = L.llama_tool("llama-bench", build=args.build_llama_cpp, native=native)
         print(f"llama-bench ({'native' if native else 'portable'}): {how}")
         if binary is not None:
             llamas.append(binary)
+            portable = binary if not native else portable
     result: dict = {"machine": machine, "new_tokens": NEW, "rounds": [],
                     "llama_bench": [str(b) for b in llamas]}
     base = {k: v for k, v in os.environ.items() if k not in ("QKV_SAVED_STEP", "QKV_INT4_KERNEL")}
@@ -140,8 +143,14 @@ def main() -> int:
         unprepared = {**base, "QKV_CACHE_DIR": str(fresh_cache(Path(tmp), "none", converted=True))}
         result["before_setup"] = {"python": python_api(unprepared), "generate": qkv_generate(unprepared)}
         b = result["before_setup"]
+        if portable is not None:  # what a first process is held to
+            b["llama_cpp_portable"] = L.run_llama_bench(portable, gguf, prompt=32, new=NEW,
+                                                        reps=2)["decode"]["tokens_per_s"]
+            for k in ("python", "generate"):
+                b[f"{k}_over_portable"] = round(b[k]["tok_s"] / b["llama_cpp_portable"], 2)
         print(f"before set-up: Python {b['python']['tok_s']} tok/s, qkv generate "
-              f"{b['generate']['tok_s']} tok/s ({b['generate']['says']})")
+              f"{b['generate']['tok_s']} tok/s ({b['generate']['says']}); llama.cpp portable "
+              f"{b.get('llama_cpp_portable', '-')} tok/s")
         for i in range(args.rounds):
             rd: dict = {"python": python_api(env), "generate": qkv_generate(env)}
             if llamas:
@@ -161,7 +170,9 @@ def main() -> int:
             for i, rd in enumerate(rounds)]
     b = result["before_setup"]
     rows.insert(0, ["before set-up", f"{b['python']['tok_s']:.1f} ({b['python']['kind']})",
-                    f"{b['generate']['tok_s']:.1f} ({b['generate']['kind']})", "", "", ""])
+                    f"{b['generate']['tok_s']:.1f} ({b['generate']['kind']})",
+                    f"{b.get('llama_cpp_portable', '-')} (portable)",
+                    f"{b.get('python_over_portable', '-')}x", f"{b.get('generate_over_portable', '-')}x"])
     if llamas:
         result["summary"] = {
             "setup_s": setup,
@@ -170,7 +181,7 @@ def main() -> int:
             "python_over_llama_min": min(rd["python_over_llama"] for rd in rounds),
             "generate_over_llama_median": C.median([rd["generate_over_llama"] for rd in rounds]),
             "generate_over_llama_min": min(rd["generate_over_llama"] for rd in rounds),
-            "all_saved": all(rd["python"]["kind"] == rd["generate"]["kind"] == "saved" for rd in rounds)}
+            "kinds": sorted({rd[k]["kind"] for rd in rounds for k in ("python", "generate")})}
     C.print_table(f"decoding SmolLM2 ({NEW} new tokens) in fresh processes after `qkv assets install "
                   f"smollm2` ({setup:.0f} s, once)",
                   ["round", "Python API tok/s", "qkv generate tok/s", "llama.cpp tok/s", "Python / llama.cpp",

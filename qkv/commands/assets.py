@@ -87,8 +87,9 @@ def install_assets(names: Sequence[str], runner: assets.Runner | None = None,
 
 def prepare_steps(name: str) -> None:
     """``qkv prepare NAME`` with its defaults, for a bundled decoder just installed: its saved
-    decoding steps for this machine (the one-request step and qkv serve's running batch). Never
-    an error: a step that cannot be built is said, and decoding stays eager."""
+    decoding steps for this machine (qkv serve's running batch, and the one-request step where
+    the native step does not run the model). Never an error: a step that cannot be built is
+    said, and decoding stays eager."""
     import time
 
     from qkv.commands.prepare import prepare

@@ -22,7 +22,8 @@ So every row decodes exactly as it would alone (:func:`qkv.generation.generate` 
 ``mode="eager"``), up to float rounding of a batched product: the same greedy tokens, and with
 the same seed the same samples. The attention of each new token is available per row.
 
-A row that is *alone* in the batch steps through the model's saved decoding step
+A row that is *alone* in the batch steps through the model's native step
+(:mod:`qkv.generation.native_step`) where it runs the model, else its saved decoding step
 (:mod:`qkv.generation.aot`) where one exists, as ``generate`` alone would: its keys and values
 are copied into the step's own cache when it starts, and back into the batch when another
 request joins (a copy of the row's tokens, milliseconds). Two or more rows step through the
@@ -49,9 +50,9 @@ import torch
 from torch import Tensor
 
 from qkv.attention import BatchKVCache, KVCache
-from qkv.generation import aot
+from qkv.generation import aot, native_step
 from qkv.generation.builds import decide
-from qkv.generation.decoders import DecodeMode, keep_queries
+from qkv.generation.decoders import DecodeMode, StepDecoder, keep_queries
 from qkv.generation.sampling import check_sampling, make_generator, sample_next
 from qkv.models.gpt import GPT, GPTOutput
 
@@ -199,9 +200,9 @@ class Batch:
             self._cache = cache
         else:
             self._cache = self._make_cache(length)
-        self._solo: tuple[Row, SavedStep, KVCache] | None = None  # the row, its saved step, the step's cache
+        self._solo: tuple[Row, StepDecoder, KVCache] | None = None  # the row, its one-row step, its cache
         self._not_solo: Row | None = None  # the last row the saved step could not take (not asked again)
-        self.solo_steps = 0  # steps taken through the saved step (a count for tests and benchmarks)
+        self.solo_steps = 0  # steps through a one-row step, native or saved (a count for tests, benchmarks)
         self._rows_step: SavedStep | None = None  # the saved step for several rows, once found
         self.rows_steps = 0  # steps of several rows taken through it (a count for tests and benchmarks)
 
@@ -290,13 +291,18 @@ class Batch:
 
     def _solo_step(self, row: Row) -> tuple[Tensor, RowWeights | None] | None:
         """((1, V) logits of ``row``'s next token, its attention in the layers it asks for or
-        None) from the saved step, when the row may use it (alone, the step's cache long
-        enough); else None."""
+        None) from the native step where it runs the model, else the saved step, when the row
+        may use it (alone, the step's cache long enough); else None."""
         if self.mode is DecodeMode.EAGER or row is self._not_solo:
             return None
         if self._solo is None:
             n = self._cache.lengths[row.slot]
-            step = decide(self.model, self.mode, need=n + row.request.max_new_tokens - len(row.new) + 1).step
+            need = n + row.request.max_new_tokens - len(row.new) + 1
+            step: StepDecoder | None
+            if native_step.unsupported(self.model) is None and need <= self.model.cfg.max_seq_len:
+                step = native_step.NativeStep(self.model, need)  # as generate alone would
+            else:
+                step = decide(self.model, self.mode, need=need).step
             if step is None:
                 self._not_solo = row  # a decision per row, not per token
                 return None

@@ -198,14 +198,19 @@ class CausalLM(LayersAndHeads):
 
     def prepare(self, batch_rows: int = 0, batch_tokens: int = 256,
                 on_stage: Callable[[str], object] | None = None) -> list[StepStatus]:
-        """Build this model's saved decoding step on this machine if it has none (what ``qkv
-        prepare`` does; tens of seconds to minutes, once per model, weight format, thread count
-        and machine), so that every later process decodes through it from its first token:
-        about twice the eager speed (BENCHMARKS.md). ``batch_rows`` >= 2 also builds the step of
-        a running batch of that many rows over ``batch_tokens`` positions (what ``qkv serve``
-        decodes with: 8 x 256 by default). Returns each step's status (a failure is a status,
-        never an exception); ``on_stage`` is told each stage as it begins."""
-        out = [ensure(self.model, on_stage=on_stage)]
+        """Build this model's saved decoding steps on this machine if it has none (what ``qkv
+        prepare`` does; tens of seconds, once per model, weight format, thread count and
+        machine), so that every later process decodes through them from its first token: ~3x the
+        eager speed (BENCHMARKS.md). The step of one request is built only where the native step
+        (:mod:`qkv.generation.native_step`: no set-up, faster still) does not run the model.
+        ``batch_rows`` >= 2 also builds the step of a running batch of that many rows over
+        ``batch_tokens`` positions (what ``qkv serve`` decodes with: 8 x 256 by default).
+        Returns each built step's status, one request's first (a failure is a status, never an
+        exception); ``on_stage`` is told each stage as it begins."""
+        from qkv.generation import native_step
+
+        native = native_step.unsupported(self.model) is None
+        out = [] if native else [ensure(self.model, on_stage=on_stage)]
         if batch_rows >= 2:
             out.append(ensure(self.model, rows=batch_rows, cache_len=min(batch_tokens, self.context),
                               on_stage=on_stage))

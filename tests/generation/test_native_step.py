@@ -242,3 +242,46 @@ def test_every_code_path_decodes_as_eager(other_builds):
                 want = m(torch.tensor([[t]]), cache=c_eager, last_only=True).logits
                 assert (got - want).abs().max() <= 1e-3 * want.abs().max(), name
                 assert int(got.argmax()) == int(want.argmax()), name
+
+
+def test_a_row_alone_in_a_running_batch_steps_through_it():
+    """qkv serve's batch: a request alone steps through the native step (its keys copied into the
+    step's cache), back to the batched step when another joins, native again when alone; every
+    row's tokens are the eager ones alone."""
+    from qkv.generation.batch import Batch, Request
+
+    m = quantised()
+    prompts = [torch.randint(0, V, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in (5, 4)]
+    want = [[int(t[0]) for t in generate(m, torch.tensor([p]), n, temperature=0.0, mode="eager")]
+            for p, n in zip(prompts, (24, 6), strict=True)]
+    b = Batch(m, 4, 40)
+    first, _ = b.join(Request(prompts[0], 24))
+    for _ in range(5):
+        b.step()
+    assert b.solo_steps == 5 and isinstance(b._solo[1], ns.NativeStep)
+    second, _ = b.join(Request(prompts[1], 6))
+    while not second.done:
+        b.step()
+    assert b.solo_steps == 5
+    while not first.done:
+        b.step()
+    assert b.solo_steps > 5
+    assert [first.new, second.new] == want
+
+
+def test_prepare_builds_no_one_request_step_for_a_model_it_runs():
+    """`qkv prepare` (and `qkv assets install smollm2`): nothing to build for one request of a
+    model the native step runs; said in a line; the command's status is ready."""
+    from qkv.commands.prepare import prepare
+    from qkv.generation import aot
+    from qkv.pipelines import CausalLM
+
+    lm = CausalLM("tiny", quantised(), tokenizer=None, stored_as=("Q4_1",))
+    lm.weights = "q4"
+    lines: list[str] = []
+    done = prepare("tiny", lm, batch_rows=0, out=lines.append)
+    assert done == [] and lm.prepare(0) == []
+    assert lines[0] == ("tiny: one request decodes through the native step (qkv's kernels, no saved step "
+                        "to build)")
+    assert lines[-1] == "tiny: ready: nothing to build"
+    assert aot.load(lm.model) is None  # no saved step was built
