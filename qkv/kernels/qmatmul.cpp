@@ -1027,7 +1027,7 @@ class Decoder : public torch::CustomClassHolder {
       const int t = omp_get_thread_num(), nt = omp_get_num_threads();
       Activations& a = acts_[t];
       std::vector<float>& hv = norm_[t];
-      hv.resize(std::max({dim_, F_, n}));
+      hv.resize(std::max({dim_, F_, group * n}));
       float* h = hv.data();
       for (int64_t l = 0; l < L_; ++l) {
         const DecoderLayer& Y = layers_[l];
@@ -1049,31 +1049,43 @@ class Decoder : public torch::CustomClassHolder {
           if (keep) std::memcpy(qk + (l * H_ + j) * D_, q_.data() + j * D_, D_ * sizeof(float));
         }
         sync_.wait(nt);
-        for (int64_t j = h0; j < h1; ++j) {  // softmax(q·Kᵀ/√D)·V over positions 0..pos
-          const float* qj = q_.data() + j * D_;
-          const float* K = kl + (j / group) * S * D_;
-          const float* Vv = vl + (j / group) * S * D_;
-          float top = -std::numeric_limits<float>::infinity();
-          for (int64_t p = 0; p < n; ++p) {
-            h[p] = dot(qj, K + p * D_, D_) * scale;
-            top = std::max(top, h[p]);
+        // softmax(q·Kᵀ/√D)·V over positions 0..pos, a run of this thread's query heads that share
+        // a key/value head at a time (GQA): each key and value row read once for the run.
+        for (int64_t j0 = h0; j0 < h1;) {
+          const int64_t kv = j0 / group, j1 = std::min(h1, (kv + 1) * group), r = j1 - j0;
+          const float* K = kl + kv * S * D_;
+          const float* Vv = vl + kv * S * D_;
+          for (int64_t i = 0; i < r; ++i) {
+            const float* qi = q_.data() + (j0 + i) * D_;
+            float* w = h + i * n;
+            float top = -std::numeric_limits<float>::infinity();
+            for (int64_t p = 0; p < n; ++p) {
+              w[p] = dot(qi, K + p * D_, D_) * scale;
+              top = std::max(top, w[p]);
+            }
+            for (int64_t p = 0; p < n; ++p) w[p] = exp_approx(w[p] - top);
+            float total = 0.f;
+            for (int64_t p = 0; p < n; ++p) total += w[p];
+            const float inv = 1.f / total;
+            for (int64_t p = 0; p < n; ++p) w[p] *= inv;
           }
-          for (int64_t p = 0; p < n; ++p) h[p] = exp_approx(h[p] - top);
-          float total = 0.f;
-          for (int64_t p = 0; p < n; ++p) total += h[p];
-          float* out = att_.data() + j * D_;
-          std::fill(out, out + D_, 0.f);
-          const float inv = 1.f / total;
+          float* out = att_.data() + j0 * D_;
+          std::fill(out, out + r * D_, 0.f);
           int64_t p = 0;
           for (; p + 4 <= n; p += 4) {  // four values a pass: a quarter of out's loads and stores
-            const float w0 = h[p] * inv, w1 = h[p + 1] * inv, w2 = h[p + 2] * inv, w3 = h[p + 3] * inv;
             const float *v0 = Vv + p * D_, *v1 = v0 + D_, *v2 = v1 + D_, *v3 = v2 + D_;
-            for (int64_t d = 0; d < D_; ++d) out[d] += (w0 * v0[d] + w1 * v1[d]) + (w2 * v2[d] + w3 * v3[d]);
+            for (int64_t i = 0; i < r; ++i) {
+              const float* w = h + i * n + p;
+              float* o = out + i * D_;
+              for (int64_t d = 0; d < D_; ++d) o[d] += (w[0] * v0[d] + w[1] * v1[d]) + (w[2] * v2[d] + w[3] * v3[d]);
+            }
           }
-          for (; p < n; ++p) {
-            const float w = h[p] * inv;
-            for (int64_t d = 0; d < D_; ++d) out[d] += w * Vv[p * D_ + d];
-          }
+          for (; p < n; ++p)
+            for (int64_t i = 0; i < r; ++i) {
+              const float w = h[i * n + p];
+              for (int64_t d = 0; d < D_; ++d) out[i * D_ + d] += w * Vv[p * D_ + d];
+            }
+          j0 = j1;
         }
         sync_.wait(nt);
         quantize_one(att_.data(), H_ * D_, false, a);
