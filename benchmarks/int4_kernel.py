@@ -8,8 +8,9 @@ on SmolLM2-135M's matrices, and what each does to the model's predictions.
   ``qmatmul.cpp`` compiled here beside today's), in the same rounds.
 - ``quality``: SmolLM2's GGUF in q4 with each kernel against the same file in fp32 (its exact
   float weights) on 300 positions of held text: how often the top-1 token agrees, the mean
-  KL(fp32 || q4) and the mean negative log-likelihood of the text. (With qkv's kernels the
-  output head is the file's Q8_0 blocks on ``qkv::q8_mm``; with PyTorch's, int8 rows.)
+  KL(fp32 || q4) and the mean negative log-likelihood of the text (with qkv's kernels the
+  output head is the file's Q8_0 blocks on ``qkv::q8_mm``; with PyTorch's, int8 rows); and the
+  same text fed a token at a time through the native step (``qkv/generation/native_step.py``).
 
 PyTorch's kernel takes bf16 activations; qkv's takes float32 ones and rounds each group of 32 to
 int8 twice (a code and its residual: to 1/256 of the int8 step), then multiplies by integer dot
@@ -131,6 +132,30 @@ def quality(positions: int) -> dict:
         print(f"q4 with {'PyTorch' if kern == 'aten' else 'qkv'}'s kernel: top-1 as fp32 at "
               f"{o['top1_agreement']:.1%}, KL {o['kl_fp32_q4']:.5f}, NLL {o['nll']:.4f} "
               f"(fp32 {out['fp32_nll']:.4f})", flush=True)
+        from qkv.generation import native_step
+
+        if kern == "qkv" and native_step.unsupported(lm.model) is None:
+            # the same text fed a token at a time through the native step (the first eagerly)
+            ns = native_step.NativeStep(lm.model, ids.shape[1])
+            rows = []
+            with torch.inference_mode():
+                cache = ns.make_cache(1)
+                rows.append(lm.model(ids[:, :1], cache=cache).logits[0, -1])
+                for t in range(1, ids.shape[1]):
+                    rows.append(ns.step(ids[:, t : t + 1], cache)[0, -1])
+            ln = torch.stack(rows).double().log_softmax(-1)
+
+            def agree(a, b):
+                return round((a.argmax(-1) == b.argmax(-1)).float().mean().item(), 4)
+
+            out["native"] = {"top1_agreement": agree(ln, lr),
+                             "kl_fp32_q4": round((lr.exp() * (lr - ln)).sum(-1).mean().item(), 6),
+                             "nll": round(-ln[:-1].gather(1, ids[0, 1:, None]).mean().item(), 5),
+                             "top1_as_the_forward": agree(ln, lq)}
+            o = out["native"]
+            print(f"q4 through the native step, a token at a time: top-1 as fp32 at "
+                  f"{o['top1_agreement']:.1%} (as the q4 forward at {o['top1_as_the_forward']:.1%}), "
+                  f"KL {o['kl_fp32_q4']:.5f}, NLL {o['nll']:.4f}", flush=True)
     os.environ.pop("QKV_INT4_KERNEL", None)
     return out
 
