@@ -215,7 +215,7 @@ def test_readme_is_short_and_keeps_the_quickstart() -> None:
 DURATION = re.compile(r"\b\d+(?:[.,]\d+)?(?:–\d+(?:[.,]\d+)?)? ?(?:s|ms|seconds?|minutes?|min)\b")
 # An option's default and the compile probe's prior are settings, not times promised.
 SETTING = re.compile(r"default \d+ s|assumes an? \d+ s")
-CPUS = re.compile(r"Zen 3|Zen 4|Zen 5|Sapphire Rapids|AVX2")
+CPUS = re.compile(r"Zen 3|Zen 4|Zen 5|Sapphire Rapids|Emerald Rapids|Granite Rapids|AVX2")
 
 
 def test_times_promised_name_the_cpus_and_the_busy_machine() -> None:
