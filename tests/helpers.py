@@ -18,6 +18,7 @@ import socket
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import NamedTuple
 
 import pytest
 import torch
@@ -346,3 +347,69 @@ def byte_lm(context: int = 16, dim: int = 16, n_layers: int = 1, seed: int = 0):
     torch.manual_seed(seed)
     gpt = GPT(GPTConfig(vocab_size=256, max_seq_len=context, dim=dim, n_layers=n_layers, n_heads=2)).eval()
     return CausalLM("tiny", gpt, HFTokenizer(tok), chat_template=None, stop_ids=())
+
+
+class AloneRun(NamedTuple):
+    """What :func:`alone_then_joined` saw: the batch, its ``solo_steps`` after the first row's 5
+    steps alone and after the second row's time beside it, the first row's step type while alone,
+    each row's tokens, each request's eager tokens alone, and the two prompts."""
+
+    batch: object
+    solo_after_alone: int
+    solo_after_joined: int
+    solo_kind: type | None
+    rows: list[list[int]]
+    want: list[list[int]]
+    prompts: list[list[int]]
+
+
+def alone_then_joined(m, vocab: int) -> AloneRun:
+    """qkv serve's batch with a lone row: a request alone for 5 steps, a second joining until it
+    is done, the first alone again to its end; and each request decoded alone, eagerly."""
+    from qkv.generation import generate
+    from qkv.generation.batch import Batch, Request
+
+    prompts = [torch.randint(0, vocab, (n,), generator=torch.Generator().manual_seed(n)).tolist()
+               for n in (5, 4)]
+    want = [[int(t[0]) for t in generate(m, torch.tensor([p]), n, temperature=0.0, mode="eager")]
+            for p, n in zip(prompts, (24, 6), strict=True)]
+    b = Batch(m, 4, 40)
+    first, _ = b.join(Request(prompts[0], 24))
+    for _ in range(5):
+        b.step()
+    after_alone = b.solo_steps
+    kind = type(b._solo[1]) if b._solo is not None else None
+    second, _ = b.join(Request(prompts[1], 6))
+    while not second.done:
+        b.step()  # two rows: the batched step
+    after_joined = b.solo_steps
+    while not first.done:
+        b.step()  # alone again
+    return AloneRun(b, after_alone, after_joined, kind, [first.new, second.new], want, prompts)
+
+
+def cpu_flags() -> set[str]:
+    """This CPU's flags (/proc/cpuinfo)."""
+    for line in Path("/proc/cpuinfo").read_text().splitlines():
+        if line.startswith("flags"):
+            return set(line.split(":", 1)[1].split())
+    return set()
+
+
+def kernel_builds(folder: Path) -> dict[str, str]:
+    """qkv's kernel library's other code paths (plain C++; AVX2 where this CPU runs it), each
+    built into ``folder`` under a namespace of its own and loaded once per process: name ->
+    namespace (``torch.ops.<namespace>``, ``torch.classes.<namespace>``)."""
+    from qkv.kernels import compile_library
+
+    builds = [("scalar", ("-march=x86-64",))]
+    if {"avx2", "f16c", "fma"} <= cpu_flags():  # the AVX2 build would not run here otherwise
+        builds.append(("avx2", ("-march=haswell",)))
+    out = {}
+    for name, flags in builds:
+        ns = f"qkv_test_{name}"
+        if not hasattr(getattr(torch.ops, ns), "int4_mm"):
+            compile_library(folder / f"{name}.so", flags, namespace=ns)
+            torch.ops.load_library(str(folder / f"{name}.so"))
+        out[name] = ns
+    return out

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import child_env, single_thread
+from helpers import alone_then_joined, child_env, single_thread
 
 from qkv.generation import aot, builds, generate
 from qkv.models.gpt import GPT, GPTConfig
@@ -175,26 +175,16 @@ def test_a_row_alone_in_a_running_batch_steps_through_the_saved_step(built):
     to the saved step when it is alone again; every row's tokens are the eager ones alone. A batch
     told not to stays eager; a row that asks for one layer's attention (as qkv serve's do) takes
     the saved step too, with that layer's rows equal to the eager reference backend's."""
+    from qkv.generation.aot import SavedStep
     from qkv.generation.batch import Batch, Request
 
     m = model()
-    prompts = [torch.randint(0, V, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in (5, 4)]
-    want = [[int(t[0]) for t in generate(m, torch.tensor([p]), n, temperature=0.0, mode="eager")]
-            for p, n in zip(prompts, (24, 6), strict=True)]
-    b = Batch(m, 4, 40)
-    first, _ = b.join(Request(prompts[0], 24))
-    for _ in range(5):
-        b.step()
-    alone = b.solo_steps
-    assert alone == 5  # the first row, alone: the saved step
-    second, _ = b.join(Request(prompts[1], 6))
-    while not second.done:
-        b.step()  # two rows: the batched eager step
-    assert b.solo_steps == alone
-    while not first.done:
-        b.step()  # alone again: the saved step again
-    assert b.solo_steps > alone
-    assert [first.new, second.new] == want
+    run = alone_then_joined(m, V)
+    assert run.solo_after_alone == 5 and run.solo_kind is SavedStep  # the first row, alone: the saved step
+    assert run.solo_after_joined == 5  # two rows: the batched eager step
+    assert run.batch.solo_steps > 5  # alone again: the saved step again
+    assert run.rows == run.want
+    prompts, want = run.prompts, run.want
 
     b = Batch(m, 2, 40, mode="eager")
     row, _ = b.join(Request(prompts[0], 8))

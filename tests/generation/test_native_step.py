@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import single_thread
+from helpers import alone_then_joined, kernel_builds, single_thread
 
 from qkv.generation import builds, generate
 from qkv.generation import native_step as ns
@@ -198,29 +198,9 @@ def test_bad_steps_are_refused_with_the_reason():
 
 @pytest.fixture(scope="module")
 def other_builds(tmp_path_factory: pytest.TempPathFactory) -> dict[str, object]:
-    """The library's other code paths (plain C++; AVX2 where this CPU runs it), each under a
-    namespace of its own, as tests/kernels/test_qmatmul.py builds them: their Decoder classes."""
-    from pathlib import Path
-
-    from qkv.kernels import compile_library
-
-    flags = set()
-    for line in Path("/proc/cpuinfo").read_text().splitlines():
-        if line.startswith("flags"):
-            flags = set(line.split(":", 1)[1].split())
-            break
-    builds = [("scalar", ("-march=x86-64",))]
-    if {"avx2", "f16c", "fma"} <= flags:
-        builds.append(("avx2", ("-march=haswell",)))
-    folder = tmp_path_factory.mktemp("decoder")
-    out = {}
-    for name, cflags in builds:
-        ns_name = f"qkv_test_{name}"
-        if not hasattr(getattr(torch.ops, ns_name), "int4_mm"):
-            compile_library(folder / f"{name}.so", cflags, namespace=ns_name)
-            torch.ops.load_library(str(folder / f"{name}.so"))
-        out[name] = getattr(torch.classes, ns_name).Decoder
-    return out
+    """The Decoder classes of the library's other code paths (helpers.kernel_builds)."""
+    return {name: getattr(torch.classes, ns).Decoder
+            for name, ns in kernel_builds(tmp_path_factory.mktemp("decoder")).items()}
 
 
 def test_every_code_path_decodes_as_eager(other_builds):
@@ -248,25 +228,10 @@ def test_a_row_alone_in_a_running_batch_steps_through_it():
     """qkv serve's batch: a request alone steps through the native step (its keys copied into the
     step's cache), back to the batched step when another joins, native again when alone; every
     row's tokens are the eager ones alone."""
-    from qkv.generation.batch import Batch, Request
-
-    m = quantised()
-    prompts = [torch.randint(0, V, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in (5, 4)]
-    want = [[int(t[0]) for t in generate(m, torch.tensor([p]), n, temperature=0.0, mode="eager")]
-            for p, n in zip(prompts, (24, 6), strict=True)]
-    b = Batch(m, 4, 40)
-    first, _ = b.join(Request(prompts[0], 24))
-    for _ in range(5):
-        b.step()
-    assert b.solo_steps == 5 and isinstance(b._solo[1], ns.NativeStep)
-    second, _ = b.join(Request(prompts[1], 6))
-    while not second.done:
-        b.step()
-    assert b.solo_steps == 5
-    while not first.done:
-        b.step()
-    assert b.solo_steps > 5
-    assert [first.new, second.new] == want
+    run = alone_then_joined(quantised(), V)
+    assert run.solo_after_alone == 5 and run.solo_kind is ns.NativeStep
+    assert run.solo_after_joined == 5 and run.batch.solo_steps > 5
+    assert run.rows == run.want
 
 
 def test_prepare_builds_no_one_request_step_for_a_model_it_runs():

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import cpu_flags, kernel_builds
 
 import qkv.kernels as K
 from qkv.kernels import compile_library, pack_int4
@@ -21,28 +22,13 @@ pytestmark = pytest.mark.skipif(compiler() is None or K.int4_op() is None,
                                 reason=f"qkv's kernels are not available here: {K.int4_status()}")
 
 
-def _cpu_flags() -> set[str]:
-    for line in Path("/proc/cpuinfo").read_text().splitlines():
-        if line.startswith("flags"):
-            return set(line.split(":", 1)[1].split())
-    return set()
-
-
 @pytest.fixture(scope="module")
 def paths(tmp_path_factory: pytest.TempPathFactory) -> dict[str, object]:
     """Every code path as its own op: this CPU's (the library qkv builds and loads), AVX2 and
     plain C++ (built here for older CPUs under namespaces of their own)."""
     ops = {"native": K.int4_op()}
     assert ops["native"] is not None, K.int4_status()
-    folder = tmp_path_factory.mktemp("int4")
-    builds = [("scalar", ("-march=x86-64",))]
-    if {"avx2", "f16c", "fma"} <= _cpu_flags():  # the AVX2 build would not run here otherwise
-        builds.append(("avx2", ("-march=haswell",)))
-    for name, flags in builds:
-        ns = f"qkv_test_{name}"
-        if not hasattr(getattr(torch.ops, ns), "int4_mm"):
-            compile_library(folder / f"{name}.so", flags, namespace=ns)
-            torch.ops.load_library(str(folder / f"{name}.so"))
+    for name, ns in kernel_builds(tmp_path_factory.mktemp("int4")).items():
         ops[name] = getattr(torch.ops, ns).int4_mm
     return ops
 
@@ -50,7 +36,7 @@ def paths(tmp_path_factory: pytest.TempPathFactory) -> dict[str, object]:
 def test_each_build_runs_the_code_path_it_names(paths: dict[str, object]) -> None:
     assert "avx2" not in paths or torch.ops.qkv_test_avx2.int4_path() == "avx2"
     assert torch.ops.qkv_test_scalar.int4_path() == "scalar"
-    flags = _cpu_flags()
+    flags = cpu_flags()
     want = ("avx512-vnni" if {"avx512_vnni", "avx512bw", "avx512f"} <= flags
             else "avx2" if {"avx2", "f16c", "fma"} <= flags else "scalar")
     if want == "avx512-vnni" and {"amx_tile", "amx_int8"} <= flags:
