@@ -899,8 +899,11 @@ inline void rope(const float* x, const float* cos, const float* sin, int64_t D, 
 }
 
 // The threads of one step meet here between its phases: a counter and a phase word in cache
-// lines of their own; the last to arrive starts the next phase, the others spin on it (a pause a
-// turn, and a yield after many: another process may hold the core).
+// lines of their own; the last to arrive starts the next phase, the others spin on it, a pause a
+// turn, and yield the core after 256 turns (~10 µs on a Xeon, whose pause is ~140 cycles; a wait
+// between phases is a few µs): another thread or process may hold the core this one waits for.
+// Measured with two decoding processes on 2 cores: yielding after 65,536 turns took ~200 ms a
+// token, after 256 turns 8-16 ms, OpenMP's own barrier 16-19 ms (BENCHMARKS.md, issue 53).
 struct Barrier {
   alignas(64) std::atomic<int> count{0};
   alignas(64) std::atomic<int> phase{0};
@@ -915,7 +918,7 @@ struct Barrier {
 #if defined(__x86_64__) || defined(__i386__)
       _mm_pause();
 #endif
-      if (spins > (1 << 16)) std::this_thread::yield();
+      if (spins > 256) std::this_thread::yield();
     }
   }
 };
