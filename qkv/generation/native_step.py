@@ -83,9 +83,19 @@ def unsupported(model: GPT) -> str | None:
         return "it takes float32 embeddings and norms on the CPU"
     if isinstance(head, TopKRefinedLinear) and head.weight.dtype != torch.float32:
         return "the exact output matrix is not float32"
-    if int4_op() is None or not hasattr(torch.classes.qkv, "Decoder"):
+    if int4_op() is None or not _has_decoder():
         return "qkv's kernels are not available here"
     return None
+
+
+def _has_decoder() -> bool:
+    """The loaded kernel library registers ``qkv::Decoder`` (torch raises, not AttributeError,
+    for a class it does not know)."""
+    try:
+        torch.classes.qkv.Decoder  # noqa: B018
+    except (AttributeError, RuntimeError):
+        return False
+    return True
 
 
 def _empty() -> Tensor:
