@@ -38,14 +38,16 @@ def add_generate_parser(sub) -> None:
     p.add_argument("--seed", type=int, default=None, help="random seed for reproducible samples")
     p.add_argument("--no-cache", action="store_true", help="recompute the whole context every step (slow)")
     p.add_argument("--compile", nargs="?", const="on", default="auto", choices=("auto", "on", "off", "jit"),
-                   help="how each new token is computed. auto (default): through the model's saved "
-                   "step when one was built on this machine (`qkv prepare MODEL`, or `qkv assets "
-                   "install smollm2` for the bundled model: a step compiled ahead of time, loaded in "
-                   "milliseconds, ~3x eager per token), else eagerly (the closing line says why and how "
-                   "to build one); on (or a bare --compile): build the saved step first if there is "
-                   "none (~40 s on 2 cores, in the foreground, once per model, weight format, thread "
-                   "count and machine; kept in qkv's cache folder); off: eagerly; jit: torch.compile "
-                   "in this process (~7-65 s each time). QKV_SAVED_STEP=off also turns saved steps off")
+                   help="how each new token is computed. auto (default): through the native step "
+                   "where it runs the model (a 4-bit Llama-shaped decoder such as smollm2: one call of "
+                   "qkv's kernels a token, no set-up, ~4-5x eager), else through the model's saved step "
+                   "when one was built on this machine (`qkv prepare MODEL`: a step compiled ahead of "
+                   "time, loaded in milliseconds, ~3x eager per token), else eagerly (the closing line "
+                   "says why and how to build one); on (or a bare --compile): the same, building the "
+                   "saved step first where it is the one used and there is none (~40 s on 2 cores, in "
+                   "the foreground, once per model, weight format, thread count and machine; kept in "
+                   "qkv's cache folder); off: eagerly; jit: torch.compile in this process (~7-65 s each "
+                   "time). QKV_NATIVE_STEP=off and QKV_SAVED_STEP=off turn those steps off")
     p.add_argument("--device", default="cpu", help="cpu or cuda")
     p.add_argument("--threads", type=int, default=None,
                    help="CPU threads PyTorch decodes with (default: one per core); a saved step is "

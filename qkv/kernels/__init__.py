@@ -5,7 +5,9 @@ twice per group of 32 (a code and its residual) and integer dot products (AVX512
 AVX2, else plain C++; on an AMX Xeon, 4-bit products of 12 rows and more on AMX tiles, the same
 integers): ``qkv::int4_mm`` (4-bit groups, GGUF's Q4_0/Q4_1) and ``qkv::q8_mm``
 (8-bit groups, GGUF's Q8_0). PyTorch's own kernels widen each weight to a float and are bound
-by that arithmetic on one token; these read the same bytes faster (BENCHMARKS.md).
+by that arithmetic on one token; these read the same bytes faster (BENCHMARKS.md). The same
+library holds ``torch.classes.qkv.Decoder``: a Llama-shaped decoder's whole one-token step on
+those products, bound to a model by :mod:`qkv.generation.native_step`.
 :func:`int4_op` builds the library once per machine (``g++ -O3 -march=native``, ~5 s) into
 ``<cache>/kernels``, keyed by the CPU, the compiler, torch's version and the source, and loads
 it into the process (``torch.ops.load_library``); :class:`~qkv.layers.quant.Int4Linear` and

@@ -2,7 +2,8 @@
 //
 // - int4_mm: groups of 32 weights that share a scale d and an offset m (w = d·q + m, q in 0..15:
 //   Q4_1; Q4_0 is m = −8d);
-// - q8_mm: groups of 32 with one scale (w = d·q, q in −127..127: Q8_0).
+// - q8_mm: groups of 32 with one scale (w = d·q, q in −127..127: Q8_0);
+// - Decoder: a Llama-shaped decoder's whole one-token step on those products (at the end).
 //
 // x is rounded on the fly per group of 32 to int8 twice, x ≈ dx·(xq + xr/256) (quantize_rows),
 // and multiplied by integer dot products (AVX512-VNNI's vpdpbusd: 64 products an instruction;
