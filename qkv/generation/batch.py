@@ -42,6 +42,7 @@ Shapes: R rows, S cache length, H heads, V vocabulary.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, NamedTuple, overload
@@ -298,10 +299,11 @@ class Batch:
         if self._solo is None:
             n = self._cache.lengths[row.slot]
             need = n + row.request.max_new_tokens - len(row.new) + 1
-            step: StepDecoder | None
+            step: StepDecoder | None = None
             if native_step.unsupported(self.model) is None and need <= self.model.cfg.max_seq_len:
-                step = native_step.NativeStep(self.model, need)  # as generate alone would
-            else:
+                with contextlib.suppress(RuntimeError, ValueError):  # as generate alone would
+                    step = native_step.NativeStep(self.model, need)
+            if step is None:
                 step = decide(self.model, self.mode, need=need).step
             if step is None:
                 self._not_solo = row  # a decision per row, not per token

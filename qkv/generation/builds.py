@@ -18,6 +18,7 @@ the reason as a :class:`Why`, for a key that changed the fields that differ), an
 
 from __future__ import annotations
 
+import contextlib
 import json
 import threading
 import time
@@ -315,7 +316,8 @@ def decoder_for(model: GPT, mode: DecodeMode | str, *, batch: int = 1, need: int
         return Decision("eager", Why.ROWS, decoder=eager)
     if mode is not DecodeMode.EAGER and native_step.unsupported(model) is None:
         # no set-up, and faster than the saved step (BENCHMARKS.md): one row's steps go native
-        return Decision("native", decoder=native_step.NativeStep(model, eager.cache_len))
+        with contextlib.suppress(RuntimeError, ValueError):  # a tensor the kernel refuses: as before
+            return Decision("native", decoder=native_step.NativeStep(model, eager.cache_len))
     d = decide(model, mode, need=need)
     return replace(d, decoder=d.step if d.step is not None else eager)
 

@@ -78,6 +78,10 @@ def unsupported(model: GPT) -> str | None:
             return "its MLP is not a 4-bit SwiGLU on qkv's kernel"
         if not isinstance(b.norm1, RMSNorm) or not isinstance(b.norm2, RMSNorm):
             return "its blocks' norms are not RMSNorm"
+    shapes = {(b.attn.n_heads, b.attn.n_kv_heads, b.attn.head_dim, b.mlp.hidden, b.norm1.eps, b.norm2.eps)
+              for b in model.stack.blocks}
+    if len(shapes) != 1:
+        return "its blocks differ in heads, widths or norms"
     tensors = [model.tok_emb.weight, model.rope.cos, model.stack.norm.weight]
     tensors += [t for b in model.stack.blocks for t in (b.norm1.weight, b.norm2.weight)]
     if any(t.dtype != torch.float32 or t.device.type != "cpu" for t in tensors):

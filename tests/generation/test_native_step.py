@@ -250,3 +250,21 @@ def test_prepare_builds_no_one_request_step_for_a_model_it_runs():
                         "to build)")
     assert lines[-1] == "tiny: ready: nothing to build"
     assert aot.load(lm.model) is None  # no saved step was built
+
+
+def test_a_binding_the_kernel_refuses_decodes_as_before(monkeypatch):
+    """Where the kernel refuses a model's tensors (its checks raise), generate and the lone row
+    decode as they did before the native step, with the eager tokens."""
+    m = quantised()
+    x = torch.randint(0, V, (1, 6), generator=torch.Generator().manual_seed(5))
+    want = [int(t[0]) for t in generate(m, x, 10, temperature=0.0, mode="eager")]
+
+    def refuse(*a, **k):
+        raise RuntimeError("qkv::Decoder: unsupported shape")
+
+    monkeypatch.setattr(ns, "NativeStep", refuse)
+    said = []
+    assert [int(t[0]) for t in generate(m, x, 10, temperature=0.0, on_decision=said.append)] == want
+    assert said[0].kind != "native"
+    run = alone_then_joined(m, V)
+    assert run.solo_kind is not ns.NativeStep and run.rows == run.want
