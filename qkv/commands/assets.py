@@ -24,7 +24,8 @@ def add_assets_parser(sub) -> None:
     p.add_argument("names", nargs="*", help="assets to install (see the list)")
     p.add_argument("--no-prepare", action="store_true",
                    help="install a decoder's weights without building its saved decoding steps "
-                   "(`qkv prepare NAME` builds them later; until then it decodes eagerly, ~3x slower)")
+                   "(`qkv prepare NAME` builds them later; until then qkv serve's running batch, and "
+                   "one request of a model the native step does not run, decode eagerly, ~3x slower)")
     p.set_defaults(func=cmd_assets)
 
 

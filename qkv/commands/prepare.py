@@ -86,15 +86,13 @@ def prepare(name: str, lm: CausalLM, batch_rows: int = SERVE_ROWS, batch_tokens:
     install smollm2`` run. Returns each step's status."""
     import torch
 
-    from qkv.generation import native_step
-    from qkv.generation.builds import status
-    from qkv.models.gpt import GPT
+    from qkv.generation.builds import one_request_step, status
     from qkv.training.probe import busy_note
 
     say = out or (lambda line: print(line, file=sys.stderr, flush=True))
     rows = batch_rows if batch_rows >= 2 else 0
     tokens = min(batch_tokens, lm.context)
-    native = isinstance(lm.model, GPT) and native_step.unsupported(lm.model) is None
+    native = not one_request_step(lm.model)
     if native:
         say(f"{name}: one request decodes through the native step (qkv's kernels, no saved step to build)")
     what = ([] if native else ["one request"]) + ([f"a running batch of {rows} rows x {tokens} positions"]

@@ -42,7 +42,6 @@ Shapes: R rows, S cache length, H heads, V vocabulary.
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, NamedTuple, overload
@@ -51,8 +50,8 @@ import torch
 from torch import Tensor
 
 from qkv.attention import BatchKVCache, KVCache
-from qkv.generation import aot, native_step
-from qkv.generation.builds import decide
+from qkv.generation import aot
+from qkv.generation.builds import decide, native_for
 from qkv.generation.decoders import DecodeMode, StepDecoder, keep_queries
 from qkv.generation.sampling import check_sampling, make_generator, sample_next
 from qkv.models.gpt import GPT, GPTOutput
@@ -202,7 +201,7 @@ class Batch:
         else:
             self._cache = self._make_cache(length)
         self._solo: tuple[Row, StepDecoder, KVCache] | None = None  # the row, its one-row step, its cache
-        self._not_solo: Row | None = None  # the last row the saved step could not take (not asked again)
+        self._not_solo: Row | None = None  # the last row no one-row step could take (not asked again)
         self.solo_steps = 0  # steps through a one-row step, native or saved (a count for tests, benchmarks)
         self._rows_step: SavedStep | None = None  # the saved step for several rows, once found
         self.rows_steps = 0  # steps of several rows taken through it (a count for tests and benchmarks)
@@ -300,9 +299,8 @@ class Batch:
             n = self._cache.lengths[row.slot]
             need = n + row.request.max_new_tokens - len(row.new) + 1
             step: StepDecoder | None = None
-            if native_step.unsupported(self.model) is None and need <= self.model.cfg.max_seq_len:
-                with contextlib.suppress(RuntimeError, ValueError):  # as generate alone would
-                    step = native_step.NativeStep(self.model, need)
+            if need <= self.model.cfg.max_seq_len:  # as generate alone would
+                step = native_for(self.model, self.mode, need)
             if step is None:
                 step = decide(self.model, self.mode, need=need).step
             if step is None:

@@ -18,7 +18,6 @@ the reason as a :class:`Why`, for a key that changed the fields that differ), an
 
 from __future__ import annotations
 
-import contextlib
 import json
 import threading
 import time
@@ -314,12 +313,31 @@ def decoder_for(model: GPT, mode: DecodeMode | str, *, batch: int = 1, need: int
                                                           detail=why), decoder=eager)
     if batch != 1 and mode is not DecodeMode.EAGER:
         return Decision("eager", Why.ROWS, decoder=eager)
-    if mode is not DecodeMode.EAGER and native_step.unsupported(model) is None:
-        # no set-up, and faster than the saved step (BENCHMARKS.md): one row's steps go native
-        with contextlib.suppress(RuntimeError, ValueError):  # a tensor the kernel refuses: as before
-            return Decision("native", decoder=native_step.NativeStep(model, eager.cache_len))
+    native = native_for(model, mode, eager.cache_len)
+    if native is not None:
+        return Decision("native", decoder=native)
     d = decide(model, mode, need=need)
     return replace(d, decoder=d.step if d.step is not None else eager)
+
+
+def native_for(model: GPT, mode: DecodeMode | str, cache_len: int) -> native_step.NativeStep | None:
+    """The one rule whether one row decodes through the native step: in modes ``auto`` and
+    ``build``, a model it runs (:func:`qkv.generation.native_step.unsupported`) whose tensors the
+    kernel accepts (no set-up, and faster than the saved step: BENCHMARKS.md), over a cache of
+    ``cache_len`` positions; else None (the request and a lone row of a running batch decode as
+    before). Read by :func:`decoder_for` and the running batch."""
+    if DecodeMode.of(mode) in (DecodeMode.JIT, DecodeMode.EAGER):
+        return None
+    try:
+        return native_step.NativeStep(model, cache_len)
+    except (RuntimeError, ValueError):  # one it does not run (ValueError), or tensors the kernel refuses
+        return None
+
+
+def one_request_step(model: object) -> bool:
+    """Whether one request of ``model`` decodes through a saved step (so ``qkv prepare`` and
+    :meth:`~qkv.pipelines.text.CausalLM.prepare` build one): not where the native step runs it."""
+    return not (isinstance(model, GPT) and native_step.unsupported(model) is None)
 
 
 # --------------------------------------------------------------------------- saying it once
@@ -371,4 +389,4 @@ def warn_once(name: str, model: GPT, decision: Decision) -> None:
 
 
 __all__ = ["Decision", "EagerDecodingWarning", "State", "StepStatus", "Why", "decide", "decoder_for",
-           "ensure", "explain", "forget", "say_once", "status", "warn_once"]
+           "ensure", "explain", "forget", "native_for", "one_request_step", "say_once", "status", "warn_once"]

@@ -266,24 +266,29 @@ struct Activations {
                              // zero rows to a multiple of 16, which the tiles read and discard)
 };
 
+// x (M, K) of type T quantised into a (its buffers sized to it; wide and amx unset): the ops' front
+// below, and the decoder's one row at a time.
+template <typename T>
+void quantize_into(const T* x, int64_t M, int64_t K, bool code_sums, Activations& a) {
+  const int64_t G = K / GROUP;
+  a.M = M, a.K = K, a.G = G, a.wide = false, a.amx = false;
+  a.xq.resize(M * K), a.xr.resize(M * K), a.dx.resize(M * G), a.sx.resize(M * G);
+  a.sq.resize(code_sums ? M * G : 0), a.sr.resize(code_sums ? M * G : 0);
+  quantize_rows(x, M, K, a.xq.data(), a.xr.data(), a.dx.data(), a.sx.data(), code_sums ? a.sq.data() : nullptr,
+                code_sums ? a.sr.data() : nullptr);
+}
+
 // x (M, K) float32 or bfloat16 -> its Activations (this thread's, valid until its next call); op
 // names the caller in the message; tiles: the format's block can take AMX tiles (Format::TILES).
 const Activations& quantize(const at::Tensor& x, bool code_sums, bool tiles, const char* op) {
   thread_local Activations a;
-  const int64_t M = x.size(0), K = x.size(1), G = K / GROUP;
-  a.M = M, a.K = K, a.G = G;
-  a.xq.resize(M * K), a.xr.resize(M * K), a.dx.resize(M * G), a.sx.resize(M * G);
-  a.sq.resize(code_sums ? M * G : 0), a.sr.resize(code_sums ? M * G : 0);
-  int32_t* sq = code_sums ? a.sq.data() : nullptr;
-  int32_t* sr = code_sums ? a.sr.data() : nullptr;
+  const int64_t M = x.size(0), K = x.size(1);
   if (x.scalar_type() == at::kFloat)
-    quantize_rows(x.data_ptr<float>(), M, K, a.xq.data(), a.xr.data(), a.dx.data(), a.sx.data(), sq, sr);
+    quantize_into(x.data_ptr<float>(), M, K, code_sums, a);
   else if (x.scalar_type() == at::kBFloat16)
-    quantize_rows(x.data_ptr<c10::BFloat16>(), M, K, a.xq.data(), a.xr.data(), a.dx.data(), a.sx.data(), sq, sr);
+    quantize_into(x.data_ptr<c10::BFloat16>(), M, K, code_sums, a);
   else
     TORCH_CHECK(false, op, ": x must be float32 or bfloat16");
-  a.wide = false;
-  a.amx = false;
   (void)tiles;  // read where AMX is compiled in
 #if QKV_AMX
   if (tiles && M >= AMX_FROM && amx_ready()) {
@@ -796,7 +801,7 @@ std::string int4_path() {
 //   h = rmsnorm(x)·w1                       each thread (576 values: cheaper than a barrier)
 //   [q | k | v] = h Wqkvᵀ (+ b)             blocks of 16 outputs shared among threads     | barrier
 //   k, v rotated (RoPE, rotate-half) into the cache at pos; each thread's query heads rotated | barrier
-//   o_h = softmax(q_h·Kᵀ/√D)·V, per head    query heads shared (GQA: head h reads kv head h/(H/K)) | barrier
+//   o_h = softmax(q_h·Kᵀ/√D)·V, per head    query heads shared, in runs that share a kv head (GQA) | barrier
 //   x += o Woᵀ (+ b)                        output blocks shared, each thread adds its own | barrier
 //   h = rmsnorm(x)·w2; g|u = h Wguᵀ         each thread the gate blocks and the up blocks of one range
 //   a = silu(g)·u                           on that range                                  | barrier
@@ -861,16 +866,6 @@ inline void rms_norm(const float* x, const float* w, int64_t n, float eps, float
   const float r = 1.f / std::sqrt(ss / static_cast<float>(n) + eps);
 #pragma omp simd
   for (int64_t i = 0; i < n; ++i) y[i] = x[i] * r * w[i];
-}
-
-// One vector (K,) quantised into a: M = 1 (see quantize).
-inline void quantize_one(const float* x, int64_t K, bool code_sums, Activations& a) {
-  const int64_t G = K / GROUP;
-  a.M = 1, a.K = K, a.G = G, a.wide = false, a.amx = false;
-  a.xq.resize(K), a.xr.resize(K), a.dx.resize(G), a.sx.resize(G);
-  a.sq.resize(code_sums ? G : 0), a.sr.resize(code_sums ? G : 0);
-  quantize_rows(x, 1, K, a.xq.data(), a.xr.data(), a.dx.data(), a.sx.data(), code_sums ? a.sq.data() : nullptr,
-                code_sums ? a.sr.data() : nullptr);
 }
 
 // Thread t's share [first, last) of n items among T threads.
@@ -1038,7 +1033,7 @@ class Decoder : public torch::CustomClassHolder {
         float* kl = kc + l * KV_ * S * D_;
         float* vl = vc + l * KV_ * S * D_;
         rms_norm(x_.data(), Y.norm1, dim_, eps_, h);
-        quantize_one(h, dim_, false, a);
+        quantize_into(h, 1, dim_, false, a);
         auto [q0, q1] = share(nqkv / ROWS, t, nt);
         product_blocks<Q4>(Y.wqkv, Y.sqkv, a, q0, q1, qkv_.data(), Y.bqkv);
         sync_.wait(nt);
@@ -1092,13 +1087,13 @@ class Decoder : public torch::CustomClassHolder {
           j0 = j1;
         }
         sync_.wait(nt);
-        quantize_one(att_.data(), H_ * D_, false, a);
+        quantize_into(att_.data(), 1, H_ * D_, false, a);
         auto [o0, o1] = share(dim_ / ROWS, t, nt);
         product_blocks<Q4>(Y.wo, Y.so, a, o0, o1, o_.data(), Y.bo);
         for (int64_t i = o0 * ROWS; i < o1 * ROWS; ++i) x_[i] += o_[i];
         sync_.wait(nt);
         rms_norm(x_.data(), Y.norm2, dim_, eps_, h);
-        quantize_one(h, dim_, false, a);
+        quantize_into(h, 1, dim_, false, a);
         auto [g0, g1] = share(F_ / ROWS, t, nt);
         product_blocks<Q4>(Y.wgu, Y.sgu, a, g0, g1, gu_.data(), nullptr);
         product_blocks<Q4>(Y.wgu, Y.sgu, a, F_ / ROWS + g0, F_ / ROWS + g1, gu_.data(), nullptr);
@@ -1107,14 +1102,14 @@ class Decoder : public torch::CustomClassHolder {
 #pragma omp simd
         for (int64_t i = g0 * ROWS; i < g1 * ROWS; ++i) a_[i] = g[i] / (1.f + exp_approx(-g[i])) * u[i];
         sync_.wait(nt);
-        quantize_one(a_.data(), F_, false, a);
+        quantize_into(a_.data(), 1, F_, false, a);
         product_blocks<Q4>(Y.wd, Y.sd, a, o0, o1, o_.data(), nullptr);
         for (int64_t i = o0 * ROWS; i < o1 * ROWS; ++i) x_[i] += o_[i];
         sync_.wait(nt);
       }
       rms_norm(x_.data(), final_norm_, dim_, eps_final_, h);
       if (t == 0) std::memcpy(hf_.data(), h, dim_ * sizeof(float));
-      quantize_one(h, dim_, true, a);
+      quantize_into(h, 1, dim_, true, a);
       auto [v0, v1] = share(V_ / ROWS, t, nt);
       product_blocks<Q8>(hw_, hs_, a, v0, v1, y, hbias_);
     }

@@ -25,7 +25,7 @@ import torch
 from torch import Tensor
 
 from qkv.generation import generate as generate_tokens
-from qkv.generation.builds import Decision, StepStatus, ensure, warn_once
+from qkv.generation.builds import Decision, StepStatus, ensure, one_request_step, warn_once
 from qkv.generation.decode import crop_prompt, text_pieces
 from qkv.generation.decoders import DecodeMode
 from qkv.generation.sampling import make_generator
@@ -207,10 +207,7 @@ class CausalLM(LayersAndHeads):
         ``batch_tokens`` positions (what ``qkv serve`` decodes with: 8 x 256 by default).
         Returns each built step's status, one request's first (a failure is a status, never an
         exception); ``on_stage`` is told each stage as it begins."""
-        from qkv.generation import native_step
-
-        native = native_step.unsupported(self.model) is None
-        out = [] if native else [ensure(self.model, on_stage=on_stage)]
+        out = [ensure(self.model, on_stage=on_stage)] if one_request_step(self.model) else []
         if batch_rows >= 2:
             out.append(ensure(self.model, rows=batch_rows, cache_len=min(batch_tokens, self.context),
                               on_stage=on_stage))
