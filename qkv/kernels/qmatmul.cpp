@@ -833,31 +833,222 @@ inline float exp_approx(float x) {
   return p * scale;
 }
 
-// Σ a·b over n floats in 16 lanes (a fixed order: the compiler vectorises the lanes without
-// reassociating a float sum), then the lanes and the tail.
+// Σ a·b, Σ a and max a over n floats: in vector lanes (explicitly: GCC leaves a 16-float lane
+// array's maximum scalar), the lanes reduced as a tree, then the tail. max ignores a NaN, as
+// std::max keeps its first operand (and as maxps returns its second: the running maximum).
+#if defined(__AVX512F__)
+// four accumulators: a long sum waits on the adder's latency with one
+#define QKV_LANES4(OP, INIT, LOAD, REDUCE, TAIL)                                      \
+  __m512 acc0 = INIT, acc1 = INIT, acc2 = INIT, acc3 = INIT;                          \
+  int64_t i = 0;                                                                      \
+  for (; i + 64 <= n; i += 64) {                                                      \
+    acc0 = OP(LOAD(i), acc0), acc1 = OP(LOAD(i + 16), acc1);                          \
+    acc2 = OP(LOAD(i + 32), acc2), acc3 = OP(LOAD(i + 48), acc3);                     \
+  }                                                                                   \
+  for (; i + 16 <= n; i += 16) acc0 = OP(LOAD(i), acc0);                              \
+  float s = REDUCE(OP(OP(acc0, acc1), OP(acc2, acc3)));                               \
+  for (; i < n; ++i) TAIL;                                                            \
+  return s;
+inline float dot(const float* a, const float* b, int64_t n) {
+#define LOAD_AB(i) _mm512_mul_ps(_mm512_loadu_ps(a + (i)), _mm512_loadu_ps(b + (i)))
+  QKV_LANES4(_mm512_add_ps, _mm512_setzero_ps(), LOAD_AB, _mm512_reduce_add_ps, s += a[i] * b[i])
+#undef LOAD_AB
+}
+inline float sum_of(const float* a, int64_t n) {
+#define LOAD_A(i) _mm512_loadu_ps(a + (i))
+  QKV_LANES4(_mm512_add_ps, _mm512_setzero_ps(), LOAD_A, _mm512_reduce_add_ps, s += a[i])
+}
+inline float max_of(const float* a, int64_t n) {
+  const __m512 low = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  QKV_LANES4(_mm512_max_ps, low, LOAD_A, _mm512_reduce_max_ps, s = s < a[i] ? a[i] : s)
+#undef LOAD_A
+}
+// The first i < n with a[i] == v, or n.
+inline int64_t first_equal(const float* a, int64_t n, float v) {
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) {
+    const __mmask16 hit = _mm512_cmp_ps_mask(_mm512_loadu_ps(a + i), _mm512_set1_ps(v), _CMP_EQ_OQ);
+    if (hit != 0) return i + __builtin_ctz(hit);
+  }
+  for (; i < n && a[i] != v; ++i) {}
+  return i;
+}
+#undef QKV_LANES4
+#elif defined(__AVX2__) && defined(__FMA__)
+inline float dot(const float* a, const float* b, int64_t n) {
+  __m256 acc = _mm256_setzero_ps();
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc);
+  float s = hsum8(acc);
+  for (; i < n; ++i) s += a[i] * b[i];
+  return s;
+}
+inline float sum_of(const float* a, int64_t n) {
+  __m256 acc = _mm256_setzero_ps();
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) acc = _mm256_add_ps(_mm256_loadu_ps(a + i), acc);
+  float s = hsum8(acc);
+  for (; i < n; ++i) s += a[i];
+  return s;
+}
+inline float max_of(const float* a, int64_t n) {
+  __m256 acc = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) acc = _mm256_max_ps(_mm256_loadu_ps(a + i), acc);
+  float m = hmax8(acc);
+  for (; i < n; ++i) m = m < a[i] ? a[i] : m;
+  return m;
+}
+inline int64_t first_equal(const float* a, int64_t n, float v) {
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    const int hit = _mm256_movemask_ps(_mm256_cmp_ps(_mm256_loadu_ps(a + i), _mm256_set1_ps(v), _CMP_EQ_OQ));
+    if (hit != 0) return i + __builtin_ctz(hit);
+  }
+  for (; i < n && a[i] != v; ++i) {}
+  return i;
+}
+#else
 inline float dot(const float* a, const float* b, int64_t n) {
   float lane[16] = {0.f};
   int64_t i = 0;
   for (; i + 16 <= n; i += 16)
     for (int j = 0; j < 16; ++j) lane[j] += a[i + j] * b[i + j];
-  for (int w = 8; w >= 1; w /= 2)  // the lanes summed as a tree: 4 steps, not a chain of 16 adds
+  for (int w = 8; w >= 1; w /= 2)
     for (int j = 0; j < w; ++j) lane[j] += lane[j + w];
   float s = lane[0];
   for (; i < n; ++i) s += a[i] * b[i];
   return s;
 }
-
-// The largest of n floats (NaN ignored, as std::max keeps the first operand), 16 lanes.
-inline float max_of(const float* a, int64_t n) {
-  float lane[16];
-  std::fill(lane, lane + 16, -std::numeric_limits<float>::infinity());
+inline float sum_of(const float* a, int64_t n) {
+  float lane[16] = {0.f};
   int64_t i = 0;
   for (; i + 16 <= n; i += 16)
-    for (int j = 0; j < 16; ++j) lane[j] = lane[j] < a[i + j] ? a[i + j] : lane[j];
+    for (int j = 0; j < 16; ++j) lane[j] += a[i + j];
+  for (int w = 8; w >= 1; w /= 2)
+    for (int j = 0; j < w; ++j) lane[j] += lane[j + w];
+  float s = lane[0];
+  for (; i < n; ++i) s += a[i];
+  return s;
+}
+inline float max_of(const float* a, int64_t n) {
   float m = -std::numeric_limits<float>::infinity();
-  for (; i < n; ++i) m = m < a[i] ? a[i] : m;
-  for (int j = 0; j < 16; ++j) m = m < lane[j] ? lane[j] : m;
+  for (int64_t i = 0; i < n; ++i) m = m < a[i] ? a[i] : m;
   return m;
+}
+inline int64_t first_equal(const float* a, int64_t n, float v) {
+  int64_t i = 0;
+  for (; i < n && a[i] != v; ++i) {}
+  return i;
+}
+#endif
+
+// One query's scores against n cached keys: s[p] = (q·K_p)·scale, K (n, D) rows. A key's dot
+// product ends in a sum across a vector's lanes; done one key at a time that sum is most of the
+// arithmetic (D = 64: four multiply-adds, then eight shuffles and adds). Keys are taken a
+// vector's width at a time instead and their lane sums made together, as a transpose: ~3
+// instructions a key (SIMD_W keys: one vector of scores). Measured on SmolLM2 at positions
+// 32-160 (issue 53): attention ~240 -> ~205 µs of a ~2.5 ms token on one thread; what is left
+// is reading the float32 cache from L3 (the weights streamed since evict it; asking for it
+// early, beside the gate|up product, cost that product more than it saved: tried, not kept).
+#if defined(__AVX512F__)
+constexpr int64_t SIMD_W = 16;
+// v[0..16) -> lane j = Σ of v[j]'s 16 lanes
+inline __m512 lane_sums(const __m512* v) {
+  __m512 t[8], u[4], w[2];
+  for (int k = 0; k < 8; ++k)  // each 128-bit lane: pairs of v[2k], v[2k+1] half summed
+    t[k] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * k], v[2 * k + 1]), _mm512_unpackhi_ps(v[2 * k], v[2 * k + 1]));
+  for (int k = 0; k < 4; ++k)  // each 128-bit lane: v[4k..4k+4)'s sums over that lane
+    u[k] = _mm512_add_ps(_mm512_shuffle_ps(t[2 * k], t[2 * k + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                         _mm512_shuffle_ps(t[2 * k], t[2 * k + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+  for (int k = 0; k < 2; ++k)  // the 128-bit lanes summed in pairs
+    w[k] = _mm512_add_ps(_mm512_shuffle_f32x4(u[2 * k], u[2 * k + 1], _MM_SHUFFLE(2, 0, 2, 0)),
+                         _mm512_shuffle_f32x4(u[2 * k], u[2 * k + 1], _MM_SHUFFLE(3, 1, 3, 1)));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(w[0], w[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                       _mm512_shuffle_f32x4(w[0], w[1], _MM_SHUFFLE(3, 1, 3, 1)));
+}
+inline void key_scores(const float* q, const float* K, int64_t D, float scale, float* s) {
+  __m512 acc[16];
+  for (int j = 0; j < 16; ++j) {
+    const float* k = K + j * D;
+    __m512 a = _mm512_mul_ps(_mm512_loadu_ps(q), _mm512_loadu_ps(k));
+    for (int64_t c = 16; c < D; c += 16) a = _mm512_fmadd_ps(_mm512_loadu_ps(q + c), _mm512_loadu_ps(k + c), a);
+    acc[j] = a;
+  }
+  _mm512_storeu_ps(s, _mm512_mul_ps(lane_sums(acc), _mm512_set1_ps(scale)));
+}
+#elif defined(__AVX2__) && defined(__FMA__)
+constexpr int64_t SIMD_W = 8;
+inline __m256 lane_sums(const __m256* v) {  // v[0..8) -> lane j = Σ of v[j]'s 8 lanes
+  const __m256 u0 = _mm256_hadd_ps(_mm256_hadd_ps(v[0], v[1]), _mm256_hadd_ps(v[2], v[3]));
+  const __m256 u1 = _mm256_hadd_ps(_mm256_hadd_ps(v[4], v[5]), _mm256_hadd_ps(v[6], v[7]));
+  return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
+}
+inline void key_scores(const float* q, const float* K, int64_t D, float scale, float* s) {
+  __m256 acc[8];
+  for (int j = 0; j < 8; ++j) {
+    const float* k = K + j * D;
+    __m256 a = _mm256_mul_ps(_mm256_loadu_ps(q), _mm256_loadu_ps(k));
+    for (int64_t c = 8; c < D; c += 8) a = _mm256_fmadd_ps(_mm256_loadu_ps(q + c), _mm256_loadu_ps(k + c), a);
+    acc[j] = a;
+  }
+  _mm256_storeu_ps(s, _mm256_mul_ps(lane_sums(acc), _mm256_set1_ps(scale)));
+}
+#else
+constexpr int64_t SIMD_W = 0;
+inline void key_scores(const float*, const float*, int64_t, float, float*) {}
+#endif
+
+inline void scores(const float* q, const float* K, int64_t n, int64_t D, float scale, float* s) {
+  int64_t p = 0;
+  if (SIMD_W > 0 && D % SIMD_W == 0)
+    for (; p + SIMD_W <= n; p += SIMD_W) key_scores(q, K + p * D, D, scale, s + p);
+  for (; p < n; ++p) s[p] = dot(q, K + p * D, D) * scale;
+}
+
+// out_i = Σ_p w[i·n + p]·V_p for r query heads (out (r, D), V (n, D) rows): each value row read
+// once for the r heads; the r heads' sums of a vector's width of columns held in registers
+// over all n rows (up to 8 heads at a time).
+inline void weighted_values(const float* w, int64_t r, const float* V, int64_t n, int64_t D, float* out) {
+#if defined(__AVX512F__)
+  if (D % 16 == 0) {
+    for (int64_t i0 = 0; i0 < r; i0 += 8) {
+      const int64_t m = std::min<int64_t>(8, r - i0);
+      for (int64_t c = 0; c < D; c += 16) {
+        __m512 acc[8];
+        for (int64_t i = 0; i < m; ++i) acc[i] = _mm512_setzero_ps();
+        for (int64_t p = 0; p < n; ++p) {
+          const __m512 v = _mm512_loadu_ps(V + p * D + c);
+          for (int64_t i = 0; i < m; ++i) acc[i] = _mm512_fmadd_ps(_mm512_set1_ps(w[(i0 + i) * n + p]), v, acc[i]);
+        }
+        for (int64_t i = 0; i < m; ++i) _mm512_storeu_ps(out + (i0 + i) * D + c, acc[i]);
+      }
+    }
+    return;
+  }
+#elif defined(__AVX2__) && defined(__FMA__)
+  if (D % 8 == 0) {
+    for (int64_t i0 = 0; i0 < r; i0 += 8) {
+      const int64_t m = std::min<int64_t>(8, r - i0);
+      for (int64_t c = 0; c < D; c += 8) {
+        __m256 acc[8];
+        for (int64_t i = 0; i < m; ++i) acc[i] = _mm256_setzero_ps();
+        for (int64_t p = 0; p < n; ++p) {
+          const __m256 v = _mm256_loadu_ps(V + p * D + c);
+          for (int64_t i = 0; i < m; ++i) acc[i] = _mm256_fmadd_ps(_mm256_set1_ps(w[(i0 + i) * n + p]), v, acc[i]);
+        }
+        for (int64_t i = 0; i < m; ++i) _mm256_storeu_ps(out + (i0 + i) * D + c, acc[i]);
+      }
+    }
+    return;
+  }
+#endif
+  std::fill(out, out + r * D, 0.f);
+  for (int64_t p = 0; p < n; ++p)
+    for (int64_t i = 0; i < r; ++i) {
+      const float wi = w[i * n + p];
+      for (int64_t d = 0; d < D; ++d) out[i * D + d] += wi * V[p * D + d];
+    }
 }
 
 // y = x·w / sqrt(mean(x²) + eps), float32 (PyTorch's rms_norm).
@@ -925,6 +1116,32 @@ struct DecoderLayer {
   const c10::Half *sqkv = nullptr, *so = nullptr, *sgu = nullptr, *sd = nullptr;
   const float *bqkv = nullptr, *bo = nullptr;  // nullptr: no bias
 };
+
+// x (M, V) float32 -> (M,) int64: each row's first largest entry, as torch.argmax (a NaN counts as
+// the largest: the first NaN). A sum (a NaN, or +inf beside -inf, makes it NaN: then a plain scan
+// decides) and the maximum in vector lanes, then the first entry equal to it. Greedy
+// decoding's choice from a 49,152-token row: ~5 µs, where PyTorch's argmax takes ~80 µs and the
+// two-pass argmax of qkv/nn/top.py ~23 µs (four dispatched operations).
+at::Tensor argmax_rows(const at::Tensor& x) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous() && x.size(1) > 0,
+              "qkv::argmax_rows: x must be (M, V) float32, contiguous, V > 0");
+  const int64_t M = x.size(0), V = x.size(1);
+  at::Tensor out = at::empty({M}, x.options().dtype(at::kLong));
+  int64_t* o = out.data_ptr<int64_t>();
+  for (int64_t r = 0; r < M; ++r) {
+    const float* a = x.data_ptr<float>() + r * V;
+    int64_t at = 0;
+    if (std::isnan(sum_of(a, V))) {  // a NaN (or +inf and -inf): torch.argmax's order, entry by entry
+      float m = a[0];
+      for (int64_t i = 1; i < V && !std::isnan(m); ++i)
+        if (std::isnan(a[i]) || a[i] > m) m = a[i], at = i;
+    } else {
+      at = first_equal(a, V, max_of(a, V));
+    }
+    o[r] = at;
+  }
+  return out;
+}
 
 // In a namespace of the build's name: two builds' classes in one process are two types.
 namespace QKV_NAMESPACE {
@@ -1026,8 +1243,9 @@ class Decoder : public torch::CustomClassHolder {
       const int t = omp_get_thread_num(), nt = omp_get_num_threads();
       Activations& a = acts_[t];
       std::vector<float>& hv = norm_[t];
-      hv.resize(std::max({dim_, F_, group * n}));
+      hv.resize(std::max({dim_, F_, group * (n + 1)}));
       float* h = hv.data();
+      float* inv = h + group * n;  // attention's 1/Σ for a run of query heads (beside their weights)
       for (int64_t l = 0; l < L_; ++l) {
         const DecoderLayer& Y = layers_[l];
         float* kl = kc + l * KV_ * S * D_;
@@ -1037,12 +1255,12 @@ class Decoder : public torch::CustomClassHolder {
         auto [q0, q1] = share(nqkv / ROWS, t, nt);
         product_blocks<Q4>(Y.wqkv, Y.sqkv, a, q0, q1, qkv_.data(), Y.bqkv);
         sync_.wait(nt);
-        if (t == 0)
-          for (int64_t j = 0; j < KV_; ++j) {
+        auto [h0, h1] = share(H_, t, nt);
+        for (int64_t j = 0; j < KV_; ++j)  // kv head j: the thread of query head j·group
+          if (h0 <= j * group && j * group < h1) {
             rope(qkv_.data() + (H_ + j) * D_, cs, sn, D_, kl + (j * S + pos) * D_);
             std::memcpy(vl + (j * S + pos) * D_, qkv_.data() + (H_ + KV_ + j) * D_, D_ * sizeof(float));
           }
-        auto [h0, h1] = share(H_, t, nt);
         for (int64_t j = h0; j < h1; ++j) {
           rope(qkv_.data() + j * D_, cs, sn, D_, q_.data() + j * D_);
           if (keep) std::memcpy(qk + (l * H_ + j) * D_, q_.data() + j * D_, D_ * sizeof(float));
@@ -1054,36 +1272,17 @@ class Decoder : public torch::CustomClassHolder {
           const int64_t kv = j0 / group, j1 = std::min(h1, (kv + 1) * group), r = j1 - j0;
           const float* K = kl + kv * S * D_;
           const float* Vv = vl + kv * S * D_;
-          for (int64_t i = 0; i < r; ++i) {
-            const float* qi = q_.data() + (j0 + i) * D_;
+          for (int64_t i = 0; i < r; ++i) {  // softmax without its division: out divided at the end
             float* w = h + i * n;
-            float top = -std::numeric_limits<float>::infinity();
-            for (int64_t p = 0; p < n; ++p) {
-              w[p] = dot(qi, K + p * D_, D_) * scale;
-              top = std::max(top, w[p]);
-            }
+            scores(q_.data() + (j0 + i) * D_, K, n, D_, scale, w);
+            const float top = max_of(w, n);
             for (int64_t p = 0; p < n; ++p) w[p] = exp_approx(w[p] - top);
-            float total = 0.f;
-            for (int64_t p = 0; p < n; ++p) total += w[p];
-            const float inv = 1.f / total;
-            for (int64_t p = 0; p < n; ++p) w[p] *= inv;
+            inv[i] = 1.f / sum_of(w, n);
           }
           float* out = att_.data() + j0 * D_;
-          std::fill(out, out + r * D_, 0.f);
-          int64_t p = 0;
-          for (; p + 4 <= n; p += 4) {  // four values a pass: a quarter of out's loads and stores
-            const float *v0 = Vv + p * D_, *v1 = v0 + D_, *v2 = v1 + D_, *v3 = v2 + D_;
-            for (int64_t i = 0; i < r; ++i) {
-              const float* w = h + i * n + p;
-              float* o = out + i * D_;
-              for (int64_t d = 0; d < D_; ++d) o[d] += (w[0] * v0[d] + w[1] * v1[d]) + (w[2] * v2[d] + w[3] * v3[d]);
-            }
-          }
-          for (; p < n; ++p)
-            for (int64_t i = 0; i < r; ++i) {
-              const float w = h[i * n + p];
-              for (int64_t d = 0; d < D_; ++d) out[i * D_ + d] += w * Vv[p * D_ + d];
-            }
+          weighted_values(h, r, Vv, n, D_, out);
+          for (int64_t i = 0; i < r; ++i)
+            for (int64_t d = 0; d < D_; ++d) out[i * D_ + d] *= inv[i];
           j0 = j1;
         }
         sync_.wait(nt);
@@ -1181,6 +1380,7 @@ QKV_LIBRARY(QKV_NAMESPACE, m) {
   m.def("int4_mm(Tensor x, Tensor w, Tensor dm) -> Tensor");
   m.def("q8_mm(Tensor x, Tensor w, Tensor ds) -> Tensor");
   m.def("int4_path() -> str", &int4_path);
+  m.def("argmax_rows(Tensor x) -> Tensor", &argmax_rows);
   m.class_<QKV_NAMESPACE::Decoder>("Decoder")
       .def(torch::init<std::vector<at::Tensor>, std::vector<int64_t>, std::vector<double>>())
       .def("step", &QKV_NAMESPACE::Decoder::step);

@@ -60,11 +60,21 @@ def feed(m: GPT, step: ns.NativeStep, prompt: list[int], tokens: list[int]):
     return out, c_native, c_eager
 
 
-@pytest.mark.parametrize("shape", ["gqa", "mha", "mqa", "qwen2 biases", "gemma scale", "untied head"])
+# attention's vector paths: 16 keys a vector's scores (positions 5..44: two blocks and a tail), up to
+# 8 query heads' values held at once (18 heads on one kv head: runs of 9 and 18, past 8), and a
+# head width that is not a multiple of 16 (24: plain dot products on AVX-512, vectors on AVX2)
+SHAPES = {"gqa": {}, "mha": dict(n_kv_heads=4), "mqa": dict(n_kv_heads=1),
+          "mqa, 18 heads": dict(dim=288, n_heads=18, n_kv_heads=1), "head width 24": dict(dim=96),
+          "qwen2 biases": dict(qkv_bias=True), "gemma scale": dict(embed_scale=True),
+          "untied head": dict(tie_embeddings=False)}
+# the wider model's logits move further when an activation's int8 code moves by one step: measured
+# up to 1.07e-3 of the largest logit with the decoder before the vector paths, 1.02e-3 after
+TOLERANCE = {"mqa, 18 heads": 2e-3}
+
+
+@pytest.mark.parametrize("shape", list(SHAPES))
 def test_the_native_step_equals_eager_at_every_position(shape):
-    over = {"gqa": {}, "mha": dict(n_kv_heads=4), "mqa": dict(n_kv_heads=1),
-            "qwen2 biases": dict(qkv_bias=True), "gemma scale": dict(embed_scale=True),
-            "untied head": dict(tie_embeddings=False)}[shape]
+    over = SHAPES[shape]
     m = quantised(**over)
     assert isinstance(m.lm_head, TopKRefinedLinear)
     step = ns.NativeStep(m, 48)
@@ -74,7 +84,7 @@ def test_the_native_step_equals_eager_at_every_position(shape):
         assert got.shape == want.shape == (1, 1, V) and got.dtype == torch.float32
         # the products' integers are the same; the float work between them (norms, RoPE,
         # softmax) sums in another order, which can move an activation's int8 code by one step
-        assert (got - want).abs().max() <= 1e-3 * want.abs().max()
+        assert (got - want).abs().max() <= TOLERANCE.get(shape, 1e-3) * want.abs().max()
         assert int(got.argmax()) == int(want.argmax())
     assert c_native.pos == c_eager.pos == 45
     n = c_native.pos
@@ -203,10 +213,11 @@ def other_builds(tmp_path_factory: pytest.TempPathFactory) -> dict[str, object]:
             for name, ns in kernel_builds(tmp_path_factory.mktemp("decoder")).items()}
 
 
-def test_every_code_path_decodes_as_eager(other_builds):
+@pytest.mark.parametrize("shape", ["gqa", "mqa, 18 heads", "head width 24"])
+def test_every_code_path_decodes_as_eager(other_builds, shape):
     """The decoder of the AVX2 and plain C++ builds (what a CPU without AVX512-VNNI runs), on the
     same model, against the eager model at every position."""
-    m = quantised()
+    m = quantised(**SHAPES[shape])
     tensors, ints, floats = ns._tensors(m)
     tokens = [(7 * t + 2) % V for t in range(30)]
     for name, cls in other_builds.items():
@@ -220,7 +231,7 @@ def test_every_code_path_decodes_as_eager(other_builds):
                 got = dec.step(t, c_other.pos, c_other.k, c_other.v, torch.empty(0))
                 c_other.advance(1)
                 want = m(torch.tensor([[t]]), cache=c_eager, last_only=True).logits
-                assert (got - want).abs().max() <= 1e-3 * want.abs().max(), name
+                assert (got - want).abs().max() <= TOLERANCE.get(shape, 1e-3) * want.abs().max(), name
                 assert int(got.argmax()) == int(want.argmax()), name
 
 

@@ -282,3 +282,54 @@ def test_a_nan_or_inf_activation_gives_nan_not_a_number_that_looks_right(paths: 
         ns = getattr(torch.ops, "qkv" if name == "native" else f"qkv_test_{name}")
         for y in (ns.int4_mm(x, w4, dm), ns.q8_mm(x, w8, ds)):
             assert y[0].isnan().all() and y[1].isnan().all() and y[2].isfinite().all(), name
+
+
+def _argmax_rows_cases() -> torch.Tensor:
+    """Rows where a maximum-then-find argmax could go wrong: ties (the first wins), NaN (torch.argmax
+    takes the first NaN as the largest, also after a larger value), +inf beside -inf (their sum is
+    NaN, no NaN present), all -inf, the maximum in the tail after the vector lanes."""
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(9, 1000, generator=g)  # 1000 = 62 vectors of 16 and a tail of 8
+    x[0, [3, 700, 999]] = 50.0
+    x[1, [20, 21]] = 50.0
+    x[2, 500] = float("nan")
+    x[2, 100] = float("inf")
+    x[3, [10, 600]] = float("nan")
+    x[4, 7] = float("inf")
+    x[4, 8] = float("-inf")
+    x[5] = float("-inf")
+    x[6, 997] = 60.0
+    x[7, 0] = float("nan")
+    x[8] = 0.5
+    return x
+
+
+def test_argmax_rows_is_torch_argmax_on_every_path(paths: dict[str, object]) -> None:
+    """qkv::argmax_rows (greedy decoding's choice) on each build: the index torch.argmax gives."""
+    x = _argmax_rows_cases()
+    want = x.argmax(dim=-1)
+    assert want.tolist()[:4] == [3, 20, 500, 10]  # the cases are what they say
+    for ns in ("qkv", "qkv_test_scalar", *(["qkv_test_avx2"] if "avx2" in paths else [])):
+        got = getattr(torch.ops, ns).argmax_rows(x)
+        assert got.dtype == torch.int64 and torch.equal(got, want), ns
+        for row in range(x.shape[0]):  # one row at a time, and rows of every length up to 40
+            assert int(getattr(torch.ops, ns).argmax_rows(x[row : row + 1])[0]) == int(want[row]), (ns, row)
+        for n in range(1, 41):
+            y = torch.randn(2, n, generator=torch.Generator().manual_seed(n))
+            assert torch.equal(getattr(torch.ops, ns).argmax_rows(y), y.argmax(dim=-1)), (ns, n)
+    with pytest.raises(RuntimeError, match="float32"):
+        torch.ops.qkv.argmax_rows(x.double())
+
+
+def test_greedy_argmax_takes_the_kernel_where_loaded(monkeypatch: pytest.MonkeyPatch) -> None:
+    """qkv.nn.top.argmax_last calls the loaded library's op (counted), and gives torch.argmax's
+    index either way; a float64 row takes PyTorch's."""
+    import qkv.nn.top as top
+
+    calls = []
+    real = K.argmax_op()
+    assert real is not None
+    monkeypatch.setattr(top, "argmax_op", lambda: lambda x: calls.append(x) or real(x))
+    x = _argmax_rows_cases()
+    assert torch.equal(top.argmax_last(x), x.argmax(dim=-1)) and len(calls) == 1
+    assert torch.equal(top.argmax_last(x.double()), x.double().argmax(dim=-1)) and len(calls) == 1

@@ -30,8 +30,22 @@ def test_top_indices_finds_the_values_torch_topk_finds(seed: int, k: int) -> Non
     assert all(len(set(r.tolist())) == k for r in got)  # k distinct entries of each row
 
 
+@pytest.fixture(params=["two passes", "the kernel library"])
+def argmax_path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """argmax_last's two ways: the two passes below (the library not loaded) and the library's
+    op (loaded; tests/kernels/test_qmatmul.py tests the op on every build)."""
+    import qkv.kernels as K
+    import qkv.nn.top as top
+
+    if request.param == "two passes":
+        monkeypatch.setattr(top, "argmax_op", lambda: None)
+    else:
+        assert K.int4_op() is not None, K.int4_status()
+    return request.param
+
+
 @pytest.mark.parametrize("seed", range(5))
-def test_argmax_last_is_the_first_largest_as_torch_argmax(seed: int) -> None:
+def test_argmax_last_is_the_first_largest_as_torch_argmax(seed: int, argmax_path: str) -> None:
     x = _rows(seed)
     x[0, [300, 3000, 40000]] = 100.0  # the first of three equal maxima, in different blocks
     x[1, [BLOCK * 7 + 5, BLOCK * 7 + 9]] = 100.0  # two in one block
@@ -41,7 +55,7 @@ def test_argmax_last_is_the_first_largest_as_torch_argmax(seed: int) -> None:
     assert argmax_last(x).tolist()[:2] == [300, BLOCK * 7 + 5]
 
 
-def test_rows_that_do_not_pay_take_pytorchs_ops() -> None:
+def test_rows_that_do_not_pay_take_pytorchs_ops(argmax_path: str) -> None:
     for V in (BLOCK * 4 + 1, 50257, 100):  # not a multiple of the block; too short
         x = torch.randn(2, V, generator=torch.Generator().manual_seed(V))
         assert torch.equal(top_indices(x, 3), x.topk(3, dim=-1).indices)
