@@ -125,8 +125,11 @@ def generate(model: GPT, prompt: Tensor, max_new_tokens: int, *, temperature: fl
     dec = chosen.decoder if use_cache else None
     if dec is not None:
         dec.begin()
+    # greedy: a decoder that finds its step's argmax itself (the native step) gives it
+    greedy = getattr(dec, "greedy", None) if temperature == 0 else None
     cache = dec.make_cache(tokens.shape[0]) if dec is not None else None
     start = fed = 0  # context = tokens[:, start:]; the cache holds tokens[:, start:fed]
+    stepped = False  # this step's logits came from dec.step (not the prompt's forward)
     try:
         for _ in range(max_new_tokens):
             if tokens.shape[1] - start > W:  # outgrew the context: keep the newest half
@@ -139,11 +142,14 @@ def generate(model: GPT, prompt: Tensor, max_new_tokens: int, *, temperature: fl
                 logits, weights = out.logits, out.weights
             else:
                 new = tokens[:, fed:]  # one token: the decoder's step; more (the prompt): eagerly
-                logits = dec.step(new, cache) if new.shape[1] == 1 else \
-                    model(new, cache=cache, last_only=True).logits
+                stepped = new.shape[1] == 1
+                logits = dec.step(new, cache) if stepped else model(new, cache=cache, last_only=True).logits
                 fed = tokens.shape[1]
                 weights = dec.attention(cache) if return_weights else None
-            nxt, done = stops.apply(sample_next(logits[:, -1], temperature, top_k, top_p, generator))
+            if greedy is not None and stepped:  # (the prompt's step went through sample_next: checked)
+                nxt, done = stops.apply(greedy())
+            else:
+                nxt, done = stops.apply(sample_next(logits[:, -1], temperature, top_k, top_p, generator))
             if done:
                 return
             tokens = torch.cat([tokens, nxt.unsqueeze(1)], dim=1)

@@ -64,7 +64,9 @@ class DecodeMode(str, Enum):
 @runtime_checkable
 class StepDecoder(Protocol):
     """What the decoding loops (:func:`qkv.generation.generate`, the running batch's lone row)
-    ask of a way to compute 1-token steps. ``kind``: "eager", "jit" or "saved"."""
+    ask of a way to compute 1-token steps. ``kind``: "eager", "jit", "saved" or "native". A
+    decoder may also have ``greedy() -> (B,)``, the argmax of its last step's logits found by the
+    step itself, which greedy ``generate`` takes instead of a pass over the logits (the native step)."""
 
     kind: str
     cache_len: int

@@ -181,6 +181,7 @@ class NativeStep:
             raise ValueError(f"the native step cannot decode this model: {why}")
         self.model, self.cache_len = model, cache_len
         self._bound = _binding(model)
+        self._argmax = 0
 
     def fits(self, n_tokens: int) -> bool:
         return n_tokens <= self.cache_len
@@ -206,8 +207,15 @@ class NativeStep:
         queries = cache.queries if cache.queries is not None else _empty()
         with self._bound.lock:
             out = self._bound.decoder.step(int(tok[0, 0]), pos, cache.k, cache.v, queries)
+            self._argmax = self._bound.decoder.argmax()
         cache.advance(1)
         return out
+
+    def greedy(self) -> Tensor:
+        """(1,) int64: the argmax of the logits :meth:`step` returned last (``torch.argmax``'s index,
+        the first largest), found by the step where it wrote them: greedy decoding's choice without
+        another pass over the 49,152 logits from Python (~20 µs a token, measured in ``generate``)."""
+        return torch.tensor([self._argmax])
 
     def attention(self, cache: KVCache, layers: Collection[int] | None = None) -> list[Tensor | None]:
         return attention_rows(self.model, cache, layers)

@@ -64,6 +64,8 @@ constexpr int64_t ROWS = 16, GROUP = 32;
 // layers of SmolLM2's 4-bit shapes from memory: 4.08 -> 3.58 ms at 8 groups ahead (4: 3.82, 16:
 // 3.72); its int8 head 2.02 -> 1.80 ms.
 constexpr int64_t AHEAD = 8;
+// The decoder's head: the largest logit of each block of this many first (its top-k and argmax).
+constexpr int64_t SPAN_OF_MAX = 128;
 // From this many rows of x on, the AVX2 path widens each group's weights to int16 once and
 // multiplies every row by one 16-bit product per pair of inputs against x's two codes joined,
 // 256·xq + xr (one vpmaddwd, where one row alone takes two vpmaddubsw and a vpmaddwd): the same
@@ -1237,6 +1239,8 @@ class Decoder : public torch::CustomClassHolder {
     const float* cs = cos_ + pos * D_;
     const float* sn = sin_ + pos * D_;
     const int64_t n = pos + 1, group = H_ / KV_, nqkv = (H_ + 2 * KV_) * D_;
+    const bool whole = V_ % SPAN_OF_MAX == 0;  // the head's blocks of 128 logits
+    best_.resize((V_ + SPAN_OF_MAX - 1) / SPAN_OF_MAX), nan_.assign(T, 0);
     const float scale = 1.f / std::sqrt(static_cast<float>(D_));
 #pragma omp parallel num_threads(T)
     {
@@ -1309,25 +1313,41 @@ class Decoder : public torch::CustomClassHolder {
       rms_norm(x_.data(), final_norm_, dim_, eps_final_, h);
       if (t == 0) std::memcpy(hf_.data(), h, dim_ * sizeof(float));
       quantize_into(h, 1, dim_, true, a);
-      auto [v0, v1] = share(V_ / ROWS, t, nt);
-      product_blocks<Q8>(hw_, hs_, a, v0, v1, y, hbias_);
+      // the head's outputs shared in whole blocks of 128 where V allows: each thread then takes
+      // the maxima of its own blocks and looks for a NaN in them where it has just written them
+      // (in its own cache, not the other core's)
+      const int64_t unit = whole ? SPAN_OF_MAX / ROWS : 1;
+      auto [v0, v1] = share(V_ / ROWS / unit, t, nt);
+      product_blocks<Q8>(hw_, hs_, a, v0 * unit, v1 * unit, y, hbias_);
+      if (whole) {
+        for (int64_t b = v0; b < v1; ++b) best_[b] = max_of(y + b * SPAN_OF_MAX, SPAN_OF_MAX);
+        nan_[t] = v1 > v0 && std::isnan(sum_of(y + v0 * SPAN_OF_MAX, (v1 - v0) * SPAN_OF_MAX));
+      }
     }
-    if (topk_ > 0) refine(y);
+    bool nan = !whole && std::isnan(sum_of(y, V_));
+    for (int i = 0; i < T && whole; ++i) nan = nan || nan_[i];
+    cand_.clear();
+    if (topk_ > 0) refine(y, whole);
+    argmax_ = pick(y, nan);
     return logits;
   }
+
+  // The index of the first largest of the last step's logits (torch.argmax), found in the step.
+  int64_t argmax() const { return argmax_; }
 
  private:
   // The top_ largest of y (V,) recomputed in fp32 from the float matrix (TopKRefinedLinear): the
   // largest of each block of 128 first; the k-th largest block maximum bounds the k-th value from
   // below, so only blocks reaching it can hold the k largest.
-  void refine(float* y) {
-    constexpr int64_t B = 128;
+  // ready: best_ holds the block maxima already (the threads took them).
+  void refine(float* y, bool ready) {
+    constexpr int64_t B = SPAN_OF_MAX;
     const int64_t k = std::min(topk_, V_), nb = (V_ + B - 1) / B;
     std::vector<float>& best = best_;
-    best.resize(nb);
-    for (int64_t b = 0; b < nb; ++b) best[b] = max_of(y + b * B, std::min(V_, (b + 1) * B) - b * B);
+    for (int64_t b = 0; b < nb && !ready; ++b) best[b] = max_of(y + b * B, std::min(V_, (b + 1) * B) - b * B);
     // fewer blocks than k: every block may hold some of the k largest
-    float floor = -std::numeric_limits<float>::infinity();
+    floor_ = -std::numeric_limits<float>::infinity();
+    float& floor = floor_;
     if (nb > k) {
       std::vector<float> sorted(best);
       std::nth_element(sorted.begin(), sorted.begin() + k - 1, sorted.end(), std::greater<float>());
@@ -1354,6 +1374,30 @@ class Decoder : public torch::CustomClassHolder {
     }
   }
 
+  // torch.argmax of y (V,): the first NaN where there is one; after refine, the largest of the
+  // candidates (every entry at or above floor_, refined or not) where it is still at or above
+  // floor_ (every other entry is below it), the first of them on a tie; else a pass over y.
+  // nan: the products made one (refine's may make more: among the candidates, looked for here).
+  int64_t pick(const float* y, bool nan) const {
+    for (const auto& c : cand_) nan = nan || std::isnan(y[c.second]);
+    if (nan) {
+      int64_t i = 0;
+      while (!std::isnan(y[i])) ++i;
+      return i;
+    }
+    if (topk_ > 0 && !cand_.empty()) {
+      float top = -std::numeric_limits<float>::infinity();
+      for (const auto& c : cand_) top = std::max(top, y[c.second]);
+      if (top >= floor_) {
+        int64_t at = V_;
+        for (const auto& c : cand_)
+          if (y[c.second] == top) at = std::min(at, c.second);
+        return at;
+      }
+    }
+    return first_equal(y, V_, max_of(y, V_));
+  }
+
   std::vector<at::Tensor> held_;  // the model's tensors, kept alive; read in place
   std::vector<DecoderLayer> layers_;
   int64_t L_ = 0, dim_ = 0, H_ = 0, KV_ = 0, D_ = 0, F_ = 0, V_ = 0, P_ = 0, topk_ = 0;
@@ -1363,7 +1407,10 @@ class Decoder : public torch::CustomClassHolder {
   const uint8_t* hw_ = nullptr;
   const c10::Half* hs_ = nullptr;
   std::vector<float> x_, qkv_, q_, att_, o_, gu_, a_, hf_, best_;
-  std::vector<std::pair<float, int64_t>> cand_;
+  std::vector<std::pair<float, int64_t>> cand_;  // refine's candidates (value, index)
+  float floor_ = 0.f;                              // refine's bound: every other entry is below it
+  std::vector<char> nan_;                          // per thread: a NaN among its logits
+  int64_t argmax_ = 0;
   std::vector<Activations> acts_;
   std::vector<std::vector<float>> norm_;
   Barrier sync_;
@@ -1383,7 +1430,8 @@ QKV_LIBRARY(QKV_NAMESPACE, m) {
   m.def("argmax_rows(Tensor x) -> Tensor", &argmax_rows);
   m.class_<QKV_NAMESPACE::Decoder>("Decoder")
       .def(torch::init<std::vector<at::Tensor>, std::vector<int64_t>, std::vector<double>>())
-      .def("step", &QKV_NAMESPACE::Decoder::step);
+      .def("step", &QKV_NAMESPACE::Decoder::step)
+      .def("argmax", &QKV_NAMESPACE::Decoder::argmax);
 }
 QKV_LIBRARY_IMPL(QKV_NAMESPACE, CPU, m) {
   m.impl("int4_mm", &int4_mm);

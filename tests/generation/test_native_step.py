@@ -120,6 +120,67 @@ def test_the_top_logits_are_the_exact_products_and_the_rest_the_8bit_ones():
     torch.testing.assert_close(got[rest], approx[rest], rtol=1e-3, atol=1e-3 * approx.abs().max().item())
 
 
+@pytest.mark.parametrize("vocab", [64, 10240])  # one block of 128 logits; 80 blocks (> top-k 64)
+def test_its_argmax_is_torch_argmax_of_its_logits(vocab: int) -> None:
+    """greedy(): the index torch.argmax gives on the logits the step returned, at every position;
+    with a NaN logit (the first NaN) and a tie between two refined logits (the first of them),
+    planted in the head's float matrix where the step refines them."""
+    m = quantised(vocab_size=vocab)
+    step = ns.NativeStep(m, 48)
+    tokens = [(11 * t + 3) % vocab for t in range(24)]
+    c = step.make_cache(1)
+    with torch.inference_mode():
+        m(torch.tensor([[1, 2, 3]]), cache=c)
+        for t in tokens:
+            got = step.step(torch.tensor([[t]]), c)
+            assert int(step.greedy()) == int(got.argmax())
+        assert step.greedy().shape == (1,) and step.greedy().dtype == torch.int64
+    tensors, ints, floats = ns._tensors(m)
+    with torch.inference_mode():
+        c = m.make_cache(1, 48)
+        m(torch.tensor([[1, 2, 3]]), cache=c)
+        k, v = c.k.clone(), c.v.clone()
+        dec = torch.classes.qkv.Decoder(tensors, ints, floats)
+        logits = dec.step(5, 3, k.clone(), v.clone(), torch.empty(0))[0, 0]
+        first, second = logits.topk(2).indices.tolist()
+        for plant, want in (("nan", min(first, second)), ("tie", min(first, second))):
+            exact = tensors[7].clone()
+            if plant == "nan":
+                exact[first] = exact[second] = float("nan")
+            else:
+                exact[second] = exact[first]
+            dec = torch.classes.qkv.Decoder([*tensors[:7], exact, *tensors[8:]], ints, floats)
+            got = dec.step(5, 3, k.clone(), v.clone(), torch.empty(0))[0, 0]
+            assert int(got.argmax()) == want, plant  # the planted case is what it says
+            assert dec.argmax() == want, plant
+
+
+def test_generate_takes_the_steps_argmax_when_greedy(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Greedy generate asks the native step for its argmax (counted), not sample_next, after the
+    prompt; sampling asks sample_next; the tokens are eager's (the test above: the same index)."""
+    import qkv.generation.decode as decode
+
+    m = quantised()
+    calls = {"greedy": 0, "sample": 0}
+
+    def counted(name, real):
+        def call(*a, **k):
+            calls[name] += 1
+            return real(*a, **k)
+        return call
+
+    monkeypatch.setattr(ns.NativeStep, "greedy", counted("greedy", ns.NativeStep.greedy))
+    monkeypatch.setattr(decode, "sample_next", counted("sample", decode.sample_next))
+    x = torch.tensor([[1, 2, 3]])
+    got = [int(t[0]) for t in generate(m, x, 12, temperature=0.0)]
+    assert calls == {"greedy": 11, "sample": 1}
+    want = [int(t[0]) for t in generate(m, x, 12, temperature=0.0, mode="eager")]
+    assert got == want
+    calls.update(greedy=0, sample=0)
+    list(generate(m, x, 5, temperature=0.8, seed=1))
+    assert calls == {"greedy": 0, "sample": 5}
+
+
 def test_any_thread_count_gives_the_same_numbers():
     m = quantised()
     step = ns.NativeStep(m, 48)
