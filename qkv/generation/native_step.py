@@ -5,8 +5,10 @@ Decoding one token of SmolLM2 eagerly dispatches ~1,460 PyTorch operations (~12 
 of which the weights' products are ~2); a saved step (:mod:`qkv.generation.aot`, compiled
 once per model and machine) still spends ~45% of its token between its products (allocations,
 dispatch, threads joined after each kernel). ``qkv::Decoder`` runs the step as one parallel
-region: the threads share every product's blocks of 16 outputs, the query heads of attention
-and the gate/up ranges of the MLP, and meet at six barriers a layer. Its products are
+region: the threads share every product's blocks of 16 outputs (q|k|v in whole heads, each
+thread rotating the heads it computed), the query heads of attention and the gate/up ranges of
+the MLP, and meet at five barriers a layer. Greedy decoding takes the step's own argmax
+(:meth:`NativeStep.greedy`). Its products are
 ``int4_mm``'s and ``q8_mm``'s own block kernels on activations quantised the same way; its float
 work between them (RMSNorm, RoPE, softmax over the cache, SiLU) is the eager model's formulas
 summed in another order (~1e-6 relative, which can move an activation's int8 code by one step:
