@@ -1,0 +1,115 @@
+"""Two versions of qkv's native one-token step (``qkv::Decoder`` in ``qkv/kernels/qmatmul.cpp``)
+timed against each other in one process, on SmolLM2-135M q4: what a change to the kernel buys,
+measured so that the host's swings fall on both alike.
+
+Each version of ``qmatmul.cpp`` (a git revision, a file, or ``work``: the working tree's) is
+compiled under an ops namespace of its own (``qkv_ab0``, ``qkv_ab1``, ...; ~10 s each) and bound to
+the same model tensors and the same cache; then ``--blocks`` blocks, each running every version
+for 32 tokens in turn (positions 32-156, one row, the cache's keys and values as the prompt left
+them: the step's arithmetic, not a text's). Reported per version: the median and mean ms a token
+over the blocks, and the median of its blocks' ratios to the first version's in the same block
+(below 1: faster). A revision's kernel must take the same ``Decoder(tensors, ints, floats)`` as
+this checkout's ``qkv.generation.native_step._tensors`` gives (true from bc4c917 on).
+
+    python benchmarks/native_ab.py 0329dcb work            # the working tree against a commit
+    python benchmarks/native_ab.py HEAD~1 HEAD --blocks 400
+"""
+
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import _common as C
+
+NAME = "native_ab"
+ROOT = Path(__file__).resolve().parents[1]
+SOURCE = "qkv/kernels/qmatmul.cpp"
+
+
+def source_of(version: str, folder: Path, i: int) -> Path:
+    """The qmatmul.cpp of ``version`` (a revision, a path, or "work") as a file in ``folder``."""
+    if version == "work":
+        return ROOT / SOURCE
+    if Path(version).is_file():
+        return Path(version)
+    r = subprocess.run(["git", "-C", str(ROOT), "show", f"{version}:{SOURCE}"],
+                       capture_output=True, text=True)
+    if r.returncode != 0:
+        raise SystemExit(f"no {SOURCE} at {version!r}: {r.stderr.strip()} "
+                         "(give a revision, a file or 'work')")
+    out = folder / f"qmatmul_{i}.cpp"
+    out.write_text(r.stdout)
+    return out
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("versions", nargs="+", help="git revisions, qmatmul.cpp files, or 'work' (two or more)")
+    p.add_argument("--blocks", type=int, default=200, help="blocks of 32 tokens per version (default 200)")
+    p.add_argument("--out", default=None, help="results JSON (default benchmarks/results/native_ab.json)")
+    args = p.parse_args()
+    if len(args.versions) < 2 or args.blocks < 1:
+        raise SystemExit("give two or more versions and --blocks >= 1")
+
+    import torch
+
+    import qkv
+    from qkv.generation import native_step as ns
+    from qkv.kernels import compile_library, int4_op
+
+    machine = C.machine_info()
+    print(C.machine_line(machine))
+    int4_op()  # this checkout's library first: the model's layers load their ops from it
+    lm = qkv.load("smollm2", weights="q4")
+    m = lm.model
+    why = ns.unsupported(m)
+    if why is not None:
+        raise SystemExit(f"the native step does not run here: {why}")
+    tensors, ints, floats = ns._tensors(m)
+    decoders = []
+    with tempfile.TemporaryDirectory(prefix="qkv-native-ab-") as tmp:
+        for i, v in enumerate(args.versions):
+            src = source_of(v, Path(tmp), i)
+            lib = Path(tmp) / f"ab{i}.so"
+            t = time.perf_counter()
+            compile_library(lib, namespace=f"qkv_ab{i}", source=src)
+            torch.ops.load_library(str(lib))
+            decoders.append(getattr(torch.classes, f"qkv_ab{i}").Decoder(tensors, ints, floats))
+            print(f"{v}: built in {time.perf_counter() - t:.0f} s", flush=True)
+    cache = m.make_cache(1, 256)
+    times: list[list[float]] = [[] for _ in decoders]
+    load = C.LoadMeter()
+    with torch.inference_mode():
+        m(torch.tensor([[1] * 32]), cache=cache)
+        empty = torch.empty(0)
+        for _ in range(args.blocks):
+            for i, d in enumerate(decoders):
+                t = time.perf_counter()
+                for pos in range(32, 160, 4):
+                    d.step(42, pos, cache.k, cache.v, empty)
+                times[i].append((time.perf_counter() - t) / 32)
+    load_info = load.stop()
+    rows, summary = [], {}
+    for i, v in enumerate(args.versions):
+        ratios = [a / b for a, b in zip(times[i], times[0], strict=True)]
+        summary[v] = {"median_ms": round(C.median(times[i]) * 1e3, 4),
+                      "mean_ms": round(sum(times[i]) / len(times[i]) * 1e3, 4),
+                      "ratio_to_first": round(C.median(ratios), 4)}
+        rows.append([v, f"{summary[v]['median_ms']:.3f}", f"{summary[v]['mean_ms']:.3f}",
+                     f"{summary[v]['ratio_to_first']:.4f}"])
+    C.print_table(f"the native step, SmolLM2 q4, ms a token ({args.blocks} blocks of 32 tokens; "
+                  f"{C.load_line(load_info)})", ["version", "median", "mean", "÷ first (paired median)"],
+                  rows)
+    per_block = {v: [round(x * 1e3, 4) for x in ts] for v, ts in zip(args.versions, times, strict=True)}
+    out = C.write_json(NAME, {"machine": machine, "blocks": args.blocks, "versions": args.versions,
+                              "summary": summary, "load": load_info, "ms_per_block": per_block}, args.out)
+    print(f"wrote {out.relative_to(ROOT) if out.is_relative_to(ROOT) else out}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
