@@ -5,14 +5,16 @@ measured so that the host's swings fall on both alike.
 Each version of ``qmatmul.cpp`` (a git revision, a file, or ``work``: the working tree's) is
 compiled under an ops namespace of its own (``qkv_ab0``, ``qkv_ab1``, ...; ~10 s each) and bound to
 the same model tensors and the same cache; then ``--blocks`` blocks, each running every version
-for 32 tokens in turn (positions 32-156, one row, the cache's keys and values as the prompt left
-them: the step's arithmetic, not a text's). Reported per version: the median and mean ms a token
-over the blocks, and the median of its blocks' ratios to the first version's in the same block
-(below 1: faster). A revision's kernel must take the same ``Decoder(tensors, ints, floats)`` as
-this checkout's ``qkv.generation.native_step._tensors`` gives (true from bc4c917 on).
+for 32 tokens in turn (positions spread over ``--positions``, 32 160 by default; one row; the
+cache's keys and values as the prompt left them: the step's arithmetic, not a text's). Reported
+per version: the median and mean ms a token over the blocks, and the median of its blocks' ratios
+to the first version's in the same block (below 1: faster). A revision's kernel must take the
+same ``Decoder(tensors, ints, floats)`` as this checkout's ``qkv.generation.native_step._tensors``
+gives (true from bc4c917 on).
 
     python benchmarks/native_ab.py 0329dcb work            # the working tree against a commit
     python benchmarks/native_ab.py HEAD~1 HEAD --blocks 400
+    python benchmarks/native_ab.py HEAD~1 work --positions 960 1088   # a long context
 """
 
 from __future__ import annotations
@@ -51,10 +53,14 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("versions", nargs="+", help="git revisions, qmatmul.cpp files, or 'work' (two or more)")
     p.add_argument("--blocks", type=int, default=200, help="blocks of 32 tokens per version (default 200)")
+    p.add_argument("--positions", type=int, nargs=2, default=(32, 160), metavar=("FROM", "TO"),
+                   help="the 32 tokens of a block at positions spread over [FROM, TO) (default 32 160)")
     p.add_argument("--out", default=None, help="results JSON (default benchmarks/results/native_ab.json)")
     args = p.parse_args()
-    if len(args.versions) < 2 or args.blocks < 1:
-        raise SystemExit("give two or more versions and --blocks >= 1")
+    first, last = args.positions
+    if len(args.versions) < 2 or args.blocks < 1 or not 1 <= first < last:
+        raise SystemExit("give two or more versions, --blocks >= 1 and --positions FROM TO "
+                         "with 1 <= FROM < TO")
 
     import torch
 
@@ -81,16 +87,19 @@ def main() -> None:
             torch.ops.load_library(str(lib))
             decoders.append(getattr(torch.classes, f"qkv_ab{i}").Decoder(tensors, ints, floats))
             print(f"{v}: built in {time.perf_counter() - t:.0f} s", flush=True)
-    cache = m.make_cache(1, 256)
+    if last > m.cfg.max_seq_len:
+        raise SystemExit(f"--positions: SmolLM2's context is {m.cfg.max_seq_len} positions")
+    cache = m.make_cache(1, last)
+    positions = [first + (last - first) * i // 32 for i in range(32)]
     times: list[list[float]] = [[] for _ in decoders]
     load = C.LoadMeter()
     with torch.inference_mode():
-        m(torch.tensor([[1] * 32]), cache=cache)
+        m(torch.tensor([[1] * first]), cache=cache)
         empty = torch.empty(0)
         for _ in range(args.blocks):
             for i, d in enumerate(decoders):
                 t = time.perf_counter()
-                for pos in range(32, 160, 4):
+                for pos in positions:
                     d.step(42, pos, cache.k, cache.v, empty)
                 times[i].append((time.perf_counter() - t) / 32)
     load_info = load.stop()
@@ -102,11 +111,13 @@ def main() -> None:
                       "ratio_to_first": round(C.median(ratios), 4)}
         rows.append([v, f"{summary[v]['median_ms']:.3f}", f"{summary[v]['mean_ms']:.3f}",
                      f"{summary[v]['ratio_to_first']:.4f}"])
-    C.print_table(f"the native step, SmolLM2 q4, ms a token ({args.blocks} blocks of 32 tokens; "
+    C.print_table(f"the native step, SmolLM2 q4, ms a token ({args.blocks} blocks of 32 tokens at positions "
+                  f"{first}-{last - 1}; "
                   f"{C.load_line(load_info)})", ["version", "median", "mean", "÷ first (paired median)"],
                   rows)
     per_block = {v: [round(x * 1e3, 4) for x in ts] for v, ts in zip(args.versions, times, strict=True)}
     out = C.write_json(NAME, {"machine": machine, "blocks": args.blocks, "versions": args.versions,
+                              "positions": [first, last],
                               "summary": summary, "load": load_info, "ms_per_block": per_block}, args.out)
     print(f"wrote {out.relative_to(ROOT) if out.is_relative_to(ROOT) else out}")
 

@@ -806,7 +806,9 @@ std::string int4_path() {
 //   [q | k | v] = h Wqkvᵀ (+ b)             whole heads shared among threads, each thread rotating
 //                                           (RoPE, rotate-half) its q and k heads, k and v into the
 //                                           cache at pos                                   | barrier
-//   o_h = softmax(q_h·Kᵀ/√D)·V, per head    query heads shared, in runs that share a kv head (GQA) | barrier
+//   o_h = softmax(q_h·Kᵀ/√D)·V, per head    in two halves of the positions, the (kv head, half, query
+//                                           head) units shared among threads              | barrier
+//                                           each thread merging every head's halves (flash-decoding)
 //   x += o Woᵀ (+ b)                        output blocks shared, each thread adds its own | barrier
 //   h = rmsnorm(x)·w2; g|u = h Wguᵀ         each thread the gate blocks and the up blocks of one range
 //   a = silu(g)·u                           on that range                                  | barrier
@@ -1223,7 +1225,8 @@ class Decoder : public torch::CustomClassHolder {
       y.wd = u8(i + 10, {dim_ / ROWS, Gf, Q4::CHUNKS, 64}), y.sd = f16(i + 11, {dim_ / ROWS, Gf, 2, 16});
       layers_.push_back(y);
     }
-    x_.resize(dim_), qkv_.resize(nqkv), q_.resize(H_ * D_), att_.resize(H_ * D_), o_.resize(dim_);
+    x_.resize(dim_), qkv_.resize(nqkv), q_.resize(H_ * D_), o_.resize(dim_);
+    piece_max_.resize(2 * H_), piece_sum_.resize(2 * H_), piece_out_.resize(2 * H_ * D_);
     gu_.resize(2 * F_), a_.resize(F_), hf_.resize(dim_);
   }
 
@@ -1264,14 +1267,15 @@ class Decoder : public torch::CustomClassHolder {
       const int t = omp_get_thread_num(), nt = omp_get_num_threads();
       Activations& a = acts_[t];
       std::vector<float>& hv = norm_[t];
-      hv.resize(std::max({dim_, F_, group * (n + 1)}));
+      hv.resize(std::max({dim_, F_, group * n}) + H_ * D_);
       float* h = hv.data();
-      float* inv = h + group * n;  // attention's 1/Σ for a run of query heads (beside their weights)
+      float* att = h + std::max({dim_, F_, group * n});  // the heads' outputs, merged by each thread
       const int64_t unit = by_head ? D_ / ROWS : 1, head_unit = whole ? SPAN_OF_MAX / ROWS : 1;
       const auto [q0, q1] = share(nqkv / ROWS / unit, t, nt);
       const auto [o0, o1] = share(dim_ / ROWS, t, nt);
       const auto [g0, g1] = share(F_ / ROWS, t, nt);
       const auto [v0, v1] = share(V_ / ROWS / head_unit, t, nt);
+      const auto [u0, u1] = share(2 * H_, t, nt);  // attention's units: 2 pieces of each query head
       const int64_t Gd = dim_ / GROUP, Ga = H_ * D_ / GROUP, Gf = F_ / GROUP;
       for (int64_t l = 0; l < L_; ++l) {
         const DecoderLayer& Y = layers_[l];
@@ -1298,34 +1302,55 @@ class Decoder : public torch::CustomClassHolder {
           for (int64_t j = q0; j < q1; ++j) place(j);
         warm<Q4>(Y.wo, Y.so, Ga, o0);
         sync_.wait(nt);
-        auto [h0, h1] = share(H_, t, nt);
         if (!by_head) {
           auto [p0, p1] = share(H_ + 2 * KV_, t, nt);
           for (int64_t j = p0; j < p1; ++j) place(j);
           sync_.wait(nt);
         }
-        // softmax(q·Kᵀ/√D)·V over positions 0..pos, a run of this thread's query heads that share
-        // a key/value head at a time (GQA): each key and value row read once for the run.
-        for (int64_t j0 = h0; j0 < h1;) {
-          const int64_t kv = j0 / group, j1 = std::min(h1, (kv + 1) * group), r = j1 - j0;
-          const float* K = kl + kv * S * D_;
-          const float* Vv = vl + kv * S * D_;
-          for (int64_t i = 0; i < r; ++i) {  // softmax without its division: out divided at the end
-            float* w = h + i * n;
-            scores(q_.data() + (j0 + i) * D_, K, n, D_, scale, w);
-            const float top = max_of(w, n);
-            for (int64_t p = 0; p < n; ++p) w[p] = exp_approx(w[p] - top);
-            inv[i] = 1.f / sum_of(w, n);
+        // softmax(q·Kᵀ/√D)·V over positions 0..pos in two pieces, [0, n/2) and [n/2, n), each
+        // piece of a query head a unit of work; the units in the order (kv head, piece, query
+        // head) shared among the threads in even runs: each key and value row is read once, by
+        // one thread, for the query heads that share it (GQA), and the threads' shares are even
+        // (by heads, 9 over 2 threads were 4 and 5, and a kv head's rows read by both). A piece
+        // keeps its maximum score m, Σ e^(s-m) and Σ e^(s-m)·V, merged after the barrier. The
+        // pieces are the same on any thread count: so are the floats. Measured against the
+        // runs of whole heads (benchmarks/native_ab.py, issue 53): 0.999 of its time at positions
+        // 32-160, 0.962 at 400-528, 0.909 at 960-1088 (attention reads ~1 MB a layer there).
+        for (int64_t u = u0; u < u1;) {
+          const int64_t kv = u / (2 * group), piece = (u / group) % 2, i0 = u % group;
+          const int64_t end = std::min(u1, (u / group + 1) * group), r = end - u;
+          const int64_t p0 = piece == 0 ? 0 : n / 2, len = piece == 0 ? n / 2 : n - n / 2;
+          float* out = piece_out_.data() + (piece * H_ + kv * group + i0) * D_;
+          for (int64_t i = 0; i < r; ++i) {
+            const int64_t j = kv * group + i0 + i;
+            float* w = h + i * len;
+            float top = -std::numeric_limits<float>::infinity(), total = 0.f;
+            if (len > 0) {
+              scores(q_.data() + j * D_, kl + (kv * S + p0) * D_, len, D_, scale, w);
+              top = max_of(w, len);
+              for (int64_t p = 0; p < len; ++p) w[p] = exp_approx(w[p] - top);
+              total = sum_of(w, len);
+            }
+            piece_max_[piece * H_ + j] = top, piece_sum_[piece * H_ + j] = total;
           }
-          float* out = att_.data() + j0 * D_;
-          weighted_values(h, r, Vv, n, D_, out);
-          for (int64_t i = 0; i < r; ++i)
-            for (int64_t d = 0; d < D_; ++d) out[i * D_ + d] *= inv[i];
-          j0 = j1;
+          if (len > 0)
+            weighted_values(h, r, vl + (kv * S + p0) * D_, len, D_, out);
+          else
+            std::fill(out, out + r * D_, 0.f);
+          u = end;
         }
         warm<Q4>(Y.wo, Y.so, Ga, o0);
         sync_.wait(nt);
-        quantize_into(att_.data(), 1, H_ * D_, false, a);
+        for (int64_t j = 0; j < H_; ++j) {  // every head's two pieces merged, by each thread for itself
+          const float m0 = piece_max_[j], m1 = piece_max_[H_ + j], top = std::max(m0, m1);
+          const float f0 = exp_approx(m0 - top), f1 = exp_approx(m1 - top);
+          const float inv = 1.f / (f0 * piece_sum_[j] + f1 * piece_sum_[H_ + j]);
+          const float *o0p = piece_out_.data() + j * D_, *o1p = piece_out_.data() + (H_ + j) * D_;
+          float* o = att + j * D_;
+#pragma omp simd
+          for (int64_t d = 0; d < D_; ++d) o[d] = (f0 * o0p[d] + f1 * o1p[d]) * inv;
+        }
+        quantize_into(att, 1, H_ * D_, false, a);
         product_blocks<Q4>(Y.wo, Y.so, a, o0, o1, o_.data(), Y.bo);
         for (int64_t i = o0 * ROWS; i < o1 * ROWS; ++i) x_[i] += o_[i];
         warm<Q4>(Y.wgu, Y.sgu, Gd, g0);
@@ -1444,7 +1469,8 @@ class Decoder : public torch::CustomClassHolder {
               *exact_ = nullptr;
   const uint8_t* hw_ = nullptr;
   const c10::Half* hs_ = nullptr;
-  std::vector<float> x_, qkv_, q_, att_, o_, gu_, a_, hf_, best_;
+  std::vector<float> x_, qkv_, q_, o_, gu_, a_, hf_, best_;
+  std::vector<float> piece_max_, piece_sum_, piece_out_;  // attention's two pieces a head: (2, H), (2, H), (2, H, D)
   std::vector<std::pair<float, int64_t>> cand_;  // refine's candidates (value, index)
   float floor_ = 0.f;                              // refine's bound: every other entry is below it
   std::vector<char> nan_;                          // per thread: a NaN among its logits
