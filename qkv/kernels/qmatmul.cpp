@@ -954,62 +954,78 @@ inline int64_t first_equal(const float* a, int64_t n, float v) {
 // product ends in a sum across a vector's lanes; done one key at a time that sum is most of the
 // arithmetic (D = 64: four multiply-adds, then eight shuffles and adds). Keys are taken a
 // vector's width at a time instead and their lane sums made together, as a transpose: ~3
-// instructions a key (SIMD_W keys: one vector of scores). Measured on SmolLM2 at positions
+// instructions a key (Lanes::W keys: one vector of scores). Measured on SmolLM2 at positions
 // 32-160 (issue 53): attention ~240 -> ~205 µs of a ~2.5 ms token on one thread; what is left
 // is reading the float32 cache from L3 (the weights streamed since evict it; asking for it
 // early, beside the gate|up product, cost that product more than it saved: tried, not kept).
+// Lanes: this build's float vector (AVX-512: 16 floats, AVX2: 8) and what attention asks of it;
+// sums(v) takes W vectors to one whose lane j is the sum of v[j]'s lanes.
 #if defined(__AVX512F__)
-constexpr int64_t SIMD_W = 16;
-// v[0..16) -> lane j = Σ of v[j]'s 16 lanes
-inline __m512 lane_sums(const __m512* v) {
-  __m512 t[8], u[4], w[2];
-  for (int k = 0; k < 8; ++k)  // each 128-bit lane: pairs of v[2k], v[2k+1] half summed
-    t[k] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * k], v[2 * k + 1]), _mm512_unpackhi_ps(v[2 * k], v[2 * k + 1]));
-  for (int k = 0; k < 4; ++k)  // each 128-bit lane: v[4k..4k+4)'s sums over that lane
-    u[k] = _mm512_add_ps(_mm512_shuffle_ps(t[2 * k], t[2 * k + 1], _MM_SHUFFLE(1, 0, 1, 0)),
-                         _mm512_shuffle_ps(t[2 * k], t[2 * k + 1], _MM_SHUFFLE(3, 2, 3, 2)));
-  for (int k = 0; k < 2; ++k)  // the 128-bit lanes summed in pairs
-    w[k] = _mm512_add_ps(_mm512_shuffle_f32x4(u[2 * k], u[2 * k + 1], _MM_SHUFFLE(2, 0, 2, 0)),
-                         _mm512_shuffle_f32x4(u[2 * k], u[2 * k + 1], _MM_SHUFFLE(3, 1, 3, 1)));
-  return _mm512_add_ps(_mm512_shuffle_f32x4(w[0], w[1], _MM_SHUFFLE(2, 0, 2, 0)),
-                       _mm512_shuffle_f32x4(w[0], w[1], _MM_SHUFFLE(3, 1, 3, 1)));
-}
-inline void key_scores(const float* q, const float* K, int64_t D, float scale, float* s) {
-  __m512 acc[16];
-  for (int j = 0; j < 16; ++j) {
-    const float* k = K + j * D;
-    __m512 a = _mm512_mul_ps(_mm512_loadu_ps(q), _mm512_loadu_ps(k));
-    for (int64_t c = 16; c < D; c += 16) a = _mm512_fmadd_ps(_mm512_loadu_ps(q + c), _mm512_loadu_ps(k + c), a);
-    acc[j] = a;
+#define QKV_LANES 1
+struct Lanes {
+  using V = __m512;
+  static constexpr int64_t W = 16;
+  static V zero() { return _mm512_setzero_ps(); }
+  static V load(const float* p) { return _mm512_loadu_ps(p); }
+  static V set1(float x) { return _mm512_set1_ps(x); }
+  static V mul(V a, V b) { return _mm512_mul_ps(a, b); }
+  static V fma(V a, V b, V c) { return _mm512_fmadd_ps(a, b, c); }
+  static void store(float* p, V v) { _mm512_storeu_ps(p, v); }
+  static V sums(const V* v) {
+    V t[8], u[4], w[2];
+    for (int k = 0; k < 8; ++k)  // each 128-bit lane: pairs of v[2k], v[2k+1] half summed
+      t[k] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * k], v[2 * k + 1]), _mm512_unpackhi_ps(v[2 * k], v[2 * k + 1]));
+    for (int k = 0; k < 4; ++k)  // each 128-bit lane: v[4k..4k+4)'s sums over that lane
+      u[k] = _mm512_add_ps(_mm512_shuffle_ps(t[2 * k], t[2 * k + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                           _mm512_shuffle_ps(t[2 * k], t[2 * k + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+    for (int k = 0; k < 2; ++k)  // the 128-bit lanes summed in pairs
+      w[k] = _mm512_add_ps(_mm512_shuffle_f32x4(u[2 * k], u[2 * k + 1], _MM_SHUFFLE(2, 0, 2, 0)),
+                           _mm512_shuffle_f32x4(u[2 * k], u[2 * k + 1], _MM_SHUFFLE(3, 1, 3, 1)));
+    return _mm512_add_ps(_mm512_shuffle_f32x4(w[0], w[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                         _mm512_shuffle_f32x4(w[0], w[1], _MM_SHUFFLE(3, 1, 3, 1)));
   }
-  _mm512_storeu_ps(s, _mm512_mul_ps(lane_sums(acc), _mm512_set1_ps(scale)));
-}
+};
 #elif defined(__AVX2__) && defined(__FMA__)
-constexpr int64_t SIMD_W = 8;
-inline __m256 lane_sums(const __m256* v) {  // v[0..8) -> lane j = Σ of v[j]'s 8 lanes
-  const __m256 u0 = _mm256_hadd_ps(_mm256_hadd_ps(v[0], v[1]), _mm256_hadd_ps(v[2], v[3]));
-  const __m256 u1 = _mm256_hadd_ps(_mm256_hadd_ps(v[4], v[5]), _mm256_hadd_ps(v[6], v[7]));
-  return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
-}
+#define QKV_LANES 1
+struct Lanes {
+  using V = __m256;
+  static constexpr int64_t W = 8;
+  static V zero() { return _mm256_setzero_ps(); }
+  static V load(const float* p) { return _mm256_loadu_ps(p); }
+  static V set1(float x) { return _mm256_set1_ps(x); }
+  static V mul(V a, V b) { return _mm256_mul_ps(a, b); }
+  static V fma(V a, V b, V c) { return _mm256_fmadd_ps(a, b, c); }
+  static void store(float* p, V v) { _mm256_storeu_ps(p, v); }
+  static V sums(const V* v) {
+    const V u0 = _mm256_hadd_ps(_mm256_hadd_ps(v[0], v[1]), _mm256_hadd_ps(v[2], v[3]));
+    const V u1 = _mm256_hadd_ps(_mm256_hadd_ps(v[4], v[5]), _mm256_hadd_ps(v[6], v[7]));
+    return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
+  }
+};
+#else
+#define QKV_LANES 0
+#endif
+
+#if QKV_LANES
+// Lanes::W keys' scores, one vector of them (D a multiple of W)
 inline void key_scores(const float* q, const float* K, int64_t D, float scale, float* s) {
-  __m256 acc[8];
-  for (int j = 0; j < 8; ++j) {
+  Lanes::V acc[Lanes::W];
+  for (int64_t j = 0; j < Lanes::W; ++j) {
     const float* k = K + j * D;
-    __m256 a = _mm256_mul_ps(_mm256_loadu_ps(q), _mm256_loadu_ps(k));
-    for (int64_t c = 8; c < D; c += 8) a = _mm256_fmadd_ps(_mm256_loadu_ps(q + c), _mm256_loadu_ps(k + c), a);
+    Lanes::V a = Lanes::mul(Lanes::load(q), Lanes::load(k));
+    for (int64_t c = Lanes::W; c < D; c += Lanes::W) a = Lanes::fma(Lanes::load(q + c), Lanes::load(k + c), a);
     acc[j] = a;
   }
-  _mm256_storeu_ps(s, _mm256_mul_ps(lane_sums(acc), _mm256_set1_ps(scale)));
+  Lanes::store(s, Lanes::mul(Lanes::sums(acc), Lanes::set1(scale)));
 }
-#else
-constexpr int64_t SIMD_W = 0;
-inline void key_scores(const float*, const float*, int64_t, float, float*) {}
 #endif
 
 inline void scores(const float* q, const float* K, int64_t n, int64_t D, float scale, float* s) {
   int64_t p = 0;
-  if (SIMD_W > 0 && D % SIMD_W == 0)
-    for (; p + SIMD_W <= n; p += SIMD_W) key_scores(q, K + p * D, D, scale, s + p);
+#if QKV_LANES
+  if (D % Lanes::W == 0)
+    for (; p + Lanes::W <= n; p += Lanes::W) key_scores(q, K + p * D, D, scale, s + p);
+#endif
   for (; p < n; ++p) s[p] = dot(q, K + p * D, D) * scale;
 }
 
@@ -1017,34 +1033,18 @@ inline void scores(const float* q, const float* K, int64_t n, int64_t D, float s
 // once for the r heads; the r heads' sums of a vector's width of columns held in registers
 // over all n rows (up to 8 heads at a time).
 inline void weighted_values(const float* w, int64_t r, const float* V, int64_t n, int64_t D, float* out) {
-#if defined(__AVX512F__)
-  if (D % 16 == 0) {
+#if QKV_LANES
+  if (D % Lanes::W == 0) {
     for (int64_t i0 = 0; i0 < r; i0 += 8) {
       const int64_t m = std::min<int64_t>(8, r - i0);
-      for (int64_t c = 0; c < D; c += 16) {
-        __m512 acc[8];
-        for (int64_t i = 0; i < m; ++i) acc[i] = _mm512_setzero_ps();
+      for (int64_t c = 0; c < D; c += Lanes::W) {
+        Lanes::V acc[8];
+        for (int64_t i = 0; i < m; ++i) acc[i] = Lanes::zero();
         for (int64_t p = 0; p < n; ++p) {
-          const __m512 v = _mm512_loadu_ps(V + p * D + c);
-          for (int64_t i = 0; i < m; ++i) acc[i] = _mm512_fmadd_ps(_mm512_set1_ps(w[(i0 + i) * n + p]), v, acc[i]);
+          const Lanes::V v = Lanes::load(V + p * D + c);
+          for (int64_t i = 0; i < m; ++i) acc[i] = Lanes::fma(Lanes::set1(w[(i0 + i) * n + p]), v, acc[i]);
         }
-        for (int64_t i = 0; i < m; ++i) _mm512_storeu_ps(out + (i0 + i) * D + c, acc[i]);
-      }
-    }
-    return;
-  }
-#elif defined(__AVX2__) && defined(__FMA__)
-  if (D % 8 == 0) {
-    for (int64_t i0 = 0; i0 < r; i0 += 8) {
-      const int64_t m = std::min<int64_t>(8, r - i0);
-      for (int64_t c = 0; c < D; c += 8) {
-        __m256 acc[8];
-        for (int64_t i = 0; i < m; ++i) acc[i] = _mm256_setzero_ps();
-        for (int64_t p = 0; p < n; ++p) {
-          const __m256 v = _mm256_loadu_ps(V + p * D + c);
-          for (int64_t i = 0; i < m; ++i) acc[i] = _mm256_fmadd_ps(_mm256_set1_ps(w[(i0 + i) * n + p]), v, acc[i]);
-        }
-        for (int64_t i = 0; i < m; ++i) _mm256_storeu_ps(out + (i0 + i) * D + c, acc[i]);
+        for (int64_t i = 0; i < m; ++i) Lanes::store(out + (i0 + i) * D + c, acc[i]);
       }
     }
     return;
