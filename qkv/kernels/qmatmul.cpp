@@ -1142,6 +1142,15 @@ struct DecoderLayer {
 // decides) and the maximum in vector lanes, then the first entry equal to it. Greedy
 // decoding's choice from a 49,152-token row: ~5 µs, where PyTorch's argmax takes ~80 µs and the
 // two-pass argmax of qkv/nn/top.py ~23 µs (four dispatched operations).
+// torch.argmax of a (n,) entry by entry, in its order: the first NaN, else the first largest.
+inline int64_t argmax_scan(const float* a, int64_t n) {
+  int64_t at = 0;
+  float m = a[0];
+  for (int64_t i = 1; i < n && !std::isnan(m); ++i)
+    if (std::isnan(a[i]) || a[i] > m) m = a[i], at = i;
+  return at;
+}
+
 at::Tensor argmax_rows(const at::Tensor& x) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous() && x.size(1) > 0,
               "qkv::argmax_rows: x must be (M, V) float32, contiguous, V > 0");
@@ -1150,15 +1159,8 @@ at::Tensor argmax_rows(const at::Tensor& x) {
   int64_t* o = out.data_ptr<int64_t>();
   for (int64_t r = 0; r < M; ++r) {
     const float* a = x.data_ptr<float>() + r * V;
-    int64_t at = 0;
-    if (std::isnan(sum_of(a, V))) {  // a NaN (or +inf and -inf): torch.argmax's order, entry by entry
-      float m = a[0];
-      for (int64_t i = 1; i < V && !std::isnan(m); ++i)
-        if (std::isnan(a[i]) || a[i] > m) m = a[i], at = i;
-    } else {
-      at = first_equal(a, V, max_of(a, V));
-    }
-    o[r] = at;
+    // a NaN (or +inf beside -inf) makes the sum NaN: then torch.argmax's order, entry by entry
+    o[r] = std::isnan(sum_of(a, V)) ? argmax_scan(a, V) : first_equal(a, V, max_of(a, V));
   }
   return out;
 }
@@ -1440,14 +1442,11 @@ class Decoder : public torch::CustomClassHolder {
   // torch.argmax of y (V,): the first NaN where there is one; after refine, the largest of the
   // candidates (every entry at or above floor_, refined or not) where it is still at or above
   // floor_ (every other entry is below it), the first of them on a tie; else a pass over y.
-  // nan: the products made one (refine's may make more: among the candidates, looked for here).
+  // nan: a sum over the products' logits was NaN (a NaN, or +inf beside -inf); refine's may make
+  // more, among the candidates, looked for here. Then entry by entry, as argmax_rows.
   int64_t pick(const float* y, bool nan) const {
     for (const auto& c : cand_) nan = nan || std::isnan(y[c.second]);
-    if (nan) {
-      int64_t i = 0;
-      while (!std::isnan(y[i])) ++i;
-      return i;
-    }
+    if (nan) return argmax_scan(y, V_);
     if (topk_ > 0 && !cand_.empty()) {
       float top = -std::numeric_limits<float>::infinity();
       for (const auto& c : cand_) top = std::max(top, y[c.second]);

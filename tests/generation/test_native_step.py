@@ -153,6 +153,12 @@ def test_its_argmax_is_torch_argmax_of_its_logits(vocab: int) -> None:
             got = dec.step(5, 3, k.clone(), v.clone(), torch.empty(0))[0, 0]
             assert int(got.argmax()) == want, plant  # the planted case is what it says
             assert dec.argmax() == want, plant
+        if vocab == 10240:  # a final norm 5e37 times larger: some 8-bit products overflow to +inf,
+            # some to -inf, none NaN (their sum is NaN: torch.argmax's order, entry by entry)
+            dec = torch.classes.qkv.Decoder([*tensors[:3], tensors[3] * 5e37, *tensors[4:]], ints, floats)
+            got = dec.step(5, 3, k.clone(), v.clone(), torch.empty(0))[0, 0]
+            assert got.isposinf().any() and got.isneginf().any() and not got.isnan().any()
+            assert dec.argmax() == int(got.argmax())
 
 
 def test_generate_takes_the_steps_argmax_when_greedy(monkeypatch: pytest.MonkeyPatch) -> None:
