@@ -74,4 +74,21 @@ def sample_next(
         return argmax_last(logits)  # logits.argmax(dim=-1), faster on a long vocabulary
     logits = filter_logits(logits.float() / temperature, top_k, top_p)
     probs = torch.softmax(logits, dim=-1)
-    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+    return draw(probs, generator)
+
+
+def draw(probs: Tensor, generator: torch.Generator | None = None) -> Tensor:
+    """(B, V) non-negative weights (a softmax's) -> (B,) ids, one a row drawn from its distribution
+    by the inverse of its cumulative sum (float64): u ~ U[0, 1) times the row's total, then the
+    first id whose cumulative sum exceeds it (a zero-probability id never is). The distribution
+    ``torch.multinomial(probs, 1)`` draws from, at a fraction of its cost on a long row: it draws
+    one exponential a token (~1.1 ms on SmolLM2's 49,152 logits, half a decoded token; this ~0.08
+    ms). A row whose total is not a positive number (a NaN, an inf, all zero) goes to
+    ``torch.multinomial``, which says what is wrong."""
+    cdf = probs.double().cumsum(dim=-1)
+    total = cdf[:, -1:]
+    if not (torch.isfinite(total).all() and (total > 0).all()):
+        return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+    u = torch.rand(total.shape, generator=generator, dtype=torch.float64, device=probs.device)
+    x = torch.minimum(u * total, torch.nextafter(total, torch.zeros_like(total)))  # < total, always
+    return torch.searchsorted(cdf, x, right=True).squeeze(-1)

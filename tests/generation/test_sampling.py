@@ -187,3 +187,33 @@ def test_half_precision_logits_are_sampled_in_float32() -> None:
 def test_bad_arguments_raise(kw: dict, word: str) -> None:
     with pytest.raises(ValueError, match=word):
         sample_next(torch.zeros(1, 4), **kw)
+
+
+# --------------------------------------------------------------------------- the draw
+
+
+def test_draw_takes_the_distribution_and_never_a_zero(rng: torch.Generator) -> None:
+    """draw (the inverse of the cumulative sum) against the probabilities, zeros at both ends and
+    between; a u next to 1 still lands on the last id with weight; a row that is no distribution
+    goes to torch.multinomial's error."""
+    from qkv.generation.sampling import draw
+
+    probs = torch.tensor([0.0, 0.2, 0.0, 0.5, 0.3, 0.0])
+    out = draw(probs.expand(40000, 6), rng)
+    assert out.dtype == torch.long and out.shape == (40000,)
+    assert_frequencies(out, probs.tolist())
+    weights = torch.tensor([[0.0, 2.0, 0.0, 6.0, 0.0]])  # unnormalised: the total is the scale
+    assert_frequencies(draw(weights.expand(20000, 5), rng), [0.0, 0.25, 0.0, 0.75, 0.0])
+
+
+def test_draw_at_the_edge_of_the_unit_interval(monkeypatch: pytest.MonkeyPatch) -> None:
+    from qkv.generation.sampling import draw
+
+    for u, want in ((1.0 - 2.0**-53, 3), (0.0, 1)):
+        monkeypatch.setattr(torch, "rand", lambda shape, u=u, **kw: torch.full(shape, u, dtype=torch.float64))
+        assert draw(torch.tensor([[0.0, 0.2, 0.0, 0.8, 0.0, 0.0]])).tolist() == [want]
+    monkeypatch.undo()
+    with pytest.raises(RuntimeError):
+        draw(torch.tensor([[0.5, float("nan")]]))
+    with pytest.raises(RuntimeError):
+        draw(torch.zeros(1, 3))
