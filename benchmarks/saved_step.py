@@ -19,9 +19,10 @@ decoding predicts.
 - agreement: the saved and the native step's top-1 next token against eager's over
   ``--positions`` positions of a text fed token by token (teacher forcing);
 - ``--against PATH``: another checkout of qkv (``git worktree add /tmp/before <commit>``) decodes
-  through its own saved step (built first if missing, its build timed) in a child process that
-  runs that checkout's code, timed in the same rounds, so the two revisions are compared on one
-  machine at one time.
+  through its default decoder (its native step where it has one, else its saved step; the saved
+  step is built first if missing, its build timed) in a child process that runs that checkout's
+  code, timed in the same rounds, so the two revisions are compared on one machine at one time
+  (results before 2026-12-06 10:55 UTC call it "qkv saved step at NAME" whatever it ran).
 
     python benchmarks/saved_step.py                        # q4, the default weights
     python benchmarks/saved_step.py --weights fp32 --rounds 3
@@ -63,7 +64,8 @@ print(json.dumps({"import_and_load_model_s": t1 - t0, "step_load_s": t2 - t1, "f
                   "inductor": "torch._inductor" in sys.modules, "tokens": out}))
 """
 
-# The other revision's decoder (--against): loads SmolLM2 and its saved step once, then for each
+# The other revision's decoder (--against): loads SmolLM2 (and builds its saved step if missing)
+# once, then decodes through its default decoder; for each
 # line "N" on stdin decodes 1 and N tokens greedily and prints the times and the tokens.
 AGAINST = """
 import json, sys, time
@@ -135,7 +137,7 @@ def main() -> None:
     p.add_argument("--rebuild", action="store_true", help="build the step even if it is saved")
     p.add_argument("--build-llama-cpp", action="store_true", help="build llama-bench if it is not built")
     p.add_argument("--against", default=None, metavar="PATH",
-                   help="another checkout of qkv whose saved step is timed in the same rounds")
+                   help="another checkout of qkv, its default decoder timed in the same rounds")
     p.add_argument("--out", default=None,
                    help="results JSON (default benchmarks/results/saved_step_<weights>.json)")
     args = p.parse_args()
@@ -242,7 +244,7 @@ def main() -> None:
                                                             prompt=32, new=n_new, reps=1))
     tokens = {k: f(n_new) for k, f in contenders.items()}
     against = Against(args.against, args.weights) if args.against else None
-    other = f"qkv saved step at {Path(args.against).name}" if args.against else ""
+    other = f"qkv at {Path(args.against).name}" if args.against else ""
     if against is not None:
         built = f" (built in {against.build_s:.0f} s)" if against.build_s else ""
         print(f"{other}: loaded{built}", flush=True)
