@@ -76,6 +76,8 @@ def main() -> None:
     why = ns.unsupported(m)
     if why is not None:
         raise SystemExit(f"the native step does not run here: {why}")
+    if last > m.cfg.max_seq_len:
+        raise SystemExit(f"--positions: SmolLM2's context is {m.cfg.max_seq_len} positions")
     tensors, ints, floats = ns._tensors(m)
     decoders = []
     with tempfile.TemporaryDirectory(prefix="qkv-native-ab-") as tmp:
@@ -87,8 +89,6 @@ def main() -> None:
             torch.ops.load_library(str(lib))
             decoders.append(getattr(torch.classes, f"qkv_ab{i}").Decoder(tensors, ints, floats))
             print(f"{v}: built in {time.perf_counter() - t:.0f} s", flush=True)
-    if last > m.cfg.max_seq_len:
-        raise SystemExit(f"--positions: SmolLM2's context is {m.cfg.max_seq_len} positions")
     cache = m.make_cache(1, last)
     positions = [first + (last - first) * i // 32 for i in range(32)]
     times: list[list[float]] = [[] for _ in decoders]

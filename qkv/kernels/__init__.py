@@ -42,7 +42,7 @@ LIBRARY = "qmatmul.so"
 META = "qmatmul.json"
 GROUP, ROWS = 32, 16
 
-_state: dict[str, Any] = {"op": None, "status": None, "argmax": None}
+_state: dict[str, Any] = {"op": None, "status": None}
 _lock = threading.Lock()
 
 
@@ -135,7 +135,7 @@ def q8_op() -> Any | None:
 def argmax_op() -> Any | None:
     """``torch.ops.qkv.argmax_rows`` where this process has loaded the library already (it never
     starts a build: greedy decoding asks every token), else None."""
-    return _state["argmax"] if _state["op"] is not None else None
+    return torch.ops.qkv.argmax_rows if _state["op"] is not None else None
 
 
 def int4_status() -> str:
@@ -148,7 +148,6 @@ def _load() -> tuple[Any | None, str]:
     if not enabled():
         return None, "PyTorch's (QKV_INT4_KERNEL=off)"
     if _loaded():
-        _state["argmax"] = torch.ops.qkv.argmax_rows
         return torch.ops.qkv.int4_mm, f"qkv's ({torch.ops.qkv.int4_path()})"
     if platform.machine().lower() not in ("x86_64", "amd64"):
         return None, f"PyTorch's (qkv's kernels are written for x86-64, this is {platform.machine()})"
@@ -161,7 +160,6 @@ def _load() -> tuple[Any | None, str]:
         register_fake("qkv")
     except (OSError, RuntimeError) as e:
         return None, f"PyTorch's (qkv's were built but could not be loaded: {' '.join(str(e).split())[:200]})"
-    _state["argmax"] = torch.ops.qkv.argmax_rows
     return torch.ops.qkv.int4_mm, f"qkv's ({torch.ops.qkv.int4_path()})"
 
 
