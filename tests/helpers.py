@@ -175,6 +175,41 @@ def softmax64(logits: list[float], temperature: float = 1.0) -> list[float]:
     return [x / sum(e) for x in e]
 
 
+def sampling_intervals(row: torch.Tensor, temperature: float, top_k: int | None = None,
+                       top_p: float | None = None) -> tuple[list[int], list[float]]:
+    """What sampling draws from a (V,) row of logits, in float64 from the definitions (no code of
+    qkv's): ``z = row / T`` (a float32 division, as PyTorch divides); top-k keeps every z at or
+    above the k-th largest; top-p goes through the kept tokens by descending z (ties: lower id
+    first) and drops each one once those before it hold ``top_p`` of the kept mass, the first
+    always staying; each kept id's share is exp(z - max z). Returns the ids with a positive share,
+    ascending, and the upper ends of their intervals of [0, 1) (cumulative shares in id order,
+    the last 1.0): u in [previous end, end) draws that id."""
+    z = (row.float() / temperature).double().tolist()
+    V = len(z)
+    keep = list(range(V))
+    if top_k is not None and 0 < top_k < V:
+        kth = sorted(z, reverse=True)[top_k - 1]
+        keep = [i for i in keep if z[i] >= kth]
+    top = max(z[i] for i in keep)
+    w = {i: math.exp(z[i] - top) for i in keep}
+    if top_p is not None and 0 < top_p < 1:
+        total, acc, nucleus = sum(w.values()), 0.0, []
+        for i in sorted(keep, key=lambda i: (-z[i], i)):
+            if acc >= top_p * total:
+                break
+            nucleus.append(i)
+            acc += w[i]
+        keep = sorted(nucleus)
+    ids = [i for i in keep if w[i] > 0]
+    total = sum(w[i] for i in ids)
+    ends, acc = [], 0.0
+    for i in ids:
+        acc += w[i]
+        ends.append(acc / total)
+    ends[-1] = 1.0
+    return ids, ends
+
+
 def randomise(module: torch.nn.Module, seed: int = 0, scale: float = 0.3) -> None:
     """Random values in every parameter (a norm's γ and β included), so no term hides as 1 or 0:
     N(0, scale²), or N(1, scale²) for the weights of parameters named ``*norm*`` (γ near 1)."""

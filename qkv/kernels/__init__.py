@@ -7,7 +7,9 @@ integers): ``qkv::int4_mm`` (4-bit groups, GGUF's Q4_0/Q4_1) and ``qkv::q8_mm``
 (8-bit groups, GGUF's Q8_0). PyTorch's own kernels widen each weight to a float and are bound
 by that arithmetic on one token; these read the same bytes faster (BENCHMARKS.md). The same
 library holds ``torch.classes.qkv.Decoder``: a Llama-shaped decoder's whole one-token step on
-those products, bound to a model by :mod:`qkv.generation.native_step`.
+those products, bound to a model by :mod:`qkv.generation.native_step`, and the choice of the next
+token from a row of logits: ``qkv::argmax_rows`` (greedy) and ``qkv::sample_rows`` (temperature,
+top-k, top-p and the draw in one call; :func:`argmax_op`, :func:`sample_op`).
 :func:`int4_op` builds the library once per machine (``g++ -O3 -march=native``, ~5 s) into
 ``<cache>/kernels``, keyed by the CPU, the compiler, torch's version and the source, and loads
 it into the process (``torch.ops.load_library``); :class:`~qkv.layers.quant.Int4Linear` and
@@ -136,6 +138,13 @@ def argmax_op() -> Any | None:
     """``torch.ops.qkv.argmax_rows`` where this process has loaded the library already (it never
     starts a build: greedy decoding asks every token), else None."""
     return torch.ops.qkv.argmax_rows if _state["op"] is not None else None
+
+
+def sample_op() -> Any | None:
+    """``torch.ops.qkv.sample_rows`` (sampling's draw from float32 logits: temperature, top-k,
+    top-p and the inverse-CDF draw in one call) where this process has loaded the library already,
+    else None."""
+    return torch.ops.qkv.sample_rows if _state["op"] is not None else None
 
 
 def int4_status() -> str:

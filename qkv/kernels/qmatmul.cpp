@@ -1165,6 +1165,212 @@ at::Tensor argmax_rows(const at::Tensor& x) {
   return out;
 }
 
+// Sampling's draw, a row at a time: what qkv.generation.sampling.sample_next computes in PyTorch
+// (logits / T; top-k keeps every logit >= the k-th largest; top-p drops a token when the tokens
+// before it in descending order already hold p of the kept mass, the first always stays; the id
+// whose interval of the kept weights' cumulative sum, float64 in id order, holds u times their
+// total), in one call on the calling thread. On SmolLM2's 49,152 logits at T 0.8 and top-k 200
+// PyTorch's ops take ~0.4-0.55 ms (topk over the row, softmax, a float64 cumsum; with top-p a
+// sort of the whole row). Here the row's blocks of 128 are read once for their maxima; the k-th
+// largest block maximum bounds the k-th largest logit from below (k blocks hold a logit at least
+// that large), so only the blocks reaching it are read again. max commutes with / T (rounding is
+// monotone): blocks are chosen on the logits, and only their entries are divided.
+struct SampleScratch {
+  std::vector<float> bmax, z, w, tmp;
+  std::vector<double> bsum;
+  std::vector<int32_t> id;
+  std::vector<uint64_t> order;
+  void take(int64_t i, float zi) { id.push_back(static_cast<int32_t>(i)), z.push_back(zi); }
+};
+
+// Σ w over n floats in float64, eight lanes (vectorised; a long sum in one would wait on the adder).
+inline double sum64(const float* w, int64_t n) {
+  double lane[8] = {0};
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8)
+    for (int l = 0; l < 8; ++l) lane[l] += w[i + l];
+  double t = ((lane[0] + lane[4]) + (lane[2] + lane[6])) + ((lane[1] + lane[5]) + (lane[3] + lane[7]));
+  for (; i < n; ++i) t += w[i];
+  return t;
+}
+
+// Σ w[i] over the i < n with z[i] >= t, in float64 lanes.
+inline double mass_at_least(const float* w, const float* z, int64_t n, float t) {
+  double lane[8] = {0};
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8)
+    for (int l = 0; l < 8; ++l) lane[l] += z[i + l] >= t ? w[i + l] : 0.f;
+  double s = ((lane[0] + lane[4]) + (lane[2] + lane[6])) + ((lane[1] + lane[5]) + (lane[3] + lane[7]));
+  for (; i < n; ++i) s += z[i] >= t ? w[i] : 0.f;
+  return s;
+}
+
+// Appends (i, a[i] / T) for each i in [from, to) with a[i] / T >= t. A vector of logits at a
+// time is compared with lo, a bound below t·T (most entries of a block are below it), and only
+// those at or above it divided (a division a vector took most of this op's time).
+inline void take_at_least(const float* a, int64_t from, int64_t to, float T, float t, float lo, SampleScratch& s) {
+  int64_t i = from;
+#if defined(__AVX512F__)
+  for (const __m512 vlo = _mm512_set1_ps(lo); i + 16 <= to; i += 16)
+    for (__mmask16 hit = _mm512_cmp_ps_mask(_mm512_loadu_ps(a + i), vlo, _CMP_GE_OQ); hit; hit &= hit - 1) {
+      const int64_t j = i + __builtin_ctz(hit);
+      if (a[j] / T >= t) s.take(j, a[j] / T);
+    }
+#elif defined(__AVX2__)
+  for (const __m256 vlo = _mm256_set1_ps(lo); i + 8 <= to; i += 8)
+    for (int hit = _mm256_movemask_ps(_mm256_cmp_ps(_mm256_loadu_ps(a + i), vlo, _CMP_GE_OQ)); hit; hit &= hit - 1) {
+      const int64_t j = i + __builtin_ctz(hit);
+      if (a[j] / T >= t) s.take(j, a[j] / T);
+    }
+#endif
+  for (; i < to; ++i)
+    if (a[i] >= lo && a[i] / T >= t) s.take(i, a[i] / T);
+}
+
+// The id drawn from the row a (V) with u in [0, 1), or -1 where PyTorch's softmax is not a
+// distribution (a NaN, +inf, a logit / T overflowing, every logit -inf): sample_next then takes
+// PyTorch's path, which says so. k <= 0 or k >= V: no top-k; p <= 0 or p >= 1: no top-p.
+inline int64_t sample_row(const float* a, int64_t V, float T, int64_t k, double p, double u, SampleScratch& s) {
+  constexpr int64_t B = 128;
+  const int64_t nb = (V + B - 1) / B;
+  s.bmax.resize(nb);
+  float m = -std::numeric_limits<float>::infinity();
+  for (int64_t b = 0; b < nb; ++b) {  // the block's sum from L1 after its maximum: one pass
+    const int64_t len = std::min(B, V - b * B);
+    s.bmax[b] = max_of(a + b * B, len) / T;
+    if (std::isnan(sum_of(a + b * B, len))) return -1;  // a NaN (+inf beside -inf: m is +inf below)
+    m = std::max(m, s.bmax[b]);
+  }
+  if (!std::isfinite(m)) return -1;
+  const bool every = !(k > 0 && k < V);  // every id a candidate: id[j] = j, not stored
+  s.id.clear(), s.z.clear();
+  if (!every) {
+    float t0 = -std::numeric_limits<float>::infinity();
+    if (k <= nb) {  // the k-th largest block maximum: at most k-1 blocks lie above it
+      s.tmp.assign(s.bmax.begin(), s.bmax.end());
+      std::nth_element(s.tmp.begin(), s.tmp.begin() + (k - 1), s.tmp.end(), std::greater<float>());
+      t0 = s.tmp[k - 1];
+    }
+    // a / T >= t0 (rounded) needs a >= t0·T less half an ulp of t0, relatively: lo lies ~16
+    // float ulps lower (computed in float64, then rounded down)
+    const double tT = static_cast<double>(t0) * T;
+    const float lo = std::nextafter(static_cast<float>(tT - 1e-6 * std::abs(tT) - 1e-37),
+                                    -std::numeric_limits<float>::infinity());
+    for (int64_t b = 0; b < nb; ++b)
+      if (s.bmax[b] >= t0) take_at_least(a, b * B, std::min(V, b * B + B), T, t0, lo, s);
+    s.tmp.assign(s.z.begin(), s.z.end());  // at least k candidates, every logit >= the k-th among them
+    std::nth_element(s.tmp.begin(), s.tmp.begin() + (k - 1), s.tmp.end(), std::greater<float>());
+    const float kth = s.tmp[k - 1];
+    size_t n = 0;
+    for (size_t j = 0; j < s.z.size(); ++j)
+      if (s.z[j] >= kth) s.id[n] = s.id[j], s.z[n] = s.z[j], ++n;
+    s.id.resize(n), s.z.resize(n);
+  } else {
+    s.z.resize(V);
+    for (int64_t i = 0; i < V; ++i) s.z[i] = a[i] / T;
+  }
+  const int64_t n = static_cast<int64_t>(s.z.size());
+  s.w.resize(n);
+  // exp(z - max): 0 where it would be subnormal (< 1.2e-38 of the largest weight: as good as never)
+  for (int64_t j = 0; j < n; ++j) {
+    const float d = s.z[j] - m;
+    s.w[j] = d < -87.3f ? 0.f : exp_approx(d);
+  }
+  auto id_of = [&](int64_t j) -> int64_t { return every ? j : s.id[j]; };
+  if (p > 0 && p < 1) {
+    // The order: descending z, ties the lower id first (PyTorch's sort leaves ties' order open),
+    // as one integer key a candidate: z's bits made to order as integers, inverted, above the
+    // candidate's index (candidates are in id order).
+    auto key = [&](int64_t j) -> uint64_t {
+      uint32_t b;
+      std::memcpy(&b, &s.z[j], sizeof(b));
+      b ^= (b >> 31) ? 0xffffffffu : 0x80000000u;  // ascending as the floats
+      return (static_cast<uint64_t>(~b) << 32) | static_cast<uint64_t>(j);
+    };
+    const double goal = p * sum64(s.w.data(), n);
+    // Most of the order need not be looked at: where the tokens within d of the largest logit
+    // already hold p·total, the nucleus ends among them (the rest come after them in the order).
+    float floor = -std::numeric_limits<float>::infinity();
+    for (float d : {8.f, 16.f, 32.f})
+      if (mass_at_least(s.w.data(), s.z.data(), n, m - d) >= goal) {
+        floor = m - d;
+        break;
+      }
+    s.order.clear();
+    for (int64_t j = 0; j < n; ++j)
+      if (s.z[j] >= floor) s.order.push_back(key(j));
+    // The fewest first tokens in that order whose mass reaches p·total, without sorting them:
+    // halve [lo, hi) around its middle until it is short, then sort it. Invariant: the mass
+    // before lo (acc) < p·total, the mass before hi >= p·total (or hi is the end).
+    auto weight = [&](uint64_t k) { return s.w[k & 0xffffffffu]; };
+    double acc = 0;
+    int64_t lo = 0, hi = static_cast<int64_t>(s.order.size());
+    while (hi - lo > 32) {
+      const int64_t mid = lo + (hi - lo) / 2;
+      std::nth_element(s.order.begin() + lo, s.order.begin() + mid, s.order.begin() + hi);
+      double left = 0;
+      for (int64_t j = lo; j < mid; ++j) left += weight(s.order[j]);
+      if (acc + left >= goal) hi = mid;
+      else acc += left, lo = mid;
+    }
+    std::sort(s.order.begin() + lo, s.order.begin() + hi);
+    int64_t j = lo;
+    while (j < hi && acc < goal) acc += weight(s.order[j++]);
+    if (j < n) {  // the rest of the order dropped (j > lo: acc < goal on entry)
+      const uint64_t last = s.order[j - 1];
+      for (int64_t i = 0; i < n; ++i)
+        if (key(i) > last) s.w[i] = 0.f;
+    }
+  }
+  // The draw: the cumulative sum in blocks of 128 (each block's sum in float64 lanes), the block
+  // where it passes x = u·total, then the entry in that block where a running sum passes it. The
+  // block's two sums differ in order only (~1e-16): where the running one falls short of x, the
+  // block's last positive weight. A zero weight is never drawn.
+  constexpr int64_t C = 128;
+  const int64_t nc = (n + C - 1) / C;
+  std::vector<double>& bs = s.bsum;
+  bs.resize(nc);
+  double total = 0;
+  for (int64_t c = 0; c < nc; ++c) total += (bs[c] = sum64(s.w.data() + c * C, std::min(C, n - c * C)));
+  const double x = std::min(u * total, std::nextafter(total, 0.0));  // < total, always
+  double cum = 0;
+  for (int64_t c = 0; c < nc; ++c) {
+    if (cum + bs[c] <= x) {
+      cum += bs[c];
+      continue;
+    }
+    int64_t last = -1;
+    for (int64_t j = c * C, e = std::min(n, j + C); j < e; ++j) {
+      if (s.w[j] <= 0.f) continue;
+      last = j;
+      if ((cum += s.w[j]) > x) break;
+    }
+    return id_of(last);  // bs[c] > 0: the block holds a positive weight
+  }
+  return -1;  // not reached: the blocks' sums end at total > x (the top token weighs 1)
+}
+
+// x (M, V) float32 logits, u (M,) float64 in [0, 1) -> (M,) int64 ids; a row whose softmax is not
+// a distribution (see sample_row) raises "not a distribution".
+at::Tensor sample_rows(const at::Tensor& x, double temperature, int64_t top_k, double top_p, const at::Tensor& u) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous() && x.size(1) > 0,
+              "qkv::sample_rows: x must be (M, V) float32, contiguous, V > 0");
+  TORCH_CHECK(u.dim() == 1 && u.scalar_type() == at::kDouble && u.is_contiguous() && u.size(0) == x.size(0),
+              "qkv::sample_rows: u must be (M,) float64");
+  TORCH_CHECK(temperature > 0 && std::isfinite(temperature), "qkv::sample_rows: temperature must be > 0");
+  TORCH_CHECK(x.size(1) < std::numeric_limits<int32_t>::max(), "qkv::sample_rows: V must fit int32");
+  const int64_t M = x.size(0), V = x.size(1);
+  at::Tensor out = at::empty({M}, x.options().dtype(at::kLong));
+  int64_t* o = out.data_ptr<int64_t>();
+  static thread_local SampleScratch scratch;
+  for (int64_t r = 0; r < M; ++r) {
+    o[r] = sample_row(x.data_ptr<float>() + r * V, V, static_cast<float>(temperature), top_k, top_p,
+                      u.data_ptr<double>()[r], scratch);
+    TORCH_CHECK(o[r] >= 0, "qkv::sample_rows: row ", r, " is not a distribution (a NaN or an infinite logit)");
+  }
+  return out;
+}
+
 // In a namespace of the build's name: two builds' classes in one process are two types.
 namespace QKV_NAMESPACE {
 
@@ -1491,6 +1697,7 @@ QKV_LIBRARY(QKV_NAMESPACE, m) {
   m.def("q8_mm(Tensor x, Tensor w, Tensor ds) -> Tensor");
   m.def("int4_path() -> str", &int4_path);
   m.def("argmax_rows(Tensor x) -> Tensor", &argmax_rows);
+  m.def("sample_rows(Tensor x, float temperature, int top_k, float top_p, Tensor u) -> Tensor", &sample_rows);
   m.class_<QKV_NAMESPACE::Decoder>("Decoder")
       .def(torch::init<std::vector<at::Tensor>, std::vector<int64_t>, std::vector<double>>())
       .def("step", &QKV_NAMESPACE::Decoder::step)

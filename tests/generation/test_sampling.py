@@ -1,5 +1,6 @@
 """Sampling rules: greedy, top-k, top-p (nucleus) and temperature, checked against hand-computed
-sets and against softmax(logits / T) frequencies."""
+sets and against softmax(logits / T) frequencies; every draw through both of sample_next's paths
+(PyTorch's ops, and qkv's kernel library's ``sample_rows`` where a process has loaded it)."""
 
 from __future__ import annotations
 
@@ -7,12 +8,26 @@ import math
 
 import pytest
 import torch
-from helpers import softmax64
+from helpers import sampling_intervals, softmax64
 
+import qkv.generation.sampling as S
+import qkv.kernels as K
 from qkv.generation import sample_next
 from qkv.generation.sampling import filter_logits
 
 NEG_INF = float("-inf")
+
+
+@pytest.fixture(autouse=True, params=["pytorch", "kernel"])
+def path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Each test once through PyTorch's ops and once through the kernel library's op (whichever
+    this process happened to load before would otherwise decide)."""
+    if request.param == "kernel":
+        assert K.int4_op() is not None, K.int4_status()
+        monkeypatch.setattr(S, "sample_op", lambda: torch.ops.qkv.sample_rows)
+    else:
+        monkeypatch.setattr(S, "sample_op", lambda: None)
+    return request.param
 
 
 def kept(filtered: torch.Tensor) -> list[set[int]]:
@@ -217,3 +232,40 @@ def test_draw_at_the_edge_of_the_unit_interval(monkeypatch: pytest.MonkeyPatch) 
         draw(torch.tensor([[0.5, float("nan")]]))
     with pytest.raises(RuntimeError):
         draw(torch.zeros(1, 3))
+
+
+# --------------------------------------------------------------------------- the two paths
+
+
+@pytest.mark.parametrize(("top_k", "top_p"), [(200, None), (200, 0.9), (None, None), (None, 0.8)])
+def test_both_paths_draw_the_same_token_from_the_same_seed(
+        path: str, monkeypatch: pytest.MonkeyPatch, top_k: int | None, top_p: float | None) -> None:
+    """The kernel's op and PyTorch's ops take one float64 u a row from the generator and draw the
+    id whose interval (from the float64 reference) holds it: the same ids from the same seed,
+    except for a u within 1e-6 of an interval's end (float32 weights either way), and the op is
+    what ran on the kernel's path."""
+    g = torch.Generator().manual_seed(21)
+    V = 49152 if top_k else 2000
+    row = torch.randn(V, generator=g) * 2
+    n = 400
+    calls = []
+    if path == "kernel":
+        counted = lambda *a: calls.append(a) or torch.ops.qkv.sample_rows(*a)  # noqa: E731
+        monkeypatch.setattr(S, "sample_op", lambda: counted)
+    got = sample_next(row.expand(n, V), 0.8, top_k, top_p, torch.Generator().manual_seed(5))
+    assert len(calls) == (1 if path == "kernel" else 0)
+    u = torch.rand(n, generator=torch.Generator().manual_seed(5), dtype=torch.float64)
+    ids, ends = sampling_intervals(row, 0.8, top_k, top_p)
+    at = torch.searchsorted(torch.tensor(ends, dtype=torch.float64), u, right=True).tolist()
+    starts = [0.0, *ends[:-1]]
+    near = [min(abs(ui - starts[j]), abs(ui - ends[j])) < 1e-6 for ui, j in zip(u.tolist(), at, strict=True)]
+    assert sum(near) < n / 20  # ~0.4% expected with 2,000 ends: the rest are checked exactly
+    for g_id, j, close in zip(got.tolist(), at, near, strict=True):
+        assert g_id == ids[j] or close
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_a_row_that_is_no_distribution_raises_pytorchs_error_on_both_paths(bad: float) -> None:
+    logits = torch.tensor([[0.0, 1.0, 2.0], [0.0, bad, 1.0]])
+    with pytest.raises(RuntimeError, match="probability tensor contains"):
+        sample_next(logits, 1.0, top_k=2, generator=torch.Generator().manual_seed(0))

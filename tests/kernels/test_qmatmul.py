@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import cpu_flags, kernel_builds
+from helpers import cpu_flags, kernel_builds, sampling_intervals
 
 import qkv.kernels as K
 from qkv.kernels import compile_library, pack_int4
@@ -319,6 +319,75 @@ def test_argmax_rows_is_torch_argmax_on_every_path(paths: dict[str, object]) -> 
             assert torch.equal(getattr(torch.ops, ns).argmax_rows(y), y.argmax(dim=-1)), (ns, n)
     with pytest.raises(RuntimeError, match="float32"):
         torch.ops.qkv.argmax_rows(x.double())
+
+
+def _sampling_cases() -> list[tuple[str, torch.Tensor, float, int, float | None]]:
+    """(name, row, temperature, top_k (0: off), top_p): each branch of qkv::sample_rows."""
+    g = torch.Generator().manual_seed(9)
+    ties = (torch.randint(0, 8, (640,), generator=g) / 2).float()  # many logits equal at the k-th
+    masked = torch.randn(300, generator=g)
+    masked[::7] = float("-inf")  # never drawn
+    return [
+        ("no filter, V not whole blocks", torch.randn(1000, generator=g), 0.7, 0, None),
+        ("top-k past the blocks' count", torch.randn(1000, generator=g), 1.3, 50, None),
+        ("top-k from block maxima, SmolLM2's V", torch.randn(49152, generator=g) * 2, 0.8, 200, None),
+        ("top-k then top-p", torch.randn(49152, generator=g) * 2, 0.8, 200, 0.9),
+        ("top-k 5 of 32 blocks", torch.randn(4096, generator=g), 1.0, 5, None),
+        ("ties at the k-th and at top-p's end", ties, 1.0, 37, 0.5),
+        ("peaked top-p, no top-k", torch.randn(5000, generator=g) * 8, 1.0, 0, 0.95),
+        ("flat top-p, no top-k", torch.randn(3000, generator=g) * 0.1, 1.0, 0, 0.3),
+        ("-inf logits", masked, 1.0, 0, None),
+        ("-inf logits and top-k", masked, 1.0, 290, None),
+        ("top-k V-1", torch.randn(129, generator=g), 2.0, 128, 0.99),
+        ("top-k >= V is off", torch.randn(5, generator=g), 1.0, 7, None),
+        ("one logit", torch.tensor([3.0]), 1.0, 1, 0.5),
+        ("top-p's mass reached exactly: the rest dropped", torch.zeros(4), 1.0, 0, 0.5),
+    ]
+
+
+def test_sample_rows_draws_each_u_from_its_interval_on_every_path(paths: dict[str, object]) -> None:
+    """qkv::sample_rows (sampling's filter and draw in one call) on each build, against the
+    intervals of [0, 1) each kept token owns, computed in float64 from the definitions: a grid of u
+    and each interval's middle draw the id whose interval holds u (u within 1e-6 of an end may go
+    either way: the kernel's weights are float32), and no dropped id is ever drawn."""
+    for ns in ("qkv", "qkv_test_scalar", *(["qkv_test_avx2"] if "avx2" in paths else [])):
+        op = getattr(torch.ops, ns).sample_rows
+        for name, row, T, k, p in _sampling_cases():
+            ids, ends = sampling_intervals(row, T, k, p)
+            starts = [0.0, *ends[:-1]]
+            middles = ((a + b) / 2 for a, b in zip(starts, ends, strict=True))
+            u = torch.tensor(sorted({*(i / 2048 for i in range(2048)), *middles, 1.0 - 2.0**-53}),
+                             dtype=torch.float64)
+            got = op(row.expand(len(u), -1).contiguous(), T, k, 1.0 if p is None else p, u).tolist()
+            at = torch.searchsorted(torch.tensor(ends, dtype=torch.float64), u, right=True).tolist()
+            for ui, g_id, j in zip(u.tolist(), got, at, strict=True):
+                near = min(abs(ui - e) for e in (starts[j], ends[j]))
+                assert g_id == ids[j] or (near < 1e-6 and g_id in ids), (ns, name, ui, g_id, ids[j])
+            wide = [i for i, a, b in zip(ids, starts, ends, strict=True) if b - a > 1e-5]
+            assert set(wide) <= set(got), (ns, name)  # each kept id of any weight is drawn
+
+
+def test_sample_rows_refuses_what_is_no_distribution(paths: dict[str, object]) -> None:
+    """A NaN, +inf (alone or beside -inf), every logit -inf, or logits / T past float32's range:
+    PyTorch's softmax is NaN there, and the op says so (sample_next then takes PyTorch's path,
+    whose error names the problem); bad shapes and types are refused."""
+    u = torch.zeros(1, dtype=torch.float64)
+    rows = {"nan": [0.0, float("nan"), 1.0], "+inf": [0.0, float("inf"), 1.0],
+            "+inf beside -inf": [float("-inf"), float("inf")], "all -inf": [float("-inf")] * 3,
+            "overflow": [3e38, 0.0]}
+    for ns in ("qkv", "qkv_test_scalar", *(["qkv_test_avx2"] if "avx2" in paths else [])):
+        op = getattr(torch.ops, ns).sample_rows
+        for name, row in rows.items():
+            for k, p in ((0, 1.0), (1, 1.0), (0, 0.5)):
+                T = 0.5 if name == "overflow" else 1.0
+                with pytest.raises(RuntimeError, match="not a distribution"):
+                    op(torch.tensor([row]), T, k, p, u)
+                    pytest.fail(f"{ns} {name} {k} {p}")
+        x = torch.zeros(2, 4)
+        u2 = torch.zeros(2, dtype=torch.float64)
+        for bad in ((x.double(), 1.0, u2), (x, 1.0, u), (x, 0.0, u2), (x[:, ::2], 1.0, u2)):
+            with pytest.raises(RuntimeError, match="sample_rows"):
+                op(bad[0], bad[1], 0, 1.0, bad[2])
 
 
 def test_greedy_argmax_takes_the_kernel_where_loaded(monkeypatch: pytest.MonkeyPatch) -> None:
