@@ -124,8 +124,8 @@ def main() -> None:
         binary, how = llama_tool("llama-completion", build=args.build_llama_cpp, native=native)
         print(f"llama-completion {build}: {how}", flush=True)
         if binary is not None:
-            peers[f"llama.cpp {build} T 0.8 top-k 200"] = ("completion", binary, True)
-            peers[f"llama.cpp {build} greedy"] = ("completion", binary, False)
+            peers[f"llama-completion {build} T 0.8 top-k 200"] = ("completion", binary, True)
+            peers[f"llama-completion {build} greedy"] = ("completion", binary, False)
         bench, how = llama_bench(build=args.build_llama_cpp, native=native)
         print(f"llama-bench {build}: {how}", flush=True)
         if bench is not None:
@@ -146,16 +146,17 @@ def main() -> None:
         line = ", ".join(f"{k} {v[-1]:.0f}" for k, v in rates.items())
         print(f"round {r + 1}: {line} tok/s", flush=True)
 
-    def best(kind: str, r: int) -> float | None:
-        vals = [v[r] for k, v in rates.items() if k.startswith("llama") and kind in k]
+    def best(peer: str, kind: str, r: int) -> float | None:  # the faster build's rate in round r
+        vals = [v[r] for k, v in rates.items() if k.startswith(peer) and k.endswith(kind)]
         return max(vals) if vals else None
 
     ratios: dict[str, list[float]] = {}
-    for k in ours:
-        kind = "greedy" if k == "qkv greedy" else "top-k 200" if "top-k" in k else None
-        if kind is None or best(kind, 0) is None:
-            continue
-        ratios[f"{k} / llama.cpp {kind}"] = [rates[k][r] / best(kind, r) for r in range(args.rounds)]
+    for k, peer, kind in (("qkv greedy", "llama-bench", ""), ("qkv greedy", "llama-completion", "greedy"),
+                          ("qkv T 0.8 top-k 200, kernel", "llama-completion", "top-k 200"),
+                          ("qkv T 0.8 top-k 200, PyTorch", "llama-completion", "top-k 200")):
+        if best(peer, kind, 0) is not None:
+            ratios[f"{k} / {peer} {kind}".rstrip()] = [rates[k][r] / best(peer, kind, r)
+                                                       for r in range(args.rounds)]
     for k in ours:
         if k != "qkv greedy":
             ratios[f"{k} / qkv greedy"] = [rates[k][r] / rates["qkv greedy"][r] for r in range(args.rounds)]
@@ -163,7 +164,7 @@ def main() -> None:
             for k, v in rates.items()]
     C.print_table(f"SmolLM2 q4, 32-token prompt + {n_new} tokens, {threads} threads (qkv: {decoder} decoder)",
                   ["decoder", "tok/s (median)", "rounds", "ms a token"], rows)
-    C.print_table("ratios within rounds (llama.cpp: the faster build of the same kind)",
+    C.print_table("ratios within rounds (llama.cpp: its faster build, the same tool and sampling)",
                   ["ratio", "median", "rounds"],
                   [[k, f"{C.median(v):.2f}", f"{min(v):.2f}-{max(v):.2f}"] for k, v in ratios.items()])
     out = C.write_json(NAME, {

@@ -83,7 +83,8 @@ class _Stops:
     """Rows that produced a stop id: they repeat it until every row has stopped."""
 
     def __init__(self, stop_ids: Iterable[int], batch: int, device: torch.device) -> None:
-        self.ids = torch.tensor(sorted(set(stop_ids)), dtype=torch.long, device=device)
+        self.set = set(stop_ids)
+        self.ids = torch.tensor(sorted(self.set), dtype=torch.long, device=device)
         self.stopped = torch.zeros(batch, dtype=torch.bool, device=device)
         self.tok = torch.zeros(batch, dtype=torch.long, device=device)
 
@@ -91,6 +92,8 @@ class _Stops:
         """(the ids to append, whether every row has stopped: generation ends)."""
         if not len(self.ids):
             return nxt, False
+        if nxt.shape[0] == 1:  # one row: it stops, and generation ends, at a stop id (~1 µs, not ~15)
+            return nxt, int(nxt[0]) in self.set
         nxt = torch.where(self.stopped, self.tok, nxt)
         now = torch.isin(nxt, self.ids) & ~self.stopped
         self.tok, self.stopped = torch.where(now, nxt, self.tok), self.stopped | now

@@ -241,6 +241,11 @@ def test_stop_ids_end_each_row_at_its_first_stop() -> None:
         else:  # its tokens, then its stop id repeated
             assert got[b, :f].tolist() == full[b, :f].tolist() and set(got[b, f:].tolist()) <= {stop}
     assert list(generate(m, x[:1], 20, temperature=0.0, stop_ids=[int(full[0, 0])])) == []
+    # one row (its own path): its tokens up to its first stop id, which is not yielded
+    alone = run(m, x[:1], 20, temperature=0.0)[0].tolist()
+    first = alone.index(stop) if stop in alone else 20
+    out = [int(t[0]) for t in generate(m, x[:1], 20, temperature=0.0, stop_ids=[stop, 10**6])]
+    assert out == alone[:first]
 
 
 def test_seed_is_a_seeded_generator_and_leaves_the_global_rng_alone() -> None:
