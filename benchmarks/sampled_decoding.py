@@ -19,6 +19,7 @@ into a draw. This script times that, in one process, rounds alternated:
   of each kind.
 
     python benchmarks/sampled_decoding.py --rounds 5
+    python benchmarks/sampled_decoding.py --quick          # one round of 16 tokens
 """
 
 from __future__ import annotations
@@ -74,8 +75,11 @@ def main() -> None:
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--build-llama-cpp", action="store_true",
                     help="build llama.cpp's tools if they are not built (~10 minutes each)")
+    ap.add_argument("--quick", action="store_true", help="a smoke run: one round of 16 tokens")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
+    if args.quick:
+        args.rounds, args.new_tokens = 1, 16
 
     import torch
     from _llama_cpp import llama_bench, llama_tool, run_llama_bench
@@ -167,7 +171,7 @@ def main() -> None:
     C.print_table("ratios within rounds (llama.cpp: its faster build, the same tool and sampling)",
                   ["ratio", "median", "rounds"],
                   [[k, f"{C.median(v):.2f}", f"{min(v):.2f}-{max(v):.2f}"] for k, v in ratios.items()])
-    out = C.write_json(NAME, {
+    out = C.write_json(NAME + ("_quick" if args.quick else ""), {
         "machine": machine, "threads": threads, "new_tokens": n_new, "qkv_decoder": decoder,
         "sampled": SAMPLED, "plain": PLAIN,
         "tokens_per_s": {k: [round(v, 1) for v in vs] for k, vs in rates.items()},

@@ -20,7 +20,7 @@ COMMANDS = ("train", "generate", "embed", "similarity", "classify", "translate",
 def fake_benchmarks(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     """A benchmarks/ folder of our own, so these tests never depend on the real scripts."""
     (tmp_path / "alpha.py").write_text(
-        "import sys\nprint('alpha ran', sys.argv[1:])\n"
+        "import sys\nprint('alpha ran', sys.argv[1:], '--quick' in sys.argv)\n"
     )
     (tmp_path / "beta.py").write_text("import sys\nsys.exit(3)\n")
     (tmp_path / "_common.py").write_text("")  # helpers are not benchmarks
@@ -79,6 +79,21 @@ def test_bench_runs_a_script_with_quick(fake_benchmarks: Path, capfd) -> None:
     out, _ = capfd.readouterr()
     assert rc == 0
     assert "alpha ran ['--quick']" in out
+
+
+def test_bench_quick_leaves_out_scripts_without_a_quick_mode(fake_benchmarks: Path, capfd) -> None:
+    """A script that never names --quick would die of argparse's error under it: with no names,
+    --quick lists and skips it; named, it is refused in one line (exit 2) before anything runs."""
+    (fake_benchmarks / "gamma.py").write_text("import sys\nprint('gamma ran', sys.argv[1:])\n")
+    rc = cli.main(["bench", "--quick", "alpha", "gamma"])
+    out, err = capfd.readouterr()
+    assert rc == 2 and "gamma has no quick mode" in err and "ran" not in out
+    (fake_benchmarks / "beta.py").write_text("import sys\nprint('beta ran', sys.argv[1:])  # '--quick'\n")
+    assert cli.main(["bench", "--quick"]) == 0
+    out, _ = capfd.readouterr()
+    assert "alpha ran ['--quick']" in out and "beta ran ['--quick']" in out and "gamma ran" not in out
+    assert "no quick mode; run each alone): gamma" in out
+    assert cli.main(["bench", "gamma"]) == 0 and "gamma ran []" in capfd.readouterr().out
 
 
 def test_bench_returns_the_failing_exit_code(fake_benchmarks: Path, capfd) -> None:

@@ -92,7 +92,7 @@ class _Stops:
         """(the ids to append, whether every row has stopped: generation ends)."""
         if not len(self.ids):
             return nxt, False
-        if nxt.shape[0] == 1:  # one row: it stops, and generation ends, at a stop id (~1 µs, not ~15)
+        if nxt.shape[0] == 1:  # one row: it stops, and generation ends, at a stop id (~2 µs, not ~13)
             return nxt, int(nxt[0]) in self.set
         nxt = torch.where(self.stopped, self.tok, nxt)
         now = torch.isin(nxt, self.ids) & ~self.stopped
