@@ -23,6 +23,9 @@ from pathlib import Path
 import torch
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
+# the decoding benchmarks' prompt (its first 32 SmolLM2 tokens): saved_step.py, decode_limit.py, ...
+DECODE_TEXT = ("The history of the city begins with a small settlement on an island in the river. Over the "
+               "centuries it grew into a centre of trade and learning, with markets, bridges and churches. ")
 REPO_DIR = Path(__file__).resolve().parent.parent
 
 # ISA features that decide which CPU kernels PyTorch can use (bf16 GEMMs need avx512_bf16

@@ -46,15 +46,16 @@ def _cpu_flags() -> set[str]:
     return set()
 
 
-def cmake_flags(native: bool = False, server: bool = False) -> list[str]:
-    """CMake options of a build; ``server``: also configure ``llama-server`` (its HTTP server)."""
+def cmake_flags(native: bool = False, server: bool = False, avx2: bool = False) -> list[str]:
+    """CMake options of a build; ``server``: also configure ``llama-server`` (its HTTP server);
+    ``avx2``: the portable build with AVX-512 off, what an AVX2-only CPU (AMD Zen 3) runs."""
     common = ["-DCMAKE_BUILD_TYPE=Release", "-DBUILD_SHARED_LIBS=OFF", "-DGGML_OPENMP=ON", "-DLLAMA_CURL=OFF",
               "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=ON", "-DLLAMA_BUILD_TOOLS=ON",
               f"-DLLAMA_BUILD_SERVER={'ON' if server else 'OFF'}"]
     if native:
         return [*common, "-DGGML_NATIVE=ON"]
     flags = _cpu_flags()
-    avx512 = all(f in flags for f in ("avx512f", "avx512bw", "avx512vl", "avx512dq"))
+    avx512 = all(f in flags for f in ("avx512f", "avx512bw", "avx512vl", "avx512dq")) and not avx2
     return [
         *common, "-DGGML_NATIVE=OFF",
         "-DGGML_AVX=ON", "-DGGML_AVX2=ON", "-DGGML_FMA=ON", "-DGGML_F16C=ON",
@@ -63,10 +64,12 @@ def cmake_flags(native: bool = False, server: bool = False) -> list[str]:
     ]
 
 
-def llama_bench(build: bool = True, log=print, native: bool = False) -> tuple[Path | None, str]:
+def llama_bench(build: bool = True, log=print, native: bool = False,
+                avx2: bool = False) -> tuple[Path | None, str]:
     """(path of llama-bench, how it was found), or (None, why it is not available); ``native``:
-    the build for this CPU (kept apart, in ``native/``; see :func:`cmake_flags`)."""
-    return llama_tool("llama-bench", build, log, native=native)
+    the build for this CPU (kept apart, in ``native/``), ``avx2``: the portable one without
+    AVX-512 (in ``avx2/``; see :func:`cmake_flags`)."""
+    return llama_tool("llama-bench", build, log, native=native, avx2=avx2)
 
 
 def llama_cpp_source(log=print) -> tuple[Path | None, str]:
@@ -111,10 +114,11 @@ def convert_hf_to_gguf(folder: Path, out: Path, outtype: str = "f32", log=print)
     return None
 
 
-def llama_tool(target: str, build: bool = True, log=print, native: bool = False) -> tuple[Path | None, str]:
+def llama_tool(target: str, build: bool = True, log=print, native: bool = False,
+               avx2: bool = False) -> tuple[Path | None, str]:
     """(path of llama.cpp's ``target`` binary, e.g. ``llama-bench`` or ``llama-simple`` (greedy
     decoding of a prompt), how it was found), or (None, why it is not available)."""
-    binary = (_root() / "native" if native else _root()) / target
+    binary = (_root() / "native" if native else _root() / "avx2" if avx2 else _root()) / target
     server = target == "llama-server"
     if binary.is_file():
         return binary, f"cached build in {binary.parent}"
@@ -129,7 +133,7 @@ def llama_tool(target: str, build: bool = True, log=print, native: bool = False)
         tmp_path = Path(tmp)
         build_dir = tmp_path / "build"
         log(f"llama.cpp: configuring (cmake) and building {target} (~10 minutes on 2 cores) ...")
-        for cmd in (["cmake", "-S", str(src), "-B", str(build_dir), *cmake_flags(native, server)],
+        for cmd in (["cmake", "-S", str(src), "-B", str(build_dir), *cmake_flags(native, server, avx2)],
                     ["cmake", "--build", str(build_dir), "--target", target, "-j", "2"]):
             r = subprocess.run(cmd, capture_output=True, text=True)
             if r.returncode != 0:
@@ -140,7 +144,7 @@ def llama_tool(target: str, build: bool = True, log=print, native: bool = False)
         binary.parent.mkdir(parents=True, exist_ok=True)
         shutil.copy2(built, binary)
         (binary.parent / "build.json").write_text(json.dumps(
-            {"source": LLAMA_CPP_PYTHON, "cmake_flags": cmake_flags(native, server)}, indent=1))
+            {"source": LLAMA_CPP_PYTHON, "cmake_flags": cmake_flags(native, server, avx2)}, indent=1))
     return binary, f"built now from {LLAMA_CPP_PYTHON} into {binary.parent}"
 
 

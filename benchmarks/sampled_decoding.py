@@ -37,8 +37,7 @@ sys.path.insert(0, str(HERE.parent))
 import _common as C  # noqa: E402
 
 NAME = "sampled_decoding"
-TEXT = ("The history of the city begins with a small settlement on an island in the river. Over the "
-        "centuries it grew into a centre of trade and learning, with markets, bridges and churches. ")
+TEXT = C.DECODE_TEXT
 SAMPLED = {"temperature": 0.8, "top_k": 200}  # `qkv generate`'s defaults
 PLAIN = {"temperature": 1.0, "top_k": None}  # generate()'s own defaults
 
