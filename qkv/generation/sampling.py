@@ -79,30 +79,38 @@ def sample_next(
     if temperature == 0:
         return argmax_last(logits)  # logits.argmax(dim=-1), faster on a long vocabulary
     op = sample_op() if logits.ndim == 2 and logits.device.type == "cpu" and logits.shape[1] > 0 else None
+    u = None
     if op is not None and logits.is_floating_point():
         # the same draws as draw()'s (one float64 a row): a seed picks the same tokens either way
         u = torch.rand(logits.shape[0], generator=generator, dtype=torch.float64)
         try:
             return op(logits.float().contiguous(), temperature, top_k or 0, top_p or 1.0, u)
-        except RuntimeError:
-            pass  # a row that is no distribution (a NaN, +inf): PyTorch's path below says what is wrong
+        except RuntimeError as e:
+            if "not a distribution" not in str(e):
+                raise
+            # a NaN or +inf (PyTorch's path below says what is wrong), or T past float32's range
+            # (PyTorch's division by inf defines it): drawn with the same u
     logits = filter_logits(logits.float() / temperature, top_k, top_p)
     probs = torch.softmax(logits, dim=-1)
-    return draw(probs, generator)
+    return draw(probs, generator, u)
 
 
-def draw(probs: Tensor, generator: torch.Generator | None = None) -> Tensor:
+def draw(probs: Tensor, generator: torch.Generator | None = None, u: Tensor | None = None) -> Tensor:
     """(B, V) non-negative weights (a softmax's) -> (B,) ids, one a row drawn from its distribution
     by the inverse of its cumulative sum (float64): u ~ U[0, 1) times the row's total, then the
     first id whose cumulative sum exceeds it (a zero-probability id never is). The distribution
     ``torch.multinomial(probs, 1)`` draws from, at a fraction of its cost on a long row: it draws
     one exponential a token (~1.1 ms on SmolLM2's 49,152 logits, half a decoded token; this ~0.08
     ms). A row whose total is not a positive number (a NaN, an inf, all zero) goes to
-    ``torch.multinomial``, which says what is wrong."""
+    ``torch.multinomial``, which says what is wrong. ``u``: (B,) float64 uniforms already drawn
+    from ``generator`` (by :func:`sample_next` before its kernel path declined the row)."""
     cdf = probs.double().cumsum(dim=-1)
     total = cdf[:, -1:]
     if not (torch.isfinite(total).all() and (total > 0).all()):
         return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
-    u = torch.rand(total.shape, generator=generator, dtype=torch.float64, device=probs.device)
+    if u is None:
+        u = torch.rand(total.shape, generator=generator, dtype=torch.float64, device=probs.device)
+    else:
+        u = u.to(device=probs.device, dtype=torch.float64).reshape(total.shape)
     x = torch.minimum(u * total, torch.nextafter(total, torch.zeros_like(total)))  # < total, always
     return torch.searchsorted(cdf, x, right=True).squeeze(-1)

@@ -1228,17 +1228,21 @@ inline void take_at_least(const float* a, int64_t from, int64_t to, float T, flo
 }
 
 // The id drawn from the row a (V) with u in [0, 1), or -1 where PyTorch's softmax is not a
-// distribution (a NaN, +inf, a logit / T overflowing, every logit -inf): sample_next then takes
-// PyTorch's path, which says so. k <= 0 or k >= V: no top-k; p <= 0 or p >= 1: no top-p.
+// distribution (a NaN, +inf, a logit / T overflowing, every logit -inf; or T past float32's range,
+// where PyTorch divides by inf): sample_next then takes PyTorch's path, which says what is wrong,
+// or draws with the same u. k <= 0 or k >= V: no top-k; p <= 0 or p >= 1: no top-p.
 inline int64_t sample_row(const float* a, int64_t V, float T, int64_t k, double p, double u, SampleScratch& s) {
   constexpr int64_t B = 128;
+  if (!std::isfinite(T)) return -1;  // T past float's range: PyTorch's path (z = a / inf)
   const int64_t nb = (V + B - 1) / B;
   s.bmax.resize(nb);
   float m = -std::numeric_limits<float>::infinity();
   for (int64_t b = 0; b < nb; ++b) {  // the block's sum from L1 after its maximum: one pass
     const int64_t len = std::min(B, V - b * B);
     s.bmax[b] = max_of(a + b * B, len) / T;
-    if (std::isnan(sum_of(a + b * B, len))) return -1;  // a NaN (+inf beside -inf: m is +inf below)
+    if (std::isnan(sum_of(a + b * B, len)))  // a NaN, or lanes overflowing to +inf and -inf: look
+      for (int64_t i = b * B; i < b * B + len; ++i)
+        if (std::isnan(a[i])) return -1;  // (+inf itself makes m +inf below)
     m = std::max(m, s.bmax[b]);
   }
   if (!std::isfinite(m)) return -1;
@@ -1251,13 +1255,16 @@ inline int64_t sample_row(const float* a, int64_t V, float T, int64_t k, double 
       std::nth_element(s.tmp.begin(), s.tmp.begin() + (k - 1), s.tmp.end(), std::greater<float>());
       t0 = s.tmp[k - 1];
     }
-    // a / T >= t0 (rounded) needs a >= t0·T less half an ulp of t0, relatively: lo lies ~16
-    // float ulps lower (computed in float64, then rounded down)
-    const double tT = static_cast<double>(t0) * T;
-    const float lo = std::nextafter(static_cast<float>(tT - 1e-6 * std::abs(tT) - 1e-37),
-                                    -std::numeric_limits<float>::infinity());
+    // a / T rounded >= t0 needs a / T > the float below t0 (rounding is monotone), so a > that
+    // float times T: exact in float64 (two floats' product), rounded to a float and stepped down.
+    const float inf = std::numeric_limits<float>::infinity();
+    const float lo = std::nextafter(static_cast<float>(static_cast<double>(std::nextafter(t0, -inf)) * T), -inf);
     for (int64_t b = 0; b < nb; ++b)
       if (s.bmax[b] >= t0) take_at_least(a, b * B, std::min(V, b * B + B), T, t0, lo, s);
+    if (static_cast<int64_t>(s.z.size()) < k) {  // cannot happen (k blocks reach t0); were it to, all
+      s.id.clear(), s.z.clear();
+      take_at_least(a, 0, V, T, -inf, -inf, s);
+    }
     s.tmp.assign(s.z.begin(), s.z.end());  // at least k candidates, every logit >= the k-th among them
     std::nth_element(s.tmp.begin(), s.tmp.begin() + (k - 1), s.tmp.end(), std::greater<float>());
     const float kth = s.tmp[k - 1];
@@ -1283,7 +1290,8 @@ inline int64_t sample_row(const float* a, int64_t V, float T, int64_t k, double 
     // candidate's index (candidates are in id order).
     auto key = [&](int64_t j) -> uint64_t {
       uint32_t b;
-      std::memcpy(&b, &s.z[j], sizeof(b));
+      const float zj = s.z[j] + 0.f;  // -0 as +0: a tie, as the floats compare
+      std::memcpy(&b, &zj, sizeof(b));
       b ^= (b >> 31) ? 0xffffffffu : 0x80000000u;  // ascending as the floats
       return (static_cast<uint64_t>(~b) << 32) | static_cast<uint64_t>(j);
     };
@@ -1363,10 +1371,12 @@ at::Tensor sample_rows(const at::Tensor& x, double temperature, int64_t top_k, d
   at::Tensor out = at::empty({M}, x.options().dtype(at::kLong));
   int64_t* o = out.data_ptr<int64_t>();
   static thread_local SampleScratch scratch;
+  const float T = temperature > std::numeric_limits<float>::max() ? std::numeric_limits<float>::infinity()
+                                                                   : static_cast<float>(temperature);
   for (int64_t r = 0; r < M; ++r) {
-    o[r] = sample_row(x.data_ptr<float>() + r * V, V, static_cast<float>(temperature), top_k, top_p,
-                      u.data_ptr<double>()[r], scratch);
-    TORCH_CHECK(o[r] >= 0, "qkv::sample_rows: row ", r, " is not a distribution (a NaN or an infinite logit)");
+    o[r] = sample_row(x.data_ptr<float>() + r * V, V, T, top_k, top_p, u.data_ptr<double>()[r], scratch);
+    TORCH_CHECK(o[r] >= 0, "qkv::sample_rows: row ", r, " is not a distribution (a NaN or an infinite logit, "
+                "or a temperature past float32's range)");
   }
   return out;
 }

@@ -264,6 +264,24 @@ def test_both_paths_draw_the_same_token_from_the_same_seed(
         assert g_id == ids[j] or close
 
 
+def test_a_temperature_past_float32s_range_divides_by_inf_on_both_paths() -> None:
+    """logits / 1e39 in float32 is logits / inf: every z 0, a uniform draw; the kernel declines
+    such a T and PyTorch's path draws with the u it took: the same ids from the same seed."""
+    n = 2000
+    got = sample_next(torch.randn(1, 5).expand(n, 5), 1e39, generator=torch.Generator().manual_seed(4))
+    u = torch.rand(n, generator=torch.Generator().manual_seed(4), dtype=torch.float64)
+    assert torch.equal(got, (u * 5).floor().long())
+
+
+def test_a_kernel_error_that_is_not_about_the_row_is_raised(monkeypatch: pytest.MonkeyPatch) -> None:
+    def broken(*args):
+        raise RuntimeError("qkv::sample_rows: something else")
+
+    monkeypatch.setattr(S, "sample_op", lambda: broken)
+    with pytest.raises(RuntimeError, match="something else"):
+        sample_next(torch.zeros(1, 4), 1.0, generator=torch.Generator().manual_seed(0))
+
+
 @pytest.mark.parametrize("bad", [float("nan"), float("inf")])
 def test_a_row_that_is_no_distribution_raises_pytorchs_error_on_both_paths(bad: float) -> None:
     logits = torch.tensor([[0.0, 1.0, 2.0], [0.0, bad, 1.0]])

@@ -327,6 +327,12 @@ def _sampling_cases() -> list[tuple[str, torch.Tensor, float, int, float | None]
     ties = (torch.randint(0, 8, (640,), generator=g) / 2).float()  # many logits equal at the k-th
     masked = torch.randn(300, generator=g)
     masked[::7] = float("-inf")  # never drawn
+    huge_t = torch.zeros(256)  # at T 1e10: z of 1e-10, 0 and -0 (a tie), below the pre-filter's old bound
+    huge_t[:128], huge_t[0] = -5e-36, 1.0
+    huge_t_b = torch.full((256,), -5e-36)
+    huge_t_b[:128], huge_t_b[0] = -1.0, 1.0
+    overflow = torch.zeros(128)  # finite, but a vector lane's sum overflows to +inf and another's to -inf
+    overflow[[0, 16]], overflow[[1, 17]] = 3e38, -3e38
     return [
         ("no filter, V not whole blocks", torch.randn(1000, generator=g), 0.7, 0, None),
         ("top-k past the blocks' count", torch.randn(1000, generator=g), 1.3, 50, None),
@@ -342,6 +348,10 @@ def _sampling_cases() -> list[tuple[str, torch.Tensor, float, int, float | None]
         ("top-k >= V is off", torch.randn(5, generator=g), 1.0, 7, None),
         ("one logit", torch.tensor([3.0]), 1.0, 1, 0.5),
         ("top-p's mass reached exactly: the rest dropped", torch.zeros(4), 1.0, 0, 0.5),
+        ("-0 and +0 tie at top-p's end (lower ids first)", torch.tensor([-0.0, 0.0, -0.0, 0.0]), 1.0, 0, 0.5),
+        ("T 1e10: -0, 0 and a denormal z, all ties kept", huge_t, 1e10, 2, None),
+        ("T 1e10: the k-th is -0, 128 ties", huge_t_b, 1e10, 2, None),
+        ("lanes' sums overflowing in a finite row", overflow, 1.0, 0, None),
     ]
 
 
