@@ -1,6 +1,7 @@
 """What set-up costs on this machine: `qkv prepare smollm2 --batch-rows 8 --max-tokens 256` (what
 `qkv assets install smollm2` runs after the weights: SmolLM2's conversion, qkv's kernels and its
-two saved decoding steps) in an empty qkv cache (`QKV_CACHE_DIR`: nothing converted, compiled or
+saved decoding steps: a running batch's, and one request's where the native step does not decode
+it) in an empty qkv cache (`QKV_CACHE_DIR`: nothing converted, compiled or
 cached by an earlier run), the wall time and each step's build as the command reports it; with
 ``--against PATH``, another checkout of qkv the same way, one after the other (each alone).
 
@@ -56,12 +57,12 @@ def main() -> None:
     for k, r in runs.items():
         if r["exit"]:
             raise SystemExit(f"{k}: qkv prepare failed:\n{r['printed']}")
-        if len(r["builds_s"]) != 2:  # read from what the command prints: say so if that changed
-            raise SystemExit(f"{k}: expected two 'saved step for ...: built in N s' lines:\n{r['printed']}")
+        if not r["builds_s"]:  # read from what the command prints: say so if that changed
+            raise SystemExit(f"{k}: expected 'saved step for ...: built in N s' lines:\n{r['printed']}")
         rows.append([k, f"{r['wall_s']:.0f}", f"{r['load_s']:.0f}",
-                     " + ".join(f"{v:.0f}" for v in r["builds_s"].values())])
+                     "; ".join(f"{name}: {v:.0f}" for name, v in r["builds_s"].items())])
     C.print_table("qkv " + " ".join(COMMAND) + ", an empty qkv cache", ["code", "wall s", "load s",
-                                                                       "steps s (one request + batch)"], rows)
+                                                                       "saved steps built, s"], rows)
     payload = {"machine": machine, "command": "qkv " + " ".join(COMMAND), "runs": runs}
     out = C.write_json(NAME, payload, args.out)
     print(f"wrote {out}")
