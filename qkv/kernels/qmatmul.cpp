@@ -1205,26 +1205,30 @@ inline double mass_at_least(const float* w, const float* z, int64_t n, float t) 
   return s;
 }
 
-// Appends (i, a[i] / T) for each i in [from, to) with a[i] / T >= t. A vector of logits at a
-// time is compared with lo, a bound below t·T (most entries of a block are below it), and only
-// those at or above it divided (a division a vector took most of this op's time).
-inline void take_at_least(const float* a, int64_t from, int64_t to, float T, float t, float lo, SampleScratch& s) {
+// f(i) for each i in [from, to) with x[i] >= t, in order: a vector compared at a time (most
+// entries of a logits row are below such a bound: a branch an entry would mostly be the loop).
+template <class F>
+inline void each_at_least(const float* x, int64_t from, int64_t to, float t, F&& f) {
   int64_t i = from;
 #if defined(__AVX512F__)
-  for (const __m512 vlo = _mm512_set1_ps(lo); i + 16 <= to; i += 16)
-    for (__mmask16 hit = _mm512_cmp_ps_mask(_mm512_loadu_ps(a + i), vlo, _CMP_GE_OQ); hit; hit &= hit - 1) {
-      const int64_t j = i + __builtin_ctz(hit);
-      if (a[j] / T >= t) s.take(j, a[j] / T);
-    }
+  for (const __m512 vt = _mm512_set1_ps(t); i + 16 <= to; i += 16)
+    for (__mmask16 hit = _mm512_cmp_ps_mask(_mm512_loadu_ps(x + i), vt, _CMP_GE_OQ); hit; hit &= hit - 1)
+      f(i + __builtin_ctz(hit));
 #elif defined(__AVX2__)
-  for (const __m256 vlo = _mm256_set1_ps(lo); i + 8 <= to; i += 8)
-    for (int hit = _mm256_movemask_ps(_mm256_cmp_ps(_mm256_loadu_ps(a + i), vlo, _CMP_GE_OQ)); hit; hit &= hit - 1) {
-      const int64_t j = i + __builtin_ctz(hit);
-      if (a[j] / T >= t) s.take(j, a[j] / T);
-    }
+  for (const __m256 vt = _mm256_set1_ps(t); i + 8 <= to; i += 8)
+    for (int hit = _mm256_movemask_ps(_mm256_cmp_ps(_mm256_loadu_ps(x + i), vt, _CMP_GE_OQ)); hit; hit &= hit - 1)
+      f(i + __builtin_ctz(hit));
 #endif
   for (; i < to; ++i)
-    if (a[i] >= lo && a[i] / T >= t) s.take(i, a[i] / T);
+    if (x[i] >= t) f(i);
+}
+
+// Appends (i, a[i] / T) for each i in [from, to) with a[i] / T >= t: the logits at or above lo,
+// a bound below t·T, then divided (a division a vector took most of this op's time).
+inline void take_at_least(const float* a, int64_t from, int64_t to, float T, float t, float lo, SampleScratch& s) {
+  each_at_least(a, from, to, lo, [&](int64_t j) {
+    if (a[j] / T >= t) s.take(j, a[j] / T);  // IEEE division: the quotient PyTorch's division gives
+  });
 }
 
 // The id drawn from the row a (V) with u in [0, 1), or -1 where PyTorch's softmax is not a
@@ -1305,8 +1309,7 @@ inline int64_t sample_row(const float* a, int64_t V, float T, int64_t k, double 
         break;
       }
     s.order.clear();
-    for (int64_t j = 0; j < n; ++j)
-      if (s.z[j] >= floor) s.order.push_back(key(j));
+    each_at_least(s.z.data(), 0, n, floor, [&](int64_t j) { s.order.push_back(key(j)); });
     // The fewest first tokens in that order whose mass reaches p·total, without sorting them:
     // halve [lo, hi) around its middle until it is short, then sort it. Invariant: the mass
     // before lo (acc) < p·total, the mass before hi >= p·total (or hi is the end).
@@ -1327,7 +1330,7 @@ inline int64_t sample_row(const float* a, int64_t V, float T, int64_t k, double 
     if (j < n) {  // the rest of the order dropped (j > lo: acc < goal on entry)
       const uint64_t last = s.order[j - 1];
       for (int64_t i = 0; i < n; ++i)
-        if (key(i) > last) s.w[i] = 0.f;
+        s.w[i] = key(i) > last ? 0.f : s.w[i];
     }
   }
   // The draw: the cumulative sum in blocks of 128 (each block's sum in float64 lanes), the block
