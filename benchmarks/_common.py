@@ -23,7 +23,8 @@ from pathlib import Path
 import torch
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
-# the decoding benchmarks' prompt (its first 32 SmolLM2 tokens): saved_step.py, decode_limit.py, ...
+# the decoding benchmarks' prompt (its first 32 SmolLM2 tokens): saved_step.py, decode_limit.py,
+# sampled_decoding.py, avx2_paths.py
 DECODE_TEXT = ("The history of the city begins with a small settlement on an island in the river. Over the "
                "centuries it grew into a centre of trade and learning, with markets, bridges and churches. ")
 REPO_DIR = Path(__file__).resolve().parent.parent
@@ -196,6 +197,20 @@ def load_line(load: dict) -> str:
 
 
 # --------------------------------------------------------------------------- statistics
+
+
+def decode_rate(model, prompt, n_new: int, **kwargs) -> float:
+    """Tokens/s of ``qkv.generation.generate`` after its first token: ``n_new`` tokens from
+    ``prompt`` (1, T) less the time of one (the prompt and the first step), over ``n_new - 1``;
+    ``kwargs`` go to ``generate`` (temperature, top_k, seed, ...)."""
+    from qkv.generation import generate
+
+    t = time.perf_counter()
+    list(generate(model, prompt, 1, **kwargs))
+    first = time.perf_counter() - t
+    t = time.perf_counter()
+    list(generate(model, prompt, n_new, **kwargs))
+    return (n_new - 1) / max(time.perf_counter() - t - first, 1e-9)
 
 
 def median(xs: Sequence[float]) -> float:

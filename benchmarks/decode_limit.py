@@ -154,9 +154,7 @@ def main() -> None:
     print(f"final norm + output layer, ms a call: eagerly {head['eager']:.3f}, through the head package "
           f"{head['package']:.3f}", flush=True)
 
-    text = ("The history of the city begins with a small settlement on an island in the river. Over the "
-            "centuries it grew into a centre of trade and learning, with markets, bridges and churches. ")
-    x = torch.tensor([lm.tokenizer.encode(text)[:32]])
+    x = torch.tensor([lm.tokenizer.encode(C.DECODE_TEXT)[:32]])
     n_new, threads = 128, torch.get_num_threads()
 
     import os

@@ -28,7 +28,6 @@ import argparse
 import re
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve()
@@ -102,13 +101,7 @@ def main() -> None:
     def rate(kw: dict, op, seed: int) -> float:
         S.sample_op = op
         try:
-            said: list = []
-            t = time.perf_counter()
-            list(generate(m, x, 1, seed=seed, on_decision=said.append, **kw))
-            first = time.perf_counter() - t
-            t = time.perf_counter()
-            list(generate(m, x, n_new, seed=seed, **kw))
-            return (n_new - 1) / max(time.perf_counter() - t - first, 1e-9)
+            return C.decode_rate(m, x, n_new, seed=seed, **kw)
         finally:
             S.sample_op = kernel_op
 

@@ -41,8 +41,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve()
 sys.path.insert(0, str(HERE.parent))
 
-TEXT = ("The history of the city begins with a small settlement on an island in the river. Over the "
-        "centuries it grew into a centre of trade and learning, with markets, bridges and churches. ")
+from _common import DECODE_TEXT as TEXT  # noqa: E402
 
 CHILD = """
 import json, sys, time
