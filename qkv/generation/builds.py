@@ -324,8 +324,9 @@ def native_for(model: GPT, mode: DecodeMode | str, cache_len: int) -> native_ste
     """The one rule whether one row decodes through the native step: in modes ``auto`` and
     ``build``, a model it runs (:func:`qkv.generation.native_step.unsupported`) whose tensors the
     kernel accepts (no set-up, and faster than the saved step: BENCHMARKS.md), over a cache of
-    ``cache_len`` positions; else None (the request and a lone row of a running batch decode as
-    before). Read by :func:`decoder_for` and the running batch."""
+    ``cache_len`` positions; else None (the request and the rows of a running batch decode as
+    before). Read by :func:`decoder_for` and the running batch (whose rows it takes together,
+    :meth:`~qkv.generation.native_step.NativeStep.step_rows`)."""
     if DecodeMode.of(mode) in (DecodeMode.JIT, DecodeMode.EAGER):
         return None
     try:
@@ -334,9 +335,10 @@ def native_for(model: GPT, mode: DecodeMode | str, cache_len: int) -> native_ste
         return None
 
 
-def one_request_step(model: object) -> bool:
-    """Whether one request of ``model`` decodes through a saved step (so ``qkv prepare`` and
-    :meth:`~qkv.pipelines.text.CausalLM.prepare` build one): not where the native step runs it."""
+def saved_steps_wanted(model: object) -> bool:
+    """Whether ``model`` decodes through saved steps (so ``qkv prepare``, ``qkv serve
+    --build-steps`` and :meth:`~qkv.pipelines.text.CausalLM.prepare` build them): not where the
+    native step runs it, which takes one request and every row of a running batch alike."""
     return not (isinstance(model, GPT) and native_step.unsupported(model) is None)
 
 
@@ -389,4 +391,5 @@ def warn_once(name: str, model: GPT, decision: Decision) -> None:
 
 
 __all__ = ["Decision", "EagerDecodingWarning", "State", "StepStatus", "Why", "decide", "decoder_for",
-           "ensure", "explain", "forget", "native_for", "one_request_step", "say_once", "status", "warn_once"]
+           "ensure", "explain", "forget", "native_for", "saved_steps_wanted", "say_once", "status",
+           "warn_once"]

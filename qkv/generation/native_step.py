@@ -39,7 +39,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from qkv.attention import KVCache
+from qkv.attention import BatchKVCache, KVCache
 from qkv.generation.compiled import fingerprint
 from qkv.generation.decoders import attention_rows, keep_queries
 from qkv.layers.norm import RMSNorm
@@ -213,14 +213,40 @@ class NativeStep:
         cache.advance(1)
         return out
 
+    def step_rows(self, tok: Tensor, cache: BatchKVCache) -> Tensor:
+        """A running batch's step: (n, 1) ids for the first n rows of ``cache`` (the batch's
+        :class:`~qkv.attention.BatchKVCache` of R >= n rows, float32, kept queries or none), row b's
+        at ``cache.pos[b]`` -> (n, 1, V) float32 logits; those rows advance. The products take
+        the n rows together (each weight read once for all of them); each row's logits, keys,
+        values and queries are those :meth:`step` gives it alone, bit for bit."""
+        n = tok.shape[0]
+        if tok.ndim != 2 or tok.shape[1] != 1 or not 1 <= n <= cache.batch_size or cache.lengths is None:
+            raise ValueError(f"the native step of a running batch takes (n, 1) tokens for n <= "
+                             f"{cache.batch_size} rows of a batch cache, got {tuple(tok.shape)}")
+        lengths = cache.lengths[:n]
+        if max(lengths) >= cache.max_seq_len:
+            raise ValueError(f"KVCache overflow: a row at position {max(lengths)} of a "
+                             f"{cache.max_seq_len}-position cache")
+        queries = cache.queries if cache.queries is not None else _empty()
+        ids = tok[:, 0].to(torch.long).contiguous()
+        pos = cache.pos[:n].contiguous()
+        with self._bound.lock:
+            out = self._bound.decoder.step_rows(ids, pos, cache.k, cache.v, queries)
+        cache.pos[:n] += 1
+        cache.sync()
+        return out
+
     def greedy(self) -> Tensor:
         """(1,) int64: the argmax of the logits :meth:`step` returned last (``torch.argmax``'s index,
         the first largest), found by the step where it wrote them: greedy decoding's choice without
         another pass over the 49,152 logits from Python (~20 µs a token, measured in ``generate``)."""
         return torch.tensor([self._argmax])
 
-    def attention(self, cache: KVCache, layers: Collection[int] | None = None) -> list[Tensor | None]:
-        return attention_rows(self.model, cache, layers)
+    def attention(self, cache: KVCache, layers: Collection[int] | None = None,
+                  rows: int | None = None) -> list[Tensor | None]:
+        """The attention of the token just stepped (see :func:`attention_rows`; ``rows``: a
+        batch cache's first rows)."""
+        return attention_rows(self.model, cache, layers, rows)
 
     def release(self, cache: KVCache) -> None:
         pass

@@ -282,18 +282,12 @@ void quantize_into(const T* x, int64_t M, int64_t K, bool code_sums, Activations
                 code_sums ? a.sr.data() : nullptr);
 }
 
-// x (M, K) float32 or bfloat16 -> its Activations (this thread's, valid until its next call); op
-// names the caller in the message; tiles: the format's block can take AMX tiles (Format::TILES).
-const Activations& quantize(const at::Tensor& x, bool code_sums, bool tiles, const char* op) {
-  thread_local Activations a;
-  const int64_t M = x.size(0), K = x.size(1);
-  if (x.scalar_type() == at::kFloat)
-    quantize_into(x.data_ptr<float>(), M, K, code_sums, a);
-  else if (x.scalar_type() == at::kBFloat16)
-    quantize_into(x.data_ptr<c10::BFloat16>(), M, K, code_sums, a);
-  else
-    TORCH_CHECK(false, op, ": x must be float32 or bfloat16");
-  (void)tiles;  // read where AMX is compiled in
+// What a's M rows take beyond their codes: AMX tiles (a format whose block reads them, tiles; from
+// AMX_FROM rows, xq and xr padded with zero rows to a multiple of 16) or, on AVX2, the joined
+// 16-bit codes (from WIDE_FROM rows). The ops' front and the decoder's rows alike.
+inline void for_rows(Activations& a, bool tiles) {
+  const int64_t M = a.M, K = a.K;
+  (void)tiles, (void)M, (void)K;  // read where AMX or AVX2 is compiled in
 #if QKV_AMX
   if (tiles && M >= AMX_FROM && amx_ready()) {
     const int64_t padded = (M + 15) / 16 * 16;
@@ -310,6 +304,20 @@ const Activations& quantize(const at::Tensor& x, bool code_sums, bool tiles, con
     a.wide = true;
   }
 #endif
+}
+
+// x (M, K) float32 or bfloat16 -> its Activations (this thread's, valid until its next call); op
+// names the caller in the message; tiles: the format's block can take AMX tiles (Format::TILES).
+const Activations& quantize(const at::Tensor& x, bool code_sums, bool tiles, const char* op) {
+  thread_local Activations a;
+  const int64_t M = x.size(0), K = x.size(1);
+  if (x.scalar_type() == at::kFloat)
+    quantize_into(x.data_ptr<float>(), M, K, code_sums, a);
+  else if (x.scalar_type() == at::kBFloat16)
+    quantize_into(x.data_ptr<c10::BFloat16>(), M, K, code_sums, a);
+  else
+    TORCH_CHECK(false, op, ": x must be float32 or bfloat16");
+  for_rows(a, tiles);
   return a;
 }
 
@@ -1071,15 +1079,21 @@ inline std::pair<int64_t, int64_t> share(int64_t n, int t, int T) {
   return {n * t / T, n * (t + 1) / T};
 }
 
-// Blocks [b0, b1) of 16 outputs of one product with one activation row: y[16b..16b+16) (+ bias).
+// Blocks [b0, b1) of 16 outputs of one product with a's M rows: y[m·N + 16b .. m·N + 16b + 16) (+ bias).
 template <class Format>
 inline void product_blocks(const uint8_t* w, const c10::Half* s, const Activations& a, int64_t b0, int64_t b1,
-                           float* y, const float* bias) {
-  const int64_t G = a.G;
+                           float* y, int64_t N, const float* bias) {
+  const int64_t G = a.G, M = a.M;
+  float small[16 * ROWS];
+  thread_local std::vector<float> large;
+  if (M > 16) large.resize(M * ROWS);
+  float* out = M > 16 ? large.data() : small;
   for (int64_t b = b0; b < b1; ++b) {
-    float out[ROWS] = {0.f};
+    std::fill(out, out + M * ROWS, 0.f);
     Format::block(w + b * G * Format::CHUNKS * 64, s + b * G * Format::SCALES, a, out);
-    for (int64_t j = 0; j < ROWS; ++j) y[b * ROWS + j] = bias != nullptr ? out[j] + bias[b * ROWS + j] : out[j];
+    for (int64_t m = 0; m < M; ++m)
+      for (int64_t j = 0; j < ROWS; ++j)
+        y[m * N + b * ROWS + j] = bias != nullptr ? out[m * ROWS + j] + bias[b * ROWS + j] : out[m * ROWS + j];
   }
 }
 
@@ -1456,185 +1470,262 @@ class Decoder : public torch::CustomClassHolder {
   // (layers, 1, K, S, D) at pos, its rotated queries into q (layers, 1, H, 1, D) where q is not
   // empty; returns the logits (1, 1, V).
   at::Tensor step(int64_t token, int64_t pos, const at::Tensor& k, const at::Tensor& v, const at::Tensor& q) {
-    TORCH_CHECK(token >= 0 && token < V_, "qkv::Decoder: token ", token, " outside the vocabulary");
+    check_cache(k, v, q, 1);
+    check_row(token, pos, k.size(3));
+    at::Tensor logits = at::empty({1, 1, V_}, k.options());
+    run(1, &token, &pos, 1, k.size(3), k.data_ptr<float>(), v.data_ptr<float>(),
+        q.numel() > 0 ? q.data_ptr<float>() : nullptr, logits.data_ptr<float>());
+    return logits;
+  }
+
+  // A running batch's step: row m's token tokens[m] at position pos[m] (n rows, the cache's first
+  // n of R), its keys and values written into row m of k, v (layers, R, K, S, D), its rotated
+  // queries into q (layers, R, H, 1, D) where q is not empty; returns the logits (n, 1, V). The
+  // products take the n rows at once (each weight read once for every row); a row's numbers are
+  // those step gives it alone, bit for bit: the block kernels give every row of a product the
+  // integers and floats it gets alone, and attention's pieces are a row's own.
+  at::Tensor step_rows(const at::Tensor& tokens, const at::Tensor& pos, const at::Tensor& k, const at::Tensor& v,
+                       const at::Tensor& q) {
+    TORCH_CHECK(tokens.dim() == 1 && tokens.scalar_type() == at::kLong && tokens.is_contiguous() &&
+                    pos.dim() == 1 && pos.scalar_type() == at::kLong && pos.is_contiguous() &&
+                    pos.size(0) == tokens.size(0) && tokens.size(0) >= 1,
+                "qkv::Decoder: tokens and positions must be (n,) int64, n >= 1");
+    const int64_t n = tokens.size(0);
+    check_cache(k, v, q, n);
+    const int64_t* tok = tokens.data_ptr<int64_t>();
+    const int64_t* where = pos.data_ptr<int64_t>();
+    for (int64_t m = 0; m < n; ++m) check_row(tok[m], where[m], k.size(3));
+    at::Tensor logits = at::empty({n, 1, V_}, k.options());
+    run(n, tok, where, k.size(1), k.size(3), k.data_ptr<float>(), v.data_ptr<float>(),
+        q.numel() > 0 ? q.data_ptr<float>() : nullptr, logits.data_ptr<float>());
+    return logits;
+  }
+
+  // The index of the first largest of the last step's logits (torch.argmax), found in the step:
+  // its first row's.
+  int64_t argmax() const { return argmax_.empty() ? 0 : argmax_[0]; }
+
+ private:
+  // k, v: float32 (layers, R, K, S, D), contiguous, R >= n rows; q: empty or (layers, R, H, 1, D).
+  void check_cache(const at::Tensor& k, const at::Tensor& v, const at::Tensor& q, int64_t n) const {
     for (const at::Tensor* c : {&k, &v})
       TORCH_CHECK(c->scalar_type() == at::kFloat && c->is_contiguous() && c->dim() == 5 && c->size(0) == L_ &&
-                      c->size(1) == 1 && c->size(2) == KV_ && c->size(4) == D_,
-                  "qkv::Decoder: the cache must be float32 (layers, 1, K, S, D), contiguous");
-    const int64_t S = k.size(3);
-    TORCH_CHECK(v.size(3) == S && pos >= 0 && pos < S && pos < P_, "qkv::Decoder: position ", pos,
+                      c->size(1) >= n && c->size(2) == KV_ && c->size(4) == D_ && c->sizes() == k.sizes(),
+                  "qkv::Decoder: the cache must be float32 (layers, rows, K, S, D), contiguous, ", n,
+                  " rows or more");
+    if (q.numel() > 0)
+      TORCH_CHECK(q.scalar_type() == at::kFloat && q.is_contiguous() && q.numel() == L_ * k.size(1) * H_ * D_,
+                  "qkv::Decoder: the queries must be float32 (layers, rows, H, 1, D), contiguous");
+  }
+
+  void check_row(int64_t token, int64_t pos, int64_t S) const {
+    TORCH_CHECK(token >= 0 && token < V_, "qkv::Decoder: token ", token, " outside the vocabulary");
+    TORCH_CHECK(pos >= 0 && pos < S && pos < P_, "qkv::Decoder: position ", pos,
                 " outside the cache or RoPE's table");
-    const bool keep = q.numel() > 0;
-    if (keep)
-      TORCH_CHECK(q.scalar_type() == at::kFloat && q.is_contiguous() && q.numel() == L_ * H_ * D_,
-                  "qkv::Decoder: the queries must be float32 (layers, 1, H, 1, D), contiguous");
-    at::Tensor logits = at::empty({1, 1, V_}, k.options());
-    float* kc = k.data_ptr<float>();
-    float* vc = v.data_ptr<float>();
-    float* qk = keep ? q.data_ptr<float>() : nullptr;
-    float* y = logits.data_ptr<float>();
-    const float* e = emb_ + token * dim_;
-    for (int64_t i = 0; i < dim_; ++i) x_[i] = e[i] * scale_;
+  }
+
+  // M rows through every layer (see step_rows): tok, pos (M,); the cache R rows of S positions;
+  // qk: the kept queries or nullptr; y: the logits (M, V).
+  void run(int64_t M, const int64_t* tok, const int64_t* pos, int64_t R, int64_t S, float* kc, float* vc,
+           float* qk, float* y) {
+    const int64_t nqkv = (H_ + 2 * KV_) * D_, group = H_ / KV_, nb = (V_ + SPAN_OF_MAX - 1) / SPAN_OF_MAX;
+    x_.resize(M * dim_), qkv_.resize(M * nqkv), q_.resize(M * H_ * D_), o_.resize(M * dim_);
+    gu_.resize(M * 2 * F_), a_.resize(M * F_), hf_.resize(M * dim_);
+    piece_max_.resize(M * 2 * H_), piece_sum_.resize(M * 2 * H_), piece_out_.resize(M * 2 * H_ * D_);
+    int64_t longest = 0;  // the most positions a row attends over
+    for (int64_t m = 0; m < M; ++m) {
+      const float* e = emb_ + tok[m] * dim_;
+      for (int64_t i = 0; i < dim_; ++i) x_[m * dim_ + i] = e[i] * scale_;
+      longest = std::max(longest, pos[m] + 1);
+    }
     const int T = std::max(1, std::min<int>(at::get_num_threads(), 64));
     if (static_cast<int>(acts_.size()) < T) acts_.resize(T), norm_.resize(T);
-    const float* cs = cos_ + pos * D_;
-    const float* sn = sin_ + pos * D_;
-    const int64_t n = pos + 1, group = H_ / KV_, nqkv = (H_ + 2 * KV_) * D_;
     const bool whole = V_ % SPAN_OF_MAX == 0;  // the head's blocks of 128 logits
     const bool by_head = D_ % ROWS == 0;       // an attention head's outputs: whole blocks of 16
-    best_.resize((V_ + SPAN_OF_MAX - 1) / SPAN_OF_MAX), nan_.assign(T, 0);
+    best_.resize(M * nb), nan_.assign(T * M, 0);
     const float scale = 1.f / std::sqrt(static_cast<float>(D_));
+#if QKV_AMX
+    const bool tiles = M >= AMX_FROM && amx_ready();  // the 4-bit products take AMX tiles (for_rows)
+#endif
 #pragma omp parallel num_threads(T)
     {
       const int t = omp_get_thread_num(), nt = omp_get_num_threads();
       Activations& a = acts_[t];
       std::vector<float>& hv = norm_[t];
-      hv.resize(std::max({dim_, F_, group * n}) + H_ * D_);
+      const int64_t scratch = std::max({M * dim_, M * F_, group * longest});
+      hv.resize(scratch + M * H_ * D_);
       float* h = hv.data();
-      float* att = h + std::max({dim_, F_, group * n});  // the heads' outputs, merged by each thread
+      float* att = h + scratch;  // the heads' outputs, merged by each thread (M, H·D)
       const int64_t unit = by_head ? D_ / ROWS : 1, head_unit = whole ? SPAN_OF_MAX / ROWS : 1;
       const auto [q0, q1] = share(nqkv / ROWS / unit, t, nt);
       const auto [o0, o1] = share(dim_ / ROWS, t, nt);
       const auto [g0, g1] = share(F_ / ROWS, t, nt);
       const auto [v0, v1] = share(V_ / ROWS / head_unit, t, nt);
-      const auto [u0, u1] = share(2 * H_, t, nt);  // attention's units: 2 pieces of each query head
+      const auto [u0, u1] = share(M * 2 * H_, t, nt);  // attention's units: 2 pieces of each row's query heads
       const int64_t Gd = dim_ / GROUP, Ga = H_ * D_ / GROUP, Gf = F_ / GROUP;
+      // each thread quantises the rows it multiplies (M·576 values: cheaper than a barrier)
+      auto quantized = [&](const float* x, int64_t K, bool code_sums, bool four_bit) {
+        quantize_into(x, M, K, code_sums, a);
+        for_rows(a, four_bit);
+      };
+#if QKV_AMX
+      if (tiles) amx_begin(M);
+#endif
       for (int64_t l = 0; l < L_; ++l) {
         const DecoderLayer& Y = layers_[l];
-        float* kl = kc + l * KV_ * S * D_;
-        float* vl = vc + l * KV_ * S * D_;
-        rms_norm(x_.data(), Y.norm1, dim_, eps_, h);
-        quantize_into(h, 1, dim_, false, a);
+        for (int64_t m = 0; m < M; ++m) rms_norm(x_.data() + m * dim_, Y.norm1, dim_, eps_, h + m * dim_);
+        quantized(h, dim_, false, true);
         // q|k|v shared in whole heads where a head is whole blocks of 16: each thread then rotates
         // (or copies) the heads it computed, from its own cache, before the one barrier; else in
         // blocks, and the heads rotated after a second barrier
-        product_blocks<Q4>(Y.wqkv, Y.sqkv, a, q0 * unit, q1 * unit, qkv_.data(), Y.bqkv);
-        auto place = [&](int64_t j) {  // head j of q|k|v: its query rotated, its key rotated into the cache, its value copied
-          const float* x = qkv_.data() + j * D_;
+        product_blocks<Q4>(Y.wqkv, Y.sqkv, a, q0 * unit, q1 * unit, qkv_.data(), nqkv, Y.bqkv);
+        // head j of row m's q|k|v: its query rotated, its key rotated into the cache, its value copied
+        auto place = [&](int64_t m, int64_t j) {
+          const float* x = qkv_.data() + m * nqkv + j * D_;
+          const float* cs = cos_ + pos[m] * D_;
+          const float* sn = sin_ + pos[m] * D_;
+          const int64_t row = (l * R + m) * KV_;  // this layer's and row's first kv head in the cache
           if (j < H_) {
-            rope(x, cs, sn, D_, q_.data() + j * D_);
-            if (keep) std::memcpy(qk + (l * H_ + j) * D_, q_.data() + j * D_, D_ * sizeof(float));
+            float* qj = q_.data() + (m * H_ + j) * D_;
+            rope(x, cs, sn, D_, qj);
+            if (qk != nullptr) std::memcpy(qk + ((l * R + m) * H_ + j) * D_, qj, D_ * sizeof(float));
           } else if (j < H_ + KV_) {
-            rope(x, cs, sn, D_, kl + ((j - H_) * S + pos) * D_);
+            rope(x, cs, sn, D_, kc + ((row + j - H_) * S + pos[m]) * D_);
           } else {
-            std::memcpy(vl + ((j - H_ - KV_) * S + pos) * D_, x, D_ * sizeof(float));
+            std::memcpy(vc + ((row + j - H_ - KV_) * S + pos[m]) * D_, x, D_ * sizeof(float));
           }
         };
         if (by_head)
-          for (int64_t j = q0; j < q1; ++j) place(j);
+          for (int64_t m = 0; m < M; ++m)
+            for (int64_t j = q0; j < q1; ++j) place(m, j);
         warm<Q4>(Y.wo, Y.so, Ga, o0);  // asked again before attention's barrier; this one, before
         sync_.wait(nt);                // attention, measured 0.1-0.8% faster kept than dropped
         if (!by_head) {
           auto [p0, p1] = share(H_ + 2 * KV_, t, nt);
-          for (int64_t j = p0; j < p1; ++j) place(j);
+          for (int64_t m = 0; m < M; ++m)
+            for (int64_t j = p0; j < p1; ++j) place(m, j);
           sync_.wait(nt);
         }
-        // softmax(q·Kᵀ/√D)·V over positions 0..pos in two pieces, [0, n/2) and [n/2, n), each
-        // piece of a query head a unit of work; the units in the order (kv head, piece, query
-        // head) shared among the threads in even runs: each key and value row is read once, by
-        // one thread, for the query heads that share it (GQA), and the threads' shares are even
+        // softmax(q·Kᵀ/√D)·V over a row's positions 0..pos in two pieces, [0, n/2) and [n/2, n),
+        // each piece of a query head a unit of work; the units in the order (row, kv head, piece,
+        // query head) shared among the threads in even runs: each key and value row is read once,
+        // by one thread, for the query heads that share it (GQA), and the threads' shares are even
         // (by heads, 9 over 2 threads were 4 and 5, and a kv head's rows read by both). A piece
         // keeps its maximum score m, Σ e^(s-m) and Σ e^(s-m)·V, merged after the barrier. The
-        // pieces are the same on any thread count: so are the floats. Measured against the
-        // runs of whole heads (benchmarks/native_ab.py, issue 53): 0.999 of its time at positions
-        // 32-160, 0.962 at 400-528, 0.909 at 960-1088 (attention reads ~1 MB a layer there).
+        // pieces are the same on any thread count and in any batch: so are the floats. Measured
+        // against the runs of whole heads (benchmarks/native_ab.py, issue 53): 0.999 of its time at
+        // positions 32-160, 0.962 at 400-528, 0.909 at 960-1088 (attention reads ~1 MB a layer there).
         for (int64_t u = u0; u < u1;) {
-          const int64_t kv = u / (2 * group), piece = (u / group) % 2, i0 = u % group;
-          const int64_t end = std::min(u1, (u / group + 1) * group), r = end - u;
+          const int64_t m = u / (2 * H_), w0 = u % (2 * H_);
+          const int64_t kv = w0 / (2 * group), piece = (w0 / group) % 2, i0 = w0 % group;
+          const int64_t end = std::min(u1, (u / group + 1) * group), r = end - u;  // 2H: whole groups
+          const int64_t n = pos[m] + 1;
           const int64_t p0 = piece == 0 ? 0 : n / 2, len = piece == 0 ? n / 2 : n - n / 2;
-          float* out = piece_out_.data() + (piece * H_ + kv * group + i0) * D_;
+          const int64_t kvr = (l * R + m) * KV_ + kv;  // the cache's rows of this kv head
+          const int64_t first = (m * 2 + piece) * H_ + kv * group + i0;  // this run's first piece
+          float* out = piece_out_.data() + first * D_;
           for (int64_t i = 0; i < r; ++i) {
-            const int64_t j = kv * group + i0 + i;
             float* w = h + i * len;
             float top = -std::numeric_limits<float>::infinity(), total = 0.f;
             if (len > 0) {
-              scores(q_.data() + j * D_, kl + (kv * S + p0) * D_, len, D_, scale, w);
+              scores(q_.data() + (m * H_ + kv * group + i0 + i) * D_, kc + (kvr * S + p0) * D_, len, D_, scale, w);
               top = max_of(w, len);
               for (int64_t p = 0; p < len; ++p) w[p] = exp_approx(w[p] - top);
               total = sum_of(w, len);
             }
-            piece_max_[piece * H_ + j] = top, piece_sum_[piece * H_ + j] = total;
+            piece_max_[first + i] = top, piece_sum_[first + i] = total;
           }
           if (len > 0)
-            weighted_values(h, r, vl + (kv * S + p0) * D_, len, D_, out);
+            weighted_values(h, r, vc + (kvr * S + p0) * D_, len, D_, out);
           else
             std::fill(out, out + r * D_, 0.f);
           u = end;
         }
         warm<Q4>(Y.wo, Y.so, Ga, o0);
         sync_.wait(nt);
-        for (int64_t j = 0; j < H_; ++j) {  // every head's two pieces merged, by each thread for itself
-          const float m0 = piece_max_[j], m1 = piece_max_[H_ + j], top = std::max(m0, m1);
-          const float f0 = exp_approx(m0 - top), f1 = exp_approx(m1 - top);
-          const float inv = 1.f / (f0 * piece_sum_[j] + f1 * piece_sum_[H_ + j]);
-          const float *o0p = piece_out_.data() + j * D_, *o1p = piece_out_.data() + (H_ + j) * D_;
-          float* o = att + j * D_;
+        for (int64_t m = 0; m < M; ++m)  // every head's two pieces merged, by each thread for itself
+          for (int64_t j = 0; j < H_; ++j) {
+            const int64_t i0 = m * 2 * H_ + j, i1 = i0 + H_;
+            const float m0 = piece_max_[i0], m1 = piece_max_[i1], top = std::max(m0, m1);
+            const float f0 = exp_approx(m0 - top), f1 = exp_approx(m1 - top);
+            const float inv = 1.f / (f0 * piece_sum_[i0] + f1 * piece_sum_[i1]);
+            const float *o0p = piece_out_.data() + i0 * D_, *o1p = piece_out_.data() + i1 * D_;
+            float* o = att + (m * H_ + j) * D_;
 #pragma omp simd
-          for (int64_t d = 0; d < D_; ++d) o[d] = (f0 * o0p[d] + f1 * o1p[d]) * inv;
-        }
-        quantize_into(att, 1, H_ * D_, false, a);
-        product_blocks<Q4>(Y.wo, Y.so, a, o0, o1, o_.data(), Y.bo);
-        for (int64_t i = o0 * ROWS; i < o1 * ROWS; ++i) x_[i] += o_[i];
+            for (int64_t d = 0; d < D_; ++d) o[d] = (f0 * o0p[d] + f1 * o1p[d]) * inv;
+          }
+        quantized(att, H_ * D_, false, true);
+        product_blocks<Q4>(Y.wo, Y.so, a, o0, o1, o_.data(), dim_, Y.bo);
+        for (int64_t m = 0; m < M; ++m)
+          for (int64_t i = o0 * ROWS; i < o1 * ROWS; ++i) x_[m * dim_ + i] += o_[m * dim_ + i];
         warm<Q4>(Y.wgu, Y.sgu, Gd, g0);
         warm<Q4>(Y.wgu, Y.sgu, Gd, F_ / ROWS + g0);
         sync_.wait(nt);
-        rms_norm(x_.data(), Y.norm2, dim_, eps_, h);
-        quantize_into(h, 1, dim_, false, a);
-        product_blocks<Q4>(Y.wgu, Y.sgu, a, g0, g1, gu_.data(), nullptr);
-        product_blocks<Q4>(Y.wgu, Y.sgu, a, F_ / ROWS + g0, F_ / ROWS + g1, gu_.data(), nullptr);
-        const float* g = gu_.data();
-        const float* u = gu_.data() + F_;
+        for (int64_t m = 0; m < M; ++m) rms_norm(x_.data() + m * dim_, Y.norm2, dim_, eps_, h + m * dim_);
+        quantized(h, dim_, false, true);
+        product_blocks<Q4>(Y.wgu, Y.sgu, a, g0, g1, gu_.data(), 2 * F_, nullptr);
+        product_blocks<Q4>(Y.wgu, Y.sgu, a, F_ / ROWS + g0, F_ / ROWS + g1, gu_.data(), 2 * F_, nullptr);
+        for (int64_t m = 0; m < M; ++m) {
+          const float* g = gu_.data() + m * 2 * F_;
+          const float* u = g + F_;
+          float* am = a_.data() + m * F_;
 #pragma omp simd
-        for (int64_t i = g0 * ROWS; i < g1 * ROWS; ++i) a_[i] = g[i] / (1.f + exp_approx(-g[i])) * u[i];
+          for (int64_t i = g0 * ROWS; i < g1 * ROWS; ++i) am[i] = g[i] / (1.f + exp_approx(-g[i])) * u[i];
+        }
         warm<Q4>(Y.wd, Y.sd, Gf, o0);
         sync_.wait(nt);
-        quantize_into(a_.data(), 1, F_, false, a);
-        product_blocks<Q4>(Y.wd, Y.sd, a, o0, o1, o_.data(), nullptr);
-        for (int64_t i = o0 * ROWS; i < o1 * ROWS; ++i) x_[i] += o_[i];
+        quantized(a_.data(), F_, false, true);
+        product_blocks<Q4>(Y.wd, Y.sd, a, o0, o1, o_.data(), dim_, nullptr);
+        for (int64_t m = 0; m < M; ++m)
+          for (int64_t i = o0 * ROWS; i < o1 * ROWS; ++i) x_[m * dim_ + i] += o_[m * dim_ + i];
         if (l + 1 < L_)
           warm<Q4>(layers_[l + 1].wqkv, layers_[l + 1].sqkv, Gd, q0 * unit);
         else
           warm<Q8>(hw_, hs_, Gd, v0 * head_unit);
         sync_.wait(nt);
       }
-      rms_norm(x_.data(), final_norm_, dim_, eps_final_, h);
-      if (t == 0) std::memcpy(hf_.data(), h, dim_ * sizeof(float));
-      quantize_into(h, 1, dim_, true, a);
+#if QKV_AMX
+      if (tiles) _tile_release();
+#endif
+      for (int64_t m = 0; m < M; ++m)
+        rms_norm(x_.data() + m * dim_, final_norm_, dim_, eps_final_, h + m * dim_);
+      if (t == 0) std::memcpy(hf_.data(), h, M * dim_ * sizeof(float));
+      quantized(h, dim_, true, false);
       // the head's outputs shared in whole blocks of 128 where V allows: each thread then takes
       // the maxima of its own blocks and looks for a NaN in them where it has just written them
       // (in its own cache, not the other core's)
-      product_blocks<Q8>(hw_, hs_, a, v0 * head_unit, v1 * head_unit, y, hbias_);
-      if (whole) {
-        for (int64_t b = v0; b < v1; ++b) best_[b] = max_of(y + b * SPAN_OF_MAX, SPAN_OF_MAX);
-        nan_[t] = v1 > v0 && std::isnan(sum_of(y + v0 * SPAN_OF_MAX, (v1 - v0) * SPAN_OF_MAX));
-      }
+      product_blocks<Q8>(hw_, hs_, a, v0 * head_unit, v1 * head_unit, y, V_, hbias_);
+      if (whole)
+        for (int64_t m = 0; m < M; ++m) {
+          const float* ym = y + m * V_;
+          for (int64_t b = v0; b < v1; ++b) best_[m * nb + b] = max_of(ym + b * SPAN_OF_MAX, SPAN_OF_MAX);
+          nan_[t * M + m] = v1 > v0 && std::isnan(sum_of(ym + v0 * SPAN_OF_MAX, (v1 - v0) * SPAN_OF_MAX));
+        }
     }
-    bool nan = !whole && std::isnan(sum_of(y, V_));
-    for (int i = 0; i < T && whole; ++i) nan = nan || nan_[i];
-    cand_.clear();
-    if (topk_ > 0) refine(y, whole);
-    argmax_ = pick(y, nan);
-    return logits;
+    argmax_.resize(M);
+    for (int64_t m = 0; m < M; ++m) {
+      float* ym = y + m * V_;
+      bool nan = !whole && std::isnan(sum_of(ym, V_));
+      for (int i = 0; i < T && whole; ++i) nan = nan || nan_[i * M + m];
+      cand_.clear();
+      if (topk_ > 0) refine(ym, best_.data() + m * nb, hf_.data() + m * dim_, whole);
+      argmax_[m] = pick(ym, nan);
+    }
   }
 
-  // The index of the first largest of the last step's logits (torch.argmax), found in the step.
-  int64_t argmax() const { return argmax_; }
-
- private:
-  // The top_ largest of y (V,) recomputed in fp32 from the float matrix (TopKRefinedLinear): the
-  // largest of each block of 128 first; the k-th largest block maximum bounds the k-th value from
-  // below, so only blocks reaching it can hold the k largest.
-  // ready: best_ holds the block maxima already (the threads took them).
-  void refine(float* y, bool ready) {
+  // The top_ largest of y (V,) recomputed in fp32 from the float matrix (TopKRefinedLinear) and
+  // hf (dim,), the final norm's output: the largest of each block of 128 first; the k-th largest
+  // block maximum bounds the k-th value from below, so only blocks reaching it can hold the k
+  // largest. best: the block maxima, already taken by the threads where ready.
+  void refine(float* y, float* best, const float* hf, bool ready) {
     constexpr int64_t B = SPAN_OF_MAX;
     const int64_t k = std::min(topk_, V_), nb = (V_ + B - 1) / B;
-    std::vector<float>& best = best_;
     for (int64_t b = 0; b < nb && !ready; ++b) best[b] = max_of(y + b * B, std::min(V_, (b + 1) * B) - b * B);
     // fewer blocks than k: every block may hold some of the k largest
     floor_ = -std::numeric_limits<float>::infinity();
     float& floor = floor_;
     if (nb > k) {
-      std::vector<float> sorted(best);
+      std::vector<float> sorted(best, best + nb);
       std::nth_element(sorted.begin(), sorted.begin() + k - 1, sorted.end(), std::greater<float>());
       floor = sorted[k - 1];
     }
@@ -1654,7 +1745,7 @@ class Decoder : public torch::CustomClassHolder {
       for (int64_t d = 0; d < dim_; d += 16) __builtin_prefetch(exact_ + cand_[c].second * dim_ + d);
     for (int64_t c = 0; c < m; ++c) {
       const int64_t i = cand_[c].second;
-      const float s = dot(exact_ + i * dim_, hf_.data(), dim_);
+      const float s = dot(exact_ + i * dim_, hf, dim_);
       y[i] = hbias_ != nullptr ? s + hbias_[i] : s;
     }
   }
@@ -1688,12 +1779,12 @@ class Decoder : public torch::CustomClassHolder {
               *exact_ = nullptr;
   const uint8_t* hw_ = nullptr;
   const c10::Half* hs_ = nullptr;
-  std::vector<float> x_, qkv_, q_, o_, gu_, a_, hf_, best_;
-  std::vector<float> piece_max_, piece_sum_, piece_out_;  // attention's two pieces a head: (2, H), (2, H), (2, H, D)
+  std::vector<float> x_, qkv_, q_, o_, gu_, a_, hf_, best_;  // per row: (M, .)
+  std::vector<float> piece_max_, piece_sum_, piece_out_;  // attention's two pieces a head: (M, 2, H), (M, 2, H, D)
   std::vector<std::pair<float, int64_t>> cand_;  // refine's candidates (value, index)
   float floor_ = 0.f;                              // refine's bound: every other entry is below it
-  std::vector<char> nan_;                          // per thread: a NaN among its logits
-  int64_t argmax_ = 0;
+  std::vector<char> nan_;                          // per thread and row: a NaN among its logits
+  std::vector<int64_t> argmax_;                   // each row's, from the last step
   std::vector<Activations> acts_;
   std::vector<std::vector<float>> norm_;
   Barrier sync_;
@@ -1715,6 +1806,7 @@ QKV_LIBRARY(QKV_NAMESPACE, m) {
   m.class_<QKV_NAMESPACE::Decoder>("Decoder")
       .def(torch::init<std::vector<at::Tensor>, std::vector<int64_t>, std::vector<double>>())
       .def("step", &QKV_NAMESPACE::Decoder::step)
+      .def("step_rows", &QKV_NAMESPACE::Decoder::step_rows)
       .def("argmax", &QKV_NAMESPACE::Decoder::argmax);
 }
 QKV_LIBRARY_IMPL(QKV_NAMESPACE, CPU, m) {

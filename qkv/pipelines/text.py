@@ -25,7 +25,7 @@ import torch
 from torch import Tensor
 
 from qkv.generation import generate as generate_tokens
-from qkv.generation.builds import Decision, StepStatus, ensure, one_request_step, warn_once
+from qkv.generation.builds import Decision, StepStatus, ensure, saved_steps_wanted, warn_once
 from qkv.generation.decode import crop_prompt, text_pieces
 from qkv.generation.decoders import DecodeMode
 from qkv.generation.sampling import make_generator
@@ -201,13 +201,16 @@ class CausalLM(LayersAndHeads):
         """Build this model's saved decoding steps on this machine if it has none (what ``qkv
         prepare`` does; tens of seconds, once per model, weight format, thread count and
         machine), so that every later process decodes through them from its first token: ~3x the
-        eager speed (BENCHMARKS.md). The step of one request is built only where the native step
-        (:mod:`qkv.generation.native_step`: no set-up, faster still) does not run the model.
-        ``batch_rows`` >= 2 also builds the step of a running batch of that many rows over
-        ``batch_tokens`` positions (what ``qkv serve`` decodes with: 8 x 256 by default).
+        eager speed (BENCHMARKS.md). Nothing is built where the native step
+        (:mod:`qkv.generation.native_step`: no set-up, faster still) runs the model: it decodes
+        one request and a running batch's rows alike. Else the step of one request, and with
+        ``batch_rows`` >= 2 the step of a running batch of that many rows over ``batch_tokens``
+        positions (what ``qkv serve`` decodes with: 8 x 256 by default).
         Returns each built step's status, one request's first (a failure is a status, never an
         exception); ``on_stage`` is told each stage as it begins."""
-        out = [ensure(self.model, on_stage=on_stage)] if one_request_step(self.model) else []
+        if not saved_steps_wanted(self.model):
+            return []
+        out = [ensure(self.model, on_stage=on_stage)]
         if batch_rows >= 2:
             out.append(ensure(self.model, rows=batch_rows, cache_len=min(batch_tokens, self.context),
                               on_stage=on_stage))

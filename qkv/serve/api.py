@@ -483,10 +483,11 @@ class Explorer(LensEndpoints):
         """``lm``'s running batch, made on its first request (with one line, once, when this
         machine has no saved steps for it: it then decodes eagerly, about half the speed)."""
         def make() -> ModelBatch:
-            from qkv.generation.builds import status
+            from qkv.generation.builds import saved_steps_wanted, status
 
-            steps = [status(lm.model), status(lm.model, self.cfg.batch_rows, total)] \
-                if self.cfg.batch_rows > 1 else [status(lm.model)]
+            steps = [] if not saved_steps_wanted(lm.model) else \
+                [status(lm.model), status(lm.model, self.cfg.batch_rows, total)] if self.cfg.batch_rows > 1 \
+                else [status(lm.model)]
             missing = [st for st in steps if not st.ready]
             weights = "" if self.cfg.weights == "auto" else f" --weights {self.cfg.weights}"  # the step's key
             if missing:

@@ -258,7 +258,7 @@ def test_causal_lm_generate_over_a_list_equals_each_prompt_alone():
         assert lm.generate(prompts, 12, rows=3, mode=mode) == want
     sampled = [lm.generate(p, 10, temperature=1.0, seed=s) for p, s in zip(prompts, range(5), strict=True)]
     assert lm.generate(prompts, 10, temperature=1.0, seed=list(range(5)), rows=2) == sampled
-    with pytest.raises(ValueError, match="a running batch steps eagerly or through saved steps"):
+    with pytest.raises(ValueError, match="a running batch steps eagerly or through the native or saved"):
         lm.generate(prompts, 4, mode="jit")
     with pytest.raises(ValueError, match="mode must be one of 'auto', 'build', 'jit', 'eager', got 'fast'"):
         lm.generate(prompts, 4, mode="fast")

@@ -11,6 +11,7 @@ import pytest
 import torch
 from helpers import alone_then_joined, kernel_builds, single_thread
 
+from qkv.attention import BatchKVCache
 from qkv.generation import builds, generate
 from qkv.generation import native_step as ns
 from qkv.layers.quant import TopKRefinedLinear
@@ -302,19 +303,138 @@ def test_every_code_path_decodes_as_eager(other_builds, shape):
                 assert int(got.argmax()) == int(want.argmax()), name
 
 
-def test_a_row_alone_in_a_running_batch_steps_through_it():
-    """qkv serve's batch: a request alone steps through the native step (its keys copied into the
-    step's cache), back to the batched step when another joins, native again when alone; every
-    row's tokens are the eager ones alone."""
+def rows_case(m: GPT, lengths: list[int], R: int, seed: int = 3):
+    """A running batch's cache of R rows, row b holding a random prompt of lengths[b] tokens (the
+    eager model's keys and values), room for its queries; and one next token per row."""
+    cfg = m.cfg
+    g = torch.Generator().manual_seed(seed)
+    L, K, D, H = cfg.n_layers, cfg.resolved_kv_heads, cfg.resolved_head_dim, cfg.n_heads
+    cache = BatchKVCache(L, R, K, cfg.max_seq_len, D)
+    with torch.inference_mode():
+        for b, n in enumerate(lengths):
+            m(torch.randint(0, cfg.vocab_size, (1, n), generator=g), cache=cache.row(b))
+            cache.set_length(b, n)
+    cache.keep_queries(torch.zeros(L, R, H, 1, D))
+    return cache, torch.randint(0, cfg.vocab_size, (len(lengths),), generator=g)
+
+
+ROW_LENGTHS = {2: [5, 17], 5: [3, 40, 1, 22, 9], 13: [(7 * b) % 41 + 1 for b in range(13)]}
+
+
+@pytest.mark.parametrize("shape", ["gqa", "mqa, 18 heads", "head width 24", "qwen2 biases"])
+@pytest.mark.parametrize("n", [2, 5, 13])  # 13 rows: AMX tiles where this CPU has them (from 12)
+@pytest.mark.parametrize("threads", [1, 2])
+def test_a_running_batchs_rows_step_each_as_alone(shape, n, threads):
+    """step_rows: n rows at their own positions, each row's logits, keys, values and kept queries
+    those the one-row step gives it alone, bit for bit (the same integers and floats, rows or
+    not, on any thread count), and within the tolerance above of the eager model's logits."""
+    m = quantised(**SHAPES[shape])
+    dec = ns.NativeStep(m, 48)._bound.decoder
+    cache, tokens = rows_case(m, ROW_LENGTHS[n], R=16)
+    k, v, q = cache.k.clone(), cache.v.clone(), cache.queries.clone()
+    pos = torch.tensor(ROW_LENGTHS[n])
+    torch.set_num_threads(threads)
+    try:
+        rows = dec.step_rows(tokens, pos, k, v, q)
+    finally:
+        torch.set_num_threads(1)
+    assert rows.shape == (n, 1, V)
+    for b in range(n):
+        p = int(pos[b])
+        k1, v1 = cache.k[:, b : b + 1].clone(), cache.v[:, b : b + 1].clone()
+        q1 = torch.zeros_like(cache.queries[:, :1])
+        alone = dec.step(int(tokens[b]), p, k1, v1, q1)
+        assert torch.equal(rows[b], alone[0]), b
+        assert torch.equal(k[:, b], k1[:, 0]) and torch.equal(v[:, b], v1[:, 0])
+        assert torch.equal(q[:, b], q1[:, 0])
+        with torch.inference_mode():
+            c = m.make_cache(1, 48)
+            c.k[:, :, :, :p] = cache.k[:, b : b + 1, :, :p]
+            c.v[:, :, :, :p] = cache.v[:, b : b + 1, :, :p]
+            c.pos = p
+            want = m(tokens[b].view(1, 1), cache=c, last_only=True).logits[0]
+        assert (rows[b] - want).abs().max() <= TOLERANCE.get(shape, 1e-3) * want.abs().max(), b
+    untouched = torch.ones(16, dtype=torch.bool)
+    untouched[:n] = False  # the rows past n: as they were
+    assert torch.equal(k[:, untouched], cache.k[:, untouched])
+    assert torch.equal(q[:, untouched], cache.queries[:, untouched])
+
+
+def test_every_code_path_steps_rows_as_alone(other_builds):
+    """The AVX2 build's rows take its wide 16-bit products (two rows and more), the plain C++
+    build's its own loops: each row's logits still those of its one-row step, bit for bit."""
+    m = quantised()
+    tensors, ints, floats = ns._tensors(m)
+    cache, tokens = rows_case(m, ROW_LENGTHS[5], R=5)
+    pos = torch.tensor(ROW_LENGTHS[5])
+    for name, cls in other_builds.items():
+        dec = cls(tensors, ints, floats)
+        rows = dec.step_rows(tokens, pos, cache.k.clone(), cache.v.clone(), torch.empty(0))
+        for b in range(5):
+            alone = dec.step(int(tokens[b]), int(pos[b]), cache.k[:, b : b + 1].clone(),
+                             cache.v[:, b : b + 1].clone(), torch.empty(0))
+            assert torch.equal(rows[b], alone[0]), (name, b)
+
+
+def test_bad_rows_are_refused_with_the_reason():
+    m = quantised()
+    step = ns.NativeStep(m, 48)
+    dec = step._bound.decoder
+    cache, tokens = rows_case(m, [4, 6, 8], R=3)
+    k, v = cache.k, cache.v
+    pos = torch.tensor([4, 6, 8])
+    with pytest.raises(RuntimeError, match=r"tokens and positions must be \(n,\) int64"):
+        dec.step_rows(tokens, pos[:2], k, v, torch.empty(0))
+    with pytest.raises(RuntimeError, match="3 rows or more"):
+        dec.step_rows(tokens, pos, k[:, :2].contiguous(), v[:, :2].contiguous(), torch.empty(0))
+    with pytest.raises(RuntimeError, match="outside the vocabulary"):
+        dec.step_rows(torch.tensor([1, V, 2]), pos, k, v, torch.empty(0))
+    with pytest.raises(RuntimeError, match="position 48 outside the cache"):
+        dec.step_rows(tokens, torch.tensor([4, 48, 8]), k, v, torch.empty(0))
+    with pytest.raises(RuntimeError, match="the queries must be float32"):
+        dec.step_rows(tokens, pos, k, v, torch.zeros(2, 3, 4, 1, 8))
+    with pytest.raises(ValueError, match=r"takes \(n, 1\) tokens for n <= 3 rows"):
+        step.step_rows(torch.tensor([[1], [2], [3], [4]]), cache)
+    cache.set_length(1, 48)
+    with pytest.raises(ValueError, match="KVCache overflow: a row at position 48"):
+        step.step_rows(torch.tensor([[1], [2]]), cache)
+
+
+def test_a_running_batch_steps_every_row_through_it():
+    """qkv serve's batch: a request alone, a second joining, the first alone again: every step
+    through the native step in place (no copy into a one-row cache), each row's greedy tokens
+    the eager ones alone."""
     run = alone_then_joined(quantised(), V)
-    assert run.solo_after_alone == 5 and run.solo_kind is ns.NativeStep
-    assert run.solo_after_joined == 5 and run.batch.solo_steps > 5
+    assert run.solo_after_alone == 0 and run.solo_kind is None and run.batch.solo_steps == 0
+    assert run.batch.rows_steps == 23  # a step for each of the first row's 24 tokens but the prompt's
     assert run.rows == run.want
 
 
-def test_prepare_builds_no_one_request_step_for_a_model_it_runs():
-    """`qkv prepare` (and `qkv assets install smollm2`): nothing to build for one request of a
-    model the native step runs; said in a line; the command's status is ready."""
+def test_sampled_rows_in_a_batch_draw_what_each_draws_alone():
+    """Rows sampled with their own seeds in one running batch, joining as others leave: each
+    request's tokens are those generate gives it alone with that seed (the native one-row step:
+    the same logits bit for bit, the same uniforms)."""
+    from qkv.generation.batch import Request, generate_batch
+
+    m = quantised()
+    g = torch.Generator().manual_seed(8)
+    prompts = [torch.randint(0, V, (n,), generator=g).tolist() for n in (3, 9, 5, 14, 2)]
+    reqs = [Request(p, 10, temperature=1.0, top_k=20, seed=s) for s, p in enumerate(prompts)]
+    got: dict[int, list[int]] = {}
+    for i, tok in generate_batch(m, reqs, rows=3):
+        got.setdefault(i, []).append(tok.id)
+    for i, (p, r) in enumerate(zip(prompts, reqs, strict=True)):
+        said = []
+        alone = [int(t[0]) for t in generate(m, torch.tensor([p]), 10, temperature=1.0, top_k=20, seed=r.seed,
+                                             on_decision=said.append)]
+        assert said[0].kind == "native" and got[i] == alone, i
+    assert len({tuple(t) for t in got.values()}) > 1
+
+
+def test_prepare_builds_no_step_for_a_model_it_runs():
+    """`qkv prepare` (and `qkv assets install smollm2`): nothing to build for a model the native
+    step runs, neither one request's step nor a running batch's; said in a line; the command's
+    status is ready."""
     from qkv.commands.prepare import prepare
     from qkv.generation import aot
     from qkv.pipelines import CausalLM
@@ -322,12 +442,11 @@ def test_prepare_builds_no_one_request_step_for_a_model_it_runs():
     lm = CausalLM("tiny", quantised(), tokenizer=None, stored_as=("Q4_1",))
     lm.weights = "q4"
     lines: list[str] = []
-    done = prepare("tiny", lm, batch_rows=0, out=lines.append)
-    assert done == [] and lm.prepare(0) == []
-    assert lines[0] == ("tiny: one request decodes through the native step (qkv's kernels, no saved step "
-                        "to build)")
-    assert lines[-1] == "tiny: ready: nothing to build"
-    assert aot.load(lm.model) is None  # no saved step was built
+    done = prepare("tiny", lm, batch_rows=8, batch_tokens=32, out=lines.append)
+    assert done == [] and lm.prepare(8, 32) == []
+    assert lines == ["tiny: one request and a running batch's rows decode through the native step (qkv's "
+                     "kernels, no saved step to build)", "tiny: ready: nothing to build"]
+    assert aot.load(lm.model) is None and aot.load(lm.model, 32, 8) is None  # no saved step was built
 
 
 def test_a_binding_the_kernel_refuses_decodes_as_before(monkeypatch):
