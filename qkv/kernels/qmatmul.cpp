@@ -160,6 +160,10 @@ void amx_begin(int64_t M) {
   c.colsb[0] = c.colsb[1] = 32, c.rows[0] = c.rows[1] = r;
   c.colsb[2] = 64, c.rows[2] = 8;
   c.colsb[4] = c.colsb[5] = 64, c.rows[4] = c.rows[5] = r;
+  // the whole configuration an input of the instruction: GCC's builtin reads only its first byte
+  // as far as the optimiser knows, and once amx_begin was compiled out of line it dropped every
+  // other store (the tiles left unconfigured: the first tile load raised SIGILL)
+  asm volatile("" : : "m"(c) : "memory");
   _tile_loadconfig(&c);
 }
 #else
@@ -376,6 +380,54 @@ at::Tensor qmatmul(const at::Tensor& x, const at::Tensor& w, const at::Tensor& s
 
 // ---------------------------------------------------------------- 4-bit weights (GGUF's Q4_0, Q4_1)
 
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512F__)
+// MB rows of x (xq, xr, dx, sx from their first) against one block of 16 outputs, each row's 16
+// outputs in a register over all groups and the group's weights unpacked once for the MB rows,
+// read AHEAD groups early: the integers and float operations of the one-row path, in its order,
+// for each row. (Accumulated in memory a row and group at a time, with no prefetch, a running
+// batch's step of 2 rows took 2.4x one row's; measured in benchmarks/batch_rows.py, issue 53.)
+template <int MB>
+inline void block4_rows(const uint8_t* w, const c10::Half* dm, const int8_t* xq, const int8_t* xr, const float* dx,
+                        const float* sx, int64_t K, float* out) {
+  const int64_t G = K / GROUP;
+  const __m512i low = _mm512_set1_epi8(0x0F);
+  __m512 o[MB];
+  for (int i = 0; i < MB; ++i) o[i] = _mm512_loadu_ps(out + i * ROWS);
+  for (int64_t g = 0; g < G; ++g) {
+    const uint8_t* wp = w + g * 256;
+    prefetch(wp + AHEAD * 256, 256);
+    prefetch(dm + (g + AHEAD) * 32, 64);
+    __m512i lo[4], hi[4];
+    for (int c = 0; c < 4; ++c) {
+      const __m512i v = _mm512_loadu_si512(wp + c * 64);
+      lo[c] = _mm512_and_si512(v, low);
+      hi[c] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
+    }
+    const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(dm + g * 32)));
+    const __m512 z = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(dm + g * 32 + 16)));
+    for (int i = 0; i < MB; ++i) {
+      const int8_t* xp = xq + i * K + g * GROUP;
+      const int8_t* rp = xr + i * K + g * GROUP;
+      __m512i a0 = _mm512_setzero_si512(), a1 = _mm512_setzero_si512();
+      __m512i r0 = _mm512_setzero_si512(), r1 = _mm512_setzero_si512();
+      for (int c = 0; c < 4; ++c) {
+        a0 = _mm512_dpbusd_epi32(a0, lo[c], bcast4(xp + 8 * c));
+        a1 = _mm512_dpbusd_epi32(a1, hi[c], bcast4(xp + 8 * c + 4));
+        r0 = _mm512_dpbusd_epi32(r0, lo[c], bcast4(rp + 8 * c));
+        r1 = _mm512_dpbusd_epi32(r1, hi[c], bcast4(rp + 8 * c + 4));
+      }
+      // 256·<q, xq> + <q, xr>: |.| <= 257·60,960, well inside int32
+      const __m512i both =
+          _mm512_add_epi32(_mm512_slli_epi32(_mm512_add_epi32(a0, a1), 8), _mm512_add_epi32(r0, r1));
+      o[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(both), _mm512_mul_ps(d, _mm512_set1_ps(dx[i * G + g] * (1.f / 256.f))),
+                             o[i]);
+      o[i] = _mm512_fmadd_ps(z, _mm512_set1_ps(sx[i * G + g]), o[i]);
+    }
+  }
+  for (int i = 0; i < MB; ++i) _mm512_storeu_ps(out + i * ROWS, o[i]);
+}
+#endif
+
 // One block of 16 output rows for every row m of x; out (M, 16) accumulates.
 void block4(const uint8_t* w, const c10::Half* dm, const int8_t* xq, const int8_t* xr, const int16_t* x16,
             const float* dx, const float* sx, int64_t M, int64_t K, float* out, bool amx) {
@@ -453,35 +505,19 @@ void block4(const uint8_t* w, const c10::Half* dm, const int8_t* xq, const int8_
     return;
   }
 #endif
-  for (int64_t g = 0; g < G; ++g) {
-    const uint8_t* wp = w + g * 256;
-    __m512i lo[4], hi[4];
-    for (int c = 0; c < 4; ++c) {
-      const __m512i v = _mm512_loadu_si512(wp + c * 64);
-      lo[c] = _mm512_and_si512(v, low);
-      hi[c] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
-    }
-    const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(dm + g * 32)));
-    const __m512 z = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(dm + g * 32 + 16)));
-    for (int64_t m = 0; m < M; ++m) {
-      const int8_t* xp = xq + m * K + g * GROUP;
-      const int8_t* rp = xr + m * K + g * GROUP;
-      __m512i a0 = _mm512_setzero_si512(), a1 = _mm512_setzero_si512();
-      __m512i r0 = _mm512_setzero_si512(), r1 = _mm512_setzero_si512();
-      for (int c = 0; c < 4; ++c) {
-        a0 = _mm512_dpbusd_epi32(a0, lo[c], bcast4(xp + 8 * c));
-        a1 = _mm512_dpbusd_epi32(a1, hi[c], bcast4(xp + 8 * c + 4));
-        r0 = _mm512_dpbusd_epi32(r0, lo[c], bcast4(rp + 8 * c));
-        r1 = _mm512_dpbusd_epi32(r1, hi[c], bcast4(rp + 8 * c + 4));
-      }
-      // 256·<q, xq> + <q, xr>: |.| <= 257·60,960, well inside int32
-      const __m512i both =
-          _mm512_add_epi32(_mm512_slli_epi32(_mm512_add_epi32(a0, a1), 8), _mm512_add_epi32(r0, r1));
-      __m512 acc = _mm512_loadu_ps(out + m * ROWS);
-      acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(both), _mm512_mul_ps(d, _mm512_set1_ps(dx[m * G + g] * (1.f / 256.f))),
-                            acc);
-      acc = _mm512_fmadd_ps(z, _mm512_set1_ps(sx[m * G + g]), acc);
-      _mm512_storeu_ps(out + m * ROWS, acc);
+  for (int64_t m0 = 0; m0 < M; m0 += 8) {  // up to 8 rows at a time, their outputs in registers
+    const int8_t *xp = xq + m0 * K, *rp = xr + m0 * K;
+    const float *dp = dx + m0 * G, *sp = sx + m0 * G;
+    float* op = out + m0 * ROWS;
+    switch (std::min<int64_t>(8, M - m0)) {
+      case 1: block4_rows<1>(w, dm, xp, rp, dp, sp, K, op); break;
+      case 2: block4_rows<2>(w, dm, xp, rp, dp, sp, K, op); break;
+      case 3: block4_rows<3>(w, dm, xp, rp, dp, sp, K, op); break;
+      case 4: block4_rows<4>(w, dm, xp, rp, dp, sp, K, op); break;
+      case 5: block4_rows<5>(w, dm, xp, rp, dp, sp, K, op); break;
+      case 6: block4_rows<6>(w, dm, xp, rp, dp, sp, K, op); break;
+      case 7: block4_rows<7>(w, dm, xp, rp, dp, sp, K, op); break;
+      default: block4_rows<8>(w, dm, xp, rp, dp, sp, K, op); break;
     }
   }
 #elif defined(__AVX2__) && defined(__F16C__) && defined(__FMA__)
@@ -619,6 +655,46 @@ struct Q4 {
 //   ds float16 (N/16, K/32, 16): the 16 rows' d
 // y[n] = Σ_g d[n,g]·dx[g]/256·(256·<q, xq> + <q, xr>), where <q + 128, x> − 128·Σx = <q, x>.
 
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512F__)
+// MB rows of x (xq, xr, dx and the code sums sq, sr from their first) against one block: as
+// block4_rows, each row's outputs in a register over all groups, the weights read AHEAD early.
+template <int MB>
+inline void block8_rows(const uint8_t* w, const c10::Half* ds, const int8_t* xq, const int8_t* xr, const float* dx,
+                        const int32_t* sq, const int32_t* sr, int64_t K, float* out) {
+  const int64_t G = K / GROUP;
+  __m512 o[MB];
+  for (int i = 0; i < MB; ++i) o[i] = _mm512_loadu_ps(out + i * ROWS);
+  for (int64_t g = 0; g < G; ++g) {
+    const uint8_t* wp = w + g * 512;
+    prefetch(wp + AHEAD * 512, 512);
+    prefetch(ds + (g + AHEAD) * 16, 32);
+    __m512i v[8];
+    for (int c = 0; c < 8; ++c) v[c] = _mm512_loadu_si512(wp + c * 64);
+    const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(ds + g * 16)));
+    for (int i = 0; i < MB; ++i) {
+      const int8_t* xp = xq + i * K + g * GROUP;
+      const int8_t* rp = xr + i * K + g * GROUP;
+      __m512i a0 = _mm512_setzero_si512(), a1 = _mm512_setzero_si512();
+      __m512i r0 = _mm512_setzero_si512(), r1 = _mm512_setzero_si512();
+      for (int c = 0; c < 8; c += 2) {
+        a0 = _mm512_dpbusd_epi32(a0, v[c], bcast4(xp + 4 * c));
+        a1 = _mm512_dpbusd_epi32(a1, v[c + 1], bcast4(xp + 4 * c + 4));
+        r0 = _mm512_dpbusd_epi32(r0, v[c], bcast4(rp + 4 * c));
+        r1 = _mm512_dpbusd_epi32(r1, v[c + 1], bcast4(rp + 4 * c + 4));
+      }
+      // 256·(<q+128, xq> − 128·Σxq) + <q+128, xr> − 128·Σxr: |.| < 2^29
+      const int32_t offset = 128 * (256 * sq[i * G + g] + sr[i * G + g]);
+      const __m512i both = _mm512_sub_epi32(
+          _mm512_add_epi32(_mm512_slli_epi32(_mm512_add_epi32(a0, a1), 8), _mm512_add_epi32(r0, r1)),
+          _mm512_set1_epi32(offset));
+      o[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(both), _mm512_mul_ps(d, _mm512_set1_ps(dx[i * G + g] * (1.f / 256.f))),
+                             o[i]);
+    }
+  }
+  for (int i = 0; i < MB; ++i) _mm512_storeu_ps(out + i * ROWS, o[i]);
+}
+#endif
+
 void block8(const uint8_t* w, const c10::Half* ds, const int8_t* xq, const int8_t* xr, const int16_t* x16,
             const float* dx, const int32_t* sq, const int32_t* sr, int64_t M, int64_t K, float* out) {
   const int64_t G = K / GROUP;
@@ -651,31 +727,20 @@ void block8(const uint8_t* w, const c10::Half* ds, const int8_t* xq, const int8_
     _mm512_storeu_ps(out, o);
     return;
   }
-  for (int64_t g = 0; g < G; ++g) {
-    const uint8_t* wp = w + g * 512;
-    __m512i v[8];
-    for (int c = 0; c < 8; ++c) v[c] = _mm512_loadu_si512(wp + c * 64);
-    const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(ds + g * 16)));
-    for (int64_t m = 0; m < M; ++m) {
-      const int8_t* xp = xq + m * K + g * GROUP;
-      const int8_t* rp = xr + m * K + g * GROUP;
-      __m512i a0 = _mm512_setzero_si512(), a1 = _mm512_setzero_si512();
-      __m512i r0 = _mm512_setzero_si512(), r1 = _mm512_setzero_si512();
-      for (int c = 0; c < 8; c += 2) {
-        a0 = _mm512_dpbusd_epi32(a0, v[c], bcast4(xp + 4 * c));
-        a1 = _mm512_dpbusd_epi32(a1, v[c + 1], bcast4(xp + 4 * c + 4));
-        r0 = _mm512_dpbusd_epi32(r0, v[c], bcast4(rp + 4 * c));
-        r1 = _mm512_dpbusd_epi32(r1, v[c + 1], bcast4(rp + 4 * c + 4));
-      }
-      // 256·(<q+128, xq> − 128·Σxq) + <q+128, xr> − 128·Σxr: |.| < 2^29
-      const int32_t offset = 128 * (256 * sq[m * G + g] + sr[m * G + g]);
-      const __m512i both = _mm512_sub_epi32(
-          _mm512_add_epi32(_mm512_slli_epi32(_mm512_add_epi32(a0, a1), 8), _mm512_add_epi32(r0, r1)),
-          _mm512_set1_epi32(offset));
-      __m512 acc = _mm512_loadu_ps(out + m * ROWS);
-      acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(both), _mm512_mul_ps(d, _mm512_set1_ps(dx[m * G + g] * (1.f / 256.f))),
-                            acc);
-      _mm512_storeu_ps(out + m * ROWS, acc);
+  for (int64_t m0 = 0; m0 < M; m0 += 8) {  // up to 8 rows at a time, their outputs in registers
+    const int8_t *xp = xq + m0 * K, *rp = xr + m0 * K;
+    const float* dp = dx + m0 * G;
+    const int32_t *qp = sq + m0 * G, *rs = sr + m0 * G;
+    float* op = out + m0 * ROWS;
+    switch (std::min<int64_t>(8, M - m0)) {
+      case 1: block8_rows<1>(w, ds, xp, rp, dp, qp, rs, K, op); break;
+      case 2: block8_rows<2>(w, ds, xp, rp, dp, qp, rs, K, op); break;
+      case 3: block8_rows<3>(w, ds, xp, rp, dp, qp, rs, K, op); break;
+      case 4: block8_rows<4>(w, ds, xp, rp, dp, qp, rs, K, op); break;
+      case 5: block8_rows<5>(w, ds, xp, rp, dp, qp, rs, K, op); break;
+      case 6: block8_rows<6>(w, ds, xp, rp, dp, qp, rs, K, op); break;
+      case 7: block8_rows<7>(w, ds, xp, rp, dp, qp, rs, K, op); break;
+      default: block8_rows<8>(w, ds, xp, rp, dp, qp, rs, K, op); break;
     }
   }
 #elif defined(__AVX2__) && defined(__F16C__) && defined(__FMA__)
