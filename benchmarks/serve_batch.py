@@ -5,11 +5,12 @@ same rounds, one server at a time (the others idle):
 
 - ``qkv serve`` as it is now: every computation on one compute loop, requests on one model
   decoding together in one running batch (``--batch-rows 8``, :mod:`qkv.serve.batching`) through
-  the model's saved steps: one for a request alone, one for a running batch of 2-8 rows (built
-  first by the documented set-up, ``qkv prepare smollm2``, which ``qkv assets install smollm2``
-  runs); the attention row the page shows comes from the steps' kept queries;
-- ``qkv serve --batch-rows 1`` with saved steps off: one request at a time, eagerly, the rest
-  waiting (what a server without set-up and without batching gives);
+  the native step (every live row in one call a token; SmolLM2 q4 needs no set-up: the documented
+  one, ``qkv prepare smollm2``, which ``qkv assets install smollm2`` runs, says so and builds
+  nothing; a model the native step does not run decodes through the saved steps it builds); the
+  attention row the page shows comes from the steps' kept queries;
+- ``qkv serve --batch-rows 1`` with the native and saved steps off: one request at a time,
+  eagerly, the rest waiting (what a server without its steps and without batching gives);
 - llama.cpp's ``llama-server`` (``-np 8``: 8 slots, continuous batching; ``-t 2``), where it builds
   (``--build-llama-cpp`` builds it once, ~10 minutes).
 
@@ -104,9 +105,10 @@ class Server:
 
 
 class QkvServer(Server):
-    def __init__(self, name: str, runs: Path, batch_rows: int, saved_step: bool, clients: int = 8) -> None:
+    def __init__(self, name: str, runs: Path, batch_rows: int, steps: bool, clients: int = 8) -> None:
         port = free_port()
-        env = {**os.environ, "QKV_SAVED_STEP": "on" if saved_step else "off"}
+        on = "on" if steps else "off"  # the native and saved steps: off, "eager" is eager
+        env = {**os.environ, "QKV_SAVED_STEP": on, "QKV_NATIVE_STEP": on}
         argv = [sys.executable, "-m", "qkv", "serve", "--port", str(port), "--runs", str(runs),
                 "--batch-rows", str(batch_rows), "--max-queued", str(max(8, clients))]  # none is refused
         super().__init__(name, argv, "/api/models", port, env)
@@ -171,10 +173,10 @@ def main() -> int:
     runs = Path(tempfile.mkdtemp(prefix="qkv-serve-batch-"))
     binary, how = L.llama_tool("llama-server", build=args.build_llama_cpp)
     print(f"llama-server: {how}")
-    t0 = time.perf_counter()  # the documented set-up: the saved steps the server decodes with
+    t0 = time.perf_counter()  # the documented set-up: the steps the server decodes with, if any
     built = subprocess.run([sys.executable, "-m", "qkv", "prepare", "smollm2", "--batch-rows", "8",
                             "--max-tokens", str(MAX_TOKENS)], capture_output=True, text=True)
-    lines = [x for x in built.stderr.splitlines() if "saved step for" in x]
+    lines = [x for x in built.stderr.splitlines() if "saved step for" in x or "native step" in x]
     step_note = " ".join(lines) or f"rc {built.returncode}"
     print(f"qkv prepare smollm2: {step_note} ({time.perf_counter() - t0:.0f} s)")
     most = max(counts)

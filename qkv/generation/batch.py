@@ -236,7 +236,8 @@ class Batch:
 
     def _native_rows(self) -> NativeStep | None:
         """The native step, which takes every live row in place (one row or several; no set-up)
-        where it runs the model (:func:`qkv.generation.builds.native_for`), decided once per batch."""
+        where it runs the model (:func:`qkv.generation.builds.native_for`), decided at the first
+        step after each join (a request's start, as ``generate`` decides it for a request)."""
         if self._native is None:
             self._native = native_for(self.model, self.mode, self.cache_len) or False
         return self._native or None
@@ -406,8 +407,7 @@ class Batch:
         if prefilled is not None and (prefilled.request is not request or not prefilled.finished):
             raise ValueError("join(prefilled=) takes the finished prefill of this request")
         self._flush()
-        if self._native:
-            self._native.begin()  # rebound where the model's tensors changed since (a request's start)
+        self._native = None  # decided again at the next step (per request, as generate decides it)
         need = len(request.ids) + request.max_new_tokens
         if need > self.cache_len:
             self._grow(need)
