@@ -16,16 +16,16 @@ def add_assets_parser(sub) -> None:
         description="Without arguments: list the offline assets, whether each is installed, where, "
         "and its size. `qkv assets install NAME...` installs pinned versions with checked hashes; "
         "installing a decoder's weights (smollm2) also prepares it for this machine: qkv's decoding "
-        "kernels (~5 s) and its saved decoding steps (`qkv prepare smollm2`: 42 + 32 s measured on 2 "
-        "cores of a Zen 3, longer on a busy machine; once per machine), so that the first decoding "
-        "process is already fast.",
+        "kernels (10-14 s measured on 2 cores of an Emerald Rapids Xeon, once per machine) and, "
+        "where qkv's native step does not decode the model, its saved decoding steps (`qkv prepare "
+        "NAME`; SmolLM2 q4 needs none), so that the first decoding process is already fast.",
     )
     p.add_argument("action", nargs="?", choices=("list", "install"), default="list")
     p.add_argument("names", nargs="*", help="assets to install (see the list)")
     p.add_argument("--no-prepare", action="store_true",
-                   help="install a decoder's weights without building its saved decoding steps "
-                   "(`qkv prepare NAME` builds them later; until then qkv serve's running batch, and "
-                   "one request of a model the native step does not run, decode eagerly, ~3x slower)")
+                   help="install a decoder's weights without preparing its saved decoding steps "
+                   "(`qkv prepare NAME` does it later; until then a model the native step does not "
+                   "run decodes eagerly, ~3x slower; SmolLM2 q4 needs none)")
     p.set_defaults(func=cmd_assets)
 
 
@@ -88,9 +88,9 @@ def install_assets(names: Sequence[str], runner: assets.Runner | None = None,
 
 def prepare_steps(name: str) -> None:
     """``qkv prepare NAME`` with its defaults, for a bundled decoder just installed: its saved
-    decoding steps for this machine (qkv serve's running batch, and the one-request step where
-    the native step does not run the model). Never an error: a step that cannot be built is
-    said, and decoding stays eager."""
+    decoding steps for this machine where the native step does not run the model (one request's
+    and qkv serve's running batch's; none where it does, which it says). Never an error: a step
+    that cannot be built is said, and decoding stays eager."""
     import time
 
     from qkv.commands.prepare import prepare
@@ -107,8 +107,8 @@ def prepare_steps(name: str) -> None:
 
 def prepare_kernels() -> None:
     """Build qkv's decoding kernels for this CPU now (``qkv.kernels``: compiled once per machine,
-    ~5 s), so that the first ``qkv generate`` or ``qkv serve`` does not wait for the compiler, and
-    say which kernels decoding will use. Never an error: where they cannot be built (no
+    10-14 s on 2 cores), so that the first ``qkv generate`` or ``qkv serve`` does not wait for
+    the compiler, and say which kernels decoding will use. Never an error: where they cannot be built (no
     compiler, not x86-64, ``QKV_INT4_KERNEL=off``) decoding uses PyTorch's, as the line says."""
     import time
 

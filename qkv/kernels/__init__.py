@@ -10,8 +10,8 @@ library holds ``torch.classes.qkv.Decoder``: a Llama-shaped decoder's whole one-
 those products, bound to a model by :mod:`qkv.generation.native_step`, and the choice of the next
 token from a row of logits: ``qkv::argmax_rows`` (greedy) and ``qkv::sample_rows`` (temperature,
 top-k, top-p and the draw in one call; :func:`argmax_op`, :func:`sample_op`).
-:func:`int4_op` builds the library once per machine (``g++ -O3 -march=native``, ~5 s) into
-``<cache>/kernels``, keyed by the CPU, the compiler, torch's version and the source, and loads
+:func:`int4_op` builds the library once per machine (``g++ -O3 -march=native``, 10-14 s on 2
+cores) into ``<cache>/kernels``, keyed by the CPU, the compiler, torch's version and the source, and loads
 it into the process (``torch.ops.load_library``); :class:`~qkv.layers.quant.Int4Linear` and
 :class:`~qkv.layers.quant.Q8Linear` (a decoder's output head) use it where it loaded.
 
