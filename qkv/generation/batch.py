@@ -309,18 +309,15 @@ class Batch:
 
     def _solo_step(self, row: Row) -> tuple[Tensor, RowWeights | None] | None:
         """((1, V) logits of ``row``'s next token, its attention in the layers it asks for or
-        None) from the native step where it runs the model, else the saved step, when the row
-        may use it (alone, the step's cache long enough); else None."""
+        None) from the saved step for one request, when the row may use it (alone, the step's
+        cache long enough); else None. (Where the native step runs the model, every step takes it
+        in place instead: :meth:`_several`.)"""
         if self.mode is DecodeMode.EAGER or row is self._not_solo:
             return None
         if self._solo is None:
             n = self._cache.lengths[row.slot]
             need = n + row.request.max_new_tokens - len(row.new) + 1
-            step: StepDecoder | None = None
-            if need <= self.model.cfg.max_seq_len:  # as generate alone would
-                step = native_for(self.model, self.mode, need)
-            if step is None:
-                step = decide(self.model, self.mode, need=need).step
+            step: StepDecoder | None = decide(self.model, self.mode, need=need).step
             if step is None:
                 self._not_solo = row  # a decision per row, not per token
                 return None
@@ -345,6 +342,9 @@ class Batch:
         if self.mode is DecodeMode.EAGER:
             return None
         step: NativeStep | SavedStep | None = self._native_rows()
+        asked = self._layers([r.request for r in rows]) is not False
+        if step is not None and self._cache.queries is None and asked:
+            return None  # attention asked of a cache made without kept queries (the native step on since)
         if step is None:
             if self._cache.queries is None or len(rows) < 2:
                 return None

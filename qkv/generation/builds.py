@@ -338,8 +338,9 @@ def native_for(model: GPT, mode: DecodeMode | str, cache_len: int) -> native_ste
 def saved_steps_wanted(model: object) -> bool:
     """Whether ``model`` decodes through saved steps (so ``qkv prepare``, ``qkv serve
     --build-steps`` and :meth:`~qkv.pipelines.text.CausalLM.prepare` build them): not where the
-    native step runs it, which takes one request and every row of a running batch alike."""
-    return not (isinstance(model, GPT) and native_step.unsupported(model) is None)
+    native step runs it (:func:`native_for`: a model it takes, whose tensors the kernel accepts),
+    which takes one request and every row of a running batch alike."""
+    return not (isinstance(model, GPT) and native_for(model, DecodeMode.AUTO, 2) is not None)
 
 
 # --------------------------------------------------------------------------- saying it once

@@ -21,8 +21,10 @@ block's matrices 4-bit on qkv's kernel (:class:`~qkv.layers.quant.Int4Linear`,
 (:class:`~qkv.layers.quant.Q8Linear`, or the :class:`~qkv.layers.quant.TopKRefinedLinear` around
 it, whose top logits it recomputes in fp32 the same way): SmolLM2, Llama- and Qwen2-shaped
 GGUF files loaded with ``weights="q4"``. :func:`unsupported` says why any other model is not;
-it then decodes as before. One row at a time, float32 cache; the attention of a step is read
-back from the queries it keeps (:func:`~qkv.generation.decoders.attention_rows`).
+it then decodes as before. One row (:meth:`NativeStep.step`) or a running batch's live rows
+together (:meth:`NativeStep.step_rows`, each row's numbers those it gets alone), float32 cache;
+the attention of a step is read back from the queries it keeps
+(:func:`~qkv.generation.decoders.attention_rows`).
 
 Lectures: CS189 Lec 21-22 (a query against every cached key, the KV cache), CS231N Lec 8.
 Shapes: L layers, H query heads, K key/value heads, S cache length, D head width, V vocabulary.

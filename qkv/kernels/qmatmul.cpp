@@ -1536,6 +1536,8 @@ class Decoder : public torch::CustomClassHolder {
   // empty; returns the logits (1, 1, V).
   at::Tensor step(int64_t token, int64_t pos, const at::Tensor& k, const at::Tensor& v, const at::Tensor& q) {
     check_cache(k, v, q, 1);
+    TORCH_CHECK(k.size(1) == 1, "qkv::Decoder: step takes a one-row cache (layers, 1, K, S, D); rows of a "
+                "running batch: step_rows");
     check_row(token, pos, k.size(3));
     at::Tensor logits = at::empty({1, 1, V_}, k.options());
     run(1, &token, &pos, 1, k.size(3), k.data_ptr<float>(), v.data_ptr<float>(),
@@ -1552,9 +1554,10 @@ class Decoder : public torch::CustomClassHolder {
   at::Tensor step_rows(const at::Tensor& tokens, const at::Tensor& pos, const at::Tensor& k, const at::Tensor& v,
                        const at::Tensor& q) {
     TORCH_CHECK(tokens.dim() == 1 && tokens.scalar_type() == at::kLong && tokens.is_contiguous() &&
-                    pos.dim() == 1 && pos.scalar_type() == at::kLong && pos.is_contiguous() &&
-                    pos.size(0) == tokens.size(0) && tokens.size(0) >= 1,
-                "qkv::Decoder: tokens and positions must be (n,) int64, n >= 1");
+                    tokens.device().is_cpu() && pos.dim() == 1 && pos.scalar_type() == at::kLong &&
+                    pos.is_contiguous() && pos.device().is_cpu() && pos.size(0) == tokens.size(0) &&
+                    tokens.size(0) >= 1,
+                "qkv::Decoder: tokens and positions must be (n,) int64 on the CPU, n >= 1");
     const int64_t n = tokens.size(0);
     check_cache(k, v, q, n);
     const int64_t* tok = tokens.data_ptr<int64_t>();
@@ -1574,13 +1577,16 @@ class Decoder : public torch::CustomClassHolder {
   // k, v: float32 (layers, R, K, S, D), contiguous, R >= n rows; q: empty or (layers, R, H, 1, D).
   void check_cache(const at::Tensor& k, const at::Tensor& v, const at::Tensor& q, int64_t n) const {
     for (const at::Tensor* c : {&k, &v})
-      TORCH_CHECK(c->scalar_type() == at::kFloat && c->is_contiguous() && c->dim() == 5 && c->size(0) == L_ &&
-                      c->size(1) >= n && c->size(2) == KV_ && c->size(4) == D_ && c->sizes() == k.sizes(),
-                  "qkv::Decoder: the cache must be float32 (layers, rows, K, S, D), contiguous, ", n,
+      TORCH_CHECK(c->scalar_type() == at::kFloat && c->is_contiguous() && c->device().is_cpu() && c->dim() == 5 &&
+                      c->size(0) == L_ && c->size(1) >= n && c->size(2) == KV_ && c->size(4) == D_ &&
+                      c->sizes() == k.sizes(),
+                  "qkv::Decoder: the cache must be float32 (layers, rows, K, S, D) on the CPU, contiguous, ", n,
                   " rows or more");
     if (q.numel() > 0)
-      TORCH_CHECK(q.scalar_type() == at::kFloat && q.is_contiguous() && q.numel() == L_ * k.size(1) * H_ * D_,
-                  "qkv::Decoder: the queries must be float32 (layers, rows, H, 1, D), contiguous");
+      TORCH_CHECK(q.scalar_type() == at::kFloat && q.is_contiguous() && q.device().is_cpu() && q.dim() == 5 &&
+                      q.size(0) == L_ && q.size(1) == k.size(1) && q.size(2) == H_ && q.size(3) == 1 &&
+                      q.size(4) == D_,
+                  "qkv::Decoder: the queries must be float32 (layers, rows, H, 1, D) on the CPU, contiguous");
   }
 
   void check_row(int64_t token, int64_t pos, int64_t S) const {

@@ -318,19 +318,21 @@ def rows_case(m: GPT, lengths: list[int], R: int, seed: int = 3):
     return cache, torch.randint(0, cfg.vocab_size, (len(lengths),), generator=g)
 
 
-ROW_LENGTHS = {2: [5, 17], 5: [3, 40, 1, 22, 9], 13: [(7 * b) % 41 + 1 for b in range(13)]}
+ROW_LENGTHS = {n: [(7 * b + 2 * n) % 41 + 1 for b in range(n)] for n in (2, 5, 13, 20)}
 
 
 @pytest.mark.parametrize("shape", ["gqa", "mqa, 18 heads", "head width 24", "qwen2 biases"])
-@pytest.mark.parametrize("n", [2, 5, 13])  # 13 rows: AMX tiles where this CPU has them (from 12)
-@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("n", [2, 5, 13, 20])  # 13 and 20 rows: AMX tiles where this CPU has them
+@pytest.mark.parametrize("threads", [1, 2])    # (from 12; 20 rows: two chunks of 16, three of 8)
 def test_a_running_batchs_rows_step_each_as_alone(shape, n, threads):
     """step_rows: n rows at their own positions, each row's logits, keys, values and kept queries
     those the one-row step gives it alone, bit for bit (the same integers and floats, rows or
-    not, on any thread count), and within the tolerance above of the eager model's logits."""
+    not, on any thread count), within the tolerance above of the eager model's logits, and
+    nothing else of the cache written."""
     m = quantised(**SHAPES[shape])
     dec = ns.NativeStep(m, 48)._bound.decoder
-    cache, tokens = rows_case(m, ROW_LENGTHS[n], R=16)
+    R = 24
+    cache, tokens = rows_case(m, ROW_LENGTHS[n], R=R)
     k, v, q = cache.k.clone(), cache.v.clone(), cache.queries.clone()
     pos = torch.tensor(ROW_LENGTHS[n])
     torch.set_num_threads(threads)
@@ -347,6 +349,10 @@ def test_a_running_batchs_rows_step_each_as_alone(shape, n, threads):
         assert torch.equal(rows[b], alone[0]), b
         assert torch.equal(k[:, b], k1[:, 0]) and torch.equal(v[:, b], v1[:, 0])
         assert torch.equal(q[:, b], q1[:, 0])
+        other = torch.ones(48, dtype=torch.bool)
+        other[p] = False  # every other position of the row: as it was
+        assert torch.equal(k[:, b, :, other], cache.k[:, b, :, other])
+        assert torch.equal(v[:, b, :, other], cache.v[:, b, :, other])
         with torch.inference_mode():
             c = m.make_cache(1, 48)
             c.k[:, :, :, :p] = cache.k[:, b : b + 1, :, :p]
@@ -354,9 +360,10 @@ def test_a_running_batchs_rows_step_each_as_alone(shape, n, threads):
             c.pos = p
             want = m(tokens[b].view(1, 1), cache=c, last_only=True).logits[0]
         assert (rows[b] - want).abs().max() <= TOLERANCE.get(shape, 1e-3) * want.abs().max(), b
-    untouched = torch.ones(16, dtype=torch.bool)
+    untouched = torch.ones(R, dtype=torch.bool)
     untouched[:n] = False  # the rows past n: as they were
     assert torch.equal(k[:, untouched], cache.k[:, untouched])
+    assert torch.equal(v[:, untouched], cache.v[:, untouched])
     assert torch.equal(q[:, untouched], cache.queries[:, untouched])
 
 
@@ -393,11 +400,43 @@ def test_bad_rows_are_refused_with_the_reason():
         dec.step_rows(tokens, torch.tensor([4, 48, 8]), k, v, torch.empty(0))
     with pytest.raises(RuntimeError, match="the queries must be float32"):
         dec.step_rows(tokens, pos, k, v, torch.zeros(2, 3, 4, 1, 8))
+    with pytest.raises(RuntimeError, match="the queries must be float32"):  # the right count, wrong shape
+        dec.step_rows(tokens, pos, k, v, torch.zeros(2, 3, 1, 4, 8))
+    with pytest.raises(RuntimeError, match="int64 on the CPU"):
+        dec.step_rows(tokens.to("meta"), pos, k, v, torch.empty(0))
+    with pytest.raises(RuntimeError, match="step takes a one-row cache"):  # rows: step_rows
+        dec.step(1, 4, k, v, torch.empty(0))
     with pytest.raises(ValueError, match=r"takes \(n, 1\) tokens for n <= 3 rows"):
         step.step_rows(torch.tensor([[1], [2], [3], [4]]), cache)
     cache.set_length(1, 48)
     with pytest.raises(ValueError, match="KVCache overflow: a row at position 48"):
         step.step_rows(torch.tensor([[1], [2]]), cache)
+
+
+def test_attention_asked_of_a_batch_cache_without_queries_is_still_given(monkeypatch):
+    """A one-row batch made while the native step was off keeps no queries; turned on before a
+    request that asks for attention, its steps decode eagerly (the weights computed), not through
+    the native step without them: the tokens and weights of the eager batch."""
+    from qkv.generation.batch import Batch, Request
+
+    m = quantised()
+    req = Request([3, 9, 4], 6, weights=True, layers=(1,))
+
+    def run(mode: str) -> tuple[list[int], list]:
+        monkeypatch.setenv("QKV_NATIVE_STEP", "off")
+        b = Batch(m, 1, 40, mode=mode)
+        monkeypatch.delenv("QKV_NATIVE_STEP")
+        row, tok = b.join(req)
+        got = [tok]
+        while not row.done:
+            got += [t for _, t in b.step()]
+        return row.new, [t.weights[1] for t in got], b
+
+    ids, weights, b = run("auto")
+    want_ids, want_weights, _ = run("eager")
+    assert b._cache.queries is None and b.rows_steps == 0 and ids == want_ids
+    for a, w in zip(weights, want_weights, strict=True):
+        torch.testing.assert_close(a, w)
 
 
 def test_a_running_batch_steps_every_row_through_it():
@@ -468,3 +507,4 @@ def test_a_binding_the_kernel_refuses_decodes_as_before(monkeypatch):
     assert said[0].kind != "native" and len(asked) == 1  # it was tried, and refused
     run = alone_then_joined(m, V)
     assert len(asked) > 1 and run.solo_kind is not refuse and run.rows == run.want
+    assert builds.saved_steps_wanted(m)  # so qkv prepare builds the saved steps it then decodes with
