@@ -50,8 +50,10 @@ REQUESTS: list[tuple[str, str, dict]] = [
     ("lens", "/api/lens", {"model": "smollm2", "text": TEXT}),
     ("lens, heads knocked out", "/api/lens", {"model": "smollm2", "text": IOI[0],
                                              "ablate": [[3, 1], [10, 4]]}),
+    # the exact sweep (a forward pass per head): the estimate, /api/patch's default since issue 54,
+    # needs float weights and the server's SmolLM2 is q4 (it answers 422, saying so)
     ("patch", "/api/patch", {"model": "smollm2", "clean": IOI[0], "corrupt": IOI[1], "site": "head",
-                             "answer": " Mary", "wrong": " John"}),
+                             "answer": " Mary", "wrong": " John", "method": "exact"}),
     ("q·k", "/api/qk", {"model": "smollm2", "text": TEXT, "layer": 5, "head": 2, "query": 20}),
     ("attention", "/api/attention", {"model": "smollm2", "text": IOI[1], "layer": 4}),
     ("generate", "/api/generate", {"model": "smollm2", "prompt": "Once upon a time,", "max_new_tokens": 32,
