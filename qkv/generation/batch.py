@@ -209,7 +209,7 @@ class Batch:
             self._cache = self._make_cache(length)
         self._solo: tuple[Row, StepDecoder, KVCache] | None = None  # the row, its one-row step, its cache
         self._not_solo: Row | None = None  # the last row no one-row step could take (not asked again)
-        self.solo_steps = 0  # steps through a one-row step, native or saved (a count for tests, benchmarks)
+        self.solo_steps = 0  # steps through the one-request saved step (a count for tests, benchmarks)
         self._rows_step: SavedStep | None = None  # the saved step for several rows, once found
         self._native: NativeStep | bool | None = None  # the native step (False: none runs the model)
         self.rows_steps = 0  # steps taken through step_rows, native or saved (a count for tests, benchmarks)
@@ -342,8 +342,8 @@ class Batch:
         if self.mode is DecodeMode.EAGER:
             return None
         step: NativeStep | SavedStep | None = self._native_rows()
-        asked = self._layers([r.request for r in rows]) is not False
-        if step is not None and self._cache.queries is None and asked:
+        layers = self._layers([r.request for r in rows])
+        if step is not None and self._cache.queries is None and layers is not False:
             return None  # attention asked of a cache made without kept queries (the native step on since)
         if step is None:
             if self._cache.queries is None or len(rows) < 2:
@@ -357,7 +357,6 @@ class Batch:
         x = torch.tensor([[r.last] for r in rows], device=self.model.tok_emb.weight.device)
         logits = step.step_rows(x, self._cache)
         self.rows_steps += 1
-        layers = self._layers([r.request for r in rows])
         if layers is False:
             return logits, None
         return logits, step.attention(self._cache, layers, rows=len(rows))

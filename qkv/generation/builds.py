@@ -340,6 +340,7 @@ def saved_steps_wanted(model: object) -> bool:
     --build-steps`` and :meth:`~qkv.pipelines.text.CausalLM.prepare` build them): not where the
     native step runs it (:func:`native_for`: a model it takes, whose tensors the kernel accepts),
     which takes one request and every row of a running batch alike."""
+    # the cache length only sizes a request's cache (NativeStep.fits): any will do here
     return not (isinstance(model, GPT) and native_for(model, DecodeMode.AUTO, 2) is not None)
 
 

@@ -43,6 +43,7 @@
 #include <algorithm>
 #include <atomic>
 #include <thread>
+#include <type_traits>
 #include <functional>
 #include <utility>
 #include <cmath>
@@ -381,6 +382,24 @@ at::Tensor qmatmul(const at::Tensor& x, const at::Tensor& w, const at::Tensor& s
 // ---------------------------------------------------------------- 4-bit weights (GGUF's Q4_0, Q4_1)
 
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512F__)
+// f(m0, MB) for the rows of x in runs of up to 8 from m0, MB a compile-time count (an
+// std::integral_constant: the row kernels below keep MB rows' outputs in registers).
+template <class F>
+inline void in_eights(int64_t M, F&& f) {
+  for (int64_t m0 = 0; m0 < M; m0 += 8) {
+    switch (std::min<int64_t>(8, M - m0)) {
+      case 1: f(m0, std::integral_constant<int, 1>{}); break;
+      case 2: f(m0, std::integral_constant<int, 2>{}); break;
+      case 3: f(m0, std::integral_constant<int, 3>{}); break;
+      case 4: f(m0, std::integral_constant<int, 4>{}); break;
+      case 5: f(m0, std::integral_constant<int, 5>{}); break;
+      case 6: f(m0, std::integral_constant<int, 6>{}); break;
+      case 7: f(m0, std::integral_constant<int, 7>{}); break;
+      default: f(m0, std::integral_constant<int, 8>{}); break;
+    }
+  }
+}
+
 // MB rows of x (xq, xr, dx, sx from their first) against one block of 16 outputs, each row's 16
 // outputs in a register over all groups and the group's weights unpacked once for the MB rows,
 // read AHEAD groups early: the integers and float operations of the one-row path, in its order,
@@ -505,21 +524,9 @@ void block4(const uint8_t* w, const c10::Half* dm, const int8_t* xq, const int8_
     return;
   }
 #endif
-  for (int64_t m0 = 0; m0 < M; m0 += 8) {  // up to 8 rows at a time, their outputs in registers
-    const int8_t *xp = xq + m0 * K, *rp = xr + m0 * K;
-    const float *dp = dx + m0 * G, *sp = sx + m0 * G;
-    float* op = out + m0 * ROWS;
-    switch (std::min<int64_t>(8, M - m0)) {
-      case 1: block4_rows<1>(w, dm, xp, rp, dp, sp, K, op); break;
-      case 2: block4_rows<2>(w, dm, xp, rp, dp, sp, K, op); break;
-      case 3: block4_rows<3>(w, dm, xp, rp, dp, sp, K, op); break;
-      case 4: block4_rows<4>(w, dm, xp, rp, dp, sp, K, op); break;
-      case 5: block4_rows<5>(w, dm, xp, rp, dp, sp, K, op); break;
-      case 6: block4_rows<6>(w, dm, xp, rp, dp, sp, K, op); break;
-      case 7: block4_rows<7>(w, dm, xp, rp, dp, sp, K, op); break;
-      default: block4_rows<8>(w, dm, xp, rp, dp, sp, K, op); break;
-    }
-  }
+  in_eights(M, [&](int64_t m0, auto mb) {  // up to 8 rows at a time, their outputs in registers
+    block4_rows<decltype(mb)::value>(w, dm, xq + m0 * K, xr + m0 * K, dx + m0 * G, sx + m0 * G, K, out + m0 * ROWS);
+  });
 #elif defined(__AVX2__) && defined(__F16C__) && defined(__FMA__)
   const __m256i low = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
   if (x16 != nullptr) {  // M >= WIDE_FROM: int16 weights against 256·xq + xr
@@ -727,22 +734,10 @@ void block8(const uint8_t* w, const c10::Half* ds, const int8_t* xq, const int8_
     _mm512_storeu_ps(out, o);
     return;
   }
-  for (int64_t m0 = 0; m0 < M; m0 += 8) {  // up to 8 rows at a time, their outputs in registers
-    const int8_t *xp = xq + m0 * K, *rp = xr + m0 * K;
-    const float* dp = dx + m0 * G;
-    const int32_t *qp = sq + m0 * G, *rs = sr + m0 * G;
-    float* op = out + m0 * ROWS;
-    switch (std::min<int64_t>(8, M - m0)) {
-      case 1: block8_rows<1>(w, ds, xp, rp, dp, qp, rs, K, op); break;
-      case 2: block8_rows<2>(w, ds, xp, rp, dp, qp, rs, K, op); break;
-      case 3: block8_rows<3>(w, ds, xp, rp, dp, qp, rs, K, op); break;
-      case 4: block8_rows<4>(w, ds, xp, rp, dp, qp, rs, K, op); break;
-      case 5: block8_rows<5>(w, ds, xp, rp, dp, qp, rs, K, op); break;
-      case 6: block8_rows<6>(w, ds, xp, rp, dp, qp, rs, K, op); break;
-      case 7: block8_rows<7>(w, ds, xp, rp, dp, qp, rs, K, op); break;
-      default: block8_rows<8>(w, ds, xp, rp, dp, qp, rs, K, op); break;
-    }
-  }
+  in_eights(M, [&](int64_t m0, auto mb) {  // up to 8 rows at a time, their outputs in registers
+    block8_rows<decltype(mb)::value>(w, ds, xq + m0 * K, xr + m0 * K, dx + m0 * G, sq + m0 * G, sr + m0 * G, K,
+                                     out + m0 * ROWS);
+  });
 #elif defined(__AVX2__) && defined(__F16C__) && defined(__FMA__)
   const __m256i flip = _mm256_set1_epi8(static_cast<char>(0x80)), ones = _mm256_set1_epi16(1);
   if (x16 != nullptr) {  // M >= WIDE_FROM: int16 weights against 256·xq + xr
@@ -1634,7 +1629,8 @@ class Decoder : public torch::CustomClassHolder {
       const auto [v0, v1] = share(V_ / ROWS / head_unit, t, nt);
       const auto [u0, u1] = share(M * 2 * H_, t, nt);  // attention's units: 2 pieces of each row's query heads
       const int64_t Gd = dim_ / GROUP, Ga = H_ * D_ / GROUP, Gf = F_ / GROUP;
-      // each thread quantises the rows it multiplies (M·576 values: cheaper than a barrier)
+      // each thread quantises every row it multiplies, as the one-row step does (there 576 values
+      // cost less than a barrier; with M rows, M times as many: not measured against sharing them)
       auto quantized = [&](const float* x, int64_t K, bool code_sums, bool four_bit) {
         quantize_into(x, M, K, code_sums, a);
         for_rows(a, four_bit);

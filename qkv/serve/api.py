@@ -485,9 +485,11 @@ class Explorer(LensEndpoints):
         def make() -> ModelBatch:
             from qkv.generation.builds import saved_steps_wanted, status
 
-            steps = [] if not saved_steps_wanted(lm.model) else \
-                [status(lm.model), status(lm.model, self.cfg.batch_rows, total)] if self.cfg.batch_rows > 1 \
-                else [status(lm.model)]
+            steps = []
+            if saved_steps_wanted(lm.model):  # else the native step decodes it: nothing to say
+                steps = [status(lm.model)]
+                if self.cfg.batch_rows > 1:
+                    steps.append(status(lm.model, self.cfg.batch_rows, total))
             missing = [st for st in steps if not st.ready]
             weights = "" if self.cfg.weights == "auto" else f" --weights {self.cfg.weights}"  # the step's key
             if missing:
