@@ -213,6 +213,18 @@ def decode_rate(model, prompt, n_new: int, **kwargs) -> float:
     return (n_new - 1) / max(time.perf_counter() - t - first, 1e-9)
 
 
+def end_child(child: subprocess.Popen, timeout: float = 60) -> None:
+    """End a benchmark's child process that reads its work from stdin: its stdin closed (its loop
+    ends), waited for; killed if it has not ended within ``timeout`` seconds."""
+    if child.stdin is not None:
+        child.stdin.close()
+    try:
+        child.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        child.kill()
+        child.wait()
+
+
 def median(xs: Sequence[float]) -> float:
     return statistics.median(xs)
 

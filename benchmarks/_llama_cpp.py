@@ -72,6 +72,19 @@ def llama_bench(build: bool = True, log=print, native: bool = False,
     return llama_tool("llama-bench", build, log, native=native, avx2=avx2)
 
 
+def llama_bench_builds(build: bool = False, log=print) -> dict[str, Path]:
+    """Every llama-bench build found (or, with ``build``, built): "llama.cpp AVX2", "llama.cpp
+    portable", "llama.cpp native" -> its path; each one's line (how it was found, or why not) logged."""
+    found: dict[str, Path] = {}
+    for label, kw in (("llama.cpp AVX2", {"avx2": True}), ("llama.cpp portable", {}),
+                      ("llama.cpp native", {"native": True})):
+        binary, how = llama_bench(build=build, log=log, **kw)
+        log(f"{label}: {how}")
+        if binary is not None:
+            found[label] = binary
+    return found
+
+
 def llama_cpp_source(log=print) -> tuple[Path | None, str]:
     """(llama.cpp's source folder, how it was found): the ``vendor/llama.cpp`` of the
     llama-cpp-python sdist, downloaded with pip once and kept in the cache; or (None, why not)."""

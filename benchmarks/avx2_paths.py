@@ -74,7 +74,7 @@ def main() -> None:
         args.rounds, args.new_tokens = 1, 16
 
     import torch
-    from _llama_cpp import llama_bench, run_llama_bench
+    from _llama_cpp import llama_bench_builds, run_llama_bench
 
     from qkv.kernels import compile_library
 
@@ -117,13 +117,7 @@ def main() -> None:
             child.stdin.flush()
             return json.loads(child.stdout.readline())["rate"]
 
-        peers: dict[str, Path] = {}
-        for label, kw in (("llama.cpp AVX2", {"avx2": True}), ("llama.cpp portable", {}),
-                          ("llama.cpp native", {"native": True})):
-            binary, how = llama_bench(build=args.build_llama_cpp, **kw)
-            print(f"{label}: {how}", flush=True)
-            if binary is not None:
-                peers[label] = binary
+        peers = llama_bench_builds(build=args.build_llama_cpp, log=lambda line: print(line, flush=True))
         if "llama.cpp AVX2" not in peers:
             print("llama.cpp's AVX2 build is missing (--build-llama-cpp builds it): qkv's builds alone",
                   flush=True)
@@ -140,12 +134,7 @@ def main() -> None:
             line = ", ".join(f"{k} {v[-1]:.0f}" for k, v in rates.items())
             print(f"round {r + 1}: {line} tok/s", flush=True)
     finally:
-        child.stdin.close()
-        try:
-            child.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            child.kill()
-            child.wait()
+        C.end_child(child, timeout=30)
 
     def ratio(a: str, b: str) -> list[float] | None:
         return [x / y for x, y in zip(rates[a], rates[b], strict=True)] if b in rates else None

@@ -87,7 +87,13 @@ def main() -> None:
             t = time.perf_counter()
             compile_library(lib, namespace=f"qkv_ab{i}", source=src)
             torch.ops.load_library(str(lib))
-            decoders.append(getattr(torch.classes, f"qkv_ab{i}").Decoder(tensors, ints, floats))
+            cls = getattr(torch.classes, f"qkv_ab{i}").Decoder
+            try:
+                decoders.append(cls(tensors, ints, floats))
+            except RuntimeError as e:  # a kernel from before the tenth int (the far prefetches)
+                if "9 ints" not in str(e):
+                    raise
+                decoders.append(cls(tensors, ints[:9], floats))
             print(f"{v}: built in {time.perf_counter() - t:.0f} s", flush=True)
     cache = m.make_cache(1, last)
     positions = [first + (last - first) * i // 32 for i in range(32)]

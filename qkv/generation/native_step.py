@@ -24,7 +24,9 @@ GGUF files loaded with ``weights="q4"``. :func:`unsupported` says why any other 
 it then decodes as before. One row (:meth:`NativeStep.step`) or a running batch's live rows
 together (:meth:`NativeStep.step_rows`, each row's numbers those it gets alone), float32 cache;
 the attention of a step is read back from the queries it keeps
-(:func:`~qkv.generation.decoders.attention_rows`).
+(:func:`~qkv.generation.decoders.attention_rows`). A model whose weights outgrow the CPU's
+last-level cache (any model on an AMD EPYC's 32 MB of L3) streams them from DRAM: its products
+then ask for their weights into L2 further ahead as well (:func:`prefetch_far`).
 
 Lectures: CS189 Lec 21-22 (a query against every cached key, the KV cache), CS231N Lec 8.
 Shapes: L layers, H query heads, K key/value heads, S cache length, D head width, V vocabulary.
@@ -36,6 +38,7 @@ import os
 import threading
 import weakref
 from collections.abc import Collection
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -131,7 +134,44 @@ def _tensors(model: GPT) -> tuple[list[Tensor], list[int], list[float]]:
             first.mlp.hidden, cfg.vocab_size, head.k if isinstance(head, TopKRefinedLinear) else 0,
             int(cfg.embed_scale)]
     floats = [float(first.norm1.eps), float(model.stack.norm.eps)]
-    return tensors, ints, floats
+    return tensors, [*ints, int(prefetch_far(model))], floats
+
+
+def last_level_cache() -> int | None:
+    """Bytes of the largest cache this CPU reports (Linux's sysfs: the L3 of a core's CCD on an
+    AMD EPYC, the whole L3 of a Xeon as its guest sees it); None where none is reported."""
+    sizes = []
+    for f in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*/size"):
+        try:
+            text = f.read_text().strip()
+            sizes.append(int(text.rstrip("KMG")) * {"K": 2**10, "M": 2**20, "G": 2**30}.get(text[-1:], 1))
+        except (OSError, ValueError):
+            continue
+    return max(sizes) if sizes else None
+
+
+def weight_bytes(model: GPT) -> int:
+    """Bytes of weights one step reads: every block's 4-bit matrices and the 8-bit head."""
+    head = model.lm_head.approx if isinstance(model.lm_head, TopKRefinedLinear) else model.lm_head
+    mats = [m for b in model.stack.blocks for m in (b.attn.qkv, b.attn.out_proj, b.mlp.gate_up, b.mlp.down)]
+    return (sum(m.w4.nbytes + m.dm.nbytes for m in mats)
+            + (head.w8.nbytes + head.ds.nbytes if isinstance(head, Q8Linear) else 0))
+
+
+def prefetch_far(model: GPT) -> bool:
+    """Whether the step's products also ask for their weights into L2 three times as far ahead
+    (``FAR`` in qmatmul.cpp): where they outgrow the last-level cache and come from DRAM, which
+    the near prefetches alone may not keep busy. Not settled by measuring: on a Xeon decoding a
+    695 MB model 1.11x the tokens/s in a calm half hour (the AVX2 build's 1.13x), 1.00x and 1.04x
+    in noisy hours; from L3 it costs 0-4% of the step's time, so a model the cache holds goes
+    without (BENCHMARKS.md, issue 53). ``QKV_NATIVE_PREFETCH=far`` or ``near`` decides instead
+    (read when a model is bound: ``benchmarks/from_memory.py`` times both).
+    """
+    forced = os.environ.get("QKV_NATIVE_PREFETCH", "").lower()
+    if forced in ("far", "near"):
+        return forced == "far"
+    cache = last_level_cache()
+    return cache is not None and weight_bytes(model) > cache
 
 
 class _Binding:

@@ -65,6 +65,17 @@ constexpr int64_t ROWS = 16, GROUP = 32;
 // layers of SmolLM2's 4-bit shapes from memory: 4.08 -> 3.58 ms at 8 groups ahead (4: 3.82, 16:
 // 3.72); its int8 head 2.02 -> 1.80 ms.
 constexpr int64_t AHEAD = 8;
+// ... and, where the activations ask for it (Activations::far), into L2 FAR groups ahead: from
+// DRAM (a model larger than the last-level cache, as every model is on an AMD EPYC's 32 MB of L3
+// a CCD) the L1 prefetches alone may keep too few lines in flight while the core multiplies.
+// Measured on the Emerald Rapids Xeon with SmolLM2's blocks repeated to 695 MB, not settled: in
+// a calm half hour (by hand, 6 alternated rounds, every prefetch far) the AVX-512 build's native
+// step 1.11x the tokens/s (rounds 1.09-1.13), the AVX2 build's 1.13x (1.08-1.16), 4 AHEAD instead
+// of 3 0.98x of that; in a noisy hour 1.00x (0.86-1.08; benchmarks/from_memory.py) and 1.04x
+// (0.86-1.28, by hand). From L3 (SmolLM2 there) 0.9994x the step's time (native_ab.py, 150 blocks;
+// 1.039x in an earlier run): the decoder asks for it for a model larger than the last-level cache
+// only (qkv/generation/native_step.py: prefetch_far; QKV_NATIVE_PREFETCH=near turns it off).
+constexpr int64_t FAR = 3 * AHEAD;
 // The decoder's head: the largest logit of each block of this many first (its top-k and argmax).
 constexpr int64_t SPAN_OF_MAX = 128;
 // The decoder: bytes of a thread's next product asked for while it waits at a barrier (warm).
@@ -88,9 +99,13 @@ constexpr const char* PATH = "scalar";
 #if defined(__AVX2__) && defined(__F16C__) && defined(__FMA__)
 // The narrow AVX2 paths of block4 and block8 take one row (x16 is set from two rows on).
 static_assert(WIDE_FROM == 2, "the AVX2 one-row paths assume every product of two or more rows is wide");
-// Ask for the cache lines of bytes [p, p + n) ahead of their use (see AHEAD).
-inline void prefetch(const void* p, int64_t n) {
-  for (int64_t i = 0; i < n; i += 64) _mm_prefetch(static_cast<const char*>(p) + i, _MM_HINT_T0);
+// Ask for the cache lines of bytes [p, p + n) ahead of their use (see AHEAD), and with far, into
+// L2, those FAR groups ahead: p is AHEAD groups of n bytes ahead of the group in use.
+inline void prefetch(const void* p, int64_t n, bool far) {
+  const char* c = static_cast<const char*>(p);
+  for (int64_t i = 0; i < n; i += 64) _mm_prefetch(c + i, _MM_HINT_T0);
+  if (far)
+    for (int64_t i = 0; i < n; i += 64) _mm_prefetch(c + (FAR - AHEAD) * n + i, _MM_HINT_T1);
 }
 // 8 values of x from p as float32 (bfloat16: its bits are the top half of a float32's)
 inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
@@ -273,6 +288,7 @@ struct Activations {
   bool wide = false;         // x16 holds this call's values
   bool amx = false;          // the 4-bit products of this call take AMX tiles (xq, xr padded with
                              // zero rows to a multiple of 16, which the tiles read and discard)
+  bool far = false;          // the products also ask for their weights FAR groups ahead (see FAR)
 };
 
 // x (M, K) of type T quantised into a (its buffers sized to it; wide and amx unset): the ops' front
@@ -407,15 +423,15 @@ inline void in_eights(int64_t M, F&& f) {
 // batch's step of 2 rows took 2.4x one row's; measured in benchmarks/batch_rows.py, issue 53.)
 template <int MB>
 inline void block4_rows(const uint8_t* w, const c10::Half* dm, const int8_t* xq, const int8_t* xr, const float* dx,
-                        const float* sx, int64_t K, float* out) {
+                        const float* sx, int64_t K, float* out, bool far) {
   const int64_t G = K / GROUP;
   const __m512i low = _mm512_set1_epi8(0x0F);
   __m512 o[MB];
   for (int i = 0; i < MB; ++i) o[i] = _mm512_loadu_ps(out + i * ROWS);
   for (int64_t g = 0; g < G; ++g) {
     const uint8_t* wp = w + g * 256;
-    prefetch(wp + AHEAD * 256, 256);
-    prefetch(dm + (g + AHEAD) * 32, 64);
+    prefetch(wp + AHEAD * 256, 256, far);
+    prefetch(dm + (g + AHEAD) * 32, 64, far);
     __m512i lo[4], hi[4];
     for (int c = 0; c < 4; ++c) {
       const __m512i v = _mm512_loadu_si512(wp + c * 64);
@@ -449,7 +465,7 @@ inline void block4_rows(const uint8_t* w, const c10::Half* dm, const int8_t* xq,
 
 // One block of 16 output rows for every row m of x; out (M, 16) accumulates.
 void block4(const uint8_t* w, const c10::Half* dm, const int8_t* xq, const int8_t* xr, const int16_t* x16,
-            const float* dx, const float* sx, int64_t M, int64_t K, float* out, bool amx) {
+            const float* dx, const float* sx, int64_t M, int64_t K, float* out, bool amx, bool far) {
   const int64_t G = K / GROUP;
   (void)x16;  // read by the AVX2 path only
   (void)amx;  // read by the AMX path only
@@ -459,8 +475,8 @@ void block4(const uint8_t* w, const c10::Half* dm, const int8_t* xq, const int8_
     __m512 o = _mm512_loadu_ps(out);
     for (int64_t g = 0; g < G; ++g) {
       const uint8_t* wp = w + g * 256;
-      prefetch(wp + AHEAD * 256, 256);
-      prefetch(dm + (g + AHEAD) * 32, 64);
+      prefetch(wp + AHEAD * 256, 256, far);
+      prefetch(dm + (g + AHEAD) * 32, 64, far);
       const int8_t* xp = xq + g * GROUP;
       const int8_t* rp = xr + g * GROUP;
       __m512i a0 = _mm512_setzero_si512(), a1 = _mm512_setzero_si512();
@@ -525,7 +541,8 @@ void block4(const uint8_t* w, const c10::Half* dm, const int8_t* xq, const int8_
   }
 #endif
   in_eights(M, [&](int64_t m0, auto mb) {  // up to 8 rows at a time, their outputs in registers
-    block4_rows<decltype(mb)::value>(w, dm, xq + m0 * K, xr + m0 * K, dx + m0 * G, sx + m0 * G, K, out + m0 * ROWS);
+    block4_rows<decltype(mb)::value>(w, dm, xq + m0 * K, xr + m0 * K, dx + m0 * G, sx + m0 * G, K, out + m0 * ROWS,
+                                     far);
   });
 #elif defined(__AVX2__) && defined(__F16C__) && defined(__FMA__)
   const __m256i low = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
@@ -588,8 +605,8 @@ void block4(const uint8_t* w, const c10::Half* dm, const int8_t* xq, const int8_
   __m256 o[2] = {_mm256_loadu_ps(out), _mm256_loadu_ps(out + 8)};
   for (int64_t g = 0; g < G; ++g) {
     const uint8_t* wp = w + g * 256;
-    prefetch(wp + AHEAD * 256, 256);
-    prefetch(dm + (g + AHEAD) * 32, 64);
+    prefetch(wp + AHEAD * 256, 256, far);
+    prefetch(dm + (g + AHEAD) * 32, 64, far);
     int32_t xw[8], rw[8];
     std::memcpy(xw, xq + g * GROUP, sizeof(xw));
     std::memcpy(rw, xr + g * GROUP, sizeof(rw));
@@ -649,7 +666,7 @@ struct Q4 {
   static constexpr bool CODE_SUMS = false, TILES = true;
   static void block(const uint8_t* w, const c10::Half* dm, const Activations& a, float* out) {
     block4(w, dm, a.xq.data(), a.xr.data(), a.wide ? a.x16.data() : nullptr, a.dx.data(), a.sx.data(),
-           a.M, a.K, out, a.amx);
+           a.M, a.K, out, a.amx, a.far);
   }
 };
 
@@ -667,14 +684,14 @@ struct Q4 {
 // block4_rows, each row's outputs in a register over all groups, the weights read AHEAD early.
 template <int MB>
 inline void block8_rows(const uint8_t* w, const c10::Half* ds, const int8_t* xq, const int8_t* xr, const float* dx,
-                        const int32_t* sq, const int32_t* sr, int64_t K, float* out) {
+                        const int32_t* sq, const int32_t* sr, int64_t K, float* out, bool far) {
   const int64_t G = K / GROUP;
   __m512 o[MB];
   for (int i = 0; i < MB; ++i) o[i] = _mm512_loadu_ps(out + i * ROWS);
   for (int64_t g = 0; g < G; ++g) {
     const uint8_t* wp = w + g * 512;
-    prefetch(wp + AHEAD * 512, 512);
-    prefetch(ds + (g + AHEAD) * 16, 32);
+    prefetch(wp + AHEAD * 512, 512, far);
+    prefetch(ds + (g + AHEAD) * 16, 32, far);
     __m512i v[8];
     for (int c = 0; c < 8; ++c) v[c] = _mm512_loadu_si512(wp + c * 64);
     const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(ds + g * 16)));
@@ -703,7 +720,8 @@ inline void block8_rows(const uint8_t* w, const c10::Half* ds, const int8_t* xq,
 #endif
 
 void block8(const uint8_t* w, const c10::Half* ds, const int8_t* xq, const int8_t* xr, const int16_t* x16,
-            const float* dx, const int32_t* sq, const int32_t* sr, int64_t M, int64_t K, float* out) {
+            const float* dx, const int32_t* sq, const int32_t* sr, int64_t M, int64_t K, float* out,
+            bool far) {
   const int64_t G = K / GROUP;
   (void)x16;  // read by the AVX2 path only
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512F__)
@@ -711,8 +729,8 @@ void block8(const uint8_t* w, const c10::Half* ds, const int8_t* xq, const int8_
     __m512 o = _mm512_loadu_ps(out);
     for (int64_t g = 0; g < G; ++g) {
       const uint8_t* wp = w + g * 512;
-      prefetch(wp + AHEAD * 512, 512);
-      prefetch(ds + (g + AHEAD) * 16, 32);
+      prefetch(wp + AHEAD * 512, 512, far);
+      prefetch(ds + (g + AHEAD) * 16, 32, far);
       const int8_t* xp = xq + g * GROUP;
       const int8_t* rp = xr + g * GROUP;
       __m512i a0 = _mm512_setzero_si512(), a1 = _mm512_setzero_si512();
@@ -736,7 +754,7 @@ void block8(const uint8_t* w, const c10::Half* ds, const int8_t* xq, const int8_
   }
   in_eights(M, [&](int64_t m0, auto mb) {  // up to 8 rows at a time, their outputs in registers
     block8_rows<decltype(mb)::value>(w, ds, xq + m0 * K, xr + m0 * K, dx + m0 * G, sq + m0 * G, sr + m0 * G, K,
-                                     out + m0 * ROWS);
+                                     out + m0 * ROWS, far);
   });
 #elif defined(__AVX2__) && defined(__F16C__) && defined(__FMA__)
   const __m256i flip = _mm256_set1_epi8(static_cast<char>(0x80)), ones = _mm256_set1_epi16(1);
@@ -784,8 +802,8 @@ void block8(const uint8_t* w, const c10::Half* ds, const int8_t* xq, const int8_
   __m256 o[2] = {_mm256_loadu_ps(out), _mm256_loadu_ps(out + 8)};
   for (int64_t g = 0; g < G; ++g) {
     const uint8_t* wp = w + g * 512;
-    prefetch(wp + AHEAD * 512, 512);
-    prefetch(ds + (g + AHEAD) * 16, 32);
+    prefetch(wp + AHEAD * 512, 512, far);
+    prefetch(ds + (g + AHEAD) * 16, 32, far);
     int32_t xw[8], rw[8];
     std::memcpy(xw, xq + g * GROUP, sizeof(xw));
     std::memcpy(rw, xr + g * GROUP, sizeof(rw));
@@ -844,7 +862,7 @@ struct Q8 {
   static constexpr bool CODE_SUMS = true, TILES = false;
   static void block(const uint8_t* w, const c10::Half* ds, const Activations& a, float* out) {
     block8(w, ds, a.xq.data(), a.xr.data(), a.wide ? a.x16.data() : nullptr, a.dx.data(), a.sq.data(),
-           a.sr.data(), a.M, a.K, out);
+           a.sr.data(), a.M, a.K, out, a.far);
   }
 };
 
@@ -1468,11 +1486,14 @@ class Decoder : public torch::CustomClassHolder {
   //           head w (V/16, dim/32, 8, 64) u8, head ds (V/16, dim/32, 16) f16, head bias (V,) or empty,
   //           exact head matrix (V, dim) f32 or empty,
   //           then per layer: norm1, wqkv, sqkv, bqkv or empty, wo, so, bo or empty, norm2, wgu, sgu, wd, sd]
-  // ints: [layers, dim, heads, kv heads, head dim, mlp hidden, vocabulary, top-k (0: none), embed scale (0/1)]
+  // ints: [layers, dim, heads, kv heads, head dim, mlp hidden, vocabulary, top-k (0: none), embed scale (0/1),
+  //        and optionally far (0/1): the products also ask for their weights FAR groups ahead (see FAR)]
   // floats: [the blocks' norm eps, the final norm's eps]
   Decoder(std::vector<at::Tensor> tensors, std::vector<int64_t> ints, std::vector<double> floats)
       : held_(std::move(tensors)) {
-    TORCH_CHECK(ints.size() == 9 && floats.size() == 2, "qkv::Decoder: 9 ints and 2 floats");
+    TORCH_CHECK((ints.size() == 9 || ints.size() == 10) && floats.size() == 2,
+                "qkv::Decoder: 9 or 10 ints and 2 floats");
+    far_ = ints.size() == 10 && ints[9] != 0;
     L_ = ints[0], dim_ = ints[1], H_ = ints[2], KV_ = ints[3], D_ = ints[4], F_ = ints[5], V_ = ints[6];
     topk_ = ints[7], scale_ = ints[8] != 0 ? static_cast<float>(std::sqrt(static_cast<double>(dim_))) : 1.f;
     eps_ = static_cast<float>(floats[0]), eps_final_ = static_cast<float>(floats[1]);
@@ -1617,6 +1638,7 @@ class Decoder : public torch::CustomClassHolder {
     {
       const int t = omp_get_thread_num(), nt = omp_get_num_threads();
       Activations& a = acts_[t];
+      a.far = far_;
       std::vector<float>& hv = norm_[t];
       const int64_t scratch = std::max({M * dim_, M * F_, group * longest});
       hv.resize(scratch + M * H_ * D_);
@@ -1841,6 +1863,7 @@ class Decoder : public torch::CustomClassHolder {
   std::vector<at::Tensor> held_;  // the model's tensors, kept alive; read in place
   std::vector<DecoderLayer> layers_;
   int64_t L_ = 0, dim_ = 0, H_ = 0, KV_ = 0, D_ = 0, F_ = 0, V_ = 0, P_ = 0, topk_ = 0;
+  bool far_ = false;  // the products' prefetches also FAR groups ahead (a model from DRAM)
   float scale_ = 1.f, eps_ = 0.f, eps_final_ = 0.f;
   const float *emb_ = nullptr, *cos_ = nullptr, *sin_ = nullptr, *final_norm_ = nullptr, *hbias_ = nullptr,
               *exact_ = nullptr;

@@ -383,6 +383,40 @@ def test_every_code_path_steps_rows_as_alone(other_builds):
             assert torch.equal(rows[b], alone[0]), (name, b)
 
 
+def test_far_prefetches_follow_the_models_size_and_move_no_number(other_builds, monkeypatch):
+    """prefetch_far: a model whose weights a step reads (its blocks' 4-bit matrices and its 8-bit
+    head, counted here from the buffers' names) outgrow the last-level cache has its products ask
+    for them further ahead; QKV_NATIVE_PREFETCH decides instead. A prefetch moves no number: a
+    decoder bound either way gives the same logits, keys and values bit for bit, on one row and on
+    13 (AMX tiles where this CPU has them), on every build."""
+    m = quantised()
+    size = ns.weight_bytes(m)
+    read = ("w4", "dm", "w8", "ds")
+    assert size == sum(t.nbytes for n, t in m.named_buffers() if n.rsplit(".", 1)[-1] in read)
+    for cache_bytes, far in ((size - 1, True), (size, False), (None, False)):
+        monkeypatch.setattr(ns, "last_level_cache", lambda c=cache_bytes: c)
+        assert ns.prefetch_far(m) is far and ns._tensors(m)[1][9] == int(far), cache_bytes
+    monkeypatch.setenv("QKV_NATIVE_PREFETCH", "far")
+    assert ns.prefetch_far(m)  # (the cache is unknown here)
+    monkeypatch.setattr(ns, "last_level_cache", lambda: 1)
+    monkeypatch.setenv("QKV_NATIVE_PREFETCH", "near")
+    assert not ns.prefetch_far(m)
+    tensors, ints, floats = ns._tensors(m)
+    cache, tokens = rows_case(m, ROW_LENGTHS[13], R=13)
+    pos = torch.tensor(ROW_LENGTHS[13])
+    for name, cls in {"this CPU's": torch.classes.qkv.Decoder, **other_builds}.items():
+        got = []
+        for far in (0, 1):
+            dec = cls(tensors, [*ints[:9], far], floats)
+            k, v = cache.k.clone(), cache.v.clone()
+            rows = dec.step_rows(tokens, pos, k, v, torch.empty(0))
+            k1, v1 = cache.k[:, :1].clone(), cache.v[:, :1].clone()
+            one = dec.step(int(tokens[0]), int(pos[0]), k1, v1, torch.empty(0))
+            got.append((rows, k, v, one, k1, v1))
+        assert all(torch.equal(a, b) for a, b in zip(*got, strict=True)), name
+        assert not torch.equal(got[0][1], cache.k)  # (the step wrote its keys)
+
+
 def test_bad_rows_are_refused_with_the_reason():
     m = quantised()
     step = ns.NativeStep(m, 48)
