@@ -216,8 +216,11 @@ def decode_rate(model, prompt, n_new: int, **kwargs) -> float:
 def end_child(child: subprocess.Popen, timeout: float = 60) -> None:
     """End a benchmark's child process that reads its work from stdin: its stdin closed (its loop
     ends), waited for; killed if it has not ended within ``timeout`` seconds."""
-    if child.stdin is not None:
-        child.stdin.close()
+    try:
+        if child.stdin is not None:
+            child.stdin.close()
+    except OSError:  # it died with work unread (a broken pipe): wait for it all the same
+        pass
     try:
         child.wait(timeout=timeout)
     except subprocess.TimeoutExpired:

@@ -23,6 +23,7 @@ import subprocess
 import sys
 import tarfile
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 LLAMA_CPP_PYTHON = "llama-cpp-python==0.3.36"  # the sdist whose vendor/llama.cpp is built
@@ -72,7 +73,7 @@ def llama_bench(build: bool = True, log=print, native: bool = False,
     return llama_tool("llama-bench", build, log, native=native, avx2=avx2)
 
 
-def llama_bench_builds(build: bool = False, log=print) -> dict[str, Path]:
+def llama_bench_builds(build: bool = False, log: Callable[[str], None] = print) -> dict[str, Path]:
     """Every llama-bench build found (or, with ``build``, built): "llama.cpp AVX2", "llama.cpp
     portable", "llama.cpp native" -> its path; each one's line (how it was found, or why not) logged."""
     found: dict[str, Path] = {}

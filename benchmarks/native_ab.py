@@ -10,7 +10,8 @@ cache's keys and values as the prompt left them: the step's arithmetic, not a te
 per version: the median and mean ms a token over the blocks, and the median of its blocks' ratios
 to the first version's in the same block (below 1: faster). A revision's kernel must take the
 same ``Decoder(tensors, ints, floats)`` as this checkout's ``qkv.generation.native_step._tensors``
-gives (true from bc4c917 on).
+gives (true from bc4c917 on; a kernel from before the tenth int, the far prefetches, is given the
+first nine).
 
     python benchmarks/native_ab.py 0329dcb work            # the working tree against a commit
     python benchmarks/native_ab.py HEAD~1 HEAD --blocks 400

@@ -25,7 +25,8 @@ it then decodes as before. One row (:meth:`NativeStep.step`) or a running batch'
 together (:meth:`NativeStep.step_rows`, each row's numbers those it gets alone), float32 cache;
 the attention of a step is read back from the queries it keeps
 (:func:`~qkv.generation.decoders.attention_rows`). A model whose weights outgrow the CPU's
-last-level cache (any model on an AMD EPYC's 32 MB of L3) streams them from DRAM: its products
+last-level cache (SmolLM2 on an AMD EPYC whose threads share one CCD's 32 MB of L3) streams them
+from DRAM: its products
 then ask for their weights into L2 further ahead as well (:func:`prefetch_far`).
 
 Lectures: CS189 Lec 21-22 (a query against every cached key, the KV cache), CS231N Lec 8.
@@ -138,16 +139,29 @@ def _tensors(model: GPT) -> tuple[list[Tensor], list[int], list[float]]:
 
 
 def last_level_cache() -> int | None:
-    """Bytes of the largest cache this CPU reports (Linux's sysfs: the L3 of a core's CCD on an
-    AMD EPYC, the whole L3 of a Xeon as its guest sees it); None where none is reported."""
-    sizes = []
-    for f in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*/size"):
-        try:
-            text = f.read_text().strip()
-            sizes.append(int(text.rstrip("KMG")) * {"K": 2**10, "M": 2**20, "G": 2**30}.get(text[-1:], 1))
-        except (OSError, ValueError):
-            continue
-    return max(sizes) if sizes else None
+    """Bytes of last-level cache the CPUs this process may run on reach together (Linux's sysfs):
+    each distinct cache of the highest level counted once, over the CPUs of its affinity (an AMD
+    EPYC's L3 a CCD, summed where its threads span several CCDs; a Xeon's whole L3 as its guest
+    sees it); None where none is reported."""
+    try:
+        cpus = sorted(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        cpus = [0]
+    found: dict[tuple[int, str], int] = {}  # (level, the CPUs sharing it) -> bytes
+    for cpu in cpus:
+        for d in Path(f"/sys/devices/system/cpu/cpu{cpu}/cache").glob("index*"):
+            try:
+                level = int((d / "level").read_text())
+                shared = (d / "shared_cpu_list").read_text().strip()
+                text = (d / "size").read_text().strip()
+                size = int(text.rstrip("KMG")) * {"K": 2**10, "M": 2**20, "G": 2**30}.get(text[-1:], 1)
+            except (OSError, ValueError):
+                continue
+            found[(level, shared)] = size
+    if not found:
+        return None
+    top = max(level for level, _ in found)
+    return sum(size for (level, _), size in found.items() if level == top)
 
 
 def weight_bytes(model: GPT) -> int:
@@ -161,11 +175,12 @@ def weight_bytes(model: GPT) -> int:
 def prefetch_far(model: GPT) -> bool:
     """Whether the step's products also ask for their weights into L2 three times as far ahead
     (``FAR`` in qmatmul.cpp): where they outgrow the last-level cache and come from DRAM, which
-    the near prefetches alone may not keep busy. Not settled by measuring: on a Xeon decoding a
+    the near prefetches alone may not keep busy (the cache: :func:`last_level_cache`, every L3
+    the process's CPUs reach). Not settled by measuring: on a Xeon decoding a
     695 MB model 1.11x the tokens/s in a calm half hour (the AVX2 build's 1.13x), 1.00x and 1.04x
     in noisy hours; from L3 it costs 0-4% of the step's time, so a model the cache holds goes
     without (BENCHMARKS.md, issue 53). ``QKV_NATIVE_PREFETCH=far`` or ``near`` decides instead
-    (read when a model is bound: ``benchmarks/from_memory.py`` times both).
+    (read whenever a request binds the model: ``benchmarks/from_memory.py`` times both).
     """
     forced = os.environ.get("QKV_NATIVE_PREFETCH", "").lower()
     if forced in ("far", "near"):
@@ -184,7 +199,7 @@ class _Binding:
         self._stamp: tuple = ()
 
     def bind(self, model: GPT) -> None:
-        stamp = fingerprint(model)
+        stamp = (fingerprint(model), os.environ.get("QKV_NATIVE_PREFETCH", ""))  # (prefetch_far reads it)
         with self.lock:
             if stamp != self._stamp:
                 tensors, ints, floats = _tensors(model)
@@ -294,4 +309,4 @@ class NativeStep:
         pass
 
 
-__all__ = ["NativeStep", "enabled", "unsupported"]
+__all__ = ["NativeStep", "enabled", "last_level_cache", "prefetch_far", "unsupported", "weight_bytes"]

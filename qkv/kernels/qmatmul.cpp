@@ -70,8 +70,8 @@ constexpr int64_t AHEAD = 8;
 // a CCD) the L1 prefetches alone may keep too few lines in flight while the core multiplies.
 // Measured on the Emerald Rapids Xeon with SmolLM2's blocks repeated to 695 MB, not settled: in
 // a calm half hour (by hand, 6 alternated rounds, every prefetch far) the AVX-512 build's native
-// step 1.11x the tokens/s (rounds 1.09-1.13), the AVX2 build's 1.13x (1.08-1.16), 4 AHEAD instead
-// of 3 0.98x of that; in a noisy hour 1.00x (0.86-1.08; benchmarks/from_memory.py) and 1.04x
+// step 1.11x the tokens/s (rounds 1.09-1.13), the AVX2 build's 1.13x (1.08-1.16), 40 groups ahead
+// instead of 24 0.98x of that; in a noisy hour 1.00x (0.86-1.08; benchmarks/from_memory.py) and 1.04x
 // (0.86-1.28, by hand). From L3 (SmolLM2 there) 0.9994x the step's time (native_ab.py, 150 blocks;
 // 1.039x in an earlier run): the decoder asks for it for a model larger than the last-level cache
 // only (qkv/generation/native_step.py: prefetch_far; QKV_NATIVE_PREFETCH=near turns it off).
@@ -288,7 +288,9 @@ struct Activations {
   bool wide = false;         // x16 holds this call's values
   bool amx = false;          // the 4-bit products of this call take AMX tiles (xq, xr padded with
                              // zero rows to a multiple of 16, which the tiles read and discard)
-  bool far = false;          // the products also ask for their weights FAR groups ahead (see FAR)
+  bool far = false;          // the products also ask for their weights FAR groups ahead (see FAR;
+                             // the paths that prefetch: AVX512-VNNI's, AVX2's one row; not AMX tiles
+                             // nor AVX2's wide rows, which prefetch nothing)
 };
 
 // x (M, K) of type T quantised into a (its buffers sized to it; wide and amx unset): the ops' front

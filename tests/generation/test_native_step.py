@@ -389,6 +389,7 @@ def test_far_prefetches_follow_the_models_size_and_move_no_number(other_builds, 
     for them further ahead; QKV_NATIVE_PREFETCH decides instead. A prefetch moves no number: a
     decoder bound either way gives the same logits, keys and values bit for bit, on one row and on
     13 (AMX tiles where this CPU has them), on every build."""
+    monkeypatch.delenv("QKV_NATIVE_PREFETCH", raising=False)
     m = quantised()
     size = ns.weight_bytes(m)
     read = ("w4", "dm", "w8", "ds")
