@@ -26,8 +26,8 @@ together (:meth:`NativeStep.step_rows`, each row's numbers those it gets alone),
 the attention of a step is read back from the queries it keeps
 (:func:`~qkv.generation.decoders.attention_rows`). A model whose weights outgrow the CPU's
 last-level cache (SmolLM2 on an AMD EPYC whose threads share one CCD's 32 MB of L3) streams them
-from DRAM: its products
-then ask for their weights into L2 further ahead as well (:func:`prefetch_far`).
+from DRAM: its products then ask for their weights into L2 further ahead as well
+(:func:`prefetch_far`).
 
 Lectures: CS189 Lec 21-22 (a query against every cached key, the KV cache), CS231N Lec 8.
 Shapes: L layers, H query heads, K key/value heads, S cache length, D head width, V vocabulary.
@@ -182,11 +182,16 @@ def prefetch_far(model: GPT) -> bool:
     without (BENCHMARKS.md, issue 53). ``QKV_NATIVE_PREFETCH=far`` or ``near`` decides instead
     (read whenever a request binds the model: ``benchmarks/from_memory.py`` times both).
     """
-    forced = os.environ.get("QKV_NATIVE_PREFETCH", "").lower()
+    forced = _forced_prefetch()
     if forced in ("far", "near"):
         return forced == "far"
     cache = last_level_cache()
     return cache is not None and weight_bytes(model) > cache
+
+
+def _forced_prefetch() -> str:
+    """QKV_NATIVE_PREFETCH as :func:`prefetch_far` reads it (a binding's stamp holds it too)."""
+    return os.environ.get("QKV_NATIVE_PREFETCH", "").lower()
 
 
 class _Binding:
@@ -199,7 +204,7 @@ class _Binding:
         self._stamp: tuple = ()
 
     def bind(self, model: GPT) -> None:
-        stamp = (fingerprint(model), os.environ.get("QKV_NATIVE_PREFETCH", ""))  # (prefetch_far reads it)
+        stamp = (fingerprint(model), _forced_prefetch())
         with self.lock:
             if stamp != self._stamp:
                 tensors, ints, floats = _tensors(model)
