@@ -45,6 +45,7 @@
 #include <thread>
 #include <type_traits>
 #include <functional>
+#include <memory>
 #include <utility>
 #include <cmath>
 #include <cstring>
@@ -1224,6 +1225,43 @@ struct Barrier {
   }
 };
 
+// A product's units (blocks of 16 outputs, or heads) shared among the step's threads as they go:
+// each thread starts on its own share, share(n, t, T), and claims it a piece at a time (a third
+// of what is left, at least one unit) from its own word; a thread done with its share claims what
+// is left of the others' (each claim a compare-and-swap on that thread's word). A core slower for
+// the moment (another process, the host) is helped instead of waited for; a unit is computed by
+// one thread whichever, by the same code, so the floats are the same. A word holds the product's
+// number (epoch, counted alike by every thread) and the next unclaimed unit: a word still of an
+// earlier product stands for its share's start, so nothing is reset between products.
+struct alignas(64) Claim {
+  std::atomic<uint64_t> word{0};
+};
+constexpr int CLAIM_BITS = 24;  // units of a product < 2^24; the epoch in the word's other 40 bits
+inline bool claim(Claim& c, uint64_t epoch, int64_t start, int64_t end, int64_t& i, int64_t& n) {
+  uint64_t v = c.word.load(std::memory_order_relaxed);
+  for (;;) {
+    const int64_t at = (v >> CLAIM_BITS) == epoch ? static_cast<int64_t>(v & ((uint64_t{1} << CLAIM_BITS) - 1)) : start;
+    if (at >= end) return false;
+    const int64_t k = std::max<int64_t>(1, (end - at) / 3);
+    if (c.word.compare_exchange_weak(v, (epoch << CLAIM_BITS) | static_cast<uint64_t>(at + k),
+                                     std::memory_order_relaxed, std::memory_order_relaxed)) {
+      i = at, n = k;
+      return true;
+    }
+  }
+}
+// f(u0, u1) for every piece [u0, u1) of n units thread t of T claims in the product of this epoch,
+// from share (t + first) % T on (first: 0, its own; the tests' 1: every unit claimed across).
+template <class F>
+inline void claimed(Claim* claims, uint64_t epoch, int64_t n, int t, int T, int first, F&& f) {
+  for (int j = 0; j < T; ++j) {
+    const int o = (t + first + j) % T;
+    const auto [start, end] = share(n, o, T);
+    int64_t i = 0, k = 0;
+    while (claim(claims[o], epoch, start, end, i, k)) f(i, i + k);
+  }
+}
+
 struct DecoderLayer {
   const float *norm1 = nullptr, *norm2 = nullptr;
   const uint8_t *wqkv = nullptr, *wo = nullptr, *wgu = nullptr, *wd = nullptr;
@@ -1489,13 +1527,15 @@ class Decoder : public torch::CustomClassHolder {
   //           exact head matrix (V, dim) f32 or empty,
   //           then per layer: norm1, wqkv, sqkv, bqkv or empty, wo, so, bo or empty, norm2, wgu, sgu, wd, sd]
   // ints: [layers, dim, heads, kv heads, head dim, mlp hidden, vocabulary, top-k (0: none), embed scale (0/1),
-  //        and optionally far (0/1): the products also ask for their weights FAR groups ahead (see FAR)]
+  //        and optionally far (0/1): the products also ask for their weights FAR groups ahead (see FAR),
+  //        then first: the share each thread starts on, t + first (claimed; 0, its own, unless a test asks)]
   // floats: [the blocks' norm eps, the final norm's eps]
   Decoder(std::vector<at::Tensor> tensors, std::vector<int64_t> ints, std::vector<double> floats)
       : held_(std::move(tensors)) {
-    TORCH_CHECK((ints.size() == 9 || ints.size() == 10) && floats.size() == 2,
-                "qkv::Decoder: 9 or 10 ints and 2 floats");
-    far_ = ints.size() == 10 && ints[9] != 0;
+    TORCH_CHECK(ints.size() >= 9 && ints.size() <= 11 && floats.size() == 2,
+                "qkv::Decoder: 9 to 11 ints and 2 floats");
+    far_ = ints.size() >= 10 && ints[9] != 0;
+    first_ = ints.size() == 11 ? static_cast<int>(ints[10] & 63) : 0;
     L_ = ints[0], dim_ = ints[1], H_ = ints[2], KV_ = ints[3], D_ = ints[4], F_ = ints[5], V_ = ints[6];
     topk_ = ints[7], scale_ = ints[8] != 0 ? static_cast<float>(std::sqrt(static_cast<double>(dim_))) : 1.f;
     eps_ = static_cast<float>(floats[0]), eps_final_ = static_cast<float>(floats[1]);
@@ -1636,9 +1676,11 @@ class Decoder : public torch::CustomClassHolder {
 #if QKV_AMX
     const bool tiles = M >= AMX_FROM && amx_ready();  // the 4-bit products take AMX tiles (for_rows)
 #endif
+    Claim* claims = claims_.get();
 #pragma omp parallel num_threads(T)
     {
       const int t = omp_get_thread_num(), nt = omp_get_num_threads();
+      uint64_t epoch = epoch_;  // every thread counts the products alike
       Activations& a = acts_[t];
       a.far = far_;
       std::vector<float>& hv = norm_[t];
@@ -1669,7 +1711,6 @@ class Decoder : public torch::CustomClassHolder {
         // q|k|v shared in whole heads where a head is whole blocks of 16: each thread then rotates
         // (or copies) the heads it computed, from its own cache, before the one barrier; else in
         // blocks, and the heads rotated after a second barrier
-        product_blocks<Q4>(Y.wqkv, Y.sqkv, a, q0 * unit, q1 * unit, qkv_.data(), nqkv, Y.bqkv);
         // head j of row m's q|k|v: its query rotated, its key rotated into the cache, its value copied
         auto place = [&](int64_t m, int64_t j) {
           const float* x = qkv_.data() + m * nqkv + j * D_;
@@ -1686,9 +1727,12 @@ class Decoder : public torch::CustomClassHolder {
             std::memcpy(vc + ((row + j - H_ - KV_) * S + pos[m]) * D_, x, D_ * sizeof(float));
           }
         };
-        if (by_head)
-          for (int64_t m = 0; m < M; ++m)
-            for (int64_t j = q0; j < q1; ++j) place(m, j);
+        claimed(claims, ++epoch, nqkv / ROWS / unit, t, nt, first_, [&](int64_t u0, int64_t u1) {
+          product_blocks<Q4>(Y.wqkv, Y.sqkv, a, u0 * unit, u1 * unit, qkv_.data(), nqkv, Y.bqkv);
+          if (by_head)
+            for (int64_t m = 0; m < M; ++m)
+              for (int64_t j = u0; j < u1; ++j) place(m, j);
+        });
         warm<Q4>(Y.wo, Y.so, Ga, o0);  // asked again before attention's barrier; this one, before
         sync_.wait(nt);                // attention, measured 0.1-0.8% faster kept than dropped
         if (!by_head) {
@@ -1746,29 +1790,35 @@ class Decoder : public torch::CustomClassHolder {
             for (int64_t d = 0; d < D_; ++d) o[d] = (f0 * o0p[d] + f1 * o1p[d]) * inv;
           }
         quantized(att, H_ * D_, false, true);
-        product_blocks<Q4>(Y.wo, Y.so, a, o0, o1, o_.data(), dim_, Y.bo);
-        for (int64_t m = 0; m < M; ++m)
-          for (int64_t i = o0 * ROWS; i < o1 * ROWS; ++i) x_[m * dim_ + i] += o_[m * dim_ + i];
+        claimed(claims, ++epoch, dim_ / ROWS, t, nt, first_, [&](int64_t b0, int64_t b1) {
+          product_blocks<Q4>(Y.wo, Y.so, a, b0, b1, o_.data(), dim_, Y.bo);
+          for (int64_t m = 0; m < M; ++m)
+            for (int64_t i = b0 * ROWS; i < b1 * ROWS; ++i) x_[m * dim_ + i] += o_[m * dim_ + i];
+        });
         warm<Q4>(Y.wgu, Y.sgu, Gd, g0);
         warm<Q4>(Y.wgu, Y.sgu, Gd, F_ / ROWS + g0);
         sync_.wait(nt);
         for (int64_t m = 0; m < M; ++m) rms_norm(x_.data() + m * dim_, Y.norm2, dim_, eps_, h + m * dim_);
         quantized(h, dim_, false, true);
-        product_blocks<Q4>(Y.wgu, Y.sgu, a, g0, g1, gu_.data(), 2 * F_, nullptr);
-        product_blocks<Q4>(Y.wgu, Y.sgu, a, F_ / ROWS + g0, F_ / ROWS + g1, gu_.data(), 2 * F_, nullptr);
-        for (int64_t m = 0; m < M; ++m) {
-          const float* g = gu_.data() + m * 2 * F_;
-          const float* u = g + F_;
-          float* am = a_.data() + m * F_;
+        claimed(claims, ++epoch, F_ / ROWS, t, nt, first_, [&](int64_t b0, int64_t b1) {
+          product_blocks<Q4>(Y.wgu, Y.sgu, a, b0, b1, gu_.data(), 2 * F_, nullptr);
+          product_blocks<Q4>(Y.wgu, Y.sgu, a, F_ / ROWS + b0, F_ / ROWS + b1, gu_.data(), 2 * F_, nullptr);
+          for (int64_t m = 0; m < M; ++m) {
+            const float* g = gu_.data() + m * 2 * F_;
+            const float* u = g + F_;
+            float* am = a_.data() + m * F_;
 #pragma omp simd
-          for (int64_t i = g0 * ROWS; i < g1 * ROWS; ++i) am[i] = g[i] / (1.f + exp_approx(-g[i])) * u[i];
-        }
+            for (int64_t i = b0 * ROWS; i < b1 * ROWS; ++i) am[i] = g[i] / (1.f + exp_approx(-g[i])) * u[i];
+          }
+        });
         warm<Q4>(Y.wd, Y.sd, Gf, o0);
         sync_.wait(nt);
         quantized(a_.data(), F_, false, true);
-        product_blocks<Q4>(Y.wd, Y.sd, a, o0, o1, o_.data(), dim_, nullptr);
-        for (int64_t m = 0; m < M; ++m)
-          for (int64_t i = o0 * ROWS; i < o1 * ROWS; ++i) x_[m * dim_ + i] += o_[m * dim_ + i];
+        claimed(claims, ++epoch, dim_ / ROWS, t, nt, first_, [&](int64_t b0, int64_t b1) {
+          product_blocks<Q4>(Y.wd, Y.sd, a, b0, b1, o_.data(), dim_, nullptr);
+          for (int64_t m = 0; m < M; ++m)
+            for (int64_t i = b0 * ROWS; i < b1 * ROWS; ++i) x_[m * dim_ + i] += o_[m * dim_ + i];
+        });
         if (l + 1 < L_)
           warm<Q4>(layers_[l + 1].wqkv, layers_[l + 1].sqkv, Gd, q0 * unit);
         else
@@ -1785,13 +1835,16 @@ class Decoder : public torch::CustomClassHolder {
       // the head's outputs shared in whole blocks of 128 where V allows: each thread then takes
       // the maxima of its own blocks and looks for a NaN in them where it has just written them
       // (in its own cache, not the other core's)
-      product_blocks<Q8>(hw_, hs_, a, v0 * head_unit, v1 * head_unit, y, V_, hbias_);
-      if (whole)
-        for (int64_t m = 0; m < M; ++m) {
-          const float* ym = y + m * V_;
-          for (int64_t b = v0; b < v1; ++b) best_[m * nb + b] = max_of(ym + b * SPAN_OF_MAX, SPAN_OF_MAX);
-          nan_[t * M + m] = v1 > v0 && std::isnan(sum_of(ym + v0 * SPAN_OF_MAX, (v1 - v0) * SPAN_OF_MAX));
-        }
+      claimed(claims, ++epoch, V_ / ROWS / head_unit, t, nt, first_, [&](int64_t u0, int64_t u1) {
+        product_blocks<Q8>(hw_, hs_, a, u0 * head_unit, u1 * head_unit, y, V_, hbias_);
+        if (whole)
+          for (int64_t m = 0; m < M; ++m) {
+            const float* ym = y + m * V_;
+            for (int64_t b = u0; b < u1; ++b) best_[m * nb + b] = max_of(ym + b * SPAN_OF_MAX, SPAN_OF_MAX);
+            if (std::isnan(sum_of(ym + u0 * SPAN_OF_MAX, (u1 - u0) * SPAN_OF_MAX))) nan_[t * M + m] = 1;
+          }
+      });
+      if (t == 0) epoch_ = epoch;  // read after the parallel region (its end joins the threads)
     }
     argmax_.resize(M);
     for (int64_t m = 0; m < M; ++m) {
@@ -1880,6 +1933,9 @@ class Decoder : public torch::CustomClassHolder {
   std::vector<Activations> acts_;
   std::vector<std::vector<float>> norm_;
   Barrier sync_;
+  std::unique_ptr<Claim[]> claims_{new Claim[64]};  // a word per thread (at most 64), see claimed
+  uint64_t epoch_ = 0;                               // the products claimed so far
+  int first_ = 0;                                    // claimed's first share: t + first_
 };
 
 }  // namespace QKV_NAMESPACE

@@ -203,6 +203,37 @@ def test_any_thread_count_gives_the_same_numbers():
         assert torch.equal(a, b)  # each block and head is one thread's work, in one order
 
 
+@pytest.mark.parametrize("shape", ["gqa", "head width 24", "qwen2 biases"])
+@pytest.mark.parametrize(("threads", "first"), [(2, 1), (3, 1), (3, 2)])
+def test_units_claimed_across_threads_give_the_same_numbers(shape, threads, first):
+    """A product's units go to whichever thread claims them (``claimed`` in qmatmul.cpp): with
+    each thread starting on another's share (the decoder's 11th int), every unit is first claimed
+    by a thread other than its share's, and a thread takes what is left of the others'. One row
+    and five, over a head of 16 blocks of 128 logits (their maxima and NaN check taken per
+    piece): logits, keys, values and queries equal the one-thread step's, bit for bit."""
+    m = quantised(vocab_size=2048, **SHAPES[shape])
+    tensors, ints, floats = ns._tensors(m)
+    assert len(ints) == 10
+    own = torch.classes.qkv.Decoder(tensors, ints, floats)
+    across = torch.classes.qkv.Decoder(tensors, [*ints, first], floats)
+    cache, tokens = rows_case(m, ROW_LENGTHS[5], R=5)
+    pos = torch.tensor(ROW_LENGTHS[5])
+    want = [cache.k.clone(), cache.v.clone(), cache.queries.clone()]
+    logits = own.step_rows(tokens, pos, *want)  # one thread (the module's fixture)
+    torch.set_num_threads(threads)
+    try:
+        got = [cache.k.clone(), cache.v.clone(), cache.queries.clone()]
+        rows = across.step_rows(tokens, pos, *got)
+        one = [c[:, :1].clone() for c in (cache.k, cache.v, cache.queries)]
+        alone = [across.step(int(tokens[0]), int(pos[0]), *one) for _ in range(3)][-1]
+    finally:
+        torch.set_num_threads(1)
+    assert torch.equal(rows, logits)
+    assert torch.equal(alone[0], logits[0])
+    for a, b, c in zip(got, want, one, strict=True):
+        assert torch.equal(a, b) and torch.equal(c[:, 0], b[:, 0])
+
+
 def test_generate_takes_it_by_default_with_the_eager_tokens():
     m = quantised()
     x = torch.randint(0, V, (1, 6), generator=torch.Generator().manual_seed(5))
