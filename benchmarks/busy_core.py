@@ -73,12 +73,14 @@ for line in sys.stdin:
     print(json.dumps({"rate": C.decode_rate(lm.model, x, int(line), temperature=0.0)}), flush=True)
 """
 
-# The other work: argv: the CPU, the busy fraction of each 4 ms. Runs until it is ended.
+# The other work: argv: the CPU, the busy fraction of each 4 ms, this script's pid. Runs until it is
+# ended, or until this script is gone (killed before its cleanup ran: the hog is then another
+# process's child and stops by itself).
 HOG = """
 import os, sys, time
 os.sched_setaffinity(0, {int(sys.argv[1])})
-busy = 0.004 * float(sys.argv[2])
-while True:
+busy, parent = 0.004 * float(sys.argv[2]), int(sys.argv[3])
+while os.getppid() == parent:
     t = time.perf_counter()
     while time.perf_counter() - t < busy:
         pass
@@ -105,8 +107,9 @@ def end_hog(hog: subprocess.Popen) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--rounds", type=int, default=5)
-    ap.add_argument("--new-tokens", type=int, default=128)
+    ap.add_argument("--rounds", type=int, default=5, help="rounds, each idle and busy (default 5)")
+    ap.add_argument("--new-tokens", type=int, default=128,
+                    help="tokens each decoder decodes a round (default 128)")
     ap.add_argument("--busy", type=float, default=0.5,
                     help="the fraction of every 4 ms the other work spins on the last CPU (default 0.5)")
     ap.add_argument("--against", default=FIXED_SHARES,
@@ -114,10 +117,12 @@ def main() -> None:
                          f"(default {FIXED_SHARES}, the last with fixed shares)")
     ap.add_argument("--build-llama-cpp", action="store_true",
                     help="build llama.cpp's llama-bench where it is not built (~10 minutes each)")
-    ap.add_argument("--out", default=None)
+    ap.add_argument("--out", default=None, help="results JSON (default benchmarks/results/busy_core.json)")
     args = ap.parse_args()
+    if args.rounds < 1 or args.new_tokens < 2:
+        ap.error("--rounds must be at least 1 and --new-tokens at least 2")
     if not 0 <= args.busy < 1:
-        raise SystemExit(f"--busy is a fraction of each 4 ms in [0, 1), got {args.busy}")
+        ap.error(f"--busy is a fraction of each 4 ms in [0, 1), got {args.busy}")
 
     import torch
     from _llama_cpp import llama_bench_builds, run_llama_bench
@@ -134,8 +139,8 @@ def main() -> None:
     conditions = ("idle", f"busy {args.busy:g}")
 
     with tempfile.TemporaryDirectory(prefix="qkv-busy-core-") as tmp:
-        ours = {"qkv": "", f"qkv at {args.against} (fixed shares)": str(fixed_shares_source(args.against,
-                                                                                              Path(tmp)))}
+        fixed = f"qkv at {args.against}" + (" (fixed shares)" if args.against == FIXED_SHARES else "")
+        ours = {"qkv": "", fixed: str(fixed_shares_source(args.against, Path(tmp)))}
         children: dict[str, subprocess.Popen] = {}
         heads: dict[str, dict] = {}
         hog: subprocess.Popen | None = None
@@ -160,7 +165,10 @@ def main() -> None:
                 if label in children:
                     children[label].stdin.write(f"{args.new_tokens}\n")
                     children[label].stdin.flush()
-                    return json.loads(children[label].stdout.readline())["rate"]
+                    line = children[label].stdout.readline()
+                    if not line:
+                        raise SystemExit(f"{label}'s process ended while decoding (see above)")
+                    return json.loads(line)["rate"]
                 got = run_llama_bench(peers[label], gguf, threads=threads, prompt=0, new=args.new_tokens,
                                       reps=1)
                 return got["decode"]["tokens_per_s"]
@@ -168,8 +176,12 @@ def main() -> None:
             for r in range(args.rounds):
                 for cond in (conditions if r % 2 == 0 else conditions[::-1]):
                     if cond != "idle" and args.busy > 0:
-                        hog = subprocess.Popen([sys.executable, "-c", HOG, str(cpu), str(args.busy)])
+                        hog = subprocess.Popen([sys.executable, "-c", HOG, str(cpu), str(args.busy),
+                                                str(os.getpid())])
                         time.sleep(0.2)
+                        if hog.poll() is not None:
+                            raise SystemExit(f"the other work ended at once (exit {hog.returncode}; "
+                                             "see above)")
                     labels = [*ours, *peers]
                     for label in (labels if r % 2 == 0 else labels[::-1]):
                         rates[cond][label].append(decode(label))
@@ -184,7 +196,6 @@ def main() -> None:
             for child in children.values():
                 C.end_child(child)
 
-    fixed = f"qkv at {args.against} (fixed shares)"
     ratios: dict[str, list[float]] = {}
     for cond in conditions:
         got = rates[cond]

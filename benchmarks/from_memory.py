@@ -124,7 +124,9 @@ def main() -> None:
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=None,
                     help="copies of SmolLM2's 30 blocks (default: enough for twice the last-level cache)")
-    ap.add_argument("--reads", type=int, default=10, help="reads of the bandwidth's buffer; the best counts")
+    ap.add_argument("--reads", type=int, default=10,
+                    help="reads of the bandwidth's buffer before the rounds (three more each round; the best "
+                         "of them all is the limit)")
     ap.add_argument("--build-llama-cpp", action="store_true",
                     help="build llama.cpp's llama-bench where it is not built (~10 minutes each)")
     ap.add_argument("--quick", action="store_true", help="a smoke run: one round of 16 tokens, two copies")

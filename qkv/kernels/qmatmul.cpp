@@ -892,18 +892,20 @@ std::string int4_path() {
 // token and meet at barriers, five per layer (six where a head is not whole blocks of 16):
 //
 //   h = rmsnorm(x)·w1                       each thread (576 values: cheaper than a barrier)
-//   [q | k | v] = h Wqkvᵀ (+ b)             whole heads shared among threads, each thread rotating
-//                                           (RoPE, rotate-half) its q and k heads, k and v into the
-//                                           cache at pos                                   | barrier
+//   [q | k | v] = h Wqkvᵀ (+ b)             whole heads claimed by the threads, each rotating
+//                                           (RoPE, rotate-half) the q and k heads it computed, k and v
+//                                           into the cache at pos                          | barrier
 //   o_h = softmax(q_h·Kᵀ/√D)·V, per head    in two halves of the positions, the (kv head, half, query
 //                                           head) units shared among threads              | barrier
 //                                           each thread merging every head's halves (flash-decoding)
-//   x += o Woᵀ (+ b)                        output blocks shared, each thread adds its own | barrier
-//   h = rmsnorm(x)·w2; g|u = h Wguᵀ         each thread the gate blocks and the up blocks of one range
-//   a = silu(g)·u                           on that range                                  | barrier
-//   x += a Wdᵀ                              output blocks shared                           | barrier
+//   x += o Woᵀ (+ b)                        output blocks claimed, each thread adding those | barrier
+//   h = rmsnorm(x)·w2; g|u = h Wguᵀ         each claim the gate blocks and the up blocks of one range
+//   a = silu(g)·u                           on that range, by the thread that claimed it   | barrier
+//   x += a Wdᵀ                              output blocks claimed                          | barrier
 //
-// then the final norm, the 8-bit head (output blocks shared) and, where the model's head keeps
+// (a product's units claimed as the threads come for them: each starts on its own share, then
+// takes what is left of the others'; see claimed) then the final norm, the 8-bit head (its blocks
+// of 128 logits claimed) and, where the model's head keeps
 // its top logits exact (TopKRefinedLinear), the k largest recomputed in fp32 from the float matrix.
 // Every product is the very block kernel int4_mm/q8_mm run (block4, block8) on activations
 // quantised the same way, so a product's outputs are the ops'; the float work between them
@@ -1225,7 +1227,8 @@ struct Barrier {
   }
 };
 
-// A product's units (blocks of 16 outputs, or heads) shared among the step's threads as they go:
+// A product's units (blocks of 16 outputs, heads, or the head's blocks of 128 logits) shared among
+// the step's threads as they go:
 // each thread starts on its own share, share(n, t, T), and claims it a piece at a time (a third
 // of what is left, at least one unit) from its own word; a thread done with its share claims what
 // is left of the others' (each claim a compare-and-swap on that thread's word). A core slower for
@@ -1236,11 +1239,15 @@ struct Barrier {
 struct alignas(64) Claim {
   std::atomic<uint64_t> word{0};
 };
-constexpr int CLAIM_BITS = 24;  // units of a product < 2^24; the epoch in the word's other 40 bits
+// units of a product < 2^24 (the decoder checks its shapes); the epoch in the word's other 40 bits,
+// counted modulo 2^40 (a word 2^40 products old: never, at millions of products a second)
+constexpr int CLAIM_BITS = 24;
+constexpr uint64_t CLAIM_UNITS = uint64_t{1} << CLAIM_BITS, CLAIM_EPOCHS = uint64_t{1} << (64 - CLAIM_BITS);
 inline bool claim(Claim& c, uint64_t epoch, int64_t start, int64_t end, int64_t& i, int64_t& n) {
+  epoch &= CLAIM_EPOCHS - 1;
   uint64_t v = c.word.load(std::memory_order_relaxed);
   for (;;) {
-    const int64_t at = (v >> CLAIM_BITS) == epoch ? static_cast<int64_t>(v & ((uint64_t{1} << CLAIM_BITS) - 1)) : start;
+    const int64_t at = (v >> CLAIM_BITS) == epoch ? static_cast<int64_t>(v & (CLAIM_UNITS - 1)) : start;
     if (at >= end) return false;
     const int64_t k = std::max<int64_t>(1, (end - at) / 3);
     if (c.word.compare_exchange_weak(v, (epoch << CLAIM_BITS) | static_cast<uint64_t>(at + k),
@@ -1251,7 +1258,7 @@ inline bool claim(Claim& c, uint64_t epoch, int64_t start, int64_t end, int64_t&
   }
 }
 // f(u0, u1) for every piece [u0, u1) of n units thread t of T claims in the product of this epoch,
-// from share (t + first) % T on (first: 0, its own; the tests' 1: every unit claimed across).
+// from share (t + first) % T on (first: 0, its own; a test's 1: each thread starts on another's).
 template <class F>
 inline void claimed(Claim* claims, uint64_t epoch, int64_t n, int t, int T, int first, F&& f) {
   for (int j = 0; j < T; ++j) {
@@ -1528,7 +1535,7 @@ class Decoder : public torch::CustomClassHolder {
   //           then per layer: norm1, wqkv, sqkv, bqkv or empty, wo, so, bo or empty, norm2, wgu, sgu, wd, sd]
   // ints: [layers, dim, heads, kv heads, head dim, mlp hidden, vocabulary, top-k (0: none), embed scale (0/1),
   //        and optionally far (0/1): the products also ask for their weights FAR groups ahead (see FAR),
-  //        then first: the share each thread starts on, t + first (claimed; 0, its own, unless a test asks)]
+  //        then first: thread t starts on share (t + first) % T (claimed; 0, its own, unless a test asks)]
   // floats: [the blocks' norm eps, the final norm's eps]
   Decoder(std::vector<at::Tensor> tensors, std::vector<int64_t> ints, std::vector<double> floats)
       : held_(std::move(tensors)) {
@@ -1545,6 +1552,8 @@ class Decoder : public torch::CustomClassHolder {
                 "qkv::Decoder: unsupported shape");
     const int64_t Gd = dim_ / GROUP, Ga = H_ * D_ / GROUP, Gf = F_ / GROUP, nqkv = (H_ + 2 * KV_) * D_;
     TORCH_CHECK(nqkv % ROWS == 0, "qkv::Decoder: q|k|v width not a multiple of 16");
+    TORCH_CHECK(std::max({nqkv, 2 * F_, V_, dim_}) / ROWS < static_cast<int64_t>(CLAIM_UNITS),
+                "qkv::Decoder: a product of 2^24 blocks or more");
     auto f32 = [&](int64_t i, std::vector<int64_t> shape, bool optional = false) -> const float* {
       const at::Tensor& t = held_[i];
       if (optional && t.numel() == 0) return nullptr;
@@ -1677,10 +1686,12 @@ class Decoder : public torch::CustomClassHolder {
     const bool tiles = M >= AMX_FROM && amx_ready();  // the 4-bit products take AMX tiles (for_rows)
 #endif
     Claim* claims = claims_.get();
+    const uint64_t base = epoch_;  // the products claimed before this step
+    uint64_t last = base;
 #pragma omp parallel num_threads(T)
     {
       const int t = omp_get_thread_num(), nt = omp_get_num_threads();
-      uint64_t epoch = epoch_;  // every thread counts the products alike
+      uint64_t epoch = base;  // every thread counts the products alike
       Activations& a = acts_[t];
       a.far = far_;
       std::vector<float>& hv = norm_[t];
@@ -1727,11 +1738,11 @@ class Decoder : public torch::CustomClassHolder {
             std::memcpy(vc + ((row + j - H_ - KV_) * S + pos[m]) * D_, x, D_ * sizeof(float));
           }
         };
-        claimed(claims, ++epoch, nqkv / ROWS / unit, t, nt, first_, [&](int64_t u0, int64_t u1) {
-          product_blocks<Q4>(Y.wqkv, Y.sqkv, a, u0 * unit, u1 * unit, qkv_.data(), nqkv, Y.bqkv);
+        claimed(claims, ++epoch, nqkv / ROWS / unit, t, nt, first_, [&](int64_t c0, int64_t c1) {
+          product_blocks<Q4>(Y.wqkv, Y.sqkv, a, c0 * unit, c1 * unit, qkv_.data(), nqkv, Y.bqkv);
           if (by_head)
             for (int64_t m = 0; m < M; ++m)
-              for (int64_t j = u0; j < u1; ++j) place(m, j);
+              for (int64_t j = c0; j < c1; ++j) place(m, j);
         });
         warm<Q4>(Y.wo, Y.so, Ga, o0);  // asked again before attention's barrier; this one, before
         sync_.wait(nt);                // attention, measured 0.1-0.8% faster kept than dropped
@@ -1835,17 +1846,18 @@ class Decoder : public torch::CustomClassHolder {
       // the head's outputs shared in whole blocks of 128 where V allows: each thread then takes
       // the maxima of its own blocks and looks for a NaN in them where it has just written them
       // (in its own cache, not the other core's)
-      claimed(claims, ++epoch, V_ / ROWS / head_unit, t, nt, first_, [&](int64_t u0, int64_t u1) {
-        product_blocks<Q8>(hw_, hs_, a, u0 * head_unit, u1 * head_unit, y, V_, hbias_);
+      claimed(claims, ++epoch, V_ / ROWS / head_unit, t, nt, first_, [&](int64_t c0, int64_t c1) {
+        product_blocks<Q8>(hw_, hs_, a, c0 * head_unit, c1 * head_unit, y, V_, hbias_);
         if (whole)
           for (int64_t m = 0; m < M; ++m) {
             const float* ym = y + m * V_;
-            for (int64_t b = u0; b < u1; ++b) best_[m * nb + b] = max_of(ym + b * SPAN_OF_MAX, SPAN_OF_MAX);
-            if (std::isnan(sum_of(ym + u0 * SPAN_OF_MAX, (u1 - u0) * SPAN_OF_MAX))) nan_[t * M + m] = 1;
+            for (int64_t b = c0; b < c1; ++b) best_[m * nb + b] = max_of(ym + b * SPAN_OF_MAX, SPAN_OF_MAX);
+            if (std::isnan(sum_of(ym + c0 * SPAN_OF_MAX, (c1 - c0) * SPAN_OF_MAX))) nan_[t * M + m] = 1;
           }
       });
-      if (t == 0) epoch_ = epoch;  // read after the parallel region (its end joins the threads)
+      if (t == 0) last = epoch;  // (every thread's count is the same)
     }
+    epoch_ = last;  // after the region: its end joins the threads
     argmax_.resize(M);
     for (int64_t m = 0; m < M; ++m) {
       float* ym = y + m * V_;

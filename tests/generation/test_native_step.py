@@ -204,13 +204,15 @@ def test_any_thread_count_gives_the_same_numbers():
 
 
 @pytest.mark.parametrize("shape", ["gqa", "head width 24", "qwen2 biases"])
-@pytest.mark.parametrize(("threads", "first"), [(2, 1), (3, 1), (3, 2)])
+@pytest.mark.parametrize(("threads", "first"), [(2, 1), (3, 1), (3, 2), (5, 1)])  # 5: shares of no unit
 def test_units_claimed_across_threads_give_the_same_numbers(shape, threads, first):
     """A product's units go to whichever thread claims them (``claimed`` in qmatmul.cpp): with
-    each thread starting on another's share (the decoder's 11th int), every unit is first claimed
-    by a thread other than its share's, and a thread takes what is left of the others'. One row
-    and five, over a head of 16 blocks of 128 logits (their maxima and NaN check taken per
-    piece): logits, keys, values and queries equal the one-thread step's, bit for bit."""
+    each thread starting on another's share (the decoder's 11th int), units are claimed across
+    threads whatever the scheduling, and a thread takes what is left of the others'; with 5
+    threads some shares hold no unit (4 blocks of 16 outputs). One row and five, three steps in a
+    row (each step's products counted on from the last's), over a head of 16 blocks of 128 logits
+    (their maxima and NaN check taken per piece): logits, keys, values and queries equal the
+    one-thread step's, bit for bit."""
     m = quantised(vocab_size=2048, **SHAPES[shape])
     tensors, ints, floats = ns._tensors(m)
     assert len(ints) == 10
