@@ -9,9 +9,11 @@ with llama.cpp's own AVX2 paths from the same memory, and what the AVX-512 paths
 
 - qkv: its kernel library compiled with ``-march=haswell`` (AVX2, FMA, F16C: the paths a Zen 3
   takes), loaded under qkv's own ops namespace before qkv loads its library, so the native step
-  and every product run it (``int4_path()`` says "avx2"); and, in a child process, qkv's build for
-  this CPU. Greedy, a 32-token prompt and ``--new-tokens`` tokens, tokens/s after the first; the
-  two builds' first 32 greedy tokens compared.
+  and every product run it (``int4_path()`` says "avx2"); in a child process, qkv's build for
+  this CPU; and, where this CPU has AVX-VNNI, in another child the AVX2 build with
+  ``-mavxvnni`` (``avx2-vnni``: what ``-march=native`` compiles on Intel's Alder Lake and later
+  cores, which have AVX-VNNI and no AVX-512). Greedy, a 32-token prompt and ``--new-tokens``
+  tokens, tokens/s after the first; the builds' first 32 greedy tokens compared.
 - llama.cpp: ``llama-bench -t <threads> -p 0 -n <new tokens>``, built portable with AVX-512 off
   (``avx2/``: what a Zen 3 runs), and its builds for this CPU (portable with AVX-512;
   ``GGML_NATIVE=ON``) for reference; ``--build-llama-cpp`` builds what is missing (~10 minutes
@@ -41,11 +43,19 @@ import _common as C  # noqa: E402
 NAME = "avx2_paths"
 TEXT = C.DECODE_TEXT
 
-# qkv's own build for this CPU, in a process of its own (one process loads one library under
-# qkv's namespace): for each line "N" on stdin decodes 1 and N tokens greedily, prints the rate.
+# qkv's own build for this CPU, or the build argv[2]'s flags give, in a process of its own (one
+# process loads one library under qkv's namespace): for each line "N" on stdin decodes 1 and N
+# tokens greedily, prints the rate.
 CHILD = """
-import json, sys, time
-import torch, qkv
+import json, sys, tempfile, time
+from pathlib import Path
+import torch
+if len(sys.argv) > 2:
+    from qkv.kernels import compile_library
+    with tempfile.TemporaryDirectory(prefix="qkv-avx2-") as tmp:
+        compile_library(Path(tmp) / "qmatmul_child.so", tuple(sys.argv[2].split()), namespace="qkv")
+        torch.ops.load_library(str(Path(tmp) / "qmatmul_child.so"))  # before qkv loads its own
+import qkv
 import qkv.kernels as K
 from qkv.generation import generate
 lm = qkv.load("smollm2")
@@ -104,26 +114,38 @@ def main() -> None:
     def ours() -> float:
         return C.decode_rate(m, x, n_new, temperature=0.0)
 
-    child = subprocess.Popen([sys.executable, "-c", CHILD, TEXT], stdin=subprocess.PIPE,
-                             stdout=subprocess.PIPE, text=True)
+    # label -> extra argv of the child: qkv's build for this CPU; the AVX2 build with AVX-VNNI
+    kids = {"qkv build for this CPU": []}
+    if "avx_vnni" in set(C._cpuinfo().get("flags", "").split()):
+        kids["qkv AVX2+AVX-VNNI build"] = ["-march=haswell -mavxvnni"]
+    children = {k: subprocess.Popen([sys.executable, "-c", CHILD, TEXT, *a], stdin=subprocess.PIPE,
+                                    stdout=subprocess.PIPE, text=True) for k, a in kids.items()}
     try:
-        head = json.loads(child.stdout.readline())
-        print(f"qkv AVX2 build: {K.int4_status()}, {decoder} decoder; qkv's build for this CPU (child): "
-              f"{head['path']}, {head['decoder']} decoder; first 32 greedy tokens equal: "
-              f"{head['tokens'] == tokens}", flush=True)
+        heads = {}
+        for k, child in children.items():
+            line = child.stdout.readline()
+            if not line:
+                raise SystemExit(f"{k}'s process ended before it decoded (see above)")
+            heads[k] = json.loads(line)
+            print(f"{k} (child): {heads[k]['path']}, {heads[k]['decoder']} decoder; first 32 greedy tokens "
+                  f"equal the AVX2 build's: {heads[k]['tokens'] == tokens}", flush=True)
+        print(f"qkv AVX2 build: {K.int4_status()}, {decoder} decoder", flush=True)
 
-        def theirs() -> float:
-            child.stdin.write(f"{n_new}\n")
-            child.stdin.flush()
-            return json.loads(child.stdout.readline())["rate"]
+        def rate_of(label: str):
+            def theirs() -> float:
+                children[label].stdin.write(f"{n_new}\n")
+                children[label].stdin.flush()
+                return json.loads(children[label].stdout.readline())["rate"]
+            return theirs
 
         peers = llama_bench_builds(build=args.build_llama_cpp, log=lambda line: print(line, flush=True))
         if "llama.cpp AVX2" not in peers:
             print("llama.cpp's AVX2 build is missing (--build-llama-cpp builds it): qkv's builds alone",
                   flush=True)
         gguf = asset_path("smollm2")
-        ours(), theirs()  # warm
-        qkv_runs = {"qkv AVX2 build": ours, "qkv build for this CPU": theirs}
+        qkv_runs = {"qkv AVX2 build": ours, **{k: rate_of(k) for k in children}}
+        for f in qkv_runs.values():  # warm
+            f()
         rates: dict[str, list[float]] = {k: [] for k in (*qkv_runs, *peers)}
         for r in range(args.rounds):
             for k, f in (list(qkv_runs.items()) if r % 2 == 0 else list(qkv_runs.items())[::-1]):
@@ -134,16 +156,18 @@ def main() -> None:
             line = ", ".join(f"{k} {v[-1]:.0f}" for k, v in rates.items())
             print(f"round {r + 1}: {line} tok/s", flush=True)
     finally:
-        C.end_child(child, timeout=30)
+        for child in children.values():
+            C.end_child(child, timeout=30)
 
     def ratio(a: str, b: str) -> list[float] | None:
-        return [x / y for x, y in zip(rates[a], rates[b], strict=True)] if b in rates else None
+        return [x / y for x, y in zip(rates[a], rates[b], strict=True)] if a in rates and b in rates else None
 
     if len(peers) > 1:  # the faster of llama.cpp's builds for this CPU, round by round
         rates["(the faster llama.cpp for this CPU)"] = [
             max(v[r] for k, v in rates.items() if k in ("llama.cpp portable", "llama.cpp native"))
             for r in range(args.rounds)]
     ratios = {"qkv AVX2 ÷ llama.cpp AVX2": ratio("qkv AVX2 build", "llama.cpp AVX2"),
+              "qkv AVX2+AVX-VNNI ÷ qkv AVX2": ratio("qkv AVX2+AVX-VNNI build", "qkv AVX2 build"),
               "qkv AVX2 ÷ qkv for this CPU": ratio("qkv AVX2 build", "qkv build for this CPU"),
               "llama.cpp AVX2 ÷ llama.cpp portable": ratio("llama.cpp AVX2", "llama.cpp portable"),
               "qkv for this CPU ÷ the faster llama.cpp for this CPU":
@@ -157,7 +181,8 @@ def main() -> None:
                   [[k, f"{C.median(v):.2f}", f"{min(v):.2f}-{max(v):.2f}"] for k, v in ratios.items()])
     out = C.write_json(NAME + ("_quick" if args.quick else ""), {
         "machine": machine, "threads": threads, "new_tokens": n_new, "qkv_decoder": decoder,
-        "same_greedy_tokens": head["tokens"] == tokens,
+        "same_greedy_tokens": all(h["tokens"] == tokens for h in heads.values()),
+        "qkv_paths": {k: h["path"] for k, h in heads.items()},
         "tokens_per_s": {k: [round(v, 1) for v in vs] for k, vs in rates.items()},
         "ratios": {k: [round(v, 3) for v in vs] for k, vs in ratios.items()},
         "ratio_medians": {k: round(C.median(v), 3) for k, v in ratios.items()}}, args.out)

@@ -432,7 +432,8 @@ def cpu_flags() -> set[str]:
 
 
 def kernel_builds(folder: Path) -> dict[str, str]:
-    """qkv's kernel library's other code paths (plain C++; AVX2 where this CPU runs it), each
+    """qkv's kernel library's other code paths (plain C++; AVX2, and AVX2 with AVX-VNNI, where this
+    CPU runs them), each
     built into ``folder`` under a namespace of its own and loaded once per process: name ->
     namespace (``torch.ops.<namespace>``, ``torch.classes.<namespace>``)."""
     from qkv.kernels import compile_library
@@ -440,6 +441,8 @@ def kernel_builds(folder: Path) -> dict[str, str]:
     builds = [("scalar", ("-march=x86-64",))]
     if {"avx2", "f16c", "fma"} <= cpu_flags():  # the AVX2 build would not run here otherwise
         builds.append(("avx2", ("-march=haswell",)))
+    if {"avx2", "f16c", "fma", "avx_vnni"} <= cpu_flags():  # AVX2 with AVX-VNNI (Alder Lake's cores)
+        builds.append(("avx2_vnni", ("-march=haswell", "-mavxvnni")))
     out = {}
     for name, flags in builds:
         ns = f"qkv_test_{name}"

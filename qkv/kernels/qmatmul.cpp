@@ -91,6 +91,10 @@ constexpr int64_t WIDE_FROM = 2;
 
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512F__)
 constexpr const char* PATH = "avx512-vnni";
+#elif defined(__AVX2__) && defined(__F16C__) && defined(__FMA__) && defined(__AVXVNNI__)
+// AVX2 with AVX-VNNI's 256-bit integer dot products (Intel's Alder Lake and later cores, Sierra
+// Forest): one vpdpbusd where AVX2 takes vpmaddubsw, vpmaddwd and an add (the same integers)
+constexpr const char* PATH = "avx2-vnni";
 #elif defined(__AVX2__) && defined(__F16C__) && defined(__FMA__)
 constexpr const char* PATH = "avx2";
 #else
@@ -585,10 +589,15 @@ void block4(const uint8_t* w, const c10::Half* dm, const int8_t* xq, const int8_
           __m256i p = _mm256_setzero_si256(), q = _mm256_setzero_si256();  // rows 0, 1 | 4, 5; 2, 3 | 6, 7
           for (int c = 0; c < 4; ++c) {
             // code (0..15) x (256·xq + xr): pairs |.| <= 979,170; 32 products <= 15.7M in int32
+#if defined(__AVXVNNI__)  // vpdpwssd: the pairs' sums added in the same instruction
+            p = _mm256_dpwssd_avx_epi32(_mm256_dpwssd_avx_epi32(p, wv[h][c][0], xa[c]), wv[h][c][2], xb[c]);
+            q = _mm256_dpwssd_avx_epi32(_mm256_dpwssd_avx_epi32(q, wv[h][c][1], xa[c]), wv[h][c][3], xb[c]);
+#else
             p = _mm256_add_epi32(p, _mm256_add_epi32(_mm256_madd_epi16(wv[h][c][0], xa[c]),
                                                      _mm256_madd_epi16(wv[h][c][2], xb[c])));
             q = _mm256_add_epi32(q, _mm256_add_epi32(_mm256_madd_epi16(wv[h][c][1], xa[c]),
                                                      _mm256_madd_epi16(wv[h][c][3], xb[c])));
+#endif
           }
           const __m256i both = _mm256_hadd_epi32(p, q);  // rows 8h..8h+7 in order: 256·<q, xq> + <q, xr>
           __m256 o = _mm256_loadu_ps(out + m * ROWS + 8 * h);
@@ -621,13 +630,22 @@ void block4(const uint8_t* w, const c10::Half* dm, const int8_t* xq, const int8_
       for (int h = 0; h < 2; ++h) {  // rows 0-7, rows 8-15
         const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wp + c * 64 + h * 32));
         const __m256i l = _mm256_and_si256(v, low), u = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
+#if defined(__AVXVNNI__)  // each row's 4-byte sums straight into int32
+        acc[h] = _mm256_dpbusd_avx_epi32(_mm256_dpbusd_avx_epi32(acc[h], l, xa), u, xb);
+        res[h] = _mm256_dpbusd_avx_epi32(_mm256_dpbusd_avx_epi32(res[h], l, ra), u, rb);
+#else
         acc[h] = _mm256_add_epi16(acc[h], _mm256_add_epi16(_mm256_maddubs_epi16(l, xa), _mm256_maddubs_epi16(u, xb)));
         res[h] = _mm256_add_epi16(res[h], _mm256_add_epi16(_mm256_maddubs_epi16(l, ra), _mm256_maddubs_epi16(u, rb)));
+#endif
       }
     }
     const __m256 scale = _mm256_set1_ps(dx[g] * (1.f / 256.f)), sum = _mm256_set1_ps(sx[g]);
     for (int h = 0; h < 2; ++h) {
+#if defined(__AVXVNNI__)
+      const __m256i both = _mm256_add_epi32(_mm256_slli_epi32(acc[h], 8), res[h]);
+#else
       const __m256i both = _mm256_add_epi32(_mm256_madd_epi16(acc[h], k256), _mm256_madd_epi16(res[h], ones));
+#endif
       const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(dm + g * 32 + 8 * h)));
       const __m256 z = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(dm + g * 32 + 16 + 8 * h)));
       o[h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(both), _mm256_mul_ps(d, scale), o[h]);
@@ -789,8 +807,13 @@ void block8(const uint8_t* w, const c10::Half* ds, const int8_t* xq, const int8_
           __m256i p = _mm256_setzero_si256(), q = _mm256_setzero_si256();
           for (int c = 0; c < 8; ++c) {
             // code (-127..127) x (256·xq + xr): 32 products |.| <= 133M in int32
+#if defined(__AVXVNNI__)
+            p = _mm256_dpwssd_avx_epi32(p, wv[h][c][0], xa[c]);
+            q = _mm256_dpwssd_avx_epi32(q, wv[h][c][1], xa[c]);
+#else
             p = _mm256_add_epi32(p, _mm256_madd_epi16(wv[h][c][0], xa[c]));
             q = _mm256_add_epi32(q, _mm256_madd_epi16(wv[h][c][1], xa[c]));
+#endif
           }
           const __m256i both = _mm256_hadd_epi32(p, q);
           __m256 o = _mm256_loadu_ps(out + m * ROWS + 8 * h);
@@ -818,8 +841,13 @@ void block8(const uint8_t* w, const c10::Half* ds, const int8_t* xq, const int8_
       for (int h = 0; h < 2; ++h) {  // rows 0-7, rows 8-15
         // signed weights; |x| times w with x's sign (llama.cpp's trick): pairs <= 32,258 in int16
         const __m256i ws = _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(wp + c * 64 + h * 32)), flip);
+#if defined(__AVXVNNI__)  // the same products, 4-byte sums straight into int32
+        acc[h] = _mm256_dpbusd_avx_epi32(acc[h], xa, _mm256_sign_epi8(ws, xb));
+        res[h] = _mm256_dpbusd_avx_epi32(res[h], ra, _mm256_sign_epi8(ws, rb));
+#else
         acc[h] = _mm256_add_epi32(acc[h], _mm256_madd_epi16(_mm256_maddubs_epi16(xa, _mm256_sign_epi8(ws, xb)), ones));
         res[h] = _mm256_add_epi32(res[h], _mm256_madd_epi16(_mm256_maddubs_epi16(ra, _mm256_sign_epi8(ws, rb)), ones));
+#endif
       }
     }
     const __m256 scale = _mm256_set1_ps(dx[g] * (1.f / 256.f));

@@ -35,6 +35,7 @@ def paths(tmp_path_factory: pytest.TempPathFactory) -> dict[str, object]:
 
 def test_each_build_runs_the_code_path_it_names(paths: dict[str, object]) -> None:
     assert "avx2" not in paths or torch.ops.qkv_test_avx2.int4_path() == "avx2"
+    assert "avx2_vnni" not in paths or torch.ops.qkv_test_avx2_vnni.int4_path() == "avx2-vnni"
     assert torch.ops.qkv_test_scalar.int4_path() == "scalar"
     flags = cpu_flags()
     want = ("avx512-vnni" if {"avx512_vnni", "avx512bw", "avx512f"} <= flags
@@ -43,6 +44,34 @@ def test_each_build_runs_the_code_path_it_names(paths: dict[str, object]) -> Non
         want += "+amx"  # several rows' 4-bit products on AMX tiles
     assert torch.ops.qkv.int4_path() == want
     assert K.int4_status() == f"qkv's ({want})"
+
+
+def test_the_avx_vnni_build_gives_the_avx2_builds_numbers(tmp_path) -> None:
+    """AVX2 with AVX-VNNI (``-mavxvnni``; what ``-march=native`` compiles on Intel's Alder Lake and
+    later cores): one vpdpbusd or vpdpwssd where AVX2 takes vpmaddubsw, vpmaddwd and an add, the
+    same integers, so int4_mm and q8_mm give the AVX2 build's floats bit for bit, one row (8-bit
+    products) and several (16-bit ones). Built and named on any x86-64 CPU with AVX2; its products
+    run where this CPU has AVX-VNNI (elsewhere they would be illegal instructions)."""
+    flags = cpu_flags()
+    assert {"avx2", "f16c", "fma"} <= flags  # every CPU qkv is tested on
+    for name, extra in (("vnni_check_avx2", ()), ("vnni_check_vnni", ("-mavxvnni",))):
+        if not hasattr(getattr(torch.ops, name), "int4_mm"):
+            compile_library(tmp_path / f"{name}.so", ("-march=haswell", *extra), namespace=name)
+            torch.ops.load_library(str(tmp_path / f"{name}.so"))
+    avx2, vnni = torch.ops.vnni_check_avx2, torch.ops.vnni_check_vnni
+    assert (avx2.int4_path(), vnni.int4_path()) == ("avx2", "avx2-vnni")
+    if "avx_vnni" not in flags:
+        return
+    g = torch.Generator().manual_seed(5)
+    for N, Kd in ((64, 576), (96, 1536)):
+        q, d, m, _ = _problem(N, Kd, 1, seed=N + Kd)
+        w, dm = pack_int4(q, d, m)
+        w8, s8 = K.pack_q8(torch.randint(-127, 128, (N, Kd), generator=g), d)
+        for M in (1, 2, 5, 17):
+            x = torch.randn(M, Kd, generator=g)
+            x[:, ::37] *= 40
+            assert torch.equal(vnni.int4_mm(x, w, dm), avx2.int4_mm(x, w, dm)), (N, Kd, M)
+            assert torch.equal(vnni.q8_mm(x, w8, s8), avx2.q8_mm(x, w8, s8)), (N, Kd, M)
 
 
 def _problem(N: int, Kd: int, M: int, seed: int, outliers: bool = False):
