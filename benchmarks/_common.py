@@ -31,7 +31,8 @@ REPO_DIR = Path(__file__).resolve().parent.parent
 
 # ISA features that decide which CPU kernels PyTorch can use (bf16 GEMMs need avx512_bf16
 # or AMX to be fast; without them PyTorch falls back to a much slower path).
-_FLAGS_OF_INTEREST = ("avx2", "fma", "avx512f", "avx512bw", "avx512_bf16", "amx_bf16", "amx_tile")
+_FLAGS_OF_INTEREST = ("avx2", "fma", "avx_vnni", "avx512f", "avx512bw", "avx512_vnni", "avx512_bf16",
+                      "amx_bf16", "amx_tile")
 
 
 # --------------------------------------------------------------------------- machine

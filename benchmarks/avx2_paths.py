@@ -181,7 +181,8 @@ def main() -> None:
                   [[k, f"{C.median(v):.2f}", f"{min(v):.2f}-{max(v):.2f}"] for k, v in ratios.items()])
     out = C.write_json(NAME + ("_quick" if args.quick else ""), {
         "machine": machine, "threads": threads, "new_tokens": n_new, "qkv_decoder": decoder,
-        "same_greedy_tokens": all(h["tokens"] == tokens for h in heads.values()),
+        # each child's first greedy tokens against the AVX2 build's
+        "same_greedy_tokens": {k: h["tokens"] == tokens for k, h in heads.items()},
         "qkv_paths": {k: h["path"] for k, h in heads.items()},
         "tokens_per_s": {k: [round(v, 1) for v in vs] for k, vs in rates.items()},
         "ratios": {k: [round(v, 3) for v in vs] for k, vs in ratios.items()},

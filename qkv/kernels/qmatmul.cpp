@@ -7,8 +7,9 @@
 //
 // x is rounded on the fly per group of 32 to int8 twice, x ≈ dx·(xq + xr/256) (quantize_rows),
 // and multiplied by integer dot products (AVX512-VNNI's vpdpbusd: 64 products an instruction;
-// AVX2's vpmaddubsw; AMX tiles for 12 rows and more of a 4-bit product: 16 rows x 16 outputs x
-// 32 inputs a tile multiply), then one float multiply-add per group:
+// AVX2's vpmaddubsw, or AVX-VNNI's 256-bit vpdpbusd where the CPU has it; AMX tiles for 12 rows and
+// more of a 4-bit product: 16 rows x 16 outputs x 32 inputs a tile multiply), then one float
+// multiply-add per group:
 //
 //   int4: y[n] = Σ_g d[n,g]·dx[g]/256·(256·<q, xq> + <q, xr>)  +  m[n,g]·Σ_i x[g,i]
 //
@@ -26,7 +27,8 @@
 //
 // Both ops are one function, qmatmul<Format>: the argument checks, x's quantisation, y and the
 // threads over blocks of 16 output rows; a Format (Q4, Q8) gives its layout's sizes and the
-// kernel of one block (block4, block8), each compiled for AVX512-VNNI (block4 also AMX), AVX2 or plain C++.
+// kernel of one block (block4, block8), each compiled for AVX512-VNNI (block4 also AMX), AVX2 (with
+// AVX-VNNI where the build has it) or plain C++.
 
 #include <torch/library.h>
 #include <torch/custom_class.h>
