@@ -55,6 +55,11 @@ def _cpuinfo() -> dict[str, str]:
     return info
 
 
+def cpu_flags() -> set[str]:
+    """This CPU's feature flags as /proc/cpuinfo lists them (empty off Linux)."""
+    return set(_cpuinfo().get("flags", "").split())
+
+
 def _meminfo_gb(field: str) -> float | None:
     try:
         for line in Path("/proc/meminfo").read_text().splitlines():

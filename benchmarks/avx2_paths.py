@@ -90,7 +90,7 @@ def main() -> None:
 
     machine = C.machine_info()
     print(C.machine_line(machine), flush=True)
-    if not {"avx2", "fma", "f16c"} <= set(C._cpuinfo().get("flags", "").split()):
+    if not {"avx2", "fma", "f16c"} <= C.cpu_flags():
         raise SystemExit("this CPU has no AVX2 (with FMA and F16C): nothing to time")
     with tempfile.TemporaryDirectory(prefix="qkv-avx2-") as tmp:
         t = time.perf_counter()
@@ -116,7 +116,7 @@ def main() -> None:
 
     # label -> extra argv of the child: qkv's build for this CPU; the AVX2 build with AVX-VNNI
     kids = {"qkv build for this CPU": []}
-    if "avx_vnni" in set(C._cpuinfo().get("flags", "").split()):
+    if "avx_vnni" in C.cpu_flags():
         kids["qkv AVX2+AVX-VNNI build"] = ["-march=haswell -mavxvnni"]
     children = {k: subprocess.Popen([sys.executable, "-c", CHILD, TEXT, *a], stdin=subprocess.PIPE,
                                     stdout=subprocess.PIPE, text=True) for k, a in kids.items()}

@@ -150,7 +150,7 @@ def main() -> None:
     block_bytes = 66_355_200  # SmolLM2's 30 blocks in Q4_1 (the head and norms are read once more)
     repeats = args.repeats or max(2, -(-2 * (llc or 2**28) // block_bytes))
     peers = llama_bench_builds(build=args.build_llama_cpp, log=lambda line: print(line, flush=True))
-    if not {"avx2", "fma", "f16c"} <= set(C._cpuinfo().get("flags", "").split()):
+    if not {"avx2", "fma", "f16c"} <= C.cpu_flags():
         raise SystemExit("this CPU has no AVX2 (with FMA and F16C): llama.cpp's builds here need it")
 
     with tempfile.TemporaryDirectory(prefix="qkv-from-memory-") as tmp:

@@ -433,9 +433,8 @@ def cpu_flags() -> set[str]:
 
 def kernel_builds(folder: Path) -> dict[str, str]:
     """qkv's kernel library's other code paths (plain C++; AVX2, and AVX2 with AVX-VNNI, where this
-    CPU runs them), each
-    built into ``folder`` under a namespace of its own and loaded once per process: name ->
-    namespace (``torch.ops.<namespace>``, ``torch.classes.<namespace>``)."""
+    CPU runs them), each built into ``folder`` under a namespace of its own and loaded once per
+    process: name -> namespace (``torch.ops.<namespace>``, ``torch.classes.<namespace>``)."""
     from qkv.kernels import compile_library
 
     builds = [("scalar", ("-march=x86-64",))]
