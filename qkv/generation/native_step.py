@@ -39,6 +39,7 @@ import os
 import threading
 import weakref
 from collections.abc import Collection
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -314,4 +315,63 @@ class NativeStep:
         pass
 
 
-__all__ = ["NativeStep", "enabled", "last_level_cache", "prefetch_far", "unsupported", "weight_bytes"]
+# qkv::Decoder's phases (qmatmul.cpp: Phase), in their order; a layer's from "norm 1" to "wait down",
+# a token's from "final norm"
+PROFILE_PHASES = ("norm 1", "q|k|v", "wait q|k|v", "attention", "wait attention", "merge heads", "out",
+                  "wait out", "norm 2", "gate|up", "wait gate|up", "quantize mlp", "down", "wait down",
+                  "final norm", "head", "serial")
+PRODUCT_PHASES = ("q|k|v", "out", "gate|up", "down", "head")
+LAYER_PHASES = PROFILE_PHASES[:PROFILE_PHASES.index("final norm")]
+
+
+@dataclass(frozen=True)
+class StepProfile:
+    """Where the native step's tokens spent their time, by phase (:data:`PROFILE_PHASES`) and
+    thread: ``seconds`` (threads, phases) float64, summed over the timed steps; ``counts`` (threads,
+    phases) int64, the times each thread ended each phase (a layer's phases L a step, a token's one;
+    "serial", thread 0's time outside the threads' phases, once a step). A thread's waits are
+    its time at the barrier after a phase: what the other threads' slower share cost it."""
+
+    seconds: Tensor
+    counts: Tensor
+
+    @property
+    def steps(self) -> int:
+        """The steps timed."""
+        return int(self.counts[0, PROFILE_PHASES.index("serial")]) if self.counts.numel() else 0
+
+    @property
+    def threads(self) -> int:
+        return int(self.seconds.shape[0])
+
+    def per_step(self) -> Tensor:
+        """(threads, phases) seconds a step."""
+        return self.seconds / max(1, self.steps)
+
+    def total(self) -> float:
+        """Seconds of the timed steps (thread 0's phases, serial included: the steps' wall time)."""
+        return float(self.seconds[0].sum()) if self.seconds.numel() else 0.0
+
+
+def profile_steps(model: GPT, on: bool) -> StepProfile:
+    """What ``model``'s native step timed since the last call (nothing before the first: a step
+    is timed only once asked for), then the steps to come timed where ``on``. Timing costs a
+    clock read at each phase's end (~17 a layer, ~20 ns each); off, a branch. Used by
+    ``benchmarks/step_profile.py``."""
+    table = _binding(model).decoder.profile(on)  # (threads, phases, 2) float64
+    return StepProfile(seconds=table[..., 0].clone(), counts=table[..., 1].round().to(torch.int64))
+
+
+__all__ = [
+    "LAYER_PHASES",
+    "PRODUCT_PHASES",
+    "PROFILE_PHASES",
+    "NativeStep",
+    "StepProfile",
+    "enabled",
+    "last_level_cache",
+    "prefetch_far",
+    "profile_steps",
+    "unsupported",
+    "weight_bytes",
+]

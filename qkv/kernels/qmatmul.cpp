@@ -36,6 +36,7 @@
 #include <ATen/core/Tensor.h>
 #include <ATen/Parallel.h>
 #include <ATen/ops/empty.h>
+#include <ATen/ops/zeros.h>
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
 #if defined(__x86_64__) || defined(__i386__)
@@ -44,6 +45,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <chrono>
 #include <thread>
 #include <type_traits>
 #include <functional>
@@ -1257,6 +1259,48 @@ struct Barrier {
   }
 };
 
+// Where the decoder's step spends its time, by phase and thread, where asked for (Decoder::profile):
+// each thread reads the clock at the end of each phase and adds the time since its last reading
+// to that phase. Off, a phase's end costs a branch; on, a clock read (~20 ns; ~17 a layer).
+// The phases, in the order of a layer (qkv/generation/native_step.py: PROFILE_PHASES names them):
+enum Phase : int {
+  NORM1,       // the first norm and the activations quantized
+  QKV,         // the q|k|v product, the heads rotated and placed into the cache
+  WAIT_QKV,    // at the barrier after it
+  ATTENTION,   // each thread's pieces of softmax(q·Kᵀ/√D)·V
+  WAIT_ATT,    // at the barrier after them
+  MERGE,       // the pieces merged into heads, quantized
+  OUT,         // the out product and the residual
+  WAIT_OUT,    // at the barrier after it
+  NORM2,       // the second norm, quantized
+  GATE_UP,     // the gate|up product and SwiGLU
+  WAIT_GATE_UP,
+  QUANT_MLP,   // SwiGLU's outputs quantized
+  DOWN,        // the down product and the residual
+  WAIT_DOWN,
+  FINAL,       // (a token) the final norm, quantized
+  HEAD,        // (a token) the int8 head's product, its blocks' maxima and NaN check
+  SERIAL,      // (a token, thread 0) the embedding, the threads' start and join, top-k and argmax
+  PHASES
+};
+constexpr int PROFILE_STRIDE = 32;  // doubles a thread's row (>= PHASES, a row's own cache lines)
+struct Stopwatch {
+  bool on;
+  double* seconds;  // this thread's row
+  int64_t* count;
+  std::chrono::steady_clock::time_point last;
+  Stopwatch(bool on_, double* s, int64_t* n) : on(on_), seconds(s), count(n) {
+    if (on) last = std::chrono::steady_clock::now();
+  }
+  void mark(Phase p) {
+    if (!on) return;
+    const auto now = std::chrono::steady_clock::now();
+    seconds[p] += std::chrono::duration<double>(now - last).count();
+    ++count[p];
+    last = now;
+  }
+};
+
 // A product's units (blocks of 16 outputs, heads, or the head's blocks of 128 logits) shared among
 // the step's threads as they go: each thread starts on its own share, share(n, t, T), and claims
 // it a piece at a time (a third of what is left, at least one unit) from its own word; a thread
@@ -1672,6 +1716,24 @@ class Decoder : public torch::CustomClassHolder {
   // its first row's.
   int64_t argmax() const { return argmax_.empty() ? 0 : argmax_[0]; }
 
+  // Where the steps since the last call spent their time (see Phase): (threads, PHASES, 2) float64,
+  // [..., 0] seconds and [..., 1] the phase's count, a row for each thread the steps ran on (none
+  // where nothing was timed); then cleared, and the steps to come timed where on.
+  at::Tensor profile(bool on) {
+    at::Tensor out = at::zeros({profile_threads_, PHASES, 2}, at::TensorOptions().dtype(at::kDouble));
+    double* o = out.data_ptr<double>();
+    for (int64_t t = 0; t < profile_threads_; ++t)
+      for (int p = 0; p < PHASES; ++p) {
+        o[(t * PHASES + p) * 2] = profile_seconds_[t * PROFILE_STRIDE + p];
+        o[(t * PHASES + p) * 2 + 1] = static_cast<double>(profile_count_[t * PROFILE_STRIDE + p]);
+      }
+    std::fill(profile_seconds_.begin(), profile_seconds_.end(), 0.);
+    std::fill(profile_count_.begin(), profile_count_.end(), 0);
+    profile_threads_ = 0, profile_wall_ = 0.;
+    profile_ = on;
+    return out;
+  }
+
  private:
   // k, v: float32 (layers, R, K, S, D), contiguous, R >= n rows; q: empty or (layers, R, H, 1, D).
   void check_cache(const at::Tensor& k, const at::Tensor& v, const at::Tensor& q, int64_t n) const {
@@ -1698,6 +1760,8 @@ class Decoder : public torch::CustomClassHolder {
   // qk: the kept queries or nullptr; y: the logits (M, V).
   void run(int64_t M, const int64_t* tok, const int64_t* pos, int64_t R, int64_t S, float* kc, float* vc,
            float* qk, float* y) {
+    const bool timed = profile_;
+    const auto began = timed ? std::chrono::steady_clock::now() : std::chrono::steady_clock::time_point{};
     const int64_t nqkv = (H_ + 2 * KV_) * D_, group = H_ / KV_, nb = (V_ + SPAN_OF_MAX - 1) / SPAN_OF_MAX;
     x_.resize(M * dim_), qkv_.resize(M * nqkv), q_.resize(M * H_ * D_), o_.resize(M * dim_);
     gu_.resize(M * 2 * F_), a_.resize(M * F_), hf_.resize(M * dim_);
@@ -1720,9 +1784,11 @@ class Decoder : public torch::CustomClassHolder {
     Claim* claims = claims_.get();
     const uint64_t base = epoch_;  // the products claimed before this step
     uint64_t last = base;
+    if (timed) profile_threads_ = std::max<int64_t>(profile_threads_, T);
 #pragma omp parallel num_threads(T)
     {
       const int t = omp_get_thread_num(), nt = omp_get_num_threads();
+      Stopwatch clock(timed, profile_seconds_.data() + t * PROFILE_STRIDE, profile_count_.data() + t * PROFILE_STRIDE);
       uint64_t epoch = base;  // every thread counts the products alike
       Activations& a = acts_[t];
       a.far = far_;
@@ -1751,6 +1817,7 @@ class Decoder : public torch::CustomClassHolder {
         const DecoderLayer& Y = layers_[l];
         for (int64_t m = 0; m < M; ++m) rms_norm(x_.data() + m * dim_, Y.norm1, dim_, eps_, h + m * dim_);
         quantized(h, dim_, false, true);
+        clock.mark(NORM1);
         // q|k|v shared in whole heads where a head is whole blocks of 16: each thread then rotates
         // (or copies) the heads it computed, from its own cache, before the one barrier; else in
         // blocks, and the heads rotated after a second barrier
@@ -1777,12 +1844,15 @@ class Decoder : public torch::CustomClassHolder {
               for (int64_t j = c0; j < c1; ++j) place(m, j);
         });
         warm<Q4>(Y.wo, Y.so, Ga, o0);  // asked again before attention's barrier; this one, before
+        clock.mark(QKV);
         sync_.wait(nt);                // attention, measured 0.1-0.8% faster kept than dropped
+        clock.mark(WAIT_QKV);
         if (!by_head) {
           auto [p0, p1] = share(H_ + 2 * KV_, t, nt);
           for (int64_t m = 0; m < M; ++m)
             for (int64_t j = p0; j < p1; ++j) place(m, j);
           sync_.wait(nt);
+          clock.mark(WAIT_QKV);  // (the placing with the wait: models whose heads are not whole blocks)
         }
         // softmax(q·Kᵀ/√D)·V over a row's positions 0..pos in two pieces, [0, n/2) and [n/2, n),
         // each piece of a query head a unit of work; the units in the order (row, kv head, piece,
@@ -1820,7 +1890,9 @@ class Decoder : public torch::CustomClassHolder {
           u = end;
         }
         warm<Q4>(Y.wo, Y.so, Ga, o0);
+        clock.mark(ATTENTION);
         sync_.wait(nt);
+        clock.mark(WAIT_ATT);
         for (int64_t m = 0; m < M; ++m)  // every head's two pieces merged, by each thread for itself
           for (int64_t j = 0; j < H_; ++j) {
             const int64_t i0 = m * 2 * H_ + j, i1 = i0 + H_;
@@ -1833,6 +1905,7 @@ class Decoder : public torch::CustomClassHolder {
             for (int64_t d = 0; d < D_; ++d) o[d] = (f0 * o0p[d] + f1 * o1p[d]) * inv;
           }
         quantized(att, H_ * D_, false, true);
+        clock.mark(MERGE);
         claimed(claims, ++epoch, dim_ / ROWS, t, nt, first_, [&](int64_t b0, int64_t b1) {
           product_blocks<Q4>(Y.wo, Y.so, a, b0, b1, o_.data(), dim_, Y.bo);
           for (int64_t m = 0; m < M; ++m)
@@ -1840,9 +1913,12 @@ class Decoder : public torch::CustomClassHolder {
         });
         warm<Q4>(Y.wgu, Y.sgu, Gd, g0);
         warm<Q4>(Y.wgu, Y.sgu, Gd, F_ / ROWS + g0);
+        clock.mark(OUT);
         sync_.wait(nt);
+        clock.mark(WAIT_OUT);
         for (int64_t m = 0; m < M; ++m) rms_norm(x_.data() + m * dim_, Y.norm2, dim_, eps_, h + m * dim_);
         quantized(h, dim_, false, true);
+        clock.mark(NORM2);
         claimed(claims, ++epoch, F_ / ROWS, t, nt, first_, [&](int64_t b0, int64_t b1) {
           product_blocks<Q4>(Y.wgu, Y.sgu, a, b0, b1, gu_.data(), 2 * F_, nullptr);
           product_blocks<Q4>(Y.wgu, Y.sgu, a, F_ / ROWS + b0, F_ / ROWS + b1, gu_.data(), 2 * F_, nullptr);
@@ -1855,8 +1931,11 @@ class Decoder : public torch::CustomClassHolder {
           }
         });
         warm<Q4>(Y.wd, Y.sd, Gf, o0);
+        clock.mark(GATE_UP);
         sync_.wait(nt);
+        clock.mark(WAIT_GATE_UP);
         quantized(a_.data(), F_, false, true);
+        clock.mark(QUANT_MLP);
         claimed(claims, ++epoch, dim_ / ROWS, t, nt, first_, [&](int64_t b0, int64_t b1) {
           product_blocks<Q4>(Y.wd, Y.sd, a, b0, b1, o_.data(), dim_, nullptr);
           for (int64_t m = 0; m < M; ++m)
@@ -1866,7 +1945,9 @@ class Decoder : public torch::CustomClassHolder {
           warm<Q4>(layers_[l + 1].wqkv, layers_[l + 1].sqkv, Gd, q0 * unit);
         else
           warm<Q8>(hw_, hs_, Gd, v0 * head_unit);
+        clock.mark(DOWN);
         sync_.wait(nt);
+        clock.mark(WAIT_DOWN);
       }
 #if QKV_AMX
       if (tiles) _tile_release();
@@ -1875,6 +1956,7 @@ class Decoder : public torch::CustomClassHolder {
         rms_norm(x_.data() + m * dim_, final_norm_, dim_, eps_final_, h + m * dim_);
       if (t == 0) std::memcpy(hf_.data(), h, M * dim_ * sizeof(float));
       quantized(h, dim_, true, false);
+      clock.mark(FINAL);
       // the head's outputs shared in whole blocks of 128 where V allows: each thread then takes
       // the maxima of its own blocks and looks for a NaN in them where it has just written them
       // (in its own cache, not the other core's)
@@ -1887,6 +1969,7 @@ class Decoder : public torch::CustomClassHolder {
             if (std::isnan(sum_of(ym + c0 * SPAN_OF_MAX, (c1 - c0) * SPAN_OF_MAX))) nan_[t * M + m] = 1;
           }
       });
+      clock.mark(HEAD);
       if (t == 0) last = epoch;  // (every thread's count is the same)
     }
     epoch_ = last;  // after the region: its end joins the threads
@@ -1898,6 +1981,13 @@ class Decoder : public torch::CustomClassHolder {
       cand_.clear();
       if (topk_ > 0) refine(ym, best_.data() + m * nb, hf_.data() + m * dim_, whole);
       argmax_[m] = pick(ym, nan);
+    }
+    if (timed) {  // thread 0 is this one: the steps' time not in its phases is their serial part
+      profile_wall_ += std::chrono::duration<double>(std::chrono::steady_clock::now() - began).count();
+      double inside = 0.;
+      for (int p = 0; p < SERIAL; ++p) inside += profile_seconds_[p];
+      profile_seconds_[SERIAL] = profile_wall_ - inside;
+      ++profile_count_[SERIAL];
     }
   }
 
@@ -1979,6 +2069,11 @@ class Decoder : public torch::CustomClassHolder {
   Barrier sync_;
   std::unique_ptr<Claim[]> claims_{new Claim[64]};  // a word per thread (at most 64), see claimed
   uint64_t epoch_ = 0;                               // the products claimed so far
+  bool profile_ = false;                             // the steps timed by phase (profile)
+  int64_t profile_threads_ = 0;                      // the most threads a timed step ran on
+  double profile_wall_ = 0.;                         // the timed steps' time since the last profile
+  std::vector<double> profile_seconds_ = std::vector<double>(64 * PROFILE_STRIDE);  // (thread, phase)
+  std::vector<int64_t> profile_count_ = std::vector<int64_t>(64 * PROFILE_STRIDE);
   int first_ = 0;                                    // claimed's first share: t + first_
 };
 
@@ -1999,7 +2094,8 @@ QKV_LIBRARY(QKV_NAMESPACE, m) {
       .def(torch::init<std::vector<at::Tensor>, std::vector<int64_t>, std::vector<double>>())
       .def("step", &QKV_NAMESPACE::Decoder::step)
       .def("step_rows", &QKV_NAMESPACE::Decoder::step_rows)
-      .def("argmax", &QKV_NAMESPACE::Decoder::argmax);
+      .def("argmax", &QKV_NAMESPACE::Decoder::argmax)
+      .def("profile", &QKV_NAMESPACE::Decoder::profile);
 }
 QKV_LIBRARY_IMPL(QKV_NAMESPACE, CPU, m) {
   m.impl("int4_mm", &int4_mm);
