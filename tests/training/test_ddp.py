@@ -30,7 +30,7 @@ SCRIPT = textwrap.dedent(
     from safetensors.torch import save_file
 
     from qkv.models.gpt import GPT, GPTConfig
-    from qkv.training.distributed import cleanup, init_distributed
+    from qkv.training.distributed import barrier, cleanup, init_distributed
     from qkv.data.corpora import TokenBatches
     from qkv.training.trainer import TrainConfig, Trainer
 
@@ -59,6 +59,7 @@ SCRIPT = textwrap.dedent(
     (out / f"result{info.rank}.json").write_text(json.dumps({
         "world": info.world_size, "rank": info.rank, "local_losses": local,
         "best_val": result.best_val_loss, "last_train_loss": result.last_train_loss}))
+    barrier(info)  # as qkv train: no rank tears its process group down while another still talks to it
     cleanup(info)
     """
 )
