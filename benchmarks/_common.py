@@ -55,6 +55,12 @@ def _cpuinfo() -> dict[str, str]:
     return info
 
 
+def cpu_info() -> dict[str, str]:
+    """This CPU's /proc/cpuinfo fields (its first processor's: vendor_id, cpu family, model, ...;
+    empty off Linux)."""
+    return _cpuinfo()
+
+
 def cpu_flags() -> set[str]:
     """This CPU's feature flags as /proc/cpuinfo lists them (empty off Linux)."""
     return set(_cpuinfo().get("flags", "").split())
