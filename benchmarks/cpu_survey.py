@@ -23,7 +23,7 @@ row with the same commands as the last. The scripts and their options (``--only`
 Run nothing else meanwhile (a test run, a build: on 2 cores any other process slows both sides).
 llama.cpp is built where missing (``--build-llama-cpp`` is passed to the scripts that take it).
 
-    python benchmarks/cpu_survey.py                   # ~10 minutes on 2 cores (llama.cpp built)
+    python benchmarks/cpu_survey.py                   # ~12 minutes on 2 cores (llama.cpp built)
     python benchmarks/cpu_survey.py --only saved_step first_runs
     python benchmarks/cpu_survey.py --summary         # the table from the files already written
 """
@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import statistics
 import subprocess
 import sys
@@ -70,11 +71,14 @@ def cpu_class(cpuinfo: dict[str, str]) -> str:
     if vendor == "AuthenticAMD":
         if family == 25:  # Zen 3: models 0x00-0x0f, 0x20-0x5f; Zen 4: 0x10-0x1f, 0x60-0xaf
             return "zen4" if 0x10 <= model <= 0x1F or 0x60 <= model <= 0xAF else "zen3"
-        if family == 26:
+        if family == 26 and (model <= 0x2F or 0x40 <= model <= 0x4F or 0x60 <= model <= 0x7F):
             return "zen5"
     if vendor == "GenuineIntel" and family == 6 and model in _INTEL:
         return _INTEL[model]
-    name = {"AuthenticAMD": "amd", "GenuineIntel": "intel"}.get(vendor, vendor.lower())
+    if family < 0:
+        return "unknown"
+    names = {"AuthenticAMD": "amd", "GenuineIntel": "intel"}
+    name = names.get(vendor) or re.sub(r"[^a-z0-9]", "", vendor.lower()) or "unknown"
     return f"{name}_f{family}_m{model}"
 
 
@@ -124,9 +128,9 @@ def main() -> None:
                     help="print the table of the files already written; run none")
     args = ap.parse_args()
 
+    if args.tag is not None and not re.fullmatch(r"[A-Za-z0-9_]+", args.tag):
+        ap.error(f"--tag {args.tag!r}: letters, digits and underscores only")
     tag = args.tag or cpu_class(C.cpu_info())
-    if not tag.replace("_", "").isalnum():
-        ap.error(f"--tag {tag!r}: letters, digits and underscores only")
     scripts = args.only or list(PLAN)
     suffix = f"survey_{tag}"
     print(C.machine_line(C.machine_info()) + f"; class {tag}", flush=True)
@@ -134,6 +138,7 @@ def main() -> None:
     if not args.summary:
         for i, script in enumerate(scripts, 1):
             out = C.RESULTS_DIR / f"{script}_{suffix}.json"
+            out.unlink(missing_ok=True)  # a failed run leaves no earlier run's file to be read as its
             cmd = [sys.executable, str(HERE / f"{script}.py"), *PLAN[script], "--out", str(out)]
             print(f"\n[{i}/{len(scripts)}] {' '.join(cmd[1:])}", flush=True)
             t = time.perf_counter()
@@ -145,7 +150,9 @@ def main() -> None:
     rows = []
     for script in scripts:
         path = C.RESULTS_DIR / f"{script}_{suffix}.json"
-        if path.is_file():
+        if script in failed:
+            rows.append([script, "failed in this run", "its output is above"])
+        elif path.is_file():
             rows += summary_rows(script, json.loads(path.read_text()))
         else:
             rows.append([script, "no result file", str(path.name)])

@@ -28,13 +28,17 @@ import argparse
 import tempfile
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import _common as C
+
+if TYPE_CHECKING:
+    from qkv.models.gpt import GPT
 
 NAME = "step_profile"
 
 
-def product_bytes(model) -> dict[str, int]:
+def product_bytes(model: GPT) -> dict[str, int]:
     """Bytes a one-row step's products read, by product: the native decoder's own 4-bit (codes,
     scales) and int8 tensors, counted by their place in its list (``_tensors``)."""
     from qkv.generation import native_step as ns
@@ -50,7 +54,7 @@ def product_bytes(model) -> dict[str, int]:
     return got
 
 
-def cache_bytes(model, positions: range) -> float:
+def cache_bytes(model: GPT, positions: range) -> float:
     """Mean bytes of float32 keys and values a step reads at ``positions`` (every layer, every
     kv head, positions 0..p)."""
     c = model.cfg
@@ -71,8 +75,11 @@ def main() -> None:
     args = ap.parse_args()
     if args.quick:
         args.rounds, args.new_tokens = 1, 16
-    if args.rounds < 1 or args.new_tokens < 2 or (args.repeats is not None and args.repeats < 1):
-        ap.error("--rounds >= 1, --new-tokens >= 2 and --repeats >= 1")
+    repeats = 1 if args.repeats is None else args.repeats
+    if min(args.rounds, args.reads, repeats) < 1 or args.new_tokens < 2:
+        ap.error("--rounds >= 1, --new-tokens >= 2, --reads >= 1 and --repeats >= 1")
+    if not C.have_assets(NAME, ("smollm2",)):
+        raise SystemExit(2)
 
     import torch
     from decode_limit import bandwidth

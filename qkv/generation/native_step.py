@@ -342,6 +342,7 @@ class StepProfile:
 
     @property
     def threads(self) -> int:
+        """The threads the timed steps ran on (the most, where their number changed)."""
         return int(self.seconds.shape[0])
 
     def per_step(self) -> Tensor:
@@ -356,9 +357,16 @@ class StepProfile:
 def profile_steps(model: GPT, on: bool) -> StepProfile:
     """What ``model``'s native step timed since the last call (nothing before the first: a step
     is timed only once asked for), then the steps to come timed where ``on``. Timing costs a
-    clock read at each phase's end (~17 a layer, ~20 ns each); off, a branch. Used by
+    clock read at each phase's end (14 a layer and 2 a token, ~20 ns each); off, a branch. The
+    binding's lock is held, as a step holds it: another thread's step is timed whole or not at
+    all. Weights replaced (the model bound again) start the profile over, off. Used by
     ``benchmarks/step_profile.py``."""
-    table = _binding(model).decoder.profile(on)  # (threads, phases, 2) float64
+    b = _binding(model)
+    with b.lock:
+        table = b.decoder.profile(on)  # (threads, phases, 2) float64
+    if table.shape[1:] != (len(PROFILE_PHASES), 2):
+        raise RuntimeError(f"qkv::Decoder.profile gave {tuple(table.shape)}: its phases are not "
+                           f"PROFILE_PHASES' {len(PROFILE_PHASES)}")
     return StepProfile(seconds=table[..., 0].clone(), counts=table[..., 1].round().to(torch.int64))
 
 

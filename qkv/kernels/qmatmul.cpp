@@ -932,7 +932,8 @@ std::string int4_path() {
 //                                           each thread merging every head's halves (flash-decoding)
 //   x += o Woᵀ (+ b)                        output blocks claimed, each thread adding those | barrier
 //   h = rmsnorm(x)·w2; g|u = h Wguᵀ         each claim the gate blocks and the up blocks of one range
-//   a = silu(g)·u                           on that range, by the thread that claimed it   | barrier
+//   a = silu(g)·u                           on that range, by the thread that claimed it (one
+//                                           row: a quantized there too, once)              | barrier
 //   x += a Wdᵀ                              output blocks claimed                          | barrier
 //
 // (a product's units claimed as the threads come for them: each starts on its own share, then
@@ -1261,7 +1262,8 @@ struct Barrier {
 
 // Where the decoder's step spends its time, by phase and thread, where asked for (Decoder::profile):
 // each thread reads the clock at the end of each phase and adds the time since its last reading
-// to that phase. Off, a phase's end costs a branch; on, a clock read (~20 ns; ~17 a layer).
+// to that phase. Off, a phase's end costs a branch; on, a clock read (~20 ns; 14 a layer, 15 where
+// a head is not whole blocks of 16, and 2 a token).
 // The phases, in the order of a layer (qkv/generation/native_step.py: PROFILE_PHASES names them):
 enum Phase : int {
   NORM1,       // the first norm and the activations quantized
@@ -1283,7 +1285,8 @@ enum Phase : int {
   SERIAL,      // (a token, thread 0) the embedding, the threads' start and join, top-k and argmax
   PHASES
 };
-constexpr int PROFILE_STRIDE = 32;  // doubles a thread's row (>= PHASES, a row's own cache lines)
+constexpr int PROFILE_STRIDE = 32;  // doubles a thread's row (256 bytes: rows far apart)
+static_assert(PHASES <= PROFILE_STRIDE, "a thread's row holds every phase");
 struct Stopwatch {
   bool on;
   double* seconds;  // this thread's row
@@ -1301,7 +1304,8 @@ struct Stopwatch {
   }
 };
 
-// A product's units (blocks of 16 outputs, heads, or the head's blocks of 128 logits) shared among
+// A product's units (blocks of 16 outputs, heads, gate|up's groups of 32 outputs, or the head's
+// blocks of 128 logits) shared among
 // the step's threads as they go: each thread starts on its own share, share(n, t, T), and claims
 // it a piece at a time (a third of what is left, at least one unit) from its own word; a thread
 // done with its share claims what is left of the others' (each claim a compare-and-swap on that
@@ -1790,11 +1794,11 @@ class Decoder : public torch::CustomClassHolder {
     Claim* claims = claims_.get();
     const uint64_t base = epoch_;  // the products claimed before this step
     uint64_t last = base;
-    if (timed) profile_threads_ = std::max<int64_t>(profile_threads_, T);
 #pragma omp parallel num_threads(T)
     {
       const int t = omp_get_thread_num(), nt = omp_get_num_threads();
       Stopwatch clock(timed, profile_seconds_.data() + t * PROFILE_STRIDE, profile_count_.data() + t * PROFILE_STRIDE);
+      if (timed && t == 0) profile_threads_ = std::max<int64_t>(profile_threads_, nt);  // (read after the region)
       uint64_t epoch = base;  // every thread counts the products alike
       Activations& a = acts_[t];
       a.far = far_;
@@ -1810,8 +1814,9 @@ class Decoder : public torch::CustomClassHolder {
       const auto [v0, v1] = share(V_ / ROWS / head_unit, t, nt);
       const auto [u0, u1] = share(M * 2 * H_, t, nt);  // attention's units: 2 pieces of each row's query heads
       const int64_t Gd = dim_ / GROUP, Ga = H_ * D_ / GROUP, Gf = F_ / GROUP;
-      // each thread quantises every row it multiplies, as the one-row step does (there 576 values
-      // cost less than a barrier; with M rows, M times as many: not measured against sharing them)
+      // each thread quantises every row it multiplies, as the one-row step does but for SwiGLU's
+      // outputs (there 576 values cost less than a barrier; with M rows, M times as many: not
+      // measured against sharing them)
       auto quantized = [&](const float* x, int64_t K, bool code_sums, bool four_bit) {
         quantize_into(x, M, K, code_sums, a);
         for_rows(a, four_bit);
@@ -1853,12 +1858,13 @@ class Decoder : public torch::CustomClassHolder {
         clock.mark(QKV);
         sync_.wait(nt);                // attention, measured 0.1-0.8% faster kept than dropped
         clock.mark(WAIT_QKV);
-        if (!by_head) {
+        if (!by_head) {  // (q|k|v and its wait counted twice a layer: the placing, then its barrier)
           auto [p0, p1] = share(H_ + 2 * KV_, t, nt);
           for (int64_t m = 0; m < M; ++m)
             for (int64_t j = p0; j < p1; ++j) place(m, j);
+          clock.mark(QKV);
           sync_.wait(nt);
-          clock.mark(WAIT_QKV);  // (the placing with the wait: models whose heads are not whole blocks)
+          clock.mark(WAIT_QKV);
         }
         // softmax(q·Kᵀ/√D)·V over a row's positions 0..pos in two pieces, [0, n/2) and [n/2, n),
         // each piece of a query head a unit of work; the units in the order (row, kv head, piece,
