@@ -38,8 +38,9 @@ _FLAGS_OF_INTEREST = ("avx2", "fma", "avx_vnni", "avx512f", "avx512bw", "avx512_
 # --------------------------------------------------------------------------- machine
 
 
-def _cpuinfo() -> dict[str, str]:
-    """First processor block of /proc/cpuinfo as a dict (empty off Linux)."""
+def cpu_info() -> dict[str, str]:
+    """This CPU's /proc/cpuinfo fields (its first processor's block: vendor_id, cpu family, model,
+    flags, ...; empty off Linux)."""
     info: dict[str, str] = {}
     try:
         text = Path("/proc/cpuinfo").read_text()
@@ -55,15 +56,9 @@ def _cpuinfo() -> dict[str, str]:
     return info
 
 
-def cpu_info() -> dict[str, str]:
-    """This CPU's /proc/cpuinfo fields (its first processor's: vendor_id, cpu family, model, ...;
-    empty off Linux)."""
-    return _cpuinfo()
-
-
 def cpu_flags() -> set[str]:
     """This CPU's feature flags as /proc/cpuinfo lists them (empty off Linux)."""
-    return set(_cpuinfo().get("flags", "").split())
+    return set(cpu_info().get("flags", "").split())
 
 
 def _meminfo_gb(field: str) -> float | None:
@@ -98,7 +93,7 @@ def _git_commit() -> str | None:
 
 def machine_info() -> dict:
     """Everything needed to tell whether two result files are comparable."""
-    cpu = _cpuinfo()
+    cpu = cpu_info()
     flags = set(cpu.get("flags", "").split())
     try:
         cores_usable = len(os.sched_getaffinity(0))

@@ -125,7 +125,7 @@ def main() -> None:
     ap.add_argument("--tag", default=None,
                     help="the CPU class in the files' names (default: named from the CPU)")
     ap.add_argument("--summary", action="store_true",
-                    help="print the table of the files already written; run none")
+                    help="print the table of the files already written; run none, write none")
     args = ap.parse_args()
 
     if args.tag is not None and not re.fullmatch(r"[A-Za-z0-9_]+", args.tag):
@@ -157,9 +157,10 @@ def main() -> None:
         else:
             rows.append([script, "no result file", str(path.name)])
     C.print_table(f"issue 53 on {tag}", ["script", "measure", "value"], rows)
-    payload = {"machine": C.machine_info(), "cpu_class": tag, "scripts": scripts, "failed": failed,
-               "rows": [{"script": r[0], "measure": r[1], "value": r[2]} for r in rows]}
-    print(f"wrote {C.write_json(f'cpu_survey_{tag}', payload)}")
+    if not args.summary:  # (a summary only reads: the file stays the run's, with its machine and date)
+        payload = {"machine": C.machine_info(), "cpu_class": tag, "scripts": scripts, "failed": failed,
+                   "rows": [{"script": r[0], "measure": r[1], "value": r[2]} for r in rows]}
+        print(f"wrote {C.write_json(f'cpu_survey_{tag}', payload)}")
     if failed:
         raise SystemExit(f"cpu_survey: {', '.join(failed)} failed (their output is above)")
 

@@ -7,7 +7,7 @@ reads and the bandwidth this CPU gives a buffer of the weights' size.
   outputs quantized, down product; each product's barrier, the time a thread waited there for
   the others; a token's final norm, int8 head (its top-k and argmax in "serial", with the
   embedding and the threads' start and join). See ``qkv.generation.native_step.profile_steps``;
-- bytes: each product's 4- or 8-bit weights and scales (the decoder's own tensors), attention's
+- bytes: each product's 4- or 8-bit weights and scales (``native_step.product_bytes``), attention's
   float32 keys and values at the positions decoded (their mean);
 - bandwidth: the best of ``--reads`` reads of a buffer as large as the weights, read between the
   rounds too (the best counts: the host's other work only slows a read);
@@ -36,22 +36,6 @@ if TYPE_CHECKING:
     from qkv.models.gpt import GPT
 
 NAME = "step_profile"
-
-
-def product_bytes(model: GPT) -> dict[str, int]:
-    """Bytes a one-row step's products read, by product: the native decoder's own 4-bit (codes,
-    scales) and int8 tensors, counted by their place in its list (``_tensors``)."""
-    from qkv.generation import native_step as ns
-
-    tensors, ints, _ = ns._tensors(model)
-    layers = ints[0]
-    got = dict.fromkeys(ns.PRODUCT_PHASES, 0)
-    for layer in range(layers):
-        i = 8 + 12 * layer
-        for name, (w, s) in {"q|k|v": (1, 2), "out": (4, 5), "gate|up": (8, 9), "down": (10, 11)}.items():
-            got[name] += tensors[i + w].nbytes + tensors[i + s].nbytes
-    got["head"] = tensors[4].nbytes + tensors[5].nbytes
-    return got
 
 
 def cache_bytes(model: GPT, positions: range) -> float:
@@ -104,7 +88,7 @@ def main() -> None:
     why = ns.unsupported(m)
     if why is not None:
         raise SystemExit(f"step_profile: the native step does not run here: {why}")
-    products = product_bytes(m)
+    products = ns.product_bytes(m)
     weights = sum(products.values())
     x = torch.tensor([lm.tokenizer.encode(C.DECODE_TEXT)[:32]])
     prompt = x.shape[1]

@@ -165,12 +165,21 @@ def last_level_cache() -> int | None:
     return sum(size for (level, _), size in found.items() if level == top)
 
 
+def product_bytes(model: GPT) -> dict[str, int]:
+    """Bytes of weights (codes and scales) each of one step's products reads, by
+    :data:`PRODUCT_PHASES`' names: every block's 4-bit matrices and the 8-bit head."""
+    head = model.lm_head.approx if isinstance(model.lm_head, TopKRefinedLinear) else model.lm_head
+    blocks = model.stack.blocks
+    got = {name: sum(m.w4.nbytes + m.dm.nbytes for m in (pick(b) for b in blocks))
+           for name, pick in (("q|k|v", lambda b: b.attn.qkv), ("out", lambda b: b.attn.out_proj),
+                              ("gate|up", lambda b: b.mlp.gate_up), ("down", lambda b: b.mlp.down))}
+    got["head"] = head.w8.nbytes + head.ds.nbytes if isinstance(head, Q8Linear) else 0
+    return got
+
+
 def weight_bytes(model: GPT) -> int:
     """Bytes of weights one step reads: every block's 4-bit matrices and the 8-bit head."""
-    head = model.lm_head.approx if isinstance(model.lm_head, TopKRefinedLinear) else model.lm_head
-    mats = [m for b in model.stack.blocks for m in (b.attn.qkv, b.attn.out_proj, b.mlp.gate_up, b.mlp.down)]
-    return (sum(m.w4.nbytes + m.dm.nbytes for m in mats)
-            + (head.w8.nbytes + head.ds.nbytes if isinstance(head, Q8Linear) else 0))
+    return sum(product_bytes(model).values())
 
 
 def prefetch_far(model: GPT) -> bool:
@@ -357,10 +366,10 @@ class StepProfile:
 def profile_steps(model: GPT, on: bool) -> StepProfile:
     """What ``model``'s native step timed since the last call (nothing before the first: a step
     is timed only once asked for), then the steps to come timed where ``on``. Timing costs a
-    clock read at each phase's end (14 a layer and 2 a token, ~20 ns each); off, a branch. The
-    binding's lock is held, as a step holds it: another thread's step is timed whole or not at
-    all. Weights replaced (the model bound again) start the profile over, off. Used by
-    ``benchmarks/step_profile.py``."""
+    clock read at each phase's end (14 a layer and 2 a token, ~23 ns each on the Emerald Rapids
+    Xeon); off, a branch. The binding's lock is held, as a step holds it: another thread's step
+    is timed whole or not at all. Weights replaced (the model bound again) start the profile over,
+    off. Used by ``benchmarks/step_profile.py``."""
     b = _binding(model)
     with b.lock:
         table = b.decoder.profile(on)  # (threads, phases, 2) float64
@@ -379,6 +388,7 @@ __all__ = [
     "enabled",
     "last_level_cache",
     "prefetch_far",
+    "product_bytes",
     "profile_steps",
     "unsupported",
     "weight_bytes",

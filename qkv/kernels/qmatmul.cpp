@@ -304,12 +304,17 @@ struct Activations {
 
 // x (M, K) of type T quantised into a (its buffers sized to it; wide and amx unset): the ops' front
 // below, and the decoder's one row at a time.
-template <typename T>
-void quantize_into(const T* x, int64_t M, int64_t K, bool code_sums, Activations& a) {
+// a's buffers sized for x (M, K) (wide and amx unset), to be filled by quantize_rows
+inline void size_for(int64_t M, int64_t K, bool code_sums, Activations& a) {
   const int64_t G = K / GROUP;
   a.M = M, a.K = K, a.G = G, a.wide = false, a.amx = false;
   a.xq.resize(M * K), a.xr.resize(M * K), a.dx.resize(M * G), a.sx.resize(M * G);
   a.sq.resize(code_sums ? M * G : 0), a.sr.resize(code_sums ? M * G : 0);
+}
+
+template <typename T>
+void quantize_into(const T* x, int64_t M, int64_t K, bool code_sums, Activations& a) {
+  size_for(M, K, code_sums, a);
   quantize_rows(x, M, K, a.xq.data(), a.xr.data(), a.dx.data(), a.sx.data(), code_sums ? a.sq.data() : nullptr,
                 code_sums ? a.sr.data() : nullptr);
 }
@@ -1288,8 +1293,8 @@ struct Barrier {
 
 // Where the decoder's step spends its time, by phase and thread, where asked for (Decoder::profile):
 // each thread reads the clock at the end of each phase and adds the time since its last reading
-// to that phase. Off, a phase's end costs a branch; on, a clock read (~20 ns; 14 a layer, 15 where
-// a head is not whole blocks of 16, and 2 a token).
+// to that phase. Off, a phase's end costs a branch; on, a clock read (~23 ns on the Emerald Rapids
+// Xeon; 14 a layer, 15 where a head is not whole blocks of 16, and 2 a token).
 // The phases, in the order of a layer (qkv/generation/native_step.py: PROFILE_PHASES names them):
 enum Phase : int {
   NORM1,       // the first norm and the activations quantized
@@ -1812,11 +1817,7 @@ class Decoder : public torch::CustomClassHolder {
     const bool tiles = M >= AMX_FROM && amx_ready();  // the 4-bit products take AMX tiles (for_rows)
 #endif
     const bool one = M == 1;  // SwiGLU's outputs quantized once, into mlp_ (see gate|up below)
-    if (one) {
-      mlp_.M = 1, mlp_.K = F_, mlp_.G = F_ / GROUP, mlp_.wide = false, mlp_.amx = false, mlp_.far = far_;
-      mlp_.xq.resize(F_), mlp_.xr.resize(F_), mlp_.dx.resize(F_ / GROUP), mlp_.sx.resize(F_ / GROUP);
-      mlp_.sq.clear(), mlp_.sr.clear();
-    }
+    if (one) size_for(1, F_, false, mlp_), mlp_.far = far_;
     Claim* claims = claims_.get();
     const uint64_t base = epoch_;  // the products claimed before this step
     uint64_t last = base;
