@@ -36,9 +36,12 @@ OPS = {"qkv::int4_mm": "4-bit products", "qkv::q8_mm": "int8 head",
        "aten::rms_norm": "norms", "aten::layer_norm": "norms"}
 
 
-def weight_bytes(model) -> dict[str, int]:
+def weight_bytes(model, greedy: bool = False) -> dict[str, int]:
     """Bytes a one-row step reads, by kind (qkv's layers; buffers a one-row product does not
-    read, such as the 4-bit layers' int8 copies for several rows, are left out)."""
+    read, such as the 4-bit layers' int8 copies for several rows, are left out). ``greedy``: the
+    native step's greedy steps, whose head's first pass reads its 4-bit copy where made
+    (``native_step.greedy_head``) instead of the int8 head."""
+    from qkv.generation.native_step import greedy_head
     from qkv.layers.quant import Int4Linear, Q8Linear
 
     out = {"4-bit layers": 0, "int8 head": 0, "norms and the rest": 0}
@@ -50,6 +53,10 @@ def weight_bytes(model) -> dict[str, int]:
             out["int8 head"] += m.w8.nbytes + m.ds.nbytes
     norms = sum(p.nbytes for n, p in model.named_parameters() if "norm" in n)
     out["norms and the rest"] = norms
+    four = greedy_head(model) if greedy else None
+    if four is not None:
+        del out["int8 head"]
+        out["4-bit head (greedy steps)"] = four.w4.nbytes + four.dm.nbytes
     return out
 
 
@@ -145,11 +152,13 @@ def main() -> None:
                              "`python benchmarks/saved_step.py --rebuild`")
     ours = weight_bytes(m)
     qkv_bytes = sum(ours.values())
+    native_bytes = sum(weight_bytes(m, greedy=True).values())  # greedy decoding through the native step
     gguf = asset_path("smollm2")
     llama_bytes = gguf_bytes(gguf)
     gbs = bandwidth(qkv_bytes, args.reads)
     parts = ", ".join(f"{k} {C.fmt_bytes(v)}" for k, v in ours.items())
-    print(f"bytes a token: qkv {C.fmt_bytes(qkv_bytes)} ({parts}), "
+    print(f"bytes a token: qkv {C.fmt_bytes(qkv_bytes)} ({parts}; the native step's greedy steps "
+          f"{C.fmt_bytes(native_bytes)}), "
           f"llama.cpp {C.fmt_bytes(llama_bytes)}; read bandwidth {gbs:.1f} GB/s "
           f"({torch.get_num_threads()} threads, a {C.fmt_bytes(qkv_bytes)} buffer)", flush=True)
     kernels = profile(m)
@@ -200,7 +209,8 @@ def main() -> None:
                                                reps=1)["decode"]["tokens_per_s"])
         line = ", ".join(f"{k} {v[-1]:.1f}" for k, v in rates.items())
         print(f"round {r + 1}: {line} tok/s", flush=True)
-    limit = {**{k: gbs * 1e9 / qkv_bytes for k in steps}, **{k: gbs * 1e9 / llama_bytes for k in peers}}
+    limit = {**{k: gbs * 1e9 / (native_bytes if native else qkv_bytes) for k, native in steps.items()},
+             **{k: gbs * 1e9 / llama_bytes for k in peers}}
     rows = []
     for k, v in rates.items():
         rows.append([k, f"{C.median(v):.1f}", f"{limit[k]:.0f}", f"{C.median(v) / limit[k]:.2f}",

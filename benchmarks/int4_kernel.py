@@ -137,13 +137,20 @@ def quality(positions: int) -> dict:
         if kern == "qkv" and native_step.unsupported(lm.model) is None:
             # the same text fed a token at a time through the native step (the first eagerly)
             ns = native_step.NativeStep(lm.model, ids.shape[1])
-            rows = []
+            rows, picks = [], []
             with torch.inference_mode():
-                cache = ns.make_cache(1)
+                cache, again = ns.make_cache(1), ns.make_cache(1)
                 rows.append(lm.model(ids[:, :1], cache=cache).logits[0, -1])
+                picks.append(int(lm.model(ids[:, :1], cache=again).logits[0, -1].argmax()))
                 for t in range(1, ids.shape[1]):
                     rows.append(ns.step(ids[:, t : t + 1], cache)[0, -1])
+                    ns.step(ids[:, t : t + 1], again, greedy=True)  # greedy decoding's step
+                    picks.append(int(ns.greedy()))
             ln = torch.stack(rows).double().log_softmax(-1)
+            greedy_picks = torch.tensor(picks)
+
+            def share(same):
+                return round(same.float().mean().item(), 4)
 
             def agree(a, b):
                 return round((a.argmax(-1) == b.argmax(-1)).float().mean().item(), 4)
@@ -151,11 +158,17 @@ def quality(positions: int) -> dict:
             out["native"] = {"top1_agreement": agree(ln, lr),
                              "kl_fp32_q4": round((lr.exp() * (lr - ln)).sum(-1).mean().item(), 6),
                              "nll": round(-ln[:-1].gather(1, ids[0, 1:, None]).mean().item(), 5),
-                             "top1_as_the_forward": agree(ln, lq)}
+                             "top1_as_the_forward": agree(ln, lq),
+                             # greedy steps rank with the head's 4-bit copy where made (greedy_head)
+                             "greedy_head": "8-bit" if native_step.greedy_head(lm.model) is None else "4-bit",
+                             "greedy_as_the_step": share(greedy_picks == ln.argmax(-1)),
+                             "greedy_top1_agreement": share(greedy_picks == lr.argmax(-1))}
             o = out["native"]
             print(f"q4 through the native step, a token at a time: top-1 as fp32 at "
                   f"{o['top1_agreement']:.1%} (as the q4 forward at {o['top1_as_the_forward']:.1%}), "
-                  f"KL {o['kl_fp32_q4']:.5f}, NLL {o['nll']:.4f}", flush=True)
+                  f"KL {o['kl_fp32_q4']:.5f}, NLL {o['nll']:.4f}; greedy steps ({o['greedy_head']} head's "
+                  f"ranking) choose the step's argmax at {o['greedy_as_the_step']:.1%}, fp32's at "
+                  f"{o['greedy_top1_agreement']:.1%}", flush=True)
     os.environ.pop("QKV_INT4_KERNEL", None)
     return out
 

@@ -88,7 +88,7 @@ def main() -> None:
     why = ns.unsupported(m)
     if why is not None:
         raise SystemExit(f"step_profile: the native step does not run here: {why}")
-    products = ns.product_bytes(m)
+    products = ns.product_bytes(m, greedy=True)  # (greedy decoding's steps: the head's 4-bit copy)
     weights = sum(products.values())
     x = torch.tensor([lm.tokenizer.encode(C.DECODE_TEXT)[:32]])
     prompt = x.shape[1]

@@ -146,7 +146,10 @@ def generate(model: GPT, prompt: Tensor, max_new_tokens: int, *, temperature: fl
             else:
                 new = tokens[:, fed:]  # one token: the decoder's step; more (the prompt): eagerly
                 stepped = new.shape[1] == 1
-                logits = dec.step(new, cache) if stepped else model(new, cache=cache, last_only=True).logits
+                if not stepped:
+                    logits = model(new, cache=cache, last_only=True).logits
+                else:  # greedy: the step may rank with a cheaper head (its top-k still exact)
+                    logits = dec.step(new, cache, greedy=True) if greedy is not None else dec.step(new, cache)
                 fed = tokens.shape[1]
                 weights = dec.attention(cache) if return_weights else None
             if greedy is not None and stepped:  # (the prompt's step went through sample_next: checked)

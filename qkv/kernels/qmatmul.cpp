@@ -1643,7 +1643,8 @@ class Decoder : public torch::CustomClassHolder {
   // tensors: [token embedding (V, dim) f32, RoPE cos (P, D) f32, sin (P, D) f32, final norm (dim,),
   //           head w (V/16, dim/32, 8, 64) u8, head ds (V/16, dim/32, 16) f16, head bias (V,) or empty,
   //           exact head matrix (V, dim) f32 or empty,
-  //           then per layer: norm1, wqkv, sqkv, bqkv or empty, wo, so, bo or empty, norm2, wgu, sgu, wd, sd]
+  //           then per layer: norm1, wqkv, sqkv, bqkv or empty, wo, so, bo or empty, norm2, wgu, sgu, wd, sd,
+  //           and optionally the head in 4 bits for greedy_step: w (V/16, dim/32, 4, 64) u8, dm (V/16, dim/32, 2, 16) f16]
   // ints: [layers, dim, heads, kv heads, head dim, mlp hidden, vocabulary, top-k (0: none), embed scale (0/1),
   //        and optionally far (0/1): the products also ask for their weights FAR groups ahead (see FAR),
   //        then first: thread t starts on share (t + first) % T (claimed; 0, its own, unless a test asks)]
@@ -1657,7 +1658,8 @@ class Decoder : public torch::CustomClassHolder {
     L_ = ints[0], dim_ = ints[1], H_ = ints[2], KV_ = ints[3], D_ = ints[4], F_ = ints[5], V_ = ints[6];
     topk_ = ints[7], scale_ = ints[8] != 0 ? static_cast<float>(std::sqrt(static_cast<double>(dim_))) : 1.f;
     eps_ = static_cast<float>(floats[0]), eps_final_ = static_cast<float>(floats[1]);
-    TORCH_CHECK(static_cast<int64_t>(held_.size()) == 8 + 12 * L_, "qkv::Decoder: ", 8 + 12 * L_, " tensors");
+    TORCH_CHECK(static_cast<int64_t>(held_.size()) == 8 + 12 * L_ || static_cast<int64_t>(held_.size()) == 10 + 12 * L_,
+                "qkv::Decoder: ", 8 + 12 * L_, " or ", 10 + 12 * L_, " tensors");
     TORCH_CHECK(H_ % KV_ == 0 && D_ % 2 == 0 && dim_ % GROUP == 0 && F_ % ROWS == 0 && V_ % ROWS == 0 &&
                     (H_ * D_) % GROUP == 0 && F_ % GROUP == 0 && dim_ % ROWS == 0,
                 "qkv::Decoder: unsupported shape");
@@ -1704,6 +1706,10 @@ class Decoder : public torch::CustomClassHolder {
       y.wd = u8(i + 10, {dim_ / ROWS, Gf, Q4::CHUNKS, 64}), y.sd = f16(i + 11, {dim_ / ROWS, Gf, 2, 16});
       layers_.push_back(y);
     }
+    if (static_cast<int64_t>(held_.size()) == 10 + 12 * L_) {  // the greedy steps' 4-bit head
+      TORCH_CHECK(topk_ > 0, "qkv::Decoder: a 4-bit head for greedy steps needs the exact top-k");
+      hw4_ = u8(8 + 12 * L_, {V_ / ROWS, Gd, Q4::CHUNKS, 64}), hs4_ = f16(9 + 12 * L_, {V_ / ROWS, Gd, 2, 16});
+    }
     x_.resize(dim_), qkv_.resize(nqkv), q_.resize(H_ * D_), o_.resize(dim_);
     piece_max_.resize(2 * H_), piece_sum_.resize(2 * H_), piece_out_.resize(2 * H_ * D_);
     gu_.resize(2 * F_), a_.resize(F_), hf_.resize(dim_);
@@ -1719,9 +1725,27 @@ class Decoder : public torch::CustomClassHolder {
     check_row(token, pos, k.size(3));
     at::Tensor logits = at::empty({1, 1, V_}, k.options());
     run(1, &token, &pos, 1, k.size(3), k.data_ptr<float>(), v.data_ptr<float>(),
-        q.numel() > 0 ? q.data_ptr<float>() : nullptr, logits.data_ptr<float>());
+        q.numel() > 0 ? q.data_ptr<float>() : nullptr, logits.data_ptr<float>(), false);
     return logits;
   }
+
+  // step for greedy decoding, whose caller reads argmax() (and at most the top-k logits): the
+  // approximate head's pass reads its 4-bit copy where the decoder has one (0.59 of the 8-bit
+  // head's bytes), then the top-k are recomputed exactly as in step. The top-k logits are step's
+  // exact ones and argmax() is theirs (unless the true largest falls out of the 4-bit pass's
+  // top-k); the other logits are within the 4-bit head's error, not the 8-bit one's.
+  at::Tensor greedy_step(int64_t token, int64_t pos, const at::Tensor& k, const at::Tensor& v, const at::Tensor& q) {
+    check_cache(k, v, q, 1);
+    TORCH_CHECK(k.size(1) == 1, "qkv::Decoder: greedy_step takes a one-row cache (layers, 1, K, S, D)");
+    check_row(token, pos, k.size(3));
+    at::Tensor logits = at::empty({1, 1, V_}, k.options());
+    run(1, &token, &pos, 1, k.size(3), k.data_ptr<float>(), v.data_ptr<float>(),
+        q.numel() > 0 ? q.data_ptr<float>() : nullptr, logits.data_ptr<float>(), hw4_ != nullptr);
+    return logits;
+  }
+
+  // Whether greedy_step reads a 4-bit copy of the head.
+  bool greedy_head() const { return hw4_ != nullptr; }
 
   // A running batch's step: row m's token tokens[m] at position pos[m] (n rows, the cache's first
   // n of R), its keys and values written into row m of k, v (layers, R, K, S, D), its rotated
@@ -1743,7 +1767,7 @@ class Decoder : public torch::CustomClassHolder {
     for (int64_t m = 0; m < n; ++m) check_row(tok[m], where[m], k.size(3));
     at::Tensor logits = at::empty({n, 1, V_}, k.options());
     run(n, tok, where, k.size(1), k.size(3), k.data_ptr<float>(), v.data_ptr<float>(),
-        q.numel() > 0 ? q.data_ptr<float>() : nullptr, logits.data_ptr<float>());
+        q.numel() > 0 ? q.data_ptr<float>() : nullptr, logits.data_ptr<float>(), false);
     return logits;
   }
 
@@ -1792,9 +1816,9 @@ class Decoder : public torch::CustomClassHolder {
   }
 
   // M rows through every layer (see step_rows): tok, pos (M,); the cache R rows of S positions;
-  // qk: the kept queries or nullptr; y: the logits (M, V).
+  // qk: the kept queries or nullptr; y: the logits (M, V); four: the head's pass reads its 4-bit copy.
   void run(int64_t M, const int64_t* tok, const int64_t* pos, int64_t R, int64_t S, float* kc, float* vc,
-           float* qk, float* y) {
+           float* qk, float* y, bool four) {
     const bool timed = profile_;
     const auto began = timed ? std::chrono::steady_clock::now() : std::chrono::steady_clock::time_point{};
     const int64_t nqkv = (H_ + 2 * KV_) * D_, group = H_ / KV_, nb = (V_ + SPAN_OF_MAX - 1) / SPAN_OF_MAX;
@@ -1992,25 +2016,27 @@ class Decoder : public torch::CustomClassHolder {
         });
         if (l + 1 < L_)
           warm<Q4>(layers_[l + 1].wqkv, layers_[l + 1].sqkv, Gd, q0 * unit);
+        else if (four)
+          warm<Q4>(hw4_, hs4_, Gd, v0 * head_unit);
         else
           warm<Q8>(hw_, hs_, Gd, v0 * head_unit);
         clock.mark(DOWN);
         sync_.wait(nt);
         clock.mark(WAIT_DOWN);
       }
-#if QKV_AMX
-      if (tiles) _tile_release();
-#endif
       for (int64_t m = 0; m < M; ++m)
         rms_norm(x_.data() + m * dim_, final_norm_, dim_, eps_final_, h + m * dim_);
       if (t == 0) std::memcpy(hf_.data(), h, M * dim_ * sizeof(float));
-      quantized(h, dim_, true, false);
+      quantized(h, dim_, !four, four);
       clock.mark(FINAL);
       // the head's outputs shared in whole blocks of 128 where V allows: each thread then takes
       // the maxima of its own blocks and looks for a NaN in them where it has just written them
       // (in its own cache, not the other core's)
       claimed(claims, ++epoch, V_ / ROWS / head_unit, t, nt, first_, [&](int64_t c0, int64_t c1) {
-        product_blocks<Q8>(hw_, hs_, a, c0 * head_unit, c1 * head_unit, y, V_, hbias_);
+        if (four)
+          product_blocks<Q4>(hw4_, hs4_, a, c0 * head_unit, c1 * head_unit, y, V_, hbias_);
+        else
+          product_blocks<Q8>(hw_, hs_, a, c0 * head_unit, c1 * head_unit, y, V_, hbias_);
         if (whole)
           for (int64_t m = 0; m < M; ++m) {
             const float* ym = y + m * V_;
@@ -2018,6 +2044,9 @@ class Decoder : public torch::CustomClassHolder {
             if (std::isnan(sum_of(ym + c0 * SPAN_OF_MAX, (c1 - c0) * SPAN_OF_MAX))) nan_[t * M + m] = 1;
           }
       });
+#if QKV_AMX
+      if (tiles) _tile_release();  // (after the head: a 4-bit head's rows take the tiles too)
+#endif
       clock.mark(HEAD);
       if (t == 0) last = epoch;  // (every thread's count is the same)
     }
@@ -2110,6 +2139,8 @@ class Decoder : public torch::CustomClassHolder {
               *exact_ = nullptr;
   const uint8_t* hw_ = nullptr;
   const c10::Half* hs_ = nullptr;
+  const uint8_t* hw4_ = nullptr;  // greedy steps' 4-bit copy of the head (Q4_1's grid) or none
+  const c10::Half* hs4_ = nullptr;
   std::vector<float> x_, qkv_, q_, o_, gu_, a_, hf_, best_;  // per row: (M, .)
   std::vector<float> piece_max_, piece_sum_, piece_out_;  // attention's two pieces a head: (M, 2, H), (M, 2, H, D)
   std::vector<std::pair<float, int64_t>> cand_;  // refine's candidates (value, index)
@@ -2147,6 +2178,8 @@ QKV_LIBRARY(QKV_NAMESPACE, m) {
   m.class_<QKV_NAMESPACE::Decoder>("Decoder")
       .def(torch::init<std::vector<at::Tensor>, std::vector<int64_t>, std::vector<double>>())
       .def("step", &QKV_NAMESPACE::Decoder::step)
+      .def("greedy_step", &QKV_NAMESPACE::Decoder::greedy_step)
+      .def("greedy_head", &QKV_NAMESPACE::Decoder::greedy_head)
       .def("step_rows", &QKV_NAMESPACE::Decoder::step_rows)
       .def("argmax", &QKV_NAMESPACE::Decoder::argmax)
       .def("profile", &QKV_NAMESPACE::Decoder::profile);

@@ -164,6 +164,84 @@ def test_its_argmax_is_torch_argmax_of_its_logits(vocab: int) -> None:
             assert dec.argmax() == int(got.argmax())
 
 
+def test_a_greedy_step_ranks_with_a_4bit_copy_of_the_head_and_gives_the_exact_top() -> None:
+    """greedy_step: the body's numbers are step's (the caches bit for bit), the 64 largest of a
+    first pass with the head's 4-bit copy (Q4_1's grid of the float matrix, by hand from its
+    dequantised weights in float64) are the exact fp32 products, the others that copy's products
+    (not the 8-bit head's), and its argmax is step's at every position."""
+    vocab = 10240  # 80 blocks of 128 logits, top-k 64: most logits unrefined
+    m = quantised(vocab_size=vocab)
+    four = ns.greedy_head(m)
+    assert four is not None and ns.greedy_head(m) is four  # made once
+    step = ns.NativeStep(m, 48)
+    assert step._bound.decoder.greedy_head()
+    prompt, tokens = [1, 2, 3], [(11 * t + 3) % vocab for t in range(24)]
+    c_greedy, c_step = step.make_cache(1), step.make_cache(1)
+    with torch.inference_mode():
+        for c in (c_greedy, c_step):
+            m(torch.tensor([prompt]), cache=c)
+        for t in tokens:
+            tok = torch.tensor([[t]])
+            step.step(tok, c_step)
+            want_arg = int(step.greedy())
+            got = step.step(tok, c_greedy, greedy=True)[0, 0]
+            assert int(step.greedy()) == want_arg == int(got.argmax())
+    assert torch.equal(c_greedy.k, c_step.k) and torch.equal(c_greedy.v, c_step.v)
+    with torch.inference_mode():  # the last token's hidden state before the head, by the eager model
+        c = m.make_cache(1, 48)
+        h = m.stack(m.embed(torch.tensor([prompt + tokens])), rope=m.rope, cache=c).x[0, -1].double()
+    approx4 = four.dequantize().double() @ h
+    approx8 = m.lm_head.approx.dequantize().double() @ h
+    top = approx4.topk(64).indices
+    exact = m.lm_head.weight.double()[top] @ h
+    scale = approx4.abs().max().item()
+    assert (got[top].double() - exact).abs().max() <= 2e-4 * scale
+    rest = torch.ones(vocab, dtype=torch.bool)
+    rest[top] = False
+    assert (got[rest].double() - approx4[rest]).abs().max() <= 1e-3 * scale
+    assert (got[rest].double() - approx8[rest]).abs().max() > 1e-2 * scale  # the 8-bit head was not read
+
+
+def test_the_greedy_heads_bytes_and_its_off_switch(monkeypatch: pytest.MonkeyPatch) -> None:
+    """product_bytes(greedy=True) counts the 4-bit copy (0.625 bytes a weight: 16 bytes of codes
+    and two float16 a group of 32) against the 8-bit head's 34 bytes a group;
+    QKV_NATIVE_GREEDY_HEAD=q8 keeps greedy steps on the 8-bit head, the same logits as step's."""
+    vocab, dim = 10240, 64
+    m = quantised(vocab_size=vocab)
+    assert ns.product_bytes(m)["head"] == vocab * dim // 32 * 34
+    assert ns.product_bytes(m, greedy=True)["head"] == vocab * dim // 32 * 20
+    assert ns.weight_bytes(m) - ns.weight_bytes(m, greedy=True) == vocab * dim // 32 * 14
+    monkeypatch.setenv("QKV_NATIVE_GREEDY_HEAD", "q8")
+    assert ns.greedy_head(m) is None and ns.product_bytes(m, greedy=True)["head"] == vocab * dim // 32 * 34
+    step = ns.NativeStep(m, 48)
+    assert not step._bound.decoder.greedy_head()
+    a, b = step.make_cache(1), step.make_cache(1)
+    with torch.inference_mode():
+        for c in (a, b):
+            m(torch.tensor([[1, 2, 3]]), cache=c)
+        for t in (7, 8, 9):
+            tok = torch.tensor([[t]])
+            assert torch.equal(step.step(tok, a, greedy=True), step.step(tok, b))
+
+
+def test_the_greedy_heads_copy_follows_the_matrix_changed_in_place() -> None:
+    """The 4-bit copy is made again after the float matrix changes in place (load_state_dict
+    copies into the same storage): greedy generate then gives the eager model's tokens, which a
+    copy left as it was (ranking by the old matrix) does not."""
+    vocab = 10240
+    m, other = quantised(vocab_size=vocab), quantised(seed=12, vocab_size=vocab)
+    x = torch.tensor([[1, 2, 3, 4]])
+    first = ns.greedy_head(m)
+    want = [int(t[0]) for t in generate(m, x, 12, temperature=0.0, mode="eager")]
+    assert [int(t[0]) for t in generate(m, x, 12, temperature=0.0)] == want
+    m.load_state_dict(other.state_dict())
+    again = ns.greedy_head(m)
+    assert again is not None and again is not first
+    torch.testing.assert_close(again.dequantize(), ns.greedy_head(other).dequantize())
+    want = [int(t[0]) for t in generate(other, x, 12, temperature=0.0, mode="eager")]
+    assert [int(t[0]) for t in generate(m, x, 12, temperature=0.0)] == want
+
+
 def test_generate_takes_the_steps_argmax_when_greedy(monkeypatch: pytest.MonkeyPatch) -> None:
     """Greedy generate asks the native step for its argmax (counted), not sample_next, after the
     prompt; sampling asks sample_next; the tokens are eager's (the test above: the same index)."""
@@ -178,16 +256,24 @@ def test_generate_takes_the_steps_argmax_when_greedy(monkeypatch: pytest.MonkeyP
             return real(*a, **k)
         return call
 
+    real_step = ns.NativeStep.step
+
+    def step(self, tok, cache, greedy=False):
+        calls["greedy steps" if greedy else "steps"] += 1
+        return real_step(self, tok, cache, greedy)
+
     monkeypatch.setattr(ns.NativeStep, "greedy", counted("greedy", ns.NativeStep.greedy))
+    monkeypatch.setattr(ns.NativeStep, "step", step)
     monkeypatch.setattr(decode, "sample_next", counted("sample", decode.sample_next))
     x = torch.tensor([[1, 2, 3]])
+    calls.update({"greedy steps": 0, "steps": 0})
     got = [int(t[0]) for t in generate(m, x, 12, temperature=0.0)]
-    assert calls == {"greedy": 11, "sample": 1}
+    assert calls == {"greedy": 11, "sample": 1, "greedy steps": 11, "steps": 0}
     want = [int(t[0]) for t in generate(m, x, 12, temperature=0.0, mode="eager")]
     assert got == want
-    calls.update(greedy=0, sample=0)
-    list(generate(m, x, 5, temperature=0.8, seed=1))
-    assert calls == {"greedy": 0, "sample": 5}
+    calls.update({"greedy": 0, "sample": 0, "greedy steps": 0, "steps": 0})
+    list(generate(m, x, 5, temperature=0.8, seed=1))  # sampling: the 8-bit head's whole distribution
+    assert calls == {"greedy": 0, "sample": 5, "greedy steps": 0, "steps": 4}
 
 
 def test_any_thread_count_gives_the_same_numbers():

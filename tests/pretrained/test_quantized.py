@@ -257,13 +257,20 @@ def test_the_native_step_decodes_q4_as_the_model_does(smollm2, formats, held_ids
     n, start = 120, 16
     ids = held_ids[:, : n + 1]
     step = native_step.NativeStep(lm.model, n + 1)
-    got = []
+    got, chosen, chosen_greedy = [], [], []
     with torch.inference_mode():
-        cache = step.make_cache(1)
+        cache, again = step.make_cache(1), step.make_cache(1)
         lm.model(ids[:, :start], cache=cache)
+        lm.model(ids[:, :start], cache=again)
         for t in range(start, n):
             got.append(step.step(ids[:, t : t + 1], cache)[0, 0])
+            chosen.append(int(step.greedy()))
+            step.step(ids[:, t : t + 1], again, greedy=True)  # ranked by the head's 4-bit copy
+            chosen_greedy.append(int(step.greedy()))
     got_t = torch.stack(got)  # (n - start, V): positions start..n-1
+    # greedy steps choose the 8-bit ranking's token at every position: the exact fp32 top 64
+    assert native_step.greedy_head(lm.model) is not None
+    assert chosen_greedy == chosen == got_t.argmax(-1).tolist()
     ref = logits(smollm2, ids)[start:n]
     own = logits(lm, ids)[start:n]
     assert (got_t.argmax(-1) == ref.argmax(-1)).float().mean().item() >= 0.99
