@@ -15,8 +15,9 @@ once a token.
   beside it (what is not kernels there is the runtime between them); the final norm and output
   layer eagerly and through the saved step's head package, calls alternated;
 - rates: ``--rounds`` rounds of qkv's native and saved steps (128 tokens after a 32-token prompt,
-  as saved_step.py; the saved step with ``QKV_NATIVE_STEP=off``) with llama-bench's portable and
-  native builds after them in each round.
+  as saved_step.py; the saved step with ``QKV_NATIVE_STEP=off``; the native step also with its
+  greedy steps reading the 8-bit head, ``QKV_NATIVE_GREEDY_HEAD=q8``, as sampled steps do) with
+  llama-bench's portable and native builds after them in each round, and each round's ratios.
 
     python benchmarks/decode_limit.py                 # ~2 minutes on 2 cores (llama.cpp built)
     python benchmarks/decode_limit.py --build-llama-cpp
@@ -175,8 +176,9 @@ def main() -> None:
 
     from qkv.generation.native_step import unsupported
 
-    def ours_rate(native: bool) -> float:
+    def ours_rate(native: bool, head: str = "") -> float:
         os.environ["QKV_NATIVE_STEP"] = "on" if native else "off"
+        os.environ["QKV_NATIVE_GREEDY_HEAD"] = head  # "q8": greedy steps read the 8-bit head
         try:
             said: list = []
             t = time.perf_counter()
@@ -187,10 +189,15 @@ def main() -> None:
             rate = (n_new - 1) / max(time.perf_counter() - t - first, 1e-9)
         finally:
             os.environ.pop("QKV_NATIVE_STEP", None)
+            os.environ.pop("QKV_NATIVE_GREEDY_HEAD", None)
         assert said[0].kind == ("native" if native else "saved"), said[0]
         return rate
 
-    steps = {"qkv saved step": False, **({"qkv native step": True} if unsupported(m) is None else {})}
+    # (native, greedy steps' head): the native step as it runs, and reading the 8-bit head as sampled
+    # steps do (QKV_NATIVE_GREEDY_HEAD=q8; its bytes those of the saved step)
+    steps = {"qkv saved step": (False, ""),
+             **({"qkv native step": (True, ""), "qkv native step, 8-bit head": (True, "q8")}
+                if unsupported(m) is None else {})}
 
     peers = {}
     for name, native in (("llama.cpp portable", False), ("llama.cpp native", True)):
@@ -198,18 +205,19 @@ def main() -> None:
         print(f"{name}: {how}", flush=True)
         if binary is not None:
             peers[name] = binary
-    for native in steps.values():
-        ours_rate(native)  # warm
+    for native, head in steps.values():
+        ours_rate(native, head)  # warm
     rates: dict[str, list[float]] = {**{k: [] for k in steps}, **{k: [] for k in peers}}
     for r in range(args.rounds):
-        for k, native in (steps.items() if r % 2 == 0 else list(steps.items())[::-1]):
-            rates[k].append(ours_rate(native))
+        for k, (native, head) in (steps.items() if r % 2 == 0 else list(steps.items())[::-1]):
+            rates[k].append(ours_rate(native, head))
         for name, binary in peers.items():
             rates[name].append(run_llama_bench(binary, gguf, threads=threads, prompt=32, new=n_new,
                                                reps=1)["decode"]["tokens_per_s"])
         line = ", ".join(f"{k} {v[-1]:.1f}" for k, v in rates.items())
         print(f"round {r + 1}: {line} tok/s", flush=True)
-    limit = {**{k: gbs * 1e9 / (native_bytes if native else qkv_bytes) for k, native in steps.items()},
+    limit = {**{k: gbs * 1e9 / (native_bytes if native and head != "q8" else qkv_bytes)
+                for k, (native, head) in steps.items()},
              **{k: gbs * 1e9 / llama_bytes for k in peers}}
     rows = []
     for k, v in rates.items():
@@ -217,6 +225,21 @@ def main() -> None:
                      f"{1e3 / C.median(v):.2f}"])
     C.print_table(f"SmolLM2 q4, one row, {threads} threads: the bandwidth limit ({gbs:.1f} GB/s)",
                   ["decoder", "tok/s (median)", "limit tok/s", "fraction", "ms a token"], rows)
+    def per_round(a: str, b: str) -> list[float] | None:
+        return [round(x / y, 3) for x, y in zip(rates[a], rates[b], strict=True)] \
+            if a in rates and b in rates else None
+
+    faster = [max(rates[k][r] for k in peers) for r in range(args.rounds)] if peers else None
+    if faster:
+        rates["(the faster llama.cpp)"] = faster
+    ratios = {"native step ÷ the faster llama.cpp": per_round("qkv native step", "(the faster llama.cpp)"),
+              "saved step ÷ the faster llama.cpp": per_round("qkv saved step", "(the faster llama.cpp)"),
+              "native step ÷ native step reading the 8-bit head":
+                  per_round("qkv native step", "qkv native step, 8-bit head")}
+    ratios = {k: v for k, v in ratios.items() if v is not None}
+    rates.pop("(the faster llama.cpp)", None)
+    for k, v in ratios.items():
+        print(f"{k}: median {C.median(v):.2f} (rounds {min(v):.2f}-{max(v):.2f})", flush=True)
     saved_ms = 1e3 / C.median(rates["qkv saved step"])
     kernel_ms = sum(v for k, v in kernels.items() if k != "other ops")
     print(f"qkv: {saved_ms:.2f} ms a token in the saved step; its kernels eagerly {kernel_ms:.2f} ms "
@@ -229,6 +252,7 @@ def main() -> None:
         "decode_tokens_per_s": {k: [round(x, 1) for x in v] for k, v in rates.items()},
         "limit_tokens_per_s": {k: round(v, 1) for k, v in limit.items()},
         "fraction_of_limit": {k: round(C.median(v) / limit[k], 3) for k, v in rates.items()},
+        "ratios": ratios,
         "saved_step_ms": round(saved_ms, 3),
         "native_step_ms": round(1e3 / C.median(rates["qkv native step"]), 3) if "qkv native step" in rates
         else None}, args.out)
