@@ -355,7 +355,11 @@ class Batch:
                 self._rows_step.begin()
             step = self._rows_step
         x = torch.tensor([[r.last] for r in rows], device=self.model.tok_emb.weight.device)
-        logits = step.step_rows(x, self._cache)
+        if isinstance(step, native_step.NativeStep) and all(r.request.temperature == 0 for r in rows):
+            # every row greedy: only each row's argmax is read (the head's 4-bit copy ranks them)
+            logits = step.step_rows(x, self._cache, greedy=True)
+        else:
+            logits = step.step_rows(x, self._cache)
         self.rows_steps += 1
         if layers is False:
             return logits, None

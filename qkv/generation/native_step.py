@@ -358,12 +358,13 @@ class NativeStep:
         cache.advance(1)
         return out
 
-    def step_rows(self, tok: Tensor, cache: BatchKVCache) -> Tensor:
+    def step_rows(self, tok: Tensor, cache: BatchKVCache, greedy: bool = False) -> Tensor:
         """A running batch's step: (n, 1) ids for the first n rows of ``cache`` (the batch's
         :class:`~qkv.attention.BatchKVCache` of R >= n rows, float32, kept queries or none), row b's
         at ``cache.pos[b]`` -> (n, 1, V) float32 logits; those rows advance. The products take
         the n rows together (each weight read once for all of them); each row's logits, keys,
-        values and queries are those :meth:`step` gives it alone, bit for bit."""
+        values and queries are those :meth:`step` gives it alone, bit for bit (with ``greedy``,
+        for rows that all decode greedily, those of ``step(..., greedy=True)``)."""
         n = tok.shape[0]
         if tok.ndim != 2 or tok.shape[1] != 1 or not 1 <= n <= cache.batch_size or cache.lengths is None:
             raise ValueError(f"the native step of a running batch takes (n, 1) tokens for n <= "
@@ -376,7 +377,8 @@ class NativeStep:
         ids = tok[:, 0].to(torch.long).contiguous()
         pos = cache.pos[:n].contiguous()
         with self._bound.lock:
-            out = self._bound.decoder.step_rows(ids, pos, cache.k, cache.v, queries)
+            d = self._bound.decoder
+            out = (d.greedy_step_rows if greedy else d.step_rows)(ids, pos, cache.k, cache.v, queries)
         cache.pos[:n] += 1
         cache.sync()
         return out

@@ -1755,6 +1755,24 @@ class Decoder : public torch::CustomClassHolder {
   // integers and floats it gets alone, and attention's pieces are a row's own.
   at::Tensor step_rows(const at::Tensor& tokens, const at::Tensor& pos, const at::Tensor& k, const at::Tensor& v,
                        const at::Tensor& q) {
+    return rows(tokens, pos, k, v, q, false);
+  }
+
+  // step_rows for rows that all decode greedily (their callers read each row's argmax and at most
+  // its top-k logits): the head's first pass reads its 4-bit copy where the decoder has one (see
+  // greedy_step); every row's other numbers are step_rows' own.
+  at::Tensor greedy_step_rows(const at::Tensor& tokens, const at::Tensor& pos, const at::Tensor& k,
+                              const at::Tensor& v, const at::Tensor& q) {
+    return rows(tokens, pos, k, v, q, hw4_ != nullptr);
+  }
+
+  // The index of the first largest of the last step's logits (torch.argmax), found in the step:
+  // its first row's.
+  int64_t argmax() const { return argmax_.empty() ? 0 : argmax_[0]; }
+
+  // step_rows and greedy_step_rows: four, the head's first pass reads its 4-bit copy.
+  at::Tensor rows(const at::Tensor& tokens, const at::Tensor& pos, const at::Tensor& k, const at::Tensor& v,
+                  const at::Tensor& q, bool four) {
     TORCH_CHECK(tokens.dim() == 1 && tokens.scalar_type() == at::kLong && tokens.is_contiguous() &&
                     tokens.device().is_cpu() && pos.dim() == 1 && pos.scalar_type() == at::kLong &&
                     pos.is_contiguous() && pos.device().is_cpu() && pos.size(0) == tokens.size(0) &&
@@ -1767,13 +1785,9 @@ class Decoder : public torch::CustomClassHolder {
     for (int64_t m = 0; m < n; ++m) check_row(tok[m], where[m], k.size(3));
     at::Tensor logits = at::empty({n, 1, V_}, k.options());
     run(n, tok, where, k.size(1), k.size(3), k.data_ptr<float>(), v.data_ptr<float>(),
-        q.numel() > 0 ? q.data_ptr<float>() : nullptr, logits.data_ptr<float>(), false);
+        q.numel() > 0 ? q.data_ptr<float>() : nullptr, logits.data_ptr<float>(), four);
     return logits;
   }
-
-  // The index of the first largest of the last step's logits (torch.argmax), found in the step:
-  // its first row's.
-  int64_t argmax() const { return argmax_.empty() ? 0 : argmax_[0]; }
 
   // Where the steps since the last call spent their time (see Phase): (threads, PHASES, 2) float64,
   // [..., 0] seconds and [..., 1] the phase's count, a row for each thread the steps ran on (none
@@ -2179,6 +2193,7 @@ QKV_LIBRARY(QKV_NAMESPACE, m) {
       .def(torch::init<std::vector<at::Tensor>, std::vector<int64_t>, std::vector<double>>())
       .def("step", &QKV_NAMESPACE::Decoder::step)
       .def("greedy_step", &QKV_NAMESPACE::Decoder::greedy_step)
+      .def("greedy_step_rows", &QKV_NAMESPACE::Decoder::greedy_step_rows)
       .def("greedy_head", &QKV_NAMESPACE::Decoder::greedy_head)
       .def("step_rows", &QKV_NAMESPACE::Decoder::step_rows)
       .def("argmax", &QKV_NAMESPACE::Decoder::argmax)

@@ -536,6 +536,64 @@ def test_a_running_batchs_rows_step_each_as_alone(shape, n, threads):
     assert torch.equal(q[:, untouched], cache.queries[:, untouched])
 
 
+@pytest.mark.parametrize("n", [2, 13])  # 13 rows: the head's 4-bit copy on AMX tiles where this CPU has them
+@pytest.mark.parametrize("threads", [1, 2])
+def test_greedy_rows_step_each_as_a_greedy_step_alone(n, threads):
+    """greedy_step_rows: each row's logits those greedy_step gives it alone, bit for bit (the
+    head's 4-bit copy read for every row at once), not step_rows' (the 8-bit head), each row's
+    argmax step_rows' own."""
+    vocab = 10240
+    m = quantised(vocab_size=vocab)
+    dec = ns.NativeStep(m, 48)._bound.decoder
+    cache, tokens = rows_case(m, ROW_LENGTHS[20][:n], R=n)
+    pos = torch.tensor(ROW_LENGTHS[20][:n])
+    k, v, q = cache.k.clone(), cache.v.clone(), cache.queries.clone()
+    torch.set_num_threads(threads)
+    try:
+        greedy = dec.greedy_step_rows(tokens, pos, k, v, q)
+        rows = dec.step_rows(tokens, pos, cache.k.clone(), cache.v.clone(), cache.queries.clone())
+    finally:
+        torch.set_num_threads(1)
+    assert not torch.equal(greedy, rows)
+    assert torch.equal(greedy.argmax(-1), rows.argmax(-1))
+    for b in range(n):
+        k1, v1 = cache.k[:, b : b + 1].clone(), cache.v[:, b : b + 1].clone()
+        alone = dec.greedy_step(int(tokens[b]), int(pos[b]), k1, v1, torch.zeros_like(cache.queries[:, :1]))
+        assert torch.equal(greedy[b], alone[0]), b
+        assert torch.equal(k[:, b], k1[:, 0]) and torch.equal(v[:, b], v1[:, 0])
+
+
+def test_a_running_batch_of_greedy_rows_ranks_with_the_4bit_head(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Batch: while every live row decodes greedily its steps are greedy ones (counted), and
+    each request's tokens are those greedy generate gives it alone; a sampled row among them makes
+    the batch's steps plain ones (its sampler reads every logit)."""
+    from qkv.generation.batch import Request, generate_batch
+
+    vocab = 10240
+    m = quantised(vocab_size=vocab)
+    calls = {"greedy": 0, "plain": 0}
+    real = ns.NativeStep.step_rows
+
+    def step_rows(self, tok, cache, greedy=False):
+        calls["greedy" if greedy else "plain"] += 1
+        return real(self, tok, cache, greedy)
+
+    monkeypatch.setattr(ns.NativeStep, "step_rows", step_rows)
+    g = torch.Generator().manual_seed(9)
+    prompts = [torch.randint(0, vocab, (n,), generator=g).tolist() for n in (3, 9, 5)]
+    got: dict[int, list[int]] = {}
+    for i, tok in generate_batch(m, [Request(p, 8) for p in prompts], rows=3):
+        got.setdefault(i, []).append(tok.id)
+    assert calls["greedy"] > 0 and calls["plain"] == 0
+    for i, p in enumerate(prompts):
+        alone = generate(m, torch.tensor([p]), 8, temperature=0.0)  # (this random model's eager tokens part
+        assert got[i] == [int(t[0]) for t in alone], i              # from the native step's at a near-tie)
+    calls.update(greedy=0, plain=0)
+    mixed = [Request(prompts[0], 8), Request(prompts[1], 8, temperature=1.0, seed=1)]
+    list(generate_batch(m, mixed, rows=2))
+    assert calls["plain"] > 0
+
+
 def test_every_code_path_steps_rows_as_alone(other_builds):
     """The AVX2 build's rows take its wide 16-bit products (two rows and more), the plain C++
     build's its own loops: each row's logits still those of its one-row step, bit for bit."""
