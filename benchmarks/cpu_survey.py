@@ -105,8 +105,10 @@ def summary_rows(name: str, d: dict) -> list[list[str]]:
         rows += [[name, f"{n} clients: qkv serve ÷ llama-server", _spread(v["batched_vs_llama_server"])]
                  for n, v in (d.get("summary") or {}).items() if v.get("batched_vs_llama_server")]
     if name == "batch_rows":
-        rows += [[name, f"{n} rows: native step tok/s; saved ÷ native step time",
-                  f"{v['tok_s']:.0f}; {v['saved_over_native']:.2f}"]
+        rows += [[name, f"{n} rows: native step tok/s; saved ÷ native step time"
+                  + ("; on the 8-bit head ÷ native" if "8bit_head_over_native" in v else ""),
+                  f"{v['tok_s']:.0f}; {v['saved_over_native']:.2f}"
+                  + (f"; {v['8bit_head_over_native']:.2f}" if "8bit_head_over_native" in v else "")]
                  for n, v in (d.get("native_step") or {}).items() if "saved_over_native" in v]
     if name == "setup_time":
         rows += [[name, f"{d.get('command', 'set-up')} ({who}), s", f"{v['wall_s']:.1f}"]
@@ -121,7 +123,8 @@ def summary_rows(name: str, d: dict) -> list[list[str]]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--only", nargs="+", choices=list(PLAN), metavar="SCRIPT",
-                    help=f"run these only (of {', '.join(PLAN)})")
+                    help=f"run these only (of {', '.join(PLAN)}); the summary keeps the other "
+                    "scripts' earlier files for this CPU class")
     ap.add_argument("--tag", default=None,
                     help="the CPU class in the files' names (default: named from the CPU)")
     ap.add_argument("--summary", action="store_true",
@@ -148,17 +151,19 @@ def main() -> None:
             if rc != 0:
                 failed.append(script)
     rows = []
-    for script in scripts:
+    for script in PLAN:  # this run's scripts and, where --only left some out, their earlier files
         path = C.RESULTS_DIR / f"{script}_{suffix}.json"
         if script in failed:
             rows.append([script, "failed in this run", "its output is above"])
         elif path.is_file():
             rows += summary_rows(script, json.loads(path.read_text()))
-        else:
+        elif script in scripts:
             rows.append([script, "no result file", str(path.name)])
     C.print_table(f"issue 53 on {tag}", ["script", "measure", "value"], rows)
     if not args.summary:  # (a summary only reads: the file stays the run's, with its machine and date)
         payload = {"machine": C.machine_info(), "cpu_class": tag, "scripts": scripts, "failed": failed,
+                   "earlier_files": [s for s in PLAN if s not in scripts
+                                     and (C.RESULTS_DIR / f"{s}_{suffix}.json").is_file()],
                    "rows": [{"script": r[0], "measure": r[1], "value": r[2]} for r in rows]}
         print(f"wrote {C.write_json(f'cpu_survey_{tag}', payload)}")
     if failed:
