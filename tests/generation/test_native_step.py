@@ -566,8 +566,9 @@ def test_greedy_rows_step_each_as_a_greedy_step_alone(n, threads):
 def test_a_running_batch_of_greedy_rows_ranks_with_the_4bit_head(monkeypatch: pytest.MonkeyPatch) -> None:
     """Batch: while every live row decodes greedily its steps are greedy ones (counted), and
     each request's tokens are those greedy generate gives it alone; a sampled row among them makes
-    the batch's steps plain ones (its sampler reads every logit)."""
-    from qkv.generation.batch import Request, generate_batch
+    the batch's steps plain ones (its sampler reads every logit), as more rows than
+    GREEDY_HEAD_ROWS do."""
+    from qkv.generation.batch import GREEDY_HEAD_ROWS, Request, generate_batch
 
     vocab = 10240
     m = quantised(vocab_size=vocab)
@@ -591,6 +592,10 @@ def test_a_running_batch_of_greedy_rows_ranks_with_the_4bit_head(monkeypatch: py
     calls.update(greedy=0, plain=0)
     mixed = [Request(prompts[0], 8), Request(prompts[1], 8, temperature=1.0, seed=1)]
     list(generate_batch(m, mixed, rows=2))
+    assert calls["plain"] > 0
+    calls.update(greedy=0, plain=0)  # more greedy rows than GREEDY_HEAD_ROWS: plain steps while they are
+    many = [Request(prompts[i % 3], 4) for i in range(GREEDY_HEAD_ROWS + 1)]
+    list(generate_batch(m, many, rows=GREEDY_HEAD_ROWS + 1))
     assert calls["plain"] > 0
 
 
