@@ -23,9 +23,16 @@ its speed is what a model of that size decodes at).
   once read 14 GB/s where the rounds read 27); each decoder's fraction of it is tokens/s × bytes a
   token ÷ that bandwidth.
 
+``--head-too`` repeats the vocabulary as often as the blocks (the token embedding, SmolLM2's tied
+output matrix, with as many copies of its rows; the copies' tokens unused): the output head keeps
+its share of a token's bytes (a third of llama.cpp's, a fifth of qkv's greedy steps', which rank
+with a 4-bit copy of it), as an AMD EPYC reading SmolLM2 itself from DRAM would read them; without
+it the head is a twentieth of the bytes.
+
 Rounds alternated; ratios within rounds, medians reported.
 
     python benchmarks/from_memory.py --rounds 5
+    python benchmarks/from_memory.py --rounds 5 --head-too
     python benchmarks/from_memory.py --quick       # one round of 16 tokens, two copies of the blocks
 """
 
@@ -79,10 +86,14 @@ for line in sys.stdin:
 """
 
 
-def repeated_gguf(src: Path, dst: Path, repeats: int) -> int:
+def repeated_gguf(src: Path, dst: Path, repeats: int, vocab: int = 1) -> int:
     """Write ``src`` (a llama GGUF) with its blocks repeated ``repeats`` times into ``dst``: the
     same metadata but the block count, every block's tensors copied (the weights are SmolLM2's, so
-    its tokenizer and shapes hold). Returns the bytes of tensor data."""
+    its tokenizer and shapes hold). ``vocab`` > 1: the vocabulary too, its token embedding (the
+    tied output matrix) that many times as many rows, the copies' tokens unused ones
+    (``<|qkv-unused-N|>``, type 5), so the head keeps its share of a token's bytes. Returns the
+    bytes of tensor data."""
+    import numpy as np
     from gguf import GGUFReader, GGUFValueType, GGUFWriter
 
     r = GGUFReader(str(src))
@@ -95,10 +106,17 @@ def repeated_gguf(src: Path, dst: Path, repeats: int) -> int:
         if f.name == "llama.block_count":
             blocks = int(f.parts[f.data[0]][0])
             w.add_uint32(f.name, blocks * repeats)
+        elif f.name == "llama.vocab_size":
+            w.add_uint32(f.name, int(f.parts[f.data[0]][0]) * vocab)
         elif kind == GGUFValueType.ARRAY:
             strings = f.types[1] == GGUFValueType.STRING
-            w.add_array(f.name, [bytes(f.parts[i]).decode("utf-8") if strings else f.parts[i].tolist()[0]
-                                 for i in f.data])
+            items = [bytes(f.parts[i]).decode("utf-8") if strings else f.parts[i].tolist()[0] for i in f.data]
+            n = len(items)
+            if f.name == "tokenizer.ggml.tokens":
+                items += [f"<|qkv-unused-{i}|>" for i in range(n, n * vocab)]
+            elif f.name == "tokenizer.ggml.token_type":
+                items += [5] * (n * (vocab - 1))  # llama.cpp's UNUSED
+            w.add_array(f.name, items)
         elif kind == GGUFValueType.STRING:
             w.add_string(f.name, bytes(f.parts[f.data[0]]).decode("utf-8"))
         else:
@@ -111,12 +129,13 @@ def repeated_gguf(src: Path, dst: Path, repeats: int) -> int:
             order += [(t.name.replace(f"blk.{i}.", f"blk.{copy * blocks + i}.", 1), t)
                       for t in r.tensors if t.name.startswith(f"blk.{i}.")]
     for name, t in order:
-        w.add_tensor(name, t.data, raw_shape=t.data.shape, raw_dtype=t.tensor_type)
+        data = np.concatenate([t.data] * vocab) if name == "token_embd.weight" and vocab > 1 else t.data
+        w.add_tensor(name, data, raw_shape=data.shape, raw_dtype=t.tensor_type)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
-    return sum(int(t.n_bytes) for _, t in order)
+    return sum(int(t.n_bytes) * (vocab if name == "token_embd.weight" else 1) for name, t in order)
 
 
 def main() -> None:
@@ -130,6 +149,9 @@ def main() -> None:
                          "of them all is the limit)")
     ap.add_argument("--build-llama-cpp", action="store_true",
                     help="build llama.cpp's llama-bench where it is not built (~10 minutes each)")
+    ap.add_argument("--head-too", action="store_true",
+                    help="repeat the vocabulary (the output head's rows) as often as the blocks: SmolLM2's "
+                         "proportions from DRAM")
     ap.add_argument("--quick", action="store_true", help="a smoke run: one round of 16 tokens, two copies")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
@@ -155,10 +177,12 @@ def main() -> None:
         raise SystemExit("this CPU has no AVX2 (with FMA and F16C): llama.cpp's builds here need it")
 
     with tempfile.TemporaryDirectory(prefix="qkv-from-memory-") as tmp:
-        gguf = Path(tmp) / f"smollm2-x{repeats}.gguf"
+        vocab = repeats if args.head_too else 1
+        gguf = Path(tmp) / f"smollm2-x{repeats}{'-vocab' if vocab > 1 else ''}.gguf"
         t = time.perf_counter()
-        nbytes = repeated_gguf(src, gguf, repeats)
-        print(f"{gguf.name}: {30 * repeats} blocks, {C.fmt_bytes(nbytes)} of weights a token "
+        nbytes = repeated_gguf(src, gguf, repeats, vocab)
+        print(f"{gguf.name}: {30 * repeats} blocks, {49152 * vocab} tokens, {C.fmt_bytes(nbytes)} of "
+              "weights a token "
               f"(last-level cache {C.fmt_bytes(llc)}), written in {time.perf_counter() - t:.1f} s",
               flush=True)
         reads = [bandwidth(nbytes, args.reads)]
@@ -235,7 +259,8 @@ def main() -> None:
     def own_limit(k: str) -> float:  # a decoder's own bytes a token (qkv's greedy steps read a 4-bit head)
         return gbs * 1e9 / heads[k]["bytes"] if k in heads else limit
 
-    C.print_table(f"SmolLM2's blocks x{repeats} ({C.fmt_bytes(nbytes)}), greedy, {args.new_tokens} tokens, "
+    what = f"SmolLM2's blocks{' and vocabulary' if vocab > 1 else ''} x{repeats}"
+    C.print_table(f"{what} ({C.fmt_bytes(nbytes)}), greedy, {args.new_tokens} tokens, "
                   f"{threads} threads; the limit {limit:.1f} tok/s at {gbs:.1f} GB/s (qkv's own bytes: "
                   f"{', '.join(sorted({C.fmt_bytes(h['bytes']) for h in heads.values()}))})",
                   ["decoder", "tok/s (median)", "rounds", "fraction of its limit"],
@@ -245,6 +270,7 @@ def main() -> None:
                   [[k, f"{C.median(v):.2f}", f"{min(v):.2f}-{max(v):.2f}"] for k, v in ratios.items()])
     out = C.write_json(NAME + ("_quick" if args.quick else ""), {
         "machine": machine, "threads": threads, "repeats": repeats, "blocks": 30 * repeats,
+        "vocab_repeats": vocab,
         "bytes_per_token": nbytes, "qkv_bytes_per_token": {k: v["bytes"] for k, v in heads.items()},
         "last_level_cache_bytes": llc, "bandwidth_gb_s": round(gbs, 2),
         "bandwidth_reads_gb_s": [round(v, 2) for v in reads], "limit_tokens_per_s": round(limit, 2),
