@@ -11,7 +11,7 @@ per version: the median and mean ms a token over the blocks, and the median of i
 to the first version's in the same block (below 1: faster). A revision's kernel must take the
 same ``Decoder(tensors, ints, floats)`` as this checkout's ``qkv.generation.native_step._tensors``
 gives (true from bc4c917 on; a kernel from before the tenth int, the far prefetches, is given the
-first nine).
+first nine; a kernel from before e4bae3d, the greedy steps' 4-bit head, the tensors without it).
 
     python benchmarks/native_ab.py 0329dcb work            # the working tree against a commit
     python benchmarks/native_ab.py HEAD~1 HEAD --blocks 400
@@ -56,6 +56,8 @@ def main() -> None:
     p.add_argument("--blocks", type=int, default=200, help="blocks of 32 tokens per version (default 200)")
     p.add_argument("--positions", type=int, nargs=2, default=(32, 160), metavar=("FROM", "TO"),
                    help="the 32 tokens of a block at positions spread over [FROM, TO) (default 32 160)")
+    p.add_argument("--greedy", action="store_true",
+                   help="time greedy steps (greedy_step: the head's 4-bit copy; kernels from e4bae3d on)")
     p.add_argument("--out", default=None, help="results JSON (default benchmarks/results/native_ab.json)")
     args = p.parse_args()
     first, last = args.positions
@@ -89,10 +91,18 @@ def main() -> None:
             compile_library(lib, namespace=f"qkv_ab{i}", source=src)
             torch.ops.load_library(str(lib))
             cls = getattr(torch.classes, f"qkv_ab{i}").Decoder
-            try:
-                decoders.append(cls(tensors, ints, floats))
-            except RuntimeError:  # a kernel from before the tenth int (the far prefetches); any
-                decoders.append(cls(tensors, ints[:9], floats))  # other refusal is raised again here
+            # a kernel from before the greedy steps' 4-bit head takes the tensors without it, one
+            # from before the tenth int (the far prefetches) the first nine; any other refusal is
+            # raised again by the last try
+            plain = tensors[: 8 + 12 * m.cfg.n_layers]
+            tries = [(tensors, ints), (plain, ints), (plain, ints[:9])]
+            for j, (ts, xs) in enumerate(tries):
+                try:
+                    decoders.append(cls(ts, xs, floats))
+                    break
+                except RuntimeError:
+                    if j == len(tries) - 1:
+                        raise
             print(f"{v}: built in {time.perf_counter() - t:.0f} s", flush=True)
     cache = m.make_cache(1, last)
     positions = [first + (last - first) * i // 32 for i in range(32)]
@@ -104,8 +114,9 @@ def main() -> None:
         for _ in range(args.blocks):
             for i, d in enumerate(decoders):
                 t = time.perf_counter()
+                step = d.greedy_step if args.greedy else d.step
                 for pos in positions:
-                    d.step(42, pos, cache.k, cache.v, empty)
+                    step(42, pos, cache.k, cache.v, empty)
                 times[i].append((time.perf_counter() - t) / 32)
     load_info = load.stop()
     rows, summary = [], {}
