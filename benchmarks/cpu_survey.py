@@ -156,7 +156,9 @@ def main() -> None:
         if script in failed:
             rows.append([script, "failed in this run", "its output is above"])
         elif path.is_file():
-            rows += summary_rows(script, json.loads(path.read_text()))
+            got = summary_rows(script, json.loads(path.read_text()))
+            earlier = script not in scripts
+            rows += [[r[0], f"{r[1]} (an earlier run's file)" if earlier else r[1], r[2]] for r in got]
         elif script in scripts:
             rows.append([script, "no result file", str(path.name)])
     C.print_table(f"issue 53 on {tag}", ["script", "measure", "value"], rows)

@@ -176,9 +176,12 @@ def main() -> None:
 
     from qkv.generation.native_step import unsupported
 
+    asked = os.environ.get("QKV_NATIVE_GREEDY_HEAD")  # the user's, for "qkv native step"
+
     def ours_rate(native: bool, head: str = "") -> float:
         os.environ["QKV_NATIVE_STEP"] = "on" if native else "off"
-        os.environ["QKV_NATIVE_GREEDY_HEAD"] = head  # "q8": greedy steps read the 8-bit head
+        if head:  # "q8": greedy steps read the 8-bit head
+            os.environ["QKV_NATIVE_GREEDY_HEAD"] = head
         try:
             said: list = []
             t = time.perf_counter()
@@ -189,7 +192,10 @@ def main() -> None:
             rate = (n_new - 1) / max(time.perf_counter() - t - first, 1e-9)
         finally:
             os.environ.pop("QKV_NATIVE_STEP", None)
-            os.environ.pop("QKV_NATIVE_GREEDY_HEAD", None)
+            if asked is None:
+                os.environ.pop("QKV_NATIVE_GREEDY_HEAD", None)
+            else:
+                os.environ["QKV_NATIVE_GREEDY_HEAD"] = asked
         assert said[0].kind == ("native" if native else "saved"), said[0]
         return rate
 

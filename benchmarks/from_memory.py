@@ -116,6 +116,8 @@ def repeated_gguf(src: Path, dst: Path, repeats: int, vocab: int = 1) -> int:
                 items += [f"<|qkv-unused-{i}|>" for i in range(n, n * vocab)]
             elif f.name == "tokenizer.ggml.token_type":
                 items += [5] * (n * (vocab - 1))  # llama.cpp's UNUSED
+            elif f.name == "tokenizer.ggml.scores":
+                items += [-1e9] * (n * (vocab - 1))  # (a SentencePiece vocabulary's: never chosen)
             w.add_array(f.name, items)
         elif kind == GGUFValueType.STRING:
             w.add_string(f.name, bytes(f.parts[f.data[0]]).decode("utf-8"))
@@ -123,6 +125,8 @@ def repeated_gguf(src: Path, dst: Path, repeats: int, vocab: int = 1) -> int:
             w.add_key_value(f.name, f.parts[f.data[0]].tolist()[0], kind)
     if blocks == 0:
         raise SystemExit(f"{src} names no llama.block_count: not a llama GGUF")
+    if vocab > 1 and any(t.name == "output.weight" for t in r.tensors):
+        raise SystemExit(f"{src} has an output matrix of its own: --head-too repeats a tied embedding only")
     order = [(t.name, t) for t in r.tensors if not t.name.startswith("blk.")]
     for copy in range(repeats):
         for i in range(blocks):
@@ -181,7 +185,7 @@ def main() -> None:
         gguf = Path(tmp) / f"smollm2-x{repeats}{'-vocab' if vocab > 1 else ''}.gguf"
         t = time.perf_counter()
         nbytes = repeated_gguf(src, gguf, repeats, vocab)
-        print(f"{gguf.name}: {30 * repeats} blocks, {49152 * vocab} tokens, {C.fmt_bytes(nbytes)} of "
+        print(f"{gguf.name}: {30 * repeats} blocks, the vocabulary x{vocab}, {C.fmt_bytes(nbytes)} of "
               "weights a token "
               f"(last-level cache {C.fmt_bytes(llc)}), written in {time.perf_counter() - t:.1f} s",
               flush=True)

@@ -161,8 +161,10 @@ def quality(positions: int) -> dict:
                              "top1_as_the_forward": agree(ln, lq),
                              # greedy steps rank with the head's 4-bit copy where made (greedy_head)
                              "greedy_head": "8-bit" if native_step.greedy_head(lm.model) is None else "4-bit",
-                             "greedy_as_the_step": share(greedy_picks == ln.argmax(-1)),
-                             "greedy_top1_agreement": share(greedy_picks == lr.argmax(-1))}
+                             # (position 0 is the eager prompt's in both: left out)
+                             "greedy_as_the_step": share(greedy_picks[1:] == ln[1:].argmax(-1)),
+                             "greedy_top1_agreement": share(greedy_picks[1:] == lr[1:].argmax(-1)),
+                             "greedy_positions": int(ids.shape[1]) - 1}
             o = out["native"]
             print(f"q4 through the native step, a token at a time: top-1 as fp32 at "
                   f"{o['top1_agreement']:.1%} (as the q4 forward at {o['top1_as_the_forward']:.1%}), "

@@ -103,6 +103,9 @@ def main() -> None:
                 except RuntimeError:
                     if j == len(tries) - 1:
                         raise
+            if args.greedy and not hasattr(decoders[-1], "greedy_step"):
+                raise SystemExit(f"native_ab: {v}'s kernel has no greedy_step (from e4bae3d on): "
+                                 "leave out --greedy")
             print(f"{v}: built in {time.perf_counter() - t:.0f} s", flush=True)
     cache = m.make_cache(1, last)
     positions = [first + (last - first) * i // 32 for i in range(32)]

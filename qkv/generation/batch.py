@@ -25,7 +25,10 @@ the same seed the same samples. The attention of each new token is available per
 Where the model's native step (:mod:`qkv.generation.native_step`) runs it, every step of the
 live rows, one or several, goes through it in place in the batch's own cache
 (:meth:`~qkv.generation.native_step.NativeStep.step_rows`: the products take the rows together,
-and each row's numbers are those of the native step alone, bit for bit); nothing to build.
+and each row's numbers are those of the native step alone, bit for bit; while every live row is
+greedy, up to :data:`GREEDY_HEAD_ROWS`, the head's first pass ranks with its 4-bit copy, as a
+greedy ``generate`` alone does, and its rows' top logits and tokens are those of a greedy step
+alone); nothing to build.
 Else a row that is *alone* in the batch steps through the model's saved decoding step
 (:mod:`qkv.generation.aot`) where one exists, as ``generate`` alone would: its keys and values
 are copied into the step's own cache when it starts, and back into the batch when another
@@ -502,7 +505,11 @@ class Batch:
 
 # A step of greedy rows reads the head's 4-bit copy up to this many rows: SmolLM2 on the Emerald
 # Rapids Xeon (batch_rows.py, issue 53) 1.09x the tokens/s at 1 and 2 rows, 1.02x at 4, 0.99x at 8
-# (more rows make the 4-bit products' arithmetic, not their bytes, the cost)
+# in one run (by hand 1.01-1.02x at 4, 8 and 12: within the noise; more rows make the 4-bit
+# products' arithmetic, not their bytes, the cost). A greedy row's first pass over the vocabulary
+# is thus the 4-bit copy's or the 8-bit head's as its batch is: its token is the same either way
+# unless the largest exact logit falls outside that pass's top 64; its other logits, which no
+# greedy row reads, are not those it gets alone
 GREEDY_HEAD_ROWS = 4
 
 CACHE_LENGTHS = (256, 512, 1024, 2048)  # a batch's cache length is rounded up to one of these

@@ -181,7 +181,7 @@ def product_bytes(model: GPT, greedy: bool = False) -> dict[str, int]:
            for name, pick in (("q|k|v", lambda b: b.attn.qkv), ("out", lambda b: b.attn.out_proj),
                               ("gate|up", lambda b: b.mlp.gate_up), ("down", lambda b: b.mlp.down))}
     four = greedy_head(model) if greedy else None
-    got["head"] = (four.w4.nbytes + four.dm.nbytes if four is not None
+    got["head"] = (four.nbytes if four is not None
                    else head.w8.nbytes + head.ds.nbytes if isinstance(head, Q8Linear) else 0)
     return got
 
@@ -192,15 +192,34 @@ def weight_bytes(model: GPT, greedy: bool = False) -> int:
     return sum(product_bytes(model, greedy).values())
 
 
-# the float matrix (by identity: a tensor's == is elementwise) -> (its version, its 4-bit copy)
+@dataclass(frozen=True)
+class GreedyHead:
+    """The 4-bit copy of an output matrix (V, D) a greedy step ranks with, in qkv's 4-bit kernel's
+    layout (:func:`qkv.kernels.pack_int4`): ``w4`` (V/16, D/32, 4, 64) uint8 codes and ``dm``
+    (V/16, D/32, 2, 16) float16 scales and offsets, ``w = d·q + m`` per group of 32 (Q4_1's grid
+    of the float matrix)."""
+
+    w4: Tensor
+    dm: Tensor
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes a step reads: its codes and scales."""
+        return self.w4.nbytes + self.dm.nbytes
+
+
+# the float matrix (by identity: a tensor's == is elementwise) -> (its version, storage and shape
+# when copied, its 4-bit copy or None)
 _GREEDY_HEADS = WeakIdKeyDictionary()
 _GREEDY_LOCK = threading.Lock()
+_GREEDY_CHUNK = 8192  # rows quantised at a time (a large vocabulary's float temporaries stay small)
 
 
-def greedy_head(model: GPT) -> Int4Linear | None:
+def greedy_head(model: GPT) -> GreedyHead | None:
     """The 4-bit copy of the output layer a greedy step reads (:meth:`NativeStep.step` with
     ``greedy``), or None where greedy steps read the 8-bit head (``QKV_NATIVE_GREEDY_HEAD=q8``,
-    or a head without an exact top-k or whose groups' scales leave float16).
+    or a head without an exact top-k, a float matrix made in inference mode, or groups whose
+    scales leave float16).
 
     Greedy decoding needs only the largest logit. The head's first pass ranks the vocabulary
     and its top 64 are recomputed in fp32 from the float matrix (:class:`TopKRefinedLinear`);
@@ -209,9 +228,11 @@ def greedy_head(model: GPT) -> Int4Linear | None:
     recomputation gives the same token unless the largest exact logit falls outside the 4-bit
     pass's top 64 (on 1,000 positions of held text, never). Not for sampling: the other logits
     are within the 4-bit head's error (KL 0.016 against the 8-bit head's distribution there), so
-    sampled steps read the 8-bit head. Made from the float matrix (~0.3 s for SmolLM2) once, and
-    again after the matrix changes in place (its version counter; a matrix without one, made in
-    inference mode, gets none)."""
+    sampled steps read the 8-bit head. Made from the float matrix (~0.3 s for SmolLM2, when the
+    model is bound), and again after the matrix changes (its version counter, storage or shape).
+    The 8-bit head is the model's own, made when it was quantised: a float matrix changed in
+    place afterwards leaves it as it was (eager greedy decoding and sampling rank with it), while
+    greedy steps rank with a copy of the matrix as it is."""
     head = model.lm_head
     if _greedy_head_wanted() == "q8" or not isinstance(head, TopKRefinedLinear):
         return None
@@ -220,15 +241,21 @@ def greedy_head(model: GPT) -> Int4Linear | None:
     version = _version(weight)
     if head.k <= 0 or V % 16 or D % 32 or weight.dtype != torch.float32 or version is None:
         return None
+    key = (version, weight.data_ptr(), tuple(weight.shape))
     with _GREEDY_LOCK:
         known = _GREEDY_HEADS.get(weight)
-        if known is not None and known[0] == version:
+        if known is not None and known[0] == key:
             return known[1]
-        four: Int4Linear | None = Int4Linear.from_float(weight.detach(), 32, bias=head.approx.bias
-                                                        if isinstance(head.approx, Q8Linear) else None)
-        if four.kernel != "qkv":  # its scales do not keep in float16
-            four = None
-        _GREEDY_HEADS[weight] = (version, four)
+        w4, dm = [], []
+        for r in range(0, V, _GREEDY_CHUNK):  # (a multiple of 16 rows: whole blocks of the layout)
+            part = Int4Linear.from_float(weight.detach()[r : r + _GREEDY_CHUNK], 32)
+            if not _int4(part):  # its scales do not keep in float16 (or qkv's kernel is missing)
+                _GREEDY_HEADS[weight] = (key, None)
+                return None
+            w4.append(part.w4)
+            dm.append(part.dm)
+        four = GreedyHead(torch.cat(w4), torch.cat(dm))
+        _GREEDY_HEADS[weight] = (key, four)
         return four
 
 
@@ -245,9 +272,13 @@ def _version(t: Tensor) -> int | None:
         return None
 
 
-def _head_version(model: GPT) -> int | None:
+def _head_version(model: GPT) -> tuple | None:
+    """What decides whether greedy steps' copy of the head is current: the float matrix's
+    version, storage and shape."""
     head = model.lm_head
-    return _version(head.weight) if isinstance(head, TopKRefinedLinear) else None
+    if not isinstance(head, TopKRefinedLinear):
+        return None
+    return _version(head.weight), head.weight.data_ptr(), tuple(head.weight.shape)
 
 
 def prefetch_far(model: GPT) -> bool:
@@ -458,9 +489,11 @@ __all__ = [
     "LAYER_PHASES",
     "PRODUCT_PHASES",
     "PROFILE_PHASES",
+    "GreedyHead",
     "NativeStep",
     "StepProfile",
     "enabled",
+    "greedy_head",
     "last_level_cache",
     "prefetch_far",
     "product_bytes",

@@ -164,6 +164,17 @@ def test_its_argmax_is_torch_argmax_of_its_logits(vocab: int) -> None:
             assert dec.argmax() == int(got.argmax())
 
 
+def unpacked(four: ns.GreedyHead) -> torch.Tensor:
+    """The (V, D) float64 matrix a 4-bit copy holds, from the kernel's own bytes (the inverse of
+    qkv.kernels.pack_int4's layout, written here: within a group of 32, input 8c + 4h + b is the
+    low (h = 0) or high nibble of byte (c, row j, b)); w = d·q + m."""
+    nb, G = four.w4.shape[:2]
+    byte = four.w4.view(nb, G, 4, 16, 4).permute(0, 3, 1, 2, 4).to(torch.int64)  # (block, j, group, c, b)
+    q = torch.stack([byte & 0xF, byte >> 4], dim=-2).reshape(nb * 16, G, 32).double()  # (V, G, 32)
+    d, m = (four.dm[:, :, i].permute(0, 2, 1).reshape(nb * 16, G, 1).double() for i in (0, 1))
+    return (q * d + m).reshape(nb * 16, G * 32)
+
+
 def test_a_greedy_step_ranks_with_a_4bit_copy_of_the_head_and_gives_the_exact_top() -> None:
     """greedy_step: the body's numbers are step's (the caches bit for bit), the 64 largest of a
     first pass with the head's 4-bit copy (Q4_1's grid of the float matrix, by hand from its
@@ -190,7 +201,15 @@ def test_a_greedy_step_ranks_with_a_4bit_copy_of_the_head_and_gives_the_exact_to
     with torch.inference_mode():  # the last token's hidden state before the head, by the eager model
         c = m.make_cache(1, 48)
         h = m.stack(m.embed(torch.tensor([prompt + tokens])), rope=m.rope, cache=c).x[0, -1].double()
-    approx4 = four.dequantize().double() @ h
+    # the copy's weights within half a 4-bit step (1/30 of a group's range) of the matrix's, plus
+    # float16's rounding of d and m (2^-11 of each, d times up to 15 codes)
+    w, exact_w = unpacked(four), m.lm_head.weight.double()
+    groups = exact_w.view(vocab, -1, 32)
+    step = ((groups.amax(-1) - groups.amin(-1)) / 15).repeat_interleave(32, -1)  # (V, D)
+    largest = groups.abs().amax(-1).repeat_interleave(32, -1)
+    assert ((w - exact_w).abs() <= step * (0.5 + 16 * 2**-11) + largest * 2 * 2**-11).all()
+    assert (w - exact_w).abs().max() > 0.3 * step.min()  # (a copy of 4 bits, not of 8)
+    approx4 = w @ h
     approx8 = m.lm_head.approx.dequantize().double() @ h
     top = approx4.topk(64).indices
     exact = m.lm_head.weight.double()[top] @ h
@@ -237,7 +256,7 @@ def test_the_greedy_heads_copy_follows_the_matrix_changed_in_place() -> None:
     m.load_state_dict(other.state_dict())
     again = ns.greedy_head(m)
     assert again is not None and again is not first
-    torch.testing.assert_close(again.dequantize(), ns.greedy_head(other).dequantize())
+    torch.testing.assert_close(unpacked(again), unpacked(ns.greedy_head(other)))
     want = [int(t[0]) for t in generate(other, x, 12, temperature=0.0, mode="eager")]
     assert [int(t[0]) for t in generate(m, x, 12, temperature=0.0)] == want
 
@@ -536,7 +555,7 @@ def test_a_running_batchs_rows_step_each_as_alone(shape, n, threads):
     assert torch.equal(q[:, untouched], cache.queries[:, untouched])
 
 
-@pytest.mark.parametrize("n", [2, 13])  # 13 rows: the head's 4-bit copy on AMX tiles where this CPU has them
+@pytest.mark.parametrize("n", [2, 13, 20])  # 13, 20 rows: the 4-bit copy on AMX tiles (20: two chunks of 16)
 @pytest.mark.parametrize("threads", [1, 2])
 def test_greedy_rows_step_each_as_a_greedy_step_alone(n, threads):
     """greedy_step_rows: each row's logits those greedy_step gives it alone, bit for bit (the
