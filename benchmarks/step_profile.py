@@ -16,10 +16,12 @@ reads and the bandwidth this CPU gives a buffer of the weights' size.
 
 ``--repeats R``: SmolLM2's GGUF with its 30 blocks repeated R times (from_memory.py's model), a
 model read from DRAM where the last-level cache holds SmolLM2 (a Xeon's 300-480 MB L3); its
-products then prefetch far (``prefetch_far``).
+products then prefetch far (``prefetch_far``). ``--head-too``: its vocabulary repeated as often
+(``from_memory.py --head-too``: the head keeps SmolLM2's share of the bytes).
 
     python benchmarks/step_profile.py                 # ~30 s on 2 cores
     python benchmarks/step_profile.py --repeats 10    # from DRAM here: ~2 minutes
+    python benchmarks/step_profile.py --repeats 10 --head-too
 """
 
 from __future__ import annotations
@@ -52,6 +54,8 @@ def main() -> None:
     ap.add_argument("--new-tokens", type=int, default=128, help="tokens a decode, after a 32-token prompt")
     ap.add_argument("--repeats", type=int, default=None,
                     help="SmolLM2's blocks repeated this many times (a model from DRAM), as from_memory.py")
+    ap.add_argument("--head-too", action="store_true",
+                    help="with --repeats, the vocabulary (the head's rows) repeated as often too")
     ap.add_argument("--reads", type=int, default=10,
                     help="reads of the buffer between rounds; the best counts")
     ap.add_argument("--quick", action="store_true", help="a smoke run: one round of 16 tokens")
@@ -80,7 +84,7 @@ def main() -> None:
             from from_memory import repeated_gguf
 
             path = Path(tmp) / f"smollm2-x{args.repeats}.gguf"
-            repeated_gguf(asset_path("smollm2"), path, args.repeats)
+            repeated_gguf(asset_path("smollm2"), path, args.repeats, args.repeats if args.head_too else 1)
             lm = qkv.load(str(path), cache=False)
         else:
             lm = qkv.load("smollm2")
@@ -139,7 +143,8 @@ def main() -> None:
           f"bandwidth {gbs:.1f} GB/s: limit {limit_w:.1f} tok/s for the weights (the step at "
           f"{rate / limit_w:.2f} of it), {limit_kv:.1f} with the cache's reads ({rate / limit_kv:.2f})")
     payload = {
-        "machine": machine, "repeats": args.repeats, "layers": m.cfg.n_layers, "threads": threads,
+        "machine": machine, "repeats": args.repeats, "head_too": args.head_too, "layers": m.cfg.n_layers,
+        "threads": threads,
         "far": ns.prefetch_far(m), "rounds": args.rounds, "new_tokens": args.new_tokens,
         "steps": prof.steps, "step_ms": step * 1e3, "tokens_per_s": rate, "bandwidth_gb_s": gbs,
         "weight_bytes": weights, "product_bytes": products, "cache_bytes_per_step": kv,
