@@ -491,6 +491,35 @@ def test_every_code_path_decodes_as_eager(other_builds, shape):
                 assert int(got.argmax()) == int(want.argmax()), name
 
 
+def test_every_code_path_steps_greedily_with_the_4bit_copy(other_builds):
+    """greedy_step on the AVX2 and plain C++ builds: the same argmax as their own steps and as this
+    build's greedy steps, logits within the tolerance above of this build's greedy ones (whose
+    4-bit copy the test above holds to the matrix), not of the 8-bit head's."""
+    vocab = 10240
+    m = quantised(vocab_size=vocab)
+    tensors, ints, floats = ns._tensors(m)
+    assert len(tensors) == 10 + 12 * m.cfg.n_layers  # the 4-bit copy bound
+    here = torch.classes.qkv.Decoder(tensors, ints, floats)
+    tokens = [(13 * t + 5) % vocab for t in range(12)]
+    for name, cls in other_builds.items():
+        dec = cls(tensors, ints, floats)
+        caches = [m.make_cache(1, 40) for _ in range(3)]
+        with torch.inference_mode():
+            for c in caches:
+                m(torch.tensor([[1, 2, 3]]), cache=c)
+            for t in tokens:
+                pos = caches[0].pos
+                got = dec.greedy_step(t, pos, caches[0].k, caches[0].v, torch.empty(0))
+                chose = dec.argmax()
+                want = here.greedy_step(t, pos, caches[1].k, caches[1].v, torch.empty(0))
+                eight = dec.step(t, pos, caches[2].k, caches[2].v, torch.empty(0))
+                for c in caches:
+                    c.advance(1)
+                assert (got - want).abs().max() <= 1e-3 * want.abs().max(), name
+                assert chose == int(got.argmax()) == int(want.argmax()) == int(eight.argmax()), name
+                assert (got - eight).abs().max() > 1e-2 * eight.abs().max(), name  # the 4-bit copy read
+
+
 def rows_case(m: GPT, lengths: list[int], R: int, seed: int = 3):
     """A running batch's cache of R rows, row b holding a random prompt of lengths[b] tokens (the
     eager model's keys and values), room for its queries; and one next token per row."""
