@@ -238,10 +238,9 @@ def greedy_head(model: GPT) -> GreedyHead | None:
         return None
     weight = head.weight
     V, D = weight.shape
-    version = _version(weight)
-    if head.k <= 0 or V % 16 or D % 32 or weight.dtype != torch.float32 or version is None:
+    key = _head_version(model)
+    if head.k <= 0 or V % 16 or D % 32 or weight.dtype != torch.float32 or key is None:
         return None
-    key = (version, weight.data_ptr(), tuple(weight.shape))
     with _GREEDY_LOCK:
         known = _GREEDY_HEADS.get(weight)
         if known is not None and known[0] == key:
@@ -264,21 +263,18 @@ def _greedy_head_wanted() -> str:
     return os.environ.get("QKV_NATIVE_GREEDY_HEAD", "").lower()
 
 
-def _version(t: Tensor) -> int | None:
-    """t's version counter (bumped by every in-place change), or None for an inference tensor."""
-    try:
-        return int(t._version)
-    except RuntimeError:
-        return None
-
-
 def _head_version(model: GPT) -> tuple | None:
     """What decides whether greedy steps' copy of the head is current: the float matrix's
-    version, storage and shape."""
+    version counter (bumped by every in-place change), storage and shape; None for a head without
+    a float matrix or one made in inference mode (no version counter)."""
     head = model.lm_head
     if not isinstance(head, TopKRefinedLinear):
         return None
-    return _version(head.weight), head.weight.data_ptr(), tuple(head.weight.shape)
+    try:
+        version = int(head.weight._version)
+    except RuntimeError:
+        return None
+    return version, head.weight.data_ptr(), tuple(head.weight.shape)
 
 
 def prefetch_far(model: GPT) -> bool:

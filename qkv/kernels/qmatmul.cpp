@@ -1719,14 +1719,7 @@ class Decoder : public torch::CustomClassHolder {
   // (layers, 1, K, S, D) at pos, its rotated queries into q (layers, 1, H, 1, D) where q is not
   // empty; returns the logits (1, 1, V).
   at::Tensor step(int64_t token, int64_t pos, const at::Tensor& k, const at::Tensor& v, const at::Tensor& q) {
-    check_cache(k, v, q, 1);
-    TORCH_CHECK(k.size(1) == 1, "qkv::Decoder: step takes a one-row cache (layers, 1, K, S, D); rows of a "
-                "running batch: step_rows");
-    check_row(token, pos, k.size(3));
-    at::Tensor logits = at::empty({1, 1, V_}, k.options());
-    run(1, &token, &pos, 1, k.size(3), k.data_ptr<float>(), v.data_ptr<float>(),
-        q.numel() > 0 ? q.data_ptr<float>() : nullptr, logits.data_ptr<float>(), false);
-    return logits;
+    return one_row(token, pos, k, v, q, false);
   }
 
   // step for greedy decoding, whose caller reads argmax() (and at most the top-k logits): the
@@ -1735,13 +1728,7 @@ class Decoder : public torch::CustomClassHolder {
   // exact ones and argmax() is theirs (unless the true largest falls out of the 4-bit pass's
   // top-k); the other logits are within the 4-bit head's error, not the 8-bit one's.
   at::Tensor greedy_step(int64_t token, int64_t pos, const at::Tensor& k, const at::Tensor& v, const at::Tensor& q) {
-    check_cache(k, v, q, 1);
-    TORCH_CHECK(k.size(1) == 1, "qkv::Decoder: greedy_step takes a one-row cache (layers, 1, K, S, D)");
-    check_row(token, pos, k.size(3));
-    at::Tensor logits = at::empty({1, 1, V_}, k.options());
-    run(1, &token, &pos, 1, k.size(3), k.data_ptr<float>(), v.data_ptr<float>(),
-        q.numel() > 0 ? q.data_ptr<float>() : nullptr, logits.data_ptr<float>(), hw4_ != nullptr);
-    return logits;
+    return one_row(token, pos, k, v, q, hw4_ != nullptr);
   }
 
   // Whether greedy_step reads a 4-bit copy of the head.
@@ -1770,25 +1757,6 @@ class Decoder : public torch::CustomClassHolder {
   // its first row's.
   int64_t argmax() const { return argmax_.empty() ? 0 : argmax_[0]; }
 
-  // step_rows and greedy_step_rows: four, the head's first pass reads its 4-bit copy.
-  at::Tensor rows(const at::Tensor& tokens, const at::Tensor& pos, const at::Tensor& k, const at::Tensor& v,
-                  const at::Tensor& q, bool four) {
-    TORCH_CHECK(tokens.dim() == 1 && tokens.scalar_type() == at::kLong && tokens.is_contiguous() &&
-                    tokens.device().is_cpu() && pos.dim() == 1 && pos.scalar_type() == at::kLong &&
-                    pos.is_contiguous() && pos.device().is_cpu() && pos.size(0) == tokens.size(0) &&
-                    tokens.size(0) >= 1,
-                "qkv::Decoder: tokens and positions must be (n,) int64 on the CPU, n >= 1");
-    const int64_t n = tokens.size(0);
-    check_cache(k, v, q, n);
-    const int64_t* tok = tokens.data_ptr<int64_t>();
-    const int64_t* where = pos.data_ptr<int64_t>();
-    for (int64_t m = 0; m < n; ++m) check_row(tok[m], where[m], k.size(3));
-    at::Tensor logits = at::empty({n, 1, V_}, k.options());
-    run(n, tok, where, k.size(1), k.size(3), k.data_ptr<float>(), v.data_ptr<float>(),
-        q.numel() > 0 ? q.data_ptr<float>() : nullptr, logits.data_ptr<float>(), four);
-    return logits;
-  }
-
   // Where the steps since the last call spent their time (see Phase): (threads, PHASES, 2) float64,
   // [..., 0] seconds and [..., 1] the phase's count, a row for each thread the steps ran on (none
   // where nothing was timed); then cleared, and the steps to come timed where on.
@@ -1808,6 +1776,38 @@ class Decoder : public torch::CustomClassHolder {
   }
 
  private:
+  // step and greedy_step: four, the head's first pass reads its 4-bit copy.
+  at::Tensor one_row(int64_t token, int64_t pos, const at::Tensor& k, const at::Tensor& v, const at::Tensor& q,
+                     bool four) {
+    check_cache(k, v, q, 1);
+    TORCH_CHECK(k.size(1) == 1, "qkv::Decoder: step takes a one-row cache (layers, 1, K, S, D); rows of a "
+                "running batch: step_rows");
+    check_row(token, pos, k.size(3));
+    at::Tensor logits = at::empty({1, 1, V_}, k.options());
+    run(1, &token, &pos, 1, k.size(3), k.data_ptr<float>(), v.data_ptr<float>(),
+        q.numel() > 0 ? q.data_ptr<float>() : nullptr, logits.data_ptr<float>(), four);
+    return logits;
+  }
+
+  // step_rows and greedy_step_rows: four, the head's first pass reads its 4-bit copy.
+  at::Tensor rows(const at::Tensor& tokens, const at::Tensor& pos, const at::Tensor& k, const at::Tensor& v,
+                  const at::Tensor& q, bool four) {
+    TORCH_CHECK(tokens.dim() == 1 && tokens.scalar_type() == at::kLong && tokens.is_contiguous() &&
+                    tokens.device().is_cpu() && pos.dim() == 1 && pos.scalar_type() == at::kLong &&
+                    pos.is_contiguous() && pos.device().is_cpu() && pos.size(0) == tokens.size(0) &&
+                    tokens.size(0) >= 1,
+                "qkv::Decoder: tokens and positions must be (n,) int64 on the CPU, n >= 1");
+    const int64_t n = tokens.size(0);
+    check_cache(k, v, q, n);
+    const int64_t* tok = tokens.data_ptr<int64_t>();
+    const int64_t* where = pos.data_ptr<int64_t>();
+    for (int64_t m = 0; m < n; ++m) check_row(tok[m], where[m], k.size(3));
+    at::Tensor logits = at::empty({n, 1, V_}, k.options());
+    run(n, tok, where, k.size(1), k.size(3), k.data_ptr<float>(), v.data_ptr<float>(),
+        q.numel() > 0 ? q.data_ptr<float>() : nullptr, logits.data_ptr<float>(), four);
+    return logits;
+  }
+
   // k, v: float32 (layers, R, K, S, D), contiguous, R >= n rows; q: empty or (layers, R, H, 1, D).
   void check_cache(const at::Tensor& k, const at::Tensor& v, const at::Tensor& q, int64_t n) const {
     for (const at::Tensor* c : {&k, &v})
