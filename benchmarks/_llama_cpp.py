@@ -2,8 +2,11 @@
 
 llama.cpp is what people run to decode a GGUF on a CPU. Its source ships inside the
 ``llama-cpp-python`` sdist on PyPI (``vendor/llama.cpp``); this helper downloads that sdist
-with pip, builds only the ``llama-bench`` target with CMake (~10 minutes on 2 cores, once) into
-``$QKV_CACHE_DIR/llama.cpp`` (default ``~/.cache/qkv/llama.cpp``), and runs it on a GGUF.
+with pip, builds the tools the benchmarks run (``llama-bench``, ``llama-completion``,
+``llama-simple``, ``llama-server``) with CMake, all of a build's tools in one compile (~10 minutes
+on 2 cores, once per build) into ``$QKV_CACHE_DIR/llama.cpp`` (default ``~/.cache/qkv/llama.cpp``),
+and runs them on a GGUF. A build whose CMake options equal another's already built (the portable
+and AVX2 builds on a CPU without AVX-512) is copied from it, not compiled again.
 
 Build flags: a portable build (``GGML_NATIVE=OFF``) with AVX2/FMA/F16C, AVX-512 where the CPU
 has it, and AMX off; and, asked for (``native=True``), llama.cpp at its best on this CPU, in
@@ -27,6 +30,8 @@ from collections.abc import Callable
 from pathlib import Path
 
 LLAMA_CPP_PYTHON = "llama-cpp-python==0.3.36"  # the sdist whose vendor/llama.cpp is built
+# the tools every build compiles at once (a build is mostly ggml and llama, which they share)
+TOOLS = ("llama-bench", "llama-completion", "llama-simple", "llama-server")
 
 
 def _root() -> Path:
@@ -133,9 +138,19 @@ def llama_tool(target: str, build: bool = True, log=print, native: bool = False,
     """(path of llama.cpp's ``target`` binary, e.g. ``llama-bench`` or ``llama-simple`` (greedy
     decoding of a prompt), how it was found), or (None, why it is not available)."""
     binary = (_root() / "native" if native else _root() / "avx2" if avx2 else _root()) / target
-    server = target == "llama-server"
+    flags = cmake_flags(native, server=True, avx2=avx2)
     if binary.is_file():
         return binary, f"cached build in {binary.parent}"
+    for twin in (_root(), _root() / "avx2", _root() / "native"):  # the same options built already
+        try:
+            same = json.loads((twin / "build.json").read_text()).get("cmake_flags") == flags
+        except (OSError, ValueError):
+            same = False
+        if twin != binary.parent and same and (twin / target).is_file():
+            binary.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(twin / target, binary)
+            (binary.parent / "build.json").write_text((twin / "build.json").read_text())
+            return binary, f"copied from {twin}, built with the same CMake options"
     if not build:
         return None, f"not built (run with --build-llama-cpp to build it into {binary.parent})"
     if not shutil.which("cmake") or not (shutil.which("c++") or shutil.which("g++")):
@@ -146,19 +161,22 @@ def llama_tool(target: str, build: bool = True, log=print, native: bool = False,
     with tempfile.TemporaryDirectory(prefix="qkv-llama-") as tmp:
         tmp_path = Path(tmp)
         build_dir = tmp_path / "build"
-        log(f"llama.cpp: configuring (cmake) and building {target} (~10 minutes on 2 cores) ...")
-        for cmd in (["cmake", "-S", str(src), "-B", str(build_dir), *cmake_flags(native, server, avx2)],
-                    ["cmake", "--build", str(build_dir), "--target", target, "-j", "2"]):
+        targets = sorted({target, *TOOLS})
+        log(f"llama.cpp: configuring (cmake) and building {', '.join(targets)} (~10 minutes on 2 cores) ...")
+        for cmd in (["cmake", "-S", str(src), "-B", str(build_dir), *flags],
+                    ["cmake", "--build", str(build_dir), "--target", *targets, "-j", "2"]):
             r = subprocess.run(cmd, capture_output=True, text=True)
             if r.returncode != 0:
                 return None, f"{' '.join(cmd[:3])} failed: {(r.stderr or r.stdout).strip()[-500:]}"
-        built = next((p for p in build_dir.rglob(target) if p.is_file()), None)
-        if built is None:
-            return None, f"the build produced no {target} binary"
         binary.parent.mkdir(parents=True, exist_ok=True)
-        shutil.copy2(built, binary)
+        for name in targets:
+            built = next((p for p in build_dir.rglob(name) if p.is_file()), None)
+            if built is not None:
+                shutil.copy2(built, binary.parent / name)
+        if not binary.is_file():
+            return None, f"the build produced no {target} binary"
         (binary.parent / "build.json").write_text(json.dumps(
-            {"source": LLAMA_CPP_PYTHON, "cmake_flags": cmake_flags(native, server, avx2)}, indent=1))
+            {"source": LLAMA_CPP_PYTHON, "cmake_flags": flags}, indent=1))
     return binary, f"built now from {LLAMA_CPP_PYTHON} into {binary.parent}"
 
 
