@@ -16,6 +16,11 @@ first nine; a kernel from before e4bae3d, the greedy steps' 4-bit head, the tens
     python benchmarks/native_ab.py 0329dcb work            # the working tree against a commit
     python benchmarks/native_ab.py HEAD~1 HEAD --blocks 400
     python benchmarks/native_ab.py HEAD~1 work --positions 960 1088   # a long context
+    python benchmarks/native_ab.py HEAD work --rows 2 4 8              # a running batch's steps
+
+``--rows`` times a running batch's steps (``step_rows``, or ``greedy_step_rows`` with
+``--greedy``) of each number of rows instead of one row's ``step``: every row at the block's
+position, ms a step.
 """
 
 from __future__ import annotations
@@ -58,12 +63,16 @@ def main() -> None:
                    help="the 32 tokens of a block at positions spread over [FROM, TO) (default 32 160)")
     p.add_argument("--greedy", action="store_true",
                    help="time greedy steps (greedy_step: the head's 4-bit copy; kernels from e4bae3d on)")
+    p.add_argument("--rows", type=int, nargs="+", default=None, metavar="N",
+                   help="time a running batch's steps of N rows (step_rows), each N in turn, not step")
     p.add_argument("--out", default=None, help="results JSON (default benchmarks/results/native_ab.json)")
     args = p.parse_args()
     first, last = args.positions
     if len(args.versions) < 2 or args.blocks < 1 or not 1 <= first < last:
         raise SystemExit("give two or more versions, --blocks >= 1 and --positions FROM TO "
                          "with 1 <= FROM < TO")
+    if args.rows is not None and not all(1 <= n <= 64 for n in args.rows):
+        raise SystemExit("--rows: each number of rows from 1 to 64")
 
     import torch
 
@@ -107,36 +116,49 @@ def main() -> None:
                 raise SystemExit(f"native_ab: {v}'s kernel has no greedy_step (from e4bae3d on): "
                                  "leave out --greedy")
             print(f"{v}: built in {time.perf_counter() - t:.0f} s", flush=True)
-    cache = m.make_cache(1, last)
+    counts = args.rows or [0]  # 0: one row's step
+    cache = m.make_cache(max(counts), last) if args.rows else m.make_cache(1, last)
     positions = [first + (last - first) * i // 32 for i in range(32)]
-    times: list[list[float]] = [[] for _ in decoders]
+    runs = [(v, n) for n in counts for v in args.versions]  # (version, rows) in the order timed
+    times: list[list[float]] = [[] for _ in runs]
     load = C.LoadMeter()
     with torch.inference_mode():
-        m(torch.tensor([[1] * first]), cache=cache)
+        m(torch.tensor([[1] * first] * (max(counts) if args.rows else 1)), cache=cache)
         empty = torch.empty(0)
         for _ in range(args.blocks):
-            for i, d in enumerate(decoders):
+            for j, (v, n) in enumerate(runs):
+                d = decoders[args.versions.index(v)]
                 t = time.perf_counter()
-                step = d.greedy_step if args.greedy else d.step
-                for pos in positions:
-                    step(42, pos, cache.k, cache.v, empty)
-                times[i].append((time.perf_counter() - t) / 32)
+                if n == 0:
+                    step = d.greedy_step if args.greedy else d.step
+                    for pos in positions:
+                        step(42, pos, cache.k, cache.v, empty)
+                else:
+                    step_rows = d.greedy_step_rows if args.greedy else d.step_rows
+                    tokens = torch.full((n,), 42, dtype=torch.long)
+                    for pos in positions:
+                        step_rows(tokens, torch.full((n,), pos, dtype=torch.long), cache.k, cache.v, empty)
+                times[j].append((time.perf_counter() - t) / 32)
     load_info = load.stop()
     rows, summary = [], {}
-    for i, v in enumerate(args.versions):
-        ratios = [a / b for a, b in zip(times[i], times[0], strict=True)]
-        summary[v] = {"median_ms": round(C.median(times[i]) * 1e3, 4),
-                      "mean_ms": round(sum(times[i]) / len(times[i]) * 1e3, 4),
-                      "ratio_to_first": round(C.median(ratios), 4)}
-        rows.append([v, f"{summary[v]['median_ms']:.3f}", f"{summary[v]['mean_ms']:.3f}",
-                     f"{summary[v]['ratio_to_first']:.4f}"])
-    C.print_table(f"the native step, SmolLM2 q4, ms a token ({args.blocks} blocks of 32 tokens at positions "
+    for j, (v, n) in enumerate(runs):
+        first_j = runs.index((args.versions[0], n))
+        ratios = [a / b for a, b in zip(times[j], times[first_j], strict=True)]
+        key = v if n == 0 else f"{v} x{n} rows"
+        summary[key] = {"median_ms": round(C.median(times[j]) * 1e3, 4),
+                        "mean_ms": round(sum(times[j]) / len(times[j]) * 1e3, 4),
+                        "ratio_to_first": round(C.median(ratios), 4)}
+        rows.append([key, f"{summary[key]['median_ms']:.3f}", f"{summary[key]['mean_ms']:.3f}",
+                     f"{summary[key]['ratio_to_first']:.4f}"])
+    what = "ms a token" if not args.rows else "ms a step of the rows"
+    C.print_table(f"the native step, SmolLM2 q4, {what} ({args.blocks} blocks of 32 steps at positions "
                   f"{first}-{last - 1}; "
                   f"{C.load_line(load_info)})", ["version", "median", "mean", "÷ first (paired median)"],
                   rows)
-    per_block = {v: [round(x * 1e3, 4) for x in ts] for v, ts in zip(args.versions, times, strict=True)}
+    per_block = {(v if n == 0 else f"{v} x{n} rows"): [round(x * 1e3, 4) for x in ts]
+                 for (v, n), ts in zip(runs, times, strict=True)}
     out = C.write_json(NAME, {"machine": machine, "blocks": args.blocks, "versions": args.versions,
-                              "positions": [first, last],
+                              "rows": args.rows, "greedy": args.greedy, "positions": [first, last],
                               "summary": summary, "load": load_info, "ms_per_block": per_block}, args.out)
     print(f"wrote {out.relative_to(ROOT) if out.is_relative_to(ROOT) else out}")
 
