@@ -18,6 +18,7 @@ products (AVX512-VNNI, else AVX2).
 
     python benchmarks/int4_kernel.py              # ~1 minute on 2 cores
     python benchmarks/int4_kernel.py --against adb32d0 --positions 0   # speed only, vs a revision
+    python benchmarks/int4_kernel.py --threads 1 2 --positions 0        # what a second thread adds
 """
 
 from __future__ import annotations
@@ -96,6 +97,27 @@ def speed(rounds: int, rows: tuple[int, ...], before: object | None = None) -> l
         print(f"{M:>3} rows: PyTorch's {a:.2f} ms, qkv's {q:.2f} ms for every 4-bit product once "
               f"({row['qkv_vs_pytorch']:.2f}x){extra}", flush=True)
         out.append(row)
+    return out
+
+
+def speed_by_threads(rounds: int, threads: list[int]) -> dict[int, list[dict]]:
+    """:func:`speed` of qkv's kernel and PyTorch's on each thread count (1, 2 and 4 rows): where a
+    second thread adds little, the products are bound by one core's arithmetic, not by memory."""
+    import torch
+
+    was = torch.get_num_threads()
+    out = {}
+    try:
+        for n in threads:
+            torch.set_num_threads(n)
+            print(f"{n} thread(s):", flush=True)
+            out[n] = speed(rounds, (1, 2, 4))
+    finally:
+        torch.set_num_threads(was)
+    for M in (1, 2, 4):
+        ms = {n: next(r for r in rows if r["rows"] == M)["qkv"]["ms_per_pass"] for n, rows in out.items()}
+        print(f"{M} rows, qkv's kernel: " + ", ".join(f"{n} thread(s) {t:.2f} ms" for n, t in ms.items()),
+              flush=True)
     return out
 
 
@@ -181,8 +203,13 @@ def main() -> None:
     p.add_argument("--positions", type=int, default=300)
     p.add_argument("--against", default=None, metavar="REV",
                    help="also time qkv's kernel as it was at this git revision, in the same rounds")
+    p.add_argument("--threads", type=int, nargs="+", default=None, metavar="N",
+                   help="time the products on each of these thread counts in turn (default: torch's, "
+                        "once): how much a second thread adds to the arithmetic")
     p.add_argument("--out", default=None)
     args = p.parse_args()
+    if args.threads is not None and not all(n >= 1 for n in args.threads):
+        raise SystemExit("--threads: each count at least 1")
     if not C.have_assets(NAME, ("smollm2", "shakespeare")):
         return
     import qkv.kernels as K
@@ -194,6 +221,7 @@ def main() -> None:
     before = kernel_at(args.against) if args.against else None
     result = {"machine": machine, "kernel": K.int4_status(), "against": args.against,
               "speed": speed(args.rounds, (1, 2, 4, 8, 32), before),
+              "speed_by_threads": speed_by_threads(args.rounds, args.threads) if args.threads else None,
               "quality": quality(args.positions) if args.positions > 0 else None}
     result["load"] = meter.stop()
     print(C.load_line(result["load"]))
