@@ -115,6 +115,9 @@ def main() -> None:
             if args.greedy and not hasattr(decoders[-1], "greedy_step"):
                 raise SystemExit(f"native_ab: {v}'s kernel has no greedy_step (from e4bae3d on): "
                                  "leave out --greedy")
+            if args.rows and not hasattr(decoders[-1], "step_rows"):
+                raise SystemExit(f"native_ab: {v}'s kernel has no step_rows (a running batch's step): "
+                                 "leave out --rows")
             print(f"{v}: built in {time.perf_counter() - t:.0f} s", flush=True)
     counts = args.rows or [0]  # 0: one row's step
     cache = m.make_cache(max(counts), last) if args.rows else m.make_cache(1, last)
