@@ -101,8 +101,9 @@ def speed(rounds: int, rows: tuple[int, ...], before: object | None = None) -> l
 
 
 def speed_by_threads(rounds: int, threads: list[int]) -> dict[int, list[dict]]:
-    """:func:`speed` of qkv's kernel and PyTorch's on each thread count (1, 2 and 4 rows): where a
-    second thread adds little, the products are bound by one core's arithmetic, not by memory."""
+    """:func:`speed` of qkv's kernel and PyTorch's on each thread count (1, 2 and 4 rows). Where
+    each thread's arithmetic bounds the products a second thread nearly doubles their speed; where
+    the memory's bandwidth (or a core the two threads share) bounds them, it adds less."""
     import torch
 
     was = torch.get_num_threads()
@@ -204,8 +205,8 @@ def main() -> None:
     p.add_argument("--against", default=None, metavar="REV",
                    help="also time qkv's kernel as it was at this git revision, in the same rounds")
     p.add_argument("--threads", type=int, nargs="+", default=None, metavar="N",
-                   help="time the products on each of these thread counts in turn (default: torch's, "
-                        "once): how much a second thread adds to the arithmetic")
+                   help="also time the products (1, 2, 4 rows) on each of these thread counts in turn: "
+                        "what a second thread adds (near 2x where arithmetic bounds them)")
     p.add_argument("--out", default=None)
     args = p.parse_args()
     if args.threads is not None and not all(n >= 1 for n in args.threads):

@@ -120,17 +120,20 @@ def main() -> None:
                                  "leave out --rows")
             print(f"{v}: built in {time.perf_counter() - t:.0f} s", flush=True)
     counts = args.rows or [0]  # 0: one row's step
-    cache = m.make_cache(max(counts), last) if args.rows else m.make_cache(1, last)
+    cache_rows = max(args.rows) if args.rows else 1
+    cache = m.make_cache(cache_rows, last)
     positions = [first + (last - first) * i // 32 for i in range(32)]
-    runs = [(v, n) for n in counts for v in args.versions]  # (version, rows) in the order timed
+    # (the version's index, rows) in the order timed: by index, so that a version named twice
+    # (an A/A run, the noise) times its own decoder
+    runs = [(i, n) for n in counts for i in range(len(args.versions))]
     times: list[list[float]] = [[] for _ in runs]
     load = C.LoadMeter()
     with torch.inference_mode():
-        m(torch.tensor([[1] * first] * (max(counts) if args.rows else 1)), cache=cache)
+        m(torch.tensor([[1] * first] * cache_rows), cache=cache)
         empty = torch.empty(0)
         for _ in range(args.blocks):
-            for j, (v, n) in enumerate(runs):
-                d = decoders[args.versions.index(v)]
+            for j, (i, n) in enumerate(runs):
+                d = decoders[i]
                 t = time.perf_counter()
                 if n == 0:
                     step = d.greedy_step if args.greedy else d.step
@@ -144,10 +147,15 @@ def main() -> None:
                 times[j].append((time.perf_counter() - t) / 32)
     load_info = load.stop()
     rows, summary = [], {}
-    for j, (v, n) in enumerate(runs):
-        first_j = runs.index((args.versions[0], n))
-        ratios = [a / b for a, b in zip(times[j], times[first_j], strict=True)]
-        key = v if n == 0 else f"{v} x{n} rows"
+
+    def label(i: int, n: int) -> str:  # a version named twice is told apart by its place
+        v = args.versions[i]
+        v = f"{v} #{i + 1}" if args.versions.count(v) > 1 else v
+        return v if n == 0 else f"{v} x{n} rows"
+
+    for j, (i, n) in enumerate(runs):
+        ratios = [a / b for a, b in zip(times[j], times[runs.index((0, n))], strict=True)]
+        key = label(i, n)
         summary[key] = {"median_ms": round(C.median(times[j]) * 1e3, 4),
                         "mean_ms": round(sum(times[j]) / len(times[j]) * 1e3, 4),
                         "ratio_to_first": round(C.median(ratios), 4)}
@@ -158,8 +166,7 @@ def main() -> None:
                   f"{first}-{last - 1}; "
                   f"{C.load_line(load_info)})", ["version", "median", "mean", "÷ first (paired median)"],
                   rows)
-    per_block = {(v if n == 0 else f"{v} x{n} rows"): [round(x * 1e3, 4) for x in ts]
-                 for (v, n), ts in zip(runs, times, strict=True)}
+    per_block = {label(i, n): [round(x * 1e3, 4) for x in ts] for (i, n), ts in zip(runs, times, strict=True)}
     out = C.write_json(NAME, {"machine": machine, "blocks": args.blocks, "versions": args.versions,
                               "rows": args.rows, "greedy": args.greedy, "positions": [first, last],
                               "summary": summary, "load": load_info, "ms_per_block": per_block}, args.out)
