@@ -219,11 +219,16 @@ def _qkv_cache(tmp_path_factory):
     not ~/.cache: the trainer's dtype/compile probe answers (the user's must not steer the
     tests) and converted checkpoints (the first SmolLM2 load converts and stores it there,
     later loads, e.g. tests/pretrained/test_cache.py, read it back), and the saved decoding
-    steps (none is there until a test builds one: tests/generation/test_aot.py)."""
+    steps (none is there until a test builds one: tests/generation/test_aot.py). The kernel
+    library this process loaded is copied in (helpers.seed_kernels): without it the first child
+    process that decodes a 4-bit model compiled it again in each worker (~25 s on a Zen 3)."""
     import os
+
+    from helpers import seed_kernels
 
     old = os.environ.get("QKV_CACHE_DIR")
     os.environ["QKV_CACHE_DIR"] = str(tmp_path_factory.mktemp("qkv-cache"))
+    seed_kernels(Path(os.environ["QKV_CACHE_DIR"]))  # children load the kernels, not compile them
     yield
     if old is None:
         os.environ.pop("QKV_CACHE_DIR", None)

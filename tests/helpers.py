@@ -431,10 +431,52 @@ def cpu_flags() -> set[str]:
     return set()
 
 
+def loaded_kernels() -> Path | None:
+    """The build folder (``<cache>/kernels/<key>``: the library and its record) of the kernel
+    library this process has loaded (found or compiled for real by K.int4_op(); in a whole run,
+    tests/kernels/test_qmatmul.py's collection loads it), or None: nothing is built here."""
+    import qkv.kernels as K
+
+    if not K._loaded():
+        return None
+    libs = [Path(p) for p in torch.ops.loaded_libraries if Path(p).name == K.LIBRARY]
+    return libs[0].parent if len(libs) == 1 and (libs[0].parent / K.META).is_file() else None
+
+
+def seed_kernels(cache_dir: Path) -> None:
+    """Copy the kernel library this process loaded into the cache ``cache_dir`` (mode 0700, as
+    qkv makes it), so that a child process using that cache loads it instead of compiling it
+    again (~25 s on a Zen 3). The child checks it as any build (its key and SHA-256); a test
+    about the compile itself does not seed."""
+    import shutil
+
+    built = loaded_kernels()
+    if built is None:
+        return
+    kernels = cache_dir / "kernels"
+    kernels.mkdir(parents=True, exist_ok=True, mode=0o700)
+    if not (kernels / built.name).exists():
+        shutil.copytree(built, kernels / built.name)
+        os.chmod(kernels / built.name, 0o700)
+
+
+def run_folder(factory: pytest.TempPathFactory, name: str) -> Path:
+    """``name``, a folder shared by every worker of this pytest run (pytest-xdist gives each
+    worker the base folder ``<the run's>/popen-gwN``), made if missing."""
+    base = factory.getbasetemp()
+    folder = (base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / name
+    folder.mkdir(exist_ok=True)
+    return folder
+
+
 def kernel_builds(folder: Path) -> dict[str, str]:
     """qkv's kernel library's other code paths (plain C++; AVX2, and AVX2 with AVX-VNNI, where this
     CPU runs them), each built into ``folder`` under a namespace of its own and loaded once per
-    process: name -> namespace (``torch.ops.<namespace>``, ``torch.classes.<namespace>``)."""
+    process: name -> namespace (``torch.ops.<namespace>``, ``torch.classes.<namespace>``).
+    ``folder`` may be shared by the run's workers (:func:`run_folder`): each build is compiled
+    once, under a lock, by the first worker that asks (~20 s each on a Zen 3), and loaded by all."""
+    import fcntl
+
     from qkv.kernels import compile_library
 
     builds = [("scalar", ("-march=x86-64",))]
@@ -446,7 +488,13 @@ def kernel_builds(folder: Path) -> dict[str, str]:
     for name, flags in builds:
         ns = f"qkv_test_{name}"
         if not hasattr(getattr(torch.ops, ns), "int4_mm"):
-            compile_library(folder / f"{name}.so", flags, namespace=ns)
-            torch.ops.load_library(str(folder / f"{name}.so"))
+            lib = folder / f"{name}.so"
+            with open(folder / f"{name}.lock", "a") as lock:
+                fcntl.flock(lock, fcntl.LOCK_EX)  # another worker compiling it: wait, then load its
+                if not lib.exists():
+                    part = folder / f".{name}-{os.getpid()}.so"
+                    compile_library(part, flags, namespace=ns)
+                    os.replace(part, lib)
+            torch.ops.load_library(str(lib))
         out[name] = ns
     return out

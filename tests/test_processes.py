@@ -16,7 +16,7 @@ import uuid
 from pathlib import Path
 
 import pytest
-from helpers import child_env, free_port
+from helpers import child_env, free_port, seed_kernels
 
 from qkv.native import compiler
 
@@ -43,8 +43,12 @@ def none_left(marker: str, within: float = 10.0) -> list[int]:
     return left
 
 
-def env(tmp_path: Path) -> tuple[dict[str, str], str]:
+def env(tmp_path: Path, seed: bool = True) -> tuple[dict[str, str], str]:
+    """A child's environment with a cache of its own, the kernel library copied in (unless
+    ``seed`` is False: a test of its compile), and a marker to find what it left running."""
     marker = uuid.uuid4().hex
+    if seed:
+        seed_kernels(tmp_path / "cache")
     return {**child_env(), "QKV_CACHE_DIR": str(tmp_path / "cache"), "QKV_TEST_MARKER": marker}, marker
 
 
@@ -70,7 +74,7 @@ def test_a_kernel_compile_in_the_background_ends_with_the_process(tmp_path):
     """A decoder starts compiling qkv's kernels in a background thread while it loads; a process
     that exits first (a server stopped at once, a script that loaded and quit) takes the compiler
     with it, instead of leaving g++ and cc1plus running."""
-    e, marker = env(tmp_path)
+    e, marker = env(tmp_path, seed=False)
     (tmp_path / "tmp").mkdir()
     e["TMPDIR"] = str(tmp_path / "tmp")  # where a killed compiler leaves its cc*.s unless told otherwise
     code = ("import time; from qkv import kernels; kernels.prepare(); time.sleep(1.5); "

@@ -500,27 +500,43 @@ def test_qkv_generate_builds_then_loads_and_says_why_when_it_cannot(tiny_run, tm
     assert rc == 0 and out == eager and "cannot use" in err and "Traceback" not in err
 
 
+# The compile itself is the package `built` compiled (CFG's shape, one thread: the same key),
+# copied after a second, so that the children's builds overlap without a third compile (~25 s on
+# a Zen 3); `python -m qkv prepare` compiles in a child process in tests/test_processes.py.
 BUILD_IN_CHILD = """
-import json, sys
+import shutil, sys, time
 import torch
 sys.path[:0] = [sys.argv[2], sys.argv[3]]
 from test_aot import model
 from qkv.generation import aot
+
+compiled = []
+
+def compile_(ep, pkg):
+    compiled.append(pkg)
+    time.sleep(1.0)
+    shutil.copyfile(sys.argv[4], pkg)
+
+aot._compile = compile_
 torch.set_num_threads(1)
-print(aot.build(model(seed=int(sys.argv[1]))).name)
+print(aot.build(model(seed=int(sys.argv[1]))).name, len(compiled))
 """
 
 
-def test_two_processes_building_at_once_leave_one_good_package(tmp_path):
+def test_two_processes_building_at_once_leave_one_good_package(built, tmp_path):
+    """Two processes build the same key at once: one builds (holding the key's lock), the other
+    waits and finds its package; one folder, no half-built one, and it loads here."""
+    _, path = built
     env = {**child_env(), "QKV_CACHE_DIR": str(tmp_path / "cache")}
     here, tests = str(Path(__file__).parent), str(Path(__file__).parent.parent)
-    argv = [sys.executable, "-c", BUILD_IN_CHILD, "5", here, tests]
+    argv = [sys.executable, "-c", BUILD_IN_CHILD, "5", here, tests, str(path / aot.PACKAGE)]
     procs = [subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
              for _ in range(2)]
     outs = [p.communicate(timeout=600) for p in procs]
     assert all(p.returncode == 0 for p in procs), [e[-1500:] for _, e in outs]
-    names = {o.strip().splitlines()[-1] for o, _ in outs}
-    assert len(names) == 1
+    last = [o.strip().splitlines()[-1].split() for o, _ in outs]
+    names = {name for name, _ in last}
+    assert len(names) == 1 and sorted(int(n) for _, n in last) == [0, 1]  # one compiled, one found it
     steps = tmp_path / "cache" / "steps"
     assert sorted(p.name for p in steps.iterdir() if p.is_dir()) == sorted(names)  # no half-built folder
     with single_thread(tmp_path / "cache"):

@@ -11,7 +11,7 @@ import time
 
 import pytest
 import torch
-from helpers import alone_then_joined, kernel_builds, single_thread
+from helpers import alone_then_joined, kernel_builds, run_folder, single_thread
 
 from qkv.attention import BatchKVCache
 from qkv.generation import builds, generate
@@ -466,7 +466,7 @@ def test_bad_steps_are_refused_with_the_reason():
 def other_builds(tmp_path_factory: pytest.TempPathFactory) -> dict[str, object]:
     """The Decoder classes of the library's other code paths (helpers.kernel_builds)."""
     return {name: getattr(torch.classes, ns).Decoder
-            for name, ns in kernel_builds(tmp_path_factory.mktemp("decoder")).items()}
+            for name, ns in kernel_builds(run_folder(tmp_path_factory, "kernel-builds")).items()}
 
 
 @pytest.mark.parametrize("shape", ["gqa", "mqa, 18 heads", "head width 24"])

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import cpu_flags, kernel_builds, sampling_intervals
+from helpers import cpu_flags, kernel_builds, run_folder, sampling_intervals
 
 import qkv.kernels as K
 from qkv.kernels import compile_library, pack_int4
@@ -28,7 +28,7 @@ def paths(tmp_path_factory: pytest.TempPathFactory) -> dict[str, object]:
     plain C++ (built here for older CPUs under namespaces of their own)."""
     ops = {"native": K.int4_op()}
     assert ops["native"] is not None, K.int4_status()
-    for name, ns in kernel_builds(tmp_path_factory.mktemp("int4")).items():
+    for name, ns in kernel_builds(run_folder(tmp_path_factory, "kernel-builds")).items():
         ops[name] = getattr(torch.ops, ns).int4_mm
     return ops
 
@@ -58,7 +58,8 @@ def test_the_avx_vnni_build_gives_the_avx2_builds_numbers(paths: dict[str, objec
     flags = cpu_flags()
     assert {"avx2", "f16c", "fma"} <= flags and "avx2" in paths  # every CPU qkv is tested on
     if "avx2_vnni" not in paths:  # (kernel_builds builds it where this CPU runs it) built, named
-        compile_library(tmp_path / "vnni.so", ("-march=haswell", "-mavxvnni"), namespace="vnni_check")
+        # its products are not run here: -O0 (after the -O3 it overrides) halves the compile (~11 s)
+        compile_library(tmp_path / "vnni.so", ("-march=haswell", "-mavxvnni", "-O0"), namespace="vnni_check")
         torch.ops.load_library(str(tmp_path / "vnni.so"))
         assert torch.ops.vnni_check.int4_path() == "avx2-vnni"
         assert "avx_vnni" not in flags
@@ -199,15 +200,30 @@ def test_pack_int4_puts_each_code_where_the_layout_says() -> None:
 
 def test_the_library_is_built_once_checked_and_rebuilt_when_damaged(tmp_path: Path,
                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """In an empty cache: compiled once, found the next time, and refused and compiled again when
+    damaged. What the compiler gives is the library this process loaded (compiled for real with
+    -march=native, K.int4_op()), copied: two more compiles would add ~40 s on a Zen 3."""
+    assert K.int4_op() is not None
+    loaded = [Path(p) for p in torch.ops.loaded_libraries if Path(p).name == K.LIBRARY]
+    assert len(loaded) == 1, loaded
+    made_by_the_session = loaded[0]
+    compiled: list[tuple[str, ...]] = []
+
+    def compile_(out: Path, flags: tuple[str, ...] = (), **kwargs: object) -> None:
+        compiled.append(tuple(flags))
+        out.write_bytes(made_by_the_session.read_bytes())
+
+    monkeypatch.setattr(K, "compile_library", compile_)
     monkeypatch.setenv("QKV_CACHE_DIR", str(tmp_path))
     lib = K.build()
+    assert compiled == [("-march=native",)]
     assert lib.parent.parent == tmp_path / "kernels" and (tmp_path / "kernels").stat().st_mode & 0o077 == 0
     meta = json.loads((lib.parent / K.META).read_text())
     assert meta["info"]["cpu"]["flags"] and meta["info"]["torch"] == torch.__version__
     made = lib.stat().st_mtime_ns
-    assert K.build() == lib and lib.stat().st_mtime_ns == made  # found, not rebuilt
+    assert K.build() == lib and lib.stat().st_mtime_ns == made and len(compiled) == 1  # found, not rebuilt
     lib.write_bytes(lib.read_bytes()[:1000])  # damaged: refused, rebuilt
-    assert K.build() == lib and lib.stat().st_size > 1000
+    assert K.build() == lib and lib.stat().st_size > 1000 and len(compiled) == 2
     assert K.sha256(lib) == json.loads((lib.parent / K.META).read_text())["sha256"]
 
 
