@@ -32,6 +32,7 @@ def main() -> int:
     import torch
 
     from qkv.learn import EXERCISES
+    from qkv.learn.exercise import CheckResult
     from qkv.learn.judge import run_checks
 
     machine = C.machine_info()
@@ -44,7 +45,8 @@ def main() -> int:
             per_check = []
             for c in e.checks:
                 t = time.perf_counter()
-                assert c.run(ns[name]) is None, (name, c.name)
+                outcome = CheckResult.of(c.name, c.run(ns[name]))  # passed: None, or a Shown reveal
+                assert outcome.ok, (name, c.name, outcome.message)
                 per_check.append(round(time.perf_counter() - t, 3))
             path = Path(tmp) / f"{name}.py"
             path.write_text("import math\nimport torch\n" + e.solution)

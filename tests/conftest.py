@@ -24,13 +24,16 @@ def pytest_configure(config):
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // workers))
 
 
-# The files that took longest (seconds on 2 workers of a Zen 3, `pytest --durations`), handed out
-# first: pytest-xdist gives each worker a whole file at a time (--dist loadfile), so a long file
-# left for last would keep one worker busy while the other waits. Only the speed depends on it.
-LONGEST_FILES = ("generation/test_aot.py", "learn/test_runner.py", "pretrained/test_smollm2.py",
-                 "training/test_faults.py", "pretrained/test_quantized.py", "learn/test_judge.py",
-                 "test_processes.py", "explain/test_lectures.py", "kernels/test_qmatmul.py",
-                 "families/test_captioner_family.py", "test_bad_inputs.py", "generation/test_compiled.py")
+# The files that took longest (seconds on 2 workers of a Zen 3, `pytest --durations=0`, summed per
+# file; 2026-12-07), handed out first: pytest-xdist gives each worker a whole file at a time
+# (--dist loadfile), so a long file left for last would keep one worker busy while the other
+# waits. Only the speed depends on it.
+LONGEST_FILES = ("generation/test_aot.py", "pretrained/test_smollm2.py", "learn/test_runner.py",
+                 "learn/test_judge.py", "pretrained/test_fixture.py", "test_processes.py",
+                 "training/test_faults.py", "pretrained/test_quantized.py", "generation/test_native_step.py",
+                 "explain/test_lectures.py", "test_bad_inputs.py", "learn/test_notebook.py",
+                 "serve/test_schema_fuzz.py", "generation/test_builds.py", "learn/test_course.py",
+                 "generation/test_compiled.py")
 
 
 @pytest.hookimpl(tryfirst=True)  # before pytest-random-order, which then shuffles what this sorted
