@@ -96,7 +96,8 @@ def main() -> int:
         step("qkv learn check softmax", ["qkv", "learn", "check", "softmax"])
     total = sum(s["seconds"] for s in steps)
     print(f"in all {total:.0f} s of waiting")
-    out = C.write_json(NAME, {"machine": machine, "steps": steps, "total_s": round(total, 1)}, args.out)
+    payload = {"machine": machine, "steps": steps, "total_s": round(total, 1)}
+    out = C.write_json(NAME + ("_quick" if args.quick else ""), payload, args.out)
     print(f"wrote {out}")
     return 0
 

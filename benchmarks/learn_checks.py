@@ -68,7 +68,7 @@ def main() -> int:
     C.print_table("qkv learn: check times on the reference solutions",
                   ["exercise", "checks", "slowest check, s", "all checks, s", "qkv learn check (child), s"],
                   rows)
-    out = C.write_json(NAME, result, args.out)
+    out = C.write_json(NAME + ("_quick" if args.quick else ""), result, args.out)
     print(f"wrote {out}")
     return 0
 

@@ -120,7 +120,7 @@ def main() -> int:
                   rows)
     C.print_table("qkv learn run: a wrong function, the time to its verdict (goal ≤ 30 s)",
                   ["exercise", "mistake", "verdict", "wall, s", "what it says"], wrong_rows)
-    out = C.write_json(NAME, result, args.out)
+    out = C.write_json(NAME + ("_quick" if args.quick else ""), result, args.out)
     print(f"wrote {out}")
     return 0
 

@@ -58,7 +58,7 @@ def main() -> None:
                    "bf16 instructions, not exact)")
     p.add_argument("--only", default=None, help="comma-separated measurements to run (default: all)")
     p.add_argument("--out", default=None, help="results JSON (default benchmarks/results/lens_speed.json, "
-                   "lens_speed_bf16.json with --weights bf16)")
+                   "lens_speed_bf16.json with --weights bf16, <that>_quick.json with --quick)")
     args = p.parse_args()
     repeat = 2 if args.quick else args.repeat
 
@@ -115,6 +115,7 @@ def main() -> None:
     C.print_table(f"qkv.lens on SmolLM2-135M {args.weights}, {len(ids)} tokens ({C.load_line(load)})",
                   ["what", "seconds (median)"], rows)
     name = "lens_speed" if args.weights == "fp32" else f"lens_speed_{args.weights}"
+    name += "_quick" if args.quick else ""  # a smoke run leaves the committed results alone
     out = C.write_json(name, {"machine": machine, "load": load, "tokens": len(ids), "repeat": repeat,
                               "model": f"smollm2 {args.weights} (30 layers x 9 heads)", "seconds": results},
                        args.out)
