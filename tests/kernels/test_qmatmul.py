@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import cpu_flags, kernel_builds, run_folder, sampling_intervals
+from helpers import cpu_flags, kernel_builds, loaded_kernels, run_folder, sampling_intervals
 
 import qkv.kernels as K
 from qkv.kernels import compile_library, pack_int4
@@ -204,9 +204,9 @@ def test_the_library_is_built_once_checked_and_rebuilt_when_damaged(tmp_path: Pa
     damaged. What the compiler gives is the library this process loaded (compiled for real with
     -march=native, K.int4_op()), copied: two more compiles would add ~40 s on a Zen 3."""
     assert K.int4_op() is not None
-    loaded = [Path(p) for p in torch.ops.loaded_libraries if Path(p).name == K.LIBRARY]
-    assert len(loaded) == 1, loaded
-    made_by_the_session = loaded[0]
+    built = loaded_kernels()
+    assert built is not None
+    made_by_the_session = built / K.LIBRARY
     compiled: list[tuple[str, ...]] = []
 
     def compile_(out: Path, flags: tuple[str, ...] = (), **kwargs: object) -> None:
