@@ -11,6 +11,13 @@ import math
 import os
 from pathlib import Path
 
+# Before torch loads its OpenMP runtime (read once, at load; children inherit it): a thread that
+# waits at a parallel region's end sleeps instead of spinning. The suite runs one worker per core,
+# so a two-thread test (tests/pretrained) shares its cores with the other worker; spinning there,
+# each waited for a thread the other worker had descheduled: SmolLM2's parity file took 97 s beside
+# a busy core instead of 61 s (61 s with this; 62 s alone).
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
 import pytest
 import torch
 from helpers import TINY_TEXT, call_one_thread, flags, single_thread, tiny_data, tiny_train
@@ -18,7 +25,13 @@ from helpers import TINY_TEXT, call_one_thread, flags, single_thread, tiny_data,
 
 def pytest_configure(config):
     """Under pytest-xdist (``-n N``), each worker's torch takes its share of the cores, so that N
-    workers do not each start a thread per core (OpenMP threads that wait on each other)."""
+    workers do not each start a thread per core (OpenMP threads that wait on each other).
+
+    Tiny test models decode eagerly (no saved step in the tests' private cache): their
+    EagerDecodingWarning is ignored; the tests about it catch it with ``pytest.warns``. (The
+    filter is added here, not in pyproject.toml, where naming the class would import torch before
+    OMP_WAIT_POLICY above is set.)"""
+    config.addinivalue_line("filterwarnings", "ignore::qkv.generation.builds.EagerDecodingWarning")
     workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
     if workers > 1:
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // workers))
