@@ -14,8 +14,8 @@ from pathlib import Path
 # Before torch loads its OpenMP runtime (read once, at load; children inherit it): a thread that
 # waits at a parallel region's end sleeps instead of spinning. The suite runs one worker per core,
 # so a two-thread test (tests/pretrained) shares its cores with the other worker; spinning there,
-# each waited for a thread the other worker had descheduled: SmolLM2's parity file took 97 s beside
-# a busy core instead of 61 s (61 s with this; 62 s alone).
+# each waited for a thread the other worker had descheduled. SmolLM2's parity file beside a core
+# kept busy: 97 s spinning, 61 s sleeping (62 s alone).
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import pytest
