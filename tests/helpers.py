@@ -474,18 +474,28 @@ def kernel_builds(folder: Path) -> dict[str, str]:
     CPU runs them), each built into ``folder`` under a namespace of its own and loaded once per
     process: name -> namespace (``torch.ops.<namespace>``, ``torch.classes.<namespace>``).
     ``folder`` may be shared by the run's workers (:func:`run_folder`): each build is compiled
-    once, under a lock, by the first worker that asks (~20 s each on a Zen 3), and loaded by all."""
+    once, under a lock, by the first worker that asks (~20 s each on a Zen 3), and loaded by all.
+
+    Where this CPU's own library takes the AVX2 path (AVX2 without AVX-512 or AVX-VNNI: a Zen 3, a
+    Haswell), it is the AVX2 build (the same preprocessor branches of qmatmul.cpp), so "avx2"
+    names it (namespace ``qkv``) instead of compiling it again."""
     import fcntl
 
+    import qkv.kernels as K
     from qkv.kernels import compile_library
 
     builds = [("scalar", ("-march=x86-64",))]
-    if {"avx2", "f16c", "fma"} <= cpu_flags():  # the AVX2 build would not run here otherwise
-        builds.append(("avx2", ("-march=haswell",)))
-    if {"avx2", "f16c", "fma", "avx_vnni"} <= cpu_flags():  # AVX2 with AVX-VNNI (Alder Lake's cores)
-        builds.append(("avx2_vnni", ("-march=haswell", "-mavxvnni")))
     out = {}
-    for name, flags in builds:
+    flags = cpu_flags()
+    if {"avx2", "f16c", "fma"} <= flags:  # the AVX2 build would not run here otherwise
+        if (K.int4_op() is not None and torch.ops.qkv.int4_path() == "avx2"
+                and not {"avx512f", "avx_vnni"} & flags):
+            out["avx2"] = "qkv"
+        else:
+            builds.append(("avx2", ("-march=haswell",)))
+    if {"avx2", "f16c", "fma", "avx_vnni"} <= flags:  # AVX2 with AVX-VNNI (Alder Lake's cores)
+        builds.append(("avx2_vnni", ("-march=haswell", "-mavxvnni")))
+    for name, march in builds:
         ns = f"qkv_test_{name}"
         if not hasattr(getattr(torch.ops, ns), "int4_mm"):
             lib = folder / f"{name}.so"
@@ -493,7 +503,7 @@ def kernel_builds(folder: Path) -> dict[str, str]:
                 fcntl.flock(lock, fcntl.LOCK_EX)  # another worker compiling it: wait, then load its
                 if not lib.exists():
                     part = folder / f".{name}-{os.getpid()}.so"
-                    compile_library(part, flags, namespace=ns)
+                    compile_library(part, march, namespace=ns)
                     os.replace(part, lib)
             torch.ops.load_library(str(lib))
         out[name] = ns

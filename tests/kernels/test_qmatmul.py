@@ -23,20 +23,30 @@ pytestmark = pytest.mark.skipif(compiler() is None or K.int4_op() is None,
 
 
 @pytest.fixture(scope="module")
-def paths(tmp_path_factory: pytest.TempPathFactory) -> dict[str, object]:
+def namespaces(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
+    """Every code path's namespace: this CPU's library ("native": ``qkv``) and the other builds'
+    (helpers.kernel_builds)."""
+    assert K.int4_op() is not None, K.int4_status()
+    return {"native": "qkv", **kernel_builds(run_folder(tmp_path_factory, "kernel-builds"))}
+
+
+@pytest.fixture(scope="module")
+def paths(namespaces: dict[str, str]) -> dict[str, object]:
     """Every code path as its own op: this CPU's (the library qkv builds and loads), AVX2 and
-    plain C++ (built here for older CPUs under namespaces of their own)."""
-    ops = {"native": K.int4_op()}
-    assert ops["native"] is not None, K.int4_status()
-    for name, ns in kernel_builds(run_folder(tmp_path_factory, "kernel-builds")).items():
-        ops[name] = getattr(torch.ops, ns).int4_mm
-    return ops
+    plain C++ (built here for older CPUs under namespaces of their own; AVX2 is this CPU's own
+    library where that takes the AVX2 path)."""
+    return {name: getattr(torch.ops, ns).int4_mm for name, ns in namespaces.items()}
 
 
-def test_each_build_runs_the_code_path_it_names(paths: dict[str, object]) -> None:
-    assert "avx2" not in paths or torch.ops.qkv_test_avx2.int4_path() == "avx2"
-    assert "avx2_vnni" not in paths or torch.ops.qkv_test_avx2_vnni.int4_path() == "avx2-vnni"
-    assert torch.ops.qkv_test_scalar.int4_path() == "scalar"
+def every_namespace(namespaces: dict[str, str]) -> list[str]:
+    """Each build's namespace once (the AVX2 build may be this CPU's own library)."""
+    return list(dict.fromkeys(namespaces.values()))
+
+
+def test_each_build_runs_the_code_path_it_names(paths: dict[str, object], namespaces: dict[str, str]) -> None:
+    for name, path in (("avx2", "avx2"), ("avx2_vnni", "avx2-vnni"), ("scalar", "scalar")):
+        assert name not in namespaces or getattr(torch.ops, namespaces[name]).int4_path() == path
+    assert "scalar" in namespaces
     flags = cpu_flags()
     want = ("avx512-vnni" if {"avx512_vnni", "avx512bw", "avx512f"} <= flags
             else "avx2" if {"avx2", "f16c", "fma"} <= flags else "scalar")
@@ -49,22 +59,22 @@ def test_each_build_runs_the_code_path_it_names(paths: dict[str, object]) -> Non
     assert K.int4_status() == f"qkv's ({want})"
 
 
-def test_the_avx_vnni_build_gives_the_avx2_builds_numbers(paths: dict[str, object], tmp_path) -> None:
+def test_the_avx_vnni_build_gives_the_avx2_builds_numbers(namespaces: dict[str, str], tmp_path) -> None:
     """AVX2 with AVX-VNNI (``-mavxvnni``; what ``-march=native`` compiles on Intel's Alder Lake and
     later cores): one vpdpbusd or vpdpwssd where AVX2 takes vpmaddubsw, vpmaddwd and an add, the
     same integers, so int4_mm and q8_mm give the AVX2 build's floats bit for bit, one row (8-bit
     products) and several (16-bit ones). Built and named on any x86-64 CPU with AVX2; its products
     run where this CPU has AVX-VNNI (elsewhere they would be illegal instructions)."""
     flags = cpu_flags()
-    assert {"avx2", "f16c", "fma"} <= flags and "avx2" in paths  # every CPU qkv is tested on
-    if "avx2_vnni" not in paths:  # (kernel_builds builds it where this CPU runs it) built, named
+    assert {"avx2", "f16c", "fma"} <= flags and "avx2" in namespaces  # every CPU qkv is tested on
+    if "avx2_vnni" not in namespaces:  # (kernel_builds builds it where this CPU runs it) built, named
         # its products are not run here: -O0 (after the -O3 it overrides) halves the compile (~11 s)
         compile_library(tmp_path / "vnni.so", ("-march=haswell", "-mavxvnni", "-O0"), namespace="vnni_check")
         torch.ops.load_library(str(tmp_path / "vnni.so"))
         assert torch.ops.vnni_check.int4_path() == "avx2-vnni"
         assert "avx_vnni" not in flags
         return
-    avx2, vnni = torch.ops.qkv_test_avx2, torch.ops.qkv_test_avx2_vnni
+    avx2, vnni = (getattr(torch.ops, namespaces[n]) for n in ("avx2", "avx2_vnni"))
     assert (avx2.int4_path(), vnni.int4_path()) == ("avx2", "avx2-vnni")
     g = torch.Generator().manual_seed(5)
     for N, Kd in ((64, 576), (96, 1536)):
@@ -137,12 +147,12 @@ def test_int4_mm_is_its_definition_and_close_to_the_exact_product(
 @pytest.mark.parametrize("path", ["native", "avx2", "scalar"])
 @pytest.mark.parametrize("op", ["int4_mm", "q8_mm"])
 def test_each_row_of_a_batched_product_is_that_row_alone_bit_for_bit(
-        paths: dict[str, object], path: str, op: str) -> None:
+        namespaces: dict[str, str], path: str, op: str) -> None:
     """A running batch decodes each row as it would alone: the AVX2 path multiplies several rows
     by 16-bit products (256·xq + xr in one) and one row by 8-bit ones; on an AMX Xeon, 12 rows
     and more take tiles (16-row chunks, the last padded); the integers, and so the floats, must be
     the same."""
-    if path not in paths:
+    if path not in namespaces:
         pytest.skip("this CPU cannot run the AVX2 build")
     q, d, m, x = _problem(64, 1536, 37, seed=7, outliers=True)
     x[2] = 0  # a row of zeros beside the others
@@ -152,7 +162,7 @@ def test_each_row_of_a_batched_product_is_that_row_alone_bit_for_bit(
         w, scales = K.pack_q8(q - 8, d)  # codes -8..7 stand in for Q8_0's -127..127 here
         codes = torch.randint(-127, 128, (64, 1536), generator=torch.Generator().manual_seed(3))
         w8, s8 = K.pack_q8(codes, d)
-    f = getattr(getattr(torch.ops, "qkv" if path == "native" else f"qkv_test_{path}"), op)
+    f = getattr(getattr(torch.ops, namespaces[path]), op)
     pairs = [(w, scales)] if op == "int4_mm" else [(w, scales), (w8, s8)]
     for wp, sp in pairs:
         together = f(x, wp, sp)
@@ -272,8 +282,8 @@ def _emulate8(q: torch.Tensor, d16: torch.Tensor, x: torch.Tensor):
 @pytest.mark.parametrize(("N", "Kd", "M"), [(16, 32, 1), (48, 64, 3), (96, 576, 1), (32, 1536, 17),
                                             (64, 576, 37)])
 def test_q8_mm_is_its_definition_and_close_to_the_exact_product(
-        paths: dict[str, object], path: str, N: int, Kd: int, M: int) -> None:
-    if path not in paths:
+        namespaces: dict[str, str], path: str, N: int, Kd: int, M: int) -> None:
+    if path not in namespaces:
         pytest.skip("this CPU cannot run the AVX2 build")
     g = torch.Generator().manual_seed(N * Kd + M)
     q = torch.randint(-127, 128, (N, Kd), generator=g)
@@ -282,7 +292,7 @@ def test_q8_mm_is_its_definition_and_close_to_the_exact_product(
     d = torch.rand(N, Kd // 32, generator=g) * 0.01 + 1e-4
     x = torch.randn(M, Kd, generator=g)
     x[:, ::37] *= 40
-    op = getattr(torch.ops, "qkv" if path == "native" else f"qkv_test_{path}").q8_mm
+    op = getattr(torch.ops, namespaces[path]).q8_mm
     w, ds = K.pack_q8(q, d)
     y = op(x, w, ds).double()
     d16 = d.half()
@@ -319,15 +329,15 @@ def test_q8_linear_holds_a_q8_0_files_own_blocks() -> None:
     assert ((layer(x).double() - exact).abs() <= bound + 1e-6 * (x.double().abs() @ W.abs().T)).all()
 
 
-def test_a_nan_or_inf_activation_gives_nan_not_a_number_that_looks_right(paths: dict[str, object]) -> None:
+def test_a_nan_or_inf_activation_gives_nan_not_a_number_that_looks_right(namespaces: dict[str, str]) -> None:
     """A float product with a NaN (or an inf) in x is NaN where that value counts; so is this one's,
     on both kernels and every path (a NaN must not be rounded to a plausible int8 code)."""
     q, d, m, x = _problem(32, 64, 3, seed=11)
     w4, dm = pack_int4(q, d, m)
     w8, ds = K.pack_q8(q.to(torch.int64) - 8, d)
     x[0, 5], x[1, 40] = float("nan"), float("inf")
-    for name in paths:
-        ns = getattr(torch.ops, "qkv" if name == "native" else f"qkv_test_{name}")
+    for name in namespaces:
+        ns = getattr(torch.ops, namespaces[name])
         for y in (ns.int4_mm(x, w4, dm), ns.q8_mm(x, w8, ds)):
             assert y[0].isnan().all() and y[1].isnan().all() and y[2].isfinite().all(), name
 
@@ -352,12 +362,12 @@ def _argmax_rows_cases() -> torch.Tensor:
     return x
 
 
-def test_argmax_rows_is_torch_argmax_on_every_path(paths: dict[str, object]) -> None:
+def test_argmax_rows_is_torch_argmax_on_every_path(namespaces: dict[str, str]) -> None:
     """qkv::argmax_rows (greedy decoding's choice) on each build: the index torch.argmax gives."""
     x = _argmax_rows_cases()
     want = x.argmax(dim=-1)
     assert want.tolist()[:4] == [3, 20, 500, 10]  # the cases are what they say
-    for ns in ("qkv", "qkv_test_scalar", *(["qkv_test_avx2"] if "avx2" in paths else [])):
+    for ns in every_namespace(namespaces):
         got = getattr(torch.ops, ns).argmax_rows(x)
         assert got.dtype == torch.int64 and torch.equal(got, want), ns
         for row in range(x.shape[0]):  # one row at a time, and rows of every length up to 40
@@ -403,12 +413,12 @@ def _sampling_cases() -> list[tuple[str, torch.Tensor, float, int, float | None]
     ]
 
 
-def test_sample_rows_draws_each_u_from_its_interval_on_every_path(paths: dict[str, object]) -> None:
+def test_sample_rows_draws_each_u_from_its_interval_on_every_path(namespaces: dict[str, str]) -> None:
     """qkv::sample_rows (sampling's filter and draw in one call) on each build, against the
     intervals of [0, 1) each kept token owns, computed in float64 from the definitions: a grid of u
     and each interval's middle draw the id whose interval holds u (u within 1e-6 of an end may go
     either way: the kernel's weights are float32), and no dropped id is ever drawn."""
-    for ns in ("qkv", "qkv_test_scalar", *(["qkv_test_avx2"] if "avx2" in paths else [])):
+    for ns in every_namespace(namespaces):
         op = getattr(torch.ops, ns).sample_rows
         for name, row, T, k, p in _sampling_cases():
             ids, ends = sampling_intervals(row, T, k, p)
@@ -425,7 +435,7 @@ def test_sample_rows_draws_each_u_from_its_interval_on_every_path(paths: dict[st
             assert set(wide) <= set(got), (ns, name)  # each kept id of any weight is drawn
 
 
-def test_sample_rows_refuses_what_is_no_distribution(paths: dict[str, object]) -> None:
+def test_sample_rows_refuses_what_is_no_distribution(namespaces: dict[str, str]) -> None:
     """A NaN, +inf (alone or beside -inf), every logit -inf, or logits / T past float32's range:
     PyTorch's softmax is NaN there, and the op says so (sample_next then takes PyTorch's path,
     whose error names the problem); bad shapes and types are refused."""
@@ -433,7 +443,7 @@ def test_sample_rows_refuses_what_is_no_distribution(paths: dict[str, object]) -
     rows = {"nan": [0.0, float("nan"), 1.0], "+inf": [0.0, float("inf"), 1.0],
             "+inf beside -inf": [float("-inf"), float("inf")], "all -inf": [float("-inf")] * 3,
             "overflow": [3e38, 0.0]}
-    for ns in ("qkv", "qkv_test_scalar", *(["qkv_test_avx2"] if "avx2" in paths else [])):
+    for ns in every_namespace(namespaces):
         op = getattr(torch.ops, ns).sample_rows
         for name, row in rows.items():
             for k, p in ((0, 1.0), (1, 1.0), (0, 0.5)):
