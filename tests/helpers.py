@@ -508,3 +508,54 @@ def kernel_builds(folder: Path) -> dict[str, str]:
             torch.ops.load_library(str(lib))
         out[name] = ns
     return out
+
+
+def program_digest(ep: torch.export.ExportedProgram, configs: dict) -> str:
+    """What AOTInductor's package of ``ep`` depends on in one test run (the machine, torch and
+    qkv's kernels being the same): the graph's code, every input's shape and dtype, the dynamic
+    dimensions' ranges, its buffers' and constants' values (not its parameters': the package binds
+    them at load, as qkv binds a model's weights), Inductor's settings and the thread count."""
+    import hashlib
+
+    h = hashlib.sha256()
+    inputs = [(n.name, tuple(n.meta["val"].shape), str(n.meta["val"].dtype)) for n in ep.graph.nodes
+              if n.op == "placeholder" and hasattr(n.meta.get("val"), "shape")]
+    h.update(repr((ep.graph_module.code, inputs, sorted(map(str, ep.range_constraints.values())),
+                   sorted(configs.items()), torch.get_num_threads())).encode())
+    buffers = {name: ep.state_dict[name] for name in ep.graph_signature.buffers if name in ep.state_dict}
+    for name, t in sorted({**buffers, **ep.constants}.items()):
+        if isinstance(t, torch.Tensor):
+            h.update(name.encode())
+            h.update(t.detach().contiguous().view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+    return h.hexdigest()[:32]
+
+
+def compiled_once(folder: Path) -> Callable[..., None]:
+    """A stand-in for ``torch._inductor.aoti_compile_and_package`` that compiles each exported
+    program once per test run: the package of a program whose :func:`program_digest` a test (of
+    any worker) compiled before is copied from ``folder`` (:func:`run_folder`), under a lock; the
+    first compiles it for real. qkv's own ``aot._compile`` still runs around it (its private
+    Inductor cache, its errors); only a second AOTInductor compile of the same program is saved
+    (20-30 s each on a Zen 3: test_builds.py builds test_aot.py's step, serve/test_build_steps.py
+    the tiny GPT run's that test_aot.py's `qkv prepare` builds, and the 4-bit test's untied model
+    the blocks of its tied one)."""
+    import fcntl
+    import shutil
+
+    from torch._inductor import aoti_compile_and_package
+
+    def compile_(ep, package_path: str, inductor_configs: dict | None = None, **kw) -> str:
+        # (aoti_compile_and_package adds "aot_inductor.package" to the dict it is given: qkv's own)
+        configs = {k: v for k, v in (inductor_configs or {}).items() if k != "aot_inductor.package"}
+        digest = program_digest(ep, configs)
+        stored = folder / f"{digest}.pt2"
+        with open(folder / f"{digest}.lock", "a") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            if not stored.exists():
+                part = folder / f".{digest}-{os.getpid()}.pt2"
+                aoti_compile_and_package(ep, package_path=str(part), inductor_configs=dict(configs), **kw)
+                os.replace(part, stored)
+        shutil.copyfile(stored, package_path)
+        return package_path
+
+    return compile_

@@ -19,7 +19,7 @@ from helpers import alone_then_joined, child_env, single_thread
 from qkv.generation import aot, builds, generate
 from qkv.models.gpt import GPT, GPTConfig
 
-pytestmark = pytest.mark.usefixtures("one_thread")  # see tests/conftest.py
+pytestmark = pytest.mark.usefixtures("one_thread", "compile_once")  # see tests/conftest.py
 if aot.compiler() is None:
     pytest.skip("saved steps need a C++ compiler (apt-get install g++)", allow_module_level=True)
 
@@ -40,7 +40,7 @@ def model(seed: int = 0) -> GPT:
 
 
 @pytest.fixture(scope="module")
-def built():
+def built(compile_once):
     m = model()
     with single_thread():  # the thread count the tests run with (it is part of the key)
         path = aot.build(m)

@@ -21,9 +21,10 @@ from qkv.generation import aot, builds, generate
 from qkv.generation.builds import State, Why
 from qkv.models.gpt import GPT, GPTConfig
 
-pytestmark = pytest.mark.usefixtures("one_thread")  # see tests/conftest.py
+pytestmark = pytest.mark.usefixtures("one_thread", "compile_once")  # see tests/conftest.py
 
-CFG = dict(vocab_size=40, max_seq_len=32, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, mlp_hidden=64,
+# test_aot.py's shape: its step is compiled once per run for both files (conftest's compile_once)
+CFG = dict(vocab_size=48, max_seq_len=40, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, mlp_hidden=64,
            positions="rope", norm="rmsnorm", bias=False, mlp="swiglu")
 
 
@@ -42,7 +43,7 @@ def test_status_ensure_and_the_key_that_changed(cache, monkeypatch):
     monkeypatch.setenv("QKV_CACHE_DIR", str(cache))
     m = model()
     st = builds.status(m)
-    assert (st.state, st.why, st.step, st.rows, st.cache_len) == (State.MISSING, Why.NOT_BUILT, None, 1, 32)
+    assert (st.state, st.why, st.step, st.rows, st.cache_len) == (State.MISSING, Why.NOT_BUILT, None, 1, 40)
     assert st.message() == "no saved step: none built for this model on this machine"
     stages = []
     built = builds.ensure(m, on_stage=stages.append)
@@ -68,7 +69,7 @@ def test_status_ensure_and_the_key_that_changed(cache, monkeypatch):
 def test_building_unavailable_and_off(cache, tmp_path, monkeypatch):
     monkeypatch.setenv("QKV_CACHE_DIR", str(tmp_path / "c"))
     m = model(seed=1)
-    key, _ = aot.step_key(m, 32)
+    key, _ = aot.step_key(m, 40)
     with open(aot.folder() / f"{key}.lock", "a") as held:  # another process building this key
         fcntl.flock(held, fcntl.LOCK_EX)
         st = builds.status(m)
@@ -95,7 +96,7 @@ def test_the_one_rule_that_decides_the_decoder(cache, monkeypatch):
     for mode in ("eager", "jit"):
         d = builds.decide(m, mode)
         assert (d.kind, d.why, d.step) == (mode, Why.NOT_ASKED, None)
-    d = builds.decide(m, "auto", need=33)  # longer than the step's 32 positions
+    d = builds.decide(m, "auto", need=41)  # longer than the step's 40 positions
     assert (d.kind, d.why) == ("eager", Why.TOO_LONG)
     chosen = builds.decoder_for(m, "auto", need=10)
     assert chosen.kind == "saved" and chosen.decoder is chosen.step

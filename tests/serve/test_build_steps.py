@@ -13,7 +13,7 @@ import torch
 
 from qkv.generation import aot, builds
 
-pytestmark = pytest.mark.usefixtures("one_thread")  # see tests/conftest.py
+pytestmark = pytest.mark.usefixtures("one_thread", "compile_once")  # see tests/conftest.py
 
 
 def _app(runs_dir, **cfg):
