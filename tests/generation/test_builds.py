@@ -35,7 +35,8 @@ def model(seed: int = 0, **kw) -> GPT:
 
 @pytest.fixture(scope="module")
 def cache(tmp_path_factory):
-    """A private cache folder for this module's steps (one build of one model, ~15-30 s)."""
+    """A private cache folder for this module's steps (one build of one model: test_aot.py's
+    program, compiled once per run, copied here where that file compiled it first)."""
     return tmp_path_factory.mktemp("builds-cache")
 
 
