@@ -67,11 +67,12 @@ def test_the_saved_step_equals_eager_at_every_position(built):
         torch.testing.assert_close(c_saved.k, c_eager.k, rtol=1e-5, atol=1e-5)  # the cache written in place
 
 
-def test_groups_of_blocks_of_two_kinds_equal_eager_at_every_position(monkeypatch):
+def test_groups_of_blocks_of_two_kinds_equal_eager_at_every_position(private_cache, monkeypatch):
     """The step is compiled per group of blocks, weights as inputs: six layers in groups of two
     (GROUP_MAX 2), the middle group in int8 (another signature: a package of its own), the outer
     two sharing one package with their own weights; ALiBi's bias (a table of the package). Every
-    position's logits and the cache written in place equal the eager forward's."""
+    position's logits and the cache written in place equal the eager forward's. (A cache of its
+    own: its head package has CFG's head's shapes, which the first test says no build made.)"""
     from qkv.layers.quant import quantize_linears
 
     monkeypatch.setattr(aot, "GROUP_MAX", 2)
