@@ -163,25 +163,19 @@ def one_thread():
         yield
 
 
-@pytest.fixture(scope="session")
-def _compiled_store(tmp_path_factory) -> Path:
-    from helpers import run_folder
-
-    return run_folder(tmp_path_factory, "compiled")
-
-
 @pytest.fixture(scope="module")
-def compile_once(_compiled_store):
+def compile_once(tmp_path_factory):
     """AOTInductor compiles each exported program once per test run (:func:`helpers.compiled_once`):
     a test that builds a saved step whose program another test compiled gets a copy of that
     package; qkv's own code around the compile runs as ever. The test files that build steps use it
     for the whole module (``pytestmark``, and their module fixtures that build); a test that
     replaces the compile itself (a full disk, the cache's folder) patches over it."""
     import torch._inductor
-    from helpers import compiled_once
+    from helpers import compiled_once, run_folder
 
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(torch._inductor, "aoti_compile_and_package", compiled_once(_compiled_store))
+        mp.setattr(torch._inductor, "aoti_compile_and_package",
+                   compiled_once(run_folder(tmp_path_factory, "compiled")))
         yield
 
 

@@ -482,7 +482,6 @@ def kernel_builds(folder: Path) -> dict[str, str]:
     import fcntl
 
     import qkv.kernels as K
-    from qkv.kernels import compile_library
 
     builds = [("scalar", ("-march=x86-64",))]
     out = {}
@@ -503,7 +502,7 @@ def kernel_builds(folder: Path) -> dict[str, str]:
                 fcntl.flock(lock, fcntl.LOCK_EX)  # another worker compiling it: wait, then load its
                 if not lib.exists():
                     part = folder / f".{name}-{os.getpid()}.so"
-                    compile_library(part, march, namespace=ns)
+                    K.compile_library(part, march, namespace=ns)
                     os.replace(part, lib)
             torch.ops.load_library(str(lib))
         out[name] = ns
@@ -530,7 +529,7 @@ def program_digest(ep: torch.export.ExportedProgram, configs: dict) -> str:
     return h.hexdigest()[:32]
 
 
-def compiled_once(folder: Path) -> Callable[..., None]:
+def compiled_once(folder: Path) -> Callable[..., str]:
     """A stand-in for ``torch._inductor.aoti_compile_and_package`` that compiles each exported
     program once per test run: the package of a program whose :func:`program_digest` a test (of
     any worker) compiled before is copied from ``folder`` (:func:`run_folder`), under a lock; the
